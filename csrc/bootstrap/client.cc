@@ -1,0 +1,120 @@
+#include "bootstrap/client.h"
+
+#include <poll.h>
+#include <sys/socket.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <thread>
+
+#include "core/log.h"
+
+namespace fxm::bootstrap {
+
+Client::Client(const UniqueId& id, int rank, int nranks, double timeout_s, const Deadline& deadline)
+    : root_(id.root), rank_(rank), nranks_(nranks) {
+  connect_root(deadline);
+  JoinInfo j;
+  j.mesh_id = id.mesh_id;
+  j.nranks = static_cast<uint32_t>(nranks);
+  j.timeout_ms = static_cast<uint32_t>(std::min(timeout_s, 4e6) * 1000);
+  Msg m{MsgType::kJoin, Code::kOk, rank, 0, encode_join(j)};
+  tcp::IoResult r = send_msg(fd_.get(), m, deadline);
+  if (!r.ok()) raise_io(r, "joining the bootstrap root at " + root_.str());
+}
+
+Client::~Client() { bye(); }
+
+void Client::connect_root(const Deadline& deadline) {
+  int backoff_ms = 10;
+  int err = 0;
+  while (true) {
+    fd_ = tcp::connect_start(root_, &err);
+    if (fd_) {
+      pollfd p{fd_.get(), POLLOUT, 0};
+      ::poll(&p, 1, deadline.min(Deadline::after_seconds(2)).poll_ms());
+      err = p.revents ? tcp::connect_error(fd_.get()) : ETIMEDOUT;
+      if (err == 0) return;
+      fd_.reset();
+    }
+    if (deadline.expired()) {
+      fail(Code::kTimeout, -1, err,
+           "rank " + std::to_string(rank_) + ": cannot reach the bootstrap root at " + root_.str() +
+               " (the process that made the unique id must be alive and reachable)");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(backoff_ms, deadline.poll_ms())));
+    backoff_ms = std::min(backoff_ms * 2, 500);
+  }
+}
+
+Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!fd_) fail(Code::kClosed, -1, 0, "rank " + std::to_string(rank_) + ": bootstrap is closed");
+  std::string doing = "bootstrap allgather #" + std::to_string(seq_);
+  tcp::IoResult r = send_msg(fd_.get(), {MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, deadline);
+  if (!r.ok()) raise_io(r, doing);
+  Msg m;
+  r = recv_msg(fd_.get(), &m, deadline);
+  if (!r.ok()) raise_io(r, doing);
+  if (m.type != MsgType::kResult || m.seq != seq_) raise(m, doing);
+  Parts parts;
+  if (!decode_result(m.payload, static_cast<size_t>(nranks_), &parts)) {
+    fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": malformed result");
+  }
+  ++seq_;
+  return parts;
+}
+
+void Client::raise_pending(const Deadline& deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  Msg m;
+  tcp::IoResult r = recv_msg(fd_.get(), &m, deadline);
+  if (!r.ok()) raise_io(r, "waiting on the bootstrap root");
+  raise(m, "waiting on the bootstrap root");
+}
+
+void Client::raise(const Msg& m, const std::string& doing) {
+  std::string who = "rank " + std::to_string(rank_) + ": ";
+  if (m.type == MsgType::kAbort || m.type == MsgType::kError) {
+    Code code = m.type == MsgType::kAbort ? Code::kPeerLost : m.code;
+    if (code == Code::kOk) code = Code::kPeerLost;
+    fail(code, m.rank, 0, who + m.text());
+  }
+  fail(Code::kProtocol, -1, 0, who + doing + ": unexpected message type " +
+                                   std::to_string(static_cast<int>(m.type)) + " from the root");
+}
+
+void Client::raise_io(const tcp::IoResult& r, const std::string& doing) {
+  std::string who = "rank " + std::to_string(rank_) + ": " + doing + ": ";
+  if (r.kind == tcp::IoResult::kTimeout) {
+    fail(Code::kTimeout, -1, 0, who + "timed out waiting for the other ranks");
+  }
+  if (r.kind == tcp::IoResult::kClosed) {
+    fail(Code::kPeerLost, -1, r.err, who + "lost the bootstrap root at " + root_.str() +
+                                       " (the process that made the unique id exited or was killed)");
+  }
+  fail(r.err == EPROTO ? Code::kProtocol : Code::kSystem, -1, r.err,
+       who + "talking to the bootstrap root at " + root_.str());
+}
+
+void Client::abort(Code code, const std::string& reason) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!fd_) return;
+  Msg m{MsgType::kAbortReq, code, rank_, 0, {reason.begin(), reason.end()}};
+  send_msg(fd_.get(), m, Deadline::after_seconds(1));
+  fd_.reset();
+}
+
+void Client::interrupt() {
+  int fd = fd_.get();
+  if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+}
+
+void Client::bye() {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!fd_) return;
+  send_msg(fd_.get(), {MsgType::kBye, Code::kOk, rank_, 0, {}}, Deadline::after_seconds(1));
+  fd_.reset();
+}
+
+}  // namespace fxm::bootstrap

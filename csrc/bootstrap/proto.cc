@@ -1,0 +1,108 @@
+#include "bootstrap/proto.h"
+
+#include <cerrno>
+#include <cstring>
+
+namespace fxm::bootstrap {
+namespace {
+
+template <typename T>
+void put(uint8_t* b, size_t off, T v) { std::memcpy(b + off, &v, sizeof(T)); }
+template <typename T>
+T get(const uint8_t* b, size_t off) {
+  T v;
+  std::memcpy(&v, b + off, sizeof(T));
+  return v;
+}
+
+}  // namespace
+
+void encode_header(const Msg& m, uint8_t out[kMsgHeaderSize]) {
+  put<uint32_t>(out, 0, kMsgMagic);
+  put<uint16_t>(out, 4, static_cast<uint16_t>(m.type));
+  put<uint16_t>(out, 6, static_cast<uint16_t>(m.code));
+  put<int32_t>(out, 8, m.rank);
+  put<uint32_t>(out, 12, m.seq);
+  put<uint64_t>(out, 16, m.payload.size());
+}
+
+bool decode_header(const uint8_t in[kMsgHeaderSize], Msg* m, uint64_t* len) {
+  if (get<uint32_t>(in, 0) != kMsgMagic) return false;
+  uint16_t type = get<uint16_t>(in, 4);
+  if (type < 1 || type > 7) return false;
+  m->type = static_cast<MsgType>(type);
+  m->code = static_cast<Code>(get<uint16_t>(in, 6));
+  m->rank = get<int32_t>(in, 8);
+  m->seq = get<uint32_t>(in, 12);
+  *len = get<uint64_t>(in, 16);
+  return *len <= kMaxPayload;
+}
+
+tcp::IoResult send_msg(int fd, const Msg& m, const Deadline& deadline) {
+  std::vector<uint8_t> buf(kMsgHeaderSize + m.payload.size());
+  encode_header(m, buf.data());
+  if (!m.payload.empty()) std::memcpy(buf.data() + kMsgHeaderSize, m.payload.data(), m.payload.size());
+  return tcp::write_full(fd, buf.data(), buf.size(), deadline);
+}
+
+tcp::IoResult recv_msg(int fd, Msg* m, const Deadline& deadline) {
+  uint8_t hdr[kMsgHeaderSize];
+  tcp::IoResult r = tcp::read_full(fd, hdr, sizeof(hdr), deadline);
+  if (!r.ok()) return r;
+  uint64_t len = 0;
+  if (!decode_header(hdr, m, &len)) {
+    r.kind = tcp::IoResult::kError;
+    r.err = EPROTO;
+    return r;
+  }
+  m->payload.resize(len);
+  if (len == 0) return r;
+  return tcp::read_full(fd, m->payload.data(), len, deadline);
+}
+
+std::vector<uint8_t> encode_join(const JoinInfo& j) {
+  std::vector<uint8_t> p(28);
+  std::memcpy(p.data(), j.mesh_id.data(), 16);
+  put<uint32_t>(p.data(), 16, j.nranks);
+  put<uint32_t>(p.data(), 20, j.timeout_ms);
+  put<uint16_t>(p.data(), 24, j.version);
+  return p;
+}
+
+bool decode_join(const std::vector<uint8_t>& p, JoinInfo* j) {
+  if (p.size() != 28) return false;
+  std::memcpy(j->mesh_id.data(), p.data(), 16);
+  j->nranks = get<uint32_t>(p.data(), 16);
+  j->timeout_ms = get<uint32_t>(p.data(), 20);
+  j->version = get<uint16_t>(p.data(), 24);
+  return true;
+}
+
+std::vector<uint8_t> encode_result(const std::vector<std::vector<uint8_t>>& parts) {
+  size_t total = parts.size() * 8;
+  for (const auto& part : parts) total += part.size();
+  std::vector<uint8_t> p(total);
+  size_t off = parts.size() * 8;
+  for (size_t i = 0; i < parts.size(); ++i) {
+    put<uint64_t>(p.data(), i * 8, parts[i].size());
+    if (!parts[i].empty()) std::memcpy(p.data() + off, parts[i].data(), parts[i].size());
+    off += parts[i].size();
+  }
+  return p;
+}
+
+bool decode_result(const std::vector<uint8_t>& p, size_t nranks,
+                   std::vector<std::vector<uint8_t>>* parts) {
+  if (p.size() < nranks * 8) return false;
+  size_t off = nranks * 8;
+  parts->assign(nranks, {});
+  for (size_t i = 0; i < nranks; ++i) {
+    uint64_t len = get<uint64_t>(p.data(), i * 8);
+    if (len > p.size() - off) return false;
+    (*parts)[i].assign(p.begin() + off, p.begin() + off + len);
+    off += len;
+  }
+  return off == p.size();
+}
+
+}  // namespace fxm::bootstrap

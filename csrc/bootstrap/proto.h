@@ -1,0 +1,64 @@
+// Messages between ranks and the rendezvous root: a 24-byte header
+// {magic "FXMB", type, code, rank, seq, length} and a payload.
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "core/clock.h"
+#include "core/status.h"
+#include "transport/tcp/socket.h"
+
+namespace fxm::bootstrap {
+
+constexpr uint32_t kMsgMagic = 0x424d5846;  // "FXMB"
+constexpr uint16_t kProtoVersion = 1;
+constexpr size_t kMsgHeaderSize = 24;
+constexpr uint64_t kMaxPayload = 64ull << 20;
+
+enum class MsgType : uint16_t {
+  kJoin = 1,       // rank -> root: mesh id, nranks, timeout, version
+  kAllgather = 2,  // rank -> root: this rank's contribution for `seq`
+  kResult = 3,     // root -> rank: all contributions for `seq`
+  kAbortReq = 4,   // rank -> root: this rank failed; tell the others
+  kAbort = 5,      // root -> rank: rank `rank` failed or was lost
+  kError = 6,      // root -> rank: the rendezvous itself failed
+  kBye = 7,        // rank -> root: clean close
+};
+
+struct Msg {
+  MsgType type = MsgType::kBye;
+  Code code = Code::kOk;
+  int32_t rank = -1;
+  uint32_t seq = 0;
+  std::vector<uint8_t> payload;
+  std::string text() const { return std::string(payload.begin(), payload.end()); }
+};
+
+void encode_header(const Msg& m, uint8_t out[kMsgHeaderSize]);
+// false when the magic is wrong or the length is implausible.
+bool decode_header(const uint8_t in[kMsgHeaderSize], Msg* m, uint64_t* len);
+
+tcp::IoResult send_msg(int fd, const Msg& m, const Deadline& deadline);
+// Reads one whole message; kOk with a valid header, else what went wrong
+// (a bad header is reported as kError with err == EPROTO).
+tcp::IoResult recv_msg(int fd, Msg* m, const Deadline& deadline);
+
+// Join payload: mesh id (16), nranks u32, timeout_ms u32, version u16.
+struct JoinInfo {
+  std::array<uint8_t, 16> mesh_id{};
+  uint32_t nranks = 0;
+  uint32_t timeout_ms = 0;
+  uint16_t version = kProtoVersion;
+};
+std::vector<uint8_t> encode_join(const JoinInfo& j);
+bool decode_join(const std::vector<uint8_t>& p, JoinInfo* j);
+
+// Result payload: nranks u64 lengths, then the contributions back to back.
+std::vector<uint8_t> encode_result(const std::vector<std::vector<uint8_t>>& parts);
+bool decode_result(const std::vector<uint8_t>& p, size_t nranks,
+                   std::vector<std::vector<uint8_t>>* parts);
+
+}  // namespace fxm::bootstrap

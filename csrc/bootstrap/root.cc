@@ -1,0 +1,297 @@
+#include "bootstrap/root.h"
+
+#include <poll.h>
+
+#include <cstring>
+#include <memory>
+#include <thread>
+#include <vector>
+
+#include "bootstrap/proto.h"
+#include "core/log.h"
+
+namespace fxm::bootstrap {
+namespace {
+
+constexpr double kJoinHeaderTimeoutS = 5.0;
+constexpr double kIdleTimeoutS = 3600.0;
+constexpr double kWriteTimeoutS = 10.0;
+constexpr size_t kMaxPending = 1024;
+
+// A connection that has not yet sent a valid JOIN.
+struct Pending {
+  tcp::Fd fd;
+  Deadline deadline;
+  std::vector<uint8_t> buf;
+};
+
+struct Client {
+  tcp::Fd fd;
+  bool joined = false;
+  bool gone = false;  // said BYE or was lost
+  bool contributed = false;
+  std::vector<uint8_t> part;
+};
+
+class Root {
+ public:
+  Root(tcp::Fd listener, const wire::MeshId& id) : listener_(std::move(listener)), id_(id) {}
+  void run();
+
+ private:
+  bool finished() const;
+  void poll_once();
+  void accept_all();
+  void on_pending(size_t i);
+  void admit(Pending& p, const Msg& join);
+  void on_client(int rank);
+  void on_allgather(int rank, Msg& m);
+  void maybe_complete();
+  void lose(int rank, const std::string& why);
+  void broadcast(const Msg& m, int except);
+  void send_to(int rank, const Msg& m);
+  void check_deadlines();
+  std::string missing_ranks() const;
+
+  tcp::Fd listener_;
+  wire::MeshId id_;
+  std::vector<Pending> pending_;
+  std::vector<Client> clients_;
+  uint32_t nranks_ = 0;
+  int joined_ = 0;
+  Deadline join_deadline_ = Deadline::after_seconds(kIdleTimeoutS);
+  double timeout_s_ = 0;
+  uint32_t seq_ = 0;
+  std::vector<int> lost_;
+  bool failed_ = false;
+};
+
+void Root::run() {
+  while (!finished()) poll_once();
+  FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_) + " exits");
+}
+
+bool Root::finished() const {
+  if (failed_) return true;
+  if (nranks_ == 0 || joined_ < static_cast<int>(nranks_)) return false;
+  for (const Client& c : clients_) {
+    if (!c.gone) return false;
+  }
+  return true;
+}
+
+void Root::poll_once() {
+  std::vector<pollfd> fds;
+  if (listener_) fds.push_back({listener_.get(), POLLIN, 0});
+  for (const Pending& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
+  for (const Client& c : clients_) {
+    if (c.joined && !c.gone) fds.push_back({c.fd.get(), POLLIN, 0});
+  }
+  ::poll(fds.data(), fds.size(), 100);
+  accept_all();
+  for (size_t i = pending_.size(); i-- > 0;) on_pending(i);
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    if (clients_[r].joined && !clients_[r].gone) on_client(static_cast<int>(r));
+  }
+  check_deadlines();
+}
+
+void Root::accept_all() {
+  while (listener_) {
+    tcp::SockAddr from;
+    int err = 0;
+    tcp::Fd fd = tcp::accept_one(listener_.get(), &from, &err);
+    if (!fd) return;
+    if (pending_.size() >= kMaxPending) continue;  // dropped: too many strangers
+    pending_.push_back({std::move(fd), Deadline::after_seconds(kJoinHeaderTimeoutS), {}});
+  }
+}
+
+void Root::on_pending(size_t i) {
+  Pending& p = pending_[i];
+  uint8_t tmp[64];
+  size_t want = kMsgHeaderSize + 28 - p.buf.size();
+  tcp::IoResult r = tcp::read_some(p.fd.get(), tmp, std::min(want, sizeof(tmp)));
+  p.buf.insert(p.buf.end(), tmp, tmp + r.done);
+  bool drop = !r.ok() || p.deadline.expired();
+  Msg m;
+  uint64_t len = 0;
+  if (p.buf.size() >= kMsgHeaderSize &&
+      (!decode_header(p.buf.data(), &m, &len) || m.type != MsgType::kJoin || len != 28)) {
+    drop = true;
+  }
+  if (!drop && p.buf.size() == kMsgHeaderSize + 28) {
+    m.payload.assign(p.buf.begin() + kMsgHeaderSize, p.buf.end());
+    admit(p, m);
+    drop = true;  // moved into clients_ or refused
+  }
+  if (drop) pending_.erase(pending_.begin() + static_cast<long>(i));
+}
+
+void Root::admit(Pending& p, const Msg& m) {
+  JoinInfo j;
+  std::string why;
+  if (!decode_join(m.payload, &j) || j.mesh_id != id_) {
+    FXM_DEBUG(-1, "bootstrap root: dropped a connection with a foreign or malformed JOIN");
+    return;
+  }
+  if (j.version != kProtoVersion) why = "bootstrap protocol version mismatch";
+  else if (nranks_ != 0 && j.nranks != nranks_)
+    why = "rank " + std::to_string(m.rank) + " joined with nranks=" + std::to_string(j.nranks) +
+          " but others use nranks=" + std::to_string(nranks_);
+  else if (m.rank < 0 || static_cast<uint32_t>(m.rank) >= j.nranks)
+    why = "rank " + std::to_string(m.rank) + " out of range for nranks=" + std::to_string(j.nranks);
+  else if (nranks_ != 0 && clients_[m.rank].joined)
+    why = "rank " + std::to_string(m.rank) + " joined twice";
+  if (!why.empty()) {
+    Msg err{MsgType::kError, Code::kInvalidArgument, m.rank, 0, {why.begin(), why.end()}};
+    send_msg(p.fd.get(), err, Deadline::after_seconds(1));
+    FXM_WARN(-1, "bootstrap root refused a join: " + why);
+    return;
+  }
+  if (nranks_ == 0) {
+    nranks_ = j.nranks;
+    clients_.resize(nranks_);
+    timeout_s_ = j.timeout_ms / 1000.0;
+    join_deadline_ = Deadline::after_seconds(timeout_s_);
+  }
+  Client& c = clients_[m.rank];
+  c.fd = std::move(p.fd);
+  c.joined = true;
+  if (++joined_ == static_cast<int>(nranks_)) listener_.reset();  // no strangers after this
+}
+
+void Root::on_client(int rank) {
+  Client& c = clients_[rank];
+  pollfd pfd{c.fd.get(), POLLIN, 0};
+  if (::poll(&pfd, 1, 0) <= 0) return;
+  Msg m;
+  tcp::IoResult r = recv_msg(c.fd.get(), &m, Deadline::after_seconds(kWriteTimeoutS));
+  if (!r.ok()) {
+    lose(rank, "rank " + std::to_string(rank) +
+                   " was lost: its bootstrap connection closed (" + r.describe() +
+                   "; the process exited, crashed or was killed)");
+    return;
+  }
+  switch (m.type) {
+    case MsgType::kAllgather: on_allgather(rank, m); break;
+    case MsgType::kAbortReq:  // the rank failed and closes right after
+      c.gone = true;
+      c.fd.reset();
+      lost_.push_back(rank);
+      broadcast({MsgType::kAbort, m.code, rank, 0, m.payload}, rank);
+      maybe_complete();
+      break;
+    case MsgType::kBye:
+      c.gone = true;
+      c.fd.reset();
+      break;
+    default:
+      lose(rank, "rank " + std::to_string(rank) + " sent an unexpected bootstrap message");
+  }
+}
+
+void Root::on_allgather(int rank, Msg& m) {
+  Client& c = clients_[rank];
+  if (m.seq != seq_ || c.contributed) {
+    lose(rank, "rank " + std::to_string(rank) + " is out of step in bootstrap collective " +
+                   std::to_string(seq_) + " (sent " + std::to_string(m.seq) + ")");
+    return;
+  }
+  c.contributed = true;
+  c.part = std::move(m.payload);
+  maybe_complete();
+}
+
+void Root::maybe_complete() {
+  if (joined_ < static_cast<int>(nranks_)) return;
+  if (!lost_.empty()) {
+    std::string why = "bootstrap collective failed: rank " + std::to_string(lost_.front()) +
+                      " failed or was lost";
+    for (size_t r = 0; r < clients_.size(); ++r) {
+      if (clients_[r].contributed && !clients_[r].gone) {
+        send_to(static_cast<int>(r), {MsgType::kError, Code::kPeerLost, lost_.front(), seq_,
+                                      {why.begin(), why.end()}});
+        clients_[r].contributed = false;
+      }
+    }
+    return;
+  }
+  std::vector<std::vector<uint8_t>> parts;
+  for (const Client& c : clients_) {
+    if (!c.contributed) return;
+    parts.push_back(c.part);
+  }
+  Msg res{MsgType::kResult, Code::kOk, -1, seq_, encode_result(parts)};
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    clients_[r].contributed = false;
+    clients_[r].part.clear();
+    send_to(static_cast<int>(r), res);
+  }
+  ++seq_;
+}
+
+void Root::lose(int rank, const std::string& why) {
+  Client& c = clients_[rank];
+  if (c.gone) return;
+  c.gone = true;
+  c.fd.reset();
+  lost_.push_back(rank);
+  FXM_INFO(-1, "bootstrap root: " + why);
+  broadcast({MsgType::kAbort, Code::kPeerLost, rank, 0, {why.begin(), why.end()}}, rank);
+  maybe_complete();
+}
+
+void Root::broadcast(const Msg& m, int except) {
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    if (static_cast<int>(r) != except && clients_[r].joined && !clients_[r].gone) {
+      send_to(static_cast<int>(r), m);
+    }
+  }
+}
+
+void Root::send_to(int rank, const Msg& m) {
+  Client& c = clients_[rank];
+  if (c.gone) return;
+  if (!send_msg(c.fd.get(), m, Deadline::after_seconds(kWriteTimeoutS)).ok()) {
+    c.gone = true;  // it will not read anything any more
+    c.fd.reset();
+  }
+}
+
+std::string Root::missing_ranks() const {
+  std::string s;
+  int count = 0;
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    if (clients_[r].joined) continue;
+    if (count++ < 32) s += (s.empty() ? "" : ", ") + std::to_string(r);
+  }
+  if (count > 32) s += ", ...";
+  return "[" + s + "] (" + std::to_string(count) + " of " + std::to_string(nranks_) + ")";
+}
+
+void Root::check_deadlines() {
+  if (joined_ == static_cast<int>(nranks_) || !join_deadline_.expired()) return;
+  if (nranks_ == 0) {
+    failed_ = true;  // nobody came within the idle limit
+    return;
+  }
+  char secs[32];
+  std::snprintf(secs, sizeof(secs), "%.1f", timeout_s_);
+  std::string why = std::string("rendezvous timed out after ") + secs + " s: ranks " +
+                    missing_ranks() + " never joined the bootstrap root";
+  int first_missing = 0;
+  while (clients_[first_missing].joined) ++first_missing;
+  broadcast({MsgType::kError, Code::kTimeout, first_missing, 0, {why.begin(), why.end()}}, -1);
+  FXM_WARN(-1, "bootstrap root: " + why);
+  failed_ = true;
+}
+
+}  // namespace
+
+void start_root(tcp::Fd listener, const wire::MeshId& mesh_id) {
+  auto root = std::make_shared<Root>(std::move(listener), mesh_id);
+  std::thread([root] { root->run(); }).detach();
+}
+
+}  // namespace fxm::bootstrap

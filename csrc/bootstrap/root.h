@@ -1,0 +1,16 @@
+// The rendezvous root: a detached thread in the process that made the unique
+// id. It admits exactly nranks JOINs carrying the mesh id, then serves
+// allgather (barrier = empty allgather) for the joined ranks, and tells every
+// rank when another failed or was lost. It exits when every rank has said BYE
+// or gone, when the join deadline expires, or after an hour with no join.
+#pragma once
+
+#include "core/wire.h"
+#include "transport/tcp/socket.h"
+
+namespace fxm::bootstrap {
+
+// Takes ownership of `listener`; returns at once.
+void start_root(tcp::Fd listener, const wire::MeshId& mesh_id);
+
+}  // namespace fxm::bootstrap

@@ -1,0 +1,85 @@
+#include "bootstrap/unique_id.h"
+
+#include <sys/random.h>
+
+#include <cerrno>
+#include <cstring>
+
+#include "bootstrap/root.h"
+#include "core/status.h"
+
+namespace fxm::bootstrap {
+namespace {
+
+constexpr uint32_t kIdMagic = 0x554d5846;  // "FXMU"
+constexpr uint16_t kIdVersion = 1;
+constexpr size_t kChecksumOffset = 44;
+
+uint32_t checksum(const uint8_t* p) {
+  uint32_t h = 2166136261u;
+  for (size_t i = 0; i < kChecksumOffset; ++i) h = (h ^ p[i]) * 16777619u;
+  return h;
+}
+
+}  // namespace
+
+wire::MeshId random_mesh_id() {
+  wire::MeshId id{};
+  size_t got = 0;
+  while (got < id.size()) {
+    ssize_t n = getrandom(id.data() + got, id.size() - got, 0);
+    if (n < 0 && errno != EINTR) fail(Code::kSystem, -1, errno, "getrandom for a mesh id");
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  return id;
+}
+
+UniqueIdBytes encode_unique_id(const UniqueId& id) {
+  UniqueIdBytes b{};
+  std::memcpy(b.data(), &kIdMagic, 4);
+  std::memcpy(b.data() + 4, &kIdVersion, 2);
+  tcp::addr_to_wire(id.root, b.data() + 8);
+  std::memcpy(b.data() + 28, id.mesh_id.data(), 16);
+  uint32_t sum = checksum(b.data());
+  std::memcpy(b.data() + kChecksumOffset, &sum, 4);
+  return b;
+}
+
+UniqueId decode_unique_id(const uint8_t* b, size_t len) {
+  if (len != kUniqueIdSize) {
+    fail(Code::kInvalidArgument, -1, 0,
+         "unique id must be " + std::to_string(kUniqueIdSize) + " bytes, got " + std::to_string(len));
+  }
+  uint32_t magic, sum;
+  uint16_t version;
+  std::memcpy(&magic, b, 4);
+  std::memcpy(&version, b + 4, 2);
+  std::memcpy(&sum, b + kChecksumOffset, 4);
+  if (magic != kIdMagic) fail(Code::kInvalidArgument, -1, 0, "not a flagcx_mesh unique id (bad magic)");
+  if (version != kIdVersion) {
+    fail(Code::kInvalidArgument, -1, 0, "unique id version " + std::to_string(version) +
+                                            " is not supported (this library speaks " +
+                                            std::to_string(kIdVersion) + ")");
+  }
+  if (sum != checksum(b)) fail(Code::kInvalidArgument, -1, 0, "unique id is corrupted (checksum mismatch)");
+  UniqueId id;
+  if (!tcp::addr_from_wire(b + 8, &id.root)) {
+    fail(Code::kInvalidArgument, -1, 0, "unique id holds an unknown address family");
+  }
+  std::memcpy(id.mesh_id.data(), b + 28, 16);
+  return id;
+}
+
+UniqueIdBytes get_unique_id() {
+  UniqueId id;
+  id.mesh_id = random_mesh_id();
+  int err = 0;
+  tcp::Fd listener = tcp::listen_on(tcp::local_address(), &id.root, &err);
+  if (!listener) {
+    fail(Code::kSystem, -1, err, "get_unique_id: listen on " + tcp::local_address().str());
+  }
+  start_root(std::move(listener), id.mesh_id);
+  return encode_unique_id(id);
+}
+
+}  // namespace fxm::bootstrap

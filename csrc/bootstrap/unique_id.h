@@ -1,0 +1,34 @@
+// The unique id: 256 opaque bytes made by one process (which then hosts the
+// rendezvous root) and carried to every rank by any channel.
+// Layout: magic "FXMU" 0, version 4, root address 8 (20 bytes),
+// mesh id 28 (16 bytes), checksum 44; the rest is zero.
+#pragma once
+
+#include <array>
+#include <cstdint>
+
+#include "core/wire.h"
+#include "transport/tcp/socket.h"
+
+namespace fxm::bootstrap {
+
+constexpr size_t kUniqueIdSize = 256;
+using UniqueIdBytes = std::array<uint8_t, kUniqueIdSize>;
+
+struct UniqueId {
+  tcp::SockAddr root;
+  wire::MeshId mesh_id{};
+};
+
+UniqueIdBytes encode_unique_id(const UniqueId& id);
+// Throws Error(kInvalidArgument) saying what is wrong with the bytes.
+UniqueId decode_unique_id(const uint8_t* bytes, size_t len);
+
+// Makes a fresh random mesh id, starts the rendezvous root in this process
+// (listening on an ephemeral port of the chosen interface) and returns the id.
+UniqueIdBytes get_unique_id();
+
+// 16 random bytes from the kernel.
+wire::MeshId random_mesh_id();
+
+}  // namespace fxm::bootstrap

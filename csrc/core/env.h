@@ -1,0 +1,23 @@
+// Every environment variable the library reads, read in one place.
+//   FLAGCX_MESH_IFNAME   interface name (or prefix), or an IP address literal,
+//                        used for listening and published to peers
+//   FLAGCX_MESH_TIMEOUT  default mesh build deadline, seconds (default 60)
+//   FLAGCX_MESH_LOG      error | warn | info | debug (default warn)
+#pragma once
+
+#include <string>
+
+namespace fxm {
+
+enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
+
+struct EnvConfig {
+  std::string ifname;            // empty: automatic choice
+  double timeout_s = 60.0;
+  LogLevel log_level = LogLevel::kWarn;
+};
+
+// Parsed once, on first use; later changes to the environment are not seen.
+const EnvConfig& env_config();
+
+}  // namespace fxm

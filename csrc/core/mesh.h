@@ -1,0 +1,95 @@
+// A built full mesh of TCP connections between nranks processes.
+//
+// Construction is collective: every rank calls Mesh(nranks, unique_id, rank)
+// and the call returns once all connections exist, their identity has been
+// checked over the wire, and every rank has reached the same point; or it
+// throws Error on every rank, naming what is missing. Methods are safe to call
+// from several threads; operations on one (peer, context) are serialised.
+#pragma once
+
+#include <atomic>
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <shared_mutex>
+#include <string>
+#include <vector>
+
+#include "bootstrap/client.h"
+#include "bootstrap/unique_id.h"
+#include "core/mesh_builder.h"
+
+namespace fxm {
+
+struct MeshOptions {
+  int contexts = 1;
+  double timeout_s = 0;           // whole build; 0: FLAGCX_MESH_TIMEOUT (default 60)
+  double header_timeout_s = 5.0;  // per accepted connection
+  int max_inflight = 64;          // outgoing connects in flight
+  uint32_t epoch = 0;
+  // Called after each phase ("listen", "rendezvous", "connect", "wiring");
+  // a hook for tests and tracing. May throw to abort the build.
+  std::function<void(const std::string&)> on_phase;
+};
+
+struct PhaseTimes {
+  double listen = 0, rendezvous = 0, connect = 0, wiring = 0, total = 0;  // seconds
+};
+
+class Mesh {
+ public:
+  Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
+       const MeshOptions& options);
+  ~Mesh();
+  Mesh(const Mesh&) = delete;
+  Mesh& operator=(const Mesh&) = delete;
+
+  int rank() const { return rank_; }
+  int nranks() const { return nranks_; }
+  int contexts() const { return contexts_; }
+  const PhaseTimes& times() const { return times_; }
+  const BuildStats& stats() const { return stats_; }
+  std::string mesh_id_hex() const { return wire::mesh_id_hex(mesh_id_); }
+  std::string describe() const;
+  bool closed() const { return closed_.load(); }
+
+  // Two-sided messages on the (peer, ctx) connections; timeout_s <= 0 waits
+  // without limit. A message to self needs a receiver on another thread when
+  // it exceeds the socket buffer.
+  void send(int peer, const void* data, size_t len, int ctx, double timeout_s);
+  std::vector<uint8_t> recv(int peer, int ctx, double timeout_s);
+
+  // Collectives over the bootstrap root.
+  bootstrap::Parts allgather(const std::vector<uint8_t>& mine, double timeout_s);
+  void barrier(double timeout_s);
+
+  // Closes every connection and leaves the bootstrap. Idempotent; operations
+  // blocked in other threads return with Error(kClosed).
+  void close();
+
+ private:
+  void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
+  std::vector<tcp::SockAddr> rendezvous(const tcp::SockAddr& mine, double timeout_s,
+                                        const Deadline& deadline);
+  void wiring_check(const Deadline& deadline);
+  void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
+  void check_peer(int peer, int ctx, const char* op) const;
+  [[noreturn]] void fail_io(const tcp::IoResult& r, int peer, int ctx, const char* doing) const;
+  std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+
+  int nranks_;
+  int rank_;
+  int contexts_;
+  uint32_t epoch_ = 0;
+  wire::MeshId mesh_id_{};
+  tcp::SockAddr listen_addr_;
+  PhaseTimes times_;
+  BuildStats stats_;
+  std::unique_ptr<bootstrap::Client> boot_;
+  Connections conns_;
+  std::vector<std::unique_ptr<std::mutex>> send_mu_, recv_mu_;
+  std::shared_timed_mutex life_mu_;  // shared by operations, exclusive by close()
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace fxm

@@ -1,0 +1,342 @@
+#include "core/mesh_builder.h"
+
+#include <poll.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <set>
+
+#include "core/log.h"
+#include "core/status.h"
+
+namespace fxm {
+
+uint64_t BuildStats::total_rejected() const {
+  uint64_t n = 0;
+  for (uint64_t v : rejected) n += v;
+  return n;
+}
+
+namespace {
+
+using wire::kConnHeaderSize;
+constexpr double kConnectAttemptS = 5.0;
+
+struct Outgoing {
+  enum State { kQueued, kConnecting, kAwaitAck, kBackoff, kDone } state = kQueued;
+  int peer = 0;
+  int ctx = 0;
+  tcp::Fd fd;
+  Deadline attempt;
+  Clock::time_point retry_at;
+  uint8_t ack[kConnHeaderSize];
+  size_t got = 0;
+  int backoff_ms = 5;
+  std::string last_error;
+};
+
+struct Incoming {
+  tcp::Fd fd;
+  tcp::SockAddr from;
+  Deadline deadline;
+  uint8_t buf[kConnHeaderSize];
+  size_t got = 0;
+  bool finished = false;
+};
+
+class Builder {
+ public:
+  Builder(const BuildPlan& plan, BuildStats* stats);
+  Connections run();
+
+ private:
+  int slot(int peer, int ctx) const { return peer * p_.ncontexts + ctx; }
+  bool complete() const { return sends_done_ == total_ && recvs_done_ == total_; }
+  wire::ConnHeader my_header(int peer, int ctx, wire::Role role) const;
+  void start_connects();
+  void begin_attempt(Outgoing& o);
+  void retry(Outgoing& o, const std::string& why);
+  void on_outgoing(Outgoing& o, short revents);
+  void on_ack(Outgoing& o);
+  void accept_all();
+  void on_incoming(Incoming& in);
+  void file_incoming(Incoming& in, const wire::ConnHeader& h);
+  void reject(Incoming& in, wire::Reject why);
+  void poll_once();
+  void expire_timers();
+  int poll_timeout_ms() const;
+  [[noreturn]] void fail_timeout();
+  std::string who() const { return "rank " + std::to_string(p_.rank) + ": "; }
+
+  const BuildPlan& p_;
+  BuildStats* stats_;
+  int total_;
+  std::vector<Outgoing> out_;
+  std::vector<int> order_;
+  size_t next_ = 0;
+  int inflight_ = 0;
+  std::vector<Incoming> in_;
+  Connections conns_;
+  int sends_done_ = 0;
+  int recvs_done_ = 0;
+};
+
+Builder::Builder(const BuildPlan& plan, BuildStats* stats)
+    : p_(plan), stats_(stats), total_(plan.nranks * plan.ncontexts), out_(total_) {
+  conns_.send.resize(total_);
+  conns_.recv.resize(total_);
+  for (int i = 0; i < p_.nranks; ++i) {  // ordered pairwise rounds: peer = rank + i
+    int peer = (p_.rank + i) % p_.nranks;
+    for (int c = 0; c < p_.ncontexts; ++c) {
+      Outgoing& o = out_[slot(peer, c)];
+      o.peer = peer;
+      o.ctx = c;
+      order_.push_back(slot(peer, c));
+    }
+  }
+  in_.reserve(64);
+}
+
+wire::ConnHeader Builder::my_header(int peer, int ctx, wire::Role role) const {
+  wire::ConnHeader h;
+  h.role = role;
+  h.mesh_id = p_.mesh_id;
+  h.epoch = p_.epoch;
+  h.src = p_.rank;
+  h.dst = peer;
+  h.context = static_cast<uint32_t>(ctx);
+  h.nranks = static_cast<uint32_t>(p_.nranks);
+  h.ncontexts = static_cast<uint32_t>(p_.ncontexts);
+  return h;
+}
+
+Connections Builder::run() {
+  while (!complete()) {
+    if (p_.deadline.expired()) fail_timeout();
+    start_connects();
+    poll_once();
+    expire_timers();
+  }
+  return std::move(conns_);
+}
+
+void Builder::start_connects() {
+  while (inflight_ < p_.max_inflight && next_ < order_.size()) {
+    begin_attempt(out_[order_[next_++]]);
+  }
+  for (Outgoing& o : out_) {
+    if (o.state == Outgoing::kBackoff && Clock::now() >= o.retry_at) begin_attempt(o);
+  }
+}
+
+void Builder::begin_attempt(Outgoing& o) {
+  if (o.state == Outgoing::kQueued) ++inflight_;
+  int err = 0;
+  o.fd = tcp::connect_start(p_.peers[o.peer], &err);
+  o.got = 0;
+  if (!o.fd) {
+    retry(o, "connect: " + errno_text(err));
+    return;
+  }
+  o.state = Outgoing::kConnecting;
+  o.attempt = Deadline::after_seconds(kConnectAttemptS);
+}
+
+void Builder::retry(Outgoing& o, const std::string& why) {
+  o.fd.reset();
+  o.last_error = why;
+  o.state = Outgoing::kBackoff;
+  o.retry_at = Clock::now() + std::chrono::milliseconds(o.backoff_ms);
+  o.backoff_ms = std::min(o.backoff_ms * 2, 1000);
+  ++stats_->connect_retries;
+  FXM_DEBUG(p_.rank, "retrying connection to peer " + std::to_string(o.peer) + " ctx " +
+                         std::to_string(o.ctx) + ": " + why);
+}
+
+void Builder::on_outgoing(Outgoing& o, short revents) {
+  if (o.state == Outgoing::kConnecting) {
+    int err = tcp::connect_error(o.fd.get());
+    if (err != 0) return retry(o, "connect to " + p_.peers[o.peer].str() + ": " + errno_text(err));
+    uint8_t hdr[kConnHeaderSize];
+    wire::encode(my_header(o.peer, o.ctx, wire::Role::kConnect), hdr);
+    tcp::IoResult r = tcp::write_full(o.fd.get(), hdr, sizeof(hdr), Deadline::after_seconds(1));
+    if (!r.ok()) return retry(o, "sending the connection header: " + r.describe());
+    o.state = Outgoing::kAwaitAck;
+  } else if (o.state == Outgoing::kAwaitAck && (revents & (POLLIN | POLLHUP | POLLERR))) {
+    on_ack(o);
+  }
+}
+
+void Builder::on_ack(Outgoing& o) {
+  tcp::IoResult r = tcp::read_some(o.fd.get(), o.ack + o.got, kConnHeaderSize - o.got);
+  o.got += r.done;
+  if (!r.ok()) return retry(o, "peer closed the connection before answering: " + r.describe());
+  if (o.got < kConnHeaderSize) return;
+  wire::ConnHeader h;
+  wire::Expect e{p_.mesh_id, p_.epoch, p_.rank, static_cast<uint32_t>(p_.nranks),
+                 static_cast<uint32_t>(p_.ncontexts), wire::Role::kAccept};
+  wire::Reject why = wire::decode(o.ack, &h);
+  if (why == wire::Reject::kNone) why = wire::validate(h, e);
+  if (why == wire::Reject::kNone && (h.src != o.peer || h.context != static_cast<uint32_t>(o.ctx))) {
+    why = wire::Reject::kWrongDst;
+  }
+  if (why != wire::Reject::kNone) {
+    fail(Code::kProtocol, o.peer, 0,
+         who() + "the listener at " + p_.peers[o.peer].str() + " published for peer " +
+             std::to_string(o.peer) + " answered with a bad header (" + wire::reject_name(why) +
+             "); is that address used by another process?");
+  }
+  conns_.send[slot(o.peer, o.ctx)] = std::move(o.fd);
+  o.state = Outgoing::kDone;
+  --inflight_;
+  ++sends_done_;
+}
+
+void Builder::accept_all() {
+  while (true) {
+    Incoming in;
+    int err = 0;
+    in.fd = tcp::accept_one(p_.listen_fd, &in.from, &err);
+    if (!in.fd) {
+      if (err != 0 && err != ECONNABORTED && err != EINTR) {
+        FXM_WARN(p_.rank, "accept on the mesh listener failed: " + errno_text(err));
+      }
+      return;
+    }
+    in.deadline = Deadline::after_seconds(p_.header_timeout_s);
+    if (in_.size() >= static_cast<size_t>(4 * total_ + 256)) {
+      reject(in, wire::Reject::kOverflow);
+      continue;
+    }
+    in_.push_back(std::move(in));
+  }
+}
+
+void Builder::on_incoming(Incoming& in) {
+  tcp::IoResult r = tcp::read_some(in.fd.get(), in.buf + in.got, kConnHeaderSize - in.got);
+  in.got += r.done;
+  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
+  if (in.got < kConnHeaderSize) return;
+  wire::ConnHeader h;
+  wire::Expect e{p_.mesh_id, p_.epoch, p_.rank, static_cast<uint32_t>(p_.nranks),
+                 static_cast<uint32_t>(p_.ncontexts), wire::Role::kConnect};
+  wire::Reject why = wire::decode(in.buf, &h);
+  if (why == wire::Reject::kNone) why = wire::validate(h, e);
+  if (why == wire::Reject::kNone && conns_.recv[slot(h.src, h.context)]) why = wire::Reject::kDuplicate;
+  if (why != wire::Reject::kNone) return reject(in, why);
+  file_incoming(in, h);
+}
+
+void Builder::file_incoming(Incoming& in, const wire::ConnHeader& h) {
+  uint8_t ack[kConnHeaderSize];
+  wire::encode(my_header(h.src, static_cast<int>(h.context), wire::Role::kAccept), ack);
+  tcp::IoResult r = tcp::write_full(in.fd.get(), ack, sizeof(ack), Deadline::after_seconds(1));
+  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
+  conns_.recv[slot(h.src, static_cast<int>(h.context))] = std::move(in.fd);
+  in.finished = true;
+  ++recvs_done_;
+}
+
+void Builder::reject(Incoming& in, wire::Reject why) {
+  ++stats_->rejected[static_cast<size_t>(why)];
+  FXM_INFO(p_.rank, "closed a connection from " + in.from.str() + " to the mesh listener: " +
+                        wire::reject_name(why));
+  in.fd.reset();
+  in.finished = true;
+}
+
+void Builder::poll_once() {
+  std::vector<pollfd> fds;
+  std::vector<int> owner;  // -1 listener, -2 bootstrap, >=0 outgoing slot, <=-3 incoming
+  fds.push_back({p_.listen_fd, POLLIN, 0});
+  owner.push_back(-1);
+  if (p_.bootstrap_fd >= 0) {
+    fds.push_back({p_.bootstrap_fd, POLLIN, 0});
+    owner.push_back(-2);
+  }
+  for (int s = 0; s < total_; ++s) {
+    const Outgoing& o = out_[s];
+    if (o.state != Outgoing::kConnecting && o.state != Outgoing::kAwaitAck) continue;
+    fds.push_back({o.fd.get(), static_cast<short>(o.state == Outgoing::kConnecting ? POLLOUT : POLLIN), 0});
+    owner.push_back(s);
+  }
+  for (size_t i = 0; i < in_.size(); ++i) {
+    fds.push_back({in_[i].fd.get(), POLLIN, 0});
+    owner.push_back(-3 - static_cast<int>(i));
+  }
+  int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms());
+  if (rc < 0 && errno != EINTR) fail(Code::kSystem, -1, errno, who() + "poll during mesh build");
+  for (size_t k = 0; rc > 0 && k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    if (owner[k] == -1) accept_all();
+    else if (owner[k] == -2) p_.on_bootstrap_readable();
+    else if (owner[k] >= 0) on_outgoing(out_[owner[k]], fds[k].revents);
+    else on_incoming(in_[-3 - owner[k]]);
+  }
+  in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& i) { return i.finished; }),
+            in_.end());
+}
+
+int Builder::poll_timeout_ms() const {
+  Deadline next = p_.deadline.min(Deadline::after_seconds(0.1));
+  for (const Outgoing& o : out_) {
+    if (o.state == Outgoing::kBackoff) {
+      Deadline d;
+      d = Deadline::after_seconds(std::chrono::duration<double>(o.retry_at - Clock::now()).count());
+      next = next.min(d);
+    }
+  }
+  return next.poll_ms();
+}
+
+void Builder::expire_timers() {
+  for (Incoming& in : in_) {
+    if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
+  }
+  for (Outgoing& o : out_) {
+    // Only unanswered SYNs are retried; a connection already carrying our
+    // header waits for its answer (a retry could leave a stale twin behind).
+    if (o.state == Outgoing::kConnecting && o.attempt.expired()) {
+      retry(o, "connect to " + p_.peers[o.peer].str() + " did not complete within 5 s");
+    }
+  }
+}
+
+void Builder::fail_timeout() {
+  std::set<int> peers;
+  std::string missing;
+  int count = 0;
+  auto add = [&](const std::string& item, int peer) {
+    peers.insert(peer);
+    if (++count <= 16) missing += (missing.empty() ? "" : ", ") + item;
+  };
+  for (int s = 0; s < total_; ++s) {
+    const Outgoing& o = out_[s];
+    std::string pc = "(peer " + std::to_string(o.peer) + ", ctx " + std::to_string(o.ctx) + ")";
+    if (o.state != Outgoing::kDone) {
+      const char* st = o.state == Outgoing::kAwaitAck ? "no answer to our header"
+                       : o.state == Outgoing::kQueued  ? "not started"
+                                                       : "connecting";
+      add("send->" + pc + " [" + st + (o.last_error.empty() ? "" : "; last error: " + o.last_error) + "]",
+          o.peer);
+    }
+    if (!conns_.recv[s]) add("recv<-" + pc + " [never arrived]", o.peer);
+  }
+  if (count > 16) missing += ", ... (" + std::to_string(count - 16) + " more)";
+  std::string plist;
+  for (int p : peers) plist += (plist.empty() ? "" : ", ") + std::to_string(p);
+  fail(Code::kTimeout, *peers.begin(), 0,
+       who() + "mesh build deadline expired with " + std::to_string(count) + " of " +
+           std::to_string(2 * total_) + " connections missing; peers not connected: [" + plist +
+           "]; missing: " + missing + "; foreign connections rejected: " +
+           std::to_string(stats_->total_rejected()));
+}
+
+}  // namespace
+
+Connections build_mesh(const BuildPlan& plan, BuildStats* stats) {
+  Builder b(plan, stats);
+  return b.run();
+}
+
+}  // namespace fxm

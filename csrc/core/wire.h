@@ -1,0 +1,89 @@
+// The wire format: one versioned connection header that opens every mesh
+// connection (and its answer), and the frame header of messages on it.
+// All integers are little-endian; the layout is fixed and checked by tests.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fxm::wire {
+
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire format assumes little-endian hosts");
+
+constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
+constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
+constexpr uint16_t kVersion = 1;
+constexpr size_t kConnHeaderSize = 64;
+constexpr size_t kFrameHeaderSize = 16;
+
+using MeshId = std::array<uint8_t, 16>;
+
+enum class Role : uint16_t { kConnect = 1, kAccept = 2 };
+
+// Offsets: magic 0, version 4, role 6, mesh_id 8, epoch 24, src 28, dst 32,
+// context 36, nranks 40, ncontexts 44, reserved 48..59, checksum 60.
+struct ConnHeader {
+  uint32_t magic = kConnMagic;
+  uint16_t version = kVersion;
+  Role role = Role::kConnect;
+  MeshId mesh_id{};
+  uint32_t epoch = 0;
+  int32_t src = -1;
+  int32_t dst = -1;
+  uint32_t context = 0;
+  uint32_t nranks = 0;
+  uint32_t ncontexts = 0;
+};
+
+// Why an incoming header was refused. kNone means accepted.
+enum class Reject : int {
+  kNone = 0,
+  kSilent,        // no header before the header deadline
+  kTruncated,     // the peer closed before a whole header arrived
+  kBadMagic,      // not ours at all (port scan, HTTP, random bytes)
+  kBadVersion,
+  kBadChecksum,
+  kBadRole,
+  kForeignMesh,   // another mesh's id
+  kWrongEpoch,
+  kWrongDst,      // meant for another rank
+  kBadSrc,        // source rank out of range
+  kBadContext,
+  kBadShape,      // nranks / ncontexts differ from ours
+  kDuplicate,     // that (src, context) slot is already filled
+  kOverflow,      // too many unidentified connections at once
+  kCount
+};
+const char* reject_name(Reject r);
+
+void encode(const ConnHeader& h, uint8_t out[kConnHeaderSize]);
+// Decodes and checks magic, version and checksum only.
+Reject decode(const uint8_t in[kConnHeaderSize], ConnHeader* out);
+
+// What a receiver expects of a header.
+struct Expect {
+  MeshId mesh_id{};
+  uint32_t epoch = 0;
+  int32_t me = 0;
+  uint32_t nranks = 0;
+  uint32_t ncontexts = 0;
+  Role role = Role::kConnect;
+};
+// Full identity check of a decoded header against expectations.
+Reject validate(const ConnHeader& h, const Expect& e);
+
+// Frames on an established connection: {magic, type, flags, length}.
+enum class FrameType : uint16_t { kWireCheck = 1, kMessage = 2 };
+struct FrameHeader {
+  FrameType type = FrameType::kMessage;
+  uint16_t flags = 0;
+  uint64_t length = 0;
+};
+void encode_frame(const FrameHeader& f, uint8_t out[kFrameHeaderSize]);
+bool decode_frame(const uint8_t in[kFrameHeaderSize], FrameHeader* out);
+
+std::string mesh_id_hex(const MeshId& id);
+
+}  // namespace fxm::wire

@@ -1,0 +1,225 @@
+// pybind11 bindings: thin; the GIL is released around everything that blocks.
+// Errors become flagcx_mesh.errors classes through errors._from_core().
+#include <pybind11/functional.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+
+#include "bootstrap/unique_id.h"
+#include "core/mesh.h"
+#include "core/status.h"
+#include "core/wire.h"
+
+namespace py = pybind11;
+using fxm::Mesh;
+
+namespace {
+
+void translate_error(std::exception_ptr p) {
+  try {
+    if (p) std::rethrow_exception(p);
+  } catch (const fxm::Error& e) {
+    py::object errors = py::module_::import("flagcx_mesh.errors");
+    py::object exc = errors.attr("_from_core")(static_cast<int>(e.code()), e.peer(),
+                                                e.sys_errno(), e.what());
+    PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
+  }
+}
+
+std::unique_ptr<Mesh> make_mesh(int nranks, const py::bytes& uid, int rank, int contexts,
+                                double timeout, double header_timeout, int max_inflight,
+                                uint32_t epoch, py::object on_phase) {
+  std::string id = uid;
+  fxm::MeshOptions opt;
+  opt.contexts = contexts;
+  opt.timeout_s = timeout;
+  opt.header_timeout_s = header_timeout;
+  opt.max_inflight = max_inflight;
+  opt.epoch = epoch;
+  if (!on_phase.is_none()) {
+    opt.on_phase = [on_phase](const std::string& phase) {
+      py::gil_scoped_acquire gil;
+      on_phase(phase);
+    };
+  }
+  std::unique_ptr<Mesh> mesh;
+  {
+    py::gil_scoped_release release;
+    mesh = std::make_unique<Mesh>(nranks, reinterpret_cast<const uint8_t*>(id.data()), id.size(),
+                                  rank, opt);
+  }
+  return mesh;
+}
+
+py::dict timings(const Mesh& m) {
+  const fxm::PhaseTimes& t = m.times();
+  py::dict d;
+  d["listen"] = t.listen;
+  d["rendezvous"] = t.rendezvous;
+  d["connect"] = t.connect;
+  d["wiring"] = t.wiring;
+  d["total"] = t.total;
+  return d;
+}
+
+py::dict stats(const Mesh& m) {
+  py::dict rejected;
+  const fxm::BuildStats& s = m.stats();
+  for (size_t i = 1; i < s.rejected.size(); ++i) {
+    if (s.rejected[i]) rejected[fxm::wire::reject_name(static_cast<fxm::wire::Reject>(i))] = s.rejected[i];
+  }
+  py::dict d;
+  d["rejected"] = rejected;
+  d["rejected_total"] = s.total_rejected();
+  d["connect_retries"] = s.connect_retries;
+  return d;
+}
+
+// A contiguous read-only view of any buffer-protocol object.
+class ByteView {
+ public:
+  explicit ByteView(const py::object& obj) {
+    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_SIMPLE) != 0) throw py::error_already_set();
+  }
+  ~ByteView() { PyBuffer_Release(&view_); }
+  const void* data() const { return view_.buf; }
+  size_t size() const { return static_cast<size_t>(view_.len); }
+
+ private:
+  Py_buffer view_{};
+};
+
+void send(Mesh& m, int peer, const py::object& data, int ctx, double timeout) {
+  ByteView view(data);
+  py::gil_scoped_release release;
+  m.send(peer, view.data(), view.size(), ctx, timeout);
+}
+
+py::bytes recv(Mesh& m, int peer, int ctx, double timeout) {
+  std::vector<uint8_t> out;
+  {
+    py::gil_scoped_release release;
+    out = m.recv(peer, ctx, timeout);
+  }
+  return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+}
+
+py::list allgather(Mesh& m, const py::bytes& mine, double timeout) {
+  std::string s = mine;
+  fxm::bootstrap::Parts parts;
+  {
+    py::gil_scoped_release release;
+    parts = m.allgather(std::vector<uint8_t>(s.begin(), s.end()), timeout);
+  }
+  py::list out;
+  for (const auto& p : parts) out.append(py::bytes(reinterpret_cast<const char*>(p.data()), p.size()));
+  return out;
+}
+
+void bind_mesh(py::module_& m) {
+  py::class_<Mesh>(m, "Mesh")
+      .def(py::init(&make_mesh), py::arg("nranks"), py::arg("unique_id"), py::arg("rank"),
+           py::arg("contexts") = 1, py::arg("timeout") = 0.0, py::arg("header_timeout") = 5.0,
+           py::arg("max_inflight") = 64, py::arg("epoch") = 0, py::arg("on_phase") = py::none())
+      .def_property_readonly("rank", &Mesh::rank)
+      .def_property_readonly("nranks", &Mesh::nranks)
+      .def_property_readonly("contexts", &Mesh::contexts)
+      .def_property_readonly("mesh_id", &Mesh::mesh_id_hex)
+      .def_property_readonly("closed", &Mesh::closed)
+      .def("describe", &Mesh::describe)
+      .def("timings", &timings)
+      .def("stats", &stats)
+      .def("send", &send, py::arg("peer"), py::arg("data"), py::arg("context"), py::arg("timeout"))
+      .def("recv", &recv, py::arg("peer"), py::arg("context"), py::arg("timeout"))
+      .def("allgather", &allgather, py::arg("data"), py::arg("timeout"))
+      .def("barrier", &Mesh::barrier, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("close", &Mesh::close, py::call_guard<py::gil_scoped_release>());
+}
+
+fxm::wire::ConnHeader header_from_dict(const py::dict& d) {
+  fxm::wire::ConnHeader h;
+  if (d.contains("magic")) h.magic = d["magic"].cast<uint32_t>();
+  if (d.contains("version")) h.version = d["version"].cast<uint16_t>();
+  h.role = static_cast<fxm::wire::Role>(d["role"].cast<uint16_t>());
+  std::string id = d["mesh_id"].cast<py::bytes>();
+  if (id.size() != 16) throw py::value_error("mesh_id must be 16 bytes");
+  std::memcpy(h.mesh_id.data(), id.data(), 16);
+  h.epoch = d["epoch"].cast<uint32_t>();
+  h.src = d["src"].cast<int32_t>();
+  h.dst = d["dst"].cast<int32_t>();
+  h.context = d["context"].cast<uint32_t>();
+  h.nranks = d["nranks"].cast<uint32_t>();
+  h.ncontexts = d["ncontexts"].cast<uint32_t>();
+  return h;
+}
+
+py::bytes wire_encode(const py::dict& d) {
+  uint8_t out[fxm::wire::kConnHeaderSize];
+  fxm::wire::ConnHeader h = header_from_dict(d);
+  fxm::wire::encode(h, out);
+  if (d.contains("magic")) std::memcpy(out, &h.magic, 4);  // allow forging a bad magic
+  return py::bytes(reinterpret_cast<const char*>(out), sizeof(out));
+}
+
+// Decodes and validates like the mesh listener does; returns the verdict
+// ("accepted" or the reject reason) and the decoded fields.
+py::tuple wire_check(const py::bytes& raw, const py::dict& expect) {
+  std::string b = raw;
+  if (b.size() != fxm::wire::kConnHeaderSize) {
+    return py::make_tuple(fxm::wire::reject_name(fxm::wire::Reject::kTruncated), py::none());
+  }
+  fxm::wire::ConnHeader h;
+  fxm::wire::Reject why = fxm::wire::decode(reinterpret_cast<const uint8_t*>(b.data()), &h);
+  if (why != fxm::wire::Reject::kNone) return py::make_tuple(fxm::wire::reject_name(why), py::none());
+  fxm::wire::ConnHeader e = header_from_dict(expect);
+  fxm::wire::Expect ex{e.mesh_id, e.epoch, e.dst, e.nranks, e.ncontexts, e.role};
+  why = fxm::wire::validate(h, ex);
+  py::dict d;
+  d["role"] = static_cast<int>(h.role);
+  d["mesh_id"] = py::bytes(reinterpret_cast<const char*>(h.mesh_id.data()), 16);
+  d["epoch"] = h.epoch;
+  d["src"] = h.src;
+  d["dst"] = h.dst;
+  d["context"] = h.context;
+  d["nranks"] = h.nranks;
+  d["ncontexts"] = h.ncontexts;
+  return py::make_tuple(fxm::wire::reject_name(why), d);
+}
+
+py::dict unique_id_info(const py::bytes& raw) {
+  std::string b = raw;
+  fxm::bootstrap::UniqueId id =
+      fxm::bootstrap::decode_unique_id(reinterpret_cast<const uint8_t*>(b.data()), b.size());
+  py::dict d;
+  d["root"] = id.root.str();
+  d["mesh_id"] = fxm::wire::mesh_id_hex(id.mesh_id);
+  return d;
+}
+
+void bind_wire(py::module_& m) {
+  m.def("_wire_encode", &wire_encode, "Encode a connection header (test helper).");
+  m.def("_wire_check", &wire_check, "Decode + validate a header like the listener (test helper).");
+  m.def("_unique_id_info", &unique_id_info, "Decode a unique id: root address and mesh id.");
+  m.attr("CONN_HEADER_SIZE") = fxm::wire::kConnHeaderSize;
+  m.attr("UNIQUE_ID_SIZE") = fxm::bootstrap::kUniqueIdSize;
+  m.attr("ROLE_CONNECT") = static_cast<int>(fxm::wire::Role::kConnect);
+  m.attr("ROLE_ACCEPT") = static_cast<int>(fxm::wire::Role::kAccept);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+  m.doc() = "flagcx_mesh C++ core (private; use the flagcx_mesh package)";
+  py::register_exception_translator(&translate_error);
+  m.def("get_unique_id", [] {
+    fxm::bootstrap::UniqueIdBytes b;
+    {
+      py::gil_scoped_release release;
+      b = fxm::bootstrap::get_unique_id();
+    }
+    return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+  });
+  bind_mesh(m);
+  bind_wire(m);
+}

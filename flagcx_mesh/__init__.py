@@ -1,0 +1,39 @@
+"""flagcx_mesh: a tagged full mesh of connections for GPU serving stacks.
+
+Quick start (every rank)::
+
+    import flagcx_mesh
+    uid = flagcx_mesh.get_unique_id()        # on one rank; send the bytes to all
+    with flagcx_mesh.Mesh(nranks, uid, rank) as mesh:
+        mesh.send(peer, b"hello")
+        data = mesh.recv(peer)
+"""
+
+from . import errors
+from .errors import (
+    InvalidArgument,
+    MeshClosed,
+    MeshError,
+    MeshTimeout,
+    PeerLost,
+    ProtocolError,
+    SystemCallError,
+)
+from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Mesh",
+    "get_unique_id",
+    "UNIQUE_ID_SIZE",
+    "errors",
+    "MeshError",
+    "InvalidArgument",
+    "MeshTimeout",
+    "PeerLost",
+    "ProtocolError",
+    "SystemCallError",
+    "MeshClosed",
+    "__version__",
+]
