@@ -11,13 +11,13 @@
 
 namespace fxm::bootstrap {
 
-Client::Client(const UniqueId& id, int rank, int nranks, double timeout_s, const Deadline& deadline)
+Client::Client(const UniqueId& id, int rank, int nranks, const Deadline& deadline)
     : root_(id.root), rank_(rank), nranks_(nranks) {
   connect_root(deadline);
   JoinInfo j;
   j.mesh_id = id.mesh_id;
   j.nranks = static_cast<uint32_t>(nranks);
-  j.timeout_ms = static_cast<uint32_t>(std::min(timeout_s, 4e6) * 1000);
+  j.timeout_ms = static_cast<uint32_t>(std::clamp(deadline.seconds_left(), 0.0, 4e6) * 1000);
   Msg m{MsgType::kJoin, Code::kOk, rank, 0, encode_join(j)};
   tcp::IoResult r = send_msg(fd_.get(), m, deadline);
   if (!r.ok()) raise_io(r, "joining the bootstrap root at " + root_.str());

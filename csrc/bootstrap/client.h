@@ -16,8 +16,9 @@ using Parts = std::vector<std::vector<uint8_t>>;
 
 class Client {
  public:
-  // Connects (retrying until `deadline`) and sends JOIN. Throws Error.
-  Client(const UniqueId& id, int rank, int nranks, double timeout_s, const Deadline& deadline);
+  // Connects (retrying until `deadline`) and sends JOIN, which tells the root
+  // the build timeout and how much of it is left. Throws Error.
+  Client(const UniqueId& id, int rank, int nranks, const Deadline& deadline);
   ~Client();
 
   // Every rank's contribution, indexed by rank. Throws Error naming the

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <cstring>
 #include <memory>
 #include <thread>
@@ -153,8 +154,12 @@ void Root::admit(Pending& p, const Msg& m) {
     nranks_ = j.nranks;
     clients_.resize(nranks_);
     timeout_s_ = j.timeout_ms / 1000.0;
-    join_deadline_ = Deadline::after_seconds(timeout_s_);
+    join_deadline_ = Deadline::after_seconds(kIdleTimeoutS);
   }
+  // Expire a little before the earliest rank's own deadline, so that ranks
+  // hear which ranks are missing rather than a bare timeout.
+  double left = j.timeout_ms / 1000.0;
+  join_deadline_ = join_deadline_.min(Deadline::after_seconds(left - std::min(1.0, left / 10)));
   Client& c = clients_[m.rank];
   c.fd = std::move(p.fd);
   c.joined = true;
@@ -278,7 +283,7 @@ void Root::check_deadlines() {
   }
   char secs[32];
   std::snprintf(secs, sizeof(secs), "%.1f", timeout_s_);
-  std::string why = std::string("rendezvous timed out after ") + secs + " s: ranks " +
+  std::string why = std::string("rendezvous timed out (build timeout ") + secs + " s): ranks " +
                     missing_ranks() + " never joined the bootstrap root";
   int first_missing = 0;
   while (clients_[first_missing].joined) ++first_missing;

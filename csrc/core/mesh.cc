@@ -83,8 +83,7 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   if (!listener) fail(Code::kSystem, -1, err, who() + "listen on " + tcp::local_address().str());
   times_.listen = lap();
   phase("listen");
-  double timeout_s = deadline.seconds_left();
-  std::vector<tcp::SockAddr> peers = rendezvous(id.root, timeout_s, deadline);
+  std::vector<tcp::SockAddr> peers = rendezvous(id.root, deadline);
   times_.rendezvous = lap();
   phase("rendezvous");
   BuildPlan plan{rank_, nranks_, contexts_, mesh_id_, epoch_, std::move(peers), listener.get(),
@@ -101,10 +100,9 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   phase("wiring");
 }
 
-std::vector<tcp::SockAddr> Mesh::rendezvous(const tcp::SockAddr& root, double timeout_s,
-                                            const Deadline& deadline) {
+std::vector<tcp::SockAddr> Mesh::rendezvous(const tcp::SockAddr& root, const Deadline& deadline) {
   bootstrap::UniqueId id{root, mesh_id_};
-  boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, timeout_s, deadline);
+  boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline);
   std::vector<uint8_t> mine(tcp::kWireAddrSize);
   tcp::addr_to_wire(listen_addr_, mine.data());
   bootstrap::Parts parts = boot_->allgather(mine, deadline);

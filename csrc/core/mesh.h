@@ -69,8 +69,7 @@ class Mesh {
 
  private:
   void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
-  std::vector<tcp::SockAddr> rendezvous(const tcp::SockAddr& mine, double timeout_s,
-                                        const Deadline& deadline);
+  std::vector<tcp::SockAddr> rendezvous(const tcp::SockAddr& root, const Deadline& deadline);
   void wiring_check(const Deadline& deadline);
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;

@@ -1,0 +1,161 @@
+"""Benchmarks that print figures and ratios against a peer measured in the same run.
+
+    python -m flagcx_mesh.bench mesh [-n 8] [--iterations 20] [--contexts 1] [--json PATH]
+
+``mesh``: full-mesh build time of flagcx_mesh against torch.distributed's gloo
+backend (``init_process_group("gloo")`` also builds a full TCP mesh), both
+run by the same N local rank processes, alternating iteration by iteration so
+that both see the same machine noise. Per iteration the time is that of the
+slowest rank (a mesh is usable when every rank has it); the report gives the
+median and min over iterations and the ratio gloo / flagcx_mesh. torch is
+optional: without it, only flagcx_mesh is measured and the report says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+
+def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench")
+    sub = p.add_subparsers(dest="what", required=True)
+    m = sub.add_parser("mesh", help="mesh build time vs torch.distributed gloo init")
+    m.add_argument("-n", "--nranks", type=int, default=8)
+    m.add_argument("--iterations", type=int, default=20)
+    m.add_argument("--contexts", type=int, default=1)
+    m.add_argument("--json", metavar="PATH")
+    r = sub.add_parser("mesh-rank", help=argparse.SUPPRESS)
+    r.add_argument("--iterations", type=int, required=True)
+    r.add_argument("--contexts", type=int, required=True)
+    r.add_argument("--out", required=True)
+    return p.parse_args(argv)
+
+
+def _have_torch() -> bool:
+    try:
+        import torch.distributed as dist  # noqa: F401
+
+        return dist.is_available() and dist.is_gloo_available()
+    except ImportError:
+        return False
+
+
+# ---------------------------------------------------------------- rank side
+
+def _time_flagcx(control, nranks: int, contexts: int) -> float:
+    from . import Mesh, get_unique_id
+
+    uid = control.allgather(get_unique_id() if control.rank == 0 else b"", timeout=60)[0]
+    control.barrier(timeout=60)
+    t0 = time.perf_counter()
+    mesh = Mesh(nranks, uid, control.rank, contexts=contexts, timeout=60)
+    elapsed = time.perf_counter() - t0
+    mesh.close()
+    return elapsed
+
+
+def _time_gloo(control, store, it: int) -> float:
+    import torch.distributed as dist
+
+    control.barrier(timeout=60)
+    t0 = time.perf_counter()
+    dist.init_process_group("gloo", store=dist.PrefixStore(f"it{it}/", store),
+                            rank=control.rank, world_size=control.nranks)
+    elapsed = time.perf_counter() - t0
+    dist.destroy_process_group()
+    return elapsed
+
+
+def _gloo_store(control):
+    """A TCPStore on an ephemeral port of rank 0, its port handed out over the control mesh."""
+    import torch.distributed as dist
+
+    host = "127.0.0.1"
+    if control.rank == 0:
+        store = dist.TCPStore(host, 0, control.nranks, True, wait_for_workers=False)
+        control.allgather(str(store.port).encode(), timeout=60)
+        return store
+    port = int(control.allgather(b"", timeout=60)[0])
+    return dist.TCPStore(host, port, control.nranks, False)
+
+
+def rank_main(args: argparse.Namespace) -> int:
+    from . import Mesh
+
+    with Mesh.from_launcher(timeout=60) as control:
+        torch_ok = _have_torch()
+        store = _gloo_store(control) if torch_ok else None
+        mine: Dict[str, List[float]] = {"flagcx_mesh": [], "gloo": []}
+        for it in range(args.iterations):
+            mine["flagcx_mesh"].append(_time_flagcx(control, control.nranks, args.contexts))
+            if torch_ok:
+                mine["gloo"].append(_time_gloo(control, store, it))
+        parts = [json.loads(p) for p in control.allgather(json.dumps(mine).encode(), timeout=60)]
+        if control.rank == 0:
+            with open(args.out, "w") as f:
+                json.dump({"ranks": parts, "torch": torch_ok}, f)
+    return 0
+
+
+# ---------------------------------------------------------------- driver side
+
+def _slowest_rank(parts: List[dict], key: str) -> List[float]:
+    iters = len(parts[0][key])
+    return [max(p[key][i] for p in parts) for i in range(iters)]
+
+
+def _report_mesh(data: dict, args: argparse.Namespace) -> dict:
+    out = {"nranks": args.nranks, "contexts": args.contexts, "iterations": args.iterations}
+    print(f"mesh build, {args.nranks} local ranks x {args.contexts} context(s), {args.iterations} iterations "
+          f"(slowest rank per iteration, ms)")
+    print(f"  {'library':<14}{'median':>10}{'min':>10}{'max':>10}")
+    for key in ("flagcx_mesh", "gloo"):
+        if not data["ranks"][0][key]:
+            continue
+        v = [x * 1e3 for x in _slowest_rank(data["ranks"], key)]
+        out[key] = {"median_ms": statistics.median(v), "min_ms": min(v), "max_ms": max(v)}
+        print(f"  {key:<14}{out[key]['median_ms']:>10.2f}{min(v):>10.2f}{max(v):>10.2f}")
+    if "gloo" in out:
+        out["ratio_gloo_over_flagcx_mesh"] = out["gloo"]["median_ms"] / out["flagcx_mesh"]["median_ms"]
+        print(f"  ratio gloo / flagcx_mesh (median): {out['ratio_gloo_over_flagcx_mesh']:.2f}x")
+    else:
+        print("  gloo: not measured (torch with gloo is not installed: pip install torch)")
+    return out
+
+
+def bench_mesh(args: argparse.Namespace) -> int:
+    from .launch import launch
+
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "mesh.json")
+        cmd = [sys.executable, "-m", "flagcx_mesh.bench", "mesh-rank", "--iterations", str(args.iterations),
+               "--contexts", str(args.contexts), "--out", path]
+        rc = launch(cmd, args.nranks, timeout=120 + 10 * args.iterations)
+        if rc != 0:
+            print(f"bench mesh: the rank processes failed (exit {rc})", file=sys.stderr)
+            return rc
+        with open(path) as f:
+            data = json.load(f)
+    out = _report_mesh(data, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(out, f, indent=2)
+    return 0
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    args = _parse(argv)
+    if args.what == "mesh-rank":
+        return rank_main(args)
+    return bench_mesh(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
