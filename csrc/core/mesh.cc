@@ -60,10 +60,13 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
     if (boot_) boot_->abort(Code::kInternal, who() + "mesh build aborted: " + e.what());
     throw;
   }
-  for (int s = 0; s < nranks_ * contexts_; ++s) {
-    send_mu_.push_back(std::make_unique<std::mutex>());
-    recv_mu_.push_back(std::make_unique<std::mutex>());
-  }
+  timeout_s_ = timeout_s;
+  engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_);
+  onesided_ = std::make_unique<OneSided>(
+      rank_, nranks_, contexts_, mesh_id_hex().substr(0, 12), engine_.get(), &windows_,
+      [this](const std::vector<uint8_t>& mine) {
+        return boot_->allgather(mine, Deadline::after_seconds(timeout_s_));
+      });
 }
 
 Mesh::~Mesh() { close(); }
@@ -181,33 +184,88 @@ void Mesh::fail_io(const tcp::IoResult& r, int peer, int ctx, const char* doing)
 void Mesh::send(int peer, const void* data, size_t len, int ctx, double timeout_s) {
   std::shared_lock<std::shared_timed_mutex> life(life_mu_);
   check_peer(peer, ctx, "send");
-  int s = peer * contexts_ + ctx;
-  std::lock_guard<std::mutex> lock(*send_mu_[s]);
-  Deadline deadline = deadline_for(timeout_s);
-  uint8_t hdr[wire::kFrameHeaderSize];
-  wire::encode_frame({wire::FrameType::kMessage, 0, len}, hdr);
-  tcp::IoResult r = tcp::write_full(conns_.send[s].get(), hdr, sizeof(hdr), deadline);
-  if (r.ok() && len > 0) r = tcp::write_full(conns_.send[s].get(), data, len, deadline);
-  if (!r.ok()) fail_io(r, peer, ctx, "send");
+  engine_->post_message(peer, ctx, data, len, deadline_for(timeout_s));
 }
 
 std::vector<uint8_t> Mesh::recv(int peer, int ctx, double timeout_s) {
   std::shared_lock<std::shared_timed_mutex> life(life_mu_);
   check_peer(peer, ctx, "recv");
-  int s = peer * contexts_ + ctx;
-  std::lock_guard<std::mutex> lock(*recv_mu_[s]);
-  Deadline deadline = deadline_for(timeout_s);
-  uint8_t hdr[wire::kFrameHeaderSize];
-  tcp::IoResult r = tcp::read_full(conns_.recv[s].get(), hdr, sizeof(hdr), deadline);
-  if (!r.ok()) fail_io(r, peer, ctx, "recv");
-  wire::FrameHeader f;
-  if (!wire::decode_frame(hdr, &f) || f.type != wire::FrameType::kMessage || f.length > (1ull << 40)) {
-    fail(Code::kProtocol, peer, 0, who() + "recv from peer " + std::to_string(peer) + ": malformed frame");
-  }
-  std::vector<uint8_t> out(f.length);
-  r = tcp::read_full(conns_.recv[s].get(), out.data(), out.size(), deadline);
-  if (!r.ok()) fail_io(r, peer, ctx, "recv");
-  return out;
+  return engine_->recv_message(peer, ctx, deadline_for(timeout_s));
+}
+
+void Mesh::check_open(const char* op) const {
+  if (closed_) fail(Code::kClosed, -1, 0, who() + op + ": the mesh is closed");
+}
+
+#define FXM_OPEN(op)                                              \
+  std::shared_lock<std::shared_timed_mutex> life(life_mu_); \
+  check_open(op)
+
+uint32_t Mesh::register_window(void* base, uint64_t size) {
+  FXM_OPEN("register_window");
+  return onesided_->register_user(base, size);
+}
+
+uint32_t Mesh::alloc_window(uint64_t size) {
+  FXM_OPEN("alloc_window");
+  return onesided_->alloc(size);
+}
+
+uint32_t Mesh::signal_window(uint64_t nslots) {
+  FXM_OPEN("signal_window");
+  return onesided_->alloc_signal(nslots);
+}
+
+void Mesh::deregister(uint32_t index) {
+  FXM_OPEN("deregister");
+  onesided_->deregister(index, Deadline::after_seconds(timeout_s_));
+}
+
+std::shared_ptr<Window> Mesh::window(uint32_t index) {
+  FXM_OPEN("window");
+  return onesided_->window(index, "window");
+}
+
+void Mesh::put(const PutArgs& a) {
+  FXM_OPEN("put");
+  onesided_->put(a);
+}
+
+void Mesh::batch_put(const std::vector<PutArgs>& ops) {
+  FXM_OPEN("batch_put");
+  for (const PutArgs& a : ops) onesided_->check_put(a);
+  for (const PutArgs& a : ops) onesided_->put(a);
+}
+
+void Mesh::get(const PutArgs& a) {
+  FXM_OPEN("get");
+  onesided_->get(a);
+}
+
+uint64_t Mesh::read_signal(uint32_t win, uint64_t slot) {
+  FXM_OPEN("read_signal");
+  return onesided_->read_signal(win, slot);
+}
+
+void Mesh::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, double timeout_s) {
+  FXM_OPEN("wait_signal");
+  onesided_->wait_signal(win, slot, expected, deadline_for(timeout_s));
+}
+
+void Mesh::flush(int peer, double timeout_s) {
+  FXM_OPEN("flush");
+  if (peer < -1 || peer >= nranks_) check_peer(peer, 0, "flush");
+  engine_->flush(peer, deadline_for(timeout_s));
+}
+
+uint64_t Mesh::read_counter() {
+  FXM_OPEN("read_counter");
+  return engine_->completed();
+}
+
+void Mesh::wait_counter(uint64_t value, double timeout_s) {
+  FXM_OPEN("wait_counter");
+  engine_->wait_counter(value, deadline_for(timeout_s));
 }
 
 bootstrap::Parts Mesh::allgather(const std::vector<uint8_t>& mine, double timeout_s) {
@@ -220,6 +278,7 @@ void Mesh::barrier(double timeout_s) { allgather({}, timeout_s); }
 
 void Mesh::close() {
   if (closed_.exchange(true)) return;
+  if (engine_) engine_->stop();  // says goodbye to every peer, wakes waiters
   for (auto* v : {&conns_.send, &conns_.recv}) {
     for (tcp::Fd& fd : *v) {
       if (fd) ::shutdown(fd.get(), SHUT_RDWR);  // wakes operations blocked on it

@@ -18,6 +18,9 @@
 #include "bootstrap/client.h"
 #include "bootstrap/unique_id.h"
 #include "core/mesh_builder.h"
+#include "core/onesided.h"
+#include "core/progress.h"
+#include "core/window.h"
 
 namespace fxm {
 
@@ -53,11 +56,28 @@ class Mesh {
   std::string describe() const;
   bool closed() const { return closed_.load(); }
 
-  // Two-sided messages on the (peer, ctx) connections; timeout_s <= 0 waits
-  // without limit. A message to self needs a receiver on another thread when
-  // it exceeds the socket buffer.
+  // Two-sided messages on the (peer, ctx) connections. send() copies the
+  // message into the progress engine's queue and returns (waiting up to
+  // timeout_s only while too many bytes are already queued for that pair);
+  // recv() waits up to timeout_s for the next message. <= 0: no limit.
   void send(int peer, const void* data, size_t len, int ctx, double timeout_s);
   std::vector<uint8_t> recv(int peer, int ctx, double timeout_s);
+
+  // One-sided windows and operations (see onesided.h). Registration and
+  // deregistration are collective.
+  uint32_t register_window(void* base, uint64_t size);
+  uint32_t alloc_window(uint64_t size);
+  uint32_t signal_window(uint64_t nslots);
+  void deregister(uint32_t index);
+  std::shared_ptr<Window> window(uint32_t index);
+  void put(const PutArgs& a);
+  void batch_put(const std::vector<PutArgs>& ops);  // all validated before any is issued
+  void get(const PutArgs& a);
+  uint64_t read_signal(uint32_t win, uint64_t slot);
+  void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, double timeout_s);
+  void flush(int peer, double timeout_s);  // peer -1: all peers
+  uint64_t read_counter();
+  void wait_counter(uint64_t value, double timeout_s);
 
   // Collectives over the bootstrap root.
   bootstrap::Parts allgather(const std::vector<uint8_t>& mine, double timeout_s);
@@ -73,6 +93,7 @@ class Mesh {
   void wiring_check(const Deadline& deadline);
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;
+  void check_open(const char* op) const;
   [[noreturn]] void fail_io(const tcp::IoResult& r, int peer, int ctx, const char* doing) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
@@ -85,8 +106,11 @@ class Mesh {
   PhaseTimes times_;
   BuildStats stats_;
   std::unique_ptr<bootstrap::Client> boot_;
+  double timeout_s_ = 60;  // collectives after the build (registration)
   Connections conns_;
-  std::vector<std::unique_ptr<std::mutex>> send_mu_, recv_mu_;
+  WindowTable windows_;
+  std::unique_ptr<Engine> engine_;
+  std::unique_ptr<OneSided> onesided_;
   std::shared_timed_mutex life_mu_;  // shared by operations, exclusive by close()
   std::atomic<bool> closed_{false};
 };

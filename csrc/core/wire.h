@@ -75,7 +75,38 @@ struct Expect {
 Reject validate(const ConnHeader& h, const Expect& e);
 
 // Frames on an established connection: {magic, type, flags, length}.
-enum class FrameType : uint16_t { kWireCheck = 1, kMessage = 2 };
+enum class FrameType : uint16_t {
+  kWireCheck = 1,  // build-time identity proof
+  kMessage = 2,    // two-sided message
+  kPut = 3,        // PutHeader + data; the target lands it, then applies the signal
+  kGetReq = 4,     // GetHeader; the target answers with kGetResp
+  kGetResp = 5,    // u64 request id + data
+  kAck = 6,        // u64: one-sided ops from the receiver applied so far on this pair
+  kBye = 7,        // the sender closes cleanly
+};
+
+// After a kPut frame header (40 bytes).
+struct PutHeader {
+  uint32_t dst_win = 0;
+  uint32_t sig_win = 0;
+  uint64_t dst_off = 0;
+  uint64_t sig_slot = 0;
+  uint64_t sig_val = 0;
+  uint32_t flags = 0;  // kPutHasSignal | kPutSignalSet
+  uint32_t pad = 0;
+};
+constexpr uint32_t kPutHasSignal = 1;
+constexpr uint32_t kPutSignalSet = 2;
+
+// After a kGetReq frame header (32 bytes).
+struct GetHeader {
+  uint32_t src_win = 0;
+  uint32_t pad = 0;
+  uint64_t src_off = 0;
+  uint64_t size = 0;
+  uint64_t req_id = 0;
+};
+static_assert(sizeof(PutHeader) == 40 && sizeof(GetHeader) == 32, "fixed op header sizes");
 struct FrameHeader {
   FrameType type = FrameType::kMessage;
   uint16_t flags = 0;

@@ -10,6 +10,7 @@
 #include "core/mesh.h"
 #include "core/status.h"
 #include "core/wire.h"
+#include "python/bindings.h"
 
 namespace py = pybind11;
 using fxm::Mesh;
@@ -76,22 +77,8 @@ py::dict stats(const Mesh& m) {
   return d;
 }
 
-// A contiguous read-only view of any buffer-protocol object.
-class ByteView {
- public:
-  explicit ByteView(const py::object& obj) {
-    if (PyObject_GetBuffer(obj.ptr(), &view_, PyBUF_SIMPLE) != 0) throw py::error_already_set();
-  }
-  ~ByteView() { PyBuffer_Release(&view_); }
-  const void* data() const { return view_.buf; }
-  size_t size() const { return static_cast<size_t>(view_.len); }
-
- private:
-  Py_buffer view_{};
-};
-
 void send(Mesh& m, int peer, const py::object& data, int ctx, double timeout) {
-  ByteView view(data);
+  fxm_py::ByteView view(data, false);
   py::gil_scoped_release release;
   m.send(peer, view.data(), view.size(), ctx, timeout);
 }
@@ -118,7 +105,8 @@ py::list allgather(Mesh& m, const py::bytes& mine, double timeout) {
 }
 
 void bind_mesh(py::module_& m) {
-  py::class_<Mesh>(m, "Mesh")
+  py::class_<Mesh> cls(m, "Mesh");
+  cls
       .def(py::init(&make_mesh), py::arg("nranks"), py::arg("unique_id"), py::arg("rank"),
            py::arg("contexts") = 1, py::arg("timeout") = 0.0, py::arg("header_timeout") = 5.0,
            py::arg("max_inflight") = 64, py::arg("epoch") = 0, py::arg("on_phase") = py::none())
@@ -135,6 +123,7 @@ void bind_mesh(py::module_& m) {
       .def("allgather", &allgather, py::arg("data"), py::arg("timeout"))
       .def("barrier", &Mesh::barrier, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("close", &Mesh::close, py::call_guard<py::gil_scoped_release>());
+  fxm_py::bind_onesided(cls);
 }
 
 fxm::wire::ConnHeader header_from_dict(const py::dict& d) {

@@ -20,11 +20,14 @@ from .errors import (
     SystemCallError,
 )
 from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id
+from .window import SignalWindow, Window
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Mesh",
+    "Window",
+    "SignalWindow",
     "get_unique_id",
     "UNIQUE_ID_SIZE",
     "errors",

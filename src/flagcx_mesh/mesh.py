@@ -5,6 +5,8 @@ from __future__ import annotations
 from typing import Callable, Dict, List, Optional
 
 from . import _core
+from .errors import InvalidArgument
+from .window import SignalWindow, Window, WindowLike, index_of
 
 UNIQUE_ID_SIZE = _core.UNIQUE_ID_SIZE
 
@@ -66,6 +68,7 @@ class Mesh:
             epoch=int(epoch),
             on_phase=_on_phase,
         )
+        self._default_signal: Optional[int] = None
 
     @classmethod
     def from_launcher(cls, contexts: int = 1, timeout: Optional[float] = None, **kw) -> "Mesh":
@@ -119,15 +122,109 @@ class Mesh:
     def send(self, peer: int, data, context: int = 0, timeout: Optional[float] = None) -> None:
         """Send one message (any contiguous buffer) to ``peer`` on ``context``.
 
-        Blocks until the bytes are handed to the kernel. Messages on one
-        (peer, context) arrive in order. A large message to oneself needs a
-        receiver in another thread.
+        The bytes are copied into the progress engine's queue and the call
+        returns; messages on one (peer, context) arrive in order. ``timeout``
+        bounds the wait when 64 MiB of messages are already queued for that
+        pair (back-pressure). Delivery failures surface in later calls (a lost
+        peer raises ``PeerLost``).
         """
         self._core.send(peer, data, context, _timeout_arg(timeout))
 
     def recv(self, peer: int, context: int = 0, timeout: Optional[float] = None) -> bytes:
         """Receive the next message from ``peer`` on ``context``."""
         return self._core.recv(peer, context, _timeout_arg(timeout))
+
+    # -- windows (collective registration) ----------------------------------
+    def register_window(self, buffer) -> Window:
+        """Register a writable, contiguous buffer (numpy array, torch CPU tensor,
+        bytearray, anything with the buffer protocol). Collective: every rank
+        registers its window in the same order; sizes may differ per rank.
+        The buffer must stay alive and unmoved until the window is closed."""
+        try:
+            view = memoryview(buffer)
+        except TypeError as e:
+            raise InvalidArgument(f"rank {self.rank}: register_window: {e}") from None
+        if view.readonly or not view.c_contiguous:
+            raise InvalidArgument(f"rank {self.rank}: register_window: the buffer must be writable and "
+                                  f"C-contiguous (readonly={view.readonly}, contiguous={view.c_contiguous})")
+        index = self._core.register_window(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
+        return Window(self, index, keepalive=view)
+
+    def alloc_window(self, nbytes: int) -> Window:
+        """Allocate a zero-filled shared-memory window of ``nbytes`` (collective).
+        Local peers map it, so puts to it are a memcpy by the initiator."""
+        return Window(self, self._core.alloc_window(int(nbytes)))
+
+    def signal_window(self, nslots: int) -> SignalWindow:
+        """Allocate a window of ``nslots`` 64-bit signal slots, all 0 (collective).
+        The first one becomes the default of every ``signal_window=``/``window=`` argument."""
+        w = SignalWindow(self, self._core.signal_window(int(nslots)))
+        if self._default_signal is None:
+            self._default_signal = w.index
+        return w
+
+    # -- one-sided operations -----------------------------------------------
+    def _sig(self, window: Optional[WindowLike]) -> int:
+        if window is not None:
+            return index_of(window)
+        if self._default_signal is None:
+            raise InvalidArgument(f"rank {self.rank}: no signal window: call signal_window() first")
+        return self._default_signal
+
+    def put(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
+            size: int, *, context: int = 0) -> None:
+        """Copy ``size`` bytes from this rank's ``src_win[src_off:]`` to ``peer``'s
+        ``dst_win[dst_off:]``. Non-blocking; FIFO per (peer, context); the source
+        bytes must not change until the op completes (:meth:`flush`)."""
+        self._core.put(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
+
+    def put_signal(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
+                   size: int, slot: int, value: int = 1, *, op: str = "add",
+                   signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
+        """Put, then ``op`` (``"add"`` or ``"set"``) ``value`` on ``peer``'s signal
+        ``slot``: the data is visible at the target before the signal changes.
+        ``size`` 0 = signal only; ``value`` 0 (with add) = data only."""
+        self._core.put_signal(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size,
+                              self._sig(signal_window), slot, value, op, context)
+
+    def signal(self, peer: int, slot: int, value: int = 1, *, op: str = "add",
+               signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
+        """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that (peer, context)."""
+        self._core.put_signal(peer, 0, 0, 0, 0, 0, self._sig(signal_window), slot, value, op, context)
+
+    def get(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
+            size: int, *, context: int = 0) -> None:
+        """Copy ``size`` bytes from ``peer``'s ``src_win[src_off:]`` into this rank's
+        ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns."""
+        self._core.get(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
+
+    def batch_put(self, peer: int, src_win: WindowLike, dst_win: WindowLike,
+                  entries, *, context: int = 0) -> None:
+        """Several puts to one peer: ``entries`` is a sequence of (src_off, dst_off, size).
+        Every entry is validated before any is issued. Each counts as one op."""
+        self._core.batch_put(peer, index_of(src_win), index_of(dst_win), [tuple(e) for e in entries], context)
+
+    def flush(self, peer: Optional[int] = None, timeout: Optional[float] = None) -> None:
+        """Wait until every op issued to ``peer`` (default: all peers) has completed at its target."""
+        self._core.flush(-1 if peer is None else peer, _timeout_arg(timeout))
+
+    def read_counter(self) -> int:
+        """How many one-sided ops issued by this rank have completed."""
+        return self._core.read_counter()
+
+    def wait_counter(self, value: int, timeout: Optional[float] = None) -> None:
+        """Wait until :meth:`read_counter` >= ``value``."""
+        self._core.wait_counter(value, _timeout_arg(timeout))
+
+    def read_signal(self, slot: int, *, window: Optional[WindowLike] = None) -> int:
+        """This rank's value of signal ``slot`` (default window: the first signal window)."""
+        return self._core.read_signal(self._sig(window), slot)
+
+    def wait_signal(self, slot: int, expected: int, timeout: Optional[float] = None, *,
+                    window: Optional[WindowLike] = None) -> None:
+        """Wait until this rank's signal ``slot`` >= ``expected``. On timeout the error
+        names the slot, the expected and current values and the last rank that signalled it."""
+        self._core.wait_signal(self._sig(window), slot, expected, _timeout_arg(timeout))
 
     # -- collectives over the bootstrap -------------------------------------
     def allgather(self, data: bytes, timeout: Optional[float] = None) -> List[bytes]:

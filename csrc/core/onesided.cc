@@ -1,0 +1,322 @@
+#include "core/onesided.h"
+
+#include <sched.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <thread>
+
+#include "core/log.h"
+#include "core/signal_ops.h"
+#include "core/status.h"
+#include "transport/cma/cma.h"
+
+namespace fxm {
+namespace {
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  __builtin_ia32_pause();
+#elif defined(__aarch64__)
+  asm volatile("yield");
+#endif
+}
+
+bool in_range(uint64_t off, uint64_t size, uint64_t limit) {
+  return off <= limit && size <= limit - off;
+}
+
+std::string range_text(uint64_t off, uint64_t size) {
+  return "[" + std::to_string(off) + ", " + std::to_string(off) + "+" + std::to_string(size) + ")";
+}
+
+}  // namespace
+
+OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine* engine,
+                   WindowTable* windows, Allgather allgather)
+    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), tag_(std::move(tag)), engine_(engine),
+      windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
+  for (int s = 0; s < nranks * ncontexts; ++s) pair_mu_.push_back(std::make_unique<std::mutex>());
+}
+
+// ------------------------------------------------------------ registration
+
+uint32_t OneSided::register_user(void* base, uint64_t size) {
+  auto w = std::make_shared<Window>();
+  w->kind = WindowKind::kUser;
+  w->base = static_cast<uint8_t*>(base);
+  w->size = size;
+  return register_window(std::move(w), "");
+}
+
+uint32_t OneSided::alloc(uint64_t size) {
+  std::string name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(windows_->next_index());
+  auto w = std::make_shared<Window>();
+  w->kind = WindowKind::kShm;
+  w->seg = shm::Segment::create(name, size);
+  w->base = w->seg.data();
+  w->size = size;
+  return register_window(std::move(w), name);
+}
+
+uint32_t OneSided::alloc_signal(uint64_t nslots) {
+  if (nslots == 0 || nslots > (1ull << 32)) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " + std::to_string(nslots));
+  }
+  std::string name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(windows_->next_index());
+  auto w = std::make_shared<Window>();
+  w->kind = WindowKind::kSignal;
+  w->seg = shm::Segment::create(name, signal_segment_bytes(nslots));
+  w->base = w->seg.data();
+  w->size = nslots * 8;
+  w->last_src = reinterpret_cast<int64_t*>(w->base + w->size);
+  for (uint64_t i = 0; i < nslots; ++i) w->last_src[i] = -1;
+  return register_window(std::move(w), name);
+}
+
+uint32_t OneSided::register_window(std::shared_ptr<Window> w, const std::string& shm_name) {
+  std::lock_guard<std::mutex> lock(register_mu_);
+  w->index = windows_->next_index();
+  WindowDesc d{w->kind, w->size, reinterpret_cast<uint64_t>(w->base), static_cast<int32_t>(::getpid()),
+               host_, shm_name};
+  std::vector<uint8_t> mine(4);
+  std::memcpy(mine.data(), &w->index, 4);
+  std::vector<uint8_t> enc = d.encode();
+  mine.insert(mine.end(), enc.begin(), enc.end());
+  bootstrap::Parts parts = allgather_(mine);
+  std::vector<WindowDesc> descs(nranks_);
+  for (int r = 0; r < nranks_; ++r) {
+    uint32_t idx = 0;
+    std::vector<uint8_t> rest(parts[r].begin() + std::min<size_t>(4, parts[r].size()), parts[r].end());
+    if (parts[r].size() < 4 || !WindowDesc::decode(rest, &descs[r])) {
+      fail(Code::kProtocol, r, 0, who() + "rank " + std::to_string(r) + " published a malformed window description");
+    }
+    std::memcpy(&idx, parts[r].data(), 4);
+    if (idx != w->index || (descs[r].kind == WindowKind::kSignal) != (w->kind == WindowKind::kSignal)) {
+      fail(Code::kInvalidArgument, r, 0,
+           who() + "collective registration mismatch: this rank registers window #" + std::to_string(w->index) +
+               " (" + kind_name(w->kind) + ") while rank " + std::to_string(r) + " registers #" +
+               std::to_string(idx) + " (" + kind_name(descs[r].kind) +
+               "); every rank must register windows in the same order");
+    }
+  }
+  connect_peers(*w, descs);
+  allgather_({});  // every peer has mapped this rank's segment: the name can go
+  w->seg.unlink();
+  windows_->add(w);
+  FXM_INFO(rank_, w->describe());
+  return w->index;
+}
+
+void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs) {
+  w.peers.clear();
+  for (int r = 0; r < nranks_; ++r) w.peers.push_back(view_of(w, r, descs[r]));
+}
+
+PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const {
+  PeerView v;
+  v.size = d.size;
+  v.pid = d.pid;
+  v.addr = d.addr;
+  ForcedTransport forced = forced_transport();
+  v.path = Path::kTcp;
+  if (forced == ForcedTransport::kTcp) {
+    v.why = "FLAGCX_MESH_TRANSPORT=tcp";
+    return v;
+  }
+  if (peer == rank_) {
+    v.path = Path::kSelf;
+    v.mapped = w.base;
+    v.last_src = w.last_src;
+    return v;
+  }
+  if (d.host != host_) {
+    v.why = "peer is on another host";
+    return v;
+  }
+  bool lib = d.kind != WindowKind::kUser;
+  if (lib && (forced != ForcedTransport::kCma || d.kind == WindowKind::kSignal)) {
+    int err = 0;
+    uint64_t bytes = d.kind == WindowKind::kSignal ? signal_segment_bytes(d.size / 8) : d.size;
+    v.seg = shm::Segment::open(d.shm_name, bytes, &err);
+    if (v.seg) {
+      v.path = Path::kShm;
+      v.mapped = v.seg.data();
+      if (d.kind == WindowKind::kSignal) v.last_src = reinterpret_cast<int64_t*>(v.mapped + d.size);
+      return v;
+    }
+    v.why = "mapping its shared memory failed: " + errno_text(err);
+  }
+  if (d.kind == WindowKind::kSignal) return v;  // atomics need a shared mapping: tcp
+  int err = d.size == 0 ? EINVAL : cma::probe(d.pid, d.addr);
+  if (err == 0) {
+    v.path = Path::kCma;
+    if (lib) v.why = "FLAGCX_MESH_TRANSPORT=cma";
+    return v;
+  }
+  v.why += (v.why.empty() ? "" : "; ") + std::string("process_vm_writev not permitted: ") + errno_text(err);
+  return v;
+}
+
+void OneSided::deregister(uint32_t index, const Deadline& deadline) {
+  std::shared_ptr<Window> w = window(index, "deregister");
+  engine_->flush(-1, deadline);
+  allgather_({});  // nobody writes into it any more
+  w->live = false;
+  for (PeerView& v : w->peers) v.seg.reset();
+  w->seg.reset();
+}
+
+std::shared_ptr<Window> OneSided::window(uint32_t index, const char* op) const {
+  std::shared_ptr<Window> w = windows_->get(index);
+  if (!w) {
+    fail(Code::kInvalidArgument, -1, 0, who() + op + ": window #" + std::to_string(index) + " is not registered");
+  }
+  if (!w->live) {
+    fail(Code::kInvalidArgument, -1, 0, who() + op + ": window #" + std::to_string(index) + " was deregistered");
+  }
+  return w;
+}
+
+// ------------------------------------------------------------ operations
+
+void OneSided::validate(const PutArgs& a, const char* op, bool is_get) const {
+  std::string head = who() + op + " (peer " + std::to_string(a.peer) + "): ";
+  if (a.peer < 0 || a.peer >= nranks_) {
+    fail(Code::kInvalidArgument, a.peer, 0, head + "peer out of range [0, " + std::to_string(nranks_) + ")");
+  }
+  if (a.ctx < 0 || a.ctx >= ncontexts_) {
+    fail(Code::kInvalidArgument, a.peer, 0, head + "context " + std::to_string(a.ctx) + " out of range");
+  }
+  if (a.size == 0 && !is_get && a.sig.on) return;  // signal only: no data windows involved
+  std::shared_ptr<Window> local = window(is_get ? a.dst_win : a.src_win, op);
+  std::shared_ptr<Window> remote = window(is_get ? a.src_win : a.dst_win, op);
+  for (const Window* w : {local.get(), remote.get()}) {
+    if (w->kind == WindowKind::kSignal) {
+      fail(Code::kInvalidArgument, a.peer, 0, head + "window #" + std::to_string(w->index) +
+                                                  " is a signal window; use signal() / put_signal()");
+    }
+  }
+  uint64_t loff = is_get ? a.dst_off : a.src_off, roff = is_get ? a.src_off : a.dst_off;
+  if (!in_range(loff, a.size, local->size)) {
+    fail(Code::kInvalidArgument, a.peer, 0, head + "local range " + range_text(loff, a.size) +
+                                                " exceeds window #" + std::to_string(local->index) + " (" +
+                                                std::to_string(local->size) + " bytes)");
+  }
+  uint64_t rsize = remote->peers[a.peer].size;
+  if (!in_range(roff, a.size, rsize)) {
+    fail(Code::kInvalidArgument, a.peer, 0, head + "remote range " + range_text(roff, a.size) +
+                                                " exceeds window #" + std::to_string(remote->index) +
+                                                " of peer " + std::to_string(a.peer) + " (" +
+                                                std::to_string(rsize) + " bytes)");
+  }
+}
+
+void OneSided::validate_signal(const PutArgs& a, const char* op) const {
+  std::shared_ptr<Window> w = window(a.sig.win, op);
+  std::string head = who() + op + " (peer " + std::to_string(a.peer) + "): ";
+  if (w->kind != WindowKind::kSignal) {
+    fail(Code::kInvalidArgument, a.peer, 0, head + "window #" + std::to_string(a.sig.win) + " is not a signal window");
+  }
+  uint64_t nslots = w->peers[a.peer].size / 8;
+  if (a.sig.slot >= nslots) {
+    fail(Code::kInvalidArgument, a.peer, 0, head + "signal slot " + std::to_string(a.sig.slot) +
+                                                " out of range [0, " + std::to_string(nslots) + ")");
+  }
+}
+
+bool OneSided::inline_data(const PutArgs& a, const Window& local, const PeerView& v, bool is_get) {
+  uint8_t* mine = local.base + (is_get ? a.dst_off : a.src_off);
+  uint64_t theirs = is_get ? a.src_off : a.dst_off;
+  if (v.path == Path::kSelf || v.path == Path::kShm) {
+    if (is_get) std::memmove(mine, v.mapped + theirs, a.size);
+    else std::memmove(v.mapped + theirs, mine, a.size);
+    return true;
+  }
+  if (v.path != Path::kCma) return false;
+  int err = is_get ? cma::read(v.pid, v.addr + theirs, mine, a.size)
+                   : cma::write(v.pid, v.addr + theirs, mine, a.size);
+  if (err != 0) {
+    FXM_WARN(rank_, std::string(is_get ? "process_vm_readv" : "process_vm_writev") + " to peer " +
+                        std::to_string(a.peer) + " failed (" + errno_text(err) + "); this op goes over tcp");
+  }
+  return err == 0;
+}
+
+void OneSided::check_put(const PutArgs& a) const {
+  const char* op = !a.sig.on ? "put" : a.size ? "put_signal" : "signal";
+  validate(a, op, false);
+  if (a.sig.on) validate_signal(a, op);
+}
+
+void OneSided::put(const PutArgs& in) {
+  PutArgs a = in;
+  check_put(a);
+  if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
+  std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  bool via_tcp = engine_->busy(a.peer, a.ctx);
+  bool data_done = a.size == 0;
+  if (!data_done && !via_tcp) {
+    std::shared_ptr<Window> src = windows_->get(a.src_win), dst = windows_->get(a.dst_win);
+    data_done = inline_data(a, *src, dst->peers[a.peer], false);
+  }
+  if (!data_done) {  // the signal travels with the data
+    const uint8_t* src = windows_->get(a.src_win)->base + a.src_off;
+    engine_->post_put(a.peer, a.ctx, src, a.size, a.dst_win, a.dst_off, a.sig);
+    return;
+  }
+  if (a.sig.on) {
+    std::shared_ptr<Window> sw = windows_->get(a.sig.win);
+    const PeerView& v = sw->peers[a.peer];
+    if (via_tcp || (v.path != Path::kSelf && v.path != Path::kShm)) {
+      engine_->post_put(a.peer, a.ctx, nullptr, 0, 0, 0, a.sig);
+      return;
+    }
+    apply_signal(reinterpret_cast<uint64_t*>(v.mapped), v.last_src, a.sig.slot, a.sig.value, a.sig.set, rank_);
+  }
+  engine_->count_inline(a.peer, 1);
+}
+
+void OneSided::get(const PutArgs& a) {
+  validate(a, "get", true);
+  std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  std::shared_ptr<Window> remote = windows_->get(a.src_win), local = windows_->get(a.dst_win);
+  if (a.size == 0 || (!engine_->busy(a.peer, a.ctx) && inline_data(a, *local, remote->peers[a.peer], true))) {
+    engine_->count_inline(a.peer, 1);
+    return;
+  }
+  engine_->post_get(a.peer, a.ctx, a.src_win, a.src_off, local->base + a.dst_off, a.size);
+}
+
+uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
+  std::shared_ptr<Window> w = window(win, "read_signal");
+  if (w->kind != WindowKind::kSignal || slot >= w->nslots()) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "read_signal: window #" + std::to_string(win) + " slot " +
+                                            std::to_string(slot) + " is not a signal slot (window has " +
+                                            std::to_string(w->nslots()) + " slots)");
+  }
+  return load_signal(reinterpret_cast<const uint64_t*>(w->base), slot);
+}
+
+void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const {
+  uint64_t current = read_signal(win, slot);
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(windows_->get(win)->base);
+  for (uint64_t spins = 0; current < expected; ++spins) {
+    if (spins < 4096) {
+      cpu_relax();
+    } else if ((spins & 63) == 0) {
+      int lost = engine_->first_lost_peer();
+      std::string what = who() + "wait_signal(window #" + std::to_string(win) + ", slot " + std::to_string(slot) +
+                         "): expected >= " + std::to_string(expected) + ", current " + std::to_string(current);
+      int64_t last = __atomic_load_n(&windows_->get(win)->last_src[slot], __ATOMIC_RELAXED);
+      std::string by = last < 0 ? "never signalled" : "last signalled by rank " + std::to_string(last);
+      if (lost >= 0) fail(Code::kPeerLost, lost, 0, what + ", " + by + "; peer " + std::to_string(lost) + " was lost: " + engine_->lost_reason(lost));
+      if (deadline.expired()) fail(Code::kTimeout, static_cast<int>(last), 0, what + ", " + by + ": timed out");
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(spins < 20000 ? 2 : 50));
+    }
+    current = load_signal(slots, slot);
+  }
+}
+
+}  // namespace fxm

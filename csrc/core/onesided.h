@@ -1,0 +1,76 @@
+// One-sided operations of a mesh: collective window registration, then
+// put / get / signal / put_signal / batch put, completion counting and
+// signal waits. Every argument is validated before anything is written,
+// locally or remotely. Operations on one (peer, context) are FIFO: an op
+// whose window allows an inline path (self, shm, cma) still takes TCP while
+// earlier TCP ops to that pair are in flight.
+#pragma once
+
+#include <functional>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "bootstrap/client.h"
+#include "core/clock.h"
+#include "core/progress.h"
+#include "core/window.h"
+
+namespace fxm {
+
+using Allgather = std::function<bootstrap::Parts(const std::vector<uint8_t>&)>;
+
+struct PutArgs {
+  int peer = 0;
+  int ctx = 0;
+  uint32_t src_win = 0;
+  uint64_t src_off = 0;
+  uint32_t dst_win = 0;
+  uint64_t dst_off = 0;
+  uint64_t size = 0;
+  SignalSpec sig;  // sig.on: apply after the data landed (put_signal / signal)
+};
+
+class OneSided {
+ public:
+  OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine* engine,
+           WindowTable* windows, Allgather allgather);
+
+  // Collective registration; each returns the window index.
+  uint32_t register_user(void* base, uint64_t size);
+  uint32_t alloc(uint64_t size);
+  uint32_t alloc_signal(uint64_t nslots);
+  // Collective: flushes, then every rank drops the window.
+  void deregister(uint32_t index, const Deadline& deadline);
+  std::shared_ptr<Window> window(uint32_t index, const char* op) const;  // live or throws
+
+  void put(const PutArgs& a);
+  // Validates like put() without issuing anything (batch_put checks all first).
+  void check_put(const PutArgs& a) const;
+  // Reads peer's window src_win into this rank's window dst_win.
+  void get(const PutArgs& a);
+  uint64_t read_signal(uint32_t win, uint64_t slot) const;
+  void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const;
+
+ private:
+  uint32_t register_window(std::shared_ptr<Window> w, const std::string& shm_name);
+  void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
+  PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
+  void validate(const PutArgs& a, const char* op, bool is_get) const;
+  void validate_signal(const PutArgs& a, const char* op) const;
+  bool inline_data(const PutArgs& a, const Window& src, const PeerView& dst, bool is_get);
+  void inline_signal(const PutArgs& a, const char* op);
+  std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+
+  int rank_, nranks_, ncontexts_;
+  std::string tag_;
+  Engine* engine_;
+  WindowTable* windows_;
+  Allgather allgather_;
+  std::string host_;
+  std::vector<std::unique_ptr<std::mutex>> pair_mu_;  // per (peer, ctx)
+  std::mutex register_mu_;
+};
+
+}  // namespace fxm

@@ -1,0 +1,540 @@
+#include "core/progress.h"
+
+#include <poll.h>
+#include <sys/eventfd.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cerrno>
+#include <cstring>
+
+#include "core/log.h"
+#include "core/signal_ops.h"
+#include "core/status.h"
+
+namespace fxm {
+
+using wire::FrameType;
+
+struct Engine::OutItem {
+  std::vector<uint8_t> head;      // frame header + op header (+ owned payload)
+  const uint8_t* data = nullptr;  // borrowed payload (puts, get answers)
+  uint64_t len = 0;
+  uint64_t sent = 0;
+  uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
+  uint64_t total() const { return head.size() + len; }
+};
+
+struct Engine::InConn {
+  enum State { kHeader, kOpHeader, kPayload } st = kHeader;
+  uint8_t buf[64];
+  size_t got = 0, need = wire::kFrameHeaderSize;
+  wire::FrameHeader f;
+  wire::PutHeader put;
+  uint64_t req_id = 0;
+  uint8_t* dst = nullptr;  // payload destination; nullptr: discard
+  uint64_t total = 0, remaining = 0;
+  std::vector<uint8_t> msg;
+  std::shared_ptr<Window> pin;
+  bool closed = false;
+  void reset() {
+    st = kHeader;
+    got = 0;
+    need = wire::kFrameHeaderSize;
+    dst = nullptr;
+    pin.reset();
+  }
+};
+
+namespace {
+
+size_t op_header_size(FrameType t) {
+  switch (t) {
+    case FrameType::kPut: return sizeof(wire::PutHeader);
+    case FrameType::kGetReq: return sizeof(wire::GetHeader);
+    case FrameType::kGetResp:
+    case FrameType::kAck: return 8;
+    default: return 0;
+  }
+}
+
+template <typename T>
+std::vector<uint8_t> frame(FrameType type, const T* op, uint64_t payload) {
+  size_t oplen = op ? sizeof(T) : 0;
+  std::vector<uint8_t> b(wire::kFrameHeaderSize + oplen);
+  wire::encode_frame({type, 0, oplen + payload}, b.data());
+  if (op) std::memcpy(b.data() + wire::kFrameHeaderSize, op, oplen);
+  return b;
+}
+
+uint8_t g_scratch[1 << 16];  // sink for discarded payloads (contents never read)
+
+}  // namespace
+
+Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows)
+    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), conns_(conns), windows_(windows),
+      out_(nranks * ncontexts), mailbox_(nranks * ncontexts), outstanding_(nranks * ncontexts),
+      queued_msg_(nranks * ncontexts),
+      applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
+      lost_(nranks), bye_(nranks), issued_(nranks), done_(nranks) {
+  for (int s = 0; s < nranks * ncontexts; ++s) in_.push_back(std::make_unique<InConn>());
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the progress thread");
+  thread_ = std::thread([this] { run(); });
+}
+
+Engine::~Engine() {
+  stop();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+}
+
+void Engine::wake() {
+  uint64_t one = 1;
+  ssize_t n = ::write(wake_fd_, &one, sizeof(one));
+  (void)n;
+}
+
+void Engine::enqueue(int s, OutItem&& item, bool counted) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    int peer = s / ncontexts_;
+    if (counted) {
+      ++outstanding_[s];
+      issued_[peer].fetch_add(1);
+    }
+    out_[s].push_back(std::move(item));
+  }
+  wake();
+}
+
+void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
+                      uint64_t dst_off, const SignalSpec& sig) {
+  wire::PutHeader h;
+  h.dst_win = dst_win;
+  h.dst_off = dst_off;
+  if (sig.on) {
+    h.flags = wire::kPutHasSignal | (sig.set ? wire::kPutSignalSet : 0);
+    h.sig_win = sig.win;
+    h.sig_slot = sig.slot;
+    h.sig_val = sig.value;
+  }
+  OutItem it{frame(FrameType::kPut, &h, len), src, len, 0, 0};
+  enqueue(slot(peer, ctx), std::move(it), true);
+}
+
+void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
+                      uint64_t len) {
+  wire::GetHeader g;
+  g.src_win = src_win;
+  g.src_off = src_off;
+  g.size = len;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    g.req_id = next_req_++;
+    gets_[g.req_id] = {peer, ctx, dst, len};
+  }
+  enqueue(slot(peer, ctx), {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, true);
+}
+
+bool Engine::busy(int peer, int ctx) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return outstanding_[slot(peer, ctx)] != 0;
+}
+
+void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline) {
+  int s = slot(peer, ctx);
+  OutItem it{frame<wire::PutHeader>(FrameType::kMessage, nullptr, len), nullptr, 0, 0, len};
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  it.head.insert(it.head.end(), p, p + len);
+  std::unique_lock<std::mutex> lock(mu_);
+  std::string what = who() + "send to peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
+  while (queued_msg_[s] > 0 && queued_msg_[s] + len > kMaxQueuedMessageBytes) {
+    if (!lost_[peer].empty() || bye_[peer] || stopping_) break;
+    if (deadline.expired()) {
+      fail(Code::kTimeout, peer, 0, what + ": timed out waiting for " + std::to_string(queued_msg_[s]) +
+                                        " queued bytes to drain (is the peer receiving?)");
+    }
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  }
+  if (stopping_) fail(Code::kClosed, peer, 0, what + ": the mesh was closed");
+  if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost_[peer]);
+  if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  queued_msg_[s] += len;
+  out_[s].push_back(std::move(it));
+  lock.unlock();
+  wake();
+}
+
+std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  auto& box = mailbox_[slot(peer, ctx)];
+  while (box.empty()) {
+    if (stopping_) fail(Code::kClosed, peer, 0, who() + "recv: the mesh was closed");
+    if (!lost_[peer].empty() || bye_[peer]) break;
+    if (deadline.expired()) break;
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  }
+  if (!box.empty()) {
+    std::vector<uint8_t> m = std::move(box.front());
+    box.pop_front();
+    return m;
+  }
+  std::string what = who() + "recv from peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
+  if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost_[peer]);
+  if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  fail(Code::kTimeout, peer, 0, what + ": timed out");
+}
+
+void Engine::count_inline(int peer, uint64_t n) {
+  issued_[peer].fetch_add(n);
+  done_[peer].fetch_add(n);
+  completed_all_.fetch_add(n);
+}
+
+void Engine::complete(int peer, int ctx, uint64_t n) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outstanding_[slot(peer, ctx)] -= n;
+  }
+  done_[peer].fetch_add(n);
+  completed_all_.fetch_add(n);
+  cv_.notify_all();
+}
+
+std::string Engine::lost_reason(int peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return lost_[peer];
+}
+
+int Engine::first_lost_peer() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (int p = 0; p < nranks_; ++p) {
+    if (!lost_[p].empty()) return p;
+  }
+  return -1;
+}
+
+void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (completed_all_.load() < value) {
+    for (int p = 0; p < nranks_; ++p) {
+      if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load()) {
+        lock.unlock();
+        fail_wait(p, "wait_counter", deadline);
+      }
+    }
+    if (stopping_) fail(Code::kClosed, -1, 0, who() + "wait_counter: the mesh was closed");
+    if (deadline.expired()) {
+      fail(Code::kTimeout, -1, 0, who() + "wait_counter(" + std::to_string(value) + ") timed out at " +
+                                      std::to_string(completed_all_.load()) + " completed ops");
+    }
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  }
+}
+
+void Engine::flush(int peer, const Deadline& deadline) {
+  int lo = peer < 0 ? 0 : peer, hi = peer < 0 ? nranks_ : peer + 1;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (int p = lo; p < hi; ++p) {
+    while (done_[p].load() != issued_[p].load()) {
+      if (!lost_[p].empty() || bye_[p] || deadline.expired()) {
+        lock.unlock();
+        fail_wait(p, "flush", deadline);
+      }
+      if (stopping_) fail(Code::kClosed, p, 0, who() + "flush: the mesh was closed");
+      cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+    }
+  }
+}
+
+void Engine::fail_wait(int peer, const char* doing, const Deadline& deadline) const {
+  uint64_t left = issued_[peer].load() - done_[peer].load();
+  std::string what = who() + doing + ": " + std::to_string(left) + " op(s) to peer " +
+                     std::to_string(peer) + " not completed";
+  std::string lost = lost_reason(peer);
+  if (!lost.empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost);
+  if (!deadline.expired()) fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  fail(Code::kTimeout, peer, 0, what + " before the deadline");
+}
+
+void Engine::lose(int peer, const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!lost_[peer].empty() || bye_[peer]) return;
+    lost_[peer] = why;
+    for (int c = 0; c < ncontexts_; ++c) {
+      out_[slot(peer, c)].clear();
+      queued_msg_[slot(peer, c)] = 0;
+    }
+    for (auto it = gets_.begin(); it != gets_.end();) {
+      it = it->second.peer == peer ? gets_.erase(it) : std::next(it);
+    }
+  }
+  if (!stopping_) FXM_WARN(rank_, "peer " + std::to_string(peer) + " lost: " + why);
+  cv_.notify_all();
+}
+
+void Engine::run() {
+  while (!stopping_) poll_once();
+}
+
+void Engine::poll_once() {
+  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
+  std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
+  int total = nranks_ * ncontexts_;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int s = 0; s < total; ++s) {
+      if (!out_[s].empty()) {
+        fds.push_back({conns_->send[s].get(), POLLOUT, 0});
+        owner.push_back(s);
+      }
+      if (!in_[s]->closed) {
+        fds.push_back({conns_->recv[s].get(), POLLIN, 0});
+        owner.push_back(total + s);
+      }
+    }
+  }
+  ::poll(fds.data(), fds.size(), 100);
+  if (fds[0].revents) {
+    uint64_t v;
+    ssize_t n = ::read(wake_fd_, &v, sizeof(v));
+    (void)n;
+  }
+  for (size_t k = 1; k < fds.size(); ++k) {
+    if (fds[k].revents == 0) continue;
+    if (owner[k] >= total) read_some(owner[k] - total);
+    else write_some(owner[k]);
+  }
+  send_acks();
+}
+
+bool Engine::write_some(int s) {
+  int fd = conns_->send[s].get();
+  while (true) {
+    OutItem* it;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (out_[s].empty()) return true;
+      it = &out_[s].front();
+    }
+    iovec iov[2];
+    int n = 0;
+    uint64_t hs = it->head.size();
+    if (it->sent < hs) iov[n++] = {it->head.data() + it->sent, hs - it->sent};
+    if (it->len > 0) {
+      uint64_t off = it->sent > hs ? it->sent - hs : 0;
+      iov[n++] = {const_cast<uint8_t*>(it->data) + off, it->len - off};
+    }
+    msghdr mh{};
+    mh.msg_iov = iov;
+    mh.msg_iovlen = n;
+    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w < 0) {
+      if (errno == EINTR) continue;
+      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
+      lose(s / ncontexts_, "writing to its connection failed: " + errno_text(errno));
+      return false;
+    }
+    it->sent += static_cast<uint64_t>(w);
+    if (it->sent == it->total()) {
+      std::lock_guard<std::mutex> lock(mu_);
+      queued_msg_[s] -= it->msg_bytes;
+      bool notify = stopping_ || it->msg_bytes > 0 || out_[s].size() == 1;
+      out_[s].pop_front();
+      if (notify) cv_.notify_all();
+    }
+  }
+}
+
+void Engine::read_some(int s) {
+  InConn& in = *in_[s];
+  int fd = conns_->recv[s].get();
+  size_t budget = 8u << 20;  // then let other connections have a turn
+  while (budget > 0 && !in.closed) {
+    uint8_t* where;
+    size_t want;
+    if (in.st == InConn::kPayload) {
+      want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
+      where = in.dst ? in.dst + (in.total - in.remaining) : g_scratch;
+      if (!in.dst) want = std::min(want, sizeof(g_scratch));
+    } else {
+      where = in.buf + in.got;
+      want = in.need - in.got;
+    }
+    tcp::IoResult r = tcp::read_some(fd, where, want);
+    if (!r.ok()) {
+      in.closed = true;
+      int peer = s / ncontexts_;
+      bool clean;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        clean = bye_[peer];
+      }
+      if (!clean) lose(peer, "its connection closed (" + r.describe() + "; the process exited or was killed)");
+      cv_.notify_all();
+      return;
+    }
+    if (r.done == 0) return;
+    budget -= std::min(budget, r.done);
+    if (in.st == InConn::kPayload) {
+      in.remaining -= r.done;
+      if (in.remaining == 0) on_payload_done(s, in);
+    } else if ((in.got += r.done) == in.need) {
+      if (in.st == InConn::kHeader) on_header(s, in);
+      else on_op_header(s, in);
+    }
+  }
+}
+
+void Engine::on_header(int s, InConn& in) {
+  if (!wire::decode_frame(in.buf, &in.f)) {
+    lose(s / ncontexts_, "protocol error: a malformed frame arrived");
+    in.closed = true;
+    return;
+  }
+  size_t oplen = op_header_size(in.f.type);
+  if (in.f.length < oplen) {
+    lose(s / ncontexts_, "protocol error: a frame shorter than its op header");
+    in.closed = true;
+    return;
+  }
+  in.st = InConn::kOpHeader;
+  in.got = 0;
+  in.need = oplen;
+  if (oplen == 0) on_op_header(s, in);
+}
+
+void Engine::on_op_header(int s, InConn& in) {
+  int peer = s / ncontexts_;
+  uint64_t payload = in.f.length - in.need;
+  in.dst = nullptr;
+  switch (in.f.type) {
+    case FrameType::kMessage:
+      in.msg.assign(payload, 0);
+      in.dst = in.msg.data();
+      break;
+    case FrameType::kPut: {
+      std::memcpy(&in.put, in.buf, sizeof(in.put));
+      in.pin = windows_->get(in.put.dst_win);
+      bool ok = in.pin && in.pin->live && in.put.dst_off <= in.pin->size &&
+                payload <= in.pin->size - in.put.dst_off;
+      if (ok) in.dst = in.pin->base + in.put.dst_off;
+      else FXM_WARN(rank_, "dropped a put from peer " + std::to_string(peer) + " to window #" +
+                             std::to_string(in.put.dst_win) + ": not registered here or out of range");
+      break;
+    }
+    case FrameType::kGetReq: {
+      wire::GetHeader g;
+      std::memcpy(&g, in.buf, sizeof(g));
+      on_get_request(s, g);
+      in.reset();
+      return;
+    }
+    case FrameType::kGetResp: {
+      std::memcpy(&in.req_id, in.buf, 8);
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = gets_.find(in.req_id);
+      if (it != gets_.end() && it->second.len == payload) in.dst = it->second.dst;
+      break;
+    }
+    case FrameType::kAck: {
+      uint64_t v;
+      std::memcpy(&v, in.buf, 8);
+      uint64_t delta = v - acked_in_[s];
+      acked_in_[s] = v;
+      if (delta) complete(peer, s % ncontexts_, delta);
+      in.reset();
+      return;
+    }
+    case FrameType::kBye: {
+      std::lock_guard<std::mutex> lock(mu_);
+      bye_[peer] = true;
+      in.reset();
+      return;
+    }
+    default:
+      lose(peer, "protocol error: unknown frame type " + std::to_string(static_cast<int>(in.f.type)));
+      in.closed = true;
+      return;
+  }
+  in.st = InConn::kPayload;
+  in.total = in.remaining = payload;
+  if (payload == 0) on_payload_done(s, in);
+}
+
+void Engine::on_payload_done(int s, InConn& in) {
+  int peer = s / ncontexts_;
+  if (in.f.type == FrameType::kMessage) {
+    std::lock_guard<std::mutex> lock(mu_);
+    mailbox_[s].push_back(std::move(in.msg));
+    cv_.notify_all();
+  } else if (in.f.type == FrameType::kPut) {
+    if (in.put.flags & wire::kPutHasSignal) {
+      std::shared_ptr<Window> w = windows_->get(in.put.sig_win);
+      if (w && w->live && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots()) {
+        apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, in.put.sig_slot, in.put.sig_val,
+                     (in.put.flags & wire::kPutSignalSet) != 0, peer);
+      } else {
+        FXM_WARN(rank_, "dropped a signal from peer " + std::to_string(peer) + ": window #" +
+                            std::to_string(in.put.sig_win) + " slot " + std::to_string(in.put.sig_slot) +
+                            " is not a signal slot here");
+      }
+    }
+    ++applied_[s];
+  } else if (in.f.type == FrameType::kGetResp) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gets_.erase(in.req_id);
+    }
+    complete(peer, s % ncontexts_, 1);
+  }
+  in.reset();
+}
+
+void Engine::on_get_request(int s, const wire::GetHeader& g) {
+  std::shared_ptr<Window> w = windows_->get(g.src_win);
+  if (!w || !w->live || g.src_off > w->size || g.size > w->size - g.src_off) {
+    lose(s / ncontexts_, "protocol error: a get request for window #" + std::to_string(g.src_win) +
+                             " out of range here");
+    return;
+  }
+  uint64_t id = g.req_id;
+  OutItem it{frame(FrameType::kGetResp, &id, g.size), w->base + g.src_off, g.size, 0, 0};
+  enqueue(s, std::move(it), false);
+}
+
+void Engine::send_acks() {
+  int total = nranks_ * ncontexts_;
+  for (int s = 0; s < total; ++s) {
+    if (applied_[s] == acked_out_[s]) continue;
+    acked_out_[s] = applied_[s];
+    uint64_t v = applied_[s];
+    enqueue(s, {frame(FrameType::kAck, &v, 0), nullptr, 0, 0, 0}, false);
+  }
+}
+
+void Engine::stop() {
+  if (!thread_.joinable()) return;
+  int total = nranks_ * ncontexts_;
+  for (int s = 0; s < total; ++s) {
+    enqueue(s, {frame<wire::PutHeader>(FrameType::kBye, nullptr, 0), nullptr, 0, 0, 0}, false);
+  }
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait_for(lock, std::chrono::seconds(1), [&] {
+      for (int s = 0; s < total; ++s) {
+        if (!out_[s].empty() && lost_[s / ncontexts_].empty()) return false;
+      }
+      return true;
+    });
+    stopping_ = true;
+  }
+  wake();
+  thread_.join();
+  cv_.notify_all();
+}
+
+}  // namespace fxm

@@ -1,0 +1,123 @@
+// The progress engine of one mesh: a thread that owns every TCP connection
+// once the mesh is built. It writes queued frames (messages, puts, get
+// requests and answers, acks) without blocking, reads every receive
+// connection, lands incoming puts in the target windows and then applies
+// their signals, answers gets, counts completions from acks, and files
+// two-sided messages into per-(peer, context) mailboxes.
+//
+// Application threads only enqueue (under mu_) and wake the thread through
+// an eventfd; nothing they call blocks on a socket. A connection that closes
+// without a kBye marks its peer lost: waits on it fail with PeerLost.
+#pragma once
+
+#include <atomic>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "core/clock.h"
+#include "core/mesh_builder.h"
+#include "core/window.h"
+#include "core/wire.h"
+
+namespace fxm {
+
+struct SignalSpec {
+  bool on = false;
+  bool set = false;  // false: add
+  uint32_t win = 0;
+  uint64_t slot = 0;
+  uint64_t value = 0;
+};
+
+class Engine {
+ public:
+  Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows);
+  ~Engine();
+
+  // One-sided ops over TCP (the caller validated every argument). The source
+  // bytes must stay valid until the op completes (see completed()).
+  void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
+                uint64_t dst_off, const SignalSpec& sig);
+  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len);
+  // True while TCP ops to (peer, ctx) are not yet complete at the target;
+  // later ops to that pair must then take TCP too, to stay FIFO.
+  bool busy(int peer, int ctx) const;
+
+  // Two-sided messages. The message is copied into the queue; while more
+  // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
+  // call waits for the queue to drain, up to `deadline`.
+  static constexpr uint64_t kMaxQueuedMessageBytes = 64ull << 20;
+  void post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline);
+  std::vector<uint8_t> recv_message(int peer, int ctx, const Deadline& deadline);
+
+  // Completion counting: ops issued by this rank and completed at their target.
+  void count_inline(int peer, uint64_t n);  // ops done synchronously
+  uint64_t completed() const { return completed_all_.load(); }
+  void wait_counter(uint64_t value, const Deadline& deadline);
+  void flush(int peer, const Deadline& deadline);  // peer -1: every peer
+
+  // "" when the peer is fine, else why it is lost.
+  std::string lost_reason(int peer) const;
+  int first_lost_peer() const;
+  // Sends kBye on every connection, drains queues (bounded), stops the thread.
+  void stop();
+
+ private:
+  struct OutItem;
+  struct InConn;
+  int slot(int peer, int ctx) const { return peer * ncontexts_ + ctx; }
+  void enqueue(int s, OutItem&& item, bool counted);
+  void wake();
+  void run();
+  void poll_once();
+  bool write_some(int s);
+  void read_some(int s);
+  bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
+  void on_header(int s, InConn& in);
+  void on_op_header(int s, InConn& in);
+  void on_payload_done(int s, InConn& in);
+  void on_get_request(int s, const wire::GetHeader& g);
+  void complete(int peer, int ctx, uint64_t n);
+  void send_acks();
+  void lose(int peer, const std::string& why);
+  [[noreturn]] void fail_wait(int peer, const char* doing, const Deadline& deadline) const;
+  std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+
+  int rank_, nranks_, ncontexts_;
+  Connections* conns_;
+  WindowTable* windows_;
+  int wake_fd_ = -1;
+  std::thread thread_;
+  std::atomic<bool> stopping_{false};
+
+  mutable std::mutex mu_;  // queues, mailboxes, pending gets, lost_
+  std::condition_variable cv_;
+  std::vector<std::deque<OutItem>> out_;
+  std::vector<std::unique_ptr<InConn>> in_;
+  std::vector<std::deque<std::vector<uint8_t>>> mailbox_;
+  struct PendingGet {
+    int peer, ctx;
+    uint8_t* dst;
+    uint64_t len;
+  };
+  std::map<uint64_t, PendingGet> gets_;
+  uint64_t next_req_ = 1;
+  std::vector<uint64_t> outstanding_;  // per slot: counted TCP ops not yet complete
+  std::vector<uint64_t> queued_msg_;   // per slot: message bytes waiting to be written
+  std::vector<uint64_t> applied_;      // per slot: ops from that peer applied here
+  std::vector<uint64_t> acked_out_;    // per slot: applied count last acked
+  std::vector<uint64_t> acked_in_;     // per slot: ack received from that peer
+  std::vector<std::string> lost_;      // per peer
+  std::vector<bool> bye_;              // per peer: said goodbye
+  std::vector<std::atomic<uint64_t>> issued_, done_;  // per peer
+  std::atomic<uint64_t> completed_all_{0};
+};
+
+}  // namespace fxm

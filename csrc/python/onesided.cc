@@ -1,0 +1,116 @@
+// Bindings of windows and one-sided operations; thin, the GIL released
+// around everything that can wait.
+#include <pybind11/stl.h>
+
+#include "python/bindings.h"
+
+namespace fxm_py {
+
+using fxm::Mesh;
+using fxm::PutArgs;
+
+ByteView::ByteView(const py::object& obj, bool writable) {
+  int flags = PyBUF_SIMPLE | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj.ptr(), &view_, flags) != 0) throw py::error_already_set();
+}
+
+namespace {
+
+fxm::SignalSpec signal_spec(uint32_t win, uint64_t slot, uint64_t value, const std::string& op) {
+  if (op != "add" && op != "set") throw py::value_error("signal op must be 'add' or 'set', got '" + op + "'");
+  fxm::SignalSpec s;
+  s.on = true;
+  s.set = op == "set";
+  s.win = win;
+  s.slot = slot;
+  s.value = value;
+  return s;
+}
+
+uint32_t register_buffer(Mesh& m, const py::object& obj) {
+  ByteView view(obj, true);  // the Python Window keeps the exporter alive
+  void* base = view.data();
+  size_t size = view.size();
+  py::gil_scoped_release release;
+  return m.register_window(base, size);
+}
+
+py::dict window_info(Mesh& m, uint32_t index) {
+  std::shared_ptr<fxm::Window> w = m.window(index);
+  py::dict d;
+  d["index"] = w->index;
+  d["kind"] = fxm::kind_name(w->kind);
+  d["size"] = w->size;
+  d["mode"] = w->mode();
+  d["describe"] = w->describe();
+  py::list paths;
+  for (const fxm::PeerView& v : w->peers) paths.append(py::make_tuple(fxm::path_name(v.path), v.why));
+  d["paths"] = paths;
+  return d;
+}
+
+py::memoryview window_memory(Mesh& m, uint32_t index) {
+  std::shared_ptr<fxm::Window> w = m.window(index);
+  if (w->kind == fxm::WindowKind::kUser) throw py::value_error("user windows are the caller's own buffer");
+  return py::memoryview::from_memory(w->base, static_cast<py::ssize_t>(w->size));
+}
+
+void put(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+         uint64_t size, int ctx) {
+  PutArgs a{peer, ctx, src_win, src_off, dst_win, dst_off, size, {}};
+  py::gil_scoped_release release;
+  m.put(a);
+}
+
+void put_signal(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+                uint64_t size, uint32_t sig_win, uint64_t slot, uint64_t value, const std::string& op, int ctx) {
+  PutArgs a{peer, ctx, src_win, src_off, dst_win, dst_off, size, signal_spec(sig_win, slot, value, op)};
+  py::gil_scoped_release release;
+  m.put(a);
+}
+
+void get(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+         uint64_t size, int ctx) {
+  PutArgs a{peer, ctx, src_win, src_off, dst_win, dst_off, size, {}};
+  py::gil_scoped_release release;
+  m.get(a);
+}
+
+// entries: (src_off, dst_off, size) triples; all validated before any is issued.
+void batch_put(Mesh& m, int peer, uint32_t src_win, uint32_t dst_win,
+               const std::vector<std::tuple<uint64_t, uint64_t, uint64_t>>& entries, int ctx) {
+  std::vector<PutArgs> ops;
+  ops.reserve(entries.size());
+  for (const auto& [src_off, dst_off, size] : entries) {
+    ops.push_back(PutArgs{peer, ctx, src_win, src_off, dst_win, dst_off, size, {}});
+  }
+  py::gil_scoped_release release;
+  m.batch_put(ops);
+}
+
+}  // namespace
+
+void bind_onesided(py::class_<Mesh>& cls) {
+  using py::arg;
+  auto nogil = py::call_guard<py::gil_scoped_release>();
+  cls.def("register_window", &register_buffer, arg("buffer"))
+      .def("alloc_window", &Mesh::alloc_window, arg("nbytes"), nogil)
+      .def("signal_window", &Mesh::signal_window, arg("nslots"), nogil)
+      .def("deregister", &Mesh::deregister, arg("index"), nogil)
+      .def("window_info", &window_info, arg("index"))
+      .def("window_memory", &window_memory, arg("index"))
+      .def("put", &put, arg("peer"), arg("src_win"), arg("src_off"), arg("dst_win"), arg("dst_off"),
+           arg("size"), arg("context"))
+      .def("put_signal", &put_signal, arg("peer"), arg("src_win"), arg("src_off"), arg("dst_win"),
+           arg("dst_off"), arg("size"), arg("sig_win"), arg("slot"), arg("value"), arg("op"), arg("context"))
+      .def("get", &get, arg("peer"), arg("src_win"), arg("src_off"), arg("dst_win"), arg("dst_off"),
+           arg("size"), arg("context"))
+      .def("batch_put", &batch_put, arg("peer"), arg("src_win"), arg("dst_win"), arg("entries"), arg("context"))
+      .def("read_signal", &Mesh::read_signal, arg("win"), arg("slot"), nogil)
+      .def("wait_signal", &Mesh::wait_signal, arg("win"), arg("slot"), arg("expected"), arg("timeout"), nogil)
+      .def("flush", &Mesh::flush, arg("peer"), arg("timeout"), nogil)
+      .def("read_counter", &Mesh::read_counter, nogil)
+      .def("wait_counter", &Mesh::wait_counter, arg("value"), arg("timeout"), nogil);
+}
+
+}  // namespace fxm_py

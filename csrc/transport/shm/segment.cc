@@ -1,0 +1,102 @@
+#include "transport/shm/segment.h"
+
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cerrno>
+#include <fstream>
+
+#include "core/status.h"
+
+namespace fxm::shm {
+
+Segment& Segment::operator=(Segment&& o) noexcept {
+  if (this != &o) {
+    reset();
+    data_ = o.data_;
+    size_ = o.size_;
+    name_ = std::move(o.name_);
+    owner_ = o.owner_;
+    o.data_ = nullptr;
+    o.size_ = 0;
+    o.owner_ = false;
+  }
+  return *this;
+}
+
+namespace {
+
+uint8_t* map_fd(int fd, size_t size, int* err) {
+  void* p = ::mmap(nullptr, size == 0 ? 1 : size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+  if (p == MAP_FAILED) {
+    *err = errno;
+    return nullptr;
+  }
+  return static_cast<uint8_t*>(p);
+}
+
+}  // namespace
+
+Segment Segment::create(const std::string& name, size_t size) {
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  if (fd < 0) fail(Code::kSystem, -1, errno, "shm_open(" + name + ") for a window");
+  int err = 0;
+  if (::ftruncate(fd, static_cast<off_t>(size == 0 ? 1 : size)) != 0) err = errno;
+  uint8_t* p = err ? nullptr : map_fd(fd, size, &err);
+  ::close(fd);
+  if (p == nullptr) {
+    ::shm_unlink(name.c_str());
+    fail(Code::kSystem, -1, err,
+         "sizing/mapping a " + std::to_string(size) + "-byte shared-memory window (is /dev/shm large enough?)");
+  }
+  Segment s;
+  s.data_ = p;
+  s.size_ = size;
+  s.name_ = name;
+  s.owner_ = true;
+  return s;
+}
+
+Segment Segment::open(const std::string& name, size_t size, int* err) {
+  Segment s;
+  int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
+  if (fd < 0) {
+    *err = errno;
+    return s;
+  }
+  struct stat st {};
+  if (::fstat(fd, &st) != 0 || static_cast<size_t>(st.st_size) < (size == 0 ? 1 : size)) {
+    *err = EINVAL;
+    ::close(fd);
+    return s;
+  }
+  s.data_ = map_fd(fd, size, err);
+  ::close(fd);
+  if (s.data_ != nullptr) s.size_ = size;
+  return s;
+}
+
+void Segment::unlink() {
+  if (owner_ && !name_.empty()) ::shm_unlink(name_.c_str());
+  owner_ = false;
+}
+
+void Segment::reset() {
+  if (data_ != nullptr) ::munmap(data_, size_ == 0 ? 1 : size_);
+  unlink();
+  data_ = nullptr;
+  size_ = 0;
+}
+
+std::string host_id() {
+  std::string boot;
+  std::ifstream f("/proc/sys/kernel/random/boot_id");
+  std::getline(f, boot);
+  struct stat st {};
+  ::stat("/dev/shm", &st);
+  return boot + ":" + std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);
+}
+
+}  // namespace fxm::shm

@@ -1,0 +1,43 @@
+// POSIX shared-memory segments for library-allocated windows: the owner
+// creates and maps one, peers on the same host map it by name, and the owner
+// unlinks the name once every peer has mapped it (nothing leaks on a crash).
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <string>
+
+namespace fxm::shm {
+
+class Segment {
+ public:
+  Segment() = default;
+  Segment(Segment&& o) noexcept { *this = std::move(o); }
+  Segment& operator=(Segment&& o) noexcept;
+  Segment(const Segment&) = delete;
+  Segment& operator=(const Segment&) = delete;
+  ~Segment() { reset(); }
+
+  // Creates, sizes and maps a new segment (zero-filled). Throws Error.
+  static Segment create(const std::string& name, size_t size);
+  // Maps an existing segment; returns an empty Segment and sets *err on failure.
+  static Segment open(const std::string& name, size_t size, int* err);
+
+  uint8_t* data() const { return data_; }
+  size_t size() const { return size_; }
+  const std::string& name() const { return name_; }
+  explicit operator bool() const { return data_ != nullptr; }
+  void unlink();  // removes the name; mappings stay valid
+  void reset();   // unmaps (and unlinks if still owned and named)
+
+ private:
+  uint8_t* data_ = nullptr;
+  size_t size_ = 0;
+  std::string name_;
+  bool owner_ = false;
+};
+
+// Identifies "same host, same /dev/shm": boot id + the device/inode of /dev/shm.
+std::string host_id();
+
+}  // namespace fxm::shm
