@@ -69,7 +69,8 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
   w->seg = shm::Segment::create(name, signal_segment_bytes(nslots));
   w->base = w->seg.data();
   w->size = nslots * 8;
-  w->last_src = reinterpret_cast<int64_t*>(w->base + w->size);
+  w->last_src = signal_last_src(w->base, nslots);
+  w->notify = signal_notify(w->base, nslots);
   for (uint64_t i = 0; i < nslots; ++i) w->last_src[i] = -1;
   return register_window(std::move(w), name);
 }
@@ -128,6 +129,7 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
     v.path = Path::kSelf;
     v.mapped = w.base;
     v.last_src = w.last_src;
+    v.notify = w.notify;
     return v;
   }
   if (d.host != host_) {
@@ -142,7 +144,10 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
     if (v.seg) {
       v.path = Path::kShm;
       v.mapped = v.seg.data();
-      if (d.kind == WindowKind::kSignal) v.last_src = reinterpret_cast<int64_t*>(v.mapped + d.size);
+      if (d.kind == WindowKind::kSignal) {
+        v.last_src = signal_last_src(v.mapped, d.size / 8);
+        v.notify = signal_notify(v.mapped, d.size / 8);
+      }
       return v;
     }
     v.why = "mapping its shared memory failed: " + errno_text(err);
@@ -272,7 +277,8 @@ void OneSided::put(const PutArgs& in) {
       engine_->post_put(a.peer, a.ctx, nullptr, 0, 0, 0, a.sig);
       return;
     }
-    apply_signal(reinterpret_cast<uint64_t*>(v.mapped), v.last_src, a.sig.slot, a.sig.value, a.sig.set, rank_);
+    apply_signal(reinterpret_cast<uint64_t*>(v.mapped), v.last_src, v.notify, a.sig.slot, a.sig.value,
+                 a.sig.set, rank_);
   }
   engine_->count_inline(a.peer, 1);
 }
@@ -300,23 +306,35 @@ uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
 
 void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const {
   uint64_t current = read_signal(win, slot);
-  const uint64_t* slots = reinterpret_cast<const uint64_t*>(windows_->get(win)->base);
-  for (uint64_t spins = 0; current < expected; ++spins) {
-    if (spins < 4096) {
-      cpu_relax();
-    } else if ((spins & 63) == 0) {
-      int lost = engine_->first_lost_peer();
-      std::string what = who() + "wait_signal(window #" + std::to_string(win) + ", slot " + std::to_string(slot) +
-                         "): expected >= " + std::to_string(expected) + ", current " + std::to_string(current);
-      int64_t last = __atomic_load_n(&windows_->get(win)->last_src[slot], __ATOMIC_RELAXED);
-      std::string by = last < 0 ? "never signalled" : "last signalled by rank " + std::to_string(last);
-      if (lost >= 0) fail(Code::kPeerLost, lost, 0, what + ", " + by + "; peer " + std::to_string(lost) + " was lost: " + engine_->lost_reason(lost));
-      if (deadline.expired()) fail(Code::kTimeout, static_cast<int>(last), 0, what + ", " + by + ": timed out");
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(spins < 20000 ? 2 : 50));
-    }
+  std::shared_ptr<Window> w = windows_->get(win);
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(w->base);
+  for (int spins = 0; current < expected && spins < 2200; ++spins) {  // spin, then yield: low latency
+    if (spins < 2000) cpu_relax();
+    else sched_yield();
     current = load_signal(slots, slot);
   }
+  while (current < expected) {
+    uint32_t seen = __atomic_load_n(&w->notify->epoch, __ATOMIC_SEQ_CST);
+    current = load_signal(slots, slot);
+    if (current >= expected) break;
+    int lost = engine_->first_lost_peer();
+    if (lost >= 0 || deadline.expired()) fail_wait_signal(*w, slot, expected, current, lost);
+    wait_signal_epoch(w->notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));
+    current = load_signal(slots, slot);
+  }
+}
+
+void OneSided::fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
+                                int lost) const {
+  std::string what = who() + "wait_signal(window #" + std::to_string(w.index) + ", slot " + std::to_string(slot) +
+                     "): expected >= " + std::to_string(expected) + ", current " + std::to_string(current);
+  int64_t last = __atomic_load_n(&w.last_src[slot], __ATOMIC_RELAXED);
+  std::string by = last < 0 ? "never signalled" : "last signalled by rank " + std::to_string(last);
+  if (lost >= 0) {
+    fail(Code::kPeerLost, lost, 0, what + ", " + by + "; peer " + std::to_string(lost) +
+                                       " was lost: " + engine_->lost_reason(lost));
+  }
+  fail(Code::kTimeout, static_cast<int>(last), 0, what + ", " + by + ": timed out");
 }
 
 }  // namespace fxm

@@ -59,6 +59,8 @@ class OneSided {
   PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
   void validate(const PutArgs& a, const char* op, bool is_get) const;
   void validate_signal(const PutArgs& a, const char* op) const;
+  [[noreturn]] void fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
+                                    int lost) const;
   bool inline_data(const PutArgs& a, const Window& src, const PeerView& dst, bool is_get);
   void inline_signal(const PutArgs& a, const char* op);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }

@@ -79,7 +79,10 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       queued_msg_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lost_(nranks), bye_(nranks), issued_(nranks), done_(nranks) {
-  for (int s = 0; s < nranks * ncontexts; ++s) in_.push_back(std::make_unique<InConn>());
+  for (int s = 0; s < nranks * ncontexts; ++s) {
+    in_.push_back(std::make_unique<InConn>());
+    write_mu_.push_back(std::make_unique<std::mutex>());
+  }
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the progress thread");
   thread_ = std::thread([this] { run(); });
@@ -97,16 +100,65 @@ void Engine::wake() {
 }
 
 void Engine::enqueue(int s, OutItem&& item, bool counted) {
+  bool idle;
   {
     std::lock_guard<std::mutex> lock(mu_);
     int peer = s / ncontexts_;
-    if (counted) {
+    if (counted) {  // before any byte leaves: the ack may come back at once
       ++outstanding_[s];
       issued_[peer].fetch_add(1);
     }
-    out_[s].push_back(std::move(item));
+    idle = out_[s].empty();
+    if (!idle) out_[s].push_back(std::move(item));
   }
+  if (idle && send_direct(s, item)) return;
   wake();
+}
+
+bool Engine::send_direct(int s, OutItem& item) {
+  std::unique_lock<std::mutex> writer(*write_mu_[s], std::try_to_lock);
+  if (!writer.owns_lock() || std::this_thread::get_id() == thread_.get_id()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    out_[s].push_back(std::move(item));
+    return false;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!out_[s].empty()) {  // someone queued meanwhile: keep the order
+      out_[s].push_back(std::move(item));
+      return false;
+    }
+  }
+  ssize_t n = send_item(s, item);
+  if (n >= 0 && item.sent == item.total()) return true;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (n >= 0) out_[s].push_front(std::move(item));  // started on the wire: it goes first
+  return false;
+}
+
+ssize_t Engine::send_item(int s, OutItem& it) {
+  iovec iov[2];
+  int n = 0;
+  uint64_t hs = it.head.size();
+  if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
+  if (it.len > 0) {
+    uint64_t off = it.sent > hs ? it.sent - hs : 0;
+    iov[n++] = {const_cast<uint8_t*>(it.data) + off, it.len - off};
+  }
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = n;
+  while (true) {
+    ssize_t w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w >= 0) {
+      it.sent += static_cast<uint64_t>(w);
+      return w;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    lose(s / ncontexts_, "writing to its connection failed: " + errno_text(errno));
+    return -1;
+  }
 }
 
 void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
@@ -263,11 +315,7 @@ void Engine::lose(int peer, const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (!lost_[peer].empty() || bye_[peer]) return;
-    lost_[peer] = why;
-    for (int c = 0; c < ncontexts_; ++c) {
-      out_[slot(peer, c)].clear();
-      queued_msg_[slot(peer, c)] = 0;
-    }
+    lost_[peer] = why;  // its queues are dropped by write_some(), which owns them
     for (auto it = gets_.begin(); it != gets_.end();) {
       it = it->second.peer == peer ? gets_.erase(it) : std::next(it);
     }
@@ -298,54 +346,55 @@ void Engine::poll_once() {
     }
   }
   ::poll(fds.data(), fds.size(), 100);
-  if (fds[0].revents) {
-    uint64_t v;
-    ssize_t n = ::read(wake_fd_, &v, sizeof(v));
-    (void)n;
-  }
   for (size_t k = 1; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
     if (owner[k] >= total) read_some(owner[k] - total);
     else write_some(owner[k]);
   }
+  if (fds[0].revents) {  // new work was queued: start writing it now, not after another poll
+    uint64_t v;
+    ssize_t n = ::read(wake_fd_, &v, sizeof(v));
+    (void)n;
+    write_pending();
+  }
   send_acks();
+  write_pending();
+}
+
+void Engine::write_pending() {
+  int total = nranks_ * ncontexts_;
+  for (int s = 0; s < total; ++s) {
+    bool pending;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      pending = !out_[s].empty();
+    }
+    if (pending) write_some(s);
+  }
 }
 
 bool Engine::write_some(int s) {
-  int fd = conns_->send[s].get();
+  std::lock_guard<std::mutex> writer(*write_mu_[s]);
   while (true) {
     OutItem* it;
     {
       std::lock_guard<std::mutex> lock(mu_);
+      if (!lost_[s / ncontexts_].empty()) {  // nothing more goes to a lost peer
+        out_[s].clear();
+        queued_msg_[s] = 0;
+        cv_.notify_all();
+      }
       if (out_[s].empty()) return true;
       it = &out_[s].front();
     }
-    iovec iov[2];
-    int n = 0;
-    uint64_t hs = it->head.size();
-    if (it->sent < hs) iov[n++] = {it->head.data() + it->sent, hs - it->sent};
-    if (it->len > 0) {
-      uint64_t off = it->sent > hs ? it->sent - hs : 0;
-      iov[n++] = {const_cast<uint8_t*>(it->data) + off, it->len - off};
-    }
-    msghdr mh{};
-    mh.msg_iov = iov;
-    mh.msg_iovlen = n;
-    ssize_t w = ::sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w < 0) {
-      if (errno == EINTR) continue;
-      if (errno == EAGAIN || errno == EWOULDBLOCK) return true;
-      lose(s / ncontexts_, "writing to its connection failed: " + errno_text(errno));
-      return false;
-    }
-    it->sent += static_cast<uint64_t>(w);
-    if (it->sent == it->total()) {
-      std::lock_guard<std::mutex> lock(mu_);
-      queued_msg_[s] -= it->msg_bytes;
-      bool notify = stopping_ || it->msg_bytes > 0 || out_[s].size() == 1;
-      out_[s].pop_front();
-      if (notify) cv_.notify_all();
-    }
+    ssize_t w = send_item(s, *it);
+    if (w < 0) return false;
+    if (it->sent < it->total()) return true;  // the socket is full: wait for POLLOUT
+    std::lock_guard<std::mutex> lock(mu_);
+    queued_msg_[s] -= it->msg_bytes;
+    bool notify = stopping_ || it->msg_bytes > 0 || out_[s].size() == 1;
+    out_[s].pop_front();
+    if (notify) cv_.notify_all();
   }
 }
 
@@ -475,7 +524,7 @@ void Engine::on_payload_done(int s, InConn& in) {
     if (in.put.flags & wire::kPutHasSignal) {
       std::shared_ptr<Window> w = windows_->get(in.put.sig_win);
       if (w && w->live && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots()) {
-        apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, in.put.sig_slot, in.put.sig_val,
+        apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, w->notify, in.put.sig_slot, in.put.sig_val,
                      (in.put.flags & wire::kPutSignalSet) != 0, peer);
       } else {
         FXM_WARN(rank_, "dropped a signal from peer " + std::to_string(peer) + ": window #" +

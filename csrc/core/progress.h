@@ -74,10 +74,16 @@ class Engine {
   struct InConn;
   int slot(int peer, int ctx) const { return peer * ncontexts_ + ctx; }
   void enqueue(int s, OutItem&& item, bool counted);
+  // Writes an item straight from the calling thread when its queue is empty
+  // (saves a hand-off to the progress thread); false: it must be queued.
+  bool send_direct(int s, OutItem& item);
+  // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
+  ssize_t send_item(int s, OutItem& item);
   void wake();
   void run();
   void poll_once();
   bool write_some(int s);
+  void write_pending();  // writes what it can of every non-empty queue
   void read_some(int s);
   bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
   void on_header(int s, InConn& in);
@@ -98,6 +104,7 @@ class Engine {
   std::atomic<bool> stopping_{false};
 
   mutable std::mutex mu_;  // queues, mailboxes, pending gets, lost_
+  std::vector<std::unique_ptr<std::mutex>> write_mu_;  // per slot: one writer on a socket at a time
   std::condition_variable cv_;
   std::vector<std::deque<OutItem>> out_;
   std::vector<std::unique_ptr<InConn>> in_;

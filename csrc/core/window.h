@@ -22,6 +22,8 @@
 
 namespace fxm {
 
+struct SignalNotify;
+
 enum class WindowKind : uint32_t { kUser = 1, kShm = 2, kSignal = 3 };
 enum class Path : uint8_t { kSelf = 0, kShm = 1, kCma = 2, kTcp = 3 };
 // FLAGCX_MESH_TRANSPORT: auto (default) | tcp | cma | shm
@@ -49,6 +51,7 @@ struct PeerView {
   uint64_t size = 0;
   uint8_t* mapped = nullptr;  // shm / self: where the peer's bytes are here
   int64_t* last_src = nullptr;  // signal windows mapped here: last signaller per slot
+  struct SignalNotify* notify = nullptr;  // signal windows mapped here: wake-up block
   pid_t pid = 0;
   uint64_t addr = 0;
   std::string why;  // why a better path was not taken (empty when none)
@@ -61,6 +64,7 @@ struct Window {
   uint8_t* base = nullptr;  // local bytes
   uint64_t size = 0;
   int64_t* last_src = nullptr;  // signal windows: last signaller per slot (rank)
+  struct SignalNotify* notify = nullptr;  // signal windows: wake-up block
   bool live = true;
   shm::Segment seg;  // library-allocated memory (shm and signal windows)
   std::vector<PeerView> peers;
@@ -95,8 +99,5 @@ class WindowTable {
   std::vector<std::shared_ptr<Window>> wins_;
 };
 
-// Bytes a signal window's segment needs: the slots, then one int64 per slot
-// for the last signaller.
-inline uint64_t signal_segment_bytes(uint64_t nslots) { return nslots * 16; }
 
 }  // namespace fxm

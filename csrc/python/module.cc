@@ -209,6 +209,12 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
   });
+  m.def("local_address", [] { return fxm::tcp::local_address_reason(); },
+        "Which address this process listens on and why (interface choice).");
+  m.def("local_host", [] {
+    std::string a = fxm::tcp::local_address().str();
+    return a.substr(0, a.rfind(':'));
+  }, "The host part of the address this process listens on.");
   bind_mesh(m);
   bind_wire(m);
 }

@@ -1,8 +1,8 @@
-"""Benchmarks that print figures and ratios against a peer measured in the same run.
+"""Mesh build time against torch.distributed's gloo init.
 
     python -m flagcx_mesh.bench mesh [-n 8] [--iterations 20] [--contexts 1] [--json PATH]
 
-``mesh``: full-mesh build time of flagcx_mesh against torch.distributed's gloo
+Full-mesh build time of flagcx_mesh against torch.distributed's gloo
 backend (``init_process_group("gloo")`` also builds a full TCP mesh), both
 run by the same N local rank processes, alternating iteration by iteration so
 that both see the same machine noise. Per iteration the time is that of the
@@ -24,18 +24,20 @@ from typing import Dict, List, Optional
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench")
-    sub = p.add_subparsers(dest="what", required=True)
-    m = sub.add_parser("mesh", help="mesh build time vs torch.distributed gloo init")
+    m = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench mesh")
     m.add_argument("-n", "--nranks", type=int, default=8)
     m.add_argument("--iterations", type=int, default=20)
     m.add_argument("--contexts", type=int, default=1)
     m.add_argument("--json", metavar="PATH")
-    r = sub.add_parser("mesh-rank", help=argparse.SUPPRESS)
+    return m.parse_args(argv)
+
+
+def _parse_rank(argv: List[str]) -> argparse.Namespace:
+    r = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench mesh-rank")
     r.add_argument("--iterations", type=int, required=True)
     r.add_argument("--contexts", type=int, required=True)
     r.add_argument("--out", required=True)
-    return p.parse_args(argv)
+    return r.parse_args(argv)
 
 
 def _have_torch() -> bool:
@@ -50,7 +52,7 @@ def _have_torch() -> bool:
 # ---------------------------------------------------------------- rank side
 
 def _time_flagcx(control, nranks: int, contexts: int) -> float:
-    from . import Mesh, get_unique_id
+    from .. import Mesh, get_unique_id
 
     uid = control.allgather(get_unique_id() if control.rank == 0 else b"", timeout=60)[0]
     control.barrier(timeout=60)
@@ -86,8 +88,9 @@ def _gloo_store(control):
     return dist.TCPStore(host, port, control.nranks, False)
 
 
-def rank_main(args: argparse.Namespace) -> int:
-    from . import Mesh
+def rank_entry(argv: List[str]) -> int:
+    args = _parse_rank(argv)
+    from .. import Mesh
 
     with Mesh.from_launcher(timeout=60) as control:
         torch_ok = _have_torch()
@@ -131,7 +134,7 @@ def _report_mesh(data: dict, args: argparse.Namespace) -> dict:
 
 
 def bench_mesh(args: argparse.Namespace) -> int:
-    from .launch import launch
+    from ..launch import launch
 
     with tempfile.TemporaryDirectory() as tmp:
         path = os.path.join(tmp, "mesh.json")
@@ -150,12 +153,5 @@ def bench_mesh(args: argparse.Namespace) -> int:
     return 0
 
 
-def main(argv: Optional[List[str]] = None) -> int:
-    args = _parse(argv)
-    if args.what == "mesh-rank":
-        return rank_main(args)
-    return bench_mesh(args)
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+def main(argv: List[str]) -> int:
+    return bench_mesh(_parse(argv))

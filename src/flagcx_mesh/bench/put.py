@@ -1,0 +1,255 @@
+"""Put bandwidth and put_signal latency per transport, against the limits.
+
+    python -m flagcx_mesh.bench put [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp] [--json PATH]
+    mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...] [--json PATH]
+
+``put`` starts 2 local ranks. For each transport, rank 0 puts ``size`` bytes
+into rank 1's window repeatedly, then flushes (remote completion); bandwidth
+is bytes / time. Latency is half the round trip of an 8-byte put_signal
+ping-pong (initiator put_signal -> target wait_signal returns -> answer).
+In the same run it measures the limits: single-thread memcpy (numpy copy)
+for shared memory, and raw loopback TCP throughput between the two rank
+processes (sendall / recv_into on the same interface, completion ack) for TCP,
+and prints the ratios. ``put-mpi`` (under mpiexec, with mpi4py) measures
+MPI_Put (passive target: Lock, Put x N, Flush) next to flagcx_mesh.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import numpy as np
+
+UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp"}
+TARGET_BYTES = 256 << 20  # per size and transport, bounded by the repetition limits
+
+
+def parse_size(text: str) -> int:
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    mult = UNITS.get(text[-1:], 1)
+    return int(text[:-1] if text[-1:] in UNITS else text) * mult
+
+
+def size_name(n: int) -> str:
+    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= mult and n % mult == 0:
+            return f"{n // mult} {unit}"
+    return f"{n} B"
+
+
+def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog=f"python -m flagcx_mesh.bench {prog}")
+    p.add_argument("--sizes", default="4K,64K,1M,16M,64M")
+    p.add_argument("--transports", default="shm,cma,tcp")
+    p.add_argument("--latency-iters", type=int, default=2000)
+    p.add_argument("--json", metavar="PATH")
+    if rank:
+        p.add_argument("--out", required=True)
+    a = p.parse_args(argv)
+    a.sizes = [parse_size(s) for s in a.sizes.split(",") if s]
+    a.transports = [t for t in a.transports.split(",") if t]
+    bad = [t for t in a.transports if t not in TRANSPORT_ENV]
+    if bad:
+        p.error(f"unknown transport(s) {bad}; choose from {sorted(TRANSPORT_ENV)}")
+    return a
+
+
+def _reps(size: int) -> int:
+    return max(3, min(2000, TARGET_BYTES // max(size, 1)))
+
+
+# ---------------------------------------------------------------- measurements
+
+def _windows(mesh, transport: str, nbytes: int):
+    """(src, dst) windows on every rank, registered with the transport forced."""
+    os.environ["FLAGCX_MESH_TRANSPORT"] = TRANSPORT_ENV[transport]
+    if transport == "cma":
+        keep = [np.ones(nbytes, np.uint8), np.zeros(nbytes, np.uint8)]
+        return mesh.register_window(keep[0]), mesh.register_window(keep[1])
+    src, dst = mesh.alloc_window(nbytes), mesh.alloc_window(nbytes)
+    np.frombuffer(src.buffer, np.uint8)[:] = 1
+    return src, dst
+
+
+def put_bandwidth(mesh, src, dst, size: int) -> Optional[float]:
+    """GB/s of rank 0 -> rank 1 puts of `size` bytes (rank 0 returns it)."""
+    mesh.barrier()
+    if mesh.rank != 0:
+        mesh.barrier()
+        return None
+    mesh.put(1, src, 0, dst, 0, size)  # warm-up
+    mesh.flush(1, timeout=60)
+    reps = _reps(size)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mesh.put(1, src, 0, dst, 0, size)
+    mesh.flush(1, timeout=120)
+    dt = time.perf_counter() - t0
+    mesh.barrier()
+    return reps * size / dt / 1e9
+
+
+def put_signal_latency(mesh, src, dst, sig, iters: int) -> Optional[float]:
+    """Median one-way latency (us) of an 8-byte put_signal ping-pong."""
+    base = [mesh.read_signal(s, window=sig) for s in (0, 1)]
+    mesh.barrier()
+    times = []
+    for i in range(1, iters + 1):
+        t0 = time.perf_counter()
+        if mesh.rank == 0:
+            mesh.put_signal(1, src, 0, dst, 0, 8, slot=0, signal_window=sig)
+            mesh.wait_signal(1, base[1] + i, timeout=30, window=sig)
+        else:
+            mesh.wait_signal(0, base[0] + i, timeout=30, window=sig)
+            mesh.put_signal(0, src, 0, dst, 0, 8, slot=1, signal_window=sig)
+        times.append(time.perf_counter() - t0)
+    mesh.barrier()
+    return statistics.median(times) / 2 * 1e6 if mesh.rank == 0 else None
+
+
+def memcpy_bandwidth(size: int) -> float:
+    a, b = np.ones(size, np.uint8), np.zeros(size, np.uint8)
+    np.copyto(b, a)
+    reps = _reps(size)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        np.copyto(b, a)
+    return reps * size / (time.perf_counter() - t0) / 1e9
+
+
+def _socket_pair(mesh):
+    """A TCP connection rank 0 -> rank 1 on the mesh's interface."""
+    from .. import _core
+
+    host = _core.local_host().strip("[]")
+    if mesh.rank == 1:
+        lst = socket.create_server((host, 0))
+        mesh.allgather(str(lst.getsockname()[1]).encode())
+        conn, _ = lst.accept()
+        lst.close()
+        return conn
+    port = int(mesh.allgather(b"")[1])
+    return socket.create_connection((host, port))
+
+
+def socket_bandwidth(mesh, sock, size: int) -> Optional[float]:
+    """GB/s of `size`-byte sendall()s rank 0 -> rank 1, ended by a 1-byte ack."""
+    reps = _reps(size)
+    mesh.barrier()
+    if mesh.rank == 1:
+        buf = bytearray(min(size, 4 << 20))
+        view, left = memoryview(buf), reps * size
+        while left:
+            left -= sock.recv_into(view[:min(len(buf), left)])
+        sock.sendall(b"k")
+        return None
+    payload = memoryview(np.ones(size, np.uint8))
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        sock.sendall(payload)
+    sock.recv(1)
+    return reps * size / (time.perf_counter() - t0) / 1e9
+
+
+def socket_latency(mesh, sock, iters: int) -> Optional[float]:
+    """Median one-way latency (us) of an 8-byte ping-pong on the raw socket."""
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    msg, buf, times = b"x" * 8, bytearray(8), []
+    mesh.barrier()
+    for _ in range(iters):
+        t0 = time.perf_counter()
+        if mesh.rank == 0:
+            sock.sendall(msg)
+            _recv_exact(sock, buf)
+        else:
+            _recv_exact(sock, buf)
+            sock.sendall(msg)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times) / 2 * 1e6 if mesh.rank == 0 else None
+
+
+def _recv_exact(sock, buf: bytearray) -> None:
+    view, got = memoryview(buf), 0
+    while got < len(buf):
+        got += sock.recv_into(view[got:])
+
+
+# ---------------------------------------------------------------- rank programs
+
+def _measure_transport(mesh, t: str, args) -> Dict[str, object]:
+    src, dst = _windows(mesh, t, max(args.sizes))
+    sig = mesh.signal_window(2)
+    row: Dict[str, object] = {"mode": dst.mode, "paths": dst.paths[1 - mesh.rank][0]}
+    row["bandwidth_gbs"] = {str(s): put_bandwidth(mesh, src, dst, s) for s in args.sizes}
+    row["latency_us"] = put_signal_latency(mesh, src, dst, sig, args.latency_iters // (4 if t == "tcp" else 1))
+    for w in (src, dst, sig):
+        w.close()
+    return row
+
+
+def rank_entry(argv: List[str]) -> int:
+    from .. import Mesh
+
+    args = _parse(argv, "put-rank", rank=True)
+    with Mesh.from_launcher(timeout=60) as mesh:
+        out: Dict[str, object] = {t: _measure_transport(mesh, t, args) for t in args.transports}
+        with _socket_pair(mesh) as sock:
+            out["socket_gbs"] = {str(s): socket_bandwidth(mesh, sock, s) for s in args.sizes}
+            out["socket_latency_us"] = socket_latency(mesh, sock, args.latency_iters // 4)
+        if mesh.rank == 0:
+            out["memcpy_gbs"] = {str(s): memcpy_bandwidth(s) for s in args.sizes}
+            with open(args.out, "w") as f:
+                json.dump(out, f)
+        mesh.barrier()
+    return 0
+
+
+def _report(data: dict, args) -> None:
+    ts = args.transports
+    print("put bandwidth, rank 0 -> rank 1 on this host (GB/s, flush included)")
+    head = f"  {'size':>8}" + "".join(f"{t:>9}" for t in ts) + f"{'memcpy':>9}{'socket':>9}"
+    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket")]
+    ratios = [(a, b) for a, b in ratios if a in ts]
+    print(head + "".join(f"{a + '/' + b:>13}" for a, b in ratios))
+    for s in args.sizes:
+        k = str(s)
+        line = f"  {size_name(s):>8}" + "".join(f"{data[t]['bandwidth_gbs'][k]:>9.2f}" for t in ts)
+        line += f"{data['memcpy_gbs'][k]:>9.2f}{data['socket_gbs'][k]:>9.2f}"
+        line += "".join(f"{data[a]['bandwidth_gbs'][k] / data[b + '_gbs'][k]:>13.2f}" for a, b in ratios)
+        print(line)
+    print("put_signal latency, 8 bytes, one way (median of a ping-pong, us): " +
+          ", ".join(f"{t} {data[t]['latency_us']:.1f}" for t in ts) +
+          f"; raw socket ping-pong {data['socket_latency_us']:.1f}")
+    print("window modes actually used: " + ", ".join(f"{t} -> {data[t]['mode']}" for t in ts))
+
+
+def main(argv: List[str]) -> int:
+    from ..launch import launch
+
+    args = _parse(argv, "put")
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "put.json")
+        cmd = [sys.executable, "-m", "flagcx_mesh.bench", "put-rank", *argv, "--out", path]
+        rc = launch(cmd, 2, timeout=900)
+        if rc != 0:
+            print(f"bench put: the rank processes failed (exit {rc})", file=sys.stderr)
+            return rc
+        with open(path) as f:
+            data = json.load(f)
+    _report(data, args)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2)
+    return 0
+
+
+from .put_mpi import mpi_entry  # noqa: E402  (kept in its own file: MPI is optional)
