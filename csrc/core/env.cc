@@ -28,6 +28,11 @@ EnvConfig read_env() {
 
 }  // namespace
 
+std::string transport_env() {
+  const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
+  return s ? s : "";
+}
+
 const EnvConfig& env_config() {
   static const EnvConfig cfg = read_env();
   return cfg;

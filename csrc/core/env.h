@@ -3,6 +3,8 @@
 //                        used for listening and published to peers
 //   FLAGCX_MESH_TIMEOUT  default mesh build deadline, seconds (default 60)
 //   FLAGCX_MESH_LOG      error | warn | info | debug (default warn)
+//   FLAGCX_MESH_TRANSPORT  auto | tcp | cma | shm: forces the one-sided path;
+//                        read at every window registration (transport_env())
 #pragma once
 
 #include <string>
@@ -19,5 +21,9 @@ struct EnvConfig {
 
 // Parsed once, on first use; later changes to the environment are not seen.
 const EnvConfig& env_config();
+
+// FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
+// later in the same process may use another value (tests and benchmarks do).
+std::string transport_env();
 
 }  // namespace fxm

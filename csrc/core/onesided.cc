@@ -76,6 +76,7 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
 }
 
 uint32_t OneSided::register_window(std::shared_ptr<Window> w, const std::string& shm_name) {
+  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails here, before the collective
   std::lock_guard<std::mutex> lock(register_mu_);
   w->index = windows_->next_index();
   WindowDesc d{w->kind, w->size, reinterpret_cast<uint64_t>(w->base), static_cast<int32_t>(::getpid()),

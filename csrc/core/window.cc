@@ -1,7 +1,10 @@
 #include "core/window.h"
 
-#include <cstdlib>
+#include <algorithm>
 #include <cstring>
+
+#include "core/env.h"
+#include "core/status.h"
 
 namespace fxm {
 
@@ -25,11 +28,13 @@ const char* kind_name(WindowKind k) {
 }
 
 ForcedTransport forced_transport() {
-  const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
-  if (s == nullptr) return ForcedTransport::kAuto;
-  if (std::strcmp(s, "tcp") == 0) return ForcedTransport::kTcp;
-  if (std::strcmp(s, "cma") == 0) return ForcedTransport::kCma;
-  if (std::strcmp(s, "shm") == 0) return ForcedTransport::kShm;
+  std::string s = transport_env();
+  if (s == "tcp") return ForcedTransport::kTcp;
+  if (s == "cma") return ForcedTransport::kCma;
+  if (s == "shm") return ForcedTransport::kShm;
+  if (!s.empty() && s != "auto") {
+    fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_TRANSPORT=" + s + " is not one of auto, tcp, cma, shm");
+  }
   return ForcedTransport::kAuto;
 }
 
