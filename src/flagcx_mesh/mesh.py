@@ -81,6 +81,48 @@ class Mesh:
         rank, nranks, uid = found
         return cls(nranks, uid, rank, contexts=contexts, timeout=timeout, **kw)
 
+    @classmethod
+    def from_mpi(cls, comm=None, contexts: int = 1, timeout: Optional[float] = None, **kw) -> "Mesh":
+        """Build the mesh of an MPI communicator (mpi4py; default ``COMM_WORLD``).
+
+        Collective over ``comm``: its rank 0 makes the unique id, which is broadcast
+        over ``comm``; mesh rank = rank in ``comm``. mpi4py is imported only here.
+        """
+        from .bootstrap import unique_id_from_mpi
+
+        rank, nranks, uid = unique_id_from_mpi(comm, timeout)
+        return cls(nranks, uid, rank, contexts=contexts, timeout=timeout, **kw)
+
+    @classmethod
+    def from_store(cls, store, rank: int, world_size: int, prefix: str = "flagcx_mesh",
+                   contexts: int = 1, timeout: Optional[float] = None, **kw) -> "Mesh":
+        """Build a mesh whose unique id goes through any ``torch.distributed.Store``.
+
+        Rank 0 sets the id under a key derived from ``prefix`` and a per-rank call
+        count kept in the store, so repeated calls never reuse a stale id; the others
+        wait for it (``timeout``). Meshes built concurrently on one store need
+        distinct prefixes.
+        """
+        from .bootstrap import unique_id_from_store
+
+        uid = unique_id_from_store(store, rank, world_size, prefix, timeout)
+        return cls(world_size, uid, rank, contexts=contexts, timeout=timeout, **kw)
+
+    @classmethod
+    def from_env(cls, contexts: int = 1, timeout: Optional[float] = None, **kw) -> "Mesh":
+        """Build the mesh of whatever launcher started this process.
+
+        ``python -m flagcx_mesh.launch``; an initialised torch.distributed default
+        process group (its store); torchrun (joins the agent's store as a client,
+        never binds MASTER_PORT); ``mpiexec`` of MPICH or Open MPI (mpi4py); or a
+        plain RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT environment (rank 0
+        hosts the store on MASTER_PORT).
+        """
+        from .bootstrap import unique_id_from_env
+
+        rank, nranks, uid, _ = unique_id_from_env(timeout)
+        return cls(nranks, uid, rank, contexts=contexts, timeout=timeout, **kw)
+
     # -- identity -----------------------------------------------------------
     @property
     def rank(self) -> int:

@@ -182,14 +182,19 @@ def _print_report(mesh, describe, summary, rejected, retries, args) -> None:
 
 # ------------------------------------------------------------- entry point
 
-def detect_rank() -> Optional[Tuple[int, int, bytes, str]]:
-    """(rank, nranks, unique_id, launcher name) when started by a launcher."""
-    from .launch import ranks_from_env
+def detect_rank(timeout: Optional[float] = None) -> Optional[Tuple[int, int, bytes, str]]:
+    """(rank, nranks, unique_id, launcher name) when started by a launcher, else None.
 
-    found = ranks_from_env()
-    if found is not None:
-        return (*found, "flagcx_mesh.launch")
-    return None
+    Recognises python -m flagcx_mesh.launch, torchrun (the unique id goes through the
+    launcher's store, joined as a client), mpiexec of MPICH / Open MPI (broadcast over
+    MPI with mpi4py) and a plain RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT environment.
+    Looks at environment variables first: without MPI around, mpi4py is never imported.
+    """
+    from .bootstrap import detect_launch, unique_id_from_env
+
+    if detect_launch() is None:
+        return None
+    return unique_id_from_env(timeout)
 
 
 def spawn(args: argparse.Namespace, argv: List[str]) -> int:
@@ -204,10 +209,16 @@ def spawn(args: argparse.Namespace, argv: List[str]) -> int:
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
-    found = detect_rank()
+    try:
+        found = detect_rank(timeout=args.timeout)
+    except Exception as e:  # noqa: BLE001 - a bootstrap failure is reported, then exits non-zero
+        print(f"flagcx_mesh selftest FAILED: bootstrap: {type(e).__name__}: {e}", file=sys.stderr, flush=True)
+        return 1
     if found is None:
         return spawn(args, argv)
-    rank, nranks, uid, _ = found
+    rank, nranks, uid, launcher = found
+    if rank == 0:
+        print(f"flagcx_mesh selftest: launcher: {launcher}; {nranks} ranks, one per process", flush=True)
     return run_rank(rank, nranks, uid, args)
 
 
