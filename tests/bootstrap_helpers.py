@@ -1,5 +1,6 @@
 """Shared by the bootstrap tests: bounded subprocesses, free ports, an unrelated listener."""
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -74,7 +75,8 @@ def finish(procs, timeout):
 
 
 def ok_lines(text, mode):
-    return sorted(line for line in text.splitlines() if line.startswith(f"OK {mode} rank "))
+    """The "OK <mode> rank R of N" reports in text (MPI launchers may interleave the lines)."""
+    return sorted(set(re.findall(rf"OK {re.escape(mode)} rank \d+ of \d+", text)))
 
 
 def free_port():
