@@ -192,16 +192,25 @@ def unique_id_from_store(store: Any, rank: int, world_size: int, prefix: str = D
     """
     _check_rank(rank, world_size, "from_store")
     seconds = _seconds(timeout)
-    n = int(store.add(f"{prefix}/rank{rank}/calls", 1))
+    counter = f"{prefix}/rank{rank}/calls"
+    n = int(_store_op(rank, f"add to key {counter!r}", lambda: store.add(counter, 1)))
     key = f"{prefix}/{n}/unique_id"
     if rank == 0:
         msg, failure = _make_uid(world_size)
-        store.set(key, msg)
+        _store_op(rank, f"set key {key!r}", lambda: store.set(key, msg))
         if failure is not None:
             raise failure
         return _unpack(msg, rank, world_size, f"(store key {key!r})")
     _store_wait(store, key, rank, seconds)
-    return _unpack(bytes(store.get(key)), rank, world_size, f"(store key {key!r})")
+    raw = _store_op(rank, f"get key {key!r}", lambda: store.get(key))
+    return _unpack(bytes(raw), rank, world_size, f"(store key {key!r})")
+
+
+def _store_op(rank: int, what: str, fn: Any) -> Any:
+    try:
+        return fn()
+    except Exception as e:  # noqa: BLE001 - torch's store errors, named
+        raise errors.PeerLost(f"rank {rank}: the bootstrap store failed to {what}: {e}") from e
 
 
 def _store_wait(store: Any, key: str, rank: int, seconds: float) -> None:
