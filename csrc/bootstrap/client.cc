@@ -51,11 +51,21 @@ Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadli
   std::lock_guard<std::mutex> lock(mu_);
   if (!fd_) fail(Code::kClosed, -1, 0, "rank " + std::to_string(rank_) + ": bootstrap is closed");
   std::string doing = "bootstrap allgather #" + std::to_string(seq_);
+  if (!broken_.empty()) fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": " + broken_);
   tcp::IoResult r = send_msg(fd_.get(), {MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, deadline);
   if (!r.ok()) raise_io(r, doing);
   Msg m;
   r = recv_msg(fd_.get(), &m, deadline);
-  if (!r.ok()) raise_io(r, doing);
+  if (!r.ok()) {
+    // Our contribution stands at the root and its late result would answer the
+    // next call (or be cut in half): refuse later collectives rather than
+    // return another collective's data.
+    if (r.kind == tcp::IoResult::kTimeout) {
+      broken_ = "collective #" + std::to_string(seq_) +
+                " timed out on this rank, so the collectives are out of step (close the mesh)";
+    }
+    raise_io(r, doing);
+  }
   if (m.type != MsgType::kResult || m.seq != seq_) raise(m, doing);
   Parts parts;
   if (!decode_result(m.payload, static_cast<size_t>(nranks_), &parts)) {
@@ -76,7 +86,10 @@ void Client::raise_pending(const Deadline& deadline) {
 void Client::raise(const Msg& m, const std::string& doing) {
   std::string who = "rank " + std::to_string(rank_) + ": ";
   if (m.type == MsgType::kAbort || m.type == MsgType::kError) {
-    Code code = m.type == MsgType::kAbort ? Code::kPeerLost : m.code;
+    // A rank that failed is lost to the mesh, except when its deadline merely
+    // expired: the build timed out, so keep saying so.
+    Code code = m.code;
+    if (m.type == MsgType::kAbort && code != Code::kTimeout) code = Code::kPeerLost;
     if (code == Code::kOk) code = Code::kPeerLost;
     fail(code, m.rank, 0, who + m.text());
   }

@@ -50,6 +50,7 @@ class Client {
   int rank_;
   int nranks_;
   uint32_t seq_ = 0;
+  std::string broken_;  // set when a collective timed out: why later ones are refused
 };
 
 }  // namespace fxm::bootstrap

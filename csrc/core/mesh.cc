@@ -127,14 +127,14 @@ void Mesh::wiring_check(const Deadline& deadline) {
     std::vector<uint8_t> p = wire_check_payload(mesh_id_, rank_, peer, ctx, epoch_);
     msg.insert(msg.end(), p.begin(), p.end());
     tcp::IoResult r = tcp::write_full(conns_.send[s].get(), msg.data(), msg.size(), deadline);
-    if (!r.ok()) fail_io(r, peer, ctx, "sending the wiring check");
+    if (!r.ok()) fail_build_io(r, peer, ctx, "sending the wiring check", deadline);
   }
   for (int s = 0; s < total; ++s) {
     int peer = s / contexts_, ctx = s % contexts_;
     uint8_t buf[wire::kFrameHeaderSize + kWireCheckSize];
     wait_readable(conns_.recv[s].get(), peer, deadline, "waiting for the wiring check");
     tcp::IoResult r = tcp::read_full(conns_.recv[s].get(), buf, sizeof(buf), deadline);
-    if (!r.ok()) fail_io(r, peer, ctx, "reading the wiring check");
+    if (!r.ok()) fail_build_io(r, peer, ctx, "reading the wiring check", deadline);
     wire::FrameHeader f;
     std::vector<uint8_t> expect = wire_check_payload(mesh_id_, peer, rank_, ctx, epoch_);
     if (!wire::decode_frame(buf, &f) || f.type != wire::FrameType::kWireCheck ||
@@ -168,6 +168,21 @@ void Mesh::check_peer(int peer, int ctx, const char* op) const {
     fail(Code::kInvalidArgument, peer, 0, who() + op + ": context " + std::to_string(ctx) +
                                               " is out of range [0, " + std::to_string(contexts_) + ")");
   }
+}
+
+// During the build a connection closes because its rank failed; that rank (or
+// the root, for a rank that died) tells the root why just before. Give that
+// notice a moment to arrive and raise it, so that the error names the rank at
+// the origin of the failure rather than the first one this rank heard close.
+void Mesh::fail_build_io(const tcp::IoResult& r, int peer, int ctx, const char* doing,
+                         const Deadline& deadline) {
+  if (r.kind == tcp::IoResult::kClosed && boot_) {
+    pollfd p{boot_->fd(), POLLIN, 0};
+    if (::poll(&p, 1, deadline.min(Deadline::after_seconds(0.5)).poll_ms()) > 0) {
+      boot_->raise_pending(deadline);
+    }
+  }
+  fail_io(r, peer, ctx, doing);
 }
 
 void Mesh::fail_io(const tcp::IoResult& r, int peer, int ctx, const char* doing) const {

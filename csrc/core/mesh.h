@@ -95,6 +95,8 @@ class Mesh {
   void check_peer(int peer, int ctx, const char* op) const;
   void check_open(const char* op) const;
   [[noreturn]] void fail_io(const tcp::IoResult& r, int peer, int ctx, const char* doing) const;
+  [[noreturn]] void fail_build_io(const tcp::IoResult& r, int peer, int ctx, const char* doing,
+                                  const Deadline& deadline);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int nranks_;

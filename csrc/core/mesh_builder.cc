@@ -65,7 +65,8 @@ class Builder {
   void poll_once();
   void expire_timers();
   int poll_timeout_ms() const;
-  [[noreturn]] void fail_timeout();
+  void on_bootstrap();
+  [[noreturn]] void fail_timeout(const std::string& cause = "mesh build deadline expired");
   std::string who() const { return "rank " + std::to_string(p_.rank) + ": "; }
 
   const BuildPlan& p_;
@@ -116,6 +117,10 @@ Connections Builder::run() {
     start_connects();
     poll_once();
     expire_timers();
+  }
+  // Connections still unidentified when the build ends are closed: count them.
+  for (Incoming& in : in_) {
+    if (!in.finished) reject(in, wire::Reject::kSilent);
   }
   return std::move(conns_);
 }
@@ -269,7 +274,7 @@ void Builder::poll_once() {
   for (size_t k = 0; rc > 0 && k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
     if (owner[k] == -1) accept_all();
-    else if (owner[k] == -2) p_.on_bootstrap_readable();
+    else if (owner[k] == -2) on_bootstrap();
     else if (owner[k] >= 0) on_outgoing(out_[owner[k]], fds[k].revents);
     else on_incoming(in_[-3 - owner[k]]);
   }
@@ -302,7 +307,19 @@ void Builder::expire_timers() {
   }
 }
 
-void Builder::fail_timeout() {
+// The root pushed a failure notice. When another rank's build deadline
+// expired first, report what THIS rank is missing (naming the peers at fault)
+// rather than blaming the rank that happened to time out first.
+void Builder::on_bootstrap() {
+  try {
+    p_.on_bootstrap_readable();
+  } catch (const Error& e) {
+    if (e.code() != Code::kTimeout || complete()) throw;
+    fail_timeout("mesh build deadline expired on rank " + std::to_string(e.peer()));
+  }
+}
+
+void Builder::fail_timeout(const std::string& cause) {
   std::set<int> peers;
   std::string missing;
   int count = 0;
@@ -326,7 +343,7 @@ void Builder::fail_timeout() {
   std::string plist;
   for (int p : peers) plist += (plist.empty() ? "" : ", ") + std::to_string(p);
   fail(Code::kTimeout, *peers.begin(), 0,
-       who() + "mesh build deadline expired with " + std::to_string(count) + " of " +
+       who() + cause + " with " + std::to_string(count) + " of " +
            std::to_string(2 * total_) + " connections missing; peers not connected: [" + plist +
            "]; missing: " + missing + "; foreign connections rejected: " +
            std::to_string(stats_->total_rejected()));

@@ -53,8 +53,8 @@ uint32_t OneSided::alloc(uint64_t size) {
   std::string name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(windows_->next_index());
   auto w = std::make_shared<Window>();
   w->kind = WindowKind::kShm;
-  w->seg = shm::Segment::create(name, size);
-  w->base = w->seg.data();
+  w->seg = std::make_shared<shm::Segment>(shm::Segment::create(name, size));
+  w->base = w->seg->data();
   w->size = size;
   return register_window(std::move(w), name);
 }
@@ -66,8 +66,8 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
   std::string name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(windows_->next_index());
   auto w = std::make_shared<Window>();
   w->kind = WindowKind::kSignal;
-  w->seg = shm::Segment::create(name, signal_segment_bytes(nslots));
-  w->base = w->seg.data();
+  w->seg = std::make_shared<shm::Segment>(shm::Segment::create(name, signal_segment_bytes(nslots)));
+  w->base = w->seg->data();
   w->size = nslots * 8;
   w->last_src = signal_last_src(w->base, nslots);
   w->notify = signal_notify(w->base, nslots);
@@ -103,9 +103,14 @@ uint32_t OneSided::register_window(std::shared_ptr<Window> w, const std::string&
     }
   }
   connect_peers(*w, descs);
-  allgather_({});  // every peer has mapped this rank's segment: the name can go
-  w->seg.unlink();
-  windows_->add(w);
+  windows_->add(w);  // before the barrier: a peer may use the window as soon as it returns
+  try {
+    allgather_({});  // every peer has mapped this rank's segment: the name can go
+  } catch (...) {
+    w->live = false;
+    throw;
+  }
+  if (w->seg) w->seg->unlink();
   FXM_INFO(rank_, w->describe());
   return w->index;
 }
@@ -170,7 +175,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   allgather_({});  // nobody writes into it any more
   w->live = false;
   for (PeerView& v : w->peers) v.seg.reset();
-  w->seg.reset();
+  w->seg.reset();  // unmapped once no Python view of it remains
 }
 
 std::shared_ptr<Window> OneSided::window(uint32_t index, const char* op) const {
@@ -258,6 +263,7 @@ void OneSided::check_put(const PutArgs& a) const {
 void OneSided::put(const PutArgs& in) {
   PutArgs a = in;
   check_put(a);
+  engine_->check_peer(a.peer, a.sig.on ? (a.size ? "put_signal" : "signal") : "put");
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   bool via_tcp = engine_->busy(a.peer, a.ctx);
@@ -286,6 +292,7 @@ void OneSided::put(const PutArgs& in) {
 
 void OneSided::get(const PutArgs& a) {
   validate(a, "get", true);
+  engine_->check_peer(a.peer, "get");
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   std::shared_ptr<Window> remote = windows_->get(a.src_win), local = windows_->get(a.dst_win);
   if (a.size == 0 || (!engine_->busy(a.peer, a.ctx) && inline_data(a, *local, remote->peers[a.peer], true))) {

@@ -255,6 +255,13 @@ void Engine::complete(int peer, int ctx, uint64_t n) {
   cv_.notify_all();
 }
 
+void Engine::check_peer(int peer, const char* op) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string what = who() + op + " to peer " + std::to_string(peer) + ": ";
+  if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + lost_[peer]);
+  if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + "peer " + std::to_string(peer) + " closed its mesh");
+}
+
 std::string Engine::lost_reason(int peer) const {
   std::lock_guard<std::mutex> lock(mu_);
   return lost_[peer];
@@ -379,7 +386,7 @@ bool Engine::write_some(int s) {
     OutItem* it;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!lost_[s / ncontexts_].empty()) {  // nothing more goes to a lost peer
+      if (!lost_[s / ncontexts_].empty() || bye_[s / ncontexts_]) {  // nothing more goes to a lost/closed peer
         out_[s].clear();
         queued_msg_[s] = 0;
         cv_.notify_all();
@@ -467,6 +474,7 @@ void Engine::on_op_header(int s, InConn& in) {
       break;
     case FrameType::kPut: {
       std::memcpy(&in.put, in.buf, sizeof(in.put));
+      if (payload == 0) break;  // signal only: no data window involved
       in.pin = windows_->get(in.put.dst_win);
       bool ok = in.pin && in.pin->live && in.put.dst_off <= in.pin->size &&
                 payload <= in.pin->size - in.put.dst_off;
@@ -575,7 +583,7 @@ void Engine::stop() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::seconds(1), [&] {
       for (int s = 0; s < total; ++s) {
-        if (!out_[s].empty() && lost_[s / ncontexts_].empty()) return false;
+        if (!out_[s].empty() && lost_[s / ncontexts_].empty() && !bye_[s / ncontexts_]) return false;
       }
       return true;
     });

@@ -63,6 +63,8 @@ class Engine {
   void wait_counter(uint64_t value, const Deadline& deadline);
   void flush(int peer, const Deadline& deadline);  // peer -1: every peer
 
+  // Throws PeerLost when the peer was lost or closed its mesh.
+  void check_peer(int peer, const char* op) const;
   // "" when the peer is fine, else why it is lost.
   std::string lost_reason(int peer) const;
   int first_lost_peer() const;

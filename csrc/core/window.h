@@ -66,7 +66,10 @@ struct Window {
   int64_t* last_src = nullptr;  // signal windows: last signaller per slot (rank)
   struct SignalNotify* notify = nullptr;  // signal windows: wake-up block
   bool live = true;
-  shm::Segment seg;  // library-allocated memory (shm and signal windows)
+  // Library-allocated memory (shm and signal windows). Shared: Python views of
+  // the window hold a reference, so deregistration never unmaps memory a view
+  // still points at.
+  std::shared_ptr<shm::Segment> seg;
   std::vector<PeerView> peers;
   uint64_t nslots() const { return kind == WindowKind::kSignal ? size / 8 : 0; }
   std::string mode() const;      // "shm" | "cma" | "tcp" | "self" (the dominant remote path)

@@ -49,10 +49,18 @@ py::dict window_info(Mesh& m, uint32_t index) {
   return d;
 }
 
-py::memoryview window_memory(Mesh& m, uint32_t index) {
+// The bytes of a library-allocated window, exported through the buffer
+// protocol. It holds the segment: a view outlives deregistration safely.
+struct WindowMemory {
+  std::shared_ptr<fxm::shm::Segment> seg;
+  uint8_t* base;
+  size_t size;
+};
+
+WindowMemory window_memory(Mesh& m, uint32_t index) {
   std::shared_ptr<fxm::Window> w = m.window(index);
-  if (w->kind == fxm::WindowKind::kUser) throw py::value_error("user windows are the caller's own buffer");
-  return py::memoryview::from_memory(w->base, static_cast<py::ssize_t>(w->size));
+  if (!w->seg) throw py::value_error("user windows are the caller's own buffer");
+  return WindowMemory{w->seg, w->base, static_cast<size_t>(w->size)};
 }
 
 void put(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
@@ -92,6 +100,11 @@ void batch_put(Mesh& m, int peer, uint32_t src_win, uint32_t dst_win,
 
 void bind_onesided(py::class_<Mesh>& cls) {
   using py::arg;
+  py::class_<WindowMemory>(cls, "WindowMemory", py::buffer_protocol())
+      .def_buffer([](WindowMemory& wm) {
+        return py::buffer_info(wm.base, 1, py::format_descriptor<uint8_t>::format(), 1,
+                               {static_cast<py::ssize_t>(wm.size)}, {static_cast<py::ssize_t>(1)});
+      });
   auto nogil = py::call_guard<py::gil_scoped_release>();
   cls.def("register_window", &register_buffer, arg("buffer"))
       .def("alloc_window", &Mesh::alloc_window, arg("nbytes"), nogil)

@@ -22,6 +22,36 @@ def get_unique_id() -> bytes:
     return _core.get_unique_id()
 
 
+_U64 = 1 << 64
+
+
+def _ints(op: str, **values: int) -> None:
+    """Refuses negative or out-of-range integers, naming the argument (nothing is issued)."""
+    for name, v in values.items():
+        limit = 1 << 31 if name in ("peer", "context") else _U64
+        if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v < limit:
+            raise InvalidArgument(f"{op}: {name} {v!r} is out of range (must be an integer in [0, {limit}))")
+
+
+def _byte_view(buffer, what: str) -> memoryview:
+    """A writable, C-contiguous byte view of a buffer-protocol object or a torch CPU tensor."""
+    if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # torch.Tensor
+        if buffer.device.type != "cpu" or not buffer.is_contiguous():
+            raise InvalidArgument(f"{what}: a torch tensor must be on the CPU and contiguous "
+                                  f"(device={buffer.device}, contiguous={buffer.is_contiguous()})")
+        import torch
+
+        buffer = buffer.detach().reshape(-1).view(torch.uint8).numpy()
+    try:
+        view = memoryview(buffer)
+    except TypeError as e:
+        raise InvalidArgument(f"{what}: {e}") from None
+    if view.readonly or not view.c_contiguous:
+        raise InvalidArgument(f"{what}: the buffer must be writable and C-contiguous "
+                              f"(readonly={view.readonly}, contiguous={view.c_contiguous})")
+    return view.cast("B") if view.ndim != 1 or view.format != "B" else view
+
+
 def _timeout_arg(timeout: Optional[float]) -> float:
     if timeout is None:
         return 0.0  # no limit for operations; FLAGCX_MESH_TIMEOUT for the build
@@ -182,25 +212,21 @@ class Mesh:
         bytearray, anything with the buffer protocol). Collective: every rank
         registers its window in the same order; sizes may differ per rank.
         The buffer must stay alive and unmoved until the window is closed."""
-        try:
-            view = memoryview(buffer)
-        except TypeError as e:
-            raise InvalidArgument(f"rank {self.rank}: register_window: {e}") from None
-        if view.readonly or not view.c_contiguous:
-            raise InvalidArgument(f"rank {self.rank}: register_window: the buffer must be writable and "
-                                  f"C-contiguous (readonly={view.readonly}, contiguous={view.c_contiguous})")
-        index = self._core.register_window(view.cast("B") if view.ndim != 1 or view.format != "B" else view)
-        return Window(self, index, keepalive=view)
+        view = _byte_view(buffer, f"rank {self.rank}: register_window")
+        index = self._core.register_window(view)
+        return Window(self, index, keepalive=(view, buffer))
 
     def alloc_window(self, nbytes: int) -> Window:
         """Allocate a zero-filled shared-memory window of ``nbytes`` (collective).
         Local peers map it, so puts to it are a memcpy by the initiator."""
-        return Window(self, self._core.alloc_window(int(nbytes)))
+        _ints("alloc_window", nbytes=nbytes)
+        return Window(self, self._core.alloc_window(nbytes))
 
     def signal_window(self, nslots: int) -> SignalWindow:
         """Allocate a window of ``nslots`` 64-bit signal slots, all 0 (collective).
         The first one becomes the default of every ``signal_window=``/``window=`` argument."""
-        w = SignalWindow(self, self._core.signal_window(int(nslots)))
+        _ints("signal_window", nslots=nslots)
+        w = SignalWindow(self, self._core.signal_window(nslots))
         if self._default_signal is None:
             self._default_signal = w.index
         return w
@@ -218,7 +244,9 @@ class Mesh:
         """Copy ``size`` bytes from this rank's ``src_win[src_off:]`` to ``peer``'s
         ``dst_win[dst_off:]``. Non-blocking; FIFO per (peer, context); the source
         bytes must not change until the op completes (:meth:`flush`)."""
-        self._core.put(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
+        s, d = index_of(src_win), index_of(dst_win)
+        _ints("put", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size, context=context)
+        self._core.put(peer, s, src_off, d, dst_off, size, context)
 
     def put_signal(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
                    size: int, slot: int, value: int = 1, *, op: str = "add",
@@ -226,28 +254,43 @@ class Mesh:
         """Put, then ``op`` (``"add"`` or ``"set"``) ``value`` on ``peer``'s signal
         ``slot``: the data is visible at the target before the signal changes.
         ``size`` 0 = signal only; ``value`` 0 (with add) = data only."""
-        self._core.put_signal(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size,
-                              self._sig(signal_window), slot, value, op, context)
+        s, d, g = index_of(src_win), index_of(dst_win), self._sig(signal_window)
+        _ints("put_signal", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
+              signal_window=g, slot=slot, value=value, context=context)
+        self._core.put_signal(peer, s, src_off, d, dst_off, size, g, slot, value, op, context)
 
     def signal(self, peer: int, slot: int, value: int = 1, *, op: str = "add",
                signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
         """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that (peer, context)."""
-        self._core.put_signal(peer, 0, 0, 0, 0, 0, self._sig(signal_window), slot, value, op, context)
+        g = self._sig(signal_window)
+        _ints("signal", peer=peer, signal_window=g, slot=slot, value=value, context=context)
+        self._core.put_signal(peer, 0, 0, 0, 0, 0, g, slot, value, op, context)
 
     def get(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
             size: int, *, context: int = 0) -> None:
         """Copy ``size`` bytes from ``peer``'s ``src_win[src_off:]`` into this rank's
         ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns."""
-        self._core.get(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
+        s, d = index_of(src_win), index_of(dst_win)
+        _ints("get", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size, context=context)
+        self._core.get(peer, s, src_off, d, dst_off, size, context)
 
     def batch_put(self, peer: int, src_win: WindowLike, dst_win: WindowLike,
                   entries, *, context: int = 0) -> None:
         """Several puts to one peer: ``entries`` is a sequence of (src_off, dst_off, size).
         Every entry is validated before any is issued. Each counts as one op."""
-        self._core.batch_put(peer, index_of(src_win), index_of(dst_win), [tuple(e) for e in entries], context)
+        s, d = index_of(src_win), index_of(dst_win)
+        _ints("batch_put", peer=peer, src_win=s, dst_win=d, context=context)
+        ops = [tuple(e) for e in entries]
+        for i, e in enumerate(ops):
+            if len(e) != 3:
+                raise InvalidArgument(f"batch_put: entry {i} must be (src_off, dst_off, size), got {e!r}")
+            _ints(f"batch_put entry {i}", src_off=e[0], dst_off=e[1], size=e[2])
+        self._core.batch_put(peer, s, d, ops, context)
 
     def flush(self, peer: Optional[int] = None, timeout: Optional[float] = None) -> None:
         """Wait until every op issued to ``peer`` (default: all peers) has completed at its target."""
+        if peer is not None:
+            _ints("flush", peer=peer)
         self._core.flush(-1 if peer is None else peer, _timeout_arg(timeout))
 
     def read_counter(self) -> int:
@@ -256,17 +299,22 @@ class Mesh:
 
     def wait_counter(self, value: int, timeout: Optional[float] = None) -> None:
         """Wait until :meth:`read_counter` >= ``value``."""
+        _ints("wait_counter", value=value)
         self._core.wait_counter(value, _timeout_arg(timeout))
 
     def read_signal(self, slot: int, *, window: Optional[WindowLike] = None) -> int:
         """This rank's value of signal ``slot`` (default window: the first signal window)."""
-        return self._core.read_signal(self._sig(window), slot)
+        g = self._sig(window)
+        _ints("read_signal", window=g, slot=slot)
+        return self._core.read_signal(g, slot)
 
     def wait_signal(self, slot: int, expected: int, timeout: Optional[float] = None, *,
                     window: Optional[WindowLike] = None) -> None:
         """Wait until this rank's signal ``slot`` >= ``expected``. On timeout the error
         names the slot, the expected and current values and the last rank that signalled it."""
-        self._core.wait_signal(self._sig(window), slot, expected, _timeout_arg(timeout))
+        g = self._sig(window)
+        _ints("wait_signal", window=g, slot=slot, expected=expected)
+        self._core.wait_signal(g, slot, expected, _timeout_arg(timeout))
 
     # -- collectives over the bootstrap -------------------------------------
     def allgather(self, data: bytes, timeout: Optional[float] = None) -> List[bytes]:

@@ -18,7 +18,7 @@ class Window:
     def __init__(self, mesh, index: int, keepalive=None):
         self._mesh = mesh
         self.index = index
-        self._keepalive = keepalive  # the user's buffer (memoryview) for user windows
+        self._keepalive = keepalive  # (byte view, the user's object) for user windows
         info = mesh._core.window_info(index)
         self.kind: str = info["kind"]
         self.size: int = info["size"]
@@ -30,8 +30,8 @@ class Window:
     def buffer(self) -> memoryview:
         """The window's own bytes (library-allocated windows); for user windows, the user's buffer."""
         if self._keepalive is not None:
-            return self._keepalive
-        return self._mesh._core.window_memory(self.index)
+            return self._keepalive[0]
+        return memoryview(self._mesh._core.window_memory(self.index))
 
     def describe(self) -> str:
         """One line: index, kind, size, mode, and the path (and reason) per peer."""
@@ -57,7 +57,7 @@ class SignalWindow(Window):
 
     def read(self, slot: int) -> int:
         """The current value of ``slot`` in this rank's copy."""
-        return self._mesh._core.read_signal(self.index, slot)
+        return self._mesh.read_signal(slot, window=self)
 
     def wait(self, slot: int, expected: int, timeout: Optional[float] = None) -> None:
         """Wait until ``slot`` >= ``expected``; see :meth:`Mesh.wait_signal`."""

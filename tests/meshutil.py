@@ -1,0 +1,162 @@
+"""Helpers shared by the flagcx_mesh tests: ranks as threads, listening ports, fd counts."""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import sys
+import threading
+import time
+from typing import Any, Callable, Dict, List, Optional, Set, Tuple
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RANK_PROG = os.path.join(REPO_ROOT, "tests", "rank_prog.py")
+PY = sys.executable
+
+
+def run_threads(n: int, fn: Callable[[int], Any], timeout: float,
+                collect: bool = False) -> List[Any]:
+    """Run fn(rank) for rank in 0..n-1, each in its own thread.
+
+    Joins with one overall `timeout`; if any thread is still alive then, raises
+    AssertionError naming the stuck ranks (the threads are daemons, so a stuck
+    one cannot keep the interpreter alive). Otherwise returns the results in
+    rank order; with collect=False the first exception raised (in time) is
+    re-raised instead, with collect=True exceptions are returned in place of
+    results.
+    """
+    results: List[Any] = [None] * n
+    errors: List[Tuple[float, int, BaseException]] = []
+    lock = threading.Lock()
+
+    def body(rank: int) -> None:
+        try:
+            results[rank] = fn(rank)
+        except BaseException as e:  # noqa: BLE001 - reported to the caller
+            with lock:
+                errors.append((time.monotonic(), rank, e))
+            results[rank] = e
+
+    threads = [threading.Thread(target=body, args=(r,), name=f"rank {r}", daemon=True)
+               for r in range(n)]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    stuck = [r for r, t in enumerate(threads) if t.is_alive()]
+    if stuck:
+        raise AssertionError(f"ranks {stuck} of {n} still running after {timeout} s (hang)")
+    if errors and not collect:
+        errors.sort(key=lambda e: e[0])
+        raise errors[0][2]
+    return results
+
+
+def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.02) -> bool:
+    """Poll cond() until it is true or `timeout` seconds pass; returns its last value."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if cond():
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(step)
+
+
+# ----------------------------------------------------------------------------- sockets
+
+def _socket_inodes() -> Set[int]:
+    inodes = set()
+    fd_dir = "/proc/self/fd"
+    for name in os.listdir(fd_dir):
+        try:
+            target = os.readlink(os.path.join(fd_dir, name))
+        except OSError:
+            continue  # closed meanwhile
+        if target.startswith("socket:["):
+            inodes.add(int(target[8:-1]))
+    return inodes
+
+
+def _hex_ip(hexaddr: str) -> str:
+    raw = bytes.fromhex(hexaddr)
+    # /proc/net/tcp{,6} print the address as 32-bit words in host (little-endian) order.
+    words = b"".join(raw[i:i + 4][::-1] for i in range(0, len(raw), 4))
+    if len(words) == 4:
+        return socket.inet_ntop(socket.AF_INET, words)
+    return socket.inet_ntop(socket.AF_INET6, words)
+
+
+def listening_ports() -> Set[Tuple[str, int]]:
+    """(host, port) of every TCP socket in LISTEN state owned by this process.
+
+    Read from /proc/net/tcp and /proc/net/tcp6 (state 0A), keeping the sockets
+    whose inode appears among this process's file descriptors.
+    """
+    mine = _socket_inodes()
+    found = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            cols = line.split()
+            if len(cols) < 10 or cols[3] != "0A":
+                continue
+            if int(cols[9]) not in mine:
+                continue
+            host_hex, port_hex = cols[1].split(":")
+            found.add((_hex_ip(host_hex), int(port_hex, 16)))
+    return found
+
+
+def parse_hostport(text: str) -> Tuple[str, int]:
+    """'192.0.2.2:4711' or '[::1]:4711' -> (host, port)."""
+    host, _, port = text.rpartition(":")
+    return host.strip("[]"), int(port)
+
+
+def connect(addr: Tuple[str, int], timeout: float = 5.0) -> socket.socket:
+    """A blocking TCP client connected to addr (IPv4 or IPv6)."""
+    family = socket.AF_INET6 if ":" in addr[0] else socket.AF_INET
+    s = socket.socket(family, socket.SOCK_STREAM)
+    s.settimeout(timeout)
+    s.connect(addr)
+    return s
+
+
+# ----------------------------------------------------------------------------- process resources
+
+def fd_count() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def raise_nofile_limit() -> None:
+    """Raise RLIMIT_NOFILE's soft limit to the hard limit (many ranks in one process)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+
+
+def package_root() -> str:
+    """The directory holding the flagcx_mesh package this process imported (an install's
+    site-packages, or a development tree), so child processes test the same one."""
+    import flagcx_mesh
+    return os.path.dirname(os.path.dirname(os.path.abspath(flagcx_mesh.__file__)))
+
+
+def subprocess_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
+    """os.environ with the tested package's root and tests/ first on PYTHONPATH (so rank
+    processes import the same flagcx_mesh and can import meshutil), unbuffered output."""
+    env = dict(os.environ)
+    old = env.get("PYTHONPATH")
+    first = os.pathsep.join([package_root(), os.path.join(REPO_ROOT, "tests")])
+    env["PYTHONPATH"] = first + (os.pathsep + old if old else "")
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
