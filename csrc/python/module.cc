@@ -7,6 +7,7 @@
 #include <cstring>
 
 #include "bootstrap/unique_id.h"
+#include "core/env.h"
 #include "core/mesh.h"
 #include "core/status.h"
 #include "core/wire.h"
@@ -209,6 +210,8 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
   });
+  m.def("default_timeout", [] { return fxm::env_config().timeout_s; },
+        "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },
         "Which address this process listens on and why (interface choice).");
   m.def("local_host", [] {

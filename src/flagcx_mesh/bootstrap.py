@@ -58,15 +58,10 @@ _stores: Dict[Tuple[str, int, bool], Any] = {}  # joined/hosted TCPStores, kept 
 # ----------------------------------------------------------------------------- helpers
 
 def default_timeout() -> float:
-    """Seconds a bootstrap waits when given ``timeout=None``: FLAGCX_MESH_TIMEOUT (60)."""
-    getter = getattr(sys.modules.get("flagcx_mesh._core"), "default_timeout", None)
-    if getter is not None:
-        return float(getter())
-    try:  # mirrors csrc/core/env.cc until the core exposes its value
-        value = float(os.environ.get("FLAGCX_MESH_TIMEOUT", "60"))
-    except ValueError:
-        value = 60.0
-    return value if value > 0 else 60.0
+    """Seconds a bootstrap waits when given ``timeout=None``: FLAGCX_MESH_TIMEOUT (60), as the core read it."""
+    from . import _core
+
+    return float(_core.default_timeout())
 
 
 def _seconds(timeout: Optional[float]) -> float:
