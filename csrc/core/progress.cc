@@ -78,7 +78,8 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       out_(nranks * ncontexts), mailbox_(nranks * ncontexts), outstanding_(nranks * ncontexts),
       queued_msg_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
-      lost_(nranks), bye_(nranks), issued_(nranks), done_(nranks) {
+      lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
+      done_(nranks) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
     in_.push_back(std::make_unique<InConn>());
     write_mu_.push_back(std::make_unique<std::mutex>());
@@ -224,7 +225,7 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
   auto& box = mailbox_[slot(peer, ctx)];
   while (box.empty()) {
     if (stopping_) fail(Code::kClosed, peer, 0, who() + "recv: the mesh was closed");
-    if (!lost_[peer].empty() || bye_[peer]) break;
+    if (!lost_[peer].empty() || bye_conn_[slot(peer, ctx)]) break;  // nothing more will come
     if (deadline.expired()) break;
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
@@ -235,7 +236,9 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
   }
   std::string what = who() + "recv from peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
   if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost_[peer]);
-  if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  if (bye_conn_[slot(peer, ctx)]) {
+    fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  }
   fail(Code::kTimeout, peer, 0, what + ": timed out");
 }
 
@@ -427,7 +430,7 @@ void Engine::read_some(int s) {
       bool clean;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        clean = bye_[peer];
+        clean = bye_conn_[s];
       }
       if (!clean) lose(peer, "its connection closed (" + r.describe() + "; the process exited or was killed)");
       cv_.notify_all();
@@ -508,7 +511,8 @@ void Engine::on_op_header(int s, InConn& in) {
     }
     case FrameType::kBye: {
       std::lock_guard<std::mutex> lock(mu_);
-      bye_[peer] = true;
+      bye_conn_[s] = true;
+      if (++bye_count_[peer] == ncontexts_) bye_[peer] = true;
       in.reset();
       return;
     }

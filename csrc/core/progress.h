@@ -124,7 +124,10 @@ class Engine {
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked
   std::vector<uint64_t> acked_in_;     // per slot: ack received from that peer
   std::vector<std::string> lost_;      // per peer
-  std::vector<bool> bye_;              // per peer: said goodbye
+  std::vector<bool> bye_conn_;         // per slot: kBye arrived on that connection
+  std::vector<int> bye_count_;         // per peer: connections that said goodbye
+  std::vector<bool> bye_;              // per peer: goodbye on every connection (all
+                                       // its earlier frames have been processed)
   std::vector<std::atomic<uint64_t>> issued_, done_;  // per peer
   std::atomic<uint64_t> completed_all_{0};
 };

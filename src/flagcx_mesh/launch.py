@@ -22,7 +22,8 @@ prefixed ``[rank K] `` (``--no-prefix`` turns the prefix off).
 
 Exit status:
     0          all ranks exited 0
-    K          the first failing rank exited with code K (128+signum if killed by a signal);
+    K          the failing rank exited with code K (128+signum if killed by a signal; when
+               several failed at once, one killed by a signal is reported first);
                the launcher prints which rank failed and its last stderr lines, then stops the
                others (SIGTERM to each process group, SIGKILL after --grace seconds, default 3)
     124        --timeout S expired (wall clock for the whole job); all ranks are stopped
@@ -289,9 +290,12 @@ def _supervise(ranks: Sequence[_Rank], deadline: Optional[float],
         if box.received is not None:
             return "signal", None
         codes = [(r, r.proc.poll()) for r in ranks]
-        failed = [r for r, rc in codes if rc not in (0, None)]
+        failed = [(r, rc) for r, rc in codes if rc not in (0, None)]
         if failed:
-            return "failed", failed[0]
+            # Several failures seen in one sweep (the others fail fast once one
+            # dies): a rank killed by a signal is the likelier origin.
+            failed.sort(key=lambda f: (f[1] >= 0, f[0].rank))
+            return "failed", failed[0][0]
         if all(rc == 0 for _, rc in codes):
             return "done", None
         if deadline is not None and time.monotonic() >= deadline:
