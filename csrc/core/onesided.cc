@@ -192,31 +192,31 @@ std::shared_ptr<Window> OneSided::window(uint32_t index, const char* op) const {
 // ------------------------------------------------------------ operations
 
 void OneSided::validate(const PutArgs& a, const char* op, bool is_get) const {
-  std::string head = who() + op + " (peer " + std::to_string(a.peer) + "): ";
+  auto head = [&] { return who() + op + " (peer " + std::to_string(a.peer) + "): "; };  // failures only
   if (a.peer < 0 || a.peer >= nranks_) {
-    fail(Code::kInvalidArgument, a.peer, 0, head + "peer out of range [0, " + std::to_string(nranks_) + ")");
+    fail(Code::kInvalidArgument, a.peer, 0, head() + "peer out of range [0, " + std::to_string(nranks_) + ")");
   }
   if (a.ctx < 0 || a.ctx >= ncontexts_) {
-    fail(Code::kInvalidArgument, a.peer, 0, head + "context " + std::to_string(a.ctx) + " out of range");
+    fail(Code::kInvalidArgument, a.peer, 0, head() + "context " + std::to_string(a.ctx) + " out of range");
   }
   if (a.size == 0 && !is_get && a.sig.on) return;  // signal only: no data windows involved
   std::shared_ptr<Window> local = window(is_get ? a.dst_win : a.src_win, op);
   std::shared_ptr<Window> remote = window(is_get ? a.src_win : a.dst_win, op);
   for (const Window* w : {local.get(), remote.get()}) {
     if (w->kind == WindowKind::kSignal) {
-      fail(Code::kInvalidArgument, a.peer, 0, head + "window #" + std::to_string(w->index) +
+      fail(Code::kInvalidArgument, a.peer, 0, head() + "window #" + std::to_string(w->index) +
                                                   " is a signal window; use signal() / put_signal()");
     }
   }
   uint64_t loff = is_get ? a.dst_off : a.src_off, roff = is_get ? a.src_off : a.dst_off;
   if (!in_range(loff, a.size, local->size)) {
-    fail(Code::kInvalidArgument, a.peer, 0, head + "local range " + range_text(loff, a.size) +
+    fail(Code::kInvalidArgument, a.peer, 0, head() + "local range " + range_text(loff, a.size) +
                                                 " exceeds window #" + std::to_string(local->index) + " (" +
                                                 std::to_string(local->size) + " bytes)");
   }
   uint64_t rsize = remote->peers[a.peer].size;
   if (!in_range(roff, a.size, rsize)) {
-    fail(Code::kInvalidArgument, a.peer, 0, head + "remote range " + range_text(roff, a.size) +
+    fail(Code::kInvalidArgument, a.peer, 0, head() + "remote range " + range_text(roff, a.size) +
                                                 " exceeds window #" + std::to_string(remote->index) +
                                                 " of peer " + std::to_string(a.peer) + " (" +
                                                 std::to_string(rsize) + " bytes)");
@@ -225,13 +225,13 @@ void OneSided::validate(const PutArgs& a, const char* op, bool is_get) const {
 
 void OneSided::validate_signal(const PutArgs& a, const char* op) const {
   std::shared_ptr<Window> w = window(a.sig.win, op);
-  std::string head = who() + op + " (peer " + std::to_string(a.peer) + "): ";
+  auto head = [&] { return who() + op + " (peer " + std::to_string(a.peer) + "): "; };
   if (w->kind != WindowKind::kSignal) {
-    fail(Code::kInvalidArgument, a.peer, 0, head + "window #" + std::to_string(a.sig.win) + " is not a signal window");
+    fail(Code::kInvalidArgument, a.peer, 0, head() + "window #" + std::to_string(a.sig.win) + " is not a signal window");
   }
   uint64_t nslots = w->peers[a.peer].size / 8;
   if (a.sig.slot >= nslots) {
-    fail(Code::kInvalidArgument, a.peer, 0, head + "signal slot " + std::to_string(a.sig.slot) +
+    fail(Code::kInvalidArgument, a.peer, 0, head() + "signal slot " + std::to_string(a.sig.slot) +
                                                 " out of range [0, " + std::to_string(nslots) + ")");
   }
 }

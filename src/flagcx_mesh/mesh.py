@@ -245,8 +245,12 @@ class Mesh:
         ``dst_win[dst_off:]``. Non-blocking; FIFO per (peer, context); the source
         bytes must not change until the op completes (:meth:`flush`)."""
         s, d = index_of(src_win), index_of(dst_win)
-        _ints("put", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size, context=context)
-        self._core.put(peer, s, src_off, d, dst_off, size, context)
+        try:  # the core checks everything; pybind refuses negative/huge integers with TypeError
+            self._core.put(peer, s, src_off, d, dst_off, size, context)
+        except TypeError:
+            _ints("put", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
+                  context=context)
+            raise
 
     def put_signal(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
                    size: int, slot: int, value: int = 1, *, op: str = "add",
@@ -255,24 +259,34 @@ class Mesh:
         ``slot``: the data is visible at the target before the signal changes.
         ``size`` 0 = signal only; ``value`` 0 (with add) = data only."""
         s, d, g = index_of(src_win), index_of(dst_win), self._sig(signal_window)
-        _ints("put_signal", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
-              signal_window=g, slot=slot, value=value, context=context)
-        self._core.put_signal(peer, s, src_off, d, dst_off, size, g, slot, value, op, context)
+        try:
+            self._core.put_signal(peer, s, src_off, d, dst_off, size, g, slot, value, op, context)
+        except TypeError:
+            _ints("put_signal", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
+                  signal_window=g, slot=slot, value=value, context=context)
+            raise
 
     def signal(self, peer: int, slot: int, value: int = 1, *, op: str = "add",
                signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
         """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that (peer, context)."""
         g = self._sig(signal_window)
-        _ints("signal", peer=peer, signal_window=g, slot=slot, value=value, context=context)
-        self._core.put_signal(peer, 0, 0, 0, 0, 0, g, slot, value, op, context)
+        try:
+            self._core.put_signal(peer, 0, 0, 0, 0, 0, g, slot, value, op, context)
+        except TypeError:
+            _ints("signal", peer=peer, signal_window=g, slot=slot, value=value, context=context)
+            raise
 
     def get(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
             size: int, *, context: int = 0) -> None:
         """Copy ``size`` bytes from ``peer``'s ``src_win[src_off:]`` into this rank's
         ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns."""
         s, d = index_of(src_win), index_of(dst_win)
-        _ints("get", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size, context=context)
-        self._core.get(peer, s, src_off, d, dst_off, size, context)
+        try:
+            self._core.get(peer, s, src_off, d, dst_off, size, context)
+        except TypeError:
+            _ints("get", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
+                  context=context)
+            raise
 
     def batch_put(self, peer: int, src_win: WindowLike, dst_win: WindowLike,
                   entries, *, context: int = 0) -> None:

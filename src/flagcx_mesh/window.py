@@ -68,4 +68,6 @@ WindowLike = Union[Window, int]
 
 
 def index_of(w: WindowLike) -> int:
+    if type(w) is int:  # the common case, kept cheap
+        return w
     return w.index if isinstance(w, Window) else int(w)
