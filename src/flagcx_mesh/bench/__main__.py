@@ -10,18 +10,17 @@ measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
 
 from __future__ import annotations
 
+import importlib
 import sys
 from typing import List, Optional
 
-from . import mesh as mesh_bench
-from . import put as put_bench
-
+# command -> (module, function); imported on use (put needs numpy: pip install flagcx_mesh[bench])
 COMMANDS = {
-    "mesh": mesh_bench.main,
-    "mesh-rank": mesh_bench.rank_entry,
-    "put": put_bench.main,
-    "put-rank": put_bench.rank_entry,
-    "put-mpi": put_bench.mpi_entry,
+    "mesh": ("mesh", "main"),
+    "mesh-rank": ("mesh", "rank_entry"),
+    "put": ("put", "main"),
+    "put-rank": ("put", "rank_entry"),
+    "put-mpi": ("put_mpi", "mpi_entry"),
 }
 
 
@@ -30,7 +29,8 @@ def main(argv: Optional[List[str]] = None) -> int:
     if not argv or argv[0] not in COMMANDS:
         print(__doc__, file=sys.stderr)
         return 2
-    return COMMANDS[argv[0]](argv[1:])
+    module, func = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(f"{__package__}.{module}"), func)(argv[1:])
 
 
 if __name__ == "__main__":

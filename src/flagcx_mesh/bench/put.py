@@ -251,5 +251,3 @@ def main(argv: List[str]) -> int:
             json.dump(data, f, indent=2)
     return 0
 
-
-from .put_mpi import mpi_entry  # noqa: E402  (kept in its own file: MPI is optional)
