@@ -20,6 +20,7 @@ import traceback
 
 import flagcx_mesh
 from flagcx_mesh import Mesh
+from meshutil import listening_ports  # this script's folder (tests/) is on sys.path
 
 TIMEOUT = 30.0
 
@@ -92,35 +93,11 @@ def mode_mpi_timeout():
     return rank, size
 
 
-def listeners_of_this_process(port):
-    """Inodes of sockets this process holds that LISTEN on `port` (Linux /proc)."""
-    mine = set()
-    for fd in os.listdir("/proc/self/fd"):
-        try:
-            link = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            mine.add(link[8:-1])
-    found = []
-    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
-        try:
-            with open(table) as f:
-                rows = f.read().splitlines()[1:]
-        except OSError:
-            continue
-        for row in rows:
-            cols = row.split()
-            if int(cols[1].rsplit(":", 1)[1], 16) == port and cols[3] == "0A" and cols[9] in mine:
-                found.append(cols[9])
-    return found
-
-
 def mode_env():
     rank, size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
     port = int(os.environ["MASTER_PORT"])
     two_meshes(lambda: Mesh.from_env(timeout=TIMEOUT), size, "env")
-    held = listeners_of_this_process(port)
+    held = [hp for hp in listening_ports() if hp[1] == port]
     torchrun = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
     if torchrun or rank != 0:
         assert not held, f"rank {rank} listens on MASTER_PORT {port} itself"
