@@ -111,12 +111,10 @@ def exchange(m: Mesh, iterations: int, size: int) -> None:
             for c in range(contexts):
                 got = m.recv(p, c, timeout=20)
                 want = payload(m.mesh_id, p, m.rank, c, it, size)
-                if got != want:
-                    raise AssertionError(f"rank {m.rank}: wrong payload from peer {p} ctx {c} "
-                                         f"iteration {it}: {got[:80]!r}")
+                assert got == want, (f"rank {m.rank}: wrong payload from peer {p} ctx {c} "
+                                     f"iteration {it}: {got[:80]!r}")
     parts = m.allgather(f"rank {m.rank}".encode(), timeout=20)
-    if parts != [f"rank {k}".encode() for k in range(n)]:
-        raise AssertionError(f"rank {m.rank}: allgather returned {parts!r}")
+    assert parts == [f"rank {k}".encode() for k in range(n)], f"rank {m.rank}: allgather returned {parts!r}"
     m.barrier(timeout=20)
 
 
