@@ -2,8 +2,6 @@
 
 #include <arpa/inet.h>
 #include <fcntl.h>
-#include <ifaddrs.h>
-#include <net/if.h>
 #include <netinet/tcp.h>
 #include <poll.h>
 #include <unistd.h>
@@ -11,8 +9,6 @@
 #include <cerrno>
 #include <cstring>
 
-#include "core/env.h"
-#include "core/log.h"
 #include "core/status.h"
 
 namespace fxm::tcp {
@@ -241,7 +237,5 @@ IoResult read_full(int fd, void* buf, size_t len, const Deadline& deadline) {
   }
   return total;
 }
-
-bool wait_readable(int fd, const Deadline& deadline) { return poll_one(fd, POLLIN, deadline); }
 
 }  // namespace fxm::tcp

@@ -76,7 +76,5 @@ IoResult write_full(int fd, const void* buf, size_t len, const Deadline& deadlin
 IoResult read_full(int fd, void* buf, size_t len, const Deadline& deadline);
 // One non-blocking read; kOk with done==0 means "nothing yet".
 IoResult read_some(int fd, void* buf, size_t len);
-// Waits until fd is readable (or hung up); false on timeout.
-bool wait_readable(int fd, const Deadline& deadline);
 
 }  // namespace fxm::tcp
