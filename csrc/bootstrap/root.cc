@@ -18,6 +18,7 @@ constexpr double kJoinHeaderTimeoutS = 5.0;
 constexpr double kIdleTimeoutS = 3600.0;
 constexpr double kWriteTimeoutS = 10.0;
 constexpr size_t kMaxPending = 1024;
+constexpr uint32_t kMaxRanks = 1u << 20;
 
 // A connection that has not yet sent a valid JOIN.
 struct Pending {
@@ -137,6 +138,8 @@ void Root::admit(Pending& p, const Msg& m) {
     return;
   }
   if (j.version != kProtoVersion) why = "bootstrap protocol version mismatch";
+  else if (j.nranks == 0 || j.nranks > kMaxRanks)
+    why = "nranks=" + std::to_string(j.nranks) + " is outside [1, " + std::to_string(kMaxRanks) + "]";
   else if (nranks_ != 0 && j.nranks != nranks_)
     why = "rank " + std::to_string(m.rank) + " joined with nranks=" + std::to_string(j.nranks) +
           " but others use nranks=" + std::to_string(nranks_);

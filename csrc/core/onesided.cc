@@ -325,6 +325,10 @@ void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const
     uint32_t seen = __atomic_load_n(&w->notify->epoch, __ATOMIC_SEQ_CST);
     current = load_signal(slots, slot);
     if (current >= expected) break;
+    if (engine_->stopped()) {
+      fail(Code::kClosed, -1, 0, who() + "wait_signal(window #" + std::to_string(win) + ", slot " +
+                                     std::to_string(slot) + "): the mesh was closed");
+    }
     int lost = engine_->first_lost_peer();
     if (lost >= 0 || deadline.expired()) fail_wait_signal(*w, slot, expected, current, lost);
     wait_signal_epoch(w->notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));

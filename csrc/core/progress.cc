@@ -118,7 +118,7 @@ void Engine::enqueue(int s, OutItem&& item, bool counted) {
 
 bool Engine::send_direct(int s, OutItem& item) {
   std::unique_lock<std::mutex> writer(*write_mu_[s], std::try_to_lock);
-  if (!writer.owns_lock() || std::this_thread::get_id() == thread_.get_id()) {
+  if (!writer.owns_lock() || std::this_thread::get_id() == progress_tid_.load()) {
     std::lock_guard<std::mutex> lock(mu_);
     out_[s].push_back(std::move(item));
     return false;
@@ -198,6 +198,11 @@ bool Engine::busy(int peer, int ctx) const {
 
 void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline) {
   int s = slot(peer, ctx);
+  if (len > kMaxMessageBytes) {
+    fail(Code::kInvalidArgument, peer, 0, who() + "send to peer " + std::to_string(peer) + ": " +
+                                              std::to_string(len) + " bytes exceed the message limit of " +
+                                              std::to_string(kMaxMessageBytes) + " (use a window and put)");
+  }
   OutItem it{frame<wire::PutHeader>(FrameType::kMessage, nullptr, len), nullptr, 0, 0, len};
   const uint8_t* p = static_cast<const uint8_t*>(data);
   it.head.insert(it.head.end(), p, p + len);
@@ -243,18 +248,22 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
 }
 
 void Engine::count_inline(int peer, uint64_t n) {
-  issued_[peer].fetch_add(n);
-  done_[peer].fetch_add(n);
-  completed_all_.fetch_add(n);
+  {
+    std::lock_guard<std::mutex> lock(mu_);  // waiters test these under mu_: no lost wake-up
+    issued_[peer].fetch_add(n);
+    done_[peer].fetch_add(n);
+    completed_all_.fetch_add(n);
+  }
+  cv_.notify_all();
 }
 
 void Engine::complete(int peer, int ctx, uint64_t n) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     outstanding_[slot(peer, ctx)] -= n;
+    done_[peer].fetch_add(n);
+    completed_all_.fetch_add(n);
   }
-  done_[peer].fetch_add(n);
-  completed_all_.fetch_add(n);
   cv_.notify_all();
 }
 
@@ -335,7 +344,12 @@ void Engine::lose(int peer, const std::string& why) {
 }
 
 void Engine::run() {
-  while (!stopping_) poll_once();
+  progress_tid_.store(std::this_thread::get_id());
+  try {
+    while (!stopping_) poll_once();
+  } catch (const std::exception& e) {  // never std::terminate the application
+    for (int p = 0; p < nranks_; ++p) lose(p, std::string("progress thread failed: ") + e.what());
+  }
 }
 
 void Engine::poll_once() {
@@ -455,8 +469,9 @@ void Engine::on_header(int s, InConn& in) {
     return;
   }
   size_t oplen = op_header_size(in.f.type);
-  if (in.f.length < oplen) {
-    lose(s / ncontexts_, "protocol error: a frame shorter than its op header");
+  bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq;
+  if (in.f.length < oplen || (fixed && in.f.length != oplen)) {
+    lose(s / ncontexts_, "protocol error: a frame whose length does not fit its type");
     in.closed = true;
     return;
   }
@@ -472,6 +487,11 @@ void Engine::on_op_header(int s, InConn& in) {
   in.dst = nullptr;
   switch (in.f.type) {
     case FrameType::kMessage:
+      if (payload > kMaxMessageBytes) {
+        lose(peer, "protocol error: a " + std::to_string(payload) + "-byte message frame");
+        in.closed = true;
+        return;
+      }
       in.msg.assign(payload, 0);
       in.dst = in.msg.data();
       break;
@@ -504,6 +524,15 @@ void Engine::on_op_header(int s, InConn& in) {
       uint64_t v;
       std::memcpy(&v, in.buf, 8);
       uint64_t delta = v - acked_in_[s];
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (v < acked_in_[s] || delta > outstanding_[s]) delta = UINT64_MAX;
+      }
+      if (delta == UINT64_MAX) {
+        lose(peer, "protocol error: an ack for ops that were never issued");
+        in.closed = true;
+        return;
+      }
       acked_in_[s] = v;
       if (delta) complete(peer, s % ncontexts_, delta);
       in.reset();

@@ -70,6 +70,9 @@ class Engine {
   int first_lost_peer() const;
   // Sends kBye on every connection, drains queues (bounded), stops the thread.
   void stop();
+  bool stopped() const { return stopping_.load(); }
+  // Largest two-sided message a peer may announce; a bigger frame is a protocol error.
+  static constexpr uint64_t kMaxMessageBytes = 1ull << 32;
 
  private:
   struct OutItem;
@@ -103,6 +106,7 @@ class Engine {
   WindowTable* windows_;
   int wake_fd_ = -1;
   std::thread thread_;
+  std::atomic<std::thread::id> progress_tid_{};  // the progress thread, once it runs
   std::atomic<bool> stopping_{false};
 
   mutable std::mutex mu_;  // queues, mailboxes, pending gets, lost_

@@ -44,6 +44,9 @@ Segment Segment::create(const std::string& name, size_t size) {
   if (fd < 0) fail(Code::kSystem, -1, errno, "shm_open(" + name + ") for a window");
   int err = 0;
   if (::ftruncate(fd, static_cast<off_t>(size == 0 ? 1 : size)) != 0) err = errno;
+  // tmpfs grants pages lazily: reserve them now, or a write past what /dev/shm
+  // can hold raises SIGBUS in whichever process touches the page.
+  if (!err) err = ::posix_fallocate(fd, 0, static_cast<off_t>(size == 0 ? 1 : size));
   uint8_t* p = err ? nullptr : map_fd(fd, size, &err);
   ::close(fd);
   if (p == nullptr) {

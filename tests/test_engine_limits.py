@@ -1,0 +1,70 @@
+"""Limits and wake-ups of the progress engine: close() wakes every waiter, waits on
+counters wake promptly, and a message too large for the wire is refused up front."""
+
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import flagcx_mesh
+from flagcx_mesh.errors import InvalidArgument, MeshClosed
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture
+def mesh():
+    m = flagcx_mesh.Mesh(1, flagcx_mesh.get_unique_id(), 0, timeout=20)
+    yield m
+    m.close()
+
+
+def test_close_wakes_a_wait_signal_without_timeout(mesh):
+    mesh.signal_window(1)
+    errors = []
+
+    def waiter():
+        try:
+            mesh.wait_signal(0, 1, timeout=None)
+        except Exception as e:  # noqa: BLE001 - the test inspects it
+            errors.append(e)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    t0 = time.monotonic()
+    mesh.close()
+    t.join(5)
+    assert not t.is_alive(), "wait_signal still blocked after close()"
+    assert time.monotonic() - t0 < 2.0
+    assert len(errors) == 1 and isinstance(errors[0], MeshClosed), errors
+    assert "slot 0" in str(errors[0]) and "closed" in str(errors[0])
+
+
+def test_wait_counter_wakes_promptly_after_an_inline_put(mesh):
+    a, b = mesh.alloc_window(64), mesh.alloc_window(64)
+    woke = []
+
+    def waiter(target):
+        mesh.wait_counter(target, timeout=10)
+        woke.append(time.monotonic())
+
+    for i in range(1, 6):
+        t = threading.Thread(target=waiter, args=(i,), daemon=True)
+        t.start()
+        time.sleep(0.05)  # the waiter is asleep on the counter by now
+        t0 = time.monotonic()
+        mesh.put(0, a, 0, b, 0, 8)
+        t.join(5)
+        assert not t.is_alive()
+        # generous bound: a lost wake-up costs the 100 ms poll cap, far above this
+        assert woke[-1] - t0 < 0.05, f"woke {1e3 * (woke[-1] - t0):.1f} ms after the put"
+
+
+def test_a_message_over_the_wire_limit_is_refused_before_copying(mesh):
+    huge = np.zeros((1 << 32) + 1, dtype=np.uint8)  # calloc'd: untouched pages cost nothing
+    with pytest.raises(InvalidArgument, match="exceed the message limit"):
+        mesh.send(0, huge)
+    mesh.send(0, b"still fine")
+    assert mesh.recv(0, timeout=5) == b"still fine"
