@@ -68,3 +68,33 @@ def test_a_message_over_the_wire_limit_is_refused_before_copying(mesh):
         mesh.send(0, huge)
     mesh.send(0, b"still fine")
     assert mesh.recv(0, timeout=5) == b"still fine"
+
+
+def test_a_rank_that_cannot_register_makes_every_rank_fail_at_once():
+    """Registration is collective: a rank with an unusable buffer still takes part, so the
+    others fail at once naming it instead of waiting for the registration timeout; the
+    next registration works on every rank with the same index."""
+    from meshutil import run_threads
+
+    uid = flagcx_mesh.get_unique_id()
+    meshes = run_threads(2, lambda r: flagcx_mesh.Mesh(2, uid, r, timeout=30), timeout=60)
+    try:
+        def body(r):
+            m = meshes[r]
+            buf = b"read-only" if r == 1 else np.zeros(64, np.uint8)
+            t0 = time.monotonic()
+            with pytest.raises(InvalidArgument) as info:
+                m.register_window(buf)
+            took = time.monotonic() - t0
+            w = m.register_window(np.zeros(64, np.uint8))
+            return took, str(info.value), w.index
+
+        results = run_threads(2, body, timeout=60)
+        for took, _, _ in results:
+            assert took < 5, f"a rank waited {took:.1f} s for the failed registration"
+        assert "rank 1 could not register" in results[0][1], results[0][1]
+        assert "writable" in results[1][1], results[1][1]
+        assert [idx for _, _, idx in results] == [0, 0]
+    finally:
+        for m in meshes:
+            m.close()

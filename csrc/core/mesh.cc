@@ -231,6 +231,11 @@ uint32_t Mesh::signal_window(uint64_t nslots) {
   return onesided_->alloc_signal(nslots);
 }
 
+void Mesh::refuse_registration(const std::string& reason) {
+  FXM_OPEN("register_window");
+  onesided_->refuse_registration(reason);
+}
+
 void Mesh::deregister(uint32_t index) {
   FXM_OPEN("deregister");
   onesided_->deregister(index, Deadline::after_seconds(timeout_s_));

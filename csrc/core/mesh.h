@@ -68,6 +68,8 @@ class Mesh {
   uint32_t register_window(void* base, uint64_t size);
   uint32_t alloc_window(uint64_t size);
   uint32_t signal_window(uint64_t nslots);
+  // Takes part in a registration this rank cannot provide: every rank fails, naming it.
+  [[noreturn]] void refuse_registration(const std::string& reason);
   void deregister(uint32_t index);
   std::shared_ptr<Window> window(uint32_t index);
   void put(const PutArgs& a);

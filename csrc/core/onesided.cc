@@ -42,67 +42,93 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine*
 // ------------------------------------------------------------ registration
 
 uint32_t OneSided::register_user(void* base, uint64_t size) {
-  auto w = std::make_shared<Window>();
-  w->kind = WindowKind::kUser;
-  w->base = static_cast<uint8_t*>(base);
-  w->size = size;
-  return register_window(std::move(w), "");
+  return register_collective([&](uint32_t, std::string*) {
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kUser;
+    w->base = static_cast<uint8_t*>(base);
+    w->size = size;
+    return w;
+  });
 }
 
 uint32_t OneSided::alloc(uint64_t size) {
-  std::string name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(windows_->next_index());
-  auto w = std::make_shared<Window>();
-  w->kind = WindowKind::kShm;
-  w->seg = std::make_shared<shm::Segment>(shm::Segment::create(name, size));
-  w->base = w->seg->data();
-  w->size = size;
-  return register_window(std::move(w), name);
+  return register_collective([&](uint32_t index, std::string* name) {
+    *name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(index);
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kShm;
+    w->seg = std::make_shared<shm::Segment>(shm::Segment::create(*name, size));
+    w->base = w->seg->data();
+    w->size = size;
+    return w;
+  });
 }
 
 uint32_t OneSided::alloc_signal(uint64_t nslots) {
-  if (nslots == 0 || nslots > (1ull << 32)) {
-    fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " + std::to_string(nslots));
-  }
-  std::string name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(windows_->next_index());
-  auto w = std::make_shared<Window>();
-  w->kind = WindowKind::kSignal;
-  w->seg = std::make_shared<shm::Segment>(shm::Segment::create(name, signal_segment_bytes(nslots)));
-  w->base = w->seg->data();
-  w->size = nslots * 8;
-  w->last_src = signal_last_src(w->base, nslots);
-  w->notify = signal_notify(w->base, nslots);
-  for (uint64_t i = 0; i < nslots; ++i) w->last_src[i] = -1;
-  return register_window(std::move(w), name);
+  return register_collective([&](uint32_t index, std::string* name) {
+    if (nslots == 0 || nslots > (1ull << 32)) {
+      fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " +
+                                              std::to_string(nslots));
+    }
+    *name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(index);
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kSignal;
+    w->seg = std::make_shared<shm::Segment>(shm::Segment::create(*name, signal_segment_bytes(nslots)));
+    w->base = w->seg->data();
+    w->size = nslots * 8;
+    w->last_src = signal_last_src(w->base, nslots);
+    w->notify = signal_notify(w->base, nslots);
+    for (uint64_t i = 0; i < nslots; ++i) w->last_src[i] = -1;
+    return w;
+  });
 }
 
-uint32_t OneSided::register_window(std::shared_ptr<Window> w, const std::string& shm_name) {
-  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails here, before the collective
+void OneSided::refuse_registration(const std::string& reason) {
+  register_collective([&](uint32_t, std::string*) -> std::shared_ptr<Window> {
+    fail(Code::kInvalidArgument, -1, 0, reason);
+  });
+  fail(Code::kInternal, -1, 0, who() + "refused registration went through");  // unreachable
+}
+
+namespace {
+
+// A rank that cannot register still takes part in the collective with this
+// marker (kind 0 + its reason), so every rank fails at once, naming it.
+std::vector<uint8_t> failure_marker(uint32_t index, const std::string& reason) {
+  std::vector<uint8_t> b(8, 0);
+  std::memcpy(b.data(), &index, 4);
+  b.insert(b.end(), reason.begin(), reason.end());
+  return b;
+}
+
+bool is_failure_marker(const std::vector<uint8_t>& part, std::string* reason) {
+  uint32_t kind = 1;
+  if (part.size() >= 8) std::memcpy(&kind, part.data() + 4, 4);
+  if (kind != 0) return false;
+  *reason = std::string(part.begin() + 8, part.end());
+  return true;
+}
+
+}  // namespace
+
+uint32_t OneSided::register_collective(const Prepare& prepare) {
   std::lock_guard<std::mutex> lock(register_mu_);
-  w->index = windows_->next_index();
-  WindowDesc d{w->kind, w->size, reinterpret_cast<uint64_t>(w->base), static_cast<int32_t>(::getpid()),
-               host_, shm_name};
-  std::vector<uint8_t> mine(4);
-  std::memcpy(mine.data(), &w->index, 4);
-  std::vector<uint8_t> enc = d.encode();
-  mine.insert(mine.end(), enc.begin(), enc.end());
-  bootstrap::Parts parts = allgather_(mine);
-  std::vector<WindowDesc> descs(nranks_);
-  for (int r = 0; r < nranks_; ++r) {
-    uint32_t idx = 0;
-    std::vector<uint8_t> rest(parts[r].begin() + std::min<size_t>(4, parts[r].size()), parts[r].end());
-    if (parts[r].size() < 4 || !WindowDesc::decode(rest, &descs[r])) {
-      fail(Code::kProtocol, r, 0, who() + "rank " + std::to_string(r) + " published a malformed window description");
-    }
-    std::memcpy(&idx, parts[r].data(), 4);
-    if (idx != w->index || (descs[r].kind == WindowKind::kSignal) != (w->kind == WindowKind::kSignal)) {
-      fail(Code::kInvalidArgument, r, 0,
-           who() + "collective registration mismatch: this rank registers window #" + std::to_string(w->index) +
-               " (" + kind_name(w->kind) + ") while rank " + std::to_string(r) + " registers #" +
-               std::to_string(idx) + " (" + kind_name(descs[r].kind) +
-               "); every rank must register windows in the same order");
-    }
+  uint32_t index = windows_->next_index();
+  std::shared_ptr<Window> w;
+  std::string shm_name;
+  std::exception_ptr local_failure;
+  std::vector<uint8_t> mine;
+  try {
+    forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails like any other local problem
+    w = prepare(index, &shm_name);
+    w->index = index;
+    mine = describe_for_peers(*w, shm_name);
+  } catch (const Error& e) {
+    local_failure = std::current_exception();
+    mine = failure_marker(index, e.what());
   }
-  connect_peers(*w, descs);
+  bootstrap::Parts parts = allgather_(mine);
+  if (local_failure) std::rethrow_exception(local_failure);
+  connect_peers(*w, check_descriptions(*w, parts));
   windows_->add(w);  // before the barrier: a peer may use the window as soon as it returns
   try {
     allgather_({});  // every peer has mapped this rank's segment: the name can go
@@ -113,6 +139,42 @@ uint32_t OneSided::register_window(std::shared_ptr<Window> w, const std::string&
   if (w->seg) w->seg->unlink();
   FXM_INFO(rank_, w->describe());
   return w->index;
+}
+
+std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::string& shm_name) const {
+  WindowDesc d{w.kind, w.size, reinterpret_cast<uint64_t>(w.base), static_cast<int32_t>(::getpid()),
+               host_, shm_name};
+  std::vector<uint8_t> mine(4);
+  std::memcpy(mine.data(), &w.index, 4);
+  std::vector<uint8_t> enc = d.encode();
+  mine.insert(mine.end(), enc.begin(), enc.end());
+  return mine;
+}
+
+std::vector<WindowDesc> OneSided::check_descriptions(const Window& w, const bootstrap::Parts& parts) const {
+  std::vector<WindowDesc> descs(nranks_);
+  for (int r = 0; r < nranks_; ++r) {
+    std::string reason;
+    if (is_failure_marker(parts[r], &reason)) {
+      fail(Code::kInvalidArgument, r, 0, who() + "window #" + std::to_string(w.index) +
+                                             " was not registered: rank " + std::to_string(r) +
+                                             " could not register its part (" + reason + ")");
+    }
+    uint32_t idx = 0;
+    std::vector<uint8_t> rest(parts[r].begin() + std::min<size_t>(4, parts[r].size()), parts[r].end());
+    if (parts[r].size() < 4 || !WindowDesc::decode(rest, &descs[r])) {
+      fail(Code::kProtocol, r, 0, who() + "rank " + std::to_string(r) + " published a malformed window description");
+    }
+    std::memcpy(&idx, parts[r].data(), 4);
+    if (idx != w.index || (descs[r].kind == WindowKind::kSignal) != (w.kind == WindowKind::kSignal)) {
+      fail(Code::kInvalidArgument, r, 0,
+           who() + "collective registration mismatch: this rank registers window #" + std::to_string(w.index) +
+               " (" + kind_name(w.kind) + ") while rank " + std::to_string(r) + " registers #" +
+               std::to_string(idx) + " (" + kind_name(descs[r].kind) +
+               "); every rank must register windows in the same order");
+    }
+  }
+  return descs;
 }
 
 void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs) {

@@ -41,6 +41,10 @@ class OneSided {
   uint32_t register_user(void* base, uint64_t size);
   uint32_t alloc(uint64_t size);
   uint32_t alloc_signal(uint64_t nslots);
+  // Joins a registration collective for a window this rank cannot provide
+  // (the reason is sent to every rank, which all fail naming this one), then
+  // throws InvalidArgument with `reason`.
+  [[noreturn]] void refuse_registration(const std::string& reason);
   // Collective: flushes, then every rank drops the window.
   void deregister(uint32_t index, const Deadline& deadline);
   std::shared_ptr<Window> window(uint32_t index, const char* op) const;  // live or throws
@@ -54,7 +58,12 @@ class OneSided {
   void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const;
 
  private:
-  uint32_t register_window(std::shared_ptr<Window> w, const std::string& shm_name);
+  // Makes this rank's part of the next window (index, &shm_name) or throws.
+  using Prepare = std::function<std::shared_ptr<Window>(uint32_t, std::string*)>;
+  // The registration collective; a local failure still takes part (see refuse_registration).
+  uint32_t register_collective(const Prepare& prepare);
+  std::vector<uint8_t> describe_for_peers(const Window& w, const std::string& shm_name) const;
+  std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
   PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
   void validate(const PutArgs& a, const char* op, bool is_get) const;

@@ -109,6 +109,7 @@ void bind_onesided(py::class_<Mesh>& cls) {
   cls.def("register_window", &register_buffer, arg("buffer"))
       .def("alloc_window", &Mesh::alloc_window, arg("nbytes"), nogil)
       .def("signal_window", &Mesh::signal_window, arg("nslots"), nogil)
+      .def("refuse_registration", &Mesh::refuse_registration, arg("reason"), nogil)
       .def("deregister", &Mesh::deregister, arg("index"), nogil)
       .def("window_info", &window_info, arg("index"))
       .def("window_memory", &window_memory, arg("index"))

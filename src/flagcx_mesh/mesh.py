@@ -212,7 +212,11 @@ class Mesh:
         bytearray, anything with the buffer protocol). Collective: every rank
         registers its window in the same order; sizes may differ per rank.
         The buffer must stay alive and unmoved until the window is closed."""
-        view = _byte_view(buffer, f"rank {self.rank}: register_window")
+        try:
+            view = _byte_view(buffer, f"rank {self.rank}: register_window")
+        except InvalidArgument as e:  # still take part, so the other ranks fail at once too
+            self._core.refuse_registration(str(e))
+            raise
         index = self._core.register_window(view)
         return Window(self, index, keepalive=(view, buffer))
 
