@@ -98,3 +98,33 @@ def test_a_rank_that_cannot_register_makes_every_rank_fail_at_once():
     finally:
         for m in meshes:
             m.close()
+
+
+def test_unreceived_messages_pause_reading_instead_of_growing_memory():
+    """A sender faster than the receiver's recv(): the receiver holds at most about
+    max_unreceived bytes (plus what is in flight), the sender then feels back-pressure,
+    and everything arrives intact once the receiver drains its mailbox."""
+    from meshutil import run_threads
+
+    uid = flagcx_mesh.get_unique_id()
+    limit, msg, count = 1 << 20, 256 << 10, 600  # 150 MiB: more than the 64 MiB send queue
+    # plus the socket buffers, against a 1 MiB mailbox
+    meshes = run_threads(2, lambda r: flagcx_mesh.Mesh(2, uid, r, timeout=30, max_unreceived=limit),
+                         timeout=60)
+    try:
+        def sender():
+            for i in range(count):
+                meshes[0].send(1, bytes([i % 251]) * msg, timeout=30)
+
+        t = threading.Thread(target=sender, daemon=True)
+        t.start()
+        time.sleep(1.0)  # the receiver does not recv() yet
+        assert t.is_alive(), "the sender finished: nothing held it back"
+        for i in range(count):
+            got = meshes[1].recv(0, timeout=30)
+            assert got == bytes([i % 251]) * msg, i
+        t.join(30)
+        assert not t.is_alive()
+    finally:
+        for m in meshes:
+            m.close()

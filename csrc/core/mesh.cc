@@ -39,6 +39,7 @@ void check_args(int nranks, int rank, const MeshOptions& opt) {
   }
   if (opt.timeout_s < 0) bad("timeout must be positive");
   if (opt.max_inflight < 1) bad("max_inflight must be >= 1");
+  if (opt.max_unreceived < 1) bad("max_unreceived must be >= 1");
 }
 
 }  // namespace
@@ -61,7 +62,7 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
     throw;
   }
   timeout_s_ = timeout_s;
-  engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_);
+  engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_, opt.max_unreceived);
   onesided_ = std::make_unique<OneSided>(
       rank_, nranks_, contexts_, mesh_id_hex().substr(0, 12), engine_.get(), &windows_,
       [this](const std::vector<uint8_t>& mine) {

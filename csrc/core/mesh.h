@@ -30,6 +30,7 @@ struct MeshOptions {
   double header_timeout_s = 5.0;  // per accepted connection
   int max_inflight = 64;          // outgoing connects in flight
   uint32_t epoch = 0;
+  uint64_t max_unreceived = 1ull << 30;  // per (peer, ctx) mailbox, see Engine
   // Called after each phase ("listen", "rendezvous", "connect", "wiring");
   // a hook for tests and tracing. May throw to abort the build.
   std::function<void(const std::string&)> on_phase;

@@ -73,9 +73,11 @@ uint8_t g_scratch[1 << 16];  // sink for discarded payloads (contents never read
 
 }  // namespace
 
-Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows)
+Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
+               uint64_t max_unreceived)
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), conns_(conns), windows_(windows),
-      out_(nranks * ncontexts), mailbox_(nranks * ncontexts), outstanding_(nranks * ncontexts),
+      out_(nranks * ncontexts), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
+      max_unreceived_(max_unreceived), outstanding_(nranks * ncontexts),
       queued_msg_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
@@ -237,6 +239,10 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
   if (!box.empty()) {
     std::vector<uint8_t> m = std::move(box.front());
     box.pop_front();
+    uint64_t& queued = mailbox_bytes_[slot(peer, ctx)];
+    bool was_paused = queued >= max_unreceived_;
+    queued -= m.size();
+    if (was_paused && queued < max_unreceived_) wake();  // resume reading that connection
     return m;
   }
   std::string what = who() + "recv from peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
@@ -363,7 +369,7 @@ void Engine::poll_once() {
         fds.push_back({conns_->send[s].get(), POLLOUT, 0});
         owner.push_back(s);
       }
-      if (!in_[s]->closed) {
+      if (!in_[s]->closed && mailbox_bytes_[s] < max_unreceived_) {  // else paused: see recv_message
         fds.push_back({conns_->recv[s].get(), POLLIN, 0});
         owner.push_back(total + s);
       }
@@ -559,6 +565,13 @@ void Engine::on_payload_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   if (in.f.type == FrameType::kMessage) {
     std::lock_guard<std::mutex> lock(mu_);
+    bool below = mailbox_bytes_[s] < max_unreceived_;
+    mailbox_bytes_[s] += in.msg.size();
+    if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
+      FXM_WARN(rank_, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
+                          " (ctx " + std::to_string(s % ncontexts_) +
+                          ") wait for recv(); reading that connection pauses until they are received");
+    }
     mailbox_[s].push_back(std::move(in.msg));
     cv_.notify_all();
   } else if (in.f.type == FrameType::kPut) {

@@ -38,7 +38,11 @@ struct SignalSpec {
 
 class Engine {
  public:
-  Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows);
+  // max_unreceived: bytes of messages that may wait in one (peer, ctx)
+  // mailbox; above it the engine stops reading that connection until recv()
+  // drains it (acks and get answers on that connection wait too).
+  Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
+         uint64_t max_unreceived);
   ~Engine();
 
   // One-sided ops over TCP (the caller validated every argument). The source
@@ -115,6 +119,8 @@ class Engine {
   std::vector<std::deque<OutItem>> out_;
   std::vector<std::unique_ptr<InConn>> in_;
   std::vector<std::deque<std::vector<uint8_t>>> mailbox_;
+  std::vector<uint64_t> mailbox_bytes_;  // per slot: bytes waiting for recv()
+  uint64_t max_unreceived_;
   struct PendingGet {
     int peer, ctx;
     uint8_t* dst;

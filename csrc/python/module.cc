@@ -31,6 +31,7 @@ void translate_error(std::exception_ptr p) {
 
 std::unique_ptr<Mesh> make_mesh(int nranks, const py::bytes& uid, int rank, int contexts,
                                 double timeout, double header_timeout, int max_inflight,
+                                uint64_t max_unreceived,
                                 uint32_t epoch, py::object on_phase) {
   std::string id = uid;
   fxm::MeshOptions opt;
@@ -38,6 +39,7 @@ std::unique_ptr<Mesh> make_mesh(int nranks, const py::bytes& uid, int rank, int 
   opt.timeout_s = timeout;
   opt.header_timeout_s = header_timeout;
   opt.max_inflight = max_inflight;
+  opt.max_unreceived = max_unreceived;
   opt.epoch = epoch;
   if (!on_phase.is_none()) {
     opt.on_phase = [on_phase](const std::string& phase) {
@@ -110,7 +112,8 @@ void bind_mesh(py::module_& m) {
   cls
       .def(py::init(&make_mesh), py::arg("nranks"), py::arg("unique_id"), py::arg("rank"),
            py::arg("contexts") = 1, py::arg("timeout") = 0.0, py::arg("header_timeout") = 5.0,
-           py::arg("max_inflight") = 64, py::arg("epoch") = 0, py::arg("on_phase") = py::none())
+           py::arg("max_inflight") = 64, py::arg("max_unreceived") = 1ull << 30, py::arg("epoch") = 0,
+           py::arg("on_phase") = py::none())
       .def_property_readonly("rank", &Mesh::rank)
       .def_property_readonly("nranks", &Mesh::nranks)
       .def_property_readonly("contexts", &Mesh::contexts)

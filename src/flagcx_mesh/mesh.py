@@ -70,6 +70,9 @@ class Mesh:
     :class:`~flagcx_mesh.errors.MeshError` on every rank naming what is
     missing. ``timeout`` (seconds) bounds the whole build; ``None`` uses
     ``FLAGCX_MESH_TIMEOUT`` (default 60). The GIL is released while it waits.
+    ``max_unreceived`` bounds the bytes of messages waiting for :meth:`recv`
+    per (peer, context); above it the mesh stops reading that connection
+    (its one-sided completions wait too) until ``recv`` drains it.
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -84,6 +87,7 @@ class Mesh:
         *,
         header_timeout: float = 5.0,
         max_inflight: int = 64,
+        max_unreceived: int = 1 << 30,
         epoch: int = 0,
         _on_phase: Optional[Callable[[str], None]] = None,
     ) -> None:
@@ -95,6 +99,7 @@ class Mesh:
             timeout=_timeout_arg(timeout),
             header_timeout=float(header_timeout),
             max_inflight=int(max_inflight),
+            max_unreceived=int(max_unreceived),
             epoch=int(epoch),
             on_phase=_on_phase,
         )
