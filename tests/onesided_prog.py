@@ -1,4 +1,4 @@
-"""One rank of a one-sided test job (issue 4, items 4, 5 and 7).
+"""One rank of a one-sided test job (integrity, ordering, threads, bad input, timeouts, peer death).
 
 Run under the embedded launcher::
 

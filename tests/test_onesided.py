@@ -1,4 +1,4 @@
-"""One-sided windows and operations (issue 4, items 4, 5 and 7).
+"""One-sided windows and operations over every transport, ranks as processes and threads.
 
 Ranks as processes: every scenario of tests/onesided_prog.py (integrity, ordering, threads,
 bad_input, timeout, peer_death) runs under the embedded launcher over every forced transport
