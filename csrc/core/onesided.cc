@@ -41,6 +41,10 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine*
 
 // ------------------------------------------------------------ registration
 
+std::string OneSided::shm_name(uint32_t index) const {
+  return "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(index);
+}
+
 uint32_t OneSided::register_user(void* base, uint64_t size) {
   return register_collective([&](uint32_t, std::string*) {
     auto w = std::make_shared<Window>();
@@ -53,7 +57,7 @@ uint32_t OneSided::register_user(void* base, uint64_t size) {
 
 uint32_t OneSided::alloc(uint64_t size) {
   return register_collective([&](uint32_t index, std::string* name) {
-    *name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(index);
+    *name = shm_name(index);
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kShm;
     w->seg = std::make_shared<shm::Segment>(shm::Segment::create(*name, size));
@@ -69,7 +73,7 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
       fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " +
                                               std::to_string(nslots));
     }
-    *name = "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(index);
+    *name = shm_name(index);
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kSignal;
     w->seg = std::make_shared<shm::Segment>(shm::Segment::create(*name, signal_segment_bytes(nslots)));

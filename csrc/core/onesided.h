@@ -62,6 +62,7 @@ class OneSided {
   using Prepare = std::function<std::shared_ptr<Window>(uint32_t, std::string*)>;
   // The registration collective; a local failure still takes part (see refuse_registration).
   uint32_t register_collective(const Prepare& prepare);
+  std::string shm_name(uint32_t index) const;  // "/fxm-<mesh>-<rank>-<index>"
   std::vector<uint8_t> describe_for_peers(const Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);

@@ -219,8 +219,7 @@ void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, con
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
   if (stopping_) fail(Code::kClosed, peer, 0, what + ": the mesh was closed");
-  if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost_[peer]);
-  if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  fail_if_gone(peer, what + ": ");
   queued_msg_[s] += len;
   out_[s].push_back(std::move(it));
   lock.unlock();
@@ -275,7 +274,11 @@ void Engine::complete(int peer, int ctx, uint64_t n) {
 
 void Engine::check_peer(int peer, const char* op) const {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string what = who() + op + " to peer " + std::to_string(peer) + ": ";
+  if (lost_[peer].empty() && !bye_[peer]) return;  // the hot path builds no text
+  fail_if_gone(peer, who() + op + " to peer " + std::to_string(peer) + ": ");
+}
+
+void Engine::fail_if_gone(int peer, const std::string& what) const {
   if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + lost_[peer]);
   if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + "peer " + std::to_string(peer) + " closed its mesh");
 }
@@ -381,11 +384,10 @@ void Engine::poll_once() {
     if (owner[k] >= total) read_some(owner[k] - total);
     else write_some(owner[k]);
   }
-  if (fds[0].revents) {  // new work was queued: start writing it now, not after another poll
+  if (fds[0].revents) {  // new work was queued: the write_pending() below starts it now
     uint64_t v;
     ssize_t n = ::read(wake_fd_, &v, sizeof(v));
     (void)n;
-    write_pending();
   }
   send_acks();
   write_pending();

@@ -102,6 +102,8 @@ class Engine {
   void complete(int peer, int ctx, uint64_t n);
   void send_acks();
   void lose(int peer, const std::string& why);
+  // With mu_ held: throws PeerLost, prefixed by `what`, when the peer is lost or closed.
+  void fail_if_gone(int peer, const std::string& what) const;
   [[noreturn]] void fail_wait(int peer, const char* doing, const Deadline& deadline) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
