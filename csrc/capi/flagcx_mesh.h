@@ -1,0 +1,172 @@
+/*
+ * flagcx_mesh.h: the stable C ABI of flagcx_mesh (C99).
+ *
+ * Every call returns a flagcx_mesh_result_t. On failure the calling thread's
+ * last error (flagcx_mesh_last_error()) says what failed, on which rank and
+ * with which peer and errno; output parameters are written only on success.
+ * Handles are opaque. Config structs begin with their size, so later versions
+ * can grow them without breaking callers built against this one.
+ *
+ * Link: cc prog.c $(python -m flagcx_mesh.config --cflags --libs)
+ *   or CMake: find_package(flagcx_mesh) + target_link_libraries(t flagcx_mesh::flagcx_mesh)
+ *   or pkg-config --cflags --libs flagcx_mesh
+ */
+#ifndef FLAGCX_MESH_H_
+#define FLAGCX_MESH_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#define FLAGCX_MESH_VERSION_MAJOR 0
+#define FLAGCX_MESH_VERSION_MINOR 2
+#define FLAGCX_MESH_VERSION_PATCH 0
+#define FLAGCX_MESH_VERSION_CODE \
+  (FLAGCX_MESH_VERSION_MAJOR * 10000 + FLAGCX_MESH_VERSION_MINOR * 100 + FLAGCX_MESH_VERSION_PATCH)
+
+#if defined(__GNUC__)
+#define FLAGCX_MESH_API __attribute__((visibility("default")))
+#else
+#define FLAGCX_MESH_API
+#endif
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+/* ------------------------------------------------------------------ results */
+
+/* Fixed values; the same codes as flagcx_mesh.errors in Python. */
+typedef enum {
+  FLAGCX_MESH_OK = 0,
+  FLAGCX_MESH_INVALID_ARGUMENT = 1, /* bad input from the caller; nothing was changed */
+  FLAGCX_MESH_TIMEOUT = 2,          /* a deadline expired */
+  FLAGCX_MESH_PEER_LOST = 3,        /* a peer (or the rendezvous root) went away */
+  FLAGCX_MESH_PROTOCOL = 4,         /* malformed, foreign or miswired data on the wire */
+  FLAGCX_MESH_SYSTEM = 5,           /* a system call failed (see the errno) */
+  FLAGCX_MESH_CLOSED = 6,           /* the handle was used after it was closed */
+  FLAGCX_MESH_INTERNAL = 7,         /* a bug in this library */
+  FLAGCX_MESH_NUM_RESULTS = 8
+} flagcx_mesh_result_t;
+
+/* Runtime version: FLAGCX_MESH_VERSION_CODE of the loaded library. */
+FLAGCX_MESH_API int flagcx_mesh_version(void);
+/* A fixed description of a result code (never NULL, also for unknown values). */
+FLAGCX_MESH_API const char *flagcx_mesh_result_string(flagcx_mesh_result_t result);
+/* What the last failed call on this thread did wrong, naming the call, the rank
+ * and the peer; "" when the last call succeeded. Valid until the next call. */
+FLAGCX_MESH_API const char *flagcx_mesh_last_error(void);
+/* The peer rank (-1: none) and errno (0: none) of this thread's last error. */
+FLAGCX_MESH_API int flagcx_mesh_last_error_peer(void);
+FLAGCX_MESH_API int flagcx_mesh_last_error_errno(void);
+
+/* ---------------------------------------------------------------- unique id */
+
+#define FLAGCX_MESH_UNIQUE_ID_BYTES 256
+typedef struct {
+  char internal[FLAGCX_MESH_UNIQUE_ID_BYTES];
+} flagcx_mesh_unique_id_t;
+
+/* Makes an id and starts the rendezvous root in this process, which must stay
+ * alive until every rank has joined. Carry the bytes to all ranks any way. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get_unique_id(flagcx_mesh_unique_id_t *id);
+/* 512 hex characters (as the launcher's FLAGCX_MESH_UNIQUE_ID) -> id. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_unique_id_from_hex(const char *hex,
+                                                                    flagcx_mesh_unique_id_t *id);
+
+/* ------------------------------------------------------------- communicator */
+
+typedef struct flagcx_mesh_comm *flagcx_mesh_comm_t;
+
+typedef struct {
+  size_t size;       /* sizeof(flagcx_mesh_config_t) */
+  int contexts;      /* independent connection sets per peer pair (>= 1) */
+  double timeout_s;  /* whole build and later collectives; 0: FLAGCX_MESH_TIMEOUT (60) */
+  int max_inflight;  /* outgoing connects in flight while building */
+} flagcx_mesh_config_t;
+
+#define FLAGCX_MESH_CONFIG_INITIALIZER {sizeof(flagcx_mesh_config_t), 1, 0.0, 64}
+
+/* Collective: blocks until all nranks have joined and the mesh is built and
+ * checked, or fails on every rank naming the missing peers. Thread-safe;
+ * several communicators may be built at once. config may be NULL. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_init(flagcx_mesh_comm_t *comm, int nranks,
+                                                           const flagcx_mesh_unique_id_t *id, int rank,
+                                                           const flagcx_mesh_config_t *config);
+/* The same, with rank, nranks and id from the embedded launcher's environment
+ * (FLAGCX_MESH_RANK, FLAGCX_MESH_NRANKS, FLAGCX_MESH_UNIQUE_ID). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_init_from_env(flagcx_mesh_comm_t *comm,
+                                                                    const flagcx_mesh_config_t *config);
+/* Closes every connection and frees the handle (NULL is accepted). Waits in
+ * other threads on this communicator return FLAGCX_MESH_CLOSED first. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_destroy(flagcx_mesh_comm_t comm);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_rank(flagcx_mesh_comm_t comm, int *rank);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_nranks(flagcx_mesh_comm_t comm, int *nranks);
+/* Collective barrier over the rendezvous root; timeout_s <= 0: the comm's timeout. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_barrier(flagcx_mesh_comm_t comm, double timeout_s);
+
+/* ------------------------------------------------------------------ windows */
+
+/* All registrations are collective, and the index is the registration order,
+ * the same on every rank. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_register(flagcx_mesh_comm_t comm, void *base,
+                                                                 uint64_t size, uint32_t *index);
+/* Library-allocated shared memory (the fastest path on one host). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_alloc(flagcx_mesh_comm_t comm, uint64_t size,
+                                                              uint32_t *index, void **base);
+/* A window of nslots 64-bit signal slots, all zero. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_signal_window(flagcx_mesh_comm_t comm, uint64_t nslots,
+                                                               uint32_t *index);
+/* Collective: flushes, then every rank drops the window. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_deregister(flagcx_mesh_comm_t comm, uint32_t index);
+/* The path that reaches peer's copy of the window: "self", "shm", "cma" or
+ * "tcp" (a static string). The fallback reason is in the last error text of
+ * flagcx_mesh_window_describe. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_path(flagcx_mesh_comm_t comm, uint32_t index,
+                                                             int peer, const char **path);
+/* Per-peer paths with the reason each fallback was taken, NUL-terminated,
+ * truncated to len bytes; *needed (may be NULL) gets the full length + 1. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_describe(flagcx_mesh_comm_t comm, uint32_t index,
+                                                                 char *buf, size_t len, size_t *needed);
+
+/* --------------------------------------------------------------- operations */
+
+/* Non-blocking, FIFO per peer, thread-safe. Offsets and sizes are in bytes and
+ * are checked against both windows before anything is written. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_put(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
+                                                     uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+                                                     uint64_t size);
+/* put, then ADD sig_value to slot sig_slot of peer's signal window sig_win,
+ * after the data is visible there. size 0: signal only. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_put_signal(flagcx_mesh_comm_t comm, int peer,
+                                                            uint32_t src_win, uint64_t src_off,
+                                                            uint32_t dst_win, uint64_t dst_off, uint64_t size,
+                                                            uint32_t sig_win, uint64_t sig_slot,
+                                                            uint64_t sig_value);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_signal(flagcx_mesh_comm_t comm, int peer, uint32_t sig_win,
+                                                        uint64_t sig_slot, uint64_t sig_value);
+/* Reads peer's window src_win into this rank's window dst_win. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
+                                                     uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+                                                     uint64_t size);
+/* This rank's slot value. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
+                                                             uint64_t sig_slot, uint64_t *value);
+/* Waits until this rank's slot is >= expected; FLAGCX_MESH_TIMEOUT after
+ * timeout_s (<= 0: no limit), FLAGCX_MESH_PEER_LOST when the last signaller went away. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
+                                                             uint64_t sig_slot, uint64_t expected,
+                                                             double timeout_s);
+/* Waits until every op issued to peer (-1: all peers) has completed remotely. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_flush(flagcx_mesh_comm_t comm, int peer, double timeout_s);
+/* Ops issued by this rank that have completed remotely, and a wait for it. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_counter(flagcx_mesh_comm_t comm, uint64_t *value);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_counter(flagcx_mesh_comm_t comm, uint64_t value,
+                                                              double timeout_s);
+
+#ifdef __cplusplus
+}
+#endif
+
+#include "flagcx_mesh_net.h"
+
+#endif /* FLAGCX_MESH_H_ */

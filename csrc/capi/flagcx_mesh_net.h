@@ -1,0 +1,139 @@
+/*
+ * flagcx_mesh_net.h: building a full mesh over a network adaptor that has no
+ * identity on the wire (FlagCX's IB adaptor: a listen handle with a constant
+ * magic, one FIFO accept queue per listener, non-blocking connect/accept state
+ * machines). Included by flagcx_mesh.h; C99.
+ *
+ * The call that replaces FlagCX's flagcxOneSideBuildFullMesh is
+ * flagcx_mesh_net_build_full_mesh() with FLAGCX_MESH_BUILD_ORDERED (or
+ * FLAGCX_MESH_BUILD_TAGGED when the adaptor can carry bytes).
+ */
+#ifndef FLAGCX_MESH_NET_H_
+#define FLAGCX_MESH_NET_H_
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#define FLAGCX_MESH_NET_HANDLE_MAX 128
+
+/* A network adaptor, shaped like FlagCX's. Every function returns 0 on
+ * success; any other value is a failure and is reported with the call and
+ * peer. `ctx` is passed back to every call. */
+typedef struct flagcx_mesh_net_adaptor {
+  size_t size;        /* sizeof(flagcx_mesh_net_adaptor_t) */
+  const char *name;
+  void *ctx;
+  size_t handle_size; /* bytes of a listen handle, 1..FLAGCX_MESH_NET_HANDLE_MAX */
+  int (*listen)(void *ctx, void *handle, void **listen_comm);
+  /* Non-blocking: returns 0 with *send_comm == NULL while in progress. `handle`
+   * is this rank's writable copy of the peer's listen handle (an adaptor may
+   * keep its connect state in it, as FlagCX's does); each is used for one
+   * connection. */
+  int (*connect)(void *ctx, void *handle, void **send_comm);
+  /* Non-blocking: takes the first connection in the listener's queue, or
+   * returns 0 with *recv_comm == NULL when none is ready yet. */
+  int (*accept)(void *ctx, void *listen_comm, void **recv_comm);
+  int (*close_send)(void *ctx, void *send_comm);
+  int (*close_recv)(void *ctx, void *recv_comm);
+  int (*close_listen)(void *ctx, void *listen_comm);
+  /* Optional (all three NULL when the adaptor cannot carry bytes before memory
+   * registration): small transfers used for identity headers and the wiring
+   * check. test() sets *done to 1 once the request completed (and frees it). */
+  int (*isend)(void *ctx, void *send_comm, const void *data, size_t size, void **request);
+  int (*irecv)(void *ctx, void *recv_comm, void *data, size_t size, void **request);
+  int (*test)(void *ctx, void *request, int *done);
+} flagcx_mesh_net_adaptor_t;
+
+/* An out-of-band bootstrap, shaped like FlagCX's (bootstrapAllGather,
+ * bootstrapSend, bootstrapRecv). Every function returns 0 on success. */
+typedef struct flagcx_mesh_bootstrap_ops {
+  size_t size; /* sizeof(flagcx_mesh_bootstrap_ops_t) */
+  void *ctx;
+  int rank;
+  int nranks;
+  /* In place: data holds nranks blocks of `bytes` each; this rank's block is
+   * filled in, every block is filled on return. */
+  int (*allgather)(void *ctx, void *data, size_t bytes);
+  int (*send)(void *ctx, int peer, int tag, const void *data, size_t size);
+  /* Blocks until the message with (peer, tag) arrives; fails after
+   * timeout_s (> 0) where the bootstrap supports deadlines. */
+  int (*recv)(void *ctx, int peer, int tag, void *data, size_t size, double timeout_s);
+} flagcx_mesh_bootstrap_ops_t;
+
+typedef enum {
+  /* FlagCX's loop as shipped, with a deadline added so that its hang is
+   * reported instead of spinning forever. For reproducing the race only. */
+  FLAGCX_MESH_BUILD_LEGACY = 0,
+  /* Ordered pairwise rounds; in round i a rank connects to rank+i only after
+   * rank+i said over the bootstrap that its round-i accept is next, so an
+   * accept queue never holds another round's connection. Round 0 is self. */
+  FLAGCX_MESH_BUILD_ORDERED = 1,
+  /* Every connection carries an identity header over the adaptor and is filed
+   * by it; needs isend/irecv/test. */
+  FLAGCX_MESH_BUILD_TAGGED = 2
+} flagcx_mesh_builder_t;
+
+typedef struct {
+  size_t size;                   /* sizeof(flagcx_mesh_net_build_config_t) */
+  flagcx_mesh_builder_t builder;
+  double timeout_s;              /* whole build; 0: FLAGCX_MESH_TIMEOUT (60) */
+  int wiring_check;              /* 1: confirm identities over isend/irecv when available */
+  int tag_base;                  /* bootstrap send/recv tags used: tag_base .. tag_base + nranks */
+} flagcx_mesh_net_build_config_t;
+
+#define FLAGCX_MESH_NET_BUILD_CONFIG_INITIALIZER \
+  {sizeof(flagcx_mesh_net_build_config_t), FLAGCX_MESH_BUILD_ORDERED, 0.0, 1, 0x6d780000}
+
+/* Collective over boot: builds send_comms[p] (to p) and recv_comms[p] (from p)
+ * for every p, self included; both arrays hold boot->nranks entries and are
+ * written only on success. On failure every connection this call opened is
+ * closed and the last error names the round, the peer and the step. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_build_full_mesh(
+    const flagcx_mesh_net_adaptor_t *net, const flagcx_mesh_bootstrap_ops_t *boot,
+    const flagcx_mesh_net_build_config_t *config, void **send_comms, void **recv_comms);
+
+/* Closes what flagcx_mesh_net_build_full_mesh built (entries may be NULL). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_close_full_mesh(const flagcx_mesh_net_adaptor_t *net,
+                                                                     int nranks, void **send_comms,
+                                                                     void **recv_comms);
+
+/* flagcx_mesh's own bootstrap (the unique id's rendezvous root), as ops. */
+typedef struct flagcx_mesh_bootstrap *flagcx_mesh_bootstrap_t;
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_init(flagcx_mesh_bootstrap_t *boot, int nranks,
+                                                                const flagcx_mesh_unique_id_t *id, int rank,
+                                                                double timeout_s);
+/* Fills ops for boot; valid while boot lives. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_get_ops(flagcx_mesh_bootstrap_t boot,
+                                                                   flagcx_mesh_bootstrap_ops_t *ops);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_destroy(flagcx_mesh_bootstrap_t boot);
+
+/* A test adaptor that behaves like FlagCX's IB adaptor, over loopback TCP:
+ * no identity on the wire, one FIFO accept queue per listener, and a connect
+ * that completes only once the other side's accept has taken it. connect and
+ * accept each wait a random 0..jitter_us before acting (seeded by seed). */
+typedef struct {
+  size_t size;        /* sizeof(flagcx_mesh_test_adaptor_config_t) */
+  uint32_t jitter_us; /* 0: none */
+  uint64_t seed;
+  int carry_bytes;    /* 1: provide isend/irecv/test */
+  /* Extra delay before a rank's connect to its own listener: forces the order
+   * in which FlagCX's loop files a peer's connection into the self slot. */
+  uint32_t self_connect_delay_us;
+} flagcx_mesh_test_adaptor_config_t;
+
+#define FLAGCX_MESH_TEST_ADAPTOR_CONFIG_INITIALIZER \
+  {sizeof(flagcx_mesh_test_adaptor_config_t), 0, 1, 1, 0}
+
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_test_adaptor_create(
+    const flagcx_mesh_test_adaptor_config_t *config, flagcx_mesh_net_adaptor_t *net);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_test_adaptor_destroy(flagcx_mesh_net_adaptor_t *net);
+
+#ifdef __cplusplus
+}
+#endif
+
+#endif /* FLAGCX_MESH_NET_H_ */
