@@ -51,9 +51,8 @@ flagcx_mesh_result_t current_exception_result(const char* call) {
   }
 }
 
-void require(const void* ptr, const char* call, const char* name) {
+void require(const void* ptr, const char* name) {
   if (ptr == nullptr) fail(Code::kInvalidArgument, -1, 0, std::string(name) + " is NULL");
-  (void)call;
 }
 
 }  // namespace fxm::capi

@@ -119,8 +119,8 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_signal_window(flagcx_mesh_comm_
 /* Collective: flushes, then every rank drops the window. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_deregister(flagcx_mesh_comm_t comm, uint32_t index);
 /* The path that reaches peer's copy of the window: "self", "shm", "cma" or
- * "tcp" (a static string). The fallback reason is in the last error text of
- * flagcx_mesh_window_describe. */
+ * "tcp" (a static string). flagcx_mesh_window_describe says why a faster path
+ * was not taken. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_path(flagcx_mesh_comm_t comm, uint32_t index,
                                                              int peer, const char **path);
 /* Per-peer paths with the reason each fallback was taken, NUL-terminated,

@@ -15,8 +15,9 @@ flagcx_mesh_result_t record_error(const char* call, Code code, int peer, int sys
 void clear_error();
 flagcx_mesh_result_t current_exception_result(const char* call);
 
-// Throws Error(kInvalidArgument) when ptr is NULL: "<call>: <name> is NULL".
-void require(const void* ptr, const char* call, const char* name);
+// Throws Error(kInvalidArgument) "<name> is NULL" when ptr is NULL (guard
+// prefixes the call's name).
+void require(const void* ptr, const char* name);
 
 template <class F>
 flagcx_mesh_result_t guard(const char* call, F&& body) {

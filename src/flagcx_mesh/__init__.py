@@ -19,10 +19,11 @@ from .errors import (
     ProtocolError,
     SystemCallError,
 )
+from ._paths import get_include, get_library, get_library_dir
 from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id
 from .window import SignalWindow, Window
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 __all__ = [
     "Mesh",
@@ -38,5 +39,8 @@ __all__ = [
     "ProtocolError",
     "SystemCallError",
     "MeshClosed",
+    "get_include",
+    "get_library",
+    "get_library_dir",
     "__version__",
 ]
