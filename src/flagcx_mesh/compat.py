@@ -399,6 +399,11 @@ class Comm:
         """This rank's bytes of data window ``index`` (the user's buffer, or library memory)."""
         return self._data(f"window_buffer({index!r})", "index", index).window.buffer
 
+    def window_describe(self, index: int) -> str:
+        """One line on data window ``index``: kind, size, and the path to each peer
+        (self / shm / cma / tcp) with the reason whenever a preferred path was not taken."""
+        return self._data(f"window_describe({index!r})", "index", index).window.describe()
+
     # -- one-sided operations -------------------------------------------------
     def put(self, peer: int, src_off: int, dst_off: int, size: int, src_idx: int, dst_idx: int) -> None:
         """Copy ``size`` bytes from this rank's window ``src_idx`` at ``src_off`` into
