@@ -49,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="transfers of the whole cache (new contents each round; per-layer lines for the last)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the KV contents")
+    p.add_argument("--corrupt-layer", type=int, default=-1, metavar="L",
+                   help="(to test the checks) prefill flips one byte of layer L after checksumming it")
     a = p.parse_args(argv)
     if min(a.layers, a.chunks, a.chunk_bytes, a.rounds) < 1 or a.timeout <= 0:
         p.error("--layers, --chunks, --chunk-bytes, --rounds and --timeout must be positive")
@@ -82,6 +84,8 @@ def prefill(comm: fc.Comm, a, kv: np.ndarray, kv_idx: int, rnd: int) -> bool:
     for layer in range(a.layers):  # "compute" every layer before the timed transfer
         kv[layer * lb:(layer + 1) * lb] = make_layer(a, rnd, layer)
         sums.append(checksum(kv[layer * lb:(layer + 1) * lb]))
+        if layer == a.corrupt_layer:
+            kv[layer * lb + lb // 2] ^= 0xFF
     comm.mesh.barrier(timeout=a.timeout)
     t0 = time.monotonic()
     issued = []

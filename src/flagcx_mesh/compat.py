@@ -150,10 +150,19 @@ def _raise(comm: Optional["Comm"], code: Result, message: str, *, peer: int = -1
 
 def _translate(comm: Optional["Comm"], e: BaseException, what: str,
                timeout_code: Result = Result.InProgress):
-    """Raises the FlagcxError for a flagcx_mesh (or Python) exception ``e`` raised in ``what``."""
+    """Raises the FlagcxError for a flagcx_mesh (or Python) exception ``e`` raised in ``what``.
+
+    The message is "rank R: WHAT: DETAIL"; with a comm, the rank comes from it (and is taken
+    off the front of the detail, where the core put it)."""
     text = str(e) or type(e).__name__
-    _raise(comm, _code_of(e, timeout_code), f"{what}: {text}", peer=getattr(e, "peer", -1),
-           errno=getattr(e, "errno", 0) or 0, cause=e)
+    code, peer = _code_of(e, timeout_code), getattr(e, "peer", -1)
+    if comm is not None:
+        head = f"rank {comm.rank}: "
+        what = head + what
+        text = text[len(head):] if text.startswith(head) else text
+        if code == Result.InvalidArgument and 0 <= peer != comm.rank and "could not register" in text:
+            code = Result.RemoteError  # another rank's registration failed, not this rank's arguments
+    _raise(comm, code, f"{what}: {text}", peer=peer, errno=getattr(e, "errno", 0) or 0, cause=e)
 
 
 # ----------------------------------------------------------------------------- creation
@@ -178,7 +187,7 @@ def comm_init_rank(nranks: int, unique_id: bytes, rank: int, timeout: Optional[f
     """
     what = f"rank {rank}: comm_init_rank(nranks={nranks})"
     try:
-        uid = bytes(unique_id)
+        uid = memoryview(unique_id).tobytes()  # bytes, bytearray, a ctypes struct, a numpy array
     except TypeError:
         _raise(None, Result.InvalidArgument, f"{what}: unique_id must be bytes, got {type(unique_id).__name__}")
     if len(uid) != UNIQUE_ID_BYTES:
@@ -349,7 +358,7 @@ class Comm:
                 win = self._mesh.alloc_window(nbytes) if nbytes is not None else self._mesh.register_window(buffer)
                 reg = _Reg(win, self._sizes(what, win.size))
             except Exception as e:  # noqa: BLE001
-                _translate(self, e, f"rank {self.rank}: {what} (index {len(self._regs)})", Result.RemoteError)
+                _translate(self, e, f"{what} (index {len(self._regs)})", Result.RemoteError)
             self._regs.append(reg)
             return len(self._regs) - 1
 
@@ -379,7 +388,7 @@ class Comm:
                 win = self._mesh.signal_window(nbytes // SLOT_BYTES)
                 self._sig = _Reg(win, self._sizes(what, nbytes))
             except Exception as e:  # noqa: BLE001
-                _translate(self, e, f"rank {self.rank}: {what}", Result.RemoteError)
+                _translate(self, e, what, Result.RemoteError)
             return win.buffer.cast("B").cast("Q").toreadonly()
 
     def one_side_deregister(self, index: int) -> None:
@@ -392,7 +401,7 @@ class Comm:
             try:
                 reg.window.close()
             except Exception as e:  # noqa: BLE001
-                _translate(self, e, f"rank {self.rank}: {what}", Result.RemoteError)
+                _translate(self, e, what, Result.RemoteError)
             self._regs[index] = None
 
     def window_buffer(self, index: int) -> memoryview:
