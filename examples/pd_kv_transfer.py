@@ -35,6 +35,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from flagcx_mesh import MeshError
+from flagcx_mesh.bootstrap import detect_launch
 from flagcx_mesh import compat as fc
 
 PREFILL, DECODE = 0, 1
@@ -193,8 +194,8 @@ def run(comm: fc.Comm, a) -> bool:
     kv_idx = comm.one_side_register(kv)
     comm.signal_register(a.layers * fc.SLOT_BYTES)
     if comm.rank == PREFILL:
-        log(comm.rank, f"{a.layers} layers x {a.chunks} chunks x {a.chunk_bytes} B, {a.rounds} round(s); "
-                       f"{comm.window_describe(kv_idx)}")
+        log(comm.rank, f"launcher {detect_launch()}; {a.layers} layers x {a.chunks} chunks x "
+                       f"{a.chunk_bytes} B, {a.rounds} round(s); {comm.window_describe(kv_idx)}")
     ok = True
     for rnd in range(a.rounds):
         ok = (prefill(comm, a, kv, kv_idx, rnd) if comm.rank == PREFILL else decode(comm, a, kv, rnd)) and ok
