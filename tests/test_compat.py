@@ -391,3 +391,17 @@ def test_example_fails_on_corrupted_data():
                 "--timeout", "30", "--corrupt-layer", "1"], 2)
     assert p.returncode == 1, f"exit {p.returncode}\n{p.stdout[-4000:]}\n{p.stderr[-4000:]}"
     assert "FAIL: layer 1: checksum" in p.stdout and "checksum MISMATCH" in p.stdout, p.stdout[-3000:]
+
+
+def test_example_under_torchrun():
+    """`torchrun --standalone --nproc_per_node=2 examples/pd_kv_transfer.py` (skipped without
+    torch unless FXM_REQUIRE_TORCH=1)."""
+    if os.environ.get("FXM_REQUIRE_TORCH") != "1":
+        pytest.importorskip("torch.distributed", reason="torch is not installed (pip install torch==2.13.0)")
+    from bootstrap_helpers import run
+
+    res = run([PY, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", EXAMPLE,
+               "--layers", "4", "--chunks", "4", "--chunk-bytes", "65536", "--rounds", "2", "--timeout", "30"],
+              180)
+    assert res.rc == 0 and not res.timed_out, res
+    assert "launcher torchrun" in res.out and "decode: all 2 round(s) passed: checksums match" in res.out, res
