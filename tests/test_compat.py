@@ -209,6 +209,24 @@ def test_put_signal_adds_and_size_0_and_sig_val_0():
     assert each(cs, body) == [True, True]
 
 
+def test_numpy_and_torch_integer_scalars_are_integers():
+    """Offsets computed with numpy (or torch) work like ints; arrays, floats and bools do not."""
+    with fc.comm_init_rank(1, fc.get_unique_id(), 0, timeout=30) as c:
+        buf = np.zeros(64, np.uint8)
+        buf[:8] = 9
+        idx = c.one_side_register(buf)
+        c.signal_register(np.int64(16))
+        c.put_signal(np.int32(0), np.uint64(0), np.int64(16), np.int16(8), np.int64(8), idx, np.int8(0),
+                     np.uint64(2))
+        c.batch_put(0, [(np.int64(0), np.int64(32), np.int64(4))])
+        c.wait_counter(np.int64(2), timeout=10)
+        c.wait_signal(np.int64(0), np.uint32(8), np.int64(2), timeout=10)
+        assert (buf[16:24] == 9).all() and (buf[32:36] == 9).all() and c.read_signal(np.int64(8)) == 2
+        for bad, name in ((np.array([1, 2]), "size array"), (True, "size True"), (0.5, "size 0.5")):
+            with refused(R.InvalidArgument, name):
+                c.put(0, 0, 0, bad, idx, idx)
+
+
 def bad_calls(c, idx, peer, n):
     """(code, fragments, call) triples: every one must be refused before anything is issued."""
     A = R.InvalidArgument
@@ -228,9 +246,9 @@ def bad_calls(c, idx, peer, n):
          lambda: c.put_signal(peer, 0, 1020, 8, 0, idx, idx, 1)),
         (A, ["size -1"], lambda: c.put(peer, 0, 0, -1, idx, idx)),
         (A, ["sig_val -1"], lambda: c.signal(peer, 0, -1)),
-        (A, ["batch_put op 1", "dst_off 1024 + size 1"],
+        (A, ["batch_put(peer", "op 1: dst_off 1024 + size 1"],
          lambda: c.batch_put(peer, [(0, 0, 8), (0, 1024, 1)], idx, idx)),
-        (A, ["batch_put op 0", "is not (src_off"], lambda: c.batch_put(peer, [(0, 0)])),
+        (A, ["op 0: (0, 0) is not (src_off"], lambda: c.batch_put(peer, [(0, 0)])),
         (A, ["expected -2"], lambda: c.wait_signal(peer, 0, -2, timeout=1)),
         (A, ["index 9 is not registered"], lambda: c.window_buffer(9)),
     ]

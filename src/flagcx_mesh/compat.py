@@ -24,6 +24,7 @@ they must be multiples of 8 and name the 64-bit slot ``sig_off // 8``.
 from __future__ import annotations
 
 import enum
+import operator
 import struct
 import threading
 from dataclasses import dataclass
@@ -224,6 +225,25 @@ def _is_int(v) -> bool:
     return type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
 
 
+def _as_int(v):
+    """v as an int when it is an integer scalar (numpy, torch, anything with __index__);
+    otherwise v itself, for the checks to refuse by its own repr."""
+    if isinstance(v, bool):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
+
+
+def _ints(*values) -> tuple:
+    """The arguments as ints (the common all-int case costs one pass)."""
+    for v in values:
+        if type(v) is not int:
+            return tuple(_as_int(x) for x in values)
+    return values
+
+
 class Comm:
     """A communicator: FlagCX's one-sided calls over one :class:`flagcx_mesh.Mesh`.
 
@@ -317,7 +337,7 @@ class Comm:
         return sig_off // SLOT_BYTES
 
     # -- registration (collective) ----------------------------------------------
-    def _sizes(self, what: str, nbytes: int) -> Tuple[int, ...]:
+    def _sizes(self, nbytes: int) -> Tuple[int, ...]:
         parts = self._mesh.allgather(struct.pack("<Q", nbytes), timeout=self._timeout)
         return tuple(struct.unpack("<Q", p)[0] for p in parts)
 
@@ -332,6 +352,7 @@ class Comm:
 
     def _nbytes_of(self, what: str, obj) -> Optional[int]:
         """nbytes for an int argument, None for a buffer; refuses device memory (NotSupported)."""
+        obj = _as_int(obj)
         if _is_int(obj):
             if obj <= 0:
                 self._refuse(what, Result.InvalidArgument, f"size {obj} is not a positive number of bytes")
@@ -356,7 +377,7 @@ class Comm:
             nbytes = self._nbytes_of(what, buffer)
             try:
                 win = self._mesh.alloc_window(nbytes) if nbytes is not None else self._mesh.register_window(buffer)
-                reg = _Reg(win, self._sizes(what, win.size))
+                reg = _Reg(win, self._sizes(win.size))
             except Exception as e:  # noqa: BLE001
                 _translate(self, e, f"{what} (index {len(self._regs)})", Result.RemoteError)
             self._regs.append(reg)
@@ -386,7 +407,7 @@ class Comm:
                              f"size {nbytes} is not a positive multiple of {SLOT_BYTES} bytes")
             try:
                 win = self._mesh.signal_window(nbytes // SLOT_BYTES)
-                self._sig = _Reg(win, self._sizes(what, nbytes))
+                self._sig = _Reg(win, self._sizes(nbytes))
             except Exception as e:  # noqa: BLE001
                 _translate(self, e, what, Result.RemoteError)
             return win.buffer.cast("B").cast("Q").toreadonly()
@@ -394,6 +415,7 @@ class Comm:
     def one_side_deregister(self, index: int) -> None:
         """Deregister data window ``index`` (collective; flushes first). Its index is not
         reused: later registrations keep counting, and ops naming it fail with InvalidUsage."""
+        index = _as_int(index)
         what = f"one_side_deregister({index!r})"
         self._check_live(what)
         with self._lock:
@@ -418,6 +440,7 @@ class Comm:
         """Copy ``size`` bytes from this rank's window ``src_idx`` at ``src_off`` into
         ``peer``'s window ``dst_idx`` at ``dst_off``. Non-blocking, FIFO per peer; the
         source must not change until the op completes (:meth:`flush` / :meth:`wait_counter`)."""
+        peer, src_off, dst_off, size, src_idx, dst_idx = _ints(peer, src_off, dst_off, size, src_idx, dst_idx)
         s, d = self._check_put("put", peer, src_off, dst_off, size, src_idx, dst_idx)
         try:
             self._mesh.put(peer, s, src_off, d, dst_off, size)
@@ -430,6 +453,8 @@ class Comm:
         visible at the target before the slot changes. ``size`` 0 = signal only (the windows
         are not used); ``sig_val`` 0 = data only. Non-blocking, FIFO per peer."""
         what = "put_signal"
+        peer, src_off, dst_off, size, sig_off, src_idx, dst_idx, sig_val = _ints(
+            peer, src_off, dst_off, size, sig_off, src_idx, dst_idx, sig_val)
         if size == 0:
             return self.signal(peer, sig_off, sig_val)
         s, d = self._check_put(what, peer, src_off, dst_off, size, src_idx, dst_idx)
@@ -442,6 +467,7 @@ class Comm:
 
     def signal(self, peer: int, sig_off: int, sig_val: int) -> None:
         """ADD ``sig_val`` to ``peer``'s slot ``sig_off // 8``, after every earlier op to ``peer``."""
+        peer, sig_off, sig_val = _ints(peer, sig_off, sig_val)
         self._check_peer("signal", peer)
         slot = self._slot("signal", sig_off, peer)
         self._check_ints("signal", peer, sig_val=sig_val)
@@ -456,6 +482,7 @@ class Comm:
         ``peer`` is the rank expected to signal (checked, and named in errors). A timeout
         raises ``InProgress`` naming the slot, the expected and current values and the last
         rank that signalled it; a lost peer raises ``RemoteError`` at once."""
+        peer, sig_off, expected = _ints(peer, sig_off, expected)
         what = f"wait_signal(peer {peer}, sig_off {sig_off}, expected {expected})"
         self._check_peer(what, peer)
         slot = self._slot(what, sig_off, self.rank)
@@ -468,13 +495,16 @@ class Comm:
     def read_signal(self, sig_off: int) -> int:
         """This rank's current value of slot ``sig_off // 8``."""
         self._check_live("read_signal")
-        slot = self._slot("read_signal", sig_off, self.rank)
+        slot = self._slot("read_signal", _as_int(sig_off), self.rank)
         return self._mesh.read_signal(slot, window=self._sig.window)
 
     def batch_put(self, peer: int, ops: Sequence[Sequence[int]], src_idx: int = 0, dst_idx: int = 0) -> None:
         """Several puts to ``peer``, FIFO: each op is ``(src_off, dst_off, size)`` (windows
         ``src_idx`` / ``dst_idx``) or ``(src_off, dst_off, size, src_idx, dst_idx)``. Every op
         is checked before any is issued; each counts once in :meth:`read_counter`."""
+        peer = _as_int(peer)
+        self._check_peer("batch_put", peer)
+        ops = list(ops)
         groups = self._batch_groups(peer, ops, src_idx, dst_idx)
         try:
             for s, d, entries in groups:
@@ -485,12 +515,11 @@ class Comm:
     def _batch_groups(self, peer, ops, src_idx, dst_idx) -> List[Tuple[Window, Window, list]]:
         groups: List[Tuple[Window, Window, list]] = []
         for i, op in enumerate(ops):
-            what = f"batch_put op {i}"
-            if len(op) not in (3, 5):
+            what = f"batch_put(peer {peer}) op {i}"
+            if not isinstance(op, (tuple, list)) or len(op) not in (3, 5):
                 self._fail(Result.InvalidArgument, what,
                            f"{op!r} is not (src_off, dst_off, size[, src_idx, dst_idx])", peer)
-            so, do, n = op[:3]
-            si, di = (op[3], op[4]) if len(op) == 5 else (src_idx, dst_idx)
+            so, do, n, si, di = _ints(*op) if len(op) == 5 else _ints(*op, src_idx, dst_idx)
             s, d = self._check_put(what, peer, so, do, n, si, di)
             if not groups or groups[-1][0] is not s or groups[-1][1] is not d:
                 groups.append((s, d, []))
@@ -501,6 +530,7 @@ class Comm:
         """Block until every op issued to ``peer`` (default: every peer) completed at its target."""
         what = "flush" if peer is None else f"flush(peer {peer})"
         if peer is not None:
+            peer = _as_int(peer)
             self._check_peer(what, peer)
         try:
             self._mesh.flush(peer, timeout)
@@ -515,6 +545,7 @@ class Comm:
 
     def wait_counter(self, target: int, timeout: Optional[float] = None) -> None:
         """Block until :meth:`read_counter` >= ``target``."""
+        target = _as_int(target)
         what = f"wait_counter({target!r})"
         self._check_live(what)
         self._check_ints(what, target=target)
