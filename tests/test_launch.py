@@ -278,3 +278,16 @@ def test_main_runs_the_command(monkeypatch, capsys):
                       "import os; print(os.environ['FLAGCX_MESH_RANK'])"])
     assert rc == 0
     assert sorted(capsys.readouterr().out.split()) == ["0", "1"]
+
+
+def test_main_without_double_dash_runs_a_py_script_under_this_python(monkeypatch, capsys, tmp_path):
+    """`launch -n 2 job.py ARGS`: CMD begins at the first non-option word; a .py file runs under
+    the launcher's interpreter (it need not be executable), its own options pass through."""
+    monkeypatch.setattr(launch, "_get_unique_id", lambda: UID)
+    script = tmp_path / "job.py"
+    script.write_text("import os, sys\nprint(os.environ['FLAGCX_MESH_RANK'], sys.executable == "
+                      f"{PY!r}, *sys.argv[1:])\n")
+    rc = launch.main(["-n", "2", "--grace", "1", "--no-prefix", str(script), "--layers", "3"])
+    assert rc == 0
+    lines = sorted(capsys.readouterr().out.splitlines())
+    assert lines == ["0 True --layers 3", "1 True --layers 3"], lines

@@ -2,7 +2,10 @@
 
 Usage::
 
-    python -m flagcx_mesh.launch -n N [--timeout S] [--grace G] [--no-prefix] -- CMD [ARGS...]
+    python -m flagcx_mesh.launch -n N [--timeout S] [--grace G] [--no-prefix] [--] CMD [ARGS...]
+
+CMD starts at ``--`` or, without it, at the first word that is not a launcher option.
+A CMD that is a ``.py`` file runs under the launcher's Python interpreter.
 
 The launcher makes one unique id with ``flagcx_mesh.get_unique_id()`` (this starts the
 rendezvous server inside the launcher process, which stays alive while the ranks run),
@@ -405,7 +408,7 @@ def _seconds(minimum: float, inclusive: bool) -> Any:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m flagcx_mesh.launch",
-        usage="%(prog)s -n N [--timeout S] [--grace G] [--no-prefix] -- CMD [ARGS...]",
+        usage="%(prog)s -n N [--timeout S] [--grace G] [--no-prefix] [--] CMD [ARGS...]",
         description="Start N local ranks of CMD sharing one flagcx_mesh unique id.")
     p.add_argument("-n", "--nranks", type=_positive_int, required=True, help="number of ranks")
     p.add_argument("--timeout", type=_seconds(0, inclusive=False), default=None,
@@ -416,14 +419,32 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command_start(argv: Sequence[str]) -> int:
+    """Index where CMD begins when no ``--`` is given: the first word that is neither an
+    option nor an option's value (every option but --no-prefix and -h takes one)."""
+    i = 0
+    while i < len(argv):
+        word = argv[i]
+        if not word.startswith("-") or word == "-":
+            return i
+        i += 1 if word in ("--no-prefix", "-h", "--help") or "=" in word else 2
+    return len(argv)
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    split = argv.index("--") if "--" in argv else len(argv)
+    if "--" in argv:
+        split = argv.index("--")
+        cmd = argv[split + 1:]
+    else:
+        split = _command_start(argv)
+        cmd = argv[split:]
     args = parser.parse_args(argv[:split])  # handles -h and option errors first
-    cmd = argv[split + 1:]
     if not cmd:
-        parser.error("a command after -- is required")
+        parser.error("a command is required (after --)")
+    if cmd[0].endswith(".py"):  # a script runs under this interpreter, as torchrun does
+        cmd = [sys.executable] + cmd
     return launch(cmd, args.nranks, timeout=args.timeout, grace=args.grace,
                   prefix=not args.no_prefix)
 
