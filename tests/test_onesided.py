@@ -381,6 +381,28 @@ def test_threads_negative_and_huge_integers_raise_invalid_argument():
         close_all(meshes)
 
 
+def test_threads_bad_count_on_one_rank_fails_every_rank_at_once():
+    """Regression test: alloc_window / signal_window refused a bad count before joining the
+    registration collective, so the other ranks waited for the timeout. numpy integer
+    scalars are counts too."""
+    meshes = thread_meshes(2)
+    try:
+        def body(r):
+            m = meshes[r]
+            assert m.alloc_window(np.int64(64)).index == 0
+            t0 = time.monotonic()
+            for call in (lambda: m.alloc_window("64" if r == 1 else 64),
+                         lambda: m.signal_window(-1 if r == 0 else 4)):
+                with pytest.raises(InvalidArgument, match="rank 1: alloc_window|rank 0: signal_window"):
+                    call()
+            return time.monotonic() - t0
+
+        took = run_threads(2, body, timeout=50)
+        assert max(took) < 20, took
+    finally:
+        close_all(meshes)
+
+
 def test_alloc_window_buffer_after_close_does_not_crash():
     """Either close() refuses while views are exported (BufferError / InvalidArgument), or the
     views stay readable; the process must not die.

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import operator
 from typing import Callable, Dict, List, Optional
 
 from . import _core
@@ -228,17 +229,29 @@ class Mesh:
     def alloc_window(self, nbytes: int) -> Window:
         """Allocate a zero-filled shared-memory window of ``nbytes`` (collective).
         Local peers map it, so puts to it are a memcpy by the initiator."""
-        _ints("alloc_window", nbytes=nbytes)
+        nbytes = self._registration_count("alloc_window", "nbytes", nbytes)
         return Window(self, self._core.alloc_window(nbytes))
 
     def signal_window(self, nslots: int) -> SignalWindow:
         """Allocate a window of ``nslots`` 64-bit signal slots, all 0 (collective).
         The first one becomes the default of every ``signal_window=``/``window=`` argument."""
-        _ints("signal_window", nslots=nslots)
+        nslots = self._registration_count("signal_window", "nslots", nslots)
         w = SignalWindow(self, self._core.signal_window(nslots))
         if self._default_signal is None:
             self._default_signal = w.index
         return w
+
+    def _registration_count(self, op: str, name: str, value) -> int:
+        """An integer argument of a collective registration (numpy / torch integer scalars
+        accepted); a bad one still takes part, so the other ranks fail at once too."""
+        try:
+            value = operator.index(value) if not isinstance(value, bool) else value
+            _ints(f"rank {self.rank}: {op}", **{name: value})
+        except (TypeError, InvalidArgument) as e:
+            reason = str(e) if isinstance(e, InvalidArgument) else f"rank {self.rank}: {op}: {name}: {e}"
+            self._core.refuse_registration(reason)
+            raise InvalidArgument(reason) from None
+        return value
 
     # -- one-sided operations -----------------------------------------------
     def _sig(self, window: Optional[WindowLike]) -> int:
