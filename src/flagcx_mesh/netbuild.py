@@ -15,7 +15,8 @@ like the IB adaptor, with seeded jitter), for the self-test and the race bench.
 
 from __future__ import annotations
 
-from typing import Any, Dict, Iterable
+import re
+from typing import Any, Dict, Iterable, List
 
 from . import _core
 
@@ -57,3 +58,13 @@ def aggregate(outcomes: Iterable[str]) -> str:
         if kind in seen:
             return kind
     return "completed"
+
+
+def earliest_round_error(errors: List[str]) -> str:
+    """Of several ranks' errors, the one naming the earliest round: where a hang began
+    (the other ranks wait on that rank in later rounds). "" when there are none."""
+    errors = [e for e in errors if e]
+    if not errors:
+        return ""
+    rounds = [int(m.group(1)) if m else 1 << 30 for m in (re.search(r"round (\d+)", e) for e in errors)]
+    return errors[rounds.index(min(rounds))]

@@ -12,12 +12,11 @@ legacy is expected to FAIL; ordered and tagged are expected to PASS.
 from __future__ import annotations
 
 import json
-import re
 import statistics
 import sys
 from typing import Any, Dict, List
 
-from .netbuild import DEFAULT_TAG_BASE, NetBootstrap, aggregate, build_trial
+from .netbuild import DEFAULT_TAG_BASE, NetBootstrap, aggregate, build_trial, earliest_round_error
 
 #: Delay of the self-connect on ranks > 0 in legacy mode (forces the interleaving).
 LEGACY_SELF_DELAY_US = 200_000
@@ -61,9 +60,7 @@ def run_rank(rank: int, nranks: int, uid: bytes, args: Any) -> int:
 
 def _first_error(parts: List[List[Dict[str, Any]]], it: int, kind: str) -> str:
     """The error of the rank that failed in the earliest round: where the hang began."""
-    errors = [p[it]["error"] for p in parts if p[it]["outcome"] == kind]
-    rounds = [int(m.group(1)) if m else 1 << 30 for m in (re.search(r"round (\d+)", e) for e in errors)]
-    return errors[rounds.index(min(rounds))] if errors else ""
+    return earliest_round_error([p[it]["error"] for p in parts if p[it]["outcome"] == kind])
 
 
 def _report(parts: List[List[Dict[str, Any]]], outcomes: List[str], args: Any) -> None:

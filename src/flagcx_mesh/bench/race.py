@@ -25,7 +25,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-from ..netbuild import BUILDERS, DEFAULT_TAG_BASE, OUTCOMES, aggregate
+from ..netbuild import BUILDERS, DEFAULT_TAG_BASE, OUTCOMES, aggregate, earliest_round_error
 
 DEFAULT_JITTER_US = 2000
 DEFAULT_TIMEOUT_S = 1.0
@@ -94,7 +94,7 @@ def _run_builder(boot, builder: str, index: int, args: argparse.Namespace, progr
         parts = [json.loads(p) for p in boot.allgather(mine, timeout=args.timeout + 60)]
         outcome = aggregate(p["o"] for p in parts)
         counts[outcome] += 1
-        first = next((p["e"] for p in parts if p["o"] == outcome and p["e"]), "")
+        first = earliest_round_error([p["e"] for p in parts if p["o"] == outcome])
         out.append({"outcome": outcome, "seconds": max(p["s"] for p in parts), "error": first})
         if progress:
             progress.step(builder, counts)
