@@ -1,6 +1,7 @@
 // Argument checks and dispatch for flagcx_mesh_net_build_full_mesh.
 #include <climits>
 #include <cmath>
+#include <cstring>
 
 #include "adaptor/build_state.h"
 
@@ -10,6 +11,16 @@ namespace {
 [[noreturn]] void bad(const std::string& what) { fail(Code::kInvalidArgument, -1, 0, what); }
 
 }  // namespace
+
+static_assert(sizeof(flagcx_mesh_builder_t) == sizeof(int), "the builder enum is an int in C");
+
+int builder_of(const BuildConfig& config) {
+  int v;
+  std::memcpy(&v, &config.builder, sizeof(v));
+  return v;
+}
+
+void set_builder(BuildConfig* config, int builder) { std::memcpy(&config->builder, &builder, sizeof(builder)); }
 
 void validate_adaptor(const NetAdaptor* net) {
   if (!net) bad("net is NULL");
@@ -48,7 +59,7 @@ void validate_config(const BuildConfig* config, const BootOps& boot) {
     bad("config->size is " + std::to_string(config->size) +
         ", expected sizeof(flagcx_mesh_net_build_config_t) = " + std::to_string(sizeof(BuildConfig)));
   }
-  int builder = static_cast<int>(config->builder);
+  int builder = builder_of(*config);
   if (builder < FLAGCX_MESH_BUILD_LEGACY || builder > FLAGCX_MESH_BUILD_TAGGED) {
     bad("config->builder " + std::to_string(builder) + " is not LEGACY (0), ORDERED (1) or TAGGED (2)");
   }
@@ -68,12 +79,12 @@ void build_full_mesh(const NetAdaptor* net, const BootOps* boot, const BuildConf
   validate_config(config, *boot);
   if (!send_comms || !recv_comms) bad("send_comms and recv_comms must not be NULL");
   Build b(*net, *boot, *config);
-  switch (config->builder) {
+  switch (builder_of(*config)) {
     case FLAGCX_MESH_BUILD_LEGACY: build_legacy(b); break;
     case FLAGCX_MESH_BUILD_ORDERED: build_ordered(b); break;
     case FLAGCX_MESH_BUILD_TAGGED: build_tagged(b); break;
   }
-  if (config->builder != FLAGCX_MESH_BUILD_TAGGED && config->wiring_check && b.carries_bytes()) wiring_check(b);
+  if (builder_of(*config) != FLAGCX_MESH_BUILD_TAGGED && config->wiring_check && b.carries_bytes()) wiring_check(b);
   b.finish(send_comms, recv_comms);
 }
 

@@ -45,7 +45,7 @@ void Build::close_all() {
 }
 
 std::string Build::who() const {
-  return "rank " + std::to_string(rank_) + " (" + builder_name(config_.builder) + " build over '" +
+  return "rank " + std::to_string(rank_) + " (" + builder_name(builder_of(config_)) + " build over '" +
          (net_.name ? net_.name : "adaptor") + "')";
 }
 

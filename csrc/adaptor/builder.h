@@ -14,6 +14,11 @@ using NetAdaptor = flagcx_mesh_net_adaptor_t;
 using BootOps = flagcx_mesh_bootstrap_ops_t;
 using BuildConfig = flagcx_mesh_net_build_config_t;
 
+// The builder field as a plain int: a C caller may store any int in the
+// enum, which C++ must not load as the enum type before it is checked.
+int builder_of(const BuildConfig& config);
+void set_builder(BuildConfig* config, int builder);
+
 // Each throws Error(kInvalidArgument) naming the bad field.
 void validate_adaptor(const NetAdaptor* net);
 void validate_boot(const BootOps* boot);

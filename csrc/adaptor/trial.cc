@@ -85,8 +85,9 @@ std::string outcome_of(const Error& e) {
 void* const kSentinel = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5e47));
 
 void build_and_check(const NetAdaptor& net, const BootOps& boot, const TrialOptions& opt, TrialResult* res) {
-  BuildConfig cfg{sizeof(BuildConfig), static_cast<flagcx_mesh_builder_t>(opt.builder), opt.timeout_s,
-                  opt.wiring_check ? 1 : 0, opt.tag_base};
+  BuildConfig cfg{sizeof(BuildConfig), FLAGCX_MESH_BUILD_ORDERED, opt.timeout_s, opt.wiring_check ? 1 : 0,
+                  opt.tag_base};
+  set_builder(&cfg, opt.builder);
   int n = boot.nranks;
   std::vector<void*> send(n, kSentinel), recv(n, kSentinel);
   Clock::time_point t0 = Clock::now();
