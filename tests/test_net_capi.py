@@ -1,6 +1,6 @@
-"""The net-adaptor calls of the C ABI through ctypes against libflagcx_mesh.so (skipped when the
-library is not built next to the sources): argument checks and a one-rank build over the own
-bootstrap and the test adaptor."""
+"""The net-adaptor calls of the C ABI through ctypes against libflagcx_mesh.so (build/dev first,
+or the path in FLAGCX_MESH_TEST_LIB; skipped when none is built): argument checks and a one-rank
+build over the own bootstrap and the test adaptor."""
 
 import ctypes as C
 import glob
@@ -38,8 +38,10 @@ class AdaptorConfig(C.Structure):
 
 def _find_lib():
     env = os.environ.get("FLAGCX_MESH_TEST_LIB")
-    found = [env] if env else sorted(glob.glob(os.path.join(REPO_ROOT, "build", "*", "libflagcx_mesh.so")))
-    return found[0] if found and os.path.exists(found[0]) else None
+    dev = os.path.join(REPO_ROOT, "build", "dev", "libflagcx_mesh.so")  # the documented dev build first
+    found = [env] if env else [dev] + sorted(glob.glob(os.path.join(REPO_ROOT, "build", "*", "libflagcx_mesh.so")))
+    found = [p for p in found if os.path.exists(p)]
+    return found[0] if found else None
 
 
 @pytest.fixture(scope="module")
