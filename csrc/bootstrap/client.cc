@@ -47,25 +47,22 @@ void Client::connect_root(const Deadline& deadline) {
   }
 }
 
+void Client::check_open(const std::string& doing) {
+  if (!fd_) fail(Code::kClosed, -1, 0, "rank " + std::to_string(rank_) + ": bootstrap is closed");
+  if (!broken_.empty()) fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": " + broken_);
+}
+
 Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadline) {
   std::lock_guard<std::mutex> lock(mu_);
-  if (!fd_) fail(Code::kClosed, -1, 0, "rank " + std::to_string(rank_) + ": bootstrap is closed");
   std::string doing = "bootstrap allgather #" + std::to_string(seq_);
-  if (!broken_.empty()) fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": " + broken_);
-  tcp::IoResult r = send_msg(fd_.get(), {MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, deadline);
-  if (!r.ok()) raise_io(r, doing);
-  Msg m;
-  r = recv_msg(fd_.get(), &m, deadline);
-  if (!r.ok()) {
-    // Our contribution stands at the root and its late result would answer the
-    // next call (or be cut in half): refuse later collectives rather than
-    // return another collective's data.
-    if (r.kind == tcp::IoResult::kTimeout) {
-      broken_ = "collective #" + std::to_string(seq_) +
-                " timed out on this rank, so the collectives are out of step (close the mesh)";
-    }
-    raise_io(r, doing);
+  check_open(doing);
+  tcp::IoResult r;
+  {
+    std::lock_guard<std::mutex> wlock(wmu_);
+    r = send_msg(fd_.get(), {MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, deadline);
   }
+  if (!r.ok()) raise_io(r, doing);
+  Msg m = next_msg(doing, deadline);
   if (m.type != MsgType::kResult || m.seq != seq_) raise(m, doing);
   Parts parts;
   if (!decode_result(m.payload, static_cast<size_t>(nranks_), &parts)) {
@@ -73,6 +70,82 @@ Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadli
   }
   ++seq_;
   return parts;
+}
+
+Msg Client::next_msg(const std::string& doing, const Deadline& deadline) {
+  while (true) {
+    Msg m;
+    tcp::IoResult r = recv_msg(fd_.get(), &m, deadline);
+    if (!r.ok()) {
+      // Our contribution stands at the root and its late result would answer the
+      // next call (or be cut in half): refuse later collectives rather than
+      // return another collective's data.
+      if (r.kind == tcp::IoResult::kTimeout) {
+        broken_ = "collective #" + std::to_string(seq_) +
+                  " timed out on this rank, so the collectives are out of step (close the mesh)";
+      }
+      raise_io(r, doing);
+    }
+    if (m.type != MsgType::kDeliver) return m;
+    stash(m);
+  }
+}
+
+void Client::stash(Msg& m) {
+  inbox_[{m.rank, m.seq}].push_back(std::move(m.payload));
+}
+
+bool Client::take(int peer, uint32_t tag, std::vector<uint8_t>* out) {
+  auto it = inbox_.find({peer, tag});
+  if (it == inbox_.end()) return false;
+  *out = std::move(it->second.front());
+  it->second.pop_front();
+  if (it->second.empty()) inbox_.erase(it);
+  return true;
+}
+
+void Client::send(int peer, uint32_t tag, const void* data, size_t size, const Deadline& deadline) {
+  std::string doing = "bootstrap send to rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
+  std::string who = "rank " + std::to_string(rank_) + ": ";
+  if (peer < 0 || peer >= nranks_) {
+    fail(Code::kInvalidArgument, peer, 0, who + doing + ": peer outside [0, " + std::to_string(nranks_) + ")");
+  }
+  if (size > kMaxPayload || (size > 0 && data == nullptr)) {
+    fail(Code::kInvalidArgument, peer, 0, who + doing + ": bad payload (" + std::to_string(size) + " bytes)");
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(data);
+  Msg m{MsgType::kSend, Code::kOk, peer, tag, std::vector<uint8_t>(p, p + size)};
+  std::lock_guard<std::mutex> wlock(wmu_);
+  if (!fd_) fail(Code::kClosed, peer, 0, who + doing + ": bootstrap is closed");
+  tcp::IoResult r = send_msg(fd_.get(), m, deadline);
+  if (!r.ok()) raise_io(r, doing);
+}
+
+std::vector<uint8_t> Client::recv(int peer, uint32_t tag, const Deadline& deadline) {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::string doing = "bootstrap recv from rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
+  check_open(doing);
+  std::vector<uint8_t> out;
+  while (!take(peer, tag, &out)) {
+    pollfd p{fd_.get(), POLLIN, 0};
+    int rc = ::poll(&p, 1, deadline.poll_ms(1000));
+    if (rc < 0 && errno != EINTR) fail(Code::kSystem, peer, errno, "rank " + std::to_string(rank_) + ": " + doing + ": poll");
+    if (rc <= 0) {
+      if (deadline.expired()) {
+        fail(Code::kTimeout, peer, 0, "rank " + std::to_string(rank_) + ": " + doing +
+                                          ": timed out, rank " + std::to_string(peer) + " sent nothing with this tag");
+      }
+      continue;
+    }
+    // Readable: read one whole message (never leave half of one behind).
+    Msg m;
+    tcp::IoResult r = recv_msg(fd_.get(), &m, Deadline::after_seconds(10.0));
+    if (r.kind == tcp::IoResult::kTimeout) broken_ = "a message from the root was cut short";
+    if (!r.ok()) raise_io(r, doing);
+    if (m.type != MsgType::kDeliver) raise(m, doing);  // a failure notice or garbage
+    stash(m);
+  }
+  return out;
 }
 
 void Client::raise_pending(const Deadline& deadline) {
@@ -112,6 +185,7 @@ void Client::raise_io(const tcp::IoResult& r, const std::string& doing) {
 
 void Client::abort(Code code, const std::string& reason) {
   std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(wmu_);
   if (!fd_) return;
   Msg m{MsgType::kAbortReq, code, rank_, 0, {reason.begin(), reason.end()}};
   send_msg(fd_.get(), m, Deadline::after_seconds(1));
@@ -125,6 +199,7 @@ void Client::interrupt() {
 
 void Client::bye() {
   std::lock_guard<std::mutex> lock(mu_);
+  std::lock_guard<std::mutex> wlock(wmu_);
   if (!fd_) return;
   send_msg(fd_.get(), {MsgType::kBye, Code::kOk, rank_, 0, {}}, Deadline::after_seconds(1));
   fd_.reset();

@@ -1,8 +1,15 @@
-// A rank's connection to the rendezvous root: join, allgather, barrier, and
-// the failure notices the root pushes (another rank failed or was lost).
-// Collectives are serialised by an internal mutex; any thread may call them.
+// A rank's connection to the rendezvous root: join, allgather, barrier,
+// point-to-point messages relayed by the root, and the failure notices the
+// root pushes (another rank failed or was lost).
+// Thread-safety: any thread may call anything. Reads from the root
+// (allgather, barrier, recv) are serialised by mu_; writes (including send)
+// by wmu_, so one thread may send while another waits in recv. Relayed
+// messages that arrive while a thread waits for something else are kept in
+// an inbox keyed by (source rank, tag).
 #pragma once
 
+#include <deque>
+#include <map>
 #include <mutex>
 #include <string>
 #include <vector>
@@ -26,6 +33,14 @@ class Client {
   Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline);
   void barrier(const Deadline& deadline) { allgather({}, deadline); }
 
+  // Relays `size` bytes to rank `peer` under `tag` (self included); returns
+  // once the root has them. Throws kInvalidArgument for a bad peer or size.
+  void send(int peer, uint32_t tag, const void* data, size_t size, const Deadline& deadline);
+  // The oldest message from (peer, tag); waits for it until `deadline`
+  // (kTimeout, nothing lost) and fails like allgather when the root reports
+  // a failed or lost rank.
+  std::vector<uint8_t> recv(int peer, uint32_t tag, const Deadline& deadline);
+
   // For poll(): readable outside a collective means the root reported a
   // failure (or went away); raise_pending() then throws it.
   int fd() const { return fd_.get(); }
@@ -41,16 +56,24 @@ class Client {
 
  private:
   void connect_root(const Deadline& deadline);
+  // Next message from the root other than a relayed one (which is stashed);
+  // on an I/O failure raises naming `doing`. Caller holds mu_.
+  Msg next_msg(const std::string& doing, const Deadline& deadline);
+  void stash(Msg& m);
+  bool take(int peer, uint32_t tag, std::vector<uint8_t>* out);
+  void check_open(const std::string& doing);
   [[noreturn]] void raise(const Msg& m, const std::string& doing);
   [[noreturn]] void raise_io(const tcp::IoResult& r, const std::string& doing);
 
   std::mutex mu_;
+  std::mutex wmu_;
   tcp::Fd fd_;
   tcp::SockAddr root_;
   int rank_;
   int nranks_;
   uint32_t seq_ = 0;
   std::string broken_;  // set when a collective timed out: why later ones are refused
+  std::map<std::pair<int, uint32_t>, std::deque<std::vector<uint8_t>>> inbox_;  // under mu_
 };
 
 }  // namespace fxm::bootstrap

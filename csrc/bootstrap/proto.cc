@@ -29,7 +29,7 @@ void encode_header(const Msg& m, uint8_t out[kMsgHeaderSize]) {
 bool decode_header(const uint8_t in[kMsgHeaderSize], Msg* m, uint64_t* len) {
   if (get<uint32_t>(in, 0) != kMsgMagic) return false;
   uint16_t type = get<uint16_t>(in, 4);
-  if (type < 1 || type > 7) return false;
+  if (type < 1 || type > kMaxMsgType) return false;
   m->type = static_cast<MsgType>(type);
   m->code = static_cast<Code>(get<uint16_t>(in, 6));
   m->rank = get<int32_t>(in, 8);

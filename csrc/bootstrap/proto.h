@@ -1,5 +1,7 @@
 // Messages between ranks and the rendezvous root: a 24-byte header
 // {magic "FXMB", type, code, rank, seq, length} and a payload.
+// Point-to-point relay: kSend carries the destination in `rank` and the tag in
+// `seq`; the root forwards it as kDeliver with the source in `rank`.
 #pragma once
 
 #include <array>
@@ -26,7 +28,10 @@ enum class MsgType : uint16_t {
   kAbort = 5,      // root -> rank: rank `rank` failed or was lost
   kError = 6,      // root -> rank: the rendezvous itself failed
   kBye = 7,        // rank -> root: clean close
+  kSend = 8,       // rank -> root: relay payload to rank `rank` under tag `seq`
+  kDeliver = 9,    // root -> rank: a relayed payload from rank `rank`, tag `seq`
 };
+constexpr uint16_t kMaxMsgType = 9;
 
 struct Msg {
   MsgType type = MsgType::kBye;

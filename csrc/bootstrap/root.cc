@@ -19,6 +19,7 @@ constexpr double kIdleTimeoutS = 3600.0;
 constexpr double kWriteTimeoutS = 10.0;
 constexpr size_t kMaxPending = 1024;
 constexpr uint32_t kMaxRanks = 1u << 20;
+constexpr size_t kMaxHeld = 4096;  // relayed messages waiting for a rank to join
 
 // A connection that has not yet sent a valid JOIN.
 struct Pending {
@@ -33,6 +34,7 @@ struct Client {
   bool gone = false;  // said BYE or was lost
   bool contributed = false;
   std::vector<uint8_t> part;
+  std::vector<Msg> held;  // relayed to this rank before it joined
 };
 
 class Root {
@@ -48,6 +50,7 @@ class Root {
   void admit(Pending& p, const Msg& join);
   void on_client(int rank);
   void on_allgather(int rank, Msg& m);
+  void on_relay(int src, Msg& m);
   void maybe_complete();
   void lose(int rank, const std::string& why);
   void broadcast(const Msg& m, int except);
@@ -166,6 +169,8 @@ void Root::admit(Pending& p, const Msg& m) {
   Client& c = clients_[m.rank];
   c.fd = std::move(p.fd);
   c.joined = true;
+  for (const Msg& held : c.held) send_to(m.rank, held);
+  c.held.clear();
   if (++joined_ == static_cast<int>(nranks_)) listener_.reset();  // no strangers after this
 }
 
@@ -183,6 +188,7 @@ void Root::on_client(int rank) {
   }
   switch (m.type) {
     case MsgType::kAllgather: on_allgather(rank, m); break;
+    case MsgType::kSend: on_relay(rank, m); break;
     case MsgType::kAbortReq:  // the rank failed and closes right after
       c.gone = true;
       c.fd.reset();
@@ -209,6 +215,28 @@ void Root::on_allgather(int rank, Msg& m) {
   c.contributed = true;
   c.part = std::move(m.payload);
   maybe_complete();
+}
+
+// Forwards a point-to-point message. A rank that is gone gets nothing; one that
+// has not joined yet gets it when it joins. The client checks the range too.
+void Root::on_relay(int src, Msg& m) {
+  int dst = m.rank;
+  if (dst < 0 || static_cast<uint32_t>(dst) >= nranks_) {
+    lose(src, "rank " + std::to_string(src) + " relayed a message to rank " + std::to_string(dst) +
+                  ", outside [0, " + std::to_string(nranks_) + ")");
+    return;
+  }
+  Msg out{MsgType::kDeliver, Code::kOk, src, m.seq, std::move(m.payload)};
+  Client& d = clients_[dst];
+  if (d.gone) return;
+  if (d.joined) {
+    send_to(dst, out);
+  } else if (d.held.size() < kMaxHeld) {
+    d.held.push_back(std::move(out));
+  } else {
+    FXM_WARN(-1, "bootstrap root: dropped a message from rank " + std::to_string(src) + " to rank " +
+                     std::to_string(dst) + " (too many held before it joined)");
+  }
 }
 
 void Root::maybe_complete() {

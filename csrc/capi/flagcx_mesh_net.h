@@ -101,7 +101,10 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_close_full_mesh(const flagc
                                                                      int nranks, void **send_comms,
                                                                      void **recv_comms);
 
-/* flagcx_mesh's own bootstrap (the unique id's rendezvous root), as ops. */
+/* flagcx_mesh's own bootstrap (the unique id's rendezvous root), as ops.
+ * send/recv are relayed by the root; a recv fails at once when the root
+ * reports that a rank failed or was lost. Its ops return flagcx_mesh_result_t
+ * values (FLAGCX_MESH_TIMEOUT, FLAGCX_MESH_PEER_LOST, ...). */
 typedef struct flagcx_mesh_bootstrap *flagcx_mesh_bootstrap_t;
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_init(flagcx_mesh_bootstrap_t *boot, int nranks,
                                                                 const flagcx_mesh_unique_id_t *id, int rank,
@@ -111,7 +114,8 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_get_ops(flagcx_mesh_b
                                                                    flagcx_mesh_bootstrap_ops_t *ops);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_destroy(flagcx_mesh_bootstrap_t boot);
 
-/* A test adaptor that behaves like FlagCX's IB adaptor, over loopback TCP:
+/* A test adaptor that behaves like FlagCX's IB adaptor, over loopback TCP
+ * (127.0.0.1, ephemeral ports):
  * no identity on the wire, one FIFO accept queue per listener, and a connect
  * that completes only once the other side's accept has taken it. connect and
  * accept each wait a random 0..jitter_us before acting (seeded by seed). */

@@ -12,6 +12,9 @@ namespace py = pybind11;
 // Adds the window and one-sided operation methods to the Mesh class.
 void bind_onesided(py::class_<fxm::Mesh>& cls);
 
+// NetBootstrap and net_trial: the net-adaptor builders over the test adaptor.
+void bind_adaptor(py::module_& m);
+
 // A contiguous view of any buffer-protocol object, released on destruction.
 class ByteView {
  public:

@@ -223,4 +223,5 @@ PYBIND11_MODULE(_core, m) {
   }, "The host part of the address this process listens on.");
   bind_mesh(m);
   bind_wire(m);
+  fxm_py::bind_adaptor(m);
 }

@@ -2,6 +2,8 @@
 
     python -m flagcx_mesh.selftest [-n N] [--contexts C] [--iterations K]
                                    [--timeout S] [--json PATH]
+    python -m flagcx_mesh.selftest --builder legacy|ordered|tagged [-n N] [--iterations K]
+                                   [--jitter-us J] [--timeout S]
 
 Started plainly, it spawns N local ranks itself (through the embedded
 launcher, no MPI needed). Started by ``python -m flagcx_mesh.launch`` (or
@@ -14,6 +16,12 @@ prove slot j is rank j, then sends a tagged, checksummed payload on every
 (listen, rendezvous, connect/accept, wiring check: min / median / max over
 all ranks and iterations). Exit status 0 only when every check passed; a
 failure names the rank, iteration, peer and phase.
+
+With --builder, each iteration instead builds the full mesh over the test
+adaptor (loopback TCP shaped like FlagCX's IB adaptor: no identity on the
+wire) with that builder and proves the wiring (see flagcx_mesh.selftest_net).
+legacy, FlagCX's own loop, is expected to FAIL: it reproduces the known hang,
+which the deadline (default 5 s here) reports.
 """
 
 from __future__ import annotations
@@ -43,10 +51,19 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("-n", "--nranks", type=int, default=4, help="ranks to spawn when no launcher is around (default 4)")
     p.add_argument("--contexts", type=int, default=1, help="contexts per mesh (default 1)")
     p.add_argument("--iterations", type=int, default=1, help="meshes to build one after another (default 1)")
-    p.add_argument("--timeout", type=float, default=60.0, help="deadline of each mesh build, seconds (default 60)")
+    p.add_argument("--timeout", type=float, default=None,
+                   help="deadline of each mesh build, seconds (default 60; 5 with --builder)")
+    p.add_argument("--builder", choices=("legacy", "ordered", "tagged"),
+                   help="build over the IB-like test adaptor with this builder instead")
+    p.add_argument("--jitter-us", type=int, default=0, help="with --builder: random delay before each "
+                   "connect/accept step of the test adaptor, microseconds (default 0)")
     p.add_argument("--payload", type=int, default=256, help="payload bytes per (peer, context) (default 256)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH (rank 0)")
     a = p.parse_args(argv)
+    if a.timeout is None:
+        a.timeout = 5.0 if a.builder else 60.0
+    if a.jitter_us < 0:
+        p.error("--jitter-us must be >= 0")
     for name in ("nranks", "contexts", "iterations"):
         if getattr(a, name) < 1:
             p.error(f"--{name} must be >= 1")
@@ -219,6 +236,10 @@ def main(argv: Optional[List[str]] = None) -> int:
     rank, nranks, uid, launcher = found
     if rank == 0:
         print(f"flagcx_mesh selftest: launcher: {launcher}; {nranks} ranks, one per process", flush=True)
+    if args.builder:
+        from .selftest_net import run_rank as run_builder_rank
+
+        return run_builder_rank(rank, nranks, uid, args)
     return run_rank(rank, nranks, uid, args)
 
 

@@ -3,6 +3,8 @@
     python -m flagcx_mesh.bench mesh [-n 8] [--iterations 20] [--contexts 1] [--json PATH]
     python -m flagcx_mesh.bench put  [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp] [--json PATH]
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...]   (flagcx_mesh vs MPI_Put, same run)
+    python -m flagcx_mesh.bench race [--trials 200] [-n 4] [--jitter-us 2000] [--builders legacy,ordered,tagged]
+                                     [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
 measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
@@ -21,6 +23,8 @@ COMMANDS = {
     "put": ("put", "main"),
     "put-rank": ("put", "rank_entry"),
     "put-mpi": ("put_mpi", "mpi_entry"),
+    "race": ("race", "main"),
+    "race-rank": ("race", "rank_entry"),
 }
 
 

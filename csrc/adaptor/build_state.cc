@@ -1,0 +1,200 @@
+#include "adaptor/build_state.h"
+
+#include <sched.h>
+
+#include <cstring>
+#include <random>
+#include <thread>
+
+#include "adaptor/boot_ops.h"
+#include "core/env.h"
+
+namespace fxm::adaptor {
+
+const char* builder_name(int builder) {
+  switch (builder) {
+    case FLAGCX_MESH_BUILD_LEGACY: return "legacy";
+    case FLAGCX_MESH_BUILD_ORDERED: return "ordered";
+    case FLAGCX_MESH_BUILD_TAGGED: return "tagged";
+  }
+  return "unknown";
+}
+
+Build::Build(const NetAdaptor& net, const BootOps& boot, const BuildConfig& config)
+    : net_(net), boot_(boot), config_(config), rank_(boot.rank), n_(boot.nranks),
+      timeout_s_(config.timeout_s > 0 ? config.timeout_s : env_config().timeout_s),
+      deadline_(Deadline::after_seconds(timeout_s_)),
+      send_(static_cast<size_t>(n_), nullptr), recv_(static_cast<size_t>(n_), nullptr) {}
+
+Build::~Build() { close_all(); }
+
+void Build::close_all() {
+  // Failure path: best effort, results ignored (the build already failed).
+  for (void*& c : send_) {
+    if (c) net_.close_send(net_.ctx, c);
+    c = nullptr;
+  }
+  for (void*& c : recv_) {
+    if (c) net_.close_recv(net_.ctx, c);
+    c = nullptr;
+  }
+  for (void* c : unfiled_) net_.close_recv(net_.ctx, c);
+  unfiled_.clear();
+  if (listen_) net_.close_listen(net_.ctx, listen_);
+  listen_ = nullptr;
+}
+
+std::string Build::who() const {
+  return "rank " + std::to_string(rank_) + " (" + builder_name(builder_of(config_)) + " build over '" +
+         (net_.name ? net_.name : "adaptor") + "')";
+}
+
+void Build::fail_at(Code code, int peer, const std::string& what) const {
+  fail(code, peer, 0, who() + ": " + what);
+}
+
+void Build::check_call(int rc, const char* call, int peer, int round) const {
+  if (rc == 0) return;
+  std::string where = round >= 0 ? "round " + std::to_string(round) + ": " : "";
+  std::string target = peer >= 0 ? " (peer rank " + std::to_string(peer) + ")" : "";
+  fail_at(Code::kSystem, peer, where + "adaptor " + call + target + " returned " + std::to_string(rc));
+}
+
+void Build::check_deadline(const std::string& what, int peer) const {
+  if (deadline_.expired()) {
+    char secs[32];
+    std::snprintf(secs, sizeof(secs), "%.2f", timeout_s_);
+    fail_at(Code::kTimeout, peer, what + " (build deadline of " + secs + " s expired)");
+  }
+}
+
+void Build::listen_and_gather() {
+  size_t hs = net_.handle_size, block = hs + 8;
+  std::vector<uint8_t> all(block * static_cast<size_t>(n_), 0);
+  uint8_t* mine = all.data() + block * static_cast<size_t>(rank_);
+  check_call(net_.listen(net_.ctx, mine, &listen_), "listen", -1, -1);
+  std::random_device rd;
+  uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(rank_ + 1);
+  std::memcpy(mine + hs, &nonce, 8);
+  int rc = boot_.allgather(boot_.ctx, all.data(), block);
+  if (rc != 0) {
+    check_deadline("bootstrap allgather of the listen handles failed", -1);
+    fail_at(Code::kPeerLost, -1, "bootstrap allgather of the listen handles returned " + std::to_string(rc) +
+                                     boot_detail_suffix());
+  }
+  std::memcpy(&build_id_, all.data() + hs, 8);
+  handles_.resize(static_cast<size_t>(n_));
+  for (int p = 0; p < n_; ++p) {
+    const uint8_t* h = all.data() + block * static_cast<size_t>(p);
+    handles_[p].assign(h, h + hs);
+  }
+}
+
+bool Build::step_connect(int peer, int round) {
+  if (send_[peer]) return true;
+  void* comm = nullptr;
+  check_call(net_.connect(net_.ctx, handles_[peer].data(), &comm), "connect", peer, round);
+  send_[peer] = comm;
+  return comm != nullptr;
+}
+
+void* Build::step_accept(int round) {
+  void* comm = nullptr;
+  check_call(net_.accept(net_.ctx, listen_, &comm), "accept", -1, round);
+  if (comm) unfiled_.push_back(comm);
+  return comm;
+}
+
+void Build::drop_recv(void* comm) {
+  for (size_t i = 0; i < unfiled_.size(); ++i) {
+    if (unfiled_[i] == comm) unfiled_.erase(unfiled_.begin() + static_cast<long>(i));
+  }
+  for (void*& c : recv_) {
+    if (c == comm) c = nullptr;
+  }
+  net_.close_recv(net_.ctx, comm);
+}
+
+void* Build::isend(void* comm, const void* data, size_t size, int peer, const std::string& step) {
+  void* req = nullptr;
+  check_call(net_.isend(net_.ctx, comm, data, size, &req), ("isend (" + step + ")").c_str(), peer, -1);
+  if (!req) fail_at(Code::kInternal, peer, step + ": adaptor isend gave no request");
+  return req;
+}
+
+void* Build::irecv(void* comm, void* data, size_t size, int peer, const std::string& step) {
+  void* req = nullptr;
+  check_call(net_.irecv(net_.ctx, comm, data, size, &req), ("irecv (" + step + ")").c_str(), peer, -1);
+  if (!req) fail_at(Code::kInternal, peer, step + ": adaptor irecv gave no request");
+  return req;
+}
+
+bool Build::test(void* request, int peer, const std::string& step) {
+  int done = 0;
+  check_call(net_.test(net_.ctx, request, &done), ("test (" + step + ")").c_str(), peer, -1);
+  return done != 0;
+}
+
+void Build::boot_send(int peer, int tag, const void* data, size_t size, int round) {
+  int rc = boot_.send(boot_.ctx, peer, tag, data, size);
+  if (rc == 0) return;
+  fail_at(Code::kPeerLost, peer, "round " + std::to_string(round) + ": bootstrap send of the readiness token to rank " +
+                                     std::to_string(peer) + " returned " + std::to_string(rc) + boot_detail_suffix());
+}
+
+void Build::boot_recv(int peer, int tag, void* data, size_t size, int round) {
+  std::string what = "round " + std::to_string(round) + ": waiting for the readiness token of rank " +
+                     std::to_string(peer) + " (its accept for this round)";
+  check_deadline(what, peer);
+  int rc = boot_.recv(boot_.ctx, peer, tag, data, size, std::max(deadline_.seconds_left(), 1e-3));
+  if (rc == 0) return;
+  std::string detail = boot_detail_suffix();
+  check_deadline(what + detail, peer);
+  fail_at(Code::kPeerLost, peer, what + ": bootstrap recv returned " + std::to_string(rc) + detail);
+}
+
+void Build::finish(void** send_comms, void** recv_comms) {
+  for (int p = 0; p < n_; ++p) {
+    if (!send_[p] || !recv_[p]) fail_at(Code::kInternal, p, "build ended with an empty slot");
+  }
+  if (listen_) check_call(net_.close_listen(net_.ctx, listen_), "close_listen", -1, -1);
+  listen_ = nullptr;
+  for (int p = 0; p < n_; ++p) {
+    send_comms[p] = send_[p];
+    recv_comms[p] = recv_[p];
+    send_[p] = recv_[p] = nullptr;
+  }
+  unfiled_.clear();
+}
+
+void backoff(int* spins) {
+  if (++*spins < 64) {
+    sched_yield();
+  } else {
+    std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+void encode_identity(const Identity& id, uint8_t out[kIdentitySize]) {
+  std::memset(out, 0, kIdentitySize);
+  std::memcpy(out, &id.magic, 4);
+  std::memcpy(out + 4, &id.version, 2);
+  std::memcpy(out + 8, &id.src, 4);
+  std::memcpy(out + 12, &id.dst, 4);
+  std::memcpy(out + 16, &id.build_id, 8);
+}
+
+std::string decode_identity(const uint8_t in[kIdentitySize], uint32_t magic, uint64_t build_id,
+                            Identity* out) {
+  std::memcpy(&out->magic, in, 4);
+  std::memcpy(&out->version, in + 4, 2);
+  std::memcpy(&out->src, in + 8, 4);
+  std::memcpy(&out->dst, in + 12, 4);
+  std::memcpy(&out->build_id, in + 16, 8);
+  if (out->magic != magic) return "bad magic";
+  if (out->version != 1) return "identity version " + std::to_string(out->version);
+  if (out->build_id != build_id) return "another build's identity (stale or foreign connection)";
+  return "";
+}
+
+}  // namespace fxm::adaptor

@@ -1,0 +1,106 @@
+// State shared by the builders: the listener, the peers' handles, the comms
+// opened so far (closed again unless the build succeeds), the deadline, and
+// checked calls into the adaptor and the bootstrap that turn a non-zero
+// return into an Error naming the call, the peer, the round and the rank.
+// Owned by one build on one thread.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "adaptor/builder.h"
+#include "core/clock.h"
+#include "core/status.h"
+
+namespace fxm::adaptor {
+
+const char* builder_name(int builder);
+
+class Build {
+ public:
+  Build(const NetAdaptor& net, const BootOps& boot, const BuildConfig& config);
+  ~Build();  // closes whatever was not handed out
+  Build(const Build&) = delete;
+  Build& operator=(const Build&) = delete;
+
+  // listen(), then allgather {handle, nonce}; build_id() is rank 0's nonce.
+  void listen_and_gather();
+  // One step of connect to `peer` (no-op once done); true when done.
+  bool step_connect(int peer, int round);
+  // One accept; the comm taken (or NULL) is returned and owned by the Build
+  // until filed with file_recv() or dropped with drop_recv().
+  void* step_accept(int round);
+  void file_recv(int slot, void* comm) { recv_[slot] = comm; }
+  void drop_recv(void* comm);
+  // isend/irecv/test with checked results.
+  void* isend(void* comm, const void* data, size_t size, int peer, const std::string& step);
+  void* irecv(void* comm, void* data, size_t size, int peer, const std::string& step);
+  bool test(void* request, int peer, const std::string& step);
+  // Bootstrap point-to-point, bounded by the build deadline.
+  void boot_send(int peer, int tag, const void* data, size_t size, int round);
+  void boot_recv(int peer, int tag, void* data, size_t size, int round);
+  // Throws kTimeout with `what` once the deadline passed.
+  void check_deadline(const std::string& what, int peer) const;
+  // Hands the comms to the caller's arrays, closes the listener.
+  void finish(void** send_comms, void** recv_comms);
+
+  [[noreturn]] void fail_at(Code code, int peer, const std::string& what) const;
+  std::string who() const;  // "rank 3 (ordered build)"
+  bool carries_bytes() const { return net_.isend != nullptr; }
+  int rank() const { return rank_; }
+  int nranks() const { return n_; }
+  uint64_t build_id() const { return build_id_; }
+  int tag(int round) const { return config_.tag_base + round; }
+  const BuildConfig& config() const { return config_; }
+  void* send_comm(int peer) const { return send_[peer]; }
+  void* recv_comm(int peer) const { return recv_[peer]; }
+  const Deadline& deadline() const { return deadline_; }
+
+ private:
+  void check_call(int rc, const char* call, int peer, int round) const;
+  void close_all();
+
+  const NetAdaptor& net_;
+  const BootOps& boot_;
+  BuildConfig config_;
+  int rank_, n_;
+  double timeout_s_;
+  Deadline deadline_;
+  uint64_t build_id_ = 0;
+  void* listen_ = nullptr;
+  std::vector<std::vector<uint8_t>> handles_;  // writable copies, one per peer
+  std::vector<void*> send_, recv_;
+  std::vector<void*> unfiled_;  // accepted, not yet filed
+};
+
+// Polite spinning for state machines that returned "in progress":
+// sched_yield first, then short sleeps.
+void backoff(int* spins);
+
+// The small identity record sent over new connections: the TAGGED header and
+// the wiring check. 24 bytes, little-endian.
+struct Identity {
+  uint32_t magic = 0;
+  uint16_t version = 1;
+  int32_t src = -1;
+  int32_t dst = -1;
+  uint64_t build_id = 0;
+};
+constexpr size_t kIdentitySize = 24;
+constexpr uint32_t kTaggedMagic = 0x5458'4d46;  // "FMXT"
+constexpr uint32_t kWiringMagic = 0x5758'4d46;  // "FMXW"
+void encode_identity(const Identity& id, uint8_t out[kIdentitySize]);
+// "" when it decodes with the right magic, version and build id; else why not.
+std::string decode_identity(const uint8_t in[kIdentitySize], uint32_t magic, uint64_t build_id,
+                            Identity* out);
+
+// The builders (build.cc validates and dispatches).
+void build_legacy(Build& b);
+void build_ordered(Build& b);
+void build_tagged(Build& b);
+// Over each send comm tell the peer who we are; over each recv comm check it
+// is the slot's peer. kProtocol "miswired: ..." on a mismatch.
+void wiring_check(Build& b);
+
+}  // namespace fxm::adaptor

@@ -1,0 +1,140 @@
+#include "adaptor/trial.h"
+
+#include <array>
+#include <vector>
+
+#include "adaptor/build_state.h"
+#include "adaptor/test_adaptor.h"
+#include "core/status.h"
+
+namespace fxm::adaptor {
+namespace {
+
+// Wraps an adaptor; the chosen call fails once, on its (after + 1)-th use.
+struct Fault {
+  NetAdaptor inner;
+  std::string call;
+  int after = 0;
+  int seen = 0;
+  bool hit(const char* name) { return call == name && seen++ == after; }
+};
+
+Fault* F(void* ctx) { return static_cast<Fault*>(ctx); }
+int f_listen(void* c, void* h, void** l) { return F(c)->hit("listen") ? kInjectedFault : F(c)->inner.listen(F(c)->inner.ctx, h, l); }
+int f_connect(void* c, void* h, void** s) { return F(c)->hit("connect") ? kInjectedFault : F(c)->inner.connect(F(c)->inner.ctx, h, s); }
+int f_accept(void* c, void* l, void** r) { return F(c)->hit("accept") ? kInjectedFault : F(c)->inner.accept(F(c)->inner.ctx, l, r); }
+int f_close_send(void* c, void* s) { return F(c)->inner.close_send(F(c)->inner.ctx, s); }
+int f_close_recv(void* c, void* r) { return F(c)->inner.close_recv(F(c)->inner.ctx, r); }
+int f_close_listen(void* c, void* l) { return F(c)->inner.close_listen(F(c)->inner.ctx, l); }
+int f_isend(void* c, void* s, const void* d, size_t n, void** q) {
+  return F(c)->hit("isend") ? kInjectedFault : F(c)->inner.isend(F(c)->inner.ctx, s, d, n, q);
+}
+int f_irecv(void* c, void* r, void* d, size_t n, void** q) {
+  return F(c)->hit("irecv") ? kInjectedFault : F(c)->inner.irecv(F(c)->inner.ctx, r, d, n, q);
+}
+int f_test(void* c, void* q, int* done) { return F(c)->hit("test") ? kInjectedFault : F(c)->inner.test(F(c)->inner.ctx, q, done); }
+
+NetAdaptor wrap(Fault* f) {
+  NetAdaptor w = f->inner;
+  w.ctx = f;
+  w.listen = &f_listen, w.connect = &f_connect, w.accept = &f_accept;
+  w.close_send = &f_close_send, w.close_recv = &f_close_recv, w.close_listen = &f_close_listen;
+  if (f->inner.isend) w.isend = &f_isend, w.irecv = &f_irecv, w.test = &f_test;
+  return w;
+}
+
+// Over the built comms: every rank sends {src, dst} on send[p] and checks
+// recv[p] brings {p, me}. Throws kProtocol / kTimeout.
+void verify(const NetAdaptor& net, int me, int n, void** send, void** recv, const Deadline& deadline) {
+  std::vector<std::array<uint8_t, kIdentitySize>> out(n), in(n);
+  std::vector<void*> reqs;
+  for (int p = 0; p < n; ++p) {
+    encode_identity({kWiringMagic, 1, me, p, 0}, out[p].data());
+    void* s = nullptr;
+    void* r = nullptr;
+    if (net.isend(net.ctx, send[p], out[p].data(), kIdentitySize, &s) || net.irecv(net.ctx, recv[p], in[p].data(), kIdentitySize, &r)) {
+      fail(Code::kSystem, p, 0, "rank " + std::to_string(me) + ": verify: isend/irecv with rank " + std::to_string(p) + " failed");
+    }
+    reqs.push_back(s);
+    reqs.push_back(r);
+  }
+  int spins = 0;
+  for (size_t i = 0; i < reqs.size();) {
+    int done = 0;
+    if (net.test(net.ctx, reqs[i], &done)) fail(Code::kSystem, static_cast<int>(i / 2), 0, "rank " + std::to_string(me) + ": verify: test failed");
+    if (done) { ++i; continue; }
+    if (deadline.expired()) fail(Code::kTimeout, static_cast<int>(i / 2), 0, "rank " + std::to_string(me) + ": verify: nothing from rank " + std::to_string(i / 2));
+    backoff(&spins);
+  }
+  for (int p = 0; p < n; ++p) {
+    Identity id;
+    std::string why = decode_identity(in[p].data(), kWiringMagic, 0, &id);
+    if (!why.empty() || id.src != p || id.dst != me) {
+      fail(Code::kProtocol, p, 0, "rank " + std::to_string(me) + ": verify: miswired: recv slot " + std::to_string(p) +
+                                      " holds rank " + std::to_string(id.src) + "'s connection" + (why.empty() ? "" : " (" + why + ")"));
+    }
+  }
+}
+
+std::string outcome_of(const Error& e) {
+  if (e.code() == Code::kTimeout) return "hung";
+  if (e.code() == Code::kProtocol && std::string(e.what()).find("miswired") != std::string::npos) return "miswired";
+  return "failed";
+}
+
+void* const kSentinel = reinterpret_cast<void*>(static_cast<uintptr_t>(0x5e47));
+
+void build_and_check(const NetAdaptor& net, const BootOps& boot, const TrialOptions& opt, TrialResult* res) {
+  BuildConfig cfg{sizeof(BuildConfig), FLAGCX_MESH_BUILD_ORDERED, opt.timeout_s, opt.wiring_check ? 1 : 0,
+                  opt.tag_base};
+  set_builder(&cfg, opt.builder);
+  int n = boot.nranks;
+  std::vector<void*> send(n, kSentinel), recv(n, kSentinel);
+  Clock::time_point t0 = Clock::now();
+  Deadline deadline = Deadline::after_seconds(opt.timeout_s);
+  try {
+    build_full_mesh(&net, &boot, &cfg, send.data(), recv.data());
+  } catch (const Error&) {
+    res->seconds = seconds_since(t0);
+    for (int p = 0; p < n; ++p) res->outputs_untouched &= send[p] == kSentinel && recv[p] == kSentinel;
+    throw;
+  }
+  res->seconds = seconds_since(t0);
+  try {
+    if (opt.verify && net.isend) verify(net, boot.rank, n, send.data(), recv.data(), deadline);
+  } catch (const Error&) {
+    close_full_mesh(&net, n, send.data(), recv.data());
+    throw;
+  }
+  res->verified = opt.verify && net.isend;
+  close_full_mesh(&net, n, send.data(), recv.data());
+}
+
+}  // namespace
+
+TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
+  flagcx_mesh_test_adaptor_config_t tc{sizeof(tc), opt.jitter_us, opt.seed, opt.carry_bytes ? 1 : 0,
+                                       opt.self_connect_delay_us};
+  NetAdaptor net{};
+  test_adaptor_create(&tc, &net);
+  Fault fault{net, opt.fail_call, opt.fail_after, 0};
+  NetAdaptor used = opt.fail_call.empty() ? net : wrap(&fault);
+  TrialResult res;
+  try {
+    build_and_check(used, boot, opt, &res);
+    res.outcome = "completed";
+  } catch (const Error& e) {
+    if (e.code() == Code::kInvalidArgument) {
+      test_adaptor_destroy(&net);
+      throw;
+    }
+    res.outcome = outcome_of(e);
+    res.code = static_cast<int>(e.code());
+    res.peer = e.peer();
+    res.error = e.what();
+  }
+  test_adaptor_destroy(&net);
+  return res;
+}
+
+}  // namespace fxm::adaptor

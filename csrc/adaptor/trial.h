@@ -1,0 +1,42 @@
+// One build trial over the test adaptor, for the self-test, the race bench
+// and the tests: create a test adaptor, build with the chosen builder, check
+// the result, close everything. Optionally a fault wrapper makes one adaptor
+// call fail, to check how failures are reported.
+// Thread-safety: each call uses its own adaptor; the bootstrap is shared.
+#pragma once
+
+#include <string>
+
+#include "adaptor/builder.h"
+
+namespace fxm::adaptor {
+
+struct TrialOptions {
+  int builder = FLAGCX_MESH_BUILD_ORDERED;
+  uint32_t jitter_us = 0;
+  uint64_t seed = 1;
+  double timeout_s = 10.0;
+  bool carry_bytes = true;
+  uint32_t self_connect_delay_us = 0;
+  bool wiring_check = true;
+  int tag_base = 0x6d780000;
+  bool verify = true;     // after success, prove slot p is rank p over the new comms
+  std::string fail_call;  // "" or an adaptor call name: that call returns kInjectedFault ...
+  int fail_after = 0;     // ... on its (fail_after + 1)-th invocation
+};
+constexpr int kInjectedFault = 42;
+
+struct TrialResult {
+  std::string outcome;  // "completed" | "hung" | "miswired" | "failed"
+  int code = 0;         // fxm::Code of the failure (0 when completed)
+  int peer = -1;
+  std::string error;
+  double seconds = 0;             // the build call alone
+  bool outputs_untouched = true;  // on failure: the output arrays were not written
+  bool verified = false;          // completed and the post-build check passed
+};
+
+// Errors of kind kInvalidArgument are thrown; every other failure is a result.
+TrialResult run_trial(const BootOps& boot, const TrialOptions& opt);
+
+}  // namespace fxm::adaptor

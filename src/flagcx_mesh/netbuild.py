@@ -1,0 +1,70 @@
+"""Full-mesh builds over a network adaptor with no identity on the wire.
+
+FlagCX's IB adaptor hands out listen handles with a constant magic and one
+FIFO accept queue per listener; its full-mesh loop can file a connection into
+the wrong slot and then spin forever. The C++ core offers three builders
+(``flagcx_mesh_net_build_full_mesh`` in the C ABI):
+
+* ``legacy``  -- FlagCX's loop as shipped, plus a deadline that reports the hang;
+* ``ordered`` -- pairwise rounds gated by a readiness token over the bootstrap;
+* ``tagged``  -- every connection carries an identity header (needs isend/irecv).
+
+This module runs them over the built-in test adaptor (loopback TCP, shaped
+like the IB adaptor, with seeded jitter), for the self-test and the race bench.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Any, Dict, Iterable, List
+
+from . import _core
+
+BUILDERS = ("legacy", "ordered", "tagged")
+OUTCOMES = ("completed", "hung", "miswired", "failed")
+DEFAULT_TAG_BASE = 0x6D780000
+
+#: A rank's handle on flagcx_mesh's rendezvous with a point-to-point relay:
+#: ``NetBootstrap(nranks, unique_id, rank, timeout)``, then ``barrier``,
+#: ``allgather``, ``send(peer, tag, data)``, ``recv(peer, tag, timeout)``, ``close``.
+NetBootstrap = _core.NetBootstrap
+
+
+def build_trial(boot: Any, builder: str, *, jitter_us: int = 0, seed: int = 1, timeout: float = 10.0,
+                carry_bytes: bool = True, self_connect_delay_us: int = 0, wiring_check: bool = True,
+                tag_base: int = DEFAULT_TAG_BASE, verify: bool = True, fail_call: str = "",
+                fail_after: int = 0) -> Dict[str, Any]:
+    """One build over a fresh test adaptor; collective over ``boot`` (every rank calls it).
+
+    Returns ``{"outcome", "code", "peer", "error", "seconds", "outputs_untouched",
+    "verified"}`` where outcome is completed | hung (a deadline expired) |
+    miswired (the wiring check saw another rank's connection) | failed.
+    Raises :class:`flagcx_mesh.InvalidArgument` for bad arguments (e.g. the
+    tagged builder without ``carry_bytes``). ``fail_call`` names an adaptor call
+    (listen, connect, accept, isend, irecv, test) that fails on its
+    ``fail_after + 1``-th use, to see how failures are reported.
+    """
+    return _core.net_trial(boot, builder, jitter_us=jitter_us, seed=seed, timeout=timeout,
+                           carry_bytes=carry_bytes, self_connect_delay_us=self_connect_delay_us,
+                           wiring_check=wiring_check, tag_base=tag_base, verify=verify,
+                           fail_call=fail_call, fail_after=fail_after)
+
+
+def aggregate(outcomes: Iterable[str]) -> str:
+    """One trial's outcome over all ranks: any hung -> hung, else any miswired ->
+    miswired, else any failed -> failed, else completed."""
+    seen = set(outcomes)
+    for kind in ("hung", "miswired", "failed"):
+        if kind in seen:
+            return kind
+    return "completed"
+
+
+def earliest_round_error(errors: List[str]) -> str:
+    """Of several ranks' errors, the one naming the earliest round: where a hang began
+    (the other ranks wait on that rank in later rounds). "" when there are none."""
+    errors = [e for e in errors if e]
+    if not errors:
+        return ""
+    rounds = [int(m.group(1)) if m else 1 << 30 for m in (re.search(r"round (\d+)", e) for e in errors)]
+    return errors[rounds.index(min(rounds))]
