@@ -1,18 +1,12 @@
-"""The net-adaptor calls of the C ABI through ctypes against libflagcx_mesh.so (build/dev first,
-or the path in FLAGCX_MESH_TEST_LIB; skipped when none is built): argument checks and a one-rank
-build over the own bootstrap and the test adaptor."""
+"""The net-adaptor calls of the C ABI through ctypes against the installed libflagcx_mesh.so:
+argument checks and a one-rank build over the own bootstrap and the test adaptor."""
 
 import ctypes as C
-import glob
-import os
-
 import pytest
 
 import flagcx_mesh
-from meshutil import REPO_ROOT
 
 pytestmark = pytest.mark.timeout(30)
-
 
 
 class Net(C.Structure):
@@ -36,20 +30,9 @@ class AdaptorConfig(C.Structure):
                 ("carry_bytes", C.c_int), ("self_connect_delay_us", C.c_uint32)]
 
 
-def _find_lib():
-    env = os.environ.get("FLAGCX_MESH_TEST_LIB")
-    dev = os.path.join(REPO_ROOT, "build", "dev", "libflagcx_mesh.so")  # the documented dev build first
-    found = [env] if env else [dev] + sorted(glob.glob(os.path.join(REPO_ROOT, "build", "*", "libflagcx_mesh.so")))
-    found = [p for p in found if os.path.exists(p)]
-    return found[0] if found else None
-
-
 @pytest.fixture(scope="module")
 def lib():
-    path = _find_lib()
-    if path is None:
-        pytest.skip("libflagcx_mesh.so is not built under build/*/")
-    lib = C.CDLL(path)
+    lib = C.CDLL(flagcx_mesh.get_library())  # the installed package's library
     lib.flagcx_mesh_last_error.restype = C.c_char_p
     return lib
 

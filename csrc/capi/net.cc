@@ -15,11 +15,11 @@ flagcx_mesh_result_t flagcx_mesh_net_build_full_mesh(const flagcx_mesh_net_adapt
                                                      const flagcx_mesh_net_build_config_t* config,
                                                      void** send_comms, void** recv_comms) {
   return guard("flagcx_mesh_net_build_full_mesh", [&] {
-    require(net, "flagcx_mesh_net_build_full_mesh", "net");
-    require(boot, "flagcx_mesh_net_build_full_mesh", "boot");
-    require(config, "flagcx_mesh_net_build_full_mesh", "config");
-    require(send_comms, "flagcx_mesh_net_build_full_mesh", "send_comms");
-    require(recv_comms, "flagcx_mesh_net_build_full_mesh", "recv_comms");
+    require(net, "net");
+    require(boot, "boot");
+    require(config, "config");
+    require(send_comms, "send_comms");
+    require(recv_comms, "recv_comms");
     fxm::adaptor::build_full_mesh(net, boot, config, send_comms, recv_comms);
   });
 }
@@ -27,7 +27,7 @@ flagcx_mesh_result_t flagcx_mesh_net_build_full_mesh(const flagcx_mesh_net_adapt
 flagcx_mesh_result_t flagcx_mesh_net_close_full_mesh(const flagcx_mesh_net_adaptor_t* net, int nranks,
                                                      void** send_comms, void** recv_comms) {
   return guard("flagcx_mesh_net_close_full_mesh", [&] {
-    require(net, "flagcx_mesh_net_close_full_mesh", "net");
+    require(net, "net");
     fxm::adaptor::close_full_mesh(net, nranks, send_comms, recv_comms);
   });
 }
@@ -35,8 +35,8 @@ flagcx_mesh_result_t flagcx_mesh_net_close_full_mesh(const flagcx_mesh_net_adapt
 flagcx_mesh_result_t flagcx_mesh_bootstrap_init(flagcx_mesh_bootstrap_t* boot, int nranks,
                                                 const flagcx_mesh_unique_id_t* id, int rank, double timeout_s) {
   return guard("flagcx_mesh_bootstrap_init", [&] {
-    require(boot, "flagcx_mesh_bootstrap_init", "boot");
-    require(id, "flagcx_mesh_bootstrap_init", "id");
+    require(boot, "boot");
+    require(id, "id");
     auto b = fxm::adaptor::bootstrap_create(nranks, reinterpret_cast<const uint8_t*>(id->internal),
                                             sizeof(id->internal), rank, timeout_s);
     *boot = b.release();
@@ -45,8 +45,8 @@ flagcx_mesh_result_t flagcx_mesh_bootstrap_init(flagcx_mesh_bootstrap_t* boot, i
 
 flagcx_mesh_result_t flagcx_mesh_bootstrap_get_ops(flagcx_mesh_bootstrap_t boot, flagcx_mesh_bootstrap_ops_t* ops) {
   return guard("flagcx_mesh_bootstrap_get_ops", [&] {
-    require(boot, "flagcx_mesh_bootstrap_get_ops", "boot");
-    require(ops, "flagcx_mesh_bootstrap_get_ops", "ops");
+    require(boot, "boot");
+    require(ops, "ops");
     fxm::adaptor::bootstrap_fill_ops(boot, ops);
   });
 }
@@ -58,15 +58,15 @@ flagcx_mesh_result_t flagcx_mesh_bootstrap_destroy(flagcx_mesh_bootstrap_t boot)
 flagcx_mesh_result_t flagcx_mesh_test_adaptor_create(const flagcx_mesh_test_adaptor_config_t* config,
                                                      flagcx_mesh_net_adaptor_t* net) {
   return guard("flagcx_mesh_test_adaptor_create", [&] {
-    require(config, "flagcx_mesh_test_adaptor_create", "config");
-    require(net, "flagcx_mesh_test_adaptor_create", "net");
+    require(config, "config");
+    require(net, "net");
     fxm::adaptor::test_adaptor_create(config, net);
   });
 }
 
 flagcx_mesh_result_t flagcx_mesh_test_adaptor_destroy(flagcx_mesh_net_adaptor_t* net) {
   return guard("flagcx_mesh_test_adaptor_destroy", [&] {
-    require(net, "flagcx_mesh_test_adaptor_destroy", "net");
+    require(net, "net");
     fxm::adaptor::test_adaptor_destroy(net);
   });
 }
