@@ -20,6 +20,7 @@ constexpr double kWriteTimeoutS = 10.0;
 constexpr size_t kMaxPending = 1024;
 constexpr uint32_t kMaxRanks = 1u << 20;
 constexpr size_t kMaxHeld = 4096;  // relayed messages waiting for a rank to join
+constexpr size_t kMaxHeldBytes = 64u << 20;  // and their bytes, per rank
 
 // A connection that has not yet sent a valid JOIN.
 struct Pending {
@@ -35,6 +36,7 @@ struct Client {
   bool contributed = false;
   std::vector<uint8_t> part;
   std::vector<Msg> held;  // relayed to this rank before it joined
+  size_t held_bytes = 0;
 };
 
 class Root {
@@ -171,6 +173,7 @@ void Root::admit(Pending& p, const Msg& m) {
   c.joined = true;
   for (const Msg& held : c.held) send_to(m.rank, held);
   c.held.clear();
+  c.held_bytes = 0;
   if (++joined_ == static_cast<int>(nranks_)) listener_.reset();  // no strangers after this
 }
 
@@ -231,7 +234,8 @@ void Root::on_relay(int src, Msg& m) {
   if (d.gone) return;
   if (d.joined) {
     send_to(dst, out);
-  } else if (d.held.size() < kMaxHeld) {
+  } else if (d.held.size() < kMaxHeld && d.held_bytes + out.payload.size() <= kMaxHeldBytes) {
+    d.held_bytes += out.payload.size();
     d.held.push_back(std::move(out));
   } else {
     FXM_WARN(-1, "bootstrap root: dropped a message from rank " + std::to_string(src) + " to rank " +
