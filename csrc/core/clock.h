@@ -10,13 +10,16 @@ using Clock = std::chrono::steady_clock;
 
 class Deadline {
  public:
+  // s beyond a year (or inf / NaN) is a year: the conversion below must not overflow.
   static Deadline after_seconds(double s) {
+    constexpr double kYear = 365.0 * 24 * 3600;
+    if (!(s < kYear)) s = kYear;
     Deadline d;
     d.at_ = Clock::now() + std::chrono::duration_cast<Clock::duration>(
                                std::chrono::duration<double>(s));
     return d;
   }
-  static Deadline never() { return after_seconds(365.0 * 24 * 3600); }
+  static Deadline never() { return after_seconds(1e300); }
   bool expired() const { return Clock::now() >= at_; }
   // Milliseconds left, clamped to [0, cap_ms]; suitable for poll().
   int poll_ms(int cap_ms = 1 << 30) const {
