@@ -62,6 +62,24 @@ def test_relay_out_of_order_tags_self_and_stash_during_barrier():
     assert with_boots(3, fn) == [True] * 3
 
 
+def test_relay_limits_bad_peers_and_unbounded_timeouts():
+    """Relayed messages are small control data (the root forwards them from one thread): a
+    larger one is refused before anything is sent; a recv from a rank outside the bootstrap is
+    refused at once; a timeout too large for the clock means no limit, not an instant timeout."""
+    def fn(boot):
+        other = 1 - boot.rank
+        with pytest.raises(InvalidArgument, match="at most 65536"):
+            boot.send(other, 5, b"x" * (64 * 1024 + 1))
+        t0 = time.monotonic()
+        with pytest.raises(InvalidArgument, match="peer outside"):
+            boot.recv(7, 5, timeout=10)
+        assert time.monotonic() - t0 < 1
+        boot.send(other, 5, b"y" * (64 * 1024))
+        return boot.recv(other, 5, timeout=1e300) == b"y" * (64 * 1024)
+
+    assert with_boots(2, fn) == [True, True]
+
+
 def test_relay_recv_times_out_without_losing_later_messages():
     def fn(boot):
         if boot.rank == 0:
@@ -149,6 +167,8 @@ def test_legacy_hang_reproduced_deterministically_at_two_ranks():
     assert "recvComm (accept from rank 1) is still NULL" in r0["error"] and r0["peer"] == 1
     assert "rank 1 (legacy build" in r1["error"] and "deadline" in r1["error"]
     assert r0["outputs_untouched"] and r1["outputs_untouched"]
+    for res in ranks:
+        assert res["bad_closes"] == 0 and res["left_open"] == 0, res
 
 
 def test_legacy_hangs_under_random_jitter():
@@ -195,19 +215,21 @@ def test_adaptor_call_failure_names_call_and_peer_and_leaves_outputs(call, peer_
     assert peer_text in r1["error"] and "returned 42" in r1["error"] and "rank 1 (ordered build" in r1["error"]
     assert r1["outputs_untouched"]
     assert r0["outcome"] != "completed" and r0["outputs_untouched"], r0
+    for res in (r0, r1):  # every comm the failed build opened was closed, and only once
+        assert res["bad_closes"] == 0 and res["left_open"] == 0, res
 
 
 def test_wiring_check_names_a_miswired_slot():
     """Legacy at 8 ranks miswires (or hangs) quickly; a miswire is a ProtocolError naming the slot."""
     found = None
-    for ranks in trials(8, "legacy", 6, jitter_us=2000, timeout=1.0):
+    for ranks in trials(8, "legacy", 12, jitter_us=2000, timeout=1.0):
         for res in ranks:
             if res["outcome"] == "miswired":
                 found = res
         if found:
             break
     if found is None:
-        pytest.skip("no miswire in 6 trials (all hung); the hang tests cover the loop")
+        pytest.skip("no miswire in 12 trials (all hung); the hang tests cover the loop")
     assert found["code"] == PROTOCOL
     assert re.search(r"miswired: recv slot \d+ holds rank \d+'s connection", found["error"])
 

@@ -46,7 +46,7 @@ def test_nulls_and_sizes_are_invalid_arguments(lib):
     comms = (C.c_void_p * 1)()
     assert lib.flagcx_mesh_net_build_full_mesh(None, C.byref(boot), C.byref(cfg), comms, comms) == 1
     assert "flagcx_mesh_net_build_full_mesh: net is NULL" in last(lib)
-    tc = AdaptorConfig(C.sizeof(AdaptorConfig) + 8, 0, 1, 1, 0)
+    tc = AdaptorConfig(C.sizeof(AdaptorConfig) - 8, 0, 1, 1, 0)
     assert lib.flagcx_mesh_test_adaptor_create(C.byref(tc), C.byref(net)) == 1
     assert "config->size" in last(lib)
     tc.size = C.sizeof(AdaptorConfig)

@@ -10,7 +10,9 @@ namespace {
 
 thread_local std::string t_detail;
 
-Deadline default_deadline(const flagcx_mesh_bootstrap* b) {
+// timeout_s > 0: the caller's deadline; else the bootstrap's default.
+Deadline deadline_of(const flagcx_mesh_bootstrap* b, double timeout_s) {
+  if (timeout_s > 0) return Deadline::after_seconds(timeout_s);
   return Deadline::after_seconds(b->timeout_s > 0 ? b->timeout_s : env_config().timeout_s);
 }
 
@@ -30,12 +32,12 @@ int run_op(F&& body) {
   }
 }
 
-int op_allgather(void* ctx, void* data, size_t bytes) {
+int op_allgather(void* ctx, void* data, size_t bytes, double timeout_s) {
   auto* b = static_cast<flagcx_mesh_bootstrap*>(ctx);
   return run_op([&] {
     uint8_t* all = static_cast<uint8_t*>(data);
     std::vector<uint8_t> mine(all + bytes * b->rank, all + bytes * (b->rank + 1));
-    bootstrap::Parts parts = b->client->allgather(mine, default_deadline(b));
+    bootstrap::Parts parts = b->client->allgather(mine, deadline_of(b, timeout_s));
     for (int r = 0; r < b->nranks; ++r) {
       if (parts[r].size() != bytes) {
         fail(Code::kProtocol, r, 0, "rank " + std::to_string(b->rank) + ": bootstrap allgather: rank " +
@@ -47,9 +49,9 @@ int op_allgather(void* ctx, void* data, size_t bytes) {
   });
 }
 
-int op_send(void* ctx, int peer, int tag, const void* data, size_t size) {
+int op_send(void* ctx, int peer, int tag, const void* data, size_t size, double timeout_s) {
   auto* b = static_cast<flagcx_mesh_bootstrap*>(ctx);
-  return run_op([&] { b->client->send(peer, static_cast<uint32_t>(tag), data, size, default_deadline(b)); });
+  return run_op([&] { b->client->send(peer, static_cast<uint32_t>(tag), data, size, deadline_of(b, timeout_s)); });
 }
 
 int op_recv(void* ctx, int peer, int tag, void* data, size_t size, double timeout_s) {
@@ -59,8 +61,7 @@ int op_recv(void* ctx, int peer, int tag, void* data, size_t size, double timeou
       fail(Code::kInvalidArgument, peer, 0, "rank " + std::to_string(b->rank) + ": bootstrap recv: peer " +
                                                 std::to_string(peer) + " out of range");
     }
-    Deadline d = timeout_s > 0 ? Deadline::after_seconds(timeout_s) : default_deadline(b);
-    std::vector<uint8_t> got = b->client->recv(peer, static_cast<uint32_t>(tag), d);
+    std::vector<uint8_t> got = b->client->recv(peer, static_cast<uint32_t>(tag), deadline_of(b, timeout_s));
     if (got.size() != size) {
       fail(Code::kProtocol, peer, 0, "rank " + std::to_string(b->rank) + ": bootstrap recv from rank " +
                                          std::to_string(peer) + " (tag " + std::to_string(tag) + "): got " +
@@ -98,6 +99,9 @@ void bootstrap_fill_ops(flagcx_mesh_bootstrap* boot, flagcx_mesh_bootstrap_ops_t
   ops->recv = &op_recv;
 }
 
-std::string boot_detail_suffix() { return t_detail.empty() ? "" : ": " + t_detail; }
+std::string boot_detail_suffix(const flagcx_mesh_bootstrap_ops_t& ops) {
+  if (ops.allgather != &op_allgather || t_detail.empty()) return "";  // another bootstrap's ops
+  return ": " + t_detail;
+}
 
 }  // namespace fxm::adaptor

@@ -25,8 +25,8 @@ std::unique_ptr<flagcx_mesh_bootstrap> bootstrap_create(int nranks, const uint8_
 // Fills every field of *ops (its size included).
 void bootstrap_fill_ops(flagcx_mesh_bootstrap* boot, flagcx_mesh_bootstrap_ops_t* ops);
 
-// Why this thread's last failed op of such a bootstrap failed, as
-// ": <message>" ("" when none); cleared by the next op that is called.
-std::string boot_detail_suffix();
+// When ops are this bootstrap's: why this thread's last failed op failed, as
+// ": <message>" ("" when none, or when ops belong to another bootstrap).
+std::string boot_detail_suffix(const flagcx_mesh_bootstrap_ops_t& ops);
 
 }  // namespace fxm::adaptor

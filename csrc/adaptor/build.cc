@@ -24,8 +24,8 @@ void set_builder(BuildConfig* config, int builder) { std::memcpy(&config->builde
 
 void validate_adaptor(const NetAdaptor* net) {
   if (!net) bad("net is NULL");
-  if (net->size != sizeof(NetAdaptor)) {
-    bad("net->size is " + std::to_string(net->size) + ", expected sizeof(flagcx_mesh_net_adaptor_t) = " +
+  if (net->size < sizeof(NetAdaptor)) {
+    bad("net->size is " + std::to_string(net->size) + ", expected at least sizeof(flagcx_mesh_net_adaptor_t) = " +
         std::to_string(sizeof(NetAdaptor)));
   }
   if (net->handle_size < 1 || net->handle_size > FLAGCX_MESH_NET_HANDLE_MAX) {
@@ -42,8 +42,8 @@ void validate_adaptor(const NetAdaptor* net) {
 
 void validate_boot(const BootOps* boot) {
   if (!boot) bad("boot is NULL");
-  if (boot->size != sizeof(BootOps)) {
-    bad("boot->size is " + std::to_string(boot->size) + ", expected sizeof(flagcx_mesh_bootstrap_ops_t) = " +
+  if (boot->size < sizeof(BootOps)) {
+    bad("boot->size is " + std::to_string(boot->size) + ", expected at least sizeof(flagcx_mesh_bootstrap_ops_t) = " +
         std::to_string(sizeof(BootOps)));
   }
   if (boot->nranks < 1 || boot->rank < 0 || boot->rank >= boot->nranks) {
@@ -55,9 +55,9 @@ void validate_boot(const BootOps* boot) {
 
 void validate_config(const BuildConfig* config, const BootOps& boot) {
   if (!config) bad("config is NULL");
-  if (config->size != sizeof(BuildConfig)) {
+  if (config->size < sizeof(BuildConfig)) {
     bad("config->size is " + std::to_string(config->size) +
-        ", expected sizeof(flagcx_mesh_net_build_config_t) = " + std::to_string(sizeof(BuildConfig)));
+        ", expected at least sizeof(flagcx_mesh_net_build_config_t) = " + std::to_string(sizeof(BuildConfig)));
   }
   int builder = builder_of(*config);
   if (builder < FLAGCX_MESH_BUILD_LEGACY || builder > FLAGCX_MESH_BUILD_TAGGED) {

@@ -2,6 +2,7 @@
 
 #include <sched.h>
 
+#include <algorithm>
 #include <cstring>
 #include <random>
 #include <thread>
@@ -76,12 +77,8 @@ void Build::listen_and_gather() {
   std::random_device rd;
   uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(rank_ + 1);
   std::memcpy(mine + hs, &nonce, 8);
-  int rc = boot_.allgather(boot_.ctx, all.data(), block);
-  if (rc != 0) {
-    check_deadline("bootstrap allgather of the listen handles failed", -1);
-    fail_at(Code::kPeerLost, -1, "bootstrap allgather of the listen handles returned " + std::to_string(rc) +
-                                     boot_detail_suffix());
-  }
+  int rc = boot_.allgather(boot_.ctx, all.data(), block, seconds_left());
+  if (rc != 0) boot_failed(rc, -1, "bootstrap allgather of the listen handles");
   std::memcpy(&build_id_, all.data() + hs, 8);
   handles_.resize(static_cast<size_t>(n_));
   for (int p = 0; p < n_; ++p) {
@@ -105,10 +102,18 @@ void* Build::step_accept(int round) {
   return comm;
 }
 
+void Build::file_recv(int slot, void* comm) {
+  unfiled_.erase(std::remove(unfiled_.begin(), unfiled_.end(), comm), unfiled_.end());
+  recv_[slot] = comm;
+}
+
+uint8_t* Build::buffer(size_t bytes) {
+  buffers_.emplace_back(bytes, 0);
+  return buffers_.back().data();
+}
+
 void Build::drop_recv(void* comm) {
-  for (size_t i = 0; i < unfiled_.size(); ++i) {
-    if (unfiled_[i] == comm) unfiled_.erase(unfiled_.begin() + static_cast<long>(i));
-  }
+  unfiled_.erase(std::remove(unfiled_.begin(), unfiled_.end(), comm), unfiled_.end());
   for (void*& c : recv_) {
     if (c == comm) c = nullptr;
   }
@@ -117,40 +122,51 @@ void Build::drop_recv(void* comm) {
 
 void* Build::isend(void* comm, const void* data, size_t size, int peer, const std::string& step) {
   void* req = nullptr;
-  check_call(net_.isend(net_.ctx, comm, data, size, &req), ("isend (" + step + ")").c_str(), peer, -1);
+  int rc = net_.isend(net_.ctx, comm, data, size, &req);
+  if (rc != 0) check_call(rc, ("isend (" + step + ")").c_str(), peer, -1);
   if (!req) fail_at(Code::kInternal, peer, step + ": adaptor isend gave no request");
   return req;
 }
 
 void* Build::irecv(void* comm, void* data, size_t size, int peer, const std::string& step) {
   void* req = nullptr;
-  check_call(net_.irecv(net_.ctx, comm, data, size, &req), ("irecv (" + step + ")").c_str(), peer, -1);
+  int rc = net_.irecv(net_.ctx, comm, data, size, &req);
+  if (rc != 0) check_call(rc, ("irecv (" + step + ")").c_str(), peer, -1);
   if (!req) fail_at(Code::kInternal, peer, step + ": adaptor irecv gave no request");
   return req;
 }
 
 bool Build::test(void* request, int peer, const std::string& step) {
   int done = 0;
-  check_call(net_.test(net_.ctx, request, &done), ("test (" + step + ")").c_str(), peer, -1);
+  int rc = net_.test(net_.ctx, request, &done);
+  if (rc != 0) check_call(rc, ("test (" + step + ")").c_str(), peer, -1);
   return done != 0;
 }
 
+double Build::seconds_left() const { return std::max(deadline_.seconds_left(), 1e-3); }
+
+// A bootstrap op returned rc != 0: a timeout when it says so or the build's
+// deadline passed, else the peer (or the bootstrap) is lost.
+void Build::boot_failed(int rc, int peer, const std::string& what) const {
+  std::string text = what + " returned " + std::to_string(rc) + boot_detail_suffix(boot_);
+  check_deadline(text, peer);
+  fail_at(rc == FLAGCX_MESH_TIMEOUT ? Code::kTimeout : Code::kPeerLost, peer, text);
+}
+
 void Build::boot_send(int peer, int tag, const void* data, size_t size, int round) {
-  int rc = boot_.send(boot_.ctx, peer, tag, data, size);
-  if (rc == 0) return;
-  fail_at(Code::kPeerLost, peer, "round " + std::to_string(round) + ": bootstrap send of the readiness token to rank " +
-                                     std::to_string(peer) + " returned " + std::to_string(rc) + boot_detail_suffix());
+  int rc = boot_.send(boot_.ctx, peer, tag, data, size, seconds_left());
+  if (rc != 0) {
+    boot_failed(rc, peer, "round " + std::to_string(round) + ": bootstrap send of the readiness token to rank " +
+                              std::to_string(peer));
+  }
 }
 
 void Build::boot_recv(int peer, int tag, void* data, size_t size, int round) {
   std::string what = "round " + std::to_string(round) + ": waiting for the readiness token of rank " +
                      std::to_string(peer) + " (its accept for this round)";
   check_deadline(what, peer);
-  int rc = boot_.recv(boot_.ctx, peer, tag, data, size, std::max(deadline_.seconds_left(), 1e-3));
-  if (rc == 0) return;
-  std::string detail = boot_detail_suffix();
-  check_deadline(what + detail, peer);
-  fail_at(Code::kPeerLost, peer, what + ": bootstrap recv returned " + std::to_string(rc) + detail);
+  int rc = boot_.recv(boot_.ctx, peer, tag, data, size, seconds_left());
+  if (rc != 0) boot_failed(rc, peer, what + ": bootstrap recv");
 }
 
 void Build::finish(void** send_comms, void** recv_comms) {

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <cstdint>
+#include <deque>
 #include <string>
 #include <vector>
 
@@ -31,8 +32,12 @@ class Build {
   // One accept; the comm taken (or NULL) is returned and owned by the Build
   // until filed with file_recv() or dropped with drop_recv().
   void* step_accept(int round);
-  void file_recv(int slot, void* comm) { recv_[slot] = comm; }
+  void file_recv(int slot, void* comm);
   void drop_recv(void* comm);
+  // Zeroed bytes that live as long as the Build, i.e. until after every comm
+  // it still holds is closed: buffers of posted isend/irecv requests must
+  // outlive the comms when a build fails half-way.
+  uint8_t* buffer(size_t bytes);
   // isend/irecv/test with checked results.
   void* isend(void* comm, const void* data, size_t size, int peer, const std::string& step);
   void* irecv(void* comm, void* data, size_t size, int peer, const std::string& step);
@@ -59,6 +64,8 @@ class Build {
 
  private:
   void check_call(int rc, const char* call, int peer, int round) const;
+  double seconds_left() const;  // of the build's deadline, at least 1 ms
+  [[noreturn]] void boot_failed(int rc, int peer, const std::string& what) const;
   void close_all();
 
   const NetAdaptor& net_;
@@ -72,6 +79,7 @@ class Build {
   std::vector<std::vector<uint8_t>> handles_;  // writable copies, one per peer
   std::vector<void*> send_, recv_;
   std::vector<void*> unfiled_;  // accepted, not yet filed
+  std::deque<std::vector<uint8_t>> buffers_;  // see buffer(); freed after ~Build closed every comm
 };
 
 // Polite spinning for state machines that returned "in progress":

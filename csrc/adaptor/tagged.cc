@@ -4,7 +4,6 @@
 // side reads it and files the connection into recv slot src. Connections
 // with garbage, another build's id, a wrong destination or a duplicate
 // source are closed and counted, and the build goes on.
-#include <array>
 #include <cstring>
 #include <memory>
 
@@ -14,18 +13,19 @@
 namespace fxm::adaptor {
 namespace {
 
-using IdBuf = std::array<uint8_t, kIdentitySize>;
 constexpr size_t kMaxUnread = 1024;
 
+// Header bytes come from Build::buffer(): posted requests may still point at
+// them while a failed build closes the comms.
 struct Outgoing {
-  IdBuf header{};
+  uint8_t* header = nullptr;
   void* request = nullptr;
   bool sent = false;
 };
 
 struct Incoming {
   void* comm = nullptr;
-  IdBuf header{};
+  uint8_t* header = nullptr;
   void* request = nullptr;
 };
 
@@ -67,8 +67,9 @@ bool Tagged::step_outgoing(int peer) {
   if (o.sent) return false;
   if (!o.request) {
     if (!b_.step_connect(peer, -1)) return false;
-    encode_identity({kTaggedMagic, 1, b_.rank(), peer, b_.build_id()}, o.header.data());
-    o.request = b_.isend(b_.send_comm(peer), o.header.data(), o.header.size(), peer, "identity header");
+    o.header = b_.buffer(kIdentitySize);
+    encode_identity({kTaggedMagic, 1, b_.rank(), peer, b_.build_id()}, o.header);
+    o.request = b_.isend(b_.send_comm(peer), o.header, kIdentitySize, peer, "identity header");
     return true;
   }
   if (!b_.test(o.request, peer, "identity header")) return false;
@@ -84,7 +85,8 @@ bool Tagged::step_accept() {
   in_.push_back(std::make_unique<Incoming>());
   Incoming& in = *in_.back();
   in.comm = comm;
-  in.request = b_.irecv(comm, in.header.data(), in.header.size(), -1, "identity header");
+  in.header = b_.buffer(kIdentitySize);
+  in.request = b_.irecv(comm, in.header, kIdentitySize, -1, "identity header");
   return true;
 }
 
@@ -98,7 +100,7 @@ bool Tagged::step_incoming(size_t i) {
 
 void Tagged::file(Incoming& in) {
   Identity id;
-  std::string why = decode_identity(in.header.data(), kTaggedMagic, b_.build_id(), &id);
+  std::string why = decode_identity(in.header, kTaggedMagic, b_.build_id(), &id);
   if (why.empty() && id.dst != b_.rank()) why = "addressed to rank " + std::to_string(id.dst);
   if (why.empty() && (id.src < 0 || id.src >= b_.nranks())) why = "source rank " + std::to_string(id.src) + " out of range";
   if (why.empty() && b_.recv_comm(id.src)) why = "a second connection from rank " + std::to_string(id.src);

@@ -43,6 +43,7 @@ struct Comm {
 };
 
 struct Request {
+  void* comm;  // closing it cancels the request
   int fd;
   bool send;
   uint8_t* buf;
@@ -188,7 +189,13 @@ int TestAdaptor::accept(void* listen_comm, void** recv_comm) {
   return 0;
 }
 
-int TestAdaptor::close_comm(void* comm) { return comms_.erase(comm) ? 0 : EINVAL; }
+int TestAdaptor::close_comm(void* comm) {
+  if (!comms_.erase(comm)) return EINVAL;
+  for (auto it = requests_.begin(); it != requests_.end();) {  // cancel what was posted on it
+    it = it->second->comm == comm ? requests_.erase(it) : std::next(it);
+  }
+  return 0;
+}
 
 int TestAdaptor::close_listen(void* listen_comm) {
   auto it = listeners_.find(listen_comm);
@@ -201,7 +208,7 @@ int TestAdaptor::close_listen(void* listen_comm) {
 int TestAdaptor::start(void* comm, bool send, const void* data, size_t size, void** request) {
   auto it = comms_.find(comm);
   if (it == comms_.end()) return EINVAL;
-  auto r = std::make_unique<Request>(Request{it->second->fd.get(), send,
+  auto r = std::make_unique<Request>(Request{comm, it->second->fd.get(), send,
                                              static_cast<uint8_t*>(const_cast<void*>(data)), size});
   *request = r.get();
   requests_[r.get()] = std::move(r);
@@ -257,9 +264,9 @@ int c_test(void* ctx, void* r, int* done) { return locked(ctx, [&](TestAdaptor& 
 
 void test_adaptor_create(const flagcx_mesh_test_adaptor_config_t* config, flagcx_mesh_net_adaptor_t* net) {
   if (!config || !net) fail(Code::kInvalidArgument, -1, 0, "test adaptor: config and net must not be NULL");
-  if (config->size != sizeof(*config)) {
+  if (config->size < sizeof(*config)) {
     fail(Code::kInvalidArgument, -1, 0, "test adaptor: config->size is " + std::to_string(config->size) +
-                                            ", expected sizeof(flagcx_mesh_test_adaptor_config_t) = " +
+                                            ", expected at least sizeof(flagcx_mesh_test_adaptor_config_t) = " +
                                             std::to_string(sizeof(*config)));
   }
   if (config->jitter_us > 10'000'000 || config->self_connect_delay_us > 60'000'000) {

@@ -1,6 +1,7 @@
 #include "adaptor/trial.h"
 
 #include <array>
+#include <set>
 #include <vector>
 
 #include "adaptor/build_state.h"
@@ -11,21 +12,36 @@ namespace fxm::adaptor {
 namespace {
 
 // Wraps an adaptor; the chosen call fails once, on its (after + 1)-th use.
+// It also keeps account of the comms handed out, so that a trial can prove
+// every one was closed exactly once.
 struct Fault {
   NetAdaptor inner;
   std::string call;
   int after = 0;
   int seen = 0;
-  bool hit(const char* name) { return call == name && seen++ == after; }
+  std::set<void*> open;  // comms returned by listen / connect / accept, not closed yet
+  int bad_closes = 0;    // closes of a comm that was not open (double or foreign)
+  bool hit(const char* name) { return !call.empty() && call == name && seen++ == after; }
+  int opened(int rc, void** comm) {
+    if (rc == 0 && *comm) open.insert(*comm);
+    return rc;
+  }
+  void closing(void* comm) { bad_closes += open.erase(comm) == 0; }
 };
 
 Fault* F(void* ctx) { return static_cast<Fault*>(ctx); }
-int f_listen(void* c, void* h, void** l) { return F(c)->hit("listen") ? kInjectedFault : F(c)->inner.listen(F(c)->inner.ctx, h, l); }
-int f_connect(void* c, void* h, void** s) { return F(c)->hit("connect") ? kInjectedFault : F(c)->inner.connect(F(c)->inner.ctx, h, s); }
-int f_accept(void* c, void* l, void** r) { return F(c)->hit("accept") ? kInjectedFault : F(c)->inner.accept(F(c)->inner.ctx, l, r); }
-int f_close_send(void* c, void* s) { return F(c)->inner.close_send(F(c)->inner.ctx, s); }
-int f_close_recv(void* c, void* r) { return F(c)->inner.close_recv(F(c)->inner.ctx, r); }
-int f_close_listen(void* c, void* l) { return F(c)->inner.close_listen(F(c)->inner.ctx, l); }
+int f_listen(void* c, void* h, void** l) {
+  return F(c)->hit("listen") ? kInjectedFault : F(c)->opened(F(c)->inner.listen(F(c)->inner.ctx, h, l), l);
+}
+int f_connect(void* c, void* h, void** s) {
+  return F(c)->hit("connect") ? kInjectedFault : F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
+}
+int f_accept(void* c, void* l, void** r) {
+  return F(c)->hit("accept") ? kInjectedFault : F(c)->opened(F(c)->inner.accept(F(c)->inner.ctx, l, r), r);
+}
+int f_close_send(void* c, void* s) { return F(c)->closing(s), F(c)->inner.close_send(F(c)->inner.ctx, s); }
+int f_close_recv(void* c, void* r) { return F(c)->closing(r), F(c)->inner.close_recv(F(c)->inner.ctx, r); }
+int f_close_listen(void* c, void* l) { return F(c)->closing(l), F(c)->inner.close_listen(F(c)->inner.ctx, l); }
 int f_isend(void* c, void* s, const void* d, size_t n, void** q) {
   return F(c)->hit("isend") ? kInjectedFault : F(c)->inner.isend(F(c)->inner.ctx, s, d, n, q);
 }
@@ -117,8 +133,8 @@ TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
                                        opt.self_connect_delay_us};
   NetAdaptor net{};
   test_adaptor_create(&tc, &net);
-  Fault fault{net, opt.fail_call, opt.fail_after, 0};
-  NetAdaptor used = opt.fail_call.empty() ? net : wrap(&fault);
+  Fault fault{net, opt.fail_call, opt.fail_after, 0, {}, 0};
+  NetAdaptor used = wrap(&fault);
   TrialResult res;
   try {
     build_and_check(used, boot, opt, &res);
@@ -133,6 +149,8 @@ TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
     res.peer = e.peer();
     res.error = e.what();
   }
+  res.bad_closes = fault.bad_closes;
+  res.left_open = static_cast<int>(fault.open.size());
   test_adaptor_destroy(&net);
   return res;
 }

@@ -34,6 +34,8 @@ struct TrialResult {
   double seconds = 0;             // the build call alone
   bool outputs_untouched = true;  // on failure: the output arrays were not written
   bool verified = false;          // completed and the post-build check passed
+  int bad_closes = 0;             // adaptor comms closed twice (or never opened)
+  int left_open = 0;              // adaptor comms never closed by the end of the trial
 };
 
 // Errors of kind kInvalidArgument are thrown; every other failure is a result.

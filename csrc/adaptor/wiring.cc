@@ -2,18 +2,14 @@
 // a rank sends {src, dst, build id}; over each recv comm it checks that the
 // record came from the slot's peer. This is how a miswired mesh (a
 // connection filed into another peer's slot) is detected.
-#include <array>
-
 #include "adaptor/build_state.h"
 
 namespace fxm::adaptor {
 namespace {
 
-using IdBuf = std::array<uint8_t, kIdentitySize>;
-
-void check_slot(const Build& b, int p, const IdBuf& got) {
+void check_slot(const Build& b, int p, const uint8_t* got) {
   Identity id;
-  std::string why = decode_identity(got.data(), kWiringMagic, b.build_id(), &id);
+  std::string why = decode_identity(got, kWiringMagic, b.build_id(), &id);
   if (!why.empty()) {
     b.fail_at(Code::kProtocol, p, "wiring check: recv slot " + std::to_string(p) + ": " + why);
   }
@@ -28,12 +24,15 @@ void check_slot(const Build& b, int p, const IdBuf& got) {
 
 void wiring_check(Build& b) {
   int n = b.nranks();
-  std::vector<IdBuf> mine(static_cast<size_t>(n)), got(static_cast<size_t>(n));
+  uint8_t* mine = b.buffer(kIdentitySize * static_cast<size_t>(n));  // outlive the comms
+  uint8_t* got = b.buffer(kIdentitySize * static_cast<size_t>(n));
   std::vector<void*> sreq(static_cast<size_t>(n)), rreq(static_cast<size_t>(n));
   for (int p = 0; p < n; ++p) {
-    encode_identity({kWiringMagic, 1, b.rank(), p, b.build_id()}, mine[p].data());
-    sreq[p] = b.isend(b.send_comm(p), mine[p].data(), kIdentitySize, p, "wiring check");
-    rreq[p] = b.irecv(b.recv_comm(p), got[p].data(), kIdentitySize, p, "wiring check");
+    uint8_t* out = mine + kIdentitySize * static_cast<size_t>(p);
+    encode_identity({kWiringMagic, 1, b.rank(), p, b.build_id()}, out);
+    sreq[p] = b.isend(b.send_comm(p), out, kIdentitySize, p, "wiring check");
+    rreq[p] = b.irecv(b.recv_comm(p), got + kIdentitySize * static_cast<size_t>(p), kIdentitySize, p,
+                      "wiring check");
   }
   int pending = 2 * n, spins = 0;
   while (pending > 0) {
@@ -42,7 +41,7 @@ void wiring_check(Build& b) {
       if (sreq[p] && b.test(sreq[p], p, "wiring check")) sreq[p] = nullptr, --pending, progress = true;
       if (rreq[p] && b.test(rreq[p], p, "wiring check")) {
         rreq[p] = nullptr, --pending, progress = true;
-        check_slot(b, p, got[p]);
+        check_slot(b, p, got + kIdentitySize * static_cast<size_t>(p));
       }
     }
     if (pending == 0) break;

@@ -56,12 +56,7 @@ Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadli
   std::lock_guard<std::mutex> lock(mu_);
   std::string doing = "bootstrap allgather #" + std::to_string(seq_);
   check_open(doing);
-  tcp::IoResult r;
-  {
-    std::lock_guard<std::mutex> wlock(wmu_);
-    r = send_msg(fd_.get(), {MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, deadline);
-  }
-  if (!r.ok()) raise_io(r, doing);
+  write_msg({MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, doing, deadline);
   Msg m = next_msg(doing, deadline);
   if (m.type != MsgType::kResult || m.seq != seq_) raise(m, doing);
   Parts parts;
@@ -91,7 +86,25 @@ Msg Client::next_msg(const std::string& doing, const Deadline& deadline) {
   }
 }
 
+void Client::write_msg(const Msg& m, const std::string& doing, const Deadline& deadline) {
+  std::lock_guard<std::mutex> wlock(wmu_);
+  if (!fd_) fail(Code::kClosed, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": bootstrap is closed");
+  tcp::IoResult r = send_msg(fd_.get(), m, deadline);
+  if (r.ok()) return;
+  // Part of a message on the stream would make the next one garbage: end the
+  // connection, so the root loses this rank and tells the others.
+  if (r.done > 0) ::shutdown(fd_.get(), SHUT_RDWR);
+  raise_io(r, doing);
+}
+
 void Client::stash(Msg& m) {
+  if (inbox_bytes_ + m.payload.size() > kMaxInboxBytes) {
+    fail(Code::kProtocol, m.rank, 0, "rank " + std::to_string(rank_) + ": more than " +
+                                         std::to_string(kMaxInboxBytes >> 20) + " MiB of relayed messages " +
+                                         "not received (the last from rank " + std::to_string(m.rank) + ", tag " +
+                                         std::to_string(m.seq) + ")");
+  }
+  inbox_bytes_ += m.payload.size();
   inbox_[{m.rank, m.seq}].push_back(std::move(m.payload));
 }
 
@@ -100,6 +113,7 @@ bool Client::take(int peer, uint32_t tag, std::vector<uint8_t>* out) {
   if (it == inbox_.end()) return false;
   *out = std::move(it->second.front());
   it->second.pop_front();
+  inbox_bytes_ -= out->size();
   if (it->second.empty()) inbox_.erase(it);
   return true;
 }
@@ -110,20 +124,22 @@ void Client::send(int peer, uint32_t tag, const void* data, size_t size, const D
   if (peer < 0 || peer >= nranks_) {
     fail(Code::kInvalidArgument, peer, 0, who + doing + ": peer outside [0, " + std::to_string(nranks_) + ")");
   }
-  if (size > kMaxPayload || (size > 0 && data == nullptr)) {
-    fail(Code::kInvalidArgument, peer, 0, who + doing + ": bad payload (" + std::to_string(size) + " bytes)");
+  if (size > kMaxRelayPayload || (size > 0 && data == nullptr)) {
+    fail(Code::kInvalidArgument, peer, 0, who + doing + ": bad payload (" + std::to_string(size) +
+                                              " bytes; relayed messages carry at most " +
+                                              std::to_string(kMaxRelayPayload) + ")");
   }
   const uint8_t* p = static_cast<const uint8_t*>(data);
-  Msg m{MsgType::kSend, Code::kOk, peer, tag, std::vector<uint8_t>(p, p + size)};
-  std::lock_guard<std::mutex> wlock(wmu_);
-  if (!fd_) fail(Code::kClosed, peer, 0, who + doing + ": bootstrap is closed");
-  tcp::IoResult r = send_msg(fd_.get(), m, deadline);
-  if (!r.ok()) raise_io(r, doing);
+  write_msg({MsgType::kSend, Code::kOk, peer, tag, std::vector<uint8_t>(p, p + size)}, doing, deadline);
 }
 
 std::vector<uint8_t> Client::recv(int peer, uint32_t tag, const Deadline& deadline) {
   std::lock_guard<std::mutex> lock(mu_);
   std::string doing = "bootstrap recv from rank " + std::to_string(peer) + " (tag " + std::to_string(tag) + ")";
+  if (peer < 0 || peer >= nranks_) {
+    fail(Code::kInvalidArgument, peer, 0, "rank " + std::to_string(rank_) + ": " + doing + ": peer outside [0, " +
+                                              std::to_string(nranks_) + ")");
+  }
   check_open(doing);
   std::vector<uint8_t> out;
   while (!take(peer, tag, &out)) {

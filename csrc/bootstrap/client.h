@@ -33,8 +33,9 @@ class Client {
   Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline);
   void barrier(const Deadline& deadline) { allgather({}, deadline); }
 
-  // Relays `size` bytes to rank `peer` under `tag` (self included); returns
-  // once the root has them. Throws kInvalidArgument for a bad peer or size.
+  // Relays `size` bytes (at most kMaxRelayPayload) to rank `peer` under `tag`
+  // (self included); returns once the root has them. Throws kInvalidArgument
+  // for a bad peer or size.
   void send(int peer, uint32_t tag, const void* data, size_t size, const Deadline& deadline);
   // The oldest message from (peer, tag); waits for it until `deadline`
   // (kTimeout, nothing lost) and fails like allgather when the root reports
@@ -42,7 +43,9 @@ class Client {
   std::vector<uint8_t> recv(int peer, uint32_t tag, const Deadline& deadline);
 
   // For poll(): readable outside a collective means the root reported a
-  // failure (or went away); raise_pending() then throws it.
+  // failure (or went away); raise_pending() then throws it. Only for a client
+  // that takes no relayed messages (a Mesh's): a delivery is reported as an
+  // unexpected message.
   int fd() const { return fd_.get(); }
   [[noreturn]] void raise_pending(const Deadline& deadline);
 
@@ -59,7 +62,9 @@ class Client {
   // Next message from the root other than a relayed one (which is stashed);
   // on an I/O failure raises naming `doing`. Caller holds mu_.
   Msg next_msg(const std::string& doing, const Deadline& deadline);
-  void stash(Msg& m);
+  // Writes one whole message under wmu_; raises naming `doing`.
+  void write_msg(const Msg& m, const std::string& doing, const Deadline& deadline);
+  void stash(Msg& m);  // throws kProtocol beyond kMaxInboxBytes
   bool take(int peer, uint32_t tag, std::vector<uint8_t>* out);
   void check_open(const std::string& doing);
   [[noreturn]] void raise(const Msg& m, const std::string& doing);
@@ -74,6 +79,7 @@ class Client {
   uint32_t seq_ = 0;
   std::string broken_;  // set when a collective timed out: why later ones are refused
   std::map<std::pair<int, uint32_t>, std::deque<std::vector<uint8_t>>> inbox_;  // under mu_
+  uint64_t inbox_bytes_ = 0;  // under mu_
 };
 
 }  // namespace fxm::bootstrap

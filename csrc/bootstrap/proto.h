@@ -19,6 +19,11 @@ constexpr uint32_t kMsgMagic = 0x424d5846;  // "FXMB"
 constexpr uint16_t kProtoVersion = 1;
 constexpr size_t kMsgHeaderSize = 24;
 constexpr uint64_t kMaxPayload = 64ull << 20;
+// Relayed point-to-point messages are for small control data (readiness
+// tokens): the root forwards them with blocking writes from its one thread.
+constexpr uint64_t kMaxRelayPayload = 64ull << 10;
+// Relayed bytes a rank may hold unreceived before recv() takes them.
+constexpr uint64_t kMaxInboxBytes = 64ull << 20;
 
 enum class MsgType : uint16_t {
   kJoin = 1,       // rank -> root: mesh id, nranks, timeout, version

@@ -224,6 +224,11 @@ void Root::on_allgather(int rank, Msg& m) {
 // has not joined yet gets it when it joins. The client checks the range too.
 void Root::on_relay(int src, Msg& m) {
   int dst = m.rank;
+  if (m.payload.size() > kMaxRelayPayload) {
+    lose(src, "rank " + std::to_string(src) + " relayed " + std::to_string(m.payload.size()) +
+                  " bytes, above the relay limit of " + std::to_string(kMaxRelayPayload));
+    return;
+  }
   if (dst < 0 || static_cast<uint32_t>(dst) >= nranks_) {
     lose(src, "rank " + std::to_string(src) + " relayed a message to rank " + std::to_string(dst) +
                   ", outside [0, " + std::to_string(nranks_) + ")");
@@ -293,9 +298,10 @@ void Root::broadcast(const Msg& m, int except) {
 void Root::send_to(int rank, const Msg& m) {
   Client& c = clients_[rank];
   if (c.gone) return;
-  if (!send_msg(c.fd.get(), m, Deadline::after_seconds(kWriteTimeoutS)).ok()) {
-    c.gone = true;  // it will not read anything any more
-    c.fd.reset();
+  tcp::IoResult r = send_msg(c.fd.get(), m, Deadline::after_seconds(kWriteTimeoutS));
+  if (!r.ok()) {  // it will not read anything any more: the others must hear of it
+    lose(rank, "rank " + std::to_string(rank) + " was lost: the bootstrap root could not write to it (" +
+                   r.describe() + ")");
   }
 }
 

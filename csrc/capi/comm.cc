@@ -29,7 +29,7 @@ MeshOptions options_from(const flagcx_mesh_config_t* config) {
   MeshOptions opt;
   if (config == nullptr) return opt;
   if (config->size < sizeof(flagcx_mesh_config_t)) {
-    bad("config->size is " + std::to_string(config->size) + ", expected sizeof(flagcx_mesh_config_t) = " +
+    bad("config->size is " + std::to_string(config->size) + ", expected at least sizeof(flagcx_mesh_config_t) = " +
         std::to_string(sizeof(flagcx_mesh_config_t)) + " (initialise it with FLAGCX_MESH_CONFIG_INITIALIZER)");
   }
   opt.contexts = config->contexts;

@@ -4,8 +4,9 @@
  * Every call returns a flagcx_mesh_result_t. On failure the calling thread's
  * last error (flagcx_mesh_last_error()) says what failed, on which rank and
  * with which peer and errno; output parameters are written only on success.
- * Handles are opaque. Config structs begin with their size, so later versions
- * can grow them without breaking callers built against this one.
+ * Handles are opaque. Config and vtable structs begin with their size (set it
+ * to sizeof the struct); a size below this version's is refused, and a later
+ * version that grows a struct will still accept this version's size.
  *
  * Link: cc prog.c $(python -m flagcx_mesh.config --cflags --libs)
  *   or CMake: find_package(flagcx_mesh) + target_link_libraries(t flagcx_mesh::flagcx_mesh)

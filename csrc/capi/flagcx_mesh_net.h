@@ -37,6 +37,10 @@ typedef struct flagcx_mesh_net_adaptor {
   /* Non-blocking: takes the first connection in the listener's queue, or
    * returns 0 with *recv_comm == NULL when none is ready yet. */
   int (*accept)(void *ctx, void *listen_comm, void **recv_comm);
+  /* A failed build closes comms that may still have isend/irecv requests
+   * posted: closing must cancel them (their buffers stay valid until the
+   * close returns). There is no call to abandon a connect still in progress:
+   * the adaptor keeps such state until it frees it itself. */
   int (*close_send)(void *ctx, void *send_comm);
   int (*close_recv)(void *ctx, void *recv_comm);
   int (*close_listen)(void *ctx, void *listen_comm);
@@ -49,7 +53,10 @@ typedef struct flagcx_mesh_net_adaptor {
 } flagcx_mesh_net_adaptor_t;
 
 /* An out-of-band bootstrap, shaped like FlagCX's (bootstrapAllGather,
- * bootstrapSend, bootstrapRecv). Every function returns 0 on success. */
+ * bootstrapSend, bootstrapRecv). Every function returns 0 on success,
+ * FLAGCX_MESH_TIMEOUT (2) when its deadline expired, any other value on
+ * failure. timeout_s is what is left of the build's deadline: a bootstrap
+ * that supports deadlines fails after it (one that does not may ignore it). */
 typedef struct flagcx_mesh_bootstrap_ops {
   size_t size; /* sizeof(flagcx_mesh_bootstrap_ops_t) */
   void *ctx;
@@ -57,10 +64,9 @@ typedef struct flagcx_mesh_bootstrap_ops {
   int nranks;
   /* In place: data holds nranks blocks of `bytes` each; this rank's block is
    * filled in, every block is filled on return. */
-  int (*allgather)(void *ctx, void *data, size_t bytes);
-  int (*send)(void *ctx, int peer, int tag, const void *data, size_t size);
-  /* Blocks until the message with (peer, tag) arrives; fails after
-   * timeout_s (> 0) where the bootstrap supports deadlines. */
+  int (*allgather)(void *ctx, void *data, size_t bytes, double timeout_s);
+  int (*send)(void *ctx, int peer, int tag, const void *data, size_t size, double timeout_s);
+  /* Blocks until the message with (peer, tag) arrives. */
   int (*recv)(void *ctx, int peer, int tag, void *data, size_t size, double timeout_s);
 } flagcx_mesh_bootstrap_ops_t;
 
@@ -90,8 +96,9 @@ typedef struct {
 
 /* Collective over boot: builds send_comms[p] (to p) and recv_comms[p] (from p)
  * for every p, self included; both arrays hold boot->nranks entries and are
- * written only on success. On failure every connection this call opened is
- * closed and the last error names the round, the peer and the step. */
+ * written only on success. On failure every comm the adaptor handed to this
+ * call (listen, send and recv comms) is closed exactly once, and the last
+ * error names the round, the peer and the step. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_build_full_mesh(
     const flagcx_mesh_net_adaptor_t *net, const flagcx_mesh_bootstrap_ops_t *boot,
     const flagcx_mesh_net_build_config_t *config, void **send_comms, void **recv_comms);

@@ -13,7 +13,10 @@ namespace {
 using fxm::adaptor::TrialOptions;
 using fxm::adaptor::TrialResult;
 
-// Owns a flagcx_mesh bootstrap; close() (or destruction) says goodbye.
+// Owns a flagcx_mesh bootstrap; close() (or destruction) says goodbye. Every
+// call holds a reference while the GIL is released, so close() from another
+// thread never frees a bootstrap in use: it wakes the call instead (which
+// then fails) and the last holder says goodbye.
 class NetBootstrap {
  public:
   NetBootstrap(int nranks, const py::bytes& uid, int rank, double timeout) {
@@ -25,21 +28,20 @@ class NetBootstrap {
   }
   int rank() const { return ops_.rank; }
   int nranks() const { return ops_.nranks; }
-  fxm::bootstrap::Client& client() {
+  std::shared_ptr<flagcx_mesh_bootstrap> hold() const {
     if (!boot_) fxm::fail(fxm::Code::kClosed, -1, 0, "NetBootstrap is closed");
-    return *boot_->client;
+    return boot_;
   }
-  const flagcx_mesh_bootstrap_ops_t& ops() {
-    client();
-    return ops_;
-  }
+  const flagcx_mesh_bootstrap_ops_t& ops() const { return ops_; }
   void close() {
+    std::shared_ptr<flagcx_mesh_bootstrap> b = std::move(boot_);
+    if (!b) return;
     py::gil_scoped_release release;
-    boot_.reset();
+    if (b.use_count() > 1) b->client->interrupt();  // a call in another thread is using it
   }
 
  private:
-  std::unique_ptr<flagcx_mesh_bootstrap> boot_;
+  std::shared_ptr<flagcx_mesh_bootstrap> boot_;
   flagcx_mesh_bootstrap_ops_t ops_{};
 };
 
@@ -48,9 +50,10 @@ fxm::Deadline after(double timeout) { return fxm::Deadline::after_seconds(timeou
 py::list allgather(NetBootstrap& b, const py::bytes& mine, double timeout) {
   std::string s = mine;
   fxm::bootstrap::Parts parts;
+  auto held = b.hold();
   {
     py::gil_scoped_release release;
-    parts = b.client().allgather(std::vector<uint8_t>(s.begin(), s.end()), after(timeout));
+    parts = held->client->allgather(std::vector<uint8_t>(s.begin(), s.end()), after(timeout));
   }
   py::list out;
   for (const auto& p : parts) out.append(py::bytes(reinterpret_cast<const char*>(p.data()), p.size()));
@@ -59,15 +62,17 @@ py::list allgather(NetBootstrap& b, const py::bytes& mine, double timeout) {
 
 void send(NetBootstrap& b, int peer, uint32_t tag, const py::bytes& data, double timeout) {
   std::string s = data;
+  auto held = b.hold();
   py::gil_scoped_release release;
-  b.client().send(peer, tag, s.data(), s.size(), after(timeout));
+  held->client->send(peer, tag, s.data(), s.size(), after(timeout));
 }
 
 py::bytes recv(NetBootstrap& b, int peer, uint32_t tag, double timeout) {
   std::vector<uint8_t> out;
+  auto held = b.hold();
   {
     py::gil_scoped_release release;
-    out = b.client().recv(peer, tag, after(timeout));
+    out = held->client->recv(peer, tag, after(timeout));
   }
   return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
 }
@@ -89,6 +94,7 @@ py::dict trial(NetBootstrap& b, const py::object& builder, uint32_t jitter_us, u
   o.jitter_us = jitter_us, o.seed = seed, o.timeout_s = timeout, o.carry_bytes = carry_bytes;
   o.self_connect_delay_us = self_connect_delay_us, o.wiring_check = wiring_check, o.tag_base = tag_base;
   o.verify = verify, o.fail_call = fail_call, o.fail_after = fail_after;
+  auto held = b.hold();
   const flagcx_mesh_bootstrap_ops_t& ops = b.ops();
   TrialResult r;
   {
@@ -98,6 +104,7 @@ py::dict trial(NetBootstrap& b, const py::object& builder, uint32_t jitter_us, u
   py::dict d;
   d["outcome"] = r.outcome, d["code"] = r.code, d["peer"] = r.peer, d["error"] = r.error;
   d["seconds"] = r.seconds, d["outputs_untouched"] = r.outputs_untouched, d["verified"] = r.verified;
+  d["bad_closes"] = r.bad_closes, d["left_open"] = r.left_open;
   return d;
 }
 
@@ -120,7 +127,7 @@ void bind_adaptor(py::module_& m) {
         py::arg("fail_call") = "", py::arg("fail_after") = 0,
         "One build over a fresh test adaptor on every rank (collective over boot). Returns "
         "{outcome: completed|hung|miswired|failed, code, peer, error, seconds, outputs_untouched, "
-        "verified}; raises InvalidArgument for bad arguments.");
+        "verified, bad_closes, left_open}; raises InvalidArgument for bad arguments.");
   py::dict builders;
   builders["legacy"] = static_cast<int>(FLAGCX_MESH_BUILD_LEGACY);
   builders["ordered"] = static_cast<int>(FLAGCX_MESH_BUILD_ORDERED);
