@@ -138,7 +138,7 @@ class Lib:
             "version": ([], c), "result_string": ([c], ctypes.c_char_p), "last_error": ([], ctypes.c_char_p),
             "last_error_peer": ([], c), "last_error_errno": ([], c),
             "get_unique_id": ([p], c), "unique_id_from_hex": ([ctypes.c_char_p, p], c),
-            "comm_init": ([p, c, p, c, p], c), "comm_destroy": ([p], c), "comm_rank": ([p, p], c),
+            "comm_init": ([p, c, p, c, p], c), "comm_init_from_env": ([p, p], c), "comm_destroy": ([p], c), "comm_rank": ([p, p], c),
             "barrier": ([p, d], c), "window_alloc": ([p, u64, p, p], c), "window_register": ([p, p, u64, p], c),
             "signal_window": ([p, u64, p], c), "window_path": ([p, u32, c, p], c),
             "window_describe": ([p, u32, p, ctypes.c_size_t, p], c),
@@ -198,6 +198,23 @@ def test_bad_input_gives_a_code_and_says_what_failed(lib):
     cfg = (ctypes.c_size_t * 4)(4)  # a config struct with a wrong size field
     assert lib.comm_init(ctypes.byref(comm), 1, uid_of(lib), 0, cfg) == 1 and "config->size" in lib.error()
     assert lib.comm_destroy(None) == 0 and lib.error() == ""
+
+
+def test_init_from_env_names_the_missing_or_bad_variable(lib, monkeypatch):
+    comm = ctypes.c_void_p(777)
+    for name in ("FLAGCX_MESH_RANK", "FLAGCX_MESH_NRANKS", "FLAGCX_MESH_UNIQUE_ID"):
+        monkeypatch.delenv(name, raising=False)
+    assert lib.comm_init_from_env(ctypes.byref(comm), None) == 1
+    assert "FLAGCX_MESH_RANK is not set" in lib.error() and "flagcx_mesh.launch" in lib.error()
+    monkeypatch.setenv("FLAGCX_MESH_RANK", "0")
+    monkeypatch.setenv("FLAGCX_MESH_NRANKS", "two")
+    assert lib.comm_init_from_env(ctypes.byref(comm), None) == 1 and "FLAGCX_MESH_NRANKS=two" in lib.error()
+    monkeypatch.setenv("FLAGCX_MESH_NRANKS", "1")
+    monkeypatch.setenv("FLAGCX_MESH_UNIQUE_ID", "zz")
+    assert lib.comm_init_from_env(ctypes.byref(comm), None) == 1 and "512" in lib.error()
+    monkeypatch.setenv("FLAGCX_MESH_UNIQUE_ID", bytes(uid_of(lib).raw).hex())
+    assert lib.comm_init_from_env(ctypes.byref(comm), None) == 0, lib.error()
+    assert lib.comm_destroy(comm) == 0
 
 
 def test_single_rank_comm_through_the_c_abi(lib):

@@ -1,6 +1,5 @@
 // The C ABI of a communicator: unique id, init/destroy, windows and one-sided
 // operations, each a thin wrapper over fxm::Mesh through capi::guard.
-#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -72,17 +71,6 @@ void decode_hex(const char* hex, flagcx_mesh_unique_id_t* out) {
   *out = id;
 }
 
-int env_int(const char* name) {
-  const char* v = std::getenv(name);
-  if (v == nullptr || *v == '\0') {
-    bad(std::string(name) + " is not set (start the program with python -m flagcx_mesh.launch -n N)");
-  }
-  char* end = nullptr;
-  long x = std::strtol(v, &end, 10);
-  if (*end != '\0' || x < 0 || x > (1 << 30)) bad(std::string(name) + "=" + v + " is not a rank count");
-  return static_cast<int>(x);
-}
-
 PutArgs put_args(int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
                  uint64_t size) {
   PutArgs a;
@@ -144,13 +132,10 @@ flagcx_mesh_result_t flagcx_mesh_comm_init(flagcx_mesh_comm_t* comm, int nranks,
 flagcx_mesh_result_t flagcx_mesh_comm_init_from_env(flagcx_mesh_comm_t* comm, const flagcx_mesh_config_t* config) {
   return guard("flagcx_mesh_comm_init_from_env", [&] {
     require(comm, "comm");
-    int rank = fxm::capi::env_int("FLAGCX_MESH_RANK");
-    int nranks = fxm::capi::env_int("FLAGCX_MESH_NRANKS");
-    const char* hex = std::getenv("FLAGCX_MESH_UNIQUE_ID");
-    if (hex == nullptr) fxm::capi::bad("FLAGCX_MESH_UNIQUE_ID is not set");
+    fxm::LauncherEnv env = fxm::launcher_env();
     flagcx_mesh_unique_id_t id;
-    fxm::capi::decode_hex(hex, &id);
-    *comm = fxm::capi::make_comm(nranks, &id, rank, config);
+    fxm::capi::decode_hex(env.unique_id_hex.c_str(), &id);
+    *comm = fxm::capi::make_comm(env.nranks, &id, env.rank, config);
   });
 }
 

@@ -3,6 +3,8 @@
 #include <cstdlib>
 #include <cstring>
 
+#include "core/status.h"
+
 namespace fxm {
 namespace {
 
@@ -31,6 +33,37 @@ EnvConfig read_env() {
 std::string transport_env() {
   const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
   return s ? s : "";
+}
+
+namespace {
+
+const char* launcher_var(const char* name) {
+  const char* v = std::getenv(name);
+  if (v == nullptr || *v == '\0') {
+    fail(Code::kInvalidArgument, -1, 0,
+         std::string(name) + " is not set (start the program with python -m flagcx_mesh.launch -n N)");
+  }
+  return v;
+}
+
+int launcher_int(const char* name) {
+  const char* v = launcher_var(name);
+  char* end = nullptr;
+  long x = std::strtol(v, &end, 10);
+  if (*end != '\0' || x < 0 || x > (1 << 30)) {
+    fail(Code::kInvalidArgument, -1, 0, std::string(name) + "=" + v + " is not a rank or rank count");
+  }
+  return static_cast<int>(x);
+}
+
+}  // namespace
+
+LauncherEnv launcher_env() {
+  LauncherEnv e;
+  e.rank = launcher_int("FLAGCX_MESH_RANK");
+  e.nranks = launcher_int("FLAGCX_MESH_NRANKS");
+  e.unique_id_hex = launcher_var("FLAGCX_MESH_UNIQUE_ID");
+  return e;
 }
 
 const EnvConfig& env_config() {

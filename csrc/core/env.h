@@ -5,6 +5,9 @@
 //   FLAGCX_MESH_LOG      error | warn | info | debug (default warn)
 //   FLAGCX_MESH_TRANSPORT  auto | tcp | cma | shm: forces the one-sided path;
 //                        read at every window registration (transport_env())
+//   FLAGCX_MESH_RANK, FLAGCX_MESH_NRANKS, FLAGCX_MESH_UNIQUE_ID (hex): set by
+//                        python -m flagcx_mesh.launch, read by the C ABI's
+//                        flagcx_mesh_comm_init_from_env (launcher_env())
 #pragma once
 
 #include <string>
@@ -25,5 +28,14 @@ const EnvConfig& env_config();
 // FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
 // later in the same process may use another value (tests and benchmarks do).
 std::string transport_env();
+
+// The embedded launcher's variables as they are now; throws
+// Error(kInvalidArgument) naming a missing or malformed one.
+struct LauncherEnv {
+  int rank = 0;
+  int nranks = 0;
+  std::string unique_id_hex;
+};
+LauncherEnv launcher_env();
 
 }  // namespace fxm
