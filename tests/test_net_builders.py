@@ -219,6 +219,20 @@ def test_adaptor_call_failure_names_call_and_peer_and_leaves_outputs(call, peer_
         assert res["bad_closes"] == 0 and res["left_open"] == 0, res
 
 
+@pytest.mark.parametrize("stranger", ["garbage", "silent"])
+def test_tagged_closes_strangers_connections_and_completes(stranger, capfd):
+    """Each rank first opens one more connection to a peer's listener (its first connect goes
+    to rank 0) that sends 64 bytes of garbage, or nothing, as a stranger's socket would. The
+    tagged builder files connections by their header: it refuses garbage by name, and a silent
+    one does not hold up the mesh; every stranger is closed (left_open == 0). Regression: a
+    stranger still unread when the mesh was complete was never closed."""
+    for ranks in trials(3, "tagged", 2, jitter_us=500, timeout=10.0, stranger=stranger):
+        assert [res["outcome"] for res in ranks] == ["completed"] * 3, ranks
+        assert all(res["verified"] and res["bad_closes"] == 0 and res["left_open"] == 0 for res in ranks), ranks
+    if stranger == "garbage":
+        assert "refused a connection: bad magic" in capfd.readouterr().err
+
+
 def test_wiring_check_names_a_miswired_slot():
     """Legacy at 8 ranks miswires (or hangs) quickly; a miswire is a ProtocolError naming the slot."""
     found = None

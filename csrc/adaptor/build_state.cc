@@ -9,6 +9,7 @@
 
 #include "adaptor/boot_ops.h"
 #include "core/env.h"
+#include "core/log.h"
 
 namespace fxm::adaptor {
 
@@ -180,6 +181,12 @@ void Build::finish(void** send_comms, void** recv_comms) {
     recv_comms[p] = recv_[p];
     send_[p] = recv_[p] = nullptr;
   }
+  // Accepted but never filed (a tagged build's strangers whose header had not
+  // arrived yet): not part of the mesh, so closed here.
+  if (!unfiled_.empty()) {
+    FXM_INFO(rank_, who() + ": closed " + std::to_string(unfiled_.size()) + " unidentified connection(s)");
+  }
+  for (void* c : unfiled_) net_.close_recv(net_.ctx, c);
   unfiled_.clear();
 }
 
@@ -191,26 +198,38 @@ void backoff(int* spins) {
   }
 }
 
-void encode_identity(const Identity& id, uint8_t out[kIdentitySize]) {
-  std::memset(out, 0, kIdentitySize);
-  std::memcpy(out, &id.magic, 4);
-  std::memcpy(out + 4, &id.version, 2);
-  std::memcpy(out + 8, &id.src, 4);
-  std::memcpy(out + 12, &id.dst, 4);
-  std::memcpy(out + 16, &id.build_id, 8);
+namespace {
+
+wire::MeshId mesh_id_of(uint64_t build_id) {
+  wire::MeshId id{};
+  std::memcpy(id.data(), &build_id, sizeof(build_id));
+  return id;
 }
 
-std::string decode_identity(const uint8_t in[kIdentitySize], uint32_t magic, uint64_t build_id,
-                            Identity* out) {
-  std::memcpy(&out->magic, in, 4);
-  std::memcpy(&out->version, in + 4, 2);
-  std::memcpy(&out->src, in + 8, 4);
-  std::memcpy(&out->dst, in + 12, 4);
-  std::memcpy(&out->build_id, in + 16, 8);
-  if (out->magic != magic) return "bad magic";
-  if (out->version != 1) return "identity version " + std::to_string(out->version);
-  if (out->build_id != build_id) return "another build's identity (stale or foreign connection)";
-  return "";
+}  // namespace
+
+void encode_identity(uint64_t build_id, int src, int dst, int nranks, uint8_t out[kIdentitySize]) {
+  wire::ConnHeader h;
+  h.mesh_id = mesh_id_of(build_id);
+  h.src = src;
+  h.dst = dst;
+  h.nranks = static_cast<uint32_t>(nranks);
+  h.ncontexts = 1;
+  wire::encode(h, out);
+}
+
+std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, int me, int nranks,
+                            wire::ConnHeader* out) {
+  wire::Reject r = wire::decode(in, out);
+  if (r == wire::Reject::kNone) {
+    wire::Expect e;
+    e.mesh_id = mesh_id_of(build_id);
+    e.me = me;
+    e.nranks = static_cast<uint32_t>(nranks);
+    e.ncontexts = 1;
+    r = wire::validate(*out, e);
+  }
+  return r == wire::Reject::kNone ? "" : wire::reject_name(r);
 }
 
 }  // namespace fxm::adaptor

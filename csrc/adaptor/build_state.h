@@ -13,6 +13,7 @@
 #include "adaptor/builder.h"
 #include "core/clock.h"
 #include "core/status.h"
+#include "core/wire.h"
 
 namespace fxm::adaptor {
 
@@ -47,7 +48,8 @@ class Build {
   void boot_recv(int peer, int tag, void* data, size_t size, int round);
   // Throws kTimeout with `what` once the deadline passed.
   void check_deadline(const std::string& what, int peer) const;
-  // Hands the comms to the caller's arrays, closes the listener.
+  // Hands the comms to the caller's arrays; closes the listener and any
+  // connection accepted but never filed.
   void finish(void** send_comms, void** recv_comms);
 
   [[noreturn]] void fail_at(Code code, int peer, const std::string& what) const;
@@ -86,22 +88,15 @@ class Build {
 // sched_yield first, then short sleeps.
 void backoff(int* spins);
 
-// The small identity record sent over new connections: the TAGGED header and
-// the wiring check. 24 bytes, little-endian.
-struct Identity {
-  uint32_t magic = 0;
-  uint16_t version = 1;
-  int32_t src = -1;
-  int32_t dst = -1;
-  uint64_t build_id = 0;
-};
-constexpr size_t kIdentitySize = 24;
-constexpr uint32_t kTaggedMagic = 0x5458'4d46;  // "FMXT"
-constexpr uint32_t kWiringMagic = 0x5758'4d46;  // "FMXW"
-void encode_identity(const Identity& id, uint8_t out[kIdentitySize]);
-// "" when it decodes with the right magic, version and build id; else why not.
-std::string decode_identity(const uint8_t in[kIdentitySize], uint32_t magic, uint64_t build_id,
-                            Identity* out);
+// The identity record sent over new connections (the tagged header and the
+// wiring check) is the project's one connection header, wire::ConnHeader,
+// with the build id in the first 8 bytes of its mesh id.
+constexpr size_t kIdentitySize = wire::kConnHeaderSize;
+void encode_identity(uint64_t build_id, int src, int dst, int nranks, uint8_t out[kIdentitySize]);
+// "" when `in` is a header of build `build_id` from a rank of nranks to `me`;
+// else why not (a wire::reject_name).
+std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, int me, int nranks,
+                            wire::ConnHeader* out);
 
 // The builders (build.cc validates and dispatches).
 void build_legacy(Build& b);

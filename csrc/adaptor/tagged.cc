@@ -68,7 +68,7 @@ bool Tagged::step_outgoing(int peer) {
   if (!o.request) {
     if (!b_.step_connect(peer, -1)) return false;
     o.header = b_.buffer(kIdentitySize);
-    encode_identity({kTaggedMagic, 1, b_.rank(), peer, b_.build_id()}, o.header);
+    encode_identity(b_.build_id(), b_.rank(), peer, b_.nranks(), o.header);
     o.request = b_.isend(b_.send_comm(peer), o.header, kIdentitySize, peer, "identity header");
     return true;
   }
@@ -99,11 +99,12 @@ bool Tagged::step_incoming(size_t i) {
 }
 
 void Tagged::file(Incoming& in) {
-  Identity id;
-  std::string why = decode_identity(in.header, kTaggedMagic, b_.build_id(), &id);
-  if (why.empty() && id.dst != b_.rank()) why = "addressed to rank " + std::to_string(id.dst);
-  if (why.empty() && (id.src < 0 || id.src >= b_.nranks())) why = "source rank " + std::to_string(id.src) + " out of range";
-  if (why.empty() && b_.recv_comm(id.src)) why = "a second connection from rank " + std::to_string(id.src);
+  wire::ConnHeader id;
+  std::string why = decode_identity(in.header, b_.build_id(), b_.rank(), b_.nranks(), &id);
+  if (why.empty() && b_.recv_comm(id.src)) {
+    why = std::string(wire::reject_name(wire::Reject::kDuplicate)) + " (a second connection from rank " +
+          std::to_string(id.src) + ")";
+  }
   if (!why.empty()) {
     FXM_WARN(b_.rank(), b_.who() + ": refused a connection: " + why);
     ++refused_;

@@ -1,6 +1,7 @@
 #include "adaptor/trial.h"
 
 #include <array>
+#include <cstring>
 #include <set>
 #include <vector>
 
@@ -15,13 +16,39 @@ namespace {
 // It also keeps account of the comms handed out, so that a trial can prove
 // every one was closed exactly once.
 struct Fault {
-  NetAdaptor inner;
+  NetAdaptor inner{};
   std::string call;
   int after = 0;
   int seen = 0;
   std::set<void*> open;  // comms returned by listen / connect / accept, not closed yet
   int bad_closes = 0;    // closes of a comm that was not open (double or foreign)
+  // stranger: before its first real connect, open one more connection to the
+  // same peer that sends it garbage ("garbage") or nothing ("silent").
+  std::string stranger;
+  std::vector<uint8_t> foreign_handle;
+  void* foreign_comm = nullptr;
+  void* foreign_req = nullptr;
+  uint8_t garbage[kIdentitySize] = {};
   bool hit(const char* name) { return !call.empty() && call == name && seen++ == after; }
+  // Drives the stranger's connect; true once its garbage is on the way.
+  bool stranger_sent(const void* handle) {
+    if (stranger.empty() || foreign_req || (foreign_comm && stranger == "silent")) return true;
+    if (foreign_handle.empty()) {
+      const uint8_t* h = static_cast<const uint8_t*>(handle);
+      foreign_handle.assign(h, h + inner.handle_size);
+      std::memset(garbage, 0xab, sizeof(garbage));
+    }
+    if (!foreign_comm && inner.connect(inner.ctx, foreign_handle.data(), &foreign_comm) != 0) return true;
+    if (!foreign_comm) return false;
+    if (stranger == "silent") return true;
+    inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), &foreign_req);
+    int done = 0;  // 64 bytes fit the socket buffer: the first test sends them
+    if (foreign_req && inner.test(inner.ctx, foreign_req, &done) != 0) done = 1;
+    return true;
+  }
+  void close_stranger() {
+    if (foreign_comm) inner.close_send(inner.ctx, foreign_comm);
+  }
   int opened(int rc, void** comm) {
     if (rc == 0 && *comm) open.insert(*comm);
     return rc;
@@ -34,6 +61,7 @@ int f_listen(void* c, void* h, void** l) {
   return F(c)->hit("listen") ? kInjectedFault : F(c)->opened(F(c)->inner.listen(F(c)->inner.ctx, h, l), l);
 }
 int f_connect(void* c, void* h, void** s) {
+  if (!F(c)->stranger_sent(h)) return 0;  // still in progress: the real connect waits behind it
   return F(c)->hit("connect") ? kInjectedFault : F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
 }
 int f_accept(void* c, void* l, void** r) {
@@ -65,7 +93,7 @@ void verify(const NetAdaptor& net, int me, int n, void** send, void** recv, cons
   std::vector<std::array<uint8_t, kIdentitySize>> out(n), in(n);
   std::vector<void*> reqs;
   for (int p = 0; p < n; ++p) {
-    encode_identity({kWiringMagic, 1, me, p, 0}, out[p].data());
+    encode_identity(0, me, p, n, out[p].data());
     void* s = nullptr;
     void* r = nullptr;
     if (net.isend(net.ctx, send[p], out[p].data(), kIdentitySize, &s) || net.irecv(net.ctx, recv[p], in[p].data(), kIdentitySize, &r)) {
@@ -83,8 +111,8 @@ void verify(const NetAdaptor& net, int me, int n, void** send, void** recv, cons
     backoff(&spins);
   }
   for (int p = 0; p < n; ++p) {
-    Identity id;
-    std::string why = decode_identity(in[p].data(), kWiringMagic, 0, &id);
+    wire::ConnHeader id;
+    std::string why = decode_identity(in[p].data(), 0, me, n, &id);
     if (!why.empty() || id.src != p || id.dst != me) {
       fail(Code::kProtocol, p, 0, "rank " + std::to_string(me) + ": verify: miswired: recv slot " + std::to_string(p) +
                                       " holds rank " + std::to_string(id.src) + "'s connection" + (why.empty() ? "" : " (" + why + ")"));
@@ -133,7 +161,11 @@ TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
                                        opt.self_connect_delay_us};
   NetAdaptor net{};
   test_adaptor_create(&tc, &net);
-  Fault fault{net, opt.fail_call, opt.fail_after, 0, {}, 0};
+  Fault fault;
+  fault.inner = net;
+  fault.call = opt.fail_call;
+  fault.after = opt.fail_after;
+  fault.stranger = opt.carry_bytes || opt.stranger == "silent" ? opt.stranger : "";
   NetAdaptor used = wrap(&fault);
   TrialResult res;
   try {
@@ -149,6 +181,7 @@ TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
     res.peer = e.peer();
     res.error = e.what();
   }
+  fault.close_stranger();
   res.bad_closes = fault.bad_closes;
   res.left_open = static_cast<int>(fault.open.size());
   test_adaptor_destroy(&net);

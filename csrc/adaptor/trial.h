@@ -23,6 +23,9 @@ struct TrialOptions {
   bool verify = true;     // after success, prove slot p is rank p over the new comms
   std::string fail_call;  // "" or an adaptor call name: that call returns kInjectedFault ...
   int fail_after = 0;     // ... on its (fail_after + 1)-th invocation
+  // "garbage" | "silent" | "": each rank first opens one more connection to its
+  // first peer that sends garbage (needs carry_bytes) or nothing, like a stranger
+  std::string stranger;
 };
 constexpr int kInjectedFault = 42;
 

@@ -8,10 +8,10 @@ namespace fxm::adaptor {
 namespace {
 
 void check_slot(const Build& b, int p, const uint8_t* got) {
-  Identity id;
-  std::string why = decode_identity(got, kWiringMagic, b.build_id(), &id);
+  wire::ConnHeader id;
+  std::string why = decode_identity(got, b.build_id(), b.rank(), b.nranks(), &id);
   if (!why.empty()) {
-    b.fail_at(Code::kProtocol, p, "wiring check: recv slot " + std::to_string(p) + ": " + why);
+    b.fail_at(Code::kProtocol, p, "wiring check: recv slot " + std::to_string(p) + ": refused header (" + why + ")");
   }
   if (id.src != p || id.dst != b.rank()) {
     b.fail_at(Code::kProtocol, p, "miswired: recv slot " + std::to_string(p) + " holds rank " +
@@ -29,7 +29,7 @@ void wiring_check(Build& b) {
   std::vector<void*> sreq(static_cast<size_t>(n)), rreq(static_cast<size_t>(n));
   for (int p = 0; p < n; ++p) {
     uint8_t* out = mine + kIdentitySize * static_cast<size_t>(p);
-    encode_identity({kWiringMagic, 1, b.rank(), p, b.build_id()}, out);
+    encode_identity(b.build_id(), b.rank(), p, n, out);
     sreq[p] = b.isend(b.send_comm(p), out, kIdentitySize, p, "wiring check");
     rreq[p] = b.irecv(b.recv_comm(p), got + kIdentitySize * static_cast<size_t>(p), kIdentitySize, p,
                       "wiring check");

@@ -88,12 +88,16 @@ int builder_code(const py::object& builder) {
 
 py::dict trial(NetBootstrap& b, const py::object& builder, uint32_t jitter_us, uint64_t seed, double timeout,
                bool carry_bytes, uint32_t self_connect_delay_us, bool wiring_check, int tag_base, bool verify,
-               const std::string& fail_call, int fail_after) {
+               const std::string& fail_call, int fail_after, const std::string& stranger) {
   TrialOptions o;
   o.builder = builder_code(builder);
   o.jitter_us = jitter_us, o.seed = seed, o.timeout_s = timeout, o.carry_bytes = carry_bytes;
   o.self_connect_delay_us = self_connect_delay_us, o.wiring_check = wiring_check, o.tag_base = tag_base;
   o.verify = verify, o.fail_call = fail_call, o.fail_after = fail_after;
+  if (stranger != "" && stranger != "garbage" && stranger != "silent") {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "stranger must be '', 'garbage' or 'silent'");
+  }
+  o.stranger = stranger;
   auto held = b.hold();
   const flagcx_mesh_bootstrap_ops_t& ops = b.ops();
   TrialResult r;
@@ -124,7 +128,7 @@ void bind_adaptor(py::module_& m) {
   m.def("net_trial", &trial, py::arg("boot"), py::arg("builder"), py::arg("jitter_us") = 0, py::arg("seed") = 1,
         py::arg("timeout") = 10.0, py::arg("carry_bytes") = true, py::arg("self_connect_delay_us") = 0,
         py::arg("wiring_check") = true, py::arg("tag_base") = 0x6d780000, py::arg("verify") = true,
-        py::arg("fail_call") = "", py::arg("fail_after") = 0,
+        py::arg("fail_call") = "", py::arg("fail_after") = 0, py::arg("stranger") = "",
         "One build over a fresh test adaptor on every rank (collective over boot). Returns "
         "{outcome: completed|hung|miswired|failed, code, peer, error, seconds, outputs_untouched, "
         "verified, bad_closes, left_open}; raises InvalidArgument for bad arguments.");

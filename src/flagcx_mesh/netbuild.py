@@ -33,7 +33,7 @@ NetBootstrap = _core.NetBootstrap
 def build_trial(boot: Any, builder: str, *, jitter_us: int = 0, seed: int = 1, timeout: float = 10.0,
                 carry_bytes: bool = True, self_connect_delay_us: int = 0, wiring_check: bool = True,
                 tag_base: int = DEFAULT_TAG_BASE, verify: bool = True, fail_call: str = "",
-                fail_after: int = 0) -> Dict[str, Any]:
+                fail_after: int = 0, stranger: str = "") -> Dict[str, Any]:
     """One build over a fresh test adaptor; collective over ``boot`` (every rank calls it).
 
     Returns ``{"outcome", "code", "peer", "error", "seconds", "outputs_untouched",
@@ -42,12 +42,15 @@ def build_trial(boot: Any, builder: str, *, jitter_us: int = 0, seed: int = 1, t
     Raises :class:`flagcx_mesh.InvalidArgument` for bad arguments (e.g. the
     tagged builder without ``carry_bytes``). ``fail_call`` names an adaptor call
     (listen, connect, accept, isend, irecv, test) that fails on its
-    ``fail_after + 1``-th use, to see how failures are reported.
+    ``fail_after + 1``-th use, to see how failures are reported. ``stranger``
+    ("garbage" or "silent") makes each rank first open one more connection to its
+    first peer that sends garbage or nothing, as a stranger's socket would.
+    Results also count ``bad_closes`` (comms closed twice) and ``left_open``.
     """
     return _core.net_trial(boot, builder, jitter_us=jitter_us, seed=seed, timeout=timeout,
                            carry_bytes=carry_bytes, self_connect_delay_us=self_connect_delay_us,
                            wiring_check=wiring_check, tag_base=tag_base, verify=verify,
-                           fail_call=fail_call, fail_after=fail_after)
+                           fail_call=fail_call, fail_after=fail_after, stranger=stranger)
 
 
 def aggregate(outcomes: Iterable[str]) -> str:
