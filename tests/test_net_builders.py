@@ -4,6 +4,7 @@ the IB-like test adaptor, and the bootstrap's point-to-point relay they use. Ran
 
 import re
 import subprocess
+import threading
 import time
 
 import pytest
@@ -78,6 +79,37 @@ def test_relay_limits_bad_peers_and_unbounded_timeouts():
         return boot.recv(other, 5, timeout=1e300) == b"y" * (64 * 1024)
 
     assert with_boots(2, fn) == [True, True]
+
+
+def test_root_is_not_held_up_by_a_rank_that_is_not_reading():
+    """Rank 0 relays 16 MiB to rank 2, which is busy and reads nothing for a while: the root
+    queues it instead of blocking on the write, so ranks 0 and 1 keep talking through it; rank 2
+    then gets every message, in order. (With blocking writes the root stalled for its 10 s write
+    timeout and then dropped rank 2.)"""
+    chunk, count = b"z" * (64 * 1024), 256
+    exchanged = threading.Event()
+
+    def fn(boot):
+        if boot.rank == 0:
+            for i in range(count):
+                boot.send(2, 9, chunk[:-4] + i.to_bytes(4, "little"))
+            t0 = time.monotonic()
+            boot.send(1, 1, b"ping")
+            assert boot.recv(1, 2, timeout=30) == b"pong"
+            took = time.monotonic() - t0
+            exchanged.set()
+            return took
+        if boot.rank == 1:
+            assert boot.recv(0, 1, timeout=30) == b"ping"
+            boot.send(0, 2, b"pong")
+            return 0.0
+        exchanged.wait(30)  # rank 2 reads nothing until ranks 0 and 1 are done
+        got = [boot.recv(0, 9, timeout=30) for _ in range(count)]
+        assert [int.from_bytes(g[-4:], "little") for g in got] == list(range(count))
+        return 0.0
+
+    took = with_boots(3, fn, timeout=60)[0]
+    assert took < 5.0, f"ranks 0 and 1 waited {took:.1f} s behind rank 2's queue"
 
 
 def test_relay_recv_times_out_without_losing_later_messages():

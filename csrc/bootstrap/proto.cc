@@ -38,10 +38,16 @@ bool decode_header(const uint8_t in[kMsgHeaderSize], Msg* m, uint64_t* len) {
   return *len <= kMaxPayload;
 }
 
+void append_msg(const Msg& m, std::vector<uint8_t>* out) {
+  size_t at = out->size();
+  out->resize(at + kMsgHeaderSize + m.payload.size());
+  encode_header(m, out->data() + at);
+  if (!m.payload.empty()) std::memcpy(out->data() + at + kMsgHeaderSize, m.payload.data(), m.payload.size());
+}
+
 tcp::IoResult send_msg(int fd, const Msg& m, const Deadline& deadline) {
-  std::vector<uint8_t> buf(kMsgHeaderSize + m.payload.size());
-  encode_header(m, buf.data());
-  if (!m.payload.empty()) std::memcpy(buf.data() + kMsgHeaderSize, m.payload.data(), m.payload.size());
+  std::vector<uint8_t> buf;
+  append_msg(m, &buf);
   return tcp::write_full(fd, buf.data(), buf.size(), deadline);
 }
 

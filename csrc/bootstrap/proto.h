@@ -51,6 +51,8 @@ void encode_header(const Msg& m, uint8_t out[kMsgHeaderSize]);
 // false when the magic is wrong or the length is implausible.
 bool decode_header(const uint8_t in[kMsgHeaderSize], Msg* m, uint64_t* len);
 
+// Appends header and payload to `out` (for queued, non-blocking writers).
+void append_msg(const Msg& m, std::vector<uint8_t>* out);
 tcp::IoResult send_msg(int fd, const Msg& m, const Deadline& deadline);
 // Reads one whole message; kOk with a valid header, else what went wrong
 // (a bad header is reported as kError with err == EPROTO).

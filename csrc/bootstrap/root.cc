@@ -16,7 +16,9 @@ namespace {
 
 constexpr double kJoinHeaderTimeoutS = 5.0;
 constexpr double kIdleTimeoutS = 3600.0;
-constexpr double kWriteTimeoutS = 10.0;
+constexpr double kWriteTimeoutS = 10.0;      // to read a message a client has begun
+constexpr double kDrainTimeoutS = 1.0;       // for queued output when the root exits
+constexpr size_t kMaxQueuedBytes = 1ull << 30;  // output queued for a client that does not read
 constexpr size_t kMaxPending = 1024;
 constexpr uint32_t kMaxRanks = 1u << 20;
 constexpr size_t kMaxHeld = 4096;  // relayed messages waiting for a rank to join
@@ -37,7 +39,18 @@ struct Client {
   std::vector<uint8_t> part;
   std::vector<Msg> held;  // relayed to this rank before it joined
   size_t held_bytes = 0;
+  std::vector<uint8_t> out;  // queued output: the root never blocks writing
+  size_t out_off = 0;        // bytes of `out` already written
+  size_t queued() const { return out.size() - out_off; }
 };
+
+// A rank that left (BYE), failed or was lost: nothing more is read or written.
+void retire(Client& c) {
+  c.gone = true;
+  c.fd.reset();
+  c.out.clear();
+  c.out_off = 0;
+}
 
 class Root {
  public:
@@ -57,6 +70,8 @@ class Root {
   void lose(int rank, const std::string& why);
   void broadcast(const Msg& m, int except);
   void send_to(int rank, const Msg& m);
+  void flush(int rank);
+  void drain();
   void check_deadlines();
   std::string missing_ranks() const;
 
@@ -75,6 +90,7 @@ class Root {
 
 void Root::run() {
   while (!finished()) poll_once();
+  drain();
   FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_) + " exits");
 }
 
@@ -92,12 +108,14 @@ void Root::poll_once() {
   if (listener_) fds.push_back({listener_.get(), POLLIN, 0});
   for (const Pending& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
   for (const Client& c : clients_) {
-    if (c.joined && !c.gone) fds.push_back({c.fd.get(), POLLIN, 0});
+    short events = POLLIN | (c.queued() ? POLLOUT : 0);
+    if (c.joined && !c.gone) fds.push_back({c.fd.get(), events, 0});
   }
   ::poll(fds.data(), fds.size(), 100);
   accept_all();
   for (size_t i = pending_.size(); i-- > 0;) on_pending(i);
   for (size_t r = 0; r < clients_.size(); ++r) {
+    if (clients_[r].joined && !clients_[r].gone) flush(static_cast<int>(r));
     if (clients_[r].joined && !clients_[r].gone) on_client(static_cast<int>(r));
   }
   check_deadlines();
@@ -193,15 +211,13 @@ void Root::on_client(int rank) {
     case MsgType::kAllgather: on_allgather(rank, m); break;
     case MsgType::kSend: on_relay(rank, m); break;
     case MsgType::kAbortReq:  // the rank failed and closes right after
-      c.gone = true;
-      c.fd.reset();
+      retire(c);
       lost_.push_back(rank);
       broadcast({MsgType::kAbort, m.code, rank, 0, m.payload}, rank);
       maybe_complete();
       break;
     case MsgType::kBye:
-      c.gone = true;
-      c.fd.reset();
+      retire(c);
       break;
     default:
       lose(rank, "rank " + std::to_string(rank) + " sent an unexpected bootstrap message");
@@ -279,8 +295,7 @@ void Root::maybe_complete() {
 void Root::lose(int rank, const std::string& why) {
   Client& c = clients_[rank];
   if (c.gone) return;
-  c.gone = true;
-  c.fd.reset();
+  retire(c);
   lost_.push_back(rank);
   FXM_INFO(-1, "bootstrap root: " + why);
   broadcast({MsgType::kAbort, Code::kPeerLost, rank, 0, {why.begin(), why.end()}}, rank);
@@ -295,13 +310,48 @@ void Root::broadcast(const Msg& m, int except) {
   }
 }
 
+// Queues m for the rank and writes what the socket takes now; the rest goes
+// out as the rank reads (POLLOUT in poll_once). A rank that cannot be written
+// to, or lets kMaxQueuedBytes pile up, is lost and the others are told.
 void Root::send_to(int rank, const Msg& m) {
   Client& c = clients_[rank];
   if (c.gone) return;
-  tcp::IoResult r = send_msg(c.fd.get(), m, Deadline::after_seconds(kWriteTimeoutS));
-  if (!r.ok()) {  // it will not read anything any more: the others must hear of it
-    lose(rank, "rank " + std::to_string(rank) + " was lost: the bootstrap root could not write to it (" +
-                   r.describe() + ")");
+  if (c.queued() + kMsgHeaderSize + m.payload.size() > kMaxQueuedBytes) {
+    lose(rank, "rank " + std::to_string(rank) + " was lost: it does not read from the bootstrap root (" +
+                   std::to_string(c.queued()) + " bytes queued for it)");
+    return;
+  }
+  append_msg(m, &c.out);
+  flush(rank);
+}
+
+void Root::flush(int rank) {
+  Client& c = clients_[rank];
+  while (!c.gone && c.queued() > 0) {
+    tcp::IoResult r = tcp::write_some(c.fd.get(), c.out.data() + c.out_off, c.queued());
+    c.out_off += r.done;
+    if (!r.ok()) {
+      lose(rank, "rank " + std::to_string(rank) + " was lost: the bootstrap root could not write to it (" +
+                     r.describe() + ")");
+      return;
+    }
+    if (r.done == 0) break;  // the socket is full: the rest when it polls writable
+  }
+  if (c.queued() == 0) {
+    c.out.clear();
+    c.out_off = 0;
+  } else if (c.out_off > (1u << 20)) {
+    c.out.erase(c.out.begin(), c.out.begin() + static_cast<long>(c.out_off));
+    c.out_off = 0;
+  }
+}
+
+// On exit (everyone left, or the rendezvous failed): the last notices still
+// queued get a short blocking chance to reach their ranks.
+void Root::drain() {
+  Deadline d = Deadline::after_seconds(kDrainTimeoutS);
+  for (Client& c : clients_) {
+    if (!c.gone && c.fd && c.queued() > 0) tcp::write_full(c.fd.get(), c.out.data() + c.out_off, c.queued(), d);
   }
 }
 

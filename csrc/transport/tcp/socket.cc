@@ -199,6 +199,22 @@ IoResult write_full(int fd, const void* buf, size_t len, const Deadline& deadlin
   return r;
 }
 
+IoResult write_some(int fd, const void* buf, size_t len) {
+  IoResult r;
+  while (true) {
+    ssize_t n = ::send(fd, buf, len, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (n >= 0) {
+      r.done = static_cast<size_t>(n);
+      return r;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return r;
+    r.kind = (errno == EPIPE || errno == ECONNRESET) ? IoResult::kClosed : IoResult::kError;
+    r.err = errno;
+    return r;
+  }
+}
+
 IoResult read_some(int fd, void* buf, size_t len) {
   IoResult r;
   while (true) {

@@ -74,6 +74,8 @@ Fd accept_one(int listen_fd, SockAddr* from, int* err);
 
 IoResult write_full(int fd, const void* buf, size_t len, const Deadline& deadline);
 IoResult read_full(int fd, void* buf, size_t len, const Deadline& deadline);
+// One non-blocking write; kOk with done==0 means "the socket is full".
+IoResult write_some(int fd, const void* buf, size_t len);
 // One non-blocking read; kOk with done==0 means "nothing yet".
 IoResult read_some(int fd, void* buf, size_t len);
 
