@@ -291,3 +291,16 @@ def test_main_without_double_dash_runs_a_py_script_under_this_python(monkeypatch
     assert rc == 0
     lines = sorted(capsys.readouterr().out.splitlines())
     assert lines == ["0 True --layers 3", "1 True --layers 3"], lines
+
+
+@pytest.mark.parametrize("argv", [["-n2", "--no-prefix"], ["--nranks=2", "--no-prefix"],
+                                  ["-n", "2", "--no-prefix", "--"]])
+def test_main_finds_the_command_after_attached_values_and_keeps_its_double_dash(monkeypatch, capsys, argv):
+    """`-n2` and `--nranks=2` are one word each; a `--` that comes after the command start
+    belongs to the command (regression: `-n2 prog` was an argparse error, and the first `--`
+    anywhere was taken as the separator)."""
+    monkeypatch.setattr(launch, "_get_unique_id", lambda: UID)
+    rc = launch.main(argv + [PY, "-c", "import os, sys; print(os.environ['FLAGCX_MESH_RANK'], *sys.argv[1:])",
+                             "--", "x"])
+    assert rc == 0
+    assert sorted(capsys.readouterr().out.splitlines()) == ["0 -- x", "1 -- x"]

@@ -420,26 +420,24 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _command_start(argv: Sequence[str]) -> int:
-    """Index where CMD begins when no ``--`` is given: the first word that is neither an
-    option nor an option's value (every option but --no-prefix and -h takes one)."""
+    """Index where CMD (or the ``--`` before it) begins: the first word that is neither an
+    option nor an option's value. Every option but --no-prefix and -h takes a value, either
+    in the next word or attached (``-n4``, ``--nranks=4``)."""
     i = 0
     while i < len(argv):
         word = argv[i]
-        if not word.startswith("-") or word == "-":
+        if word == "--" or word == "-" or not word.startswith("-"):
             return i
-        i += 1 if word in ("--no-prefix", "-h", "--help") or "=" in word else 2
+        attached = "=" in word or (not word.startswith("--") and len(word) > 2)
+        i += 1 if word in ("--no-prefix", "-h", "--help") or attached else 2
     return len(argv)
 
 
 def main(argv: Optional[Sequence[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = _parser()
-    if "--" in argv:
-        split = argv.index("--")
-        cmd = argv[split + 1:]
-    else:
-        split = _command_start(argv)
-        cmd = argv[split:]
+    split = _command_start(argv)  # a "--" later on belongs to the command
+    cmd = argv[split + 1:] if split < len(argv) and argv[split] == "--" else argv[split:]
     args = parser.parse_args(argv[:split])  # handles -h and option errors first
     if not cmd:
         parser.error("a command is required (after --)")
