@@ -86,7 +86,6 @@ def test_example_builds_with_cmake_find_package(tmp_path):
 
 
 def test_example_builds_with_pkg_config(tmp_path):
-    pc = tmp_path / "pkg-config-lite.txt"
     text = open(os.path.join(config.get_pkgconfig_dir(), "flagcx_mesh.pc")).read()
     assert f"Version: {flagcx_mesh.__version__}" in text
     pkg_config = shutil.which("pkg-config")

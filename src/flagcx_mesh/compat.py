@@ -24,14 +24,13 @@ they must be multiples of 8 and name the 64-bit slot ``sig_off // 8``.
 from __future__ import annotations
 
 import enum
-import operator
 import struct
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
 from . import errors
-from .mesh import Mesh
+from .mesh import Mesh, _as_int
 from .mesh import get_unique_id as _mesh_unique_id
 from .window import Window
 
@@ -223,17 +222,6 @@ class _Reg:
 
 def _is_int(v) -> bool:
     return type(v) is int or (isinstance(v, int) and not isinstance(v, bool))
-
-
-def _as_int(v):
-    """v as an int when it is an integer scalar (numpy, torch, anything with __index__);
-    otherwise v itself, for the checks to refuse by its own repr."""
-    if isinstance(v, bool):
-        return v
-    try:
-        return operator.index(v)
-    except TypeError:
-        return v
 
 
 def _ints(*values) -> tuple:

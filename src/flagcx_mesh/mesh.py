@@ -34,6 +34,17 @@ def _ints(op: str, **values: int) -> None:
             raise InvalidArgument(f"{op}: {name} {v!r} is out of range (must be an integer in [0, {limit}))")
 
 
+def _as_int(v):
+    """v as an int when it is an integer scalar (numpy, torch, anything with __index__);
+    otherwise v itself (bools included), for the range checks to refuse by its own repr."""
+    if isinstance(v, bool):
+        return v
+    try:
+        return operator.index(v)
+    except TypeError:
+        return v
+
+
 def _byte_view(buffer, what: str) -> memoryview:
     """A writable, C-contiguous byte view of a buffer-protocol object or a torch CPU tensor."""
     if hasattr(buffer, "data_ptr") and hasattr(buffer, "is_contiguous"):  # torch.Tensor
@@ -244,13 +255,12 @@ class Mesh:
     def _registration_count(self, op: str, name: str, value) -> int:
         """An integer argument of a collective registration (numpy / torch integer scalars
         accepted); a bad one still takes part, so the other ranks fail at once too."""
+        value = _as_int(value)
         try:
-            value = operator.index(value) if not isinstance(value, bool) else value
             _ints(f"rank {self.rank}: {op}", **{name: value})
-        except (TypeError, InvalidArgument) as e:
-            reason = str(e) if isinstance(e, InvalidArgument) else f"rank {self.rank}: {op}: {name}: {e}"
-            self._core.refuse_registration(reason)
-            raise InvalidArgument(reason) from None
+        except InvalidArgument as e:
+            self._core.refuse_registration(str(e))
+            raise
         return value
 
     # -- one-sided operations -----------------------------------------------
