@@ -15,12 +15,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
+
+from ._ranks import run_ranks, save_json
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -134,22 +133,11 @@ def _report_mesh(data: dict, args: argparse.Namespace) -> dict:
 
 
 def bench_mesh(args: argparse.Namespace) -> int:
-    from ..launch import launch
-
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "mesh.json")
-        cmd = [sys.executable, "-m", "flagcx_mesh.bench", "mesh-rank", "--iterations", str(args.iterations),
-               "--contexts", str(args.contexts), "--out", path]
-        rc = launch(cmd, args.nranks, timeout=120 + 10 * args.iterations)
-        if rc != 0:
-            print(f"bench mesh: the rank processes failed (exit {rc})", file=sys.stderr)
-            return rc
-        with open(path) as f:
-            data = json.load(f)
-    out = _report_mesh(data, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    data = run_ranks("mesh", ["mesh-rank", "--iterations", str(args.iterations), "--contexts", str(args.contexts)],
+                     args.nranks, timeout=120 + 10 * args.iterations)
+    if data is None:
+        return 1
+    save_json(_report_mesh(data, args), args.json)
     return 0
 
 

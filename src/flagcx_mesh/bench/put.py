@@ -21,12 +21,12 @@ import json
 import os
 import socket
 import statistics
-import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
 
 import numpy as np
+
+from ._ranks import run_ranks, save_json
 
 UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp"}
@@ -233,21 +233,10 @@ def _report(data: dict, args) -> None:
 
 
 def main(argv: List[str]) -> int:
-    from ..launch import launch
-
     args = _parse(argv, "put")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "put.json")
-        cmd = [sys.executable, "-m", "flagcx_mesh.bench", "put-rank", *argv, "--out", path]
-        rc = launch(cmd, 2, timeout=900)
-        if rc != 0:
-            print(f"bench put: the rank processes failed (exit {rc})", file=sys.stderr)
-            return rc
-        with open(path) as f:
-            data = json.load(f)
+    data = run_ranks("put", ["put-rank", *argv], 2, timeout=900)
+    if data is None:
+        return 1
     _report(data, args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2)
+    save_json(data, args.json)
     return 0
-

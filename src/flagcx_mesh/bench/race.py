@@ -18,14 +18,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
-import tempfile
 import time
 from typing import Dict, List, Optional
 
 from ..netbuild import BUILDERS, DEFAULT_TAG_BASE, OUTCOMES, aggregate, earliest_round_error
+from ._ranks import run_ranks, save_json
 
 DEFAULT_JITTER_US = 2000
 DEFAULT_TIMEOUT_S = 1.0
@@ -152,26 +151,16 @@ def _table(data: Dict[str, List[dict]], args: argparse.Namespace) -> dict:
 
 
 def main(argv: List[str]) -> int:
-    from ..launch import launch
-
     args = _parse(argv)
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "race.json")
-        cmd = [sys.executable, "-m", "flagcx_mesh.bench", "race-rank", "--trials", str(args.trials),
-               "--jitter-us", str(args.jitter_us), "--builders", ",".join(args.builders),
-               "--timeout", str(args.timeout), "--out", path]
-        budget = 120 + args.trials * len(args.builders) * (args.timeout + 1.0)
-        t0 = time.monotonic()
-        rc = launch(cmd, args.nranks, timeout=budget)
-        if rc != 0:
-            print(f"bench race: the rank processes failed (exit {rc})", file=sys.stderr)
-            return rc
-        with open(path) as f:
-            data = json.load(f)
+    rank_args = ["race-rank", "--trials", str(args.trials), "--jitter-us", str(args.jitter_us),
+                 "--builders", ",".join(args.builders), "--timeout", str(args.timeout)]
+    budget = 120 + args.trials * len(args.builders) * (args.timeout + 1.0)
+    t0 = time.monotonic()
+    data = run_ranks("race", rank_args, args.nranks, timeout=budget)
+    if data is None:
+        return 1
     out = _table(data, args)
     out["wall_s"] = time.monotonic() - t0
     print(f"  wall time {out['wall_s']:.1f} s")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=2)
+    save_json(out, args.json)
     return 0
