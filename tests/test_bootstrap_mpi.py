@@ -101,14 +101,20 @@ def _find_mpiexec():
     return argv, "MPICH" if "HYDRA" in text else "unknown MPI"
 
 
-@pytest.fixture(scope="module")
-def mpiexec():
+def usable_mpiexec():
+    """(mpiexec argv, which MPI); skips the test without a usable MPI, or fails it when
+    FXM_REQUIRE_MPI=1."""
     argv, what = _find_mpiexec()
     if argv is None:
         if REQUIRE:
             pytest.fail(f"FXM_REQUIRE_MPI=1 but MPI is not usable: {what}")
         pytest.skip(what)
-    return argv
+    return argv, what
+
+
+@pytest.fixture(scope="module")
+def mpiexec():
+    return usable_mpiexec()[0]
 
 
 @pytest.mark.parametrize("n", RANKS)

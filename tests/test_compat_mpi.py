@@ -10,7 +10,7 @@ import os
 import pytest
 
 from bootstrap_helpers import HERE, PY, run
-from test_bootstrap_mpi import REQUIRE, _find_mpiexec
+from test_bootstrap_mpi import usable_mpiexec
 
 pytestmark = pytest.mark.timeout(240)
 RANKS = [int(n) for n in os.environ.get("FXM_MPI_RANKS", "2 4 8").split()]
@@ -19,12 +19,7 @@ EXAMPLE = os.path.join(os.path.dirname(HERE), "examples", "pd_kv_transfer.py")
 
 @pytest.fixture(scope="module")
 def mpi():
-    argv, what = _find_mpiexec()
-    if argv is None:
-        if REQUIRE:
-            pytest.fail(f"FXM_REQUIRE_MPI=1 but MPI is not usable: {what}")
-        pytest.skip(what)
-    return argv, what
+    return usable_mpiexec()
 
 
 def test_pd_example_under_mpiexec(mpi):
