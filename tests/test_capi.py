@@ -123,6 +123,16 @@ def test_only_the_c_abi_is_exported():
     header += open(os.path.join(flagcx_mesh.get_include(), "flagcx_mesh_net.h")).read()
     declared = set(re.findall(r"\b(flagcx_mesh_\w+)\(", header))
     assert declared <= set(names), f"declared but not exported: {sorted(declared - set(names))}"
+    assert not [n for n in names if n.startswith("flagcx_mesh_test_")], "test doubles in the shipped library"
+
+
+def test_the_testing_library_exports_the_test_adaptor_only():
+    from flagcx_mesh._paths import get_testing_library
+    out = sh([shutil.which("nm"), "-D", "--defined-only", get_testing_library()])
+    names = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    header = open(os.path.join(flagcx_mesh.get_include(), "flagcx_mesh_testing.h")).read()
+    declared = set(re.findall(r"\b(flagcx_mesh_\w+)\(", header))
+    assert declared and names == declared, (sorted(names), sorted(declared))
 
 
 # ---------------------------------------------------------------- calls through ctypes

@@ -3,7 +3,7 @@
 #include <cstring>
 
 #include "bootstrap/unique_id.h"
-#include "core/env.h"
+#include "base/env.h"
 
 namespace fxm::adaptor {
 namespace {

@@ -7,7 +7,7 @@
 #include <string>
 
 #include "bootstrap/client.h"
-#include "capi/flagcx_mesh.h"
+#include "flagcx_mesh.h"
 
 // The C ABI's opaque flagcx_mesh_bootstrap_t points to one of these.
 struct flagcx_mesh_bootstrap {

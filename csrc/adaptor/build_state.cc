@@ -8,8 +8,8 @@
 #include <thread>
 
 #include "adaptor/boot_ops.h"
-#include "core/env.h"
-#include "core/log.h"
+#include "base/env.h"
+#include "base/log.h"
 
 namespace fxm::adaptor {
 

@@ -11,9 +11,9 @@
 #include <vector>
 
 #include "adaptor/builder.h"
-#include "core/clock.h"
-#include "core/status.h"
-#include "core/wire.h"
+#include "base/clock.h"
+#include "base/status.h"
+#include "base/wire.h"
 
 namespace fxm::adaptor {
 

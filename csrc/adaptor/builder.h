@@ -6,7 +6,7 @@
 // thread only; different builds may run at once on different adaptors.
 #pragma once
 
-#include "capi/flagcx_mesh.h"
+#include "flagcx_mesh.h"
 
 namespace fxm::adaptor {
 

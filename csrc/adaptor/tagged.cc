@@ -8,7 +8,7 @@
 #include <memory>
 
 #include "adaptor/build_state.h"
-#include "core/log.h"
+#include "base/log.h"
 
 namespace fxm::adaptor {
 namespace {

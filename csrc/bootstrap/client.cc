@@ -7,7 +7,7 @@
 #include <cerrno>
 #include <thread>
 
-#include "core/log.h"
+#include "base/log.h"
 
 namespace fxm::bootstrap {
 

@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "core/clock.h"
-#include "core/status.h"
+#include "base/clock.h"
+#include "base/status.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::bootstrap {

@@ -9,7 +9,7 @@
 #include <vector>
 
 #include "bootstrap/proto.h"
-#include "core/log.h"
+#include "base/log.h"
 
 namespace fxm::bootstrap {
 namespace {

@@ -5,7 +5,7 @@
 // or gone, when the join deadline expires, or after an hour with no join.
 #pragma once
 
-#include "core/wire.h"
+#include "base/wire.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::bootstrap {

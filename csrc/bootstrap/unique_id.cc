@@ -6,7 +6,7 @@
 #include <cstring>
 
 #include "bootstrap/root.h"
-#include "core/status.h"
+#include "base/status.h"
 
 namespace fxm::bootstrap {
 namespace {

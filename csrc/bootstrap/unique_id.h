@@ -7,7 +7,7 @@
 #include <array>
 #include <cstdint>
 
-#include "core/wire.h"
+#include "base/wire.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::bootstrap {

@@ -6,7 +6,7 @@
 
 #include "bootstrap/unique_id.h"
 #include "capi/guard.h"
-#include "core/env.h"
+#include "base/env.h"
 #include "core/mesh.h"
 
 struct flagcx_mesh_comm {

@@ -4,8 +4,8 @@
 
 #include <string>
 
-#include "capi/flagcx_mesh.h"
-#include "core/status.h"
+#include "flagcx_mesh.h"
+#include "base/status.h"
 
 namespace fxm::capi {
 

@@ -1,8 +1,7 @@
-// The C ABI of the net-adaptor builders, the own bootstrap as ops, and the
-// test adaptor: argument checks, then the core; every call through guard().
+// The C ABI of the net-adaptor builders and the own bootstrap as ops:
+// argument checks, then the core; every call through guard().
 #include "adaptor/boot_ops.h"
 #include "adaptor/builder.h"
-#include "adaptor/test_adaptor.h"
 #include "capi/guard.h"
 
 using fxm::capi::guard;
@@ -53,22 +52,6 @@ flagcx_mesh_result_t flagcx_mesh_bootstrap_get_ops(flagcx_mesh_bootstrap_t boot,
 
 flagcx_mesh_result_t flagcx_mesh_bootstrap_destroy(flagcx_mesh_bootstrap_t boot) {
   return guard("flagcx_mesh_bootstrap_destroy", [&] { delete boot; });
-}
-
-flagcx_mesh_result_t flagcx_mesh_test_adaptor_create(const flagcx_mesh_test_adaptor_config_t* config,
-                                                     flagcx_mesh_net_adaptor_t* net) {
-  return guard("flagcx_mesh_test_adaptor_create", [&] {
-    require(config, "config");
-    require(net, "net");
-    fxm::adaptor::test_adaptor_create(config, net);
-  });
-}
-
-flagcx_mesh_result_t flagcx_mesh_test_adaptor_destroy(flagcx_mesh_net_adaptor_t* net) {
-  return guard("flagcx_mesh_test_adaptor_destroy", [&] {
-    require(net, "net");
-    fxm::adaptor::test_adaptor_destroy(net);
-  });
 }
 
 }  // extern "C"

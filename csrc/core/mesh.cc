@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <cstring>
 
-#include "core/env.h"
-#include "core/log.h"
+#include "base/env.h"
+#include "base/log.h"
 
 namespace fxm {
 namespace {

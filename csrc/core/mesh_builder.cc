@@ -6,8 +6,8 @@
 #include <cstdio>
 #include <set>
 
-#include "core/log.h"
-#include "core/status.h"
+#include "base/log.h"
+#include "base/status.h"
 
 namespace fxm {
 

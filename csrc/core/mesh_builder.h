@@ -17,8 +17,8 @@
 #include <string>
 #include <vector>
 
-#include "core/clock.h"
-#include "core/wire.h"
+#include "base/clock.h"
+#include "base/wire.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm {

@@ -6,9 +6,9 @@
 #include <cstring>
 #include <thread>
 
-#include "core/log.h"
+#include "base/log.h"
 #include "core/signal_ops.h"
-#include "core/status.h"
+#include "base/status.h"
 #include "transport/cma/cma.h"
 
 namespace fxm {

@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "bootstrap/client.h"
-#include "core/clock.h"
+#include "base/clock.h"
 #include "core/progress.h"
 #include "core/window.h"
 

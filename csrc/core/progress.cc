@@ -10,9 +10,9 @@
 #include <cerrno>
 #include <cstring>
 
-#include "core/log.h"
+#include "base/log.h"
 #include "core/signal_ops.h"
-#include "core/status.h"
+#include "base/status.h"
 
 namespace fxm {
 

@@ -21,10 +21,10 @@
 #include <thread>
 #include <vector>
 
-#include "core/clock.h"
+#include "base/clock.h"
 #include "core/mesh_builder.h"
 #include "core/window.h"
-#include "core/wire.h"
+#include "base/wire.h"
 
 namespace fxm {
 

@@ -3,8 +3,8 @@
 #include <algorithm>
 #include <cstring>
 
-#include "core/env.h"
-#include "core/status.h"
+#include "base/env.h"
+#include "base/status.h"
 
 namespace fxm {
 

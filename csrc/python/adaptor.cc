@@ -4,7 +4,7 @@
 #include <pybind11/stl.h>
 
 #include "adaptor/boot_ops.h"
-#include "adaptor/trial.h"
+#include "testing/trial.h"
 #include "python/bindings.h"
 
 namespace fxm_py {

@@ -7,10 +7,10 @@
 #include <cstring>
 
 #include "bootstrap/unique_id.h"
-#include "core/env.h"
+#include "base/env.h"
 #include "core/mesh.h"
-#include "core/status.h"
-#include "core/wire.h"
+#include "base/status.h"
+#include "base/wire.h"
 #include "python/bindings.h"
 
 namespace py = pybind11;

@@ -8,7 +8,7 @@
 #include <cerrno>
 #include <fstream>
 
-#include "core/status.h"
+#include "base/status.h"
 
 namespace fxm::shm {
 

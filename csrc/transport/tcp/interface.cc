@@ -11,9 +11,9 @@
 #include <mutex>
 #include <string>
 
-#include "core/env.h"
-#include "core/log.h"
-#include "core/status.h"
+#include "base/env.h"
+#include "base/log.h"
+#include "base/status.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::tcp {

@@ -9,7 +9,7 @@
 #include <cerrno>
 #include <cstring>
 
-#include "core/status.h"
+#include "base/status.h"
 
 namespace fxm::tcp {
 

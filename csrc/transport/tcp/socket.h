@@ -10,7 +10,7 @@
 #include <cstdint>
 #include <string>
 
-#include "core/clock.h"
+#include "base/clock.h"
 
 namespace fxm::tcp {
 

@@ -12,7 +12,7 @@
 // calls lock one mutex per adaptor.
 #pragma once
 
-#include "capi/flagcx_mesh.h"
+#include "flagcx_mesh_testing.h"
 
 namespace fxm::adaptor {
 

@@ -1,4 +1,4 @@
-#include "adaptor/trial.h"
+#include "testing/trial.h"
 
 #include <array>
 #include <cstring>
@@ -6,8 +6,8 @@
 #include <vector>
 
 #include "adaptor/build_state.h"
-#include "adaptor/test_adaptor.h"
-#include "core/status.h"
+#include "testing/test_adaptor.h"
+#include "base/status.h"
 
 namespace fxm::adaptor {
 namespace {

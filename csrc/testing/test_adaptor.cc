@@ -1,4 +1,4 @@
-#include "adaptor/test_adaptor.h"
+#include "testing/test_adaptor.h"
 
 #include <arpa/inet.h>
 #include <netinet/tcp.h>
@@ -12,8 +12,8 @@
 #include <random>
 #include <set>
 
-#include "core/clock.h"
-#include "core/status.h"
+#include "base/clock.h"
+#include "base/status.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::adaptor {

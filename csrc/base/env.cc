@@ -1,9 +1,9 @@
-#include "core/env.h"
+#include "base/env.h"
 
 #include <cstdlib>
 #include <cstring>
 
-#include "core/status.h"
+#include "base/status.h"
 
 namespace fxm {
 namespace {

@@ -3,7 +3,7 @@
 
 #include <string>
 
-#include "core/env.h"
+#include "base/env.h"
 
 namespace fxm {
 

@@ -121,28 +121,6 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_get_ops(flagcx_mesh_b
                                                                    flagcx_mesh_bootstrap_ops_t *ops);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_destroy(flagcx_mesh_bootstrap_t boot);
 
-/* A test adaptor that behaves like FlagCX's IB adaptor, over loopback TCP
- * (127.0.0.1, ephemeral ports):
- * no identity on the wire, one FIFO accept queue per listener, and a connect
- * that completes only once the other side's accept has taken it. connect and
- * accept each wait a random 0..jitter_us before acting (seeded by seed). */
-typedef struct {
-  size_t size;        /* sizeof(flagcx_mesh_test_adaptor_config_t) */
-  uint32_t jitter_us; /* 0: none */
-  uint64_t seed;
-  int carry_bytes;    /* 1: provide isend/irecv/test */
-  /* Extra delay before a rank's connect to its own listener: forces the order
-   * in which FlagCX's loop files a peer's connection into the self slot. */
-  uint32_t self_connect_delay_us;
-} flagcx_mesh_test_adaptor_config_t;
-
-#define FLAGCX_MESH_TEST_ADAPTOR_CONFIG_INITIALIZER \
-  {sizeof(flagcx_mesh_test_adaptor_config_t), 0, 1, 1, 0}
-
-FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_test_adaptor_create(
-    const flagcx_mesh_test_adaptor_config_t *config, flagcx_mesh_net_adaptor_t *net);
-FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_test_adaptor_destroy(flagcx_mesh_net_adaptor_t *net);
-
 #ifdef __cplusplus
 }
 #endif
