@@ -213,7 +213,7 @@ flagcx_mesh_result_t flagcx_mesh_window_path(flagcx_mesh_comm_t comm, uint32_t i
       fxm::fail(fxm::Code::kInvalidArgument, peer, 0,
                 "peer " + std::to_string(peer) + " is out of range for nranks=" + std::to_string(m.nranks()));
     }
-    *path = fxm::path_name(w->peers.at(static_cast<size_t>(peer)).path);
+    *path = w->peers.at(static_cast<size_t>(peer)).path->name();
   });
 }
 

@@ -7,9 +7,9 @@
 #include <thread>
 
 #include "base/log.h"
-#include "core/signal_ops.h"
+#include "transport/signal_ops.h"
+#include "transport/tcp/tcp_path.h"
 #include "base/status.h"
-#include "transport/cma/cma.h"
 
 namespace fxm {
 namespace {
@@ -146,8 +146,14 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
 }
 
 std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::string& shm_name) const {
-  WindowDesc d{w.kind, w.size, reinterpret_cast<uint64_t>(w.base), static_cast<int32_t>(::getpid()),
-               host_, shm_name};
+  WindowDesc d;
+  d.kind = w.kind;
+  d.size = w.size;
+  d.addr = reinterpret_cast<uint64_t>(w.base);
+  d.pid = static_cast<int32_t>(::getpid());
+  d.host = host_;
+  d.pid_ns = pid_namespace();
+  d.shm_name = shm_name;
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();
@@ -187,51 +193,24 @@ void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs) {
 }
 
 PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const {
+  PathRequest req;
+  req.me = rank_;
+  req.peer = peer;
+  req.win_index = w.index;
+  req.kind = w.kind;
+  req.local_base = w.base;
+  req.local_slots = {reinterpret_cast<uint64_t*>(w.base), w.last_src, w.notify};
+  if (w.kind != WindowKind::kSignal) req.local_slots = {};
+  req.host = host_;
+  req.pid_ns = pid_namespace();
+  req.forced = forced_transport();
+  req.outbox = engine_;
+  PathChoice c = choose_path(req, d);
   PeerView v;
   v.size = d.size;
-  v.pid = d.pid;
-  v.addr = d.addr;
-  ForcedTransport forced = forced_transport();
-  v.path = Path::kTcp;
-  if (forced == ForcedTransport::kTcp) {
-    v.why = "FLAGCX_MESH_TRANSPORT=tcp";
-    return v;
-  }
-  if (peer == rank_) {
-    v.path = Path::kSelf;
-    v.mapped = w.base;
-    v.last_src = w.last_src;
-    v.notify = w.notify;
-    return v;
-  }
-  if (d.host != host_) {
-    v.why = "peer is on another host";
-    return v;
-  }
-  bool lib = d.kind != WindowKind::kUser;
-  if (lib && (forced != ForcedTransport::kCma || d.kind == WindowKind::kSignal)) {
-    int err = 0;
-    uint64_t bytes = d.kind == WindowKind::kSignal ? signal_segment_bytes(d.size / 8) : d.size;
-    v.seg = shm::Segment::open(d.shm_name, bytes, &err);
-    if (v.seg) {
-      v.path = Path::kShm;
-      v.mapped = v.seg.data();
-      if (d.kind == WindowKind::kSignal) {
-        v.last_src = signal_last_src(v.mapped, d.size / 8);
-        v.notify = signal_notify(v.mapped, d.size / 8);
-      }
-      return v;
-    }
-    v.why = "mapping its shared memory failed: " + errno_text(err);
-  }
-  if (d.kind == WindowKind::kSignal) return v;  // atomics need a shared mapping: tcp
-  int err = d.size == 0 ? EINVAL : cma::probe(d.pid, d.addr);
-  if (err == 0) {
-    v.path = Path::kCma;
-    if (lib) v.why = "FLAGCX_MESH_TRANSPORT=cma";
-    return v;
-  }
-  v.why += (v.why.empty() ? "" : "; ") + std::string("process_vm_writev not permitted: ") + errno_text(err);
+  v.why = std::move(c.why);
+  v.path = std::move(c.path);
+  if (v.path->kind() != PathKind::kTcp) v.fallback = make_tcp_path(req, d, nullptr);
   return v;
 }
 
@@ -240,7 +219,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   engine_->flush(-1, deadline);
   allgather_({});  // nobody writes into it any more
   w->live = false;
-  for (PeerView& v : w->peers) v.seg.reset();
+  w->peers.clear();  // unmaps the peers' segments
   w->seg.reset();  // unmapped once no Python view of it remains
 }
 
@@ -302,22 +281,23 @@ void OneSided::validate_signal(const PutArgs& a, const char* op) const {
   }
 }
 
-bool OneSided::inline_data(const PutArgs& a, const Window& local, const PeerView& v, bool is_get) {
-  uint8_t* mine = local.base + (is_get ? a.dst_off : a.src_off);
-  uint64_t theirs = is_get ? a.src_off : a.dst_off;
-  if (v.path == Path::kSelf || v.path == Path::kShm) {
-    if (is_get) std::memmove(mine, v.mapped + theirs, a.size);
-    else std::memmove(v.mapped + theirs, mine, a.size);
-    return true;
-  }
-  if (v.path != Path::kCma) return false;
-  int err = is_get ? cma::read(v.pid, v.addr + theirs, mine, a.size)
-                   : cma::write(v.pid, v.addr + theirs, mine, a.size);
-  if (err != 0) {
+// Moves the data of a put or get over `v`'s path, or over tcp while tcp ops
+// to that pair are in flight (FIFO) or when the synchronous path fails.
+// True when the op is complete on return.
+bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool via_tcp) {
+  PathOp op{a.ctx, is_get ? a.src_off : a.dst_off, local.base + (is_get ? a.dst_off : a.src_off), a.size,
+            a.sig.on ? &a.sig : nullptr};
+  Path* p = via_tcp ? &v.tcp() : v.path.get();
+  if (p->synchronous()) {
+    int err = is_get ? p->get(op) : p->put(op);
+    if (err == 0) return true;
     FXM_WARN(rank_, std::string(is_get ? "process_vm_readv" : "process_vm_writev") + " to peer " +
                         std::to_string(a.peer) + " failed (" + errno_text(err) + "); this op goes over tcp");
+    p = &v.tcp();
   }
-  return err == 0;
+  if (is_get) p->get(op);
+  else p->put(op);  // the signal travels with the data
+  return false;
 }
 
 void OneSided::check_put(const PutArgs& a) const {
@@ -333,25 +313,16 @@ void OneSided::put(const PutArgs& in) {
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   bool via_tcp = engine_->busy(a.peer, a.ctx);
-  bool data_done = a.size == 0;
-  if (!data_done && !via_tcp) {
+  if (a.size != 0) {
     std::shared_ptr<Window> src = windows_->get(a.src_win), dst = windows_->get(a.dst_win);
-    data_done = inline_data(a, *src, dst->peers[a.peer], false);
-  }
-  if (!data_done) {  // the signal travels with the data
-    const uint8_t* src = windows_->get(a.src_win)->base + a.src_off;
-    engine_->post_put(a.peer, a.ctx, src, a.size, a.dst_win, a.dst_off, a.sig);
-    return;
+    if (!move_data(a, *src, dst->peers[a.peer], false, via_tcp)) return;  // completes later
   }
   if (a.sig.on) {
     std::shared_ptr<Window> sw = windows_->get(a.sig.win);
     const PeerView& v = sw->peers[a.peer];
-    if (via_tcp || (v.path != Path::kSelf && v.path != Path::kShm)) {
-      engine_->post_put(a.peer, a.ctx, nullptr, 0, 0, 0, a.sig);
-      return;
-    }
-    apply_signal(reinterpret_cast<uint64_t*>(v.mapped), v.last_src, v.notify, a.sig.slot, a.sig.value,
-                 a.sig.set, rank_);
+    Path* p = via_tcp || !v.path->can_signal() ? &v.tcp() : v.path.get();
+    p->signal(PathOp{a.ctx, 0, nullptr, 0, &a.sig}, rank_);
+    if (!p->synchronous()) return;
   }
   engine_->count_inline(a.peer, 1);
 }
@@ -361,11 +332,8 @@ void OneSided::get(const PutArgs& a) {
   engine_->check_peer(a.peer, "get");
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   std::shared_ptr<Window> remote = windows_->get(a.src_win), local = windows_->get(a.dst_win);
-  if (a.size == 0 || (!engine_->busy(a.peer, a.ctx) && inline_data(a, *local, remote->peers[a.peer], true))) {
-    engine_->count_inline(a.peer, 1);
-    return;
-  }
-  engine_->post_get(a.peer, a.ctx, a.src_win, a.src_off, local->base + a.dst_off, a.size);
+  if (a.size != 0 && !move_data(a, *local, remote->peers[a.peer], true, engine_->busy(a.peer, a.ctx))) return;
+  engine_->count_inline(a.peer, 1);
 }
 
 uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {

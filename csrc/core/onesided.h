@@ -71,8 +71,7 @@ class OneSided {
   void validate_signal(const PutArgs& a, const char* op) const;
   [[noreturn]] void fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
                                     int lost) const;
-  bool inline_data(const PutArgs& a, const Window& src, const PeerView& dst, bool is_get);
-  void inline_signal(const PutArgs& a, const char* op);
+  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool via_tcp);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int rank_, nranks_, ncontexts_;

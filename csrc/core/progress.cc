@@ -11,7 +11,7 @@
 #include <cstring>
 
 #include "base/log.h"
-#include "core/signal_ops.h"
+#include "transport/signal_ops.h"
 #include "base/status.h"
 
 namespace fxm {

@@ -28,28 +28,20 @@
 
 namespace fxm {
 
-struct SignalSpec {
-  bool on = false;
-  bool set = false;  // false: add
-  uint32_t win = 0;
-  uint64_t slot = 0;
-  uint64_t value = 0;
-};
-
-class Engine {
+class Engine : public Outbox {
  public:
   // max_unreceived: bytes of messages that may wait in one (peer, ctx)
   // mailbox; above it the engine stops reading that connection until recv()
   // drains it (acks and get answers on that connection wait too).
   Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
          uint64_t max_unreceived);
-  ~Engine();
+  ~Engine() override;
 
   // One-sided ops over TCP (the caller validated every argument). The source
   // bytes must stay valid until the op completes (see completed()).
   void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
-                uint64_t dst_off, const SignalSpec& sig);
-  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len);
+                uint64_t dst_off, const SignalSpec& sig) override;
+  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len) override;
   // True while TCP ops to (peer, ctx) are not yet complete at the target;
   // later ops to that pair must then take TCP too, to stay FIFO.
   bool busy(int peer, int ctx) const;

@@ -2,12 +2,9 @@
 //
 // Windows are registered collectively; the index is the registration order
 // and is the same on every rank. Each rank publishes a WindowDesc; every rank
-// then decides, per peer, the path to that peer's window:
-//   self  the window is in this process: memcpy / atomics
-//   shm   the peer's window is a shared-memory segment mapped here
-//   cma   the peer is on this host and process_vm_writev/readv reach it
-//   tcp   the peer's progress thread lands the data (any window, any host)
-// and records why a preferred path was not taken.
+// then asks the path factories (transport/path.h: self, shm, cma, tcp, in
+// that order) for a path to each peer's copy, and records why the preferred
+// paths were not taken.
 #pragma once
 
 #include <sys/types.h>
@@ -18,44 +15,20 @@
 #include <string>
 #include <vector>
 
+#include "transport/path.h"
 #include "transport/shm/segment.h"
 
 namespace fxm {
 
-struct SignalNotify;
-
-enum class WindowKind : uint32_t { kUser = 1, kShm = 2, kSignal = 3 };
-enum class Path : uint8_t { kSelf = 0, kShm = 1, kCma = 2, kTcp = 3 };
-// FLAGCX_MESH_TRANSPORT: auto (default) | tcp | cma | shm
-enum class ForcedTransport { kAuto, kTcp, kCma, kShm };
-
-const char* path_name(Path p);
-const char* kind_name(WindowKind k);
-ForcedTransport forced_transport();
-
-// What a rank publishes about its copy of a window.
-struct WindowDesc {
-  WindowKind kind = WindowKind::kUser;
-  uint64_t size = 0;     // bytes (signal windows: nslots * 8)
-  uint64_t addr = 0;     // base address in the owner (for cma)
-  int32_t pid = 0;
-  std::string host;      // shm::host_id()
-  std::string shm_name;  // empty for user windows
-  std::vector<uint8_t> encode() const;
-  static bool decode(const std::vector<uint8_t>& b, WindowDesc* out);
-};
-
-// How this rank reaches one peer's copy of a window.
+// How this rank reaches one peer's copy of a window: the path chosen for it
+// and, when that is not tcp, the tcp path as a fallback (ops the chosen path
+// cannot take, and ops that must queue behind tcp ops in flight).
 struct PeerView {
-  Path path = Path::kTcp;
+  std::unique_ptr<Path> path;
+  std::unique_ptr<Path> fallback;  // tcp; empty when `path` is tcp
   uint64_t size = 0;
-  uint8_t* mapped = nullptr;  // shm / self: where the peer's bytes are here
-  int64_t* last_src = nullptr;  // signal windows mapped here: last signaller per slot
-  struct SignalNotify* notify = nullptr;  // signal windows mapped here: wake-up block
-  pid_t pid = 0;
-  uint64_t addr = 0;
   std::string why;  // why a better path was not taken (empty when none)
-  shm::Segment seg;
+  Path& tcp() const { return fallback ? *fallback : *path; }
 };
 
 struct Window {

@@ -44,7 +44,7 @@ py::dict window_info(Mesh& m, uint32_t index) {
   d["mode"] = w->mode();
   d["describe"] = w->describe();
   py::list paths;
-  for (const fxm::PeerView& v : w->peers) paths.append(py::make_tuple(fxm::path_name(v.path), v.why));
+  for (const fxm::PeerView& v : w->peers) paths.append(py::make_tuple(v.path->name(), v.why));
   d["paths"] = paths;
   return d;
 }

@@ -1,0 +1,26 @@
+// The cma path: a peer process on this host whose memory this rank reads
+// and writes with process_vm_readv / process_vm_writev (synchronous).
+//
+// The factory takes this path when the peer is on this host and a one-byte
+// process_vm_readv of its window succeeds.
+#pragma once
+
+#include "transport/path.h"
+
+namespace fxm {
+
+class CmaPath : public Path {
+ public:
+  CmaPath(pid_t pid, uint64_t addr) : pid_(pid), addr_(addr) {}
+  PathKind kind() const override { return PathKind::kCma; }
+  int put(const PathOp& op) override;
+  int get(const PathOp& op) override;
+
+ private:
+  pid_t pid_;
+  uint64_t addr_;
+};
+
+std::unique_ptr<Path> make_cma_path(const PathRequest& req, const WindowDesc& d, std::string* why);
+
+}  // namespace fxm

@@ -1,0 +1,135 @@
+// One-sided paths: how this rank reaches one peer's copy of one window.
+//
+// A path moves bytes (put / get) and applies signals for one (window, peer).
+// Each kind lives in transport/<kind>/ and has a factory; path_factories()
+// lists them in order of preference (self, shm, cma, tcp). choose_path()
+// asks each in turn and takes the first that accepts; every refusal on the
+// way is kept with its reason, for describe().
+//
+// A path is synchronous (the op is done when the call returns: memcpy,
+// process_vm_writev) or asynchronous (the call posts the op; it completes
+// later, and its completion is reported through the Outbox that posted it).
+// Transport sits below the core: the asynchronous tcp path posts frames
+// through the Outbox interface, which the core's progress engine implements.
+#pragma once
+
+#include <sys/types.h>
+
+#include <cstdint>
+#include <memory>
+#include <string>
+#include <vector>
+
+namespace fxm {
+
+enum class WindowKind : uint32_t { kUser = 1, kShm = 2, kSignal = 3 };
+const char* kind_name(WindowKind k);
+
+// FLAGCX_MESH_TRANSPORT: auto (default) | tcp | cma | shm
+enum class ForcedTransport { kAuto, kTcp, kCma, kShm };
+ForcedTransport forced_transport();  // throws InvalidArgument on a bad value
+
+enum class PathKind : uint8_t { kSelf = 0, kShm = 1, kCma = 2, kTcp = 3 };
+const char* path_name(PathKind k);
+
+// What a rank publishes about its copy of a window.
+struct WindowDesc {
+  WindowKind kind = WindowKind::kUser;
+  uint64_t size = 0;         // bytes (signal windows: nslots * 8)
+  uint64_t addr = 0;         // base address in the owner (for cma)
+  int32_t pid = 0;
+  std::string host;          // shm::host_id(): boot id + /dev/shm identity
+  std::string pid_ns;        // readlink /proc/self/ns/pid
+  std::string shm_name;      // empty for user windows
+  uint64_t cookie_addr = 0;  // where the owner keeps `cookie` (read back through cma)
+  uint64_t cookie = 0;       // random, per window and rank
+  std::vector<uint8_t> encode() const;
+  static bool decode(const std::vector<uint8_t>& b, WindowDesc* out);
+};
+
+// A signal applied after an op's data landed (put_signal / signal).
+struct SignalSpec {
+  bool on = false;
+  bool set = false;  // false: add
+  uint32_t win = 0;
+  uint64_t slot = 0;
+  uint64_t value = 0;
+};
+
+// Frames and completions of asynchronous paths, implemented by the core's
+// progress engine. post_* count the op as issued to (peer, ctx); it completes
+// when the target acknowledges it (or answers the get).
+class Outbox {
+ public:
+  virtual ~Outbox() = default;
+  virtual void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
+                        uint64_t dst_off, const SignalSpec& sig) = 0;
+  virtual void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
+                        uint64_t len) = 0;
+};
+
+// The signal slots of a signal window mapped in this process.
+struct SignalSlots {
+  uint64_t* values = nullptr;
+  int64_t* last_src = nullptr;
+  struct SignalNotify* notify = nullptr;
+};
+
+// One op as a path sees it: the window offset on the peer's side, this
+// rank's bytes, the (peer, ctx) pair and, for signals, the spec.
+struct PathOp {
+  int ctx = 0;
+  uint64_t remote_off = 0;
+  uint8_t* local = nullptr;  // source of a put, destination of a get
+  uint64_t len = 0;
+  const SignalSpec* sig = nullptr;  // put: apply after the data (carries_signal() paths only)
+};
+
+class Path {
+ public:
+  virtual ~Path() = default;
+  virtual PathKind kind() const = 0;
+  const char* name() const { return path_name(kind()); }
+  // True: put / get / signal are done when they return. False: they post the
+  // op, which completes later through the Outbox.
+  virtual bool synchronous() const { return true; }
+  // True: put() takes op.sig and applies it at the target after the data.
+  virtual bool carries_signal() const { return false; }
+  // True: signal() works on this path (a shared mapping or a carrier).
+  virtual bool can_signal() const { return false; }
+  // 0, or an errno: the op did not happen and may take the fallback path.
+  virtual int put(const PathOp& op) = 0;
+  virtual int get(const PathOp& op) = 0;
+  virtual void signal(const PathOp& op, int src_rank) { (void)op; (void)src_rank; }
+  // The peer's signal slots mapped here (self / shm signal windows), else empty.
+  virtual SignalSlots slots() const { return {}; }
+};
+
+// What a factory knows when asked for a path to one peer's window.
+struct PathRequest {
+  int me = 0;
+  int peer = 0;
+  uint32_t win_index = 0;
+  WindowKind kind = WindowKind::kUser;
+  uint8_t* local_base = nullptr;  // this rank's copy (for self)
+  SignalSlots local_slots;        // this rank's signal slots (for self)
+  std::string host, pid_ns;       // this rank's
+  ForcedTransport forced = ForcedTransport::kAuto;
+  Outbox* outbox = nullptr;
+};
+
+// nullptr with *why set (or left empty: "not applicable, say nothing") when
+// the path cannot reach that window.
+using PathFactory = std::unique_ptr<Path> (*)(const PathRequest& req, const WindowDesc& d, std::string* why);
+const std::vector<PathFactory>& path_factories();  // self, shm, cma, tcp
+
+struct PathChoice {
+  std::unique_ptr<Path> path;
+  std::string why;  // the refusals before it, "; "-joined (empty when none)
+};
+PathChoice choose_path(const PathRequest& req, const WindowDesc& d);
+
+// This process's PID namespace ("pid:[4026531836]"), "" when unreadable.
+const std::string& pid_namespace();
+
+}  // namespace fxm

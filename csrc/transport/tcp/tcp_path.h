@@ -1,0 +1,30 @@
+// The tcp path: the peer's progress thread lands the data (any window, any
+// host). Asynchronous: put / get / signal post a frame through the Outbox
+// (the core's progress engine) and complete when the target acknowledges
+// (or answers) it. A signal travels in the frame of its data.
+#pragma once
+
+#include "transport/path.h"
+
+namespace fxm {
+
+class TcpPath : public Path {
+ public:
+  TcpPath(Outbox* outbox, int peer, uint32_t win) : outbox_(outbox), peer_(peer), win_(win) {}
+  PathKind kind() const override { return PathKind::kTcp; }
+  bool synchronous() const override { return false; }
+  bool carries_signal() const override { return true; }
+  bool can_signal() const override { return true; }
+  int put(const PathOp& op) override;
+  int get(const PathOp& op) override;
+  void signal(const PathOp& op, int src_rank) override;
+
+ private:
+  Outbox* outbox_;
+  int peer_;
+  uint32_t win_;
+};
+
+std::unique_ptr<Path> make_tcp_path(const PathRequest& req, const WindowDesc& d, std::string* why);
+
+}  // namespace fxm
