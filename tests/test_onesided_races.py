@@ -1,0 +1,288 @@
+"""Wrong bytes and crashes of the one-sided engine under races (issue 9, items 1-5).
+
+Each test is a regression test that fails on the engine before the fix (46691ab):
+  1 a tcp get is a snapshot at its FIFO position (a later put or signal cannot leak into it)
+  2 wait_signal while its window is closed in another thread: the waiter wakes with an error
+  3 a put racing close() of its window on the same rank: an error, never a SIGSEGV
+  4 a tcp put_signal whose data the target drops: the signal is not applied, flush fails
+  5 cma is not chosen for a peer in another PID namespace (its pid means nothing here)
+Crash scenarios run in a child process, which must exit 0 with the expected error text (a
+SIGSEGV then fails the test instead of killing pytest). Every wait is bounded.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import textwrap
+
+import numpy as np
+import pytest
+
+import flagcx_mesh
+from flagcx_mesh import InvalidArgument, Mesh
+from meshutil import PY, run_threads, subprocess_env
+
+pytestmark = pytest.mark.timeout(180)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+def thread_meshes(n=2):
+    uid = flagcx_mesh.get_unique_id()
+    return run_threads(n, lambda r: Mesh(n, uid, r, timeout=30), timeout=45)
+
+
+def close_all(meshes):
+    for m in meshes:
+        m.close()
+
+
+def run_child(code: str, transport: str = "auto", timeout: float = 120) -> str:
+    """Runs `code` in a fresh interpreter; asserts exit 0; returns stdout + stderr."""
+    env = subprocess_env()
+    env.pop("FLAGCX_MESH_TRANSPORT", None)
+    if transport != "auto":
+        env["FLAGCX_MESH_TRANSPORT"] = transport
+    p = subprocess.run([PY, "-c", textwrap.dedent(code)], env=env, cwd=HERE, capture_output=True,
+                       text=True, timeout=timeout)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, f"child exited {p.returncode} (negative: killed by that signal)\n{out[-6000:]}"
+    return out
+
+
+# ----------------------------------------------------------------------------- 1
+
+
+@pytest.mark.parametrize("later", ["put", "signal"])
+def test_tcp_get_is_a_snapshot_at_its_fifo_position(monkeypatch, later):
+    """A 32 MiB get over tcp, then (same peer and context) a put to the same range, or a signal
+    after which the target overwrites that range itself: the get returns exactly the bytes as of
+    its position. Before the fix, the answer was read from the window only as the socket
+    drained, so up to all of the later bytes leaked into it."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    size = 32 << 20
+    meshes = thread_meshes(2)
+    try:
+        def body(r):
+            m = meshes[r]
+            A = m.register_window(np.full(size, 0x11, np.uint8))  # rank 1's bytes are what rank 0 reads
+            L = m.register_window(np.zeros(size, np.uint8))
+            Y = m.register_window(np.full(size, 0x22, np.uint8))
+            S = m.signal_window(1)
+            bad = []
+            for rnd in range(3):
+                m.barrier(timeout=30)
+                if r == 0:
+                    got = np.frombuffer(L.buffer, np.uint8)
+                    got[:] = 0
+                    m.get(1, A, 0, L, 0, size)
+                    if later == "put":
+                        m.put(1, Y, 0, A, 0, size)
+                    else:
+                        m.signal(1, 0, 1, signal_window=S)
+                    m.flush(timeout=60)
+                    leaked = int(np.count_nonzero(got != 0x11))
+                    if leaked:
+                        bad.append(f"round {rnd}: {leaked} bytes of the get are not the bytes as of its position")
+                else:
+                    a = np.frombuffer(A.buffer, np.uint8)
+                    if later == "signal":
+                        m.wait_signal(0, rnd + 1, timeout=60, window=S)
+                        a[:] = 0x33  # "the slot is mine again"
+                m.barrier(timeout=60)
+                if r == 1:
+                    np.frombuffer(A.buffer, np.uint8)[:] = 0x11
+            m.barrier(timeout=30)
+            return bad
+
+        res = run_threads(2, body, timeout=170)
+        assert res == [[], []], res
+    finally:
+        close_all(meshes)
+
+
+# ----------------------------------------------------------------------------- 2
+
+
+def test_wait_signal_wakes_with_an_error_when_its_window_is_closed():
+    """One thread waits on a signal slot while another closes the signal window. Before the fix
+    the waiter went on reading the unmapped slots: SIGSEGV."""
+    out = run_child("""
+        import threading, time, flagcx_mesh
+        from flagcx_mesh import Mesh
+        m = Mesh(1, flagcx_mesh.get_unique_id(), 0, timeout=30)
+        for i in range(5):
+            S = m.signal_window(4)
+            errors = []
+            def waiter():
+                try:
+                    m.wait_signal(2, 1, timeout=20, window=S)
+                    errors.append("returned")
+                except Exception as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+            t = threading.Thread(target=waiter)
+            t.start()
+            time.sleep(0.1)
+            S.close()
+            t.join(10)
+            assert not t.is_alive(), "wait_signal still blocked after its window was closed"
+            print("waiter:", errors[0], flush=True)
+        m.close()
+        print("DONE")
+    """)
+    assert "DONE" in out, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("waiter:")]
+    assert len(lines) == 5, out
+    for ln in lines:
+        assert "InvalidArgument" in ln and "window #" in ln and "closed" in ln, ln
+
+
+# ----------------------------------------------------------------------------- 3
+
+
+@pytest.mark.parametrize("transport", ["shm", "cma"])
+def test_put_racing_close_on_the_same_rank_fails_cleanly(transport):
+    """Rank 0 puts to rank 1 in a loop while another thread of rank 0 closes the window (rank 1
+    closes it too). Before the fix: SIGSEGV (shm: the mapping went away under the memcpy; cma: the
+    write could land in freed memory). After: the put fails with InvalidArgument naming the window."""
+    out = run_child("""
+        import threading, time, flagcx_mesh, numpy as np
+        from flagcx_mesh import Mesh, InvalidArgument, MeshClosed
+        import sys
+        sys.path.insert(0, ".")
+        from meshutil import run_threads
+        uid = flagcx_mesh.get_unique_id()
+        meshes = run_threads(2, lambda r: Mesh(2, uid, r, timeout=30), timeout=45)
+        kind = "%s"
+        size = 4 << 20
+        def body(r):
+            m = meshes[r]
+            outcomes = []
+            for rnd in range(8):
+                if kind == "shm":
+                    A = m.alloc_window(size)
+                    B = m.alloc_window(size)
+                else:
+                    A = m.register_window(np.zeros(size, np.uint8))
+                    B = m.register_window(np.zeros(size, np.uint8))
+                stop = []
+                def putter():
+                    try:
+                        while True:
+                            m.put(1, B, 0, A, 0, size)
+                            m.put(1, A, 0, B, 0, size)
+                    except (InvalidArgument, MeshClosed) as e:
+                        stop.append(f"{type(e).__name__}: {e}")
+                t = None
+                if r == 0:
+                    t = threading.Thread(target=putter)
+                    t.start()
+                    time.sleep(0.02 * (rnd + 1))
+                A.close()
+                B.close()
+                if t is not None:
+                    t.join(20)
+                    assert not t.is_alive(), "put loop never failed after close()"
+                    outcomes.append(stop[0])
+                m.barrier(timeout=30)
+            return outcomes
+        res = run_threads(2, body, timeout=100)
+        for line in res[0]:
+            print("putter:", line, flush=True)
+        for m in meshes:
+            m.close()
+        print("DONE")
+    """ % transport, transport=transport)
+    assert "DONE" in out, out
+    lines = [ln for ln in out.splitlines() if ln.startswith("putter:")]
+    assert len(lines) == 8, out
+    for ln in lines:
+        assert "InvalidArgument" in ln and "window #" in ln, ln
+
+
+# ----------------------------------------------------------------------------- 4
+
+
+def test_tcp_put_signal_the_target_drops_never_applies_its_signal(monkeypatch):
+    """The target no longer has the destination window (here: the ranks closed different windows
+    in one deregistration collective, so rank 1 dropped #0 while rank 0 still has it). A put_signal
+    to it over tcp is refused by the target: the signal is not applied and the initiator's flush
+    fails naming the refused window. Before the fix the signal was applied without its data and
+    flush succeeded."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    meshes = thread_meshes(2)
+    try:
+        def body(r):
+            m = meshes[r]
+            W0 = m.register_window(np.zeros(4096, np.uint8))
+            W1 = m.register_window(np.zeros(4096, np.uint8))
+            S = m.signal_window(1)
+            (W1 if r == 0 else W0).close()  # one collective, different windows
+            result = None
+            if r == 0:
+                np.frombuffer(W0.buffer, np.uint8)[:] = 7
+                m.put_signal(1, W0, 0, W0, 0, 4096, 0, 1, signal_window=S)
+                try:
+                    m.flush(timeout=30)
+                    result = "flush succeeded"
+                except InvalidArgument as e:
+                    result = f"InvalidArgument: {e}"
+                m.put_signal(1, S, 0, S, 0, 0, 0, 5, signal_window=S)  # a later op still works (FIFO intact)
+                m.flush(timeout=30)
+            m.barrier(timeout=30)
+            if r == 1:
+                m.wait_signal(0, 5, timeout=30, window=S)
+                result = m.read_signal(0, window=S)
+            m.barrier(timeout=30)
+            return result
+
+        flush_result, signal_value = run_threads(2, body, timeout=120)
+        assert flush_result.startswith("InvalidArgument") and "window #0" in flush_result \
+            and "refused" in flush_result, flush_result
+        assert signal_value == 5, f"signal slot is {signal_value}: the dropped put's signal was applied"
+    finally:
+        close_all(meshes)
+
+
+# ----------------------------------------------------------------------------- 5
+
+
+IDENTITY_PROG = """
+import os, sys, numpy as np
+from flagcx_mesh import Mesh
+m = Mesh.from_launcher(timeout=60)
+r = m.rank
+W = m.register_window(np.full(1 << 16, r + 1, np.uint8))
+L = m.register_window(np.zeros(1 << 16, np.uint8))
+path, why = W.paths[1 - r]
+print(f"rank {r} ns {os.readlink('/proc/self/ns/pid')} pid {os.getpid()} path {path} ({why})", flush=True)
+assert path == "tcp" and "PID namespace" in why, W.describe()   # before any byte moves
+m.get(1 - r, W, 0, L, 0, 1 << 16)
+m.flush(timeout=30)
+assert (np.frombuffer(L.buffer, np.uint8) == 2 - r).all(), "get over tcp returned wrong bytes"
+m.barrier(timeout=30)
+print(f"OK rank {r}", flush=True)
+"""
+
+
+def test_cma_is_not_chosen_for_a_peer_in_another_pid_namespace(tmp_path):
+    """Rank 1 runs in a PID namespace of its own (same host, same /dev/shm): its published pid
+    names another process here, so cma must not be chosen, and describe() says why. Before the
+    fix, the same-host check ignored PID namespaces (the path was cma, or tcp only because the
+    probe of an unrelated process happened to fail)."""
+    unshare = shutil.which("unshare")
+    if unshare is None or subprocess.run([unshare, "--pid", "--fork", "true"], capture_output=True).returncode:
+        pytest.skip("cannot create a PID namespace here (unshare --pid needs privileges)")
+    prog = tmp_path / "identity_prog.py"
+    prog.write_text(IDENTITY_PROG)
+    shell = (f'if [ "$FLAGCX_MESH_RANK" = 1 ]; then exec {unshare} --pid --fork {PY} {prog}; '
+             f'else exec {PY} {prog}; fi')
+    env = subprocess_env()
+    env.pop("FLAGCX_MESH_TRANSPORT", None)
+    p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", "2", "--timeout", "90", "--", "sh", "-c", shell],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    assert "OK rank 0" in out and "OK rank 1" in out, out
