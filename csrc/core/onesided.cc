@@ -216,11 +216,33 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
 
 void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   std::shared_ptr<Window> w = window(index, "deregister");
-  engine_->flush(-1, deadline);
+  if (w->closing.exchange(true)) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "deregister: window #" + std::to_string(index) +
+                                            " is already being closed");
+  }
+  if (w->notify) wake_signal_waiters(w->notify);  // they see `closing` and leave
+  wait_unused(*w, deadline);  // ops being issued on it, waiters
+  engine_->flush(-1, deadline);  // ops in flight that hold it complete
   allgather_({});  // nobody writes into it any more
   w->live = false;
-  w->peers.clear();  // unmaps the peers' segments
+  if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
+  wait_unused(*w, deadline);  // a (misbehaving) peer's frame the engine is landing
+  for (PeerView& v : w->peers) {
+    v.path->release();  // unmaps the peers' segments; describe() still names the paths
+    if (v.fallback) v.fallback->release();
+  }
   w->seg.reset();  // unmapped once no Python view of it remains
+}
+
+void OneSided::wait_unused(const Window& w, const Deadline& deadline) const {
+  for (int spins = 0; w.users.load() != 0; ++spins) {
+    if (deadline.expired()) {
+      fail(Code::kTimeout, -1, 0, who() + "deregister: window #" + std::to_string(w.index) + " is still used by " +
+                                      std::to_string(w.users.load()) + " operation(s)");
+    }
+    if (spins < 100) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 std::shared_ptr<Window> OneSided::window(uint32_t index, const char* op) const {
@@ -234,9 +256,21 @@ std::shared_ptr<Window> OneSided::window(uint32_t index, const char* op) const {
   return w;
 }
 
+Window& OneSided::use(uint32_t index, const char* op, OpWindows* ow) const {
+  Window* w = windows_->find(index);
+  if (w != nullptr && (ow == nullptr ? w->live && !w->closing : w->enter())) {
+    if (ow != nullptr) ow->add(w);
+    return *w;
+  }
+  std::string what = who() + op + ": window #" + std::to_string(index);
+  if (!w) fail(Code::kInvalidArgument, -1, 0, what + " is not registered");
+  if (!w->live) fail(Code::kInvalidArgument, -1, 0, what + " was deregistered");
+  fail(Code::kInvalidArgument, -1, 0, what + " is being deregistered (closed)");
+}
+
 // ------------------------------------------------------------ operations
 
-void OneSided::validate(const PutArgs& a, const char* op, bool is_get) const {
+void OneSided::validate(const PutArgs& a, const char* op, bool is_get, OpWindows* ow) const {
   auto head = [&] { return who() + op + " (peer " + std::to_string(a.peer) + "): "; };  // failures only
   if (a.peer < 0 || a.peer >= nranks_) {
     fail(Code::kInvalidArgument, a.peer, 0, head() + "peer out of range [0, " + std::to_string(nranks_) + ")");
@@ -245,49 +279,62 @@ void OneSided::validate(const PutArgs& a, const char* op, bool is_get) const {
     fail(Code::kInvalidArgument, a.peer, 0, head() + "context " + std::to_string(a.ctx) + " out of range");
   }
   if (a.size == 0 && !is_get && a.sig.on) return;  // signal only: no data windows involved
-  std::shared_ptr<Window> local = window(is_get ? a.dst_win : a.src_win, op);
-  std::shared_ptr<Window> remote = window(is_get ? a.src_win : a.dst_win, op);
-  for (const Window* w : {local.get(), remote.get()}) {
+  Window& local = use(is_get ? a.dst_win : a.src_win, op, ow);
+  Window& remote = use(is_get ? a.src_win : a.dst_win, op, ow);
+  if (ow) {
+    ow->local = &local;
+    ow->remote = &remote;
+  }
+  for (const Window* w : {&local, &remote}) {
     if (w->kind == WindowKind::kSignal) {
       fail(Code::kInvalidArgument, a.peer, 0, head() + "window #" + std::to_string(w->index) +
                                                   " is a signal window; use signal() / put_signal()");
     }
   }
   uint64_t loff = is_get ? a.dst_off : a.src_off, roff = is_get ? a.src_off : a.dst_off;
-  if (!in_range(loff, a.size, local->size)) {
+  if (!in_range(loff, a.size, local.size)) {
     fail(Code::kInvalidArgument, a.peer, 0, head() + "local range " + range_text(loff, a.size) +
-                                                " exceeds window #" + std::to_string(local->index) + " (" +
-                                                std::to_string(local->size) + " bytes)");
+                                                " exceeds window #" + std::to_string(local.index) + " (" +
+                                                std::to_string(local.size) + " bytes)");
   }
-  uint64_t rsize = remote->peers[a.peer].size;
+  uint64_t rsize = remote.peers[a.peer].size;
   if (!in_range(roff, a.size, rsize)) {
     fail(Code::kInvalidArgument, a.peer, 0, head() + "remote range " + range_text(roff, a.size) +
-                                                " exceeds window #" + std::to_string(remote->index) +
+                                                " exceeds window #" + std::to_string(remote.index) +
                                                 " of peer " + std::to_string(a.peer) + " (" +
                                                 std::to_string(rsize) + " bytes)");
   }
 }
 
-void OneSided::validate_signal(const PutArgs& a, const char* op) const {
-  std::shared_ptr<Window> w = window(a.sig.win, op);
+void OneSided::validate_signal(const PutArgs& a, const char* op, OpWindows* ow) const {
+  Window& w = use(a.sig.win, op, ow);
+  if (ow) ow->sig = &w;
   auto head = [&] { return who() + op + " (peer " + std::to_string(a.peer) + "): "; };
-  if (w->kind != WindowKind::kSignal) {
+  if (w.kind != WindowKind::kSignal) {
     fail(Code::kInvalidArgument, a.peer, 0, head() + "window #" + std::to_string(a.sig.win) + " is not a signal window");
   }
-  uint64_t nslots = w->peers[a.peer].size / 8;
+  uint64_t nslots = w.peers[a.peer].size / 8;
   if (a.sig.slot >= nslots) {
     fail(Code::kInvalidArgument, a.peer, 0, head() + "signal slot " + std::to_string(a.sig.slot) +
                                                 " out of range [0, " + std::to_string(nslots) + ")");
   }
 }
 
-// Moves the data of a put or get over `v`'s path, or over tcp while tcp ops
-// to that pair are in flight (FIFO) or when the synchronous path fails.
-// True when the op is complete on return.
-bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool via_tcp) {
+// FIFO per (peer, ctx) across paths. Synchronous paths are done when they
+// return; while asynchronous ops to the pair are in flight, a later op takes
+// the pair's asynchronous path too (tcp reaches every window), so it completes
+// after them, signals included.
+Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, bool busy) const {
+  return busy ? &v.tcp() : v.path.get();
+}
+
+// Moves the data of a put or get over its ordered path; a synchronous path
+// that fails (process_vm_writev refused) hands the op to tcp. True when the
+// op is complete on return.
+bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool busy) {
   PathOp op{a.ctx, is_get ? a.src_off : a.dst_off, local.base + (is_get ? a.dst_off : a.src_off), a.size,
             a.sig.on ? &a.sig : nullptr};
-  Path* p = via_tcp ? &v.tcp() : v.path.get();
+  Path* p = ordered_path(a, v, busy);
   if (p->synchronous()) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;
@@ -300,27 +347,27 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
   return false;
 }
 
-void OneSided::check_put(const PutArgs& a) const {
+void OneSided::check_put(const PutArgs& a) const { check_put(a, nullptr); }
+
+void OneSided::check_put(const PutArgs& a, OpWindows* ow) const {
   const char* op = !a.sig.on ? "put" : a.size ? "put_signal" : "signal";
-  validate(a, op, false);
-  if (a.sig.on) validate_signal(a, op);
+  validate(a, op, false, ow);
+  if (a.sig.on) validate_signal(a, op, ow);
 }
 
 void OneSided::put(const PutArgs& in) {
   PutArgs a = in;
-  check_put(a);
+  OpWindows ow;  // entered until the op is issued; in flight, the engine completes it before close()
+  check_put(a, &ow);
   engine_->check_peer(a.peer, a.sig.on ? (a.size ? "put_signal" : "signal") : "put");
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
-  bool via_tcp = engine_->busy(a.peer, a.ctx);
-  if (a.size != 0) {
-    std::shared_ptr<Window> src = windows_->get(a.src_win), dst = windows_->get(a.dst_win);
-    if (!move_data(a, *src, dst->peers[a.peer], false, via_tcp)) return;  // completes later
-  }
+  bool busy = engine_->busy(a.peer, a.ctx);
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, busy)) return;
   if (a.sig.on) {
-    std::shared_ptr<Window> sw = windows_->get(a.sig.win);
-    const PeerView& v = sw->peers[a.peer];
-    Path* p = via_tcp || !v.path->can_signal() ? &v.tcp() : v.path.get();
+    const PeerView& v = ow.sig->peers[a.peer];
+    Path* p = ordered_path(a, v, busy);
+    if (!p->can_signal()) p = &v.tcp();
     p->signal(PathOp{a.ctx, 0, nullptr, 0, &a.sig}, rank_);
     if (!p->synchronous()) return;
   }
@@ -328,46 +375,60 @@ void OneSided::put(const PutArgs& in) {
 }
 
 void OneSided::get(const PutArgs& a) {
-  validate(a, "get", true);
+  OpWindows ow;
+  validate(a, "get", true, &ow);
   engine_->check_peer(a.peer, "get");
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
-  std::shared_ptr<Window> remote = windows_->get(a.src_win), local = windows_->get(a.dst_win);
-  if (a.size != 0 && !move_data(a, *local, remote->peers[a.peer], true, engine_->busy(a.peer, a.ctx))) return;
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, engine_->busy(a.peer, a.ctx))) return;
   engine_->count_inline(a.peer, 1);
 }
 
-uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
-  std::shared_ptr<Window> w = window(win, "read_signal");
-  if (w->kind != WindowKind::kSignal || slot >= w->nslots()) {
-    fail(Code::kInvalidArgument, -1, 0, who() + "read_signal: window #" + std::to_string(win) + " slot " +
+Window& OneSided::signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const {
+  Window& w = use(win, op, ow);
+  if (w.kind != WindowKind::kSignal || slot >= w.nslots()) {
+    fail(Code::kInvalidArgument, -1, 0, who() + op + ": window #" + std::to_string(win) + " slot " +
                                             std::to_string(slot) + " is not a signal slot (window has " +
-                                            std::to_string(w->nslots()) + " slots)");
+                                            std::to_string(w.nslots()) + " slots)");
   }
-  return load_signal(reinterpret_cast<const uint64_t*>(w->base), slot);
+  return w;
+}
+
+uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
+  OpWindows ow;
+  Window& w = signal_slot(win, slot, "read_signal", &ow);
+  return load_signal(reinterpret_cast<const uint64_t*>(w.base), slot);
 }
 
 void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const {
-  uint64_t current = read_signal(win, slot);
-  std::shared_ptr<Window> w = windows_->get(win);
-  const uint64_t* slots = reinterpret_cast<const uint64_t*>(w->base);
+  OpWindows ow;  // the slots stay mapped while this waits; close() wakes it
+  Window& w = signal_slot(win, slot, "wait_signal", &ow);
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
+  uint64_t current = load_signal(slots, slot);
   for (int spins = 0; current < expected && spins < 2200; ++spins) {  // spin, then yield: low latency
     if (spins < 2000) cpu_relax();
     else sched_yield();
+    if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
     current = load_signal(slots, slot);
   }
   while (current < expected) {
-    uint32_t seen = __atomic_load_n(&w->notify->epoch, __ATOMIC_SEQ_CST);
+    uint32_t seen = __atomic_load_n(&w.notify->epoch, __ATOMIC_SEQ_CST);
     current = load_signal(slots, slot);
     if (current >= expected) break;
+    if (w.closing.load()) fail_wait_closed(w, slot);
     if (engine_->stopped()) {
       fail(Code::kClosed, -1, 0, who() + "wait_signal(window #" + std::to_string(win) + ", slot " +
                                      std::to_string(slot) + "): the mesh was closed");
     }
     int lost = engine_->first_lost_peer();
-    if (lost >= 0 || deadline.expired()) fail_wait_signal(*w, slot, expected, current, lost);
-    wait_signal_epoch(w->notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));
+    if (lost >= 0 || deadline.expired()) fail_wait_signal(w, slot, expected, current, lost);
+    wait_signal_epoch(w.notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));
     current = load_signal(slots, slot);
   }
+}
+
+void OneSided::fail_wait_closed(const Window& w, uint64_t slot) const {
+  fail(Code::kInvalidArgument, -1, 0, who() + "wait_signal(window #" + std::to_string(w.index) + ", slot " +
+                                          std::to_string(slot) + "): the window was closed (deregistered) while waiting");
 }
 
 void OneSided::fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,

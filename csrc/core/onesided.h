@@ -1,9 +1,10 @@
 // One-sided operations of a mesh: collective window registration, then
 // put / get / signal / put_signal / batch put, completion counting and
 // signal waits. Every argument is validated before anything is written,
-// locally or remotely. Operations on one (peer, context) are FIFO: an op
-// whose window allows an inline path (self, shm, cma) still takes TCP while
-// earlier TCP ops to that pair are in flight.
+// locally or remotely. Operations on one (peer, context) are FIFO across
+// paths: an op whose window allows a synchronous path (self, shm, cma) still
+// takes tcp while earlier tcp ops to that pair are in flight. An op enters
+// the windows it touches; deregister waits for them (see Window::enter).
 #pragma once
 
 #include <functional>
@@ -30,6 +31,26 @@ struct PutArgs {
   uint64_t dst_off = 0;
   uint64_t size = 0;
   SignalSpec sig;  // sig.on: apply after the data landed (put_signal / signal)
+};
+
+// The windows one op touches, entered (Window::enter) until the op is done
+// with their memory; leaving is the destructor's.
+class OpWindows {
+ public:
+  OpWindows() = default;
+  OpWindows(const OpWindows&) = delete;
+  OpWindows& operator=(const OpWindows&) = delete;
+  ~OpWindows() {
+    for (int i = 0; i < n_; ++i) held_[i]->leave();
+  }
+  void add(Window* w) { held_[n_++] = w; }
+  Window* local = nullptr;   // this rank's side of the data
+  Window* remote = nullptr;  // the peer's side of the data
+  Window* sig = nullptr;     // the signal window
+
+ private:
+  Window* held_[3];
+  int n_ = 0;
 };
 
 class OneSided {
@@ -67,11 +88,19 @@ class OneSided {
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
   PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
-  void validate(const PutArgs& a, const char* op, bool is_get) const;
-  void validate_signal(const PutArgs& a, const char* op) const;
+  // Checks every argument; with `ow`, enters the windows the op touches.
+  void validate(const PutArgs& a, const char* op, bool is_get, OpWindows* ow) const;
+  void validate_signal(const PutArgs& a, const char* op, OpWindows* ow) const;
+  void check_put(const PutArgs& a, OpWindows* ow) const;
+  // A registered window that is not closing (entered into `ow` when given), or throws.
+  Window& use(uint32_t index, const char* op, OpWindows* ow) const;
+  Window& signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const;
+  void wait_unused(const Window& w, const Deadline& deadline) const;
+  Path* ordered_path(const PutArgs& a, const PeerView& v, bool busy) const;
+  [[noreturn]] void fail_wait_closed(const Window& w, uint64_t slot) const;
   [[noreturn]] void fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
                                     int lost) const;
-  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool via_tcp);
+  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool busy);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int rank_, nranks_, ncontexts_;

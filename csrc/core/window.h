@@ -9,6 +9,7 @@
 
 #include <sys/types.h>
 
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -38,13 +39,30 @@ struct Window {
   uint64_t size = 0;
   int64_t* last_src = nullptr;  // signal windows: last signaller per slot (rank)
   struct SignalNotify* notify = nullptr;  // signal windows: wake-up block
-  bool live = true;
+  // Lifetime. An op (or a waiter, or the engine landing a frame) enters the
+  // windows it touches and leaves when done with their memory; deregister
+  // sets `closing` (new ops fail), waits for those inside, and unmaps only
+  // after `live` went false and nobody is inside (see OneSided::deregister).
+  std::atomic<bool> live{true};
+  std::atomic<bool> closing{false};
+  std::atomic<uint32_t> users{0};
+  // Identity proof for cma (published with its address, revoked on close).
+  std::unique_ptr<uint64_t> cookie;
   // Library-allocated memory (shm and signal windows). Shared: Python views of
   // the window hold a reference, so deregistration never unmaps memory a view
   // still points at.
   std::shared_ptr<shm::Segment> seg;
   std::vector<PeerView> peers;
   uint64_t nslots() const { return kind == WindowKind::kSignal ? size / 8 : 0; }
+  // Ops: false once closing. The engine landing a peer's frame passes
+  // while_closing (peers may write until the close collective): false once dead.
+  bool enter(bool while_closing = false) {
+    users.fetch_add(1);
+    if (live.load() && (while_closing || !closing.load())) return true;
+    users.fetch_sub(1);
+    return false;
+  }
+  void leave() { users.fetch_sub(1); }
   std::string mode() const;      // "shm" | "cma" | "tcp" | "self" (the dominant remote path)
   std::string describe() const;  // per-peer paths and reasons
 };
@@ -64,6 +82,11 @@ class WindowTable {
   void add(std::shared_ptr<Window> w) {
     std::lock_guard<std::mutex> lock(mu_);
     wins_.push_back(std::move(w));
+  }
+  // The window itself: entries are never removed, so it lives as long as the table.
+  Window* find(uint32_t index) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return index < wins_.size() ? wins_[index].get() : nullptr;
   }
   std::vector<std::shared_ptr<Window>> all() const {
     std::lock_guard<std::mutex> lock(mu_);

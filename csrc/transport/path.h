@@ -101,6 +101,8 @@ class Path {
   virtual int put(const PathOp& op) = 0;
   virtual int get(const PathOp& op) = 0;
   virtual void signal(const PathOp& op, int src_rank) { (void)op; (void)src_rank; }
+  // The window was closed: drop what the path maps (it then serves no op).
+  virtual void release() {}
   // The peer's signal slots mapped here (self / shm signal windows), else empty.
   virtual SignalSlots slots() const { return {}; }
 };

@@ -49,6 +49,12 @@ inline void apply_signal(uint64_t* slots, int64_t* last_src, SignalNotify* notif
   }
 }
 
+// Wakes every waiter on the block (they re-check what they wait for).
+inline void wake_signal_waiters(SignalNotify* notify) {
+  __atomic_fetch_add(&notify->epoch, 1, __ATOMIC_SEQ_CST);
+  syscall(SYS_futex, &notify->epoch, FUTEX_WAKE, INT_MAX, nullptr, nullptr, 0);
+}
+
 inline uint64_t load_signal(const uint64_t* slots, uint64_t slot) {
   return __atomic_load_n(&slots[slot], __ATOMIC_ACQUIRE);
 }

@@ -18,6 +18,11 @@ class MappedPath : public Path {
   int get(const PathOp& op) override;
   void signal(const PathOp& op, int src_rank) override;
   SignalSlots slots() const override { return slots_; }
+  void release() override {
+    seg_.reset();
+    base_ = nullptr;
+    slots_ = {};
+  }
 
  private:
   PathKind kind_;
