@@ -83,7 +83,9 @@ enum class FrameType : uint16_t {
   kGetResp = 5,    // u64 request id + data
   kAck = 6,        // u64: one-sided ops from the receiver applied so far on this pair
   kBye = 7,        // the sender closes cleanly
+  kRefused = 8,    // u64 number of the refused op on this pair (as acks count) + the reason (text)
 };
+constexpr uint64_t kMaxRefusedText = 1024;
 
 // After a kPut frame header (40 bytes).
 struct PutHeader {

@@ -37,14 +37,17 @@ struct Engine::InConn {
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;
-  std::shared_ptr<Window> pin;
+  Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
+  std::string refused;        // why the target drops this put (empty: applied)
   bool closed = false;
   void reset() {
     st = kHeader;
     got = 0;
     need = wire::kFrameHeaderSize;
     dst = nullptr;
-    pin.reset();
+    if (entered) entered->leave();
+    entered = nullptr;
+    refused.clear();
   }
 };
 
@@ -55,7 +58,8 @@ size_t op_header_size(FrameType t) {
     case FrameType::kPut: return sizeof(wire::PutHeader);
     case FrameType::kGetReq: return sizeof(wire::GetHeader);
     case FrameType::kGetResp:
-    case FrameType::kAck: return 8;
+    case FrameType::kAck:
+    case FrameType::kRefused: return 8;
     default: return 0;
   }
 }
@@ -77,7 +81,8 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
                uint64_t max_unreceived)
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), conns_(conns), windows_(windows),
       out_(nranks * ncontexts), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
-      max_unreceived_(max_unreceived), outstanding_(nranks * ncontexts),
+      max_unreceived_(max_unreceived), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
+      refused_(nranks),
       queued_msg_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
@@ -102,13 +107,14 @@ void Engine::wake() {
   (void)n;
 }
 
-void Engine::enqueue(int s, OutItem&& item, bool counted) {
+void Engine::enqueue(int s, OutItem&& item, Count counted) {
   bool idle;
   {
     std::lock_guard<std::mutex> lock(mu_);
     int peer = s / ncontexts_;
-    if (counted) {  // before any byte leaves: the ack may come back at once
+    if (counted != Count::kNone) {  // before any byte leaves: the ack may come back at once
       ++outstanding_[s];
+      if (counted == Count::kPut) ++acks_due_[s];
       issued_[peer].fetch_add(1);
     }
     idle = out_[s].empty();
@@ -176,7 +182,7 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
     h.sig_val = sig.value;
   }
   OutItem it{frame(FrameType::kPut, &h, len), src, len, 0, 0};
-  enqueue(slot(peer, ctx), std::move(it), true);
+  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
 void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
@@ -190,7 +196,7 @@ void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uin
     g.req_id = next_req_++;
     gets_[g.req_id] = {peer, ctx, dst, len};
   }
-  enqueue(slot(peer, ctx), {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, true);
+  enqueue(slot(peer, ctx), {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
 }
 
 bool Engine::busy(int peer, int ctx) const {
@@ -312,6 +318,7 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
     }
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
+  fail_if_refused(0, nranks_, "wait_counter");
 }
 
 void Engine::flush(int peer, const Deadline& deadline) {
@@ -327,6 +334,7 @@ void Engine::flush(int peer, const Deadline& deadline) {
       cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
     }
   }
+  fail_if_refused(lo, hi, "flush");
 }
 
 void Engine::fail_wait(int peer, const char* doing, const Deadline& deadline) const {
@@ -341,6 +349,10 @@ void Engine::fail_wait(int peer, const char* doing, const Deadline& deadline) co
 
 void Engine::lose(int peer, const std::string& why) {
   {
+    // No get answer is landing once this returns (the progress thread lands
+    // under landing_mu_ and, between reads, finds the get gone).
+    std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
+    if (std::this_thread::get_id() != progress_tid_.load()) landing.lock();
     std::lock_guard<std::mutex> lock(mu_);
     if (!lost_[peer].empty() || bye_[peer]) return;
     lost_[peer] = why;  // its queues are dropped by write_some(), which owns them
@@ -437,15 +449,22 @@ void Engine::read_some(int s) {
   while (budget > 0 && !in.closed) {
     uint8_t* where;
     size_t want;
+    std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
     if (in.st == InConn::kPayload) {
+      // A get answer lands in the user's buffer: lose() waits for this read to end.
+      if (in.f.type == FrameType::kGetResp) landing.lock();
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
-      where = in.dst ? in.dst + (in.total - in.remaining) : g_scratch;
-      if (!in.dst) want = std::min(want, sizeof(g_scratch));
+      where = landing_spot(in);
+      if (!where) {
+        where = g_scratch;
+        want = std::min(want, sizeof(g_scratch));
+      }
     } else {
       where = in.buf + in.got;
       want = in.need - in.got;
     }
     tcp::IoResult r = tcp::read_some(fd, where, want);
+    if (landing.owns_lock()) landing.unlock();
     if (!r.ok()) {
       in.closed = true;
       int peer = s / ncontexts_;
@@ -455,6 +474,7 @@ void Engine::read_some(int s) {
         clean = bye_conn_[s];
       }
       if (!clean) lose(peer, "its connection closed (" + r.describe() + "; the process exited or was killed)");
+      in.reset();
       cv_.notify_all();
       return;
     }
@@ -503,17 +523,9 @@ void Engine::on_op_header(int s, InConn& in) {
       in.msg.assign(payload, 0);
       in.dst = in.msg.data();
       break;
-    case FrameType::kPut: {
-      std::memcpy(&in.put, in.buf, sizeof(in.put));
-      if (payload == 0) break;  // signal only: no data window involved
-      in.pin = windows_->get(in.put.dst_win);
-      bool ok = in.pin && in.pin->live && in.put.dst_off <= in.pin->size &&
-                payload <= in.pin->size - in.put.dst_off;
-      if (ok) in.dst = in.pin->base + in.put.dst_off;
-      else FXM_WARN(rank_, "dropped a put from peer " + std::to_string(peer) + " to window #" +
-                             std::to_string(in.put.dst_win) + ": not registered here or out of range");
+    case FrameType::kPut:
+      on_put_header(s, in, payload);
       break;
-    }
     case FrameType::kGetReq: {
       wire::GetHeader g;
       std::memcpy(&g, in.buf, sizeof(g));
@@ -521,31 +533,22 @@ void Engine::on_op_header(int s, InConn& in) {
       in.reset();
       return;
     }
-    case FrameType::kGetResp: {
-      std::memcpy(&in.req_id, in.buf, 8);
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = gets_.find(in.req_id);
-      if (it != gets_.end() && it->second.len == payload) in.dst = it->second.dst;
+    case FrameType::kGetResp:
+      on_get_answer(s, in, payload);
+      if (in.closed) return;
       break;
-    }
-    case FrameType::kAck: {
-      uint64_t v;
-      std::memcpy(&v, in.buf, 8);
-      uint64_t delta = v - acked_in_[s];
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        if (v < acked_in_[s] || delta > outstanding_[s]) delta = UINT64_MAX;
-      }
-      if (delta == UINT64_MAX) {
-        lose(peer, "protocol error: an ack for ops that were never issued");
+    case FrameType::kRefused:
+      if (payload > wire::kMaxRefusedText) {
+        lose(peer, "protocol error: a " + std::to_string(payload) + "-byte refusal");
         in.closed = true;
         return;
       }
-      acked_in_[s] = v;
-      if (delta) complete(peer, s % ncontexts_, delta);
-      in.reset();
+      in.msg.assign(payload, 0);
+      in.dst = in.msg.data();
+      break;
+    case FrameType::kAck:
+      if (on_ack(s, in.buf)) in.reset();
       return;
-    }
     case FrameType::kBye: {
       std::lock_guard<std::mutex> lock(mu_);
       bye_conn_[s] = true;
@@ -563,6 +566,70 @@ void Engine::on_op_header(int s, InConn& in) {
   if (payload == 0) on_payload_done(s, in);
 }
 
+void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
+  std::memcpy(&in.put, in.buf, sizeof(in.put));
+  if (payload == 0) return;  // signal only: no data window involved
+  Window* w = windows_->find(in.put.dst_win);
+  std::string what = "a put of " + std::to_string(payload) + " bytes to window #" + std::to_string(in.put.dst_win);
+  if (!w) {
+    in.refused = what + ": not registered here";
+  } else if (!w->enter(true)) {
+    in.refused = what + ": it was deregistered here";
+  } else {
+    in.entered = w;
+    if (in.put.dst_off > w->size || payload > w->size - in.put.dst_off) {
+      in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
+                   std::to_string(w->size) + " bytes here)";
+    } else {
+      in.dst = w->base + in.put.dst_off;
+    }
+  }
+  if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
+}
+
+void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
+  std::memcpy(&in.req_id, in.buf, 8);
+  std::string bad;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = gets_.find(in.req_id);
+    if (it == gets_.end() || slot(it->second.peer, it->second.ctx) != s) {
+      bad = "an answer to get #" + std::to_string(in.req_id) + ", which was not asked of it on this context";
+    } else if (it->second.len != payload) {
+      bad = "a " + std::to_string(payload) + "-byte answer to a get of " + std::to_string(it->second.len) + " bytes";
+    }
+  }
+  if (bad.empty()) return;  // landing_spot() finds the buffer, as long as the get is pending
+  lose(s / ncontexts_, "protocol error: " + bad);
+  in.closed = true;
+}
+
+uint8_t* Engine::landing_spot(InConn& in) {
+  if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + (in.total - in.remaining) : nullptr;
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = gets_.find(in.req_id);  // gone once its peer was lost: discard
+  return it == gets_.end() ? nullptr : it->second.dst + (in.total - in.remaining);
+}
+
+bool Engine::on_ack(int s, const uint8_t* buf) {
+  uint64_t v;
+  std::memcpy(&v, buf, 8);
+  uint64_t delta = v - acked_in_[s];
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (v < acked_in_[s] || delta > acks_due_[s]) delta = UINT64_MAX;
+    else acks_due_[s] -= delta;
+  }
+  if (delta == UINT64_MAX) {
+    lose(s / ncontexts_, "protocol error: an ack for puts that were never issued");
+    in_[s]->closed = true;
+    return false;
+  }
+  acked_in_[s] = v;
+  if (delta) complete(s / ncontexts_, s % ncontexts_, delta);
+  return true;
+}
+
 void Engine::on_payload_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   if (in.f.type == FrameType::kMessage) {
@@ -577,38 +644,93 @@ void Engine::on_payload_done(int s, InConn& in) {
     mailbox_[s].push_back(std::move(in.msg));
     cv_.notify_all();
   } else if (in.f.type == FrameType::kPut) {
-    if (in.put.flags & wire::kPutHasSignal) {
-      std::shared_ptr<Window> w = windows_->get(in.put.sig_win);
-      if (w && w->live && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots()) {
-        apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, w->notify, in.put.sig_slot, in.put.sig_val,
-                     (in.put.flags & wire::kPutSignalSet) != 0, peer);
-      } else {
-        FXM_WARN(rank_, "dropped a signal from peer " + std::to_string(peer) + ": window #" +
-                            std::to_string(in.put.sig_win) + " slot " + std::to_string(in.put.sig_slot) +
-                            " is not a signal slot here");
-      }
-    }
-    ++applied_[s];
+    on_put_done(s, in);
   } else if (in.f.type == FrameType::kGetResp) {
+    bool pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      gets_.erase(in.req_id);
+      pending = gets_.erase(in.req_id) != 0;  // 0: its peer was lost meanwhile (already failed)
     }
-    complete(peer, s % ncontexts_, 1);
+    if (pending) complete(peer, s % ncontexts_, 1);
+  } else if (in.f.type == FrameType::kRefused) {
+    on_refused(s, in);
   }
   in.reset();
 }
 
+// The data landed (or was refused); the signal follows only a landed put.
+void Engine::on_put_done(int s, InConn& in) {
+  int peer = s / ncontexts_;
+  std::string refused = in.refused;
+  if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
+    Window* w = windows_->find(in.put.sig_win);
+    if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
+      apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, w->notify, in.put.sig_slot, in.put.sig_val,
+                   (in.put.flags & wire::kPutSignalSet) != 0, peer);
+      w->leave();
+    } else {
+      refused = "a signal to window #" + std::to_string(in.put.sig_win) + " slot " +
+                std::to_string(in.put.sig_slot) + ": not a signal slot here" +
+                (in.f.length > in.need ? " (its data landed)" : "");
+      FXM_WARN(rank_, "refused " + refused + " from peer " + std::to_string(peer));
+    }
+  } else if (!refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
+    refused += "; its signal (window #" + std::to_string(in.put.sig_win) + " slot " +
+               std::to_string(in.put.sig_slot) + ") was not applied";
+  }
+  ++applied_[s];
+  if (!refused.empty()) refuse(s, refused);
+}
+
+void Engine::refuse(int s, const std::string& why) {
+  uint64_t n = applied_[s];
+  std::string text = why.substr(0, wire::kMaxRefusedText);
+  OutItem it{frame(FrameType::kRefused, &n, text.size()), nullptr, 0, 0, 0};
+  it.head.insert(it.head.end(), text.begin(), text.end());
+  enqueue(s, std::move(it), Count::kNone);  // before the ack that counts the op: the initiator knows first
+}
+
+void Engine::on_refused(int s, InConn& in) {
+  int peer = s / ncontexts_;
+  std::string why(in.msg.begin(), in.msg.end());
+  std::lock_guard<std::mutex> lock(mu_);
+  if (refused_[peer].empty()) {
+    refused_[peer] = "peer " + std::to_string(peer) + " refused " + why;
+  } else if (refused_[peer].find(" (and more)") == std::string::npos) {
+    refused_[peer] += " (and more)";
+  }
+}
+
+void Engine::fail_if_refused(int lo, int hi, const char* doing) {
+  for (int p = lo; p < hi; ++p) {
+    if (refused_[p].empty()) continue;
+    std::string why = std::move(refused_[p]);
+    refused_[p].clear();
+    fail(Code::kInvalidArgument, p, 0, who() + doing + ": " + why);
+  }
+}
+
 void Engine::on_get_request(int s, const wire::GetHeader& g) {
-  std::shared_ptr<Window> w = windows_->get(g.src_win);
-  if (!w || !w->live || g.src_off > w->size || g.size > w->size - g.src_off) {
+  Window* w = windows_->find(g.src_win);
+  if (!w || !w->enter(true)) {
     lose(s / ncontexts_, "protocol error: a get request for window #" + std::to_string(g.src_win) +
-                             " out of range here");
+                             ", which is not registered here");
     return;
   }
-  uint64_t id = g.req_id;
-  OutItem it{frame(FrameType::kGetResp, &id, g.size), w->base + g.src_off, g.size, 0, 0};
-  enqueue(s, std::move(it), false);
+  bool fits = g.src_off <= w->size && g.size <= w->size - g.src_off;
+  if (fits) {
+    // The answer is the window's bytes as of the request's place in the pair's
+    // FIFO: copied now, before any later frame of the pair is applied.
+    uint64_t id = g.req_id;
+    OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, 0, 0, 0};
+    it.head.insert(it.head.end(), w->base + g.src_off, w->base + g.src_off + g.size);
+    w->leave();
+    enqueue(s, std::move(it), Count::kNone);
+    return;
+  }
+  w->leave();
+  lose(s / ncontexts_, "protocol error: a get request for window #" + std::to_string(g.src_win) +
+                           " out of range here");
 }
 
 void Engine::send_acks() {
@@ -617,7 +739,7 @@ void Engine::send_acks() {
     if (applied_[s] == acked_out_[s]) continue;
     acked_out_[s] = applied_[s];
     uint64_t v = applied_[s];
-    enqueue(s, {frame(FrameType::kAck, &v, 0), nullptr, 0, 0, 0}, false);
+    enqueue(s, {frame(FrameType::kAck, &v, 0), nullptr, 0, 0, 0}, Count::kNone);
   }
 }
 
@@ -625,7 +747,7 @@ void Engine::stop() {
   if (!thread_.joinable()) return;
   int total = nranks_ * ncontexts_;
   for (int s = 0; s < total; ++s) {
-    enqueue(s, {frame<wire::PutHeader>(FrameType::kBye, nullptr, 0), nullptr, 0, 0, 0}, false);
+    enqueue(s, {frame<wire::PutHeader>(FrameType::kBye, nullptr, 0), nullptr, 0, 0, 0}, Count::kNone);
   }
   {
     std::unique_lock<std::mutex> lock(mu_);

@@ -74,7 +74,8 @@ class Engine : public Outbox {
   struct OutItem;
   struct InConn;
   int slot(int peer, int ctx) const { return peer * ncontexts_ + ctx; }
-  void enqueue(int s, OutItem&& item, bool counted);
+  enum class Count { kNone, kPut, kGet };  // what an item counts as (puts are acked, gets answered)
+  void enqueue(int s, OutItem&& item, Count counted);
   // Writes an item straight from the calling thread when its queue is empty
   // (saves a hand-off to the progress thread); false: it must be queued.
   bool send_direct(int s, OutItem& item);
@@ -91,6 +92,15 @@ class Engine : public Outbox {
   void on_op_header(int s, InConn& in);
   void on_payload_done(int s, InConn& in);
   void on_get_request(int s, const wire::GetHeader& g);
+  void on_get_answer(int s, InConn& in, uint64_t payload);
+  bool on_ack(int s, const uint8_t* buf);
+  void on_put_header(int s, InConn& in, uint64_t payload);
+  void on_put_done(int s, InConn& in);
+  void refuse(int s, const std::string& why);  // tells the initiator its op number applied_[s] was refused
+  void on_refused(int s, InConn& in);
+  // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
+  void fail_if_refused(int lo, int hi, const char* doing);
+  uint8_t* landing_spot(InConn& in);  // where the next payload bytes go (nullptr: discard)
   void complete(int peer, int ctx, uint64_t n);
   void send_acks();
   void lose(int peer, const std::string& why);
@@ -121,8 +131,13 @@ class Engine : public Outbox {
     uint64_t len;
   };
   std::map<uint64_t, PendingGet> gets_;
+  // Held by the progress thread while it lands a get answer in the user's
+  // buffer; lose() takes it, so once a get failed with PeerLost nothing lands.
+  std::mutex landing_mu_;
   uint64_t next_req_ = 1;
   std::vector<uint64_t> outstanding_;  // per slot: counted TCP ops not yet complete
+  std::vector<uint64_t> acks_due_;     // per slot: puts not yet acknowledged (gets are answered)
+  std::vector<std::string> refused_;   // per peer: what it refused and nobody was told yet
   std::vector<uint64_t> queued_msg_;   // per slot: message bytes waiting to be written
   std::vector<uint64_t> applied_;      // per slot: ops from that peer applied here
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked
