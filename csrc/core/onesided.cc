@@ -1,6 +1,7 @@
 #include "core/onesided.h"
 
 #include <sched.h>
+#include <sys/random.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -24,6 +25,18 @@ inline void cpu_relax() {
 
 bool in_range(uint64_t off, uint64_t size, uint64_t limit) {
   return off <= limit && size <= limit - off;
+}
+
+// Non-zero (zero is a revoked cookie), from the kernel's random source.
+uint64_t random_cookie() {
+  uint64_t v = 0;
+  while (v == 0) {
+    if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+      v = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ull ^
+          static_cast<uint64_t>(::getpid());
+    }
+  }
+  return v;
 }
 
 std::string range_text(uint64_t off, uint64_t size) {
@@ -125,6 +138,7 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails like any other local problem
     w = prepare(index, &shm_name);
     w->index = index;
+    w->cookie = std::make_unique<uint64_t>(random_cookie());
     mine = describe_for_peers(*w, shm_name);
   } catch (const Error& e) {
     local_failure = std::current_exception();
@@ -154,6 +168,8 @@ std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::st
   d.host = host_;
   d.pid_ns = pid_namespace();
   d.shm_name = shm_name;
+  d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
+  d.cookie = *w.cookie;
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();

@@ -13,11 +13,20 @@ int CmaPath::get(const PathOp& op) { return cma::read(pid_, addr_ + op.remote_of
 
 namespace {
 
-// "" when process_vm_writev reaches the peer's window, else why not.
+// "" when the process behind d.pid is the peer that published d, else why not.
 std::string check_identity(const PathRequest& req, const WindowDesc& d) {
   if (d.host != req.host) return "peer is on another host";
-  int err = d.size == 0 ? EINVAL : cma::probe(d.pid, d.addr);
+  if (d.pid_ns.empty() || d.pid_ns != req.pid_ns) {
+    return "peer is in another PID namespace (" + (d.pid_ns.empty() ? std::string("unknown") : d.pid_ns) +
+           ", here " + (req.pid_ns.empty() ? std::string("unknown") : req.pid_ns) + "): its pid means nothing here";
+  }
+  int err = d.size == 0 ? EINVAL : 0;
+  uint64_t cookie = 0;
+  if (err == 0) err = cma::read(d.pid, d.cookie_addr, &cookie, sizeof(cookie));
   if (err != 0) return "process_vm_writev not permitted: " + errno_text(err);
+  if (cookie != d.cookie) {
+    return "pid " + std::to_string(d.pid) + " is not the peer's process here (the window cookie read back does not match)";
+  }
   return "";
 }
 

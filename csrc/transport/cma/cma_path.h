@@ -1,8 +1,12 @@
 // The cma path: a peer process on this host whose memory this rank reads
 // and writes with process_vm_readv / process_vm_writev (synchronous).
 //
-// The factory takes this path when the peer is on this host and a one-byte
-// process_vm_readv of its window succeeds.
+// Identity: a pid names a process only inside one PID namespace, and a pid
+// can be reused. The factory takes this path only when the peer is on this
+// host (boot id, /dev/shm), in this PID namespace, and the window's random
+// cookie, read back through process_vm_readv at the published address,
+// matches the one the peer published: the process behind that pid is the
+// peer that registered the window, at the time of registration.
 #pragma once
 
 #include "transport/path.h"
