@@ -337,20 +337,25 @@ void OneSided::validate_signal(const PutArgs& a, const char* op, OpWindows* ow) 
 }
 
 // FIFO per (peer, ctx) across paths. Synchronous paths are done when they
-// return; while asynchronous ops to the pair are in flight, a later op takes
-// the pair's asynchronous path too (tcp reaches every window), so it completes
-// after them, signals included.
-Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, bool busy) const {
-  return busy ? &v.tcp() : v.path.get();
+// return. While ops to the pair are in flight on an asynchronous path, a
+// later op takes that path too when this window has it (tcp reaches every
+// window), so it completes after them, signals included; otherwise it waits
+// until they completed.
+Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferred, const InFlight& f) const {
+  if (!f.busy || preferred->kind() == f.kind) return preferred;
+  if (v.path->kind() == f.kind) return v.path.get();
+  if (v.fallback && v.fallback->kind() == f.kind) return v.fallback.get();
+  engine_->wait_idle(a.peer, a.ctx, Deadline::never());
+  return preferred;
 }
 
 // Moves the data of a put or get over its ordered path; a synchronous path
 // that fails (process_vm_writev refused) hands the op to tcp. True when the
 // op is complete on return.
-bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool busy) {
+bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f) {
   PathOp op{a.ctx, is_get ? a.src_off : a.dst_off, local.base + (is_get ? a.dst_off : a.src_off), a.size,
             a.sig.on ? &a.sig : nullptr};
-  Path* p = ordered_path(a, v, busy);
+  Path* p = ordered_path(a, v, v.path.get(), f);
   if (p->synchronous()) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;
@@ -378,12 +383,12 @@ void OneSided::put(const PutArgs& in) {
   engine_->check_peer(a.peer, a.sig.on ? (a.size ? "put_signal" : "signal") : "put");
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
-  bool busy = engine_->busy(a.peer, a.ctx);
-  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, busy)) return;
+  InFlight f;
+  f.busy = engine_->in_flight(a.peer, a.ctx, &f.kind);
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f)) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
-    Path* p = ordered_path(a, v, busy);
-    if (!p->can_signal()) p = &v.tcp();
+    Path* p = ordered_path(a, v, v.path->can_signal() ? v.path.get() : &v.tcp(), f);
     p->signal(PathOp{a.ctx, 0, nullptr, 0, &a.sig}, rank_);
     if (!p->synchronous()) return;
   }
@@ -395,7 +400,9 @@ void OneSided::get(const PutArgs& a) {
   validate(a, "get", true, &ow);
   engine_->check_peer(a.peer, "get");
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
-  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, engine_->busy(a.peer, a.ctx))) return;
+  InFlight f;
+  f.busy = engine_->in_flight(a.peer, a.ctx, &f.kind);
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f)) return;
   engine_->count_inline(a.peer, 1);
 }
 

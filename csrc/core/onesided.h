@@ -96,11 +96,15 @@ class OneSided {
   Window& use(uint32_t index, const char* op, OpWindows* ow) const;
   Window& signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const;
   void wait_unused(const Window& w, const Deadline& deadline) const;
-  Path* ordered_path(const PutArgs& a, const PeerView& v, bool busy) const;
+  struct InFlight {
+    bool busy = false;  // ops to the pair are in flight on an asynchronous path
+    PathKind kind = PathKind::kTcp;
+  };
+  Path* ordered_path(const PutArgs& a, const PeerView& v, Path* preferred, const InFlight& f) const;
   [[noreturn]] void fail_wait_closed(const Window& w, uint64_t slot) const;
   [[noreturn]] void fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
                                     int lost) const;
-  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, bool busy);
+  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int rank_, nranks_, ncontexts_;

@@ -82,7 +82,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), conns_(conns), windows_(windows),
       out_(nranks * ncontexts), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
-      refused_(nranks),
+      in_flight_kind_(nranks * ncontexts, PathKind::kTcp), refused_(nranks),
       queued_msg_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
@@ -114,6 +114,7 @@ void Engine::enqueue(int s, OutItem&& item, Count counted) {
     int peer = s / ncontexts_;
     if (counted != Count::kNone) {  // before any byte leaves: the ack may come back at once
       ++outstanding_[s];
+      in_flight_kind_[s] = PathKind::kTcp;
       if (counted == Count::kPut) ++acks_due_[s];
       issued_[peer].fetch_add(1);
     }
@@ -199,9 +200,37 @@ void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uin
   enqueue(slot(peer, ctx), {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
 }
 
-bool Engine::busy(int peer, int ctx) const {
+bool Engine::in_flight(int peer, int ctx, PathKind* kind) const {
   std::lock_guard<std::mutex> lock(mu_);
+  *kind = in_flight_kind_[slot(peer, ctx)];
   return outstanding_[slot(peer, ctx)] != 0;
+}
+
+void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (outstanding_[slot(peer, ctx)] != 0) {
+    if (!lost_[peer].empty() || bye_[peer] || deadline.expired()) {
+      lock.unlock();
+      fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
+    }
+    if (stopping_) fail(Code::kClosed, peer, 0, who() + "the mesh was closed");
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  }
+}
+
+void Engine::issued(int peer, int ctx, PathKind kind) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++outstanding_[slot(peer, ctx)];
+  in_flight_kind_[slot(peer, ctx)] = kind;
+  issued_[peer].fetch_add(1);
+}
+
+void Engine::completed(int peer, int ctx, const std::string& error) {
+  if (!error.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (refused_[peer].empty()) refused_[peer] = "an op to peer " + std::to_string(peer) + " failed: " + error;
+  }
+  complete(peer, ctx, 1);
 }
 
 void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline) {

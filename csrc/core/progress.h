@@ -42,9 +42,13 @@ class Engine : public Outbox {
   void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
                 uint64_t dst_off, const SignalSpec& sig) override;
   void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len) override;
-  // True while TCP ops to (peer, ctx) are not yet complete at the target;
-  // later ops to that pair must then take TCP too, to stay FIFO.
-  bool busy(int peer, int ctx) const;
+  void issued(int peer, int ctx, PathKind kind) override;
+  void completed(int peer, int ctx, const std::string& error) override;
+  // True while ops to (peer, ctx) are in flight on an asynchronous path
+  // (*kind: which); a later op to that pair must then take that path too, or
+  // wait_idle(), to stay FIFO.
+  bool in_flight(int peer, int ctx, PathKind* kind) const;
+  void wait_idle(int peer, int ctx, const Deadline& deadline);
 
   // Two-sided messages. The message is copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
@@ -135,9 +139,10 @@ class Engine : public Outbox {
   // buffer; lose() takes it, so once a get failed with PeerLost nothing lands.
   std::mutex landing_mu_;
   uint64_t next_req_ = 1;
-  std::vector<uint64_t> outstanding_;  // per slot: counted TCP ops not yet complete
+  std::vector<uint64_t> outstanding_;  // per slot: ops on an asynchronous path not yet complete
+  std::vector<PathKind> in_flight_kind_;  // per slot: the path they are on (one at a time)
   std::vector<uint64_t> acks_due_;     // per slot: puts not yet acknowledged (gets are answered)
-  std::vector<std::string> refused_;   // per peer: what it refused and nobody was told yet
+  std::vector<std::string> refused_;   // per peer: ops refused or failed that nobody was told of yet
   std::vector<uint64_t> queued_msg_;   // per slot: message bytes waiting to be written
   std::vector<uint64_t> applied_;      // per slot: ops from that peer applied here
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked

@@ -66,6 +66,12 @@ class Outbox {
                         uint64_t dst_off, const SignalSpec& sig) = 0;
   virtual void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
                         uint64_t len) = 0;
+  // Asynchronous paths that complete ops themselves (a copy on a device
+  // stream): count an op to (peer, ctx) as issued on `kind`, and report its
+  // completion later, in issue order per pair ("" or why it failed; the
+  // failure is reported by the next flush / wait_counter).
+  virtual void issued(int peer, int ctx, PathKind kind) = 0;
+  virtual void completed(int peer, int ctx, const std::string& error) = 0;
 };
 
 // The signal slots of a signal window mapped in this process.
