@@ -209,7 +209,7 @@ def test_tcp_put_signal_the_target_drops_never_applies_its_signal(monkeypatch):
     """The target no longer has the destination window (here: the ranks closed different windows
     in one deregistration collective, so rank 1 dropped #0 while rank 0 still has it). A put_signal
     to it over tcp is refused by the target: the signal is not applied and the initiator's flush
-    fails naming the refused window. Before the fix the signal was applied without its data and
+    fails naming the refused window (a close() in between does not swallow the refusal). Before the fix the signal was applied without its data and
     flush succeeded."""
     monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
     meshes = thread_meshes(2)
@@ -224,6 +224,8 @@ def test_tcp_put_signal_the_target_drops_never_applies_its_signal(monkeypatch):
             if r == 0:
                 np.frombuffer(W0.buffer, np.uint8)[:] = 7
                 m.put_signal(1, W0, 0, W0, 0, 4096, 0, 1, signal_window=S)
+            (W0 if r == 0 else W1).close()  # close flushes, but leaves the refusal to the user's flush
+            if r == 0:
                 try:
                     m.flush(timeout=30)
                     result = "flush succeeded"

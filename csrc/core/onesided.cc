@@ -238,7 +238,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   }
   if (w->notify) wake_signal_waiters(w->notify);  // they see `closing` and leave
   wait_unused(*w, deadline);  // ops being issued on it, waiters
-  engine_->flush(-1, deadline);  // ops in flight that hold it complete
+  engine_->flush(-1, deadline, false);  // ops in flight that hold it complete
   allgather_({});  // nobody writes into it any more
   w->live = false;
   if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again

@@ -61,7 +61,9 @@ class Engine : public Outbox {
   void count_inline(int peer, uint64_t n);  // ops done synchronously
   uint64_t completed() const { return completed_all_.load(); }
   void wait_counter(uint64_t value, const Deadline& deadline);
-  void flush(int peer, const Deadline& deadline);  // peer -1: every peer
+  // peer -1: every peer. Then raises what those peers refused since the last
+  // report, unless `report_refused` is false (deregister keeps it for the user).
+  void flush(int peer, const Deadline& deadline, bool report_refused = true);
 
   // Throws PeerLost when the peer was lost or closed its mesh.
   void check_peer(int peer, const char* op) const;
