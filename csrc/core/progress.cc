@@ -11,45 +11,13 @@
 #include <cstring>
 
 #include "base/log.h"
+#include "core/progress_items.h"
 #include "transport/signal_ops.h"
 #include "base/status.h"
 
 namespace fxm {
 
 using wire::FrameType;
-
-struct Engine::OutItem {
-  std::vector<uint8_t> head;      // frame header + op header (+ owned payload)
-  const uint8_t* data = nullptr;  // borrowed payload (puts, get answers)
-  uint64_t len = 0;
-  uint64_t sent = 0;
-  uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
-  uint64_t total() const { return head.size() + len; }
-};
-
-struct Engine::InConn {
-  enum State { kHeader, kOpHeader, kPayload } st = kHeader;
-  uint8_t buf[64];
-  size_t got = 0, need = wire::kFrameHeaderSize;
-  wire::FrameHeader f;
-  wire::PutHeader put;
-  uint64_t req_id = 0;
-  uint8_t* dst = nullptr;  // payload destination; nullptr: discard
-  uint64_t total = 0, remaining = 0;
-  std::vector<uint8_t> msg;
-  Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
-  std::string refused;        // why the target drops this put (empty: applied)
-  bool closed = false;
-  void reset() {
-    st = kHeader;
-    got = 0;
-    need = wire::kFrameHeaderSize;
-    dst = nullptr;
-    if (entered) entered->leave();
-    entered = nullptr;
-    refused.clear();
-  }
-};
 
 namespace {
 
@@ -62,15 +30,6 @@ size_t op_header_size(FrameType t) {
     case FrameType::kRefused: return 8;
     default: return 0;
   }
-}
-
-template <typename T>
-std::vector<uint8_t> frame(FrameType type, const T* op, uint64_t payload) {
-  size_t oplen = op ? sizeof(T) : 0;
-  std::vector<uint8_t> b(wire::kFrameHeaderSize + oplen);
-  wire::encode_frame({type, 0, oplen + payload}, b.data());
-  if (op) std::memcpy(b.data() + wire::kFrameHeaderSize, op, oplen);
-  return b;
 }
 
 uint8_t g_scratch[1 << 16];  // sink for discarded payloads (contents never read)
@@ -593,173 +552,6 @@ void Engine::on_op_header(int s, InConn& in) {
   in.st = InConn::kPayload;
   in.total = in.remaining = payload;
   if (payload == 0) on_payload_done(s, in);
-}
-
-void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
-  std::memcpy(&in.put, in.buf, sizeof(in.put));
-  if (payload == 0) return;  // signal only: no data window involved
-  Window* w = windows_->find(in.put.dst_win);
-  std::string what = "a put of " + std::to_string(payload) + " bytes to window #" + std::to_string(in.put.dst_win);
-  if (!w) {
-    in.refused = what + ": not registered here";
-  } else if (!w->enter(true)) {
-    in.refused = what + ": it was deregistered here";
-  } else {
-    in.entered = w;
-    if (in.put.dst_off > w->size || payload > w->size - in.put.dst_off) {
-      in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
-                   std::to_string(w->size) + " bytes here)";
-    } else {
-      in.dst = w->base + in.put.dst_off;
-    }
-  }
-  if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
-}
-
-void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
-  std::memcpy(&in.req_id, in.buf, 8);
-  std::string bad;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    auto it = gets_.find(in.req_id);
-    if (it == gets_.end() || slot(it->second.peer, it->second.ctx) != s) {
-      bad = "an answer to get #" + std::to_string(in.req_id) + ", which was not asked of it on this context";
-    } else if (it->second.len != payload) {
-      bad = "a " + std::to_string(payload) + "-byte answer to a get of " + std::to_string(it->second.len) + " bytes";
-    }
-  }
-  if (bad.empty()) return;  // landing_spot() finds the buffer, as long as the get is pending
-  lose(s / ncontexts_, "protocol error: " + bad);
-  in.closed = true;
-}
-
-uint8_t* Engine::landing_spot(InConn& in) {
-  if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + (in.total - in.remaining) : nullptr;
-  std::lock_guard<std::mutex> lock(mu_);
-  auto it = gets_.find(in.req_id);  // gone once its peer was lost: discard
-  return it == gets_.end() ? nullptr : it->second.dst + (in.total - in.remaining);
-}
-
-bool Engine::on_ack(int s, const uint8_t* buf) {
-  uint64_t v;
-  std::memcpy(&v, buf, 8);
-  uint64_t delta = v - acked_in_[s];
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (v < acked_in_[s] || delta > acks_due_[s]) delta = UINT64_MAX;
-    else acks_due_[s] -= delta;
-  }
-  if (delta == UINT64_MAX) {
-    lose(s / ncontexts_, "protocol error: an ack for puts that were never issued");
-    in_[s]->closed = true;
-    return false;
-  }
-  acked_in_[s] = v;
-  if (delta) complete(s / ncontexts_, s % ncontexts_, delta);
-  return true;
-}
-
-void Engine::on_payload_done(int s, InConn& in) {
-  int peer = s / ncontexts_;
-  if (in.f.type == FrameType::kMessage) {
-    std::lock_guard<std::mutex> lock(mu_);
-    bool below = mailbox_bytes_[s] < max_unreceived_;
-    mailbox_bytes_[s] += in.msg.size();
-    if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
-      FXM_WARN(rank_, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
-                          " (ctx " + std::to_string(s % ncontexts_) +
-                          ") wait for recv(); reading that connection pauses until they are received");
-    }
-    mailbox_[s].push_back(std::move(in.msg));
-    cv_.notify_all();
-  } else if (in.f.type == FrameType::kPut) {
-    on_put_done(s, in);
-  } else if (in.f.type == FrameType::kGetResp) {
-    bool pending;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      pending = gets_.erase(in.req_id) != 0;  // 0: its peer was lost meanwhile (already failed)
-    }
-    if (pending) complete(peer, s % ncontexts_, 1);
-  } else if (in.f.type == FrameType::kRefused) {
-    on_refused(s, in);
-  }
-  in.reset();
-}
-
-// The data landed (or was refused); the signal follows only a landed put.
-void Engine::on_put_done(int s, InConn& in) {
-  int peer = s / ncontexts_;
-  std::string refused = in.refused;
-  if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
-    Window* w = windows_->find(in.put.sig_win);
-    if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
-      apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, w->notify, in.put.sig_slot, in.put.sig_val,
-                   (in.put.flags & wire::kPutSignalSet) != 0, peer);
-      w->leave();
-    } else {
-      refused = "a signal to window #" + std::to_string(in.put.sig_win) + " slot " +
-                std::to_string(in.put.sig_slot) + ": not a signal slot here" +
-                (in.f.length > in.need ? " (its data landed)" : "");
-      FXM_WARN(rank_, "refused " + refused + " from peer " + std::to_string(peer));
-    }
-  } else if (!refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
-    refused += "; its signal (window #" + std::to_string(in.put.sig_win) + " slot " +
-               std::to_string(in.put.sig_slot) + ") was not applied";
-  }
-  ++applied_[s];
-  if (!refused.empty()) refuse(s, refused);
-}
-
-void Engine::refuse(int s, const std::string& why) {
-  uint64_t n = applied_[s];
-  std::string text = why.substr(0, wire::kMaxRefusedText);
-  OutItem it{frame(FrameType::kRefused, &n, text.size()), nullptr, 0, 0, 0};
-  it.head.insert(it.head.end(), text.begin(), text.end());
-  enqueue(s, std::move(it), Count::kNone);  // before the ack that counts the op: the initiator knows first
-}
-
-void Engine::on_refused(int s, InConn& in) {
-  int peer = s / ncontexts_;
-  std::string why(in.msg.begin(), in.msg.end());
-  std::lock_guard<std::mutex> lock(mu_);
-  if (refused_[peer].empty()) {
-    refused_[peer] = "peer " + std::to_string(peer) + " refused " + why;
-  } else if (refused_[peer].find(" (and more)") == std::string::npos) {
-    refused_[peer] += " (and more)";
-  }
-}
-
-void Engine::fail_if_refused(int lo, int hi, const char* doing) {
-  for (int p = lo; p < hi; ++p) {
-    if (refused_[p].empty()) continue;
-    std::string why = std::move(refused_[p]);
-    refused_[p].clear();
-    fail(Code::kInvalidArgument, p, 0, who() + doing + ": " + why);
-  }
-}
-
-void Engine::on_get_request(int s, const wire::GetHeader& g) {
-  Window* w = windows_->find(g.src_win);
-  if (!w || !w->enter(true)) {
-    lose(s / ncontexts_, "protocol error: a get request for window #" + std::to_string(g.src_win) +
-                             ", which is not registered here");
-    return;
-  }
-  bool fits = g.src_off <= w->size && g.size <= w->size - g.src_off;
-  if (fits) {
-    // The answer is the window's bytes as of the request's place in the pair's
-    // FIFO: copied now, before any later frame of the pair is applied.
-    uint64_t id = g.req_id;
-    OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, 0, 0, 0};
-    it.head.insert(it.head.end(), w->base + g.src_off, w->base + g.src_off + g.size);
-    w->leave();
-    enqueue(s, std::move(it), Count::kNone);
-    return;
-  }
-  w->leave();
-  lose(s / ncontexts_, "protocol error: a get request for window #" + std::to_string(g.src_win) +
-                           " out of range here");
 }
 
 void Engine::send_acks() {
