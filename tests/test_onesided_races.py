@@ -288,3 +288,92 @@ def test_cma_is_not_chosen_for_a_peer_in_another_pid_namespace(tmp_path):
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     assert "OK rank 0" in out and "OK rank 1" in out, out
+
+
+# ----------------------------------------------------------------------------- 6
+
+
+ROGUE_ACK_PROG = r"""
+import os, socket, struct, sys, numpy as np
+from flagcx_mesh import Mesh, PeerLost
+
+def sockets():
+    # (fd, local port, peer port) of this process's TCP sockets
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM:
+                try:
+                    peer = s.getpeername()[1]
+                except OSError:
+                    peer = None
+                out.append((int(name), s.getsockname()[1], peer))
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return out
+
+def listen_port():
+    # the mesh's listening port: the local port of every connection this rank accepted (one per rank)
+    ss = sockets()
+    counts = {}
+    for _, local, _ in ss:
+        counts[local] = counts.get(local, 0) + 1
+    ports = [p for p, n in counts.items() if n > 1]
+    assert len(ports) == 1, ss
+    return ports[0]
+
+m = Mesh.from_launcher(timeout=60, max_unreceived=1 << 20)
+r = m.rank
+W = m.register_window(np.full(1 << 20, 5 + r, np.uint8))
+L = m.register_window(np.zeros(1 << 20, np.uint8))
+L0 = int(m.allgather(str(listen_port()).encode(), timeout=30)[0])
+if r == 0:
+    m.send(1, b"x" * (2 << 20))  # rank 1 never receives it: it stops reading this connection
+    m.barrier(timeout=30)
+    m.get(1, W, 0, L, 0, 1 << 20)  # so this request stays unanswered
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)  # rank 1 has sent its ack
+    try:
+        m.flush(1, timeout=20)
+        landed = int(np.count_nonzero(np.frombuffer(L.buffer, np.uint8) == 6))
+        print(f"VERDICT flush succeeded; {landed} of {1 << 20} bytes of the get landed", flush=True)
+    except PeerLost as e:
+        print(f"VERDICT PeerLost: {e}", flush=True)
+    m.barrier(timeout=30)
+else:
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    fd = [fd for fd, _, peer in sockets() if peer == L0]
+    assert len(fd) == 1, (L0, sockets())
+    frame = struct.pack("<IHHQQ", 0x464D5846, 6, 0, 8, 1)  # kAck: "1 op applied" (rank 0 issued no put)
+    os.write(fd[0], frame)
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+m.close()
+print(f"OK rank {r}", flush=True)
+"""
+
+
+def test_an_ack_from_a_misbehaving_peer_cannot_complete_a_get(tmp_path, monkeypatch):
+    """Rank 1 holds back the answer to rank 0's get (its reading of that connection is paused by
+    an unreceived message) and sends a forged ack for "one op applied", though rank 0 issued no
+    put. Acks count puts only: this is a protocol error, and flush fails with PeerLost. Before the
+    fix acks were counted against a total that included gets, so the ack completed the get and
+    flush succeeded with none of its bytes landed."""
+    prog = tmp_path / "rogue_ack_prog.py"
+    prog.write_text(ROGUE_ACK_PROG)
+    env = subprocess_env()
+    env["FLAGCX_MESH_TRANSPORT"] = "tcp"
+    p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", "2", "--timeout", "90", "--", PY, str(prog)],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    verdict = [ln for ln in out.splitlines() if "VERDICT" in ln]
+    assert verdict and "PeerLost" in verdict[0] and "protocol error" in verdict[0] \
+        and "ack" in verdict[0], out[-4000:]
