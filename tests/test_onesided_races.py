@@ -1,4 +1,4 @@
-"""Wrong bytes and crashes of the one-sided engine under races (issue 9, items 1-5).
+"""Wrong bytes and crashes of the one-sided engine under races and misbehaving peers (issue 9, 1-6).
 
 Each test is a regression test that fails on the engine before the fix (46691ab):
   1 a tcp get is a snapshot at its FIFO position (a later put or signal cannot leak into it)
@@ -6,6 +6,7 @@ Each test is a regression test that fails on the engine before the fix (46691ab)
   3 a put racing close() of its window on the same rank: an error, never a SIGSEGV
   4 a tcp put_signal whose data the target drops: the signal is not applied, flush fails
   5 cma is not chosen for a peer in another PID namespace (its pid means nothing here)
+  6 a forged ack cannot complete a get (acks count puts only)
 Crash scenarios run in a child process, which must exit 0 with the expected error text (a
 SIGSEGV then fails the test instead of killing pytest). Every wait is bounded.
 """
