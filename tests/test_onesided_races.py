@@ -4,7 +4,8 @@ Each test is a regression test that fails on the engine before the fix (46691ab)
   1 a tcp get is a snapshot at its FIFO position (a later put or signal cannot leak into it)
   2 wait_signal while its window is closed in another thread: the waiter wakes with an error
   3 a put racing close() of its window on the same rank: an error, never a SIGSEGV
-  4 a tcp put_signal whose data the target drops: the signal is not applied, flush fails
+  4 a tcp put the target drops never applies its signal and fails the initiator's flush (forged
+    frames from a rank that misbehaves on purpose); a close collective on different windows fails
   5 cma is not chosen for a peer in another PID namespace (its pid means nothing here)
   6 a forged ack cannot complete a get (acks count puts only)
 Crash scenarios run in a child process, which must exit 0 with the expected error text (a
@@ -206,12 +207,12 @@ def test_put_racing_close_on_the_same_rank_fails_cleanly(transport):
 # ----------------------------------------------------------------------------- 4
 
 
-def test_tcp_put_signal_the_target_drops_never_applies_its_signal(monkeypatch):
-    """The target no longer has the destination window (here: the ranks closed different windows
-    in one deregistration collective, so rank 1 dropped #0 while rank 0 still has it). A put_signal
-    to it over tcp is refused by the target: the signal is not applied and the initiator's flush
-    fails naming the refused window (a close() in between does not swallow the refusal). Before the fix the signal was applied without its data and
-    flush succeeded."""
+def test_closing_different_windows_in_one_collective_fails_everywhere(monkeypatch):
+    """Rank 0 closes window #1 while rank 1 closes #0, in one deregistration collective. Every
+    rank fails with InvalidArgument naming the mismatch and both windows stay usable. Before the
+    fix the collective did not compare the windows: rank 1 dropped #0 while rank 0 still wrote to
+    it (over tcp a put_signal then applied its signal without its data; over cma or shm the write
+    would land in memory rank 1 had released)."""
     monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
     meshes = thread_meshes(2)
     try:
@@ -220,31 +221,20 @@ def test_tcp_put_signal_the_target_drops_never_applies_its_signal(monkeypatch):
             W0 = m.register_window(np.zeros(4096, np.uint8))
             W1 = m.register_window(np.zeros(4096, np.uint8))
             S = m.signal_window(1)
-            (W1 if r == 0 else W0).close()  # one collective, different windows
-            result = None
-            if r == 0:
-                np.frombuffer(W0.buffer, np.uint8)[:] = 7
-                m.put_signal(1, W0, 0, W0, 0, 4096, 0, 1, signal_window=S)
-            (W0 if r == 0 else W1).close()  # close flushes, but leaves the refusal to the user's flush
-            if r == 0:
-                try:
-                    m.flush(timeout=30)
-                    result = "flush succeeded"
-                except InvalidArgument as e:
-                    result = f"InvalidArgument: {e}"
-                m.put_signal(1, S, 0, S, 0, 0, 0, 5, signal_window=S)  # a later op still works (FIFO intact)
-                m.flush(timeout=30)
-            m.barrier(timeout=30)
-            if r == 1:
-                m.wait_signal(0, 5, timeout=30, window=S)
-                result = m.read_signal(0, window=S)
-            m.barrier(timeout=30)
-            return result
+            try:
+                (W1 if r == 0 else W0).close()
+                closed = "closed"
+            except InvalidArgument as e:
+                closed = str(e)
+            m.put_signal(1 - r, W0, 0, W0, 0, 4096, 0, 1, signal_window=S)  # both windows still work
+            m.put_signal(1 - r, W1, 0, W1, 0, 4096, 0, 1, signal_window=S)
+            m.flush(timeout=30)
+            m.wait_signal(0, 2, timeout=30, window=S)
+            return closed
 
-        flush_result, signal_value = run_threads(2, body, timeout=120)
-        assert flush_result.startswith("InvalidArgument") and "window #0" in flush_result \
-            and "refused" in flush_result, flush_result
-        assert signal_value == 5, f"signal slot is {signal_value}: the dropped put's signal was applied"
+        res = run_threads(2, body, timeout=120)
+        for r, text in enumerate(res):
+            assert "collective mismatch" in text and "window #" in text, (r, text)
     finally:
         close_all(meshes)
 
@@ -294,9 +284,9 @@ def test_cma_is_not_chosen_for_a_peer_in_another_pid_namespace(tmp_path):
 # ----------------------------------------------------------------------------- 6
 
 
-ROGUE_ACK_PROG = r"""
+ROGUE_COMMON = r"""
 import os, socket, struct, sys, numpy as np
-from flagcx_mesh import Mesh, PeerLost
+from flagcx_mesh import Mesh, PeerLost, InvalidArgument
 
 def sockets():
     # (fd, local port, peer port) of this process's TCP sockets
@@ -329,16 +319,33 @@ def listen_port():
     assert len(ports) == 1, ss
     return ports[0]
 
+def share_ports(mesh):
+    # collective: every rank's listening port
+    return [int(b) for b in mesh.allgather(str(listen_port()).encode(), timeout=30)]
+
+def forge(mesh, peer, data):
+    # collective (share_ports); the calling rank writes raw frames on its connection to `peer`
+    # (context 0), bypassing its engine
+    port = share_ports(mesh)[peer]
+    fd = [fd for fd, _, p in sockets() if p == port]
+    assert len(fd) == 1, (port, sockets())
+    os.write(fd[0], data)
+
+def frame(ftype, body):
+    return struct.pack("<IHHQ", 0x464D5846, ftype, 0, len(body)) + body
+"""
+
+ROGUE_ACK_PROG = ROGUE_COMMON + r"""
 m = Mesh.from_launcher(timeout=60, max_unreceived=1 << 20)
 r = m.rank
 W = m.register_window(np.full(1 << 20, 5 + r, np.uint8))
 L = m.register_window(np.zeros(1 << 20, np.uint8))
-L0 = int(m.allgather(str(listen_port()).encode(), timeout=30)[0])
 if r == 0:
     m.send(1, b"x" * (2 << 20))  # rank 1 never receives it: it stops reading this connection
     m.barrier(timeout=30)
     m.get(1, W, 0, L, 0, 1 << 20)  # so this request stays unanswered
     m.barrier(timeout=30)
+    share_ports(m)  # (rank 1 looks up its connection)
     m.barrier(timeout=30)  # rank 1 has sent its ack
     try:
         m.flush(1, timeout=20)
@@ -350,10 +357,56 @@ if r == 0:
 else:
     m.barrier(timeout=30)
     m.barrier(timeout=30)
-    fd = [fd for fd, _, peer in sockets() if peer == L0]
-    assert len(fd) == 1, (L0, sockets())
-    frame = struct.pack("<IHHQQ", 0x464D5846, 6, 0, 8, 1)  # kAck: "1 op applied" (rank 0 issued no put)
-    os.write(fd[0], frame)
+    forge(m, 0, frame(6, struct.pack("<Q", 1)))  # kAck: "1 op applied" (rank 0 issued no put)
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+m.close()
+print(f"OK rank {r}", flush=True)
+"""
+
+ROGUE_PUT_PROG = ROGUE_COMMON + r"""
+m = Mesh.from_launcher(timeout=60)
+r = m.rank
+W = m.register_window(np.zeros(4096, np.uint8))
+S = m.signal_window(2)
+if r == 0:
+    # a put_signal to window #77, which rank 1 does not have: 8 bytes, then +1 on its slot 0
+    put = struct.pack("<IIQQQII", 77, S.index, 0, 0, 1, 1, 0)
+    forge(m, 1, frame(3, put + bytes(8)))
+    m.signal(1, 1, 1, signal_window=S)  # a later op on the same connection
+    m.barrier(timeout=30)
+else:
+    share_ports(m)
+    m.wait_signal(1, 1, timeout=30, window=S)  # the forged put came before it
+    print(f"VERDICT slot 0 = {m.read_signal(0, window=S)}", flush=True)
+    m.barrier(timeout=30)
+m.close()
+print(f"OK rank {r}", flush=True)
+"""
+
+ROGUE_REFUSAL_PROG = ROGUE_COMMON + r"""
+m = Mesh.from_launcher(timeout=60, max_unreceived=1 << 20)
+r = m.rank
+W = m.register_window(np.zeros(4096, np.uint8))
+S = m.signal_window(1)
+if r == 0:
+    m.send(1, b"x" * (2 << 20))  # rank 1 does not receive it yet: it stops reading this connection
+    m.barrier(timeout=30)
+    m.put_signal(1, W, 0, W, 0, 4096, 0, 1, signal_window=S)  # unread until rank 1 receives
+    m.barrier(timeout=30)
+    share_ports(m)
+    m.barrier(timeout=30)  # rank 1 has refused it
+    try:
+        m.flush(1, timeout=20)
+        print("VERDICT flush succeeded", flush=True)
+    except Exception as e:
+        print(f"VERDICT {type(e).__name__}: {e}", flush=True)
+    m.barrier(timeout=30)
+else:
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    why = b"a put of 4096 bytes to window #0: refused on purpose"
+    forge(m, 0, frame(8, struct.pack("<Q", 1) + why) + frame(6, struct.pack("<Q", 1)))
     m.barrier(timeout=30)
     m.barrier(timeout=30)
 m.close()
@@ -361,14 +414,9 @@ print(f"OK rank {r}", flush=True)
 """
 
 
-def test_an_ack_from_a_misbehaving_peer_cannot_complete_a_get(tmp_path, monkeypatch):
-    """Rank 1 holds back the answer to rank 0's get (its reading of that connection is paused by
-    an unreceived message) and sends a forged ack for "one op applied", though rank 0 issued no
-    put. Acks count puts only: this is a protocol error, and flush fails with PeerLost. Before the
-    fix acks were counted against a total that included gets, so the ack completed the get and
-    flush succeeded with none of its bytes landed."""
-    prog = tmp_path / "rogue_ack_prog.py"
-    prog.write_text(ROGUE_ACK_PROG)
+def run_rogue(tmp_path, name, text):
+    prog = tmp_path / name
+    prog.write_text(text)
     env = subprocess_env()
     env["FLAGCX_MESH_TRANSPORT"] = "tcp"
     p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", "2", "--timeout", "90", "--", PY, str(prog)],
@@ -376,5 +424,33 @@ def test_an_ack_from_a_misbehaving_peer_cannot_complete_a_get(tmp_path, monkeypa
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
     verdict = [ln for ln in out.splitlines() if "VERDICT" in ln]
-    assert verdict and "PeerLost" in verdict[0] and "protocol error" in verdict[0] \
-        and "ack" in verdict[0], out[-4000:]
+    assert verdict, out[-4000:]
+    return verdict[0], out
+
+
+def test_a_put_the_target_drops_never_applies_its_signal(tmp_path):
+    """Rank 0 misbehaves on purpose: it writes a put_signal frame for a window rank 1 does not
+    have. Rank 1 drops the data and must not apply the signal. Before the fix the signal was
+    applied without its data."""
+    verdict, out = run_rogue(tmp_path, "rogue_put_prog.py", ROGUE_PUT_PROG)
+    assert "slot 0 = 0" in verdict, verdict
+    assert "refused a put of 8 bytes to window #77" in out, out[-4000:]
+
+
+def test_a_refused_put_fails_the_initiators_flush_naming_it(tmp_path):
+    """Rank 1 answers rank 0's put_signal with a refusal (a target that dropped the data sends
+    one ahead of the ack). Rank 0's flush raises InvalidArgument naming the peer and what it
+    refused. Before the fix there was no refusal: a dropped put was acked as complete (here the
+    unknown frame made the peer lost)."""
+    verdict, _ = run_rogue(tmp_path, "rogue_refusal_prog.py", ROGUE_REFUSAL_PROG)
+    assert "InvalidArgument" in verdict and "peer 1 refused a put of 4096 bytes to window #0" in verdict, verdict
+
+
+def test_an_ack_from_a_misbehaving_peer_cannot_complete_a_get(tmp_path):
+    """Rank 1 holds back the answer to rank 0's get (its reading of that connection is paused by
+    an unreceived message) and sends a forged ack for "one op applied", though rank 0 issued no
+    put. Acks count puts only: this is a protocol error, and flush fails with PeerLost. Before the
+    fix acks were counted against a total that included gets, so the ack completed the get and
+    flush succeeded with none or part of its bytes landed."""
+    verdict, _ = run_rogue(tmp_path, "rogue_ack_prog.py", ROGUE_ACK_PROG)
+    assert "PeerLost" in verdict and "protocol error" in verdict and "ack" in verdict, verdict

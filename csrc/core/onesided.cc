@@ -239,7 +239,9 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   if (w->notify) wake_signal_waiters(w->notify);  // they see `closing` and leave
   wait_unused(*w, deadline);  // ops being issued on it, waiters
   engine_->flush(-1, deadline, false);  // ops in flight that hold it complete
-  allgather_({});  // nobody writes into it any more
+  std::vector<uint8_t> mine(4);
+  std::memcpy(mine.data(), &index, 4);
+  check_same_window(*w, allgather_(mine));  // every rank closes it: nobody writes into it any more
   w->live = false;
   if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
   wait_unused(*w, deadline);  // a (misbehaving) peer's frame the engine is landing
@@ -248,6 +250,23 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     if (v.fallback) v.fallback->release();
   }
   w->seg.reset();  // unmapped once no Python view of it remains
+}
+
+// A close collective in which ranks name different windows would leave them
+// disagreeing about which windows exist (a peer writing into memory its owner
+// released): every rank fails, and the window stays open.
+void OneSided::check_same_window(Window& w, const bootstrap::Parts& parts) const {
+  for (int r = 0; r < nranks_; ++r) {
+    uint32_t idx = UINT32_MAX;
+    if (parts[r].size() == 4) std::memcpy(&idx, parts[r].data(), 4);
+    if (idx == w.index) continue;
+    w.closing = false;
+    fail(Code::kInvalidArgument, r, 0,
+         who() + "deregister: collective mismatch: this rank closes window #" + std::to_string(w.index) +
+             " while rank " + std::to_string(r) + " closes " +
+             (idx == UINT32_MAX ? std::string("another") : "#" + std::to_string(idx)) +
+             "; every rank must close the same window (it stays open)");
+  }
 }
 
 void OneSided::wait_unused(const Window& w, const Deadline& deadline) const {

@@ -96,6 +96,7 @@ class OneSided {
   Window& use(uint32_t index, const char* op, OpWindows* ow) const;
   Window& signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const;
   void wait_unused(const Window& w, const Deadline& deadline) const;
+  void check_same_window(Window& w, const bootstrap::Parts& parts) const;
   struct InFlight {
     bool busy = false;  // ops to the pair are in flight on an asynchronous path
     PathKind kind = PathKind::kTcp;
