@@ -7,7 +7,8 @@ Each test is a regression test that fails on the engine before the fix (46691ab)
   4 a tcp put the target drops never applies its signal and fails the initiator's flush (forged
     frames from a rank that misbehaves on purpose); a close collective on different windows fails
   5 cma is not chosen for a peer in another PID namespace (its pid means nothing here)
-  6 a forged ack cannot complete a get (acks count puts only)
+  6 a forged ack cannot complete a get (acks count puts only); an answer from another peer is a
+    protocol error and lands nothing
 Crash scenarios run in a child process, which must exit 0 with the expected error text (a
 SIGSEGV then fails the test instead of killing pytest). Every wait is bounded.
 """
@@ -285,7 +286,7 @@ def test_cma_is_not_chosen_for_a_peer_in_another_pid_namespace(tmp_path):
 
 
 ROGUE_COMMON = r"""
-import os, socket, struct, sys, numpy as np
+import os, socket, struct, sys, time, numpy as np
 from flagcx_mesh import Mesh, PeerLost, InvalidArgument
 
 def sockets():
@@ -331,6 +332,33 @@ def forge(mesh, peer, data):
     assert len(fd) == 1, (port, sockets())
     os.write(fd[0], data)
 
+def unread():
+    # bytes waiting unread on the connections this rank accepted (what its peers sent it)
+    import fcntl, termios
+    me, total = listen_port(), 0
+    for fd, local, _ in sockets():
+        if local == me:
+            total += struct.unpack("i", fcntl.ioctl(fd, termios.FIONREAD, b"\0\0\0\0"))[0]
+    return total
+
+def hold_reading(mesh):
+    # with `mesh.send(me, 2 MiB)` from one peer and max_unreceived=1 MiB, this rank's engine reads
+    # the message and then stops reading that connection: wait until it has read all there is
+    time.sleep(0.5)  # (sequencing: the message is on its way)
+    for _ in range(200):
+        if unread() == 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("the message was not read")
+
+def check_held():
+    # the request sent after the message is still unread: the engine holds this connection
+    for _ in range(100):
+        if unread() > 0:
+            return
+        time.sleep(0.05)
+    raise AssertionError("precondition: the request was read although reading should be paused")
+
 def frame(ftype, body):
     return struct.pack("<IHHQ", 0x464D5846, ftype, 0, len(body)) + body
 """
@@ -355,8 +383,10 @@ if r == 0:
         print(f"VERDICT PeerLost: {e}", flush=True)
     m.barrier(timeout=30)
 else:
+    hold_reading(m)
     m.barrier(timeout=30)
     m.barrier(timeout=30)
+    check_held()
     forge(m, 0, frame(6, struct.pack("<Q", 1)))  # kAck: "1 op applied" (rank 0 issued no put)
     m.barrier(timeout=30)
     m.barrier(timeout=30)
@@ -403,8 +433,10 @@ if r == 0:
         print(f"VERDICT {type(e).__name__}: {e}", flush=True)
     m.barrier(timeout=30)
 else:
+    hold_reading(m)
     m.barrier(timeout=30)
     m.barrier(timeout=30)
+    check_held()
     why = b"a put of 4096 bytes to window #0: refused on purpose"
     forge(m, 0, frame(8, struct.pack("<Q", 1) + why) + frame(6, struct.pack("<Q", 1)))
     m.barrier(timeout=30)
@@ -414,12 +446,60 @@ print(f"OK rank {r}", flush=True)
 """
 
 
-def run_rogue(tmp_path, name, text):
+ROGUE_ANSWER_PROG = ROGUE_COMMON + r"""
+m = Mesh.from_launcher(timeout=60, max_unreceived=1 << 20)
+r = m.rank
+W = m.register_window(np.full(4096, 10 + r, np.uint8))
+L = m.register_window(np.zeros(4096, np.uint8))
+if r == 0:
+    m.send(1, b"x" * (2 << 20))  # rank 1 does not receive it yet: it stops reading this connection
+    m.barrier(timeout=30)
+    m.get(1, W, 0, L, 0, 4096)  # request #1 to rank 1, unanswered for now
+    m.barrier(timeout=30)
+    share_ports(m)
+    m.barrier(timeout=30)  # rank 2 has answered request #1 in rank 1's place
+    verdict = "rank 2 was not lost"
+    for _ in range(100):  # until the progress thread has read the forged answer (bounded)
+        try:
+            m.put(2, W, 0, W, 0, 1)
+        except PeerLost as e:
+            verdict = f"PeerLost: {e}"
+            break
+        time.sleep(0.05)
+    print(f"VERDICT {verdict}", flush=True)
+    got = np.frombuffer(L.buffer, np.uint8)
+    print(f"VERDICT2 {int(np.count_nonzero(got == 7))} forged bytes in the get's buffer", flush=True)
+    m.barrier(timeout=30)  # rank 1 receives its message: it answers the get
+    m.flush(1, timeout=30)
+    print(f"VERDICT3 {int(np.count_nonzero(got == 11))} of 4096 bytes from rank 1", flush=True)
+    m.barrier(timeout=30)
+elif r == 1:
+    hold_reading(m)
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    check_held()
+    share_ports(m)
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    m.recv(0, timeout=30)
+    m.barrier(timeout=30)
+else:
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    forge(m, 0, frame(5, struct.pack("<Q", 1) + bytes([7]) * 4096))  # kGetResp for request #1
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+m.close()
+print(f"OK rank {r}", flush=True)
+"""
+
+def run_rogue(tmp_path, name, text, n=2):
     prog = tmp_path / name
     prog.write_text(text)
     env = subprocess_env()
     env["FLAGCX_MESH_TRANSPORT"] = "tcp"
-    p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", "2", "--timeout", "90", "--", PY, str(prog)],
+    p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", str(n), "--timeout", "90", "--", PY, str(prog)],
                        env=env, cwd=HERE, capture_output=True, text=True, timeout=120)
     out = p.stdout + p.stderr
     assert p.returncode == 0, out[-6000:]
@@ -454,3 +534,15 @@ def test_an_ack_from_a_misbehaving_peer_cannot_complete_a_get(tmp_path):
     flush succeeded with none or part of its bytes landed."""
     verdict, _ = run_rogue(tmp_path, "rogue_ack_prog.py", ROGUE_ACK_PROG)
     assert "PeerLost" in verdict and "protocol error" in verdict and "ack" in verdict, verdict
+
+
+def test_a_get_answer_from_another_peer_is_a_protocol_error(tmp_path):
+    """Rank 0's get to rank 1 is pending; rank 2 sends an answer to that request id. Answers are
+    matched by (peer, context, id): rank 2 is lost with a protocol error, nothing lands in the
+    get's buffer, and rank 1's real answer completes the get later. Before the fix answers were
+    matched by id alone: rank 2's bytes landed and completed rank 1's get."""
+    _, out = run_rogue(tmp_path, "rogue_answer_prog.py", ROGUE_ANSWER_PROG, n=3)
+    lines = {ln.split("VERDICT")[1][:1]: ln for ln in out.splitlines() if "VERDICT" in ln}
+    assert "PeerLost" in lines[" "] and "protocol error" in lines[" "] and "get #1" in lines[" "], out[-4000:]
+    assert "VERDICT2 0 forged bytes" in lines["2"], lines["2"]
+    assert "VERDICT3 4096 of 4096" in lines["3"], lines["3"]
