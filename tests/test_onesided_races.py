@@ -221,14 +221,15 @@ def test_closing_different_windows_in_one_collective_fails_everywhere(monkeypatc
             m = meshes[r]
             W0 = m.register_window(np.zeros(4096, np.uint8))
             W1 = m.register_window(np.zeros(4096, np.uint8))
+            SRC = m.register_window(np.ones(4096, np.uint8))  # (a source no peer writes to)
             S = m.signal_window(1)
             try:
                 (W1 if r == 0 else W0).close()
                 closed = "closed"
             except InvalidArgument as e:
                 closed = str(e)
-            m.put_signal(1 - r, W0, 0, W0, 0, 4096, 0, 1, signal_window=S)  # both windows still work
-            m.put_signal(1 - r, W1, 0, W1, 0, 4096, 0, 1, signal_window=S)
+            m.put_signal(1 - r, SRC, 0, W0, 0, 4096, 0, 1, signal_window=S)  # both windows still work
+            m.put_signal(1 - r, SRC, 0, W1, 0, 4096, 0, 1, signal_window=S)
             m.flush(timeout=30)
             m.wait_signal(0, 2, timeout=30, window=S)
             return closed
@@ -402,8 +403,8 @@ S = m.signal_window(2)
 if r == 0:
     # a put_signal to window #77, which rank 1 does not have: 8 bytes, then +1 on its slot 0
     put = struct.pack("<IIQQQII", 77, S.index, 0, 0, 1, 1, 0)
-    forge(m, 1, frame(3, put + bytes(8)))
-    m.signal(1, 1, 1, signal_window=S)  # a later op on the same connection
+    later = struct.pack("<IIQQQII", 0, S.index, 0, 1, 1, 1, 0)  # then a signal alone: +1 on slot 1
+    forge(m, 1, frame(3, put + bytes(8)) + frame(3, later))
     m.barrier(timeout=30)
 else:
     share_ports(m)
