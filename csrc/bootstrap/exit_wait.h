@@ -6,7 +6,7 @@
 //      has its connection shut down instead), since they are going away;
 //   2. waits until every rank that joined one of its roots has left it (BYE,
 //      or its connection closed), up to the ranks' build timeout from their
-//      JOIN; after 1 s it says which ranks it waits for;
+//      JOIN; after 2 s it says which ranks it waits for;
 //   3. on expiry names the ranks still connected, tells them why the root goes
 //      away, and lets the roots finish (a short drain).
 // A root nobody joined is not waited for. A child after fork() does not wait
