@@ -177,3 +177,58 @@ def test_a_0_2_layout_adaptor_and_bootstrap_still_build(lib):
     finally:
         assert lib.flagcx_mesh_test_adaptor_destroy(C.byref(real)) == 0
         assert lib.flagcx_mesh_bootstrap_destroy(b) == 0
+
+
+LISTEN = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.POINTER(C.c_void_p))
+CONNECT = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.POINTER(C.c_void_p))
+ACCEPT = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.POINTER(C.c_void_p))
+CLOSE = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p)
+TEST = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.POINTER(C.c_int))
+REG = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_void_p, C.c_size_t, C.POINTER(C.c_void_p))
+DEREG = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_void_p)
+
+
+def test_ib_strict_test_adaptor_keeps_ibs_contract(lib):
+    """The IB-strict test adaptor behaves as IB does for the builders: an unregistered buffer is
+    refused (EFAULT), isend answers NULL ("call again") until the peer posted its irecv, irecv
+    answers NULL once per message before posting, and the message then arrives."""
+    net = Net()
+    tc = AdaptorConfig(C.sizeof(AdaptorConfig), 0, 1, 1, 0, 1, 1)
+    assert lib.flagcx_mesh_test_adaptor_create(C.byref(tc), C.byref(net)) == 0
+    f = dict(listen=LISTEN(net.listen), connect=CONNECT(net.connect), accept=ACCEPT(net.accept),
+             isend=ISEND(net.isend), irecv=ISEND(net.irecv), test=TEST(net.test), reg=REG(net.reg_mr),
+             dereg=DEREG(net.dereg_mr), close=CLOSE(net.close_send), close_listen=CLOSE(net.close_listen))
+    handle, lc, sc, rc = C.create_string_buffer(net.handle_size), C.c_void_p(), C.c_void_p(), C.c_void_p()
+    try:
+        assert f["listen"](net.ctx, handle, C.byref(lc)) == 0
+        for _ in range(100000):  # a connect completes only once the accept took it
+            assert f["connect"](net.ctx, handle, C.byref(sc)) == 0
+            if not rc:
+                assert f["accept"](net.ctx, lc, C.byref(rc)) == 0
+            if sc and rc:
+                break
+        assert sc and rc
+        out, into = C.create_string_buffer(b"x" * 64, 64), C.create_string_buffer(64)
+        sreq, rreq, smh, rmh = C.c_void_p(), C.c_void_p(), C.c_void_p(), C.c_void_p()
+        assert f["isend"](net.ctx, sc, out, 64, None, C.byref(sreq)) == 14  # EFAULT: not registered
+        assert f["reg"](net.ctx, sc, out, 64, C.byref(smh)) == 0 and f["reg"](net.ctx, rc, into, 64, C.byref(rmh)) == 0
+        assert f["isend"](net.ctx, sc, C.byref(out, 32), 64, smh, C.byref(sreq)) == 14  # beyond the registration
+        assert f["isend"](net.ctx, sc, out, 64, smh, C.byref(sreq)) == 0 and not sreq  # peer has not posted
+        assert f["irecv"](net.ctx, rc, into, 64, rmh, C.byref(rreq)) == 0 and not rreq  # NULL once
+        assert f["irecv"](net.ctx, rc, into, 64, rmh, C.byref(rreq)) == 0 and rreq
+        for _ in range(100000):
+            assert f["isend"](net.ctx, sc, out, 64, smh, C.byref(sreq)) == 0
+            if sreq:
+                break
+        assert sreq
+        done = C.c_int(0)
+        for req in (sreq, rreq):
+            done.value = 0
+            while not done.value:
+                assert f["test"](net.ctx, req, C.byref(done)) == 0
+        assert into.raw == out.raw
+        assert f["dereg"](net.ctx, sc, smh) == 0 and f["dereg"](net.ctx, rc, rmh) == 0
+        assert f["dereg"](net.ctx, rc, rmh) == 22  # twice: EINVAL
+        assert f["close"](net.ctx, sc) == 0 and f["close"](net.ctx, rc) == 0 and f["close_listen"](net.ctx, lc) == 0
+    finally:
+        assert lib.flagcx_mesh_test_adaptor_destroy(C.byref(net)) == 0

@@ -28,6 +28,7 @@ struct Fault {
   std::set<void*> open;  // comms returned by listen / connect / accept, not closed yet
   int bad_closes = 0;    // closes of a comm that was not open (double or foreign)
   std::set<void*> mrs;   // registrations not deregistered yet
+  std::set<void*> connecting;  // handles connect was called with
   int bad_deregs = 0;
   // stranger: before its first real connect, open one more connection to the
   // same peer that sends it garbage ("garbage") or nothing ("silent").
@@ -73,7 +74,10 @@ int f_listen(void* c, void* h, void** l) {
 }
 int f_connect(void* c, void* h, void** s) {
   if (!F(c)->stranger_sent(h)) return 0;  // still in progress: the real connect waits behind it
-  return F(c)->hit("connect") ? kInjectedFault : F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
+  // connect counts connections (a new handle), not the calls polling one
+  bool fresh = F(c)->connecting.insert(h).second;
+  if (fresh && F(c)->hit("connect")) return kInjectedFault;
+  return F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
 }
 int f_accept(void* c, void* l, void** r) {
   return F(c)->hit("accept") ? kInjectedFault : F(c)->opened(F(c)->inner.accept(F(c)->inner.ctx, l, r), r);
