@@ -216,8 +216,7 @@ int Build::boot_call(F&& call) {
 void Build::boot_failed(int rc, int peer, const std::string& what) const {
   std::string text = what + " returned " + std::to_string(rc) + boot_detail_suffix(boot_);
   if (watchdog_.aborted()) {
-    text += " (interrupted by the bootstrap's abort hook at the build deadline; abort returned " +
-            std::to_string(watchdog_.hook_rc()) + ")";
+    text += " (interrupted by the bootstrap's abort hook at the build deadline)";
   }
   check_deadline(text, peer);
   fail_at(rc == FLAGCX_MESH_TIMEOUT ? Code::kTimeout : Code::kPeerLost, peer, text);

@@ -23,8 +23,8 @@ void Watchdog::run() {
   // deadline itself; inside one only the hook can get it out.
   while (!stopping_) {
     if (in_call_.load()) {
-      hook_rc_.store(boot_.abort(boot_.ctx));
-      aborted_.store(true);
+      aborted_.store(true);  // before the hook: the call it ends reads it at once
+      boot_.abort(boot_.ctx);  // its result changes nothing: the build fails either way
       return;
     }
     cv_.wait_for(lock, std::chrono::milliseconds(5), [this] { return stopping_; });

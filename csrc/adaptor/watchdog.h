@@ -27,9 +27,8 @@ class Watchdog {
   // Bracket every bootstrap call of the build.
   void enter() { in_call_.store(true); }
   void leave() { in_call_.store(false); }
-  // True once the hook was called (it returned hook_rc()).
+  // True from just before the hook is called.
   bool aborted() const { return aborted_.load(); }
-  int hook_rc() const { return hook_rc_.load(); }
   // Ends the thread; after it the hook is never called.
   void stop();
 
@@ -39,7 +38,6 @@ class Watchdog {
   flagcx_mesh_bootstrap_ops_t boot_;
   Deadline deadline_;
   std::atomic<bool> in_call_{false}, aborted_{false};
-  std::atomic<int> hook_rc_{0};
   std::mutex mu_;
   std::condition_variable cv_;
   bool stopping_ = false;
