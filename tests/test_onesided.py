@@ -448,3 +448,39 @@ def test_threads_register_torch_cpu_tensor():
         assert run_threads(2, body, timeout=60) == [True, True]
     finally:
         close_all(meshes)
+
+
+def test_threads_batch_put_array_and_entry_errors():
+    """batch_put takes an (n, 3) uint64 array in place; a bad entry (list or array) is refused by
+    the core naming the entry, and nothing of the batch is issued; peer sizes come from the core."""
+    meshes = thread_meshes(2)
+
+    def body(r):
+        m, peer = meshes[r], 1 - r
+        src = np.full(4096, 10 + r, np.uint8)
+        dst = np.zeros(4096 + 8 * r, np.uint8)
+        S, D = m.register_window(src), m.register_window(dst)
+        assert D.peer_sizes == (4096, 4104) and S.peer_sizes == (4096, 4096)
+        m.barrier(timeout=10)
+        c0 = m.read_counter()
+        m.batch_put(peer, S, D, np.array([[0, 0, 16], [100, 2000, 50]], dtype=np.uint64))
+        with pytest.raises(InvalidArgument, match=r"batch_put entry 1: .*remote range"):
+            m.batch_put(peer, S, D, [(0, 3000, 1), (0, 4100 + 8 * peer, 16)])
+        with pytest.raises(InvalidArgument, match=r"batch_put entry 2: .*local range"):
+            m.batch_put(peer, S, D, np.array([[0, 3000, 1], [0, 3001, 1], [4095, 0, 2]], dtype=np.uint64))
+        with pytest.raises(InvalidArgument, match="uint64"):
+            m.batch_put(peer, S, D, np.array([[0, 3000, 1]], dtype=np.int32))
+        with pytest.raises(InvalidArgument, match="batch_put entry 0: size -1"):
+            m.batch_put(peer, S, D, [(0, 3000, -1)])
+        m.flush(peer, timeout=10)
+        assert m.read_counter() - c0 == 2
+        m.barrier(timeout=10)
+        assert (dst[0:16] == 10 + peer).all() and (dst[2000:2050] == 10 + peer).all()
+        assert dst[3000:3002].tolist() == [0, 0]  # refused batches issued nothing
+        m.barrier(timeout=10)
+        return True
+
+    try:
+        assert run_threads(2, body, timeout=60) == [True, True]
+    finally:
+        close_all(meshes)

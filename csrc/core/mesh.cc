@@ -254,7 +254,13 @@ void Mesh::put(const PutArgs& a) {
 
 void Mesh::batch_put(const std::vector<PutArgs>& ops) {
   FXM_OPEN("batch_put");
-  for (const PutArgs& a : ops) onesided_->check_put(a);
+  for (size_t i = 0; i < ops.size(); ++i) {
+    try {
+      onesided_->check_put(ops[i]);
+    } catch (const Error& e) {  // nothing was issued: name the entry
+      fail(e.code(), e.peer(), e.sys_errno(), "batch_put entry " + std::to_string(i) + ": " + e.what());
+    }
+  }
   for (const PutArgs& a : ops) onesided_->put(a);
 }
 

@@ -43,9 +43,13 @@ py::dict window_info(Mesh& m, uint32_t index) {
   d["size"] = w->size;
   d["mode"] = w->mode();
   d["describe"] = w->describe();
-  py::list paths;
-  for (const fxm::PeerView& v : w->peers) paths.append(py::make_tuple(fxm::path_name(v.path), v.why));
+  py::list paths, peer_sizes;
+  for (const fxm::PeerView& v : w->peers) {
+    paths.append(py::make_tuple(fxm::path_name(v.path), v.why));
+    peer_sizes.append(v.size);
+  }
   d["paths"] = paths;
+  d["peer_sizes"] = peer_sizes;  // bytes of each rank's copy (signal windows: nslots * 8)
   return d;
 }
 
@@ -96,6 +100,22 @@ void batch_put(Mesh& m, int peer, uint32_t src_win, uint32_t dst_win,
   m.batch_put(ops);
 }
 
+// entries: an (n, 3) array of unsigned 64-bit (src_off, dst_off, size), read in place.
+void batch_put_array(Mesh& m, int peer, uint32_t src_win, uint32_t dst_win, const py::buffer& entries, int ctx) {
+  py::buffer_info b = entries.request();
+  bool u64 = b.itemsize == 8 && (b.format == "Q" || b.format == "L" || b.format == "K" || b.format == "<Q");
+  if (!u64 || b.ndim != 2 || b.shape[1] != 3 || b.strides[1] != 8 || b.strides[0] != 24) {
+    throw fxm::Error(fxm::Code::kInvalidArgument, peer, 0,
+                     "batch_put: entries must be a C-contiguous (n, 3) array of uint64, got format '" + b.format +
+                         "' with " + std::to_string(b.ndim) + " dimension(s)");
+  }
+  const uint64_t* e = static_cast<const uint64_t*>(b.ptr);
+  std::vector<PutArgs> ops(static_cast<size_t>(b.shape[0]));
+  for (size_t i = 0; i < ops.size(); ++i) ops[i] = PutArgs{peer, ctx, src_win, e[3 * i], dst_win, e[3 * i + 1], e[3 * i + 2], {}};
+  py::gil_scoped_release release;
+  m.batch_put(ops);
+}
+
 }  // namespace
 
 void bind_onesided(py::class_<Mesh>& cls) {
@@ -120,6 +140,8 @@ void bind_onesided(py::class_<Mesh>& cls) {
       .def("get", &get, arg("peer"), arg("src_win"), arg("src_off"), arg("dst_win"), arg("dst_off"),
            arg("size"), arg("context"))
       .def("batch_put", &batch_put, arg("peer"), arg("src_win"), arg("dst_win"), arg("entries"), arg("context"))
+      .def("batch_put_array", &batch_put_array, arg("peer"), arg("src_win"), arg("dst_win"), arg("entries"),
+           arg("context"))
       .def("read_signal", &Mesh::read_signal, arg("win"), arg("slot"), nogil)
       .def("wait_signal", &Mesh::wait_signal, arg("win"), arg("slot"), arg("expected"), arg("timeout"), nogil)
       .def("flush", &Mesh::flush, arg("peer"), arg("timeout"), nogil)

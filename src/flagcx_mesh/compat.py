@@ -24,7 +24,6 @@ they must be multiples of 8 and name the 64-bit slot ``sig_off // 8``.
 from __future__ import annotations
 
 import enum
-import struct
 import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
@@ -218,10 +217,13 @@ def comm_init_from_env(timeout: Optional[float] = None) -> "Comm":
 
 @dataclass(frozen=True)
 class _Reg:
-    """One registration: the mesh window and its size on every rank."""
+    """One registration: the mesh window and its size on every rank (from the core)."""
 
     window: Window
-    sizes: Tuple[int, ...]
+
+    @property
+    def sizes(self) -> Tuple[int, ...]:
+        return self.window.peer_sizes
 
 
 def _is_int(v) -> bool:
@@ -329,10 +331,6 @@ class Comm:
         return sig_off // SLOT_BYTES
 
     # -- registration (collective) ----------------------------------------------
-    def _sizes(self, nbytes: int) -> Tuple[int, ...]:
-        parts = self._mesh.allgather(struct.pack("<Q", nbytes), timeout=self._timeout)
-        return tuple(struct.unpack("<Q", p)[0] for p in parts)
-
     def _refuse(self, what: str, code: Result, text: str):
         """Fails this rank's part of a registration while letting the other ranks fail at once."""
         message = f"rank {self.rank}: {what}: {text}"
@@ -369,7 +367,7 @@ class Comm:
             nbytes = self._nbytes_of(what, buffer)
             try:
                 win = self._mesh.alloc_window(nbytes) if nbytes is not None else self._mesh.register_window(buffer)
-                reg = _Reg(win, self._sizes(win.size))
+                reg = _Reg(win)
             except Exception as e:  # noqa: BLE001
                 _translate(self, e, f"{what} (index {len(self._regs)})", Result.RemoteError)
             self._regs.append(reg)
@@ -399,7 +397,7 @@ class Comm:
                              f"size {nbytes} is not a positive multiple of {SLOT_BYTES} bytes")
             try:
                 win = self._mesh.signal_window(nbytes // SLOT_BYTES)
-                self._sig = _Reg(win, self._sizes(nbytes))
+                self._sig = _Reg(win)
             except Exception as e:  # noqa: BLE001
                 _translate(self, e, what, Result.RemoteError)
             return win.buffer.cast("B").cast("Q").toreadonly()

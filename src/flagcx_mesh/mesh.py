@@ -34,6 +34,17 @@ def _ints(op: str, **values: int) -> None:
             raise InvalidArgument(f"{op}: {name} {v!r} is out of range (must be an integer in [0, {limit}))")
 
 
+def _checked(op: str, call, *args):
+    """``call`` with the values of ``args``, (name, value) pairs (name None: not an integer
+    argument). pybind11 refuses a negative, huge or non-integer value with TypeError before
+    the core sees it; that becomes InvalidArgument naming the argument."""
+    try:
+        return call(*(v for _, v in args))
+    except TypeError:
+        _ints(op, **{name: v for name, v in args if name})
+        raise
+
+
 def _as_int(v):
     """v as an int when it is an integer scalar (numpy, torch, anything with __index__);
     otherwise v itself (bools included), for the range checks to refuse by its own repr."""
@@ -276,13 +287,8 @@ class Mesh:
         """Copy ``size`` bytes from this rank's ``src_win[src_off:]`` to ``peer``'s
         ``dst_win[dst_off:]``. Non-blocking; FIFO per (peer, context); the source
         bytes must not change until the op completes (:meth:`flush`)."""
-        s, d = index_of(src_win), index_of(dst_win)
-        try:  # the core checks everything; pybind refuses negative/huge integers with TypeError
-            self._core.put(peer, s, src_off, d, dst_off, size, context)
-        except TypeError:
-            _ints("put", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
-                  context=context)
-            raise
+        _checked("put", self._core.put, ("peer", peer), ("src_win", index_of(src_win)), ("src_off", src_off),
+                 ("dst_win", index_of(dst_win)), ("dst_off", dst_off), ("size", size), ("context", context))
 
     def put_signal(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
                    size: int, slot: int, value: int = 1, *, op: str = "add",
@@ -290,48 +296,45 @@ class Mesh:
         """Put, then ``op`` (``"add"`` or ``"set"``) ``value`` on ``peer``'s signal
         ``slot``: the data is visible at the target before the signal changes.
         ``size`` 0 = signal only; ``value`` 0 (with add) = data only."""
-        s, d, g = index_of(src_win), index_of(dst_win), self._sig(signal_window)
-        try:
-            self._core.put_signal(peer, s, src_off, d, dst_off, size, g, slot, value, op, context)
-        except TypeError:
-            _ints("put_signal", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
-                  signal_window=g, slot=slot, value=value, context=context)
-            raise
+        _checked("put_signal", self._core.put_signal, ("peer", peer), ("src_win", index_of(src_win)),
+                 ("src_off", src_off), ("dst_win", index_of(dst_win)), ("dst_off", dst_off), ("size", size),
+                 ("signal_window", self._sig(signal_window)), ("slot", slot), ("value", value), (None, op),
+                 ("context", context))
 
     def signal(self, peer: int, slot: int, value: int = 1, *, op: str = "add",
                signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
         """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that (peer, context)."""
-        g = self._sig(signal_window)
-        try:
-            self._core.put_signal(peer, 0, 0, 0, 0, 0, g, slot, value, op, context)
-        except TypeError:
-            _ints("signal", peer=peer, signal_window=g, slot=slot, value=value, context=context)
-            raise
+        zero = (None, 0)  # no data: the data windows are not used
+        _checked("signal", self._core.put_signal, ("peer", peer), zero, zero, zero, zero, zero,
+                 ("signal_window", self._sig(signal_window)), ("slot", slot), ("value", value), (None, op),
+                 ("context", context))
 
     def get(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
             size: int, *, context: int = 0) -> None:
         """Copy ``size`` bytes from ``peer``'s ``src_win[src_off:]`` into this rank's
         ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns."""
-        s, d = index_of(src_win), index_of(dst_win)
-        try:
-            self._core.get(peer, s, src_off, d, dst_off, size, context)
-        except TypeError:
-            _ints("get", peer=peer, src_win=s, src_off=src_off, dst_win=d, dst_off=dst_off, size=size,
-                  context=context)
-            raise
+        _checked("get", self._core.get, ("peer", peer), ("src_win", index_of(src_win)), ("src_off", src_off),
+                 ("dst_win", index_of(dst_win)), ("dst_off", dst_off), ("size", size), ("context", context))
 
     def batch_put(self, peer: int, src_win: WindowLike, dst_win: WindowLike,
                   entries, *, context: int = 0) -> None:
-        """Several puts to one peer: ``entries`` is a sequence of (src_off, dst_off, size).
-        Every entry is validated before any is issued. Each counts as one op."""
+        """Several puts to one peer: ``entries`` is a sequence of (src_off, dst_off, size), or
+        an (n, 3) numpy array of unsigned 64-bit integers (read without a copy). The core
+        checks every entry before any is issued (an error names the entry). Each counts as one op."""
         s, d = index_of(src_win), index_of(dst_win)
-        _ints("batch_put", peer=peer, src_win=s, dst_win=d, context=context)
-        ops = [tuple(e) for e in entries]
-        for i, e in enumerate(ops):
-            if len(e) != 3:
-                raise InvalidArgument(f"batch_put: entry {i} must be (src_off, dst_off, size), got {e!r}")
-            _ints(f"batch_put entry {i}", src_off=e[0], dst_off=e[1], size=e[2])
-        self._core.batch_put(peer, s, d, ops, context)
+        if getattr(entries, "dtype", None) is not None and getattr(entries, "ndim", 0) == 2:
+            _checked("batch_put", self._core.batch_put_array, ("peer", peer), ("src_win", s), ("dst_win", d),
+                     (None, entries), ("context", context))
+            return
+        try:
+            self._core.batch_put(peer, s, d, entries, context)
+        except TypeError:
+            _ints("batch_put", peer=peer, src_win=s, dst_win=d, context=context)
+            for i, e in enumerate(entries):
+                if len(e) != 3:
+                    raise InvalidArgument(f"batch_put: entry {i} must be (src_off, dst_off, size), got {e!r}") from None
+                _ints(f"batch_put entry {i}", src_off=e[0], dst_off=e[1], size=e[2])
+            raise
 
     def flush(self, peer: Optional[int] = None, timeout: Optional[float] = None) -> None:
         """Wait until every op issued to ``peer`` (default: all peers) has completed at its target."""
@@ -345,22 +348,18 @@ class Mesh:
 
     def wait_counter(self, value: int, timeout: Optional[float] = None) -> None:
         """Wait until :meth:`read_counter` >= ``value``."""
-        _ints("wait_counter", value=value)
-        self._core.wait_counter(value, _timeout_arg(timeout))
+        _checked("wait_counter", self._core.wait_counter, ("value", value), (None, _timeout_arg(timeout)))
 
     def read_signal(self, slot: int, *, window: Optional[WindowLike] = None) -> int:
         """This rank's value of signal ``slot`` (default window: the first signal window)."""
-        g = self._sig(window)
-        _ints("read_signal", window=g, slot=slot)
-        return self._core.read_signal(g, slot)
+        return _checked("read_signal", self._core.read_signal, ("window", self._sig(window)), ("slot", slot))
 
     def wait_signal(self, slot: int, expected: int, timeout: Optional[float] = None, *,
                     window: Optional[WindowLike] = None) -> None:
         """Wait until this rank's signal ``slot`` >= ``expected``. On timeout the error
         names the slot, the expected and current values and the last rank that signalled it."""
-        g = self._sig(window)
-        _ints("wait_signal", window=g, slot=slot, expected=expected)
-        self._core.wait_signal(g, slot, expected, _timeout_arg(timeout))
+        _checked("wait_signal", self._core.wait_signal, ("window", self._sig(window)), ("slot", slot),
+                 ("expected", expected), (None, _timeout_arg(timeout)))
 
     # -- collectives over the bootstrap -------------------------------------
     def allgather(self, data: bytes, timeout: Optional[float] = None) -> List[bytes]:

@@ -12,7 +12,8 @@ class Window:
     says how this rank reaches the other ranks' copies of the window
     (``"shm"``, ``"cma"``, ``"tcp"``, or ``"self"`` for a one-rank mesh);
     ``paths`` gives it per peer, with the reason whenever a preferred path was
-    not taken. Deregister with :meth:`close` (collective).
+    not taken; ``peer_sizes`` the size of every rank's copy. Deregister with
+    :meth:`close` (collective).
     """
 
     def __init__(self, mesh, index: int, keepalive=None):
@@ -24,6 +25,8 @@ class Window:
         self.size: int = info["size"]
         self.mode: str = info["mode"]
         self.paths: List[Tuple[str, str]] = [tuple(p) for p in info["paths"]]
+        # Bytes of every rank's copy, as the ranks published them at registration.
+        self.peer_sizes: Tuple[int, ...] = tuple(info["peer_sizes"])
         self.closed = False
 
     @property

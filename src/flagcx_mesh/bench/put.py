@@ -1,6 +1,7 @@
 """Put bandwidth and put_signal latency per transport, against the limits.
 
-    python -m flagcx_mesh.bench put [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp] [--json PATH]
+    python -m flagcx_mesh.bench put [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp]
+                                    [--batch 2000] [--batch-size 4K] [--json PATH]
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...] [--json PATH]
 
 ``put`` starts 2 local ranks. For each transport, rank 0 puts ``size`` bytes
@@ -10,7 +11,9 @@ ping-pong (initiator put_signal -> target wait_signal returns -> answer).
 In the same run it measures the limits: single-thread memcpy (numpy copy)
 for shared memory, and raw loopback TCP throughput between the two rank
 processes (sendall / recv_into on the same interface, completion ack) for TCP,
-and prints the ratios. ``put-mpi`` (under mpiexec, with mpi4py) measures
+and prints the ratios. With ``--batch N`` (default 2000) it also issues N puts of
+``--batch-size`` bytes three ways (a loop of put, batch_put of a list, batch_put of a
+uint64 array) and prints their bandwidth side by side. ``put-mpi`` (under mpiexec, with mpi4py) measures
 MPI_Put (passive target: Lock, Put x N, Flush) next to flagcx_mesh.
 """
 
@@ -51,12 +54,15 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     p.add_argument("--sizes", default="4K,64K,1M,16M,64M")
     p.add_argument("--transports", default="shm,cma,tcp")
     p.add_argument("--latency-iters", type=int, default=2000)
+    p.add_argument("--batch", type=int, default=2000, help="entries per batch_put (0: skip)")
+    p.add_argument("--batch-size", default="4K", help="bytes per batch entry")
     p.add_argument("--json", metavar="PATH")
     if rank:
         p.add_argument("--out", required=True)
     a = p.parse_args(argv)
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     a.transports = [t for t in a.transports.split(",") if t]
+    a.batch_size = parse_size(a.batch_size)
     bad = [t for t in a.transports if t not in TRANSPORT_ENV]
     if bad:
         p.error(f"unknown transport(s) {bad}; choose from {sorted(TRANSPORT_ENV)}")
@@ -114,6 +120,34 @@ def put_signal_latency(mesh, src, dst, sig, iters: int) -> Optional[float]:
         times.append(time.perf_counter() - t0)
     mesh.barrier()
     return statistics.median(times) / 2 * 1e6 if mesh.rank == 0 else None
+
+
+def batch_bandwidth(mesh, src, dst, n: int, size: int) -> Optional[Dict[str, float]]:
+    """GB/s of n puts of `size` bytes to rank 1 (flush included) issued three ways: a loop of
+    put(), one batch_put() of a list of tuples, one batch_put() of an (n, 3) uint64 array."""
+    span = max(1, min(dst.size, src.size) // size)
+    entries = [((i % span) * size, (i % span) * size, size) for i in range(n)]
+    array = np.array(entries, dtype=np.uint64)
+    ways = {
+        "put loop": lambda: [mesh.put(1, src, so, dst, do, sz) for so, do, sz in entries],
+        "batch list": lambda: mesh.batch_put(1, src, dst, entries),
+        "batch array": lambda: mesh.batch_put(1, src, dst, array),
+    }
+    mesh.barrier()
+    if mesh.rank != 0:
+        mesh.barrier()
+        return None
+    out = {}
+    for name, issue in ways.items():
+        best = float("inf")
+        for _ in range(5):
+            t0 = time.perf_counter()
+            issue()
+            mesh.flush(1, timeout=120)
+            best = min(best, time.perf_counter() - t0)
+        out[name] = n * size / best / 1e9
+    mesh.barrier()
+    return out
 
 
 def memcpy_bandwidth(size: int) -> float:
@@ -190,6 +224,8 @@ def _measure_transport(mesh, t: str, args) -> Dict[str, object]:
     sig = mesh.signal_window(2)
     row: Dict[str, object] = {"mode": dst.mode, "paths": dst.paths[1 - mesh.rank][0]}
     row["bandwidth_gbs"] = {str(s): put_bandwidth(mesh, src, dst, s) for s in args.sizes}
+    if args.batch > 0:
+        row["batch_gbs"] = batch_bandwidth(mesh, src, dst, args.batch, args.batch_size)
     row["latency_us"] = put_signal_latency(mesh, src, dst, sig, args.latency_iters // (4 if t == "tcp" else 1))
     for w in (src, dst, sig):
         w.close()
@@ -229,6 +265,12 @@ def _report(data: dict, args) -> None:
     print("put_signal latency, 8 bytes, one way (median of a ping-pong, us): " +
           ", ".join(f"{t} {data[t]['latency_us']:.1f}" for t in ts) +
           f"; raw socket ping-pong {data['socket_latency_us']:.1f}")
+    if args.batch > 0:
+        print(f"{args.batch} puts of {size_name(args.batch_size)} to one peer, flush included (GB/s, best of 5)")
+        for t in ts:
+            b = data[t]["batch_gbs"]
+            print(f"  {t:>4}: " + ", ".join(f"{k} {v:.2f}" for k, v in b.items()) +
+                  f"; batch array / put loop {b['batch array'] / b['put loop']:.2f}")
     print("window modes actually used: " + ", ".join(f"{t} -> {data[t]['mode']}" for t in ts))
 
 

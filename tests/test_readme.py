@@ -1,0 +1,24 @@
+"""The README's Python example runs as printed, under the embedded launcher."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
+
+
+@pytest.mark.timeout(90)
+def test_readme_python_example_runs(tmp_path):
+    if not os.path.exists(README):
+        pytest.skip("README.md is not beside the tests")
+    blocks = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
+    assert blocks, "the README has no Python example"
+    script = tmp_path / "example.py"
+    script.write_text(blocks[0])
+    p = subprocess.run([sys.executable, "-m", "flagcx_mesh.launch", "-n", "2", str(script)],
+                       capture_output=True, text=True, timeout=80)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "peer 0 self" in p.stdout and "peer 1 self" in p.stdout, p.stdout
