@@ -4,9 +4,11 @@
  * magic, one FIFO accept queue per listener, non-blocking connect/accept state
  * machines). Included by flagcx_mesh.h; C99.
  *
- * The call that replaces FlagCX's flagcxOneSideBuildFullMesh is
- * flagcx_mesh_net_build_full_mesh() with FLAGCX_MESH_BUILD_ORDERED (or
- * FLAGCX_MESH_BUILD_TAGGED when the adaptor can carry bytes).
+ * The call that replaces the loop in FlagCX's flagcxOneSideBuildOneContext
+ * (once per context) is flagcx_mesh_net_build_full_mesh() with
+ * FLAGCX_MESH_BUILD_ORDERED; integrations/flagcx/ in the source tree holds
+ * that patch and the glue it needs. FLAGCX_MESH_BUILD_TAGGED also works where
+ * the adaptor carries bytes and meets its precondition (below).
  */
 #ifndef FLAGCX_MESH_NET_H_
 #define FLAGCX_MESH_NET_H_
@@ -147,9 +149,11 @@ typedef struct {
 
 /* Collective over boot: builds send_comms[p] (to p) and recv_comms[p] (from p)
  * for every p, self included; both arrays hold boot->nranks entries and are
- * written only on success. On failure every comm the adaptor handed to this
- * call (listen, send and recv comms) is closed exactly once, and the last
- * error names the round, the peer and the step. */
+ * written only on success (every registration the build made is then
+ * deregistered). On failure every memory handle is deregistered and every
+ * comm the adaptor handed to this call (listen, send and recv comms) is
+ * closed exactly once, and the last error names the round, the peer and the
+ * step. With boot->abort set, a watchdog thread runs during the call. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_build_full_mesh(
     const flagcx_mesh_net_adaptor_t *net, const flagcx_mesh_bootstrap_ops_t *boot,
     const flagcx_mesh_net_build_config_t *config, void **send_comms, void **recv_comms);
