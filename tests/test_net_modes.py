@@ -117,6 +117,17 @@ def test_legacy_over_the_socket_adaptor_miswires_instead_of_hanging(n):
         assert "miswired" in outcomes, outcomes
 
 
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_legacy_over_a_mixing_accept_never_hangs_and_never_passes_a_mixed_mesh(n):
+    """Two sockets per connection: FlagCX's loop still never hangs; a mixed connection shows up
+    as a miswire or as an adaptor error in the wiring check (a socket slot the accept left empty),
+    never as a completed build whose slots were not proved."""
+    for ranks in trials(n, "legacy", 3, jitter_us=2000, timeout=5.0, **MODES["socket-2"]):
+        assert aggregate(res["outcome"] for res in ranks) in ("completed", "miswired", "failed"), ranks
+        assert all(res["outcome"] != "hung" and clean(res) for res in ranks), ranks
+        assert all(res["verified"] for res in ranks if res["outcome"] == "completed"), ranks
+
+
 # ----------------------------------------------------------------------------- a rank dies
 
 def run_with_a_dead_rank(n, bootstrap, wait):
