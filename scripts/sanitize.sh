@@ -25,7 +25,8 @@ PYTHON=${PYTHON:-python3}
 lib=$(${CC:-cc} -print-file-name="$runtime")
 [ -f "$lib" ] || { echo "scripts/sanitize.sh: no $runtime for ${CC:-cc} (install the compiler's sanitizer runtime)" >&2; exit 1; }
 [ $# -gt 0 ] || set -- tests/test_onesided.py tests/test_mesh_threads.py tests/test_capi.py \
-    tests/test_net_capi.py tests/test_net_builders.py tests/test_engine_limits.py
+    tests/test_net_capi.py tests/test_net_builders.py tests/test_net_modes.py tests/test_engine_limits.py \
+    tests/test_root_exit.py
 # libstdc++ right after the runtime: its C++ exception interceptors bind to the libstdc++
 # loaded at start-up (the interpreter itself links none).
 export LD_PRELOAD="$lib $(${CXX:-c++} -print-file-name=libstdc++.so.6)"
