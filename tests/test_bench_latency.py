@@ -39,7 +39,7 @@ def test_a_short_run_prints_figures_for_every_path(tmp_path):
     assert (data["shm"]["data_path"], data["shm"]["signal_path"]) == ("shm", "shm")
     assert (data["tcp"]["data_path"], data["tcp"]["signal_path"]) == ("tcp", "tcp")
     for path, run in data.items():
-        assert run["iters"] == 200 and run["warmup"] == 20
+        assert run["iters"] == 200 and run["warmup"] == 20 and run["cpus"] >= 1 and run["load_before"] >= 0
         assert sorted(run["results"]) == sorted(TESTS)
         for test, f in run["results"].items():
             assert all(math.isfinite(f[k]) for k in ("min_us", "median_us", "p99_us")), (path, test, f)
@@ -49,6 +49,7 @@ def test_a_short_run_prints_figures_for_every_path(tmp_path):
         for test in ("put_signal 8 B one way", "put_flush 4 KiB blocking"):
             assert re.search(rf"^\s+{path}\s+{test}{number}{number}\s+[0-9.]+x /\s*[0-9.]+x$", p.stdout, re.M), p.stdout
     assert "paths actually used (data, signal): shm -> shm, shm, tcp -> tcp, tcp" in p.stdout, p.stdout
+    assert re.search(r"^host: shm run: \d+ CPUs, load average [0-9.]+ before it, tcp run: ", p.stdout, re.M), p.stdout
 
 
 def test_bad_arguments_are_refused(tmp_path):

@@ -72,10 +72,11 @@ def _run_paths(exe: str, args: argparse.Namespace) -> Optional[Dict[str, dict]]:
     cmd = [exe, "--iters", str(args.iters), "--warmup", str(args.warmup), "--blocks", str(args.blocks)]
     out: Dict[str, dict] = {}
     for t in args.transports:
+        load = os.getloadavg()[0]  # the figures depend on free cores: say how busy the host was
         data = run_program(f"latency-{t}", cmd, 2, args.timeout, env={"FLAGCX_MESH_TRANSPORT": t})
         if data is None:
             return None
-        out[t] = data
+        out[t] = dict(data, cpus=os.cpu_count(), load_before=load)
     return out
 
 
@@ -90,6 +91,8 @@ def _report(data: Dict[str, dict], args: argparse.Namespace) -> None:
             print(f"  {t:<5}{ours + ' ' + what:<28}"
                   f"{a['median_us']:>10.2f} /{a['p99_us']:>8.2f}{b['median_us']:>11.2f} /{b['p99_us']:>8.2f}"
                   f"{a['median_us'] / b['median_us']:>9.2f}x /{a['p99_us'] / b['p99_us']:>5.2f}x")
+    print("host: " + ", ".join(f"{t} run: {r['cpus']} CPUs, load average {r['load_before']:.1f} before it"
+                               for t, r in data.items()))
     print("paths actually used (data, signal): " +
           ", ".join(f"{t} -> {r['data_path']}, {r['signal_path']}" for t, r in data.items()))
 
