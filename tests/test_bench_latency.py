@@ -68,3 +68,11 @@ def test_the_program_refuses_one_rank(tmp_path):
     p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", "1", "--timeout", "60", "--", exe],
                        env=subprocess_env(), capture_output=True, text=True, timeout=90)
     assert p.returncode == 2 and "needs exactly 2 ranks, got 1" in p.stderr, p.stdout + p.stderr
+
+
+def test_a_missing_compiler_is_named(tmp_path):
+    env = subprocess_env()
+    env["CC"] = "no-such-cc-for-flagcx-mesh"
+    p = subprocess.run([PY, "-m", "flagcx_mesh.bench", "latency", "--iters", "10"], env=env, cwd=REPO_ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 1 and "needs a C compiler" in p.stderr and "set CC" in p.stderr, p.stderr

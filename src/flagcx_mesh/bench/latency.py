@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import shutil
 import subprocess
+import sys
 import tempfile
 from typing import Dict, List, Optional
 
@@ -58,10 +60,10 @@ def _parse(argv: List[str]) -> argparse.Namespace:
 def compile_program(directory: str) -> str:
     """Builds latency.c in `directory` against the installed library; returns the program."""
     exe = os.path.join(directory, "flagcx_mesh_latency")
-    cc = os.environ.get("CC", "cc")
-    if shutil.which(cc) is None:
-        raise RuntimeError(f"bench latency needs a C compiler: {cc!r} was not found (set CC)")
-    cmd = [cc, "-O2", "-std=c99", SOURCE, *cflags(), *libs(), "-o", exe]
+    cc = shlex.split(os.environ.get("CC", "cc"))
+    if not cc or shutil.which(cc[0]) is None:
+        raise RuntimeError(f"bench latency needs a C compiler: {cc[:1]} was not found (set CC)")
+    cmd = [*cc, "-O2", "-std=c99", SOURCE, *cflags(), *libs(), "-o", exe]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
         raise RuntimeError(f"bench latency: compiling failed ({' '.join(cmd)}):\n{r.stderr}")
@@ -102,7 +104,12 @@ def main(argv: List[str]) -> int:
     with tempfile.TemporaryDirectory() as tmp:
         directory = args.keep or tmp
         os.makedirs(directory, exist_ok=True)
-        data = _run_paths(compile_program(directory), args)
+        try:
+            exe = compile_program(directory)
+        except RuntimeError as e:
+            print(e, file=sys.stderr)
+            return 1
+        data = _run_paths(exe, args)
     if data is None:
         return 1
     _report(data, args)
