@@ -64,11 +64,11 @@ def test_result_codes_have_flagcx_values():
     assert [(r.name, int(r)) for r in R] == [
         ("Success", 0), ("UnhandledDeviceError", 1), ("SystemError", 2), ("InternalError", 3),
         ("InvalidArgument", 4), ("InvalidUsage", 5), ("RemoteError", 6), ("InProgress", 7),
-        ("NotSupported", 8)]
+        ("UnhandledCCLError", 8), ("NotSupported", 9)]
     assert fc.flagcxInvalidArgument == 4 and fc.flagcxRemoteError is R.RemoteError
 
 
-@pytest.mark.parametrize("code", list(R) + [9, -1, 1000, "x"])
+@pytest.mark.parametrize("code", list(R) + [10, -1, 1000, "x"])
 def test_get_error_string_describes_every_code(code):
     text = fc.get_error_string(code)
     assert text and "not implemented" not in text.lower()

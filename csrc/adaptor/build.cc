@@ -24,9 +24,11 @@ void set_builder(BuildConfig* config, int builder) { std::memcpy(&config->builde
 
 void validate_adaptor(const NetAdaptor* net) {
   if (!net) bad("net is NULL");
-  if (net->size < sizeof(NetAdaptor)) {
-    bad("net->size is " + std::to_string(net->size) + ", expected at least sizeof(flagcx_mesh_net_adaptor_t) = " +
-        std::to_string(sizeof(NetAdaptor)));
+  constexpr size_t v1 = FLAGCX_MESH_NET_ADAPTOR_SIZE_V1;
+  if (net->size != v1 && net->size < sizeof(NetAdaptor)) {
+    bad("net->size is " + std::to_string(net->size) + ": expected sizeof(flagcx_mesh_net_adaptor_t) = " +
+        std::to_string(sizeof(NetAdaptor)) + ", or " + std::to_string(v1) +
+        " (FLAGCX_MESH_NET_ADAPTOR_SIZE_V1, the 0.2 layout without reg_mr/dereg_mr)");
   }
   if (net->handle_size < 1 || net->handle_size > FLAGCX_MESH_NET_HANDLE_MAX) {
     bad("net->handle_size is " + std::to_string(net->handle_size) + ", must be in [1, " +
@@ -38,13 +40,18 @@ void validate_adaptor(const NetAdaptor* net) {
   }
   int optional = (net->isend != nullptr) + (net->irecv != nullptr) + (net->test != nullptr);
   if (optional != 0 && optional != 3) bad("net->isend, irecv and test must be all set or all NULL");
+  if (net->size == v1) return;  // no registration fields
+  if ((net->reg_mr != nullptr) != (net->dereg_mr != nullptr)) bad("net->reg_mr and dereg_mr must be both set or both NULL");
+  if (net->reg_mr && !optional) bad("net->reg_mr is set but isend/irecv/test are not: nothing would use it");
 }
 
 void validate_boot(const BootOps* boot) {
   if (!boot) bad("boot is NULL");
-  if (boot->size < sizeof(BootOps)) {
-    bad("boot->size is " + std::to_string(boot->size) + ", expected at least sizeof(flagcx_mesh_bootstrap_ops_t) = " +
-        std::to_string(sizeof(BootOps)));
+  constexpr size_t v1 = FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1;
+  if (boot->size != v1 && boot->size < sizeof(BootOps)) {
+    bad("boot->size is " + std::to_string(boot->size) + ": expected sizeof(flagcx_mesh_bootstrap_ops_t) = " +
+        std::to_string(sizeof(BootOps)) + ", or " + std::to_string(v1) +
+        " (FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1, the 0.2 layout without abort)");
   }
   if (boot->nranks < 1 || boot->rank < 0 || boot->rank >= boot->nranks) {
     bad("boot->rank " + std::to_string(boot->rank) + " / nranks " + std::to_string(boot->nranks) +

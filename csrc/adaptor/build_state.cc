@@ -22,25 +22,60 @@ const char* builder_name(int builder) {
   return "unknown";
 }
 
+NetAdaptor upgrade_adaptor(const NetAdaptor& net) {
+  NetAdaptor out{};
+  std::memcpy(&out, &net, std::min(net.size, sizeof(out)));
+  out.size = sizeof(out);
+  return out;
+}
+
+BootOps upgrade_boot(const BootOps& boot) {
+  BootOps out{};
+  std::memcpy(&out, &boot, std::min(boot.size, sizeof(out)));
+  out.size = sizeof(out);
+  return out;
+}
+
 Build::Build(const NetAdaptor& net, const BootOps& boot, const BuildConfig& config)
-    : net_(net), boot_(boot), config_(config), rank_(boot.rank), n_(boot.nranks),
+    : net_(upgrade_adaptor(net)), io_v1_(net.size < sizeof(NetAdaptor)), boot_(upgrade_boot(boot)),
+      config_(config), rank_(boot.rank), n_(boot.nranks),
       timeout_s_(config.timeout_s > 0 ? config.timeout_s : env_config().timeout_s),
       deadline_(Deadline::after_seconds(timeout_s_)),
-      send_(static_cast<size_t>(n_), nullptr), recv_(static_cast<size_t>(n_), nullptr) {}
+      send_(static_cast<size_t>(n_), nullptr), recv_(static_cast<size_t>(n_), nullptr),
+      watchdog_(boot_, deadline_) {}
 
-Build::~Build() { close_all(); }
+Build::~Build() {
+  watchdog_.stop();
+  close_all();
+}
+
+void Build::release_mrs(void* comm) {
+  for (auto it = mrs_.begin(); it != mrs_.end();) {
+    if (it->first != comm) {
+      ++it;
+      continue;
+    }
+    net_.dereg_mr(net_.ctx, it->first, it->second);
+    it = mrs_.erase(it);
+  }
+}
+
+void Build::close_recv_comm(void* comm) {
+  release_mrs(comm);
+  net_.close_recv(net_.ctx, comm);
+}
 
 void Build::close_all() {
   // Failure path: best effort, results ignored (the build already failed).
   for (void*& c : send_) {
-    if (c) net_.close_send(net_.ctx, c);
+    if (c) release_mrs(c), net_.close_send(net_.ctx, c);
     c = nullptr;
   }
   for (void*& c : recv_) {
-    if (c) net_.close_recv(net_.ctx, c);
+    if (c) close_recv_comm(c);
     c = nullptr;
   }
-  for (void* c : unfiled_) net_.close_recv(net_.ctx, c);
+  for (void* c : unfiled_) close_recv_comm(c);
   unfiled_.clear();
   if (listen_) net_.close_listen(net_.ctx, listen_);
   listen_ = nullptr;
@@ -78,7 +113,8 @@ void Build::listen_and_gather() {
   std::random_device rd;
   uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(rank_ + 1);
   std::memcpy(mine + hs, &nonce, 8);
-  int rc = boot_.allgather(boot_.ctx, all.data(), block, seconds_left());
+  double left = seconds_left();
+  int rc = boot_call([&] { return boot_.allgather(boot_.ctx, all.data(), block, left); });
   if (rc != 0) boot_failed(rc, -1, "bootstrap allgather of the listen handles");
   std::memcpy(&build_id_, all.data() + hs, 8);
   handles_.resize(static_cast<size_t>(n_));
@@ -118,23 +154,44 @@ void Build::drop_recv(void* comm) {
   for (void*& c : recv_) {
     if (c == comm) c = nullptr;
   }
-  net_.close_recv(net_.ctx, comm);
+  close_recv_comm(comm);
 }
 
-void* Build::isend(void* comm, const void* data, size_t size, int peer, const std::string& step) {
+void* Build::reg(void* comm, void* data, size_t size, int peer, const std::string& step) {
+  if (!net_.reg_mr) return nullptr;
+  void* mh = nullptr;
+  int rc = net_.reg_mr(net_.ctx, comm, data, size, &mh);
+  if (rc != 0) check_call(rc, ("reg_mr (" + step + ")").c_str(), peer, -1);
+  mrs_.emplace_back(comm, mh);
+  return mh;
+}
+
+void* Build::isend(void* comm, const void* data, size_t size, void* mhandle, int peer, const std::string& step) {
   void* req = nullptr;
-  int rc = net_.isend(net_.ctx, comm, data, size, &req);
+  int rc = io_v1_ ? reinterpret_cast<flagcx_mesh_net_isend_v1_fn>(net_.isend)(net_.ctx, comm, data, size, &req)
+                  : net_.isend(net_.ctx, comm, data, size, mhandle, &req);
   if (rc != 0) check_call(rc, ("isend (" + step + ")").c_str(), peer, -1);
-  if (!req) fail_at(Code::kInternal, peer, step + ": adaptor isend gave no request");
   return req;
 }
 
-void* Build::irecv(void* comm, void* data, size_t size, int peer, const std::string& step) {
+void* Build::irecv(void* comm, void* data, size_t size, void* mhandle, int peer, const std::string& step) {
   void* req = nullptr;
-  int rc = net_.irecv(net_.ctx, comm, data, size, &req);
+  int rc = io_v1_ ? reinterpret_cast<flagcx_mesh_net_irecv_v1_fn>(net_.irecv)(net_.ctx, comm, data, size, &req)
+                  : net_.irecv(net_.ctx, comm, data, size, mhandle, &req);
   if (rc != 0) check_call(rc, ("irecv (" + step + ")").c_str(), peer, -1);
-  if (!req) fail_at(Code::kInternal, peer, step + ": adaptor irecv gave no request");
   return req;
+}
+
+bool Transfer::step(Build& b, const std::string& what) {
+  if (done) return false;
+  if (!request) {
+    request = send ? b.isend(comm, data, size, mhandle, peer, what) : b.irecv(comm, data, size, mhandle, peer, what);
+    return request != nullptr;
+  }
+  if (!b.test(request, peer, what)) return false;
+  request = nullptr;
+  done = true;
+  return true;
 }
 
 bool Build::test(void* request, int peer, const std::string& step) {
@@ -146,33 +203,52 @@ bool Build::test(void* request, int peer, const std::string& step) {
 
 double Build::seconds_left() const { return std::max(deadline_.seconds_left(), 1e-3); }
 
+template <class F>
+int Build::boot_call(F&& call) {
+  watchdog_.enter();
+  int rc = call();
+  watchdog_.leave();
+  return rc;
+}
+
 // A bootstrap op returned rc != 0: a timeout when it says so or the build's
 // deadline passed, else the peer (or the bootstrap) is lost.
 void Build::boot_failed(int rc, int peer, const std::string& what) const {
   std::string text = what + " returned " + std::to_string(rc) + boot_detail_suffix(boot_);
+  if (watchdog_.aborted()) {
+    text += " (interrupted by the bootstrap's abort hook at the build deadline)";
+  }
   check_deadline(text, peer);
   fail_at(rc == FLAGCX_MESH_TIMEOUT ? Code::kTimeout : Code::kPeerLost, peer, text);
 }
 
 void Build::boot_send(int peer, int tag, const void* data, size_t size, int round) {
-  int rc = boot_.send(boot_.ctx, peer, tag, data, size, seconds_left());
-  if (rc != 0) {
-    boot_failed(rc, peer, "round " + std::to_string(round) + ": bootstrap send of the readiness token to rank " +
-                              std::to_string(peer));
-  }
+  std::string what = "round " + std::to_string(round) + ": bootstrap send of the readiness token to rank " +
+                     std::to_string(peer);
+  check_deadline(what, peer);
+  double left = seconds_left();
+  int rc = boot_call([&] { return boot_.send(boot_.ctx, peer, tag, data, size, left); });
+  if (rc != 0) boot_failed(rc, peer, what);
 }
 
 void Build::boot_recv(int peer, int tag, void* data, size_t size, int round) {
   std::string what = "round " + std::to_string(round) + ": waiting for the readiness token of rank " +
                      std::to_string(peer) + " (its accept for this round)";
   check_deadline(what, peer);
-  int rc = boot_.recv(boot_.ctx, peer, tag, data, size, seconds_left());
+  double left = seconds_left();
+  int rc = boot_call([&] { return boot_.recv(boot_.ctx, peer, tag, data, size, left); });
   if (rc != 0) boot_failed(rc, peer, what + ": bootstrap recv");
 }
 
 void Build::finish(void** send_comms, void** recv_comms) {
+  watchdog_.stop();  // no bootstrap call is left: the hook must not fire after this
   for (int p = 0; p < n_; ++p) {
     if (!send_[p] || !recv_[p]) fail_at(Code::kInternal, p, "build ended with an empty slot");
+  }
+  std::vector<std::pair<void*, void*>> mrs = std::move(mrs_);
+  mrs_.clear();
+  for (auto& [comm, mh] : mrs) {  // every transfer completed: the handles can go
+    check_call(net_.dereg_mr(net_.ctx, comm, mh), "dereg_mr", -1, -1);
   }
   if (listen_) check_call(net_.close_listen(net_.ctx, listen_), "close_listen", -1, -1);
   listen_ = nullptr;
@@ -186,7 +262,7 @@ void Build::finish(void** send_comms, void** recv_comms) {
   if (!unfiled_.empty()) {
     FXM_INFO(rank_, who() + ": closed " + std::to_string(unfiled_.size()) + " unidentified connection(s)");
   }
-  for (void* c : unfiled_) net_.close_recv(net_.ctx, c);
+  for (void* c : unfiled_) close_recv_comm(c);
   unfiled_.clear();
 }
 

@@ -1,8 +1,11 @@
 // State shared by the builders: the listener, the peers' handles, the comms
-// opened so far (closed again unless the build succeeds), the deadline, and
-// checked calls into the adaptor and the bootstrap that turn a non-zero
-// return into an Error naming the call, the peer, the round and the rank.
-// Owned by one build on one thread.
+// opened so far (closed again unless the build succeeds), the memory
+// registrations (deregistered before their comm is closed), the deadline and
+// its watchdog over the bootstrap, and checked calls into the adaptor and the
+// bootstrap that turn a non-zero return into an Error naming the call, the
+// peer, the round and the rank. The adaptor and bootstrap structs are copied
+// in this version's layout (older layouts upgraded by build.cc).
+// Owned by one build on one thread (the watchdog has its own).
 #pragma once
 
 #include <cstdint>
@@ -11,6 +14,7 @@
 #include <vector>
 
 #include "adaptor/builder.h"
+#include "adaptor/watchdog.h"
 #include "base/clock.h"
 #include "base/status.h"
 #include "base/wire.h"
@@ -21,6 +25,7 @@ const char* builder_name(int builder);
 
 class Build {
  public:
+  // net and boot: validated structs of any accepted layout.
   Build(const NetAdaptor& net, const BootOps& boot, const BuildConfig& config);
   ~Build();  // closes whatever was not handed out
   Build(const Build&) = delete;
@@ -39,9 +44,13 @@ class Build {
   // it still holds is closed: buffers of posted isend/irecv requests must
   // outlive the comms when a build fails half-way.
   uint8_t* buffer(size_t bytes);
-  // isend/irecv/test with checked results.
-  void* isend(void* comm, const void* data, size_t size, int peer, const std::string& step);
-  void* irecv(void* comm, void* data, size_t size, int peer, const std::string& step);
+  // Registers [data, data + size) on comm when the adaptor has reg_mr (else
+  // NULL); deregistered before comm is closed.
+  void* reg(void* comm, void* data, size_t size, int peer, const std::string& step);
+  // isend/irecv with checked results: the request, or NULL for "not yet,
+  // call again with the same arguments" (IB's contract).
+  void* isend(void* comm, const void* data, size_t size, void* mhandle, int peer, const std::string& step);
+  void* irecv(void* comm, void* data, size_t size, void* mhandle, int peer, const std::string& step);
   bool test(void* request, int peer, const std::string& step);
   // Bootstrap point-to-point, bounded by the build deadline.
   void boot_send(int peer, int tag, const void* data, size_t size, int round);
@@ -55,6 +64,7 @@ class Build {
   [[noreturn]] void fail_at(Code code, int peer, const std::string& what) const;
   std::string who() const;  // "rank 3 (ordered build)"
   bool carries_bytes() const { return net_.isend != nullptr; }
+  const NetAdaptor& net() const { return net_; }
   int rank() const { return rank_; }
   int nranks() const { return n_; }
   uint64_t build_id() const { return build_id_; }
@@ -69,9 +79,14 @@ class Build {
   double seconds_left() const;  // of the build's deadline, at least 1 ms
   [[noreturn]] void boot_failed(int rc, int peer, const std::string& what) const;
   void close_all();
+  void close_recv_comm(void* comm);
+  void release_mrs(void* comm);  // deregisters what was registered on comm
+  template <class F>
+  int boot_call(F&& call);
 
-  const NetAdaptor& net_;
-  const BootOps& boot_;
+  NetAdaptor net_;  // this layout; isend/irecv of a V1 adaptor are called as V1
+  bool io_v1_;
+  BootOps boot_;
   BuildConfig config_;
   int rank_, n_;
   double timeout_s_;
@@ -81,7 +96,9 @@ class Build {
   std::vector<std::vector<uint8_t>> handles_;  // writable copies, one per peer
   std::vector<void*> send_, recv_;
   std::vector<void*> unfiled_;  // accepted, not yet filed
+  std::vector<std::pair<void*, void*>> mrs_;  // (comm, mhandle)
   std::deque<std::vector<uint8_t>> buffers_;  // see buffer(); freed after ~Build closed every comm
+  Watchdog watchdog_;  // last: stopped first, before anything it might use goes
 };
 
 // Polite spinning for state machines that returned "in progress":
@@ -97,6 +114,27 @@ void encode_identity(uint64_t build_id, int src, int dst, int nranks, uint8_t ou
 // else why not (a wire::reject_name).
 std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, int me, int nranks,
                             wire::ConnHeader* out);
+
+// This layout's copies of validated structs of an accepted (older) layout:
+// fields the caller's layout lacks are NULL.
+NetAdaptor upgrade_adaptor(const NetAdaptor& net);
+BootOps upgrade_boot(const BootOps& boot);
+
+// Sends one message and waits for it (posting again while the adaptor says
+// "call again"); and the same for a batch over several comms. Registered
+// through Build::reg. Used by the tagged build and the wiring check.
+struct Transfer {
+  void* comm = nullptr;
+  uint8_t* data = nullptr;  // from Build::buffer()
+  size_t size = 0;
+  bool send = false;
+  int peer = -1;            // for messages; -1 unknown (an accepted comm)
+  void* mhandle = nullptr;
+  void* request = nullptr;
+  bool done = false;
+  // One step: post if not posted, else test. True when something moved.
+  bool step(Build& b, const std::string& what);
+};
 
 // The builders (build.cc validates and dispatches).
 void build_legacy(Build& b);

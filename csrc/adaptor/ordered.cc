@@ -37,6 +37,23 @@ void exchange_tokens(Build& b, int round, int connect_peer, int accept_peer) {
   }
 }
 
+// The deadline passed inside a round. A connect that never completes went to
+// a rank whose token said its accept was next: that rank is stuck further on
+// (waiting for a rank beyond it, perhaps a lost one), which is said.
+void report_stall(const Build& b, int round, int connect_peer, int accept_peer, bool have_send, bool have_recv) {
+  std::string what = "round " + std::to_string(round) + ": ";
+  if (!have_send) {
+    what += "connect to rank " + std::to_string(connect_peer) + " not done";
+    if (round > 0) {
+      what += " (rank " + std::to_string(connect_peer) + " sent its readiness token but never took the "
+              "connection: it is stuck further on, e.g. waiting for a lost rank)";
+    }
+  }
+  if (!have_send && !have_recv) what += " and ";
+  if (!have_recv) what += "accept from rank " + std::to_string(accept_peer) + " not done";
+  b.check_deadline(what, have_send ? accept_peer : connect_peer);
+}
+
 void drive_round(Build& b, int round, int connect_peer, int accept_peer) {
   bool have_send = false, have_recv = false;
   int spins = 0;
@@ -49,14 +66,7 @@ void drive_round(Build& b, int round, int connect_peer, int accept_peer) {
       progress |= have_recv = comm != nullptr;
     }
     if (have_send && have_recv) return;
-    if (b.deadline().expired()) {
-      std::string what = "round " + std::to_string(round) + ": " +
-                         (!have_send ? "connect to rank " + std::to_string(connect_peer) : std::string()) +
-                         (!have_send && !have_recv ? " and " : "") +
-                         (!have_recv ? "accept from rank " + std::to_string(accept_peer) : std::string()) +
-                         " not done";
-      b.check_deadline(what, have_send ? accept_peer : connect_peer);
-    }
+    if (b.deadline().expired()) report_stall(b, round, connect_peer, accept_peer, have_send, have_recv);
     if (progress) spins = 0;
     backoff(&spins);
   }

@@ -8,6 +8,7 @@
 #include <thread>
 
 #include "base/log.h"
+#include "bootstrap/exit_wait.h"
 
 namespace fxm::bootstrap {
 
@@ -21,9 +22,13 @@ Client::Client(const UniqueId& id, int rank, int nranks, const Deadline& deadlin
   Msg m{MsgType::kJoin, Code::kOk, rank, 0, encode_join(j)};
   tcp::IoResult r = send_msg(fd_.get(), m, deadline);
   if (!r.ok()) raise_io(r, "joining the bootstrap root at " + root_.str());
+  track_client(this);
 }
 
-Client::~Client() { bye(); }
+Client::~Client() {
+  untrack_client(this);
+  bye();
+}
 
 void Client::connect_root(const Deadline& deadline) {
   int backoff_ms = 10;
@@ -211,6 +216,18 @@ void Client::abort(Code code, const std::string& reason) {
 void Client::interrupt() {
   int fd = fd_.get();
   if (fd >= 0) ::shutdown(fd, SHUT_RDWR);
+}
+
+void Client::leave_at_exit() {
+  std::unique_lock<std::mutex> lock(mu_, std::try_to_lock);
+  std::unique_lock<std::mutex> wlock(wmu_, std::try_to_lock);
+  if (!lock.owns_lock() || !wlock.owns_lock()) {
+    interrupt();  // a call in another thread holds it: it fails, the root loses this rank
+    return;
+  }
+  if (!fd_) return;
+  send_msg(fd_.get(), {MsgType::kBye, Code::kOk, rank_, 0, {}}, Deadline::after_seconds(1));
+  fd_.reset();
 }
 
 void Client::bye() {

@@ -56,6 +56,9 @@ class Client {
   // Wakes a collective blocked in another thread (it then fails); used by
   // close() before bye().
   void interrupt();
+  // At process exit (bootstrap/exit_wait.h): bye() when no other thread is
+  // using the client, else interrupt(). Never blocks on the client's locks.
+  void leave_at_exit();
 
  private:
   void connect_root(const Deadline& deadline);

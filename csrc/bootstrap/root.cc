@@ -8,8 +8,9 @@
 #include <thread>
 #include <vector>
 
-#include "bootstrap/proto.h"
 #include "base/log.h"
+#include "bootstrap/exit_wait.h"
+#include "bootstrap/proto.h"
 
 namespace fxm::bootstrap {
 namespace {
@@ -44,21 +45,17 @@ struct Client {
   size_t queued() const { return out.size() - out_off; }
 };
 
-// A rank that left (BYE), failed or was lost: nothing more is read or written.
-void retire(Client& c) {
-  c.gone = true;
-  c.fd.reset();
-  c.out.clear();
-  c.out_off = 0;
-}
-
 class Root {
  public:
-  Root(tcp::Fd listener, const wire::MeshId& id) : listener_(std::move(listener)), id_(id) {}
+  Root(tcp::Fd listener, const wire::MeshId& id)
+      : listener_(std::move(listener)), id_(id), life_(track_root(wire::mesh_id_hex(id).substr(0, 8))) {}
   void run();
 
  private:
   bool finished() const;
+  void retire(int rank);
+  void fail_pending(int rank, const std::string& why);
+  void tell_stopping();
   void poll_once();
   void accept_all();
   void on_pending(size_t i);
@@ -85,13 +82,34 @@ class Root {
   double timeout_s_ = 0;
   uint32_t seq_ = 0;
   std::vector<int> lost_;
+  int first_left_ = -1;  // the first rank that said BYE: no later collective can complete
   bool failed_ = false;
+  std::shared_ptr<RootLife> life_;  // what this process's exit waits for
 };
 
 void Root::run() {
-  while (!finished()) poll_once();
+  while (!finished() && !life_->stop_requested()) poll_once();
+  if (life_->stop_requested()) tell_stopping();
   drain();
+  life_->done();
   FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_) + " exits");
+}
+
+// A rank that left (BYE), failed or was lost: nothing more is read or written.
+void Root::retire(int rank) {
+  Client& c = clients_[rank];
+  c.gone = true;
+  c.fd.reset();
+  c.out.clear();
+  c.out_off = 0;
+  life_->left(rank);
+}
+
+// The process exits and its wait for the connected ranks expired: say why the
+// root goes away (drain() gives it a moment to reach them).
+void Root::tell_stopping() {
+  std::string why = life_->stop_reason();
+  broadcast({MsgType::kError, Code::kPeerLost, -1, seq_, {why.begin(), why.end()}}, -1);
 }
 
 bool Root::finished() const {
@@ -189,6 +207,7 @@ void Root::admit(Pending& p, const Msg& m) {
   Client& c = clients_[m.rank];
   c.fd = std::move(p.fd);
   c.joined = true;
+  life_->joined(m.rank, j.timeout_ms / 1000.0);
   for (const Msg& held : c.held) send_to(m.rank, held);
   c.held.clear();
   c.held_bytes = 0;
@@ -211,13 +230,15 @@ void Root::on_client(int rank) {
     case MsgType::kAllgather: on_allgather(rank, m); break;
     case MsgType::kSend: on_relay(rank, m); break;
     case MsgType::kAbortReq:  // the rank failed and closes right after
-      retire(c);
+      retire(rank);
       lost_.push_back(rank);
       broadcast({MsgType::kAbort, m.code, rank, 0, m.payload}, rank);
       maybe_complete();
       break;
-    case MsgType::kBye:
-      retire(c);
+    case MsgType::kBye:  // the rank closed: a later collective cannot complete
+      retire(rank);
+      if (first_left_ < 0) first_left_ = rank;
+      maybe_complete();
       break;
     default:
       lose(rank, "rank " + std::to_string(rank) + " sent an unexpected bootstrap message");
@@ -267,15 +288,13 @@ void Root::on_relay(int src, Msg& m) {
 void Root::maybe_complete() {
   if (joined_ < static_cast<int>(nranks_)) return;
   if (!lost_.empty()) {
-    std::string why = "bootstrap collective failed: rank " + std::to_string(lost_.front()) +
-                      " failed or was lost";
-    for (size_t r = 0; r < clients_.size(); ++r) {
-      if (clients_[r].contributed && !clients_[r].gone) {
-        send_to(static_cast<int>(r), {MsgType::kError, Code::kPeerLost, lost_.front(), seq_,
-                                      {why.begin(), why.end()}});
-        clients_[r].contributed = false;
-      }
-    }
+    fail_pending(lost_.front(), "bootstrap collective failed: rank " + std::to_string(lost_.front()) +
+                                    " failed or was lost");
+    return;
+  }
+  if (first_left_ >= 0) {
+    fail_pending(first_left_, "bootstrap collective #" + std::to_string(seq_) + " cannot complete: rank " +
+                                  std::to_string(first_left_) + " left (closed its mesh or bootstrap)");
     return;
   }
   std::vector<std::vector<uint8_t>> parts;
@@ -292,10 +311,20 @@ void Root::maybe_complete() {
   ++seq_;
 }
 
+// Answers every rank waiting in the current collective with `why`, naming `rank`.
+void Root::fail_pending(int rank, const std::string& why) {
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    if (clients_[r].contributed && !clients_[r].gone) {
+      send_to(static_cast<int>(r), {MsgType::kError, Code::kPeerLost, rank, seq_, {why.begin(), why.end()}});
+      clients_[r].contributed = false;
+    }
+  }
+}
+
 void Root::lose(int rank, const std::string& why) {
   Client& c = clients_[rank];
   if (c.gone) return;
-  retire(c);
+  retire(rank);
   lost_.push_back(rank);
   FXM_INFO(-1, "bootstrap root: " + why);
   broadcast({MsgType::kAbort, Code::kPeerLost, rank, 0, {why.begin(), why.end()}}, rank);

@@ -1,8 +1,10 @@
 // The rendezvous root: a detached thread in the process that made the unique
 // id. It admits exactly nranks JOINs carrying the mesh id, then serves
 // allgather (barrier = empty allgather) for the joined ranks, and tells every
-// rank when another failed or was lost. It exits when every rank has said BYE
-// or gone, when the join deadline expires, or after an hour with no join.
+// rank when another failed or was lost; a collective begun after a rank said
+// BYE fails at once naming it. It exits when every rank has said BYE or gone,
+// when the join deadline expires, or after an hour with no join. The process
+// that hosts it waits at exit for the ranks that joined (bootstrap/exit_wait.h).
 #pragma once
 
 #include "base/wire.h"

@@ -4,14 +4,16 @@
  * magic, one FIFO accept queue per listener, non-blocking connect/accept state
  * machines). Included by flagcx_mesh.h; C99.
  *
- * The call that replaces FlagCX's flagcxOneSideBuildFullMesh is
- * flagcx_mesh_net_build_full_mesh() with FLAGCX_MESH_BUILD_ORDERED (or
- * FLAGCX_MESH_BUILD_TAGGED when the adaptor can carry bytes).
+ * The call that replaces the loop in FlagCX's flagcxOneSideBuildOneContext
+ * (once per context) is flagcx_mesh_net_build_full_mesh() with
+ * FLAGCX_MESH_BUILD_ORDERED; integrations/flagcx/ in the source tree holds
+ * that patch and the glue it needs. FLAGCX_MESH_BUILD_TAGGED also works where
+ * the adaptor carries bytes and meets its precondition (below).
  */
 #ifndef FLAGCX_MESH_NET_H_
 #define FLAGCX_MESH_NET_H_
 
-#include <stddef.h>
+#include <stddef.h> /* offsetof */
 #include <stdint.h>
 
 #ifdef __cplusplus
@@ -22,7 +24,13 @@ extern "C" {
 
 /* A network adaptor, shaped like FlagCX's. Every function returns 0 on
  * success; any other value is a failure and is reported with the call and
- * peer. `ctx` is passed back to every call. */
+ * peer. `ctx` is passed back to every call.
+ *
+ * Layouts: fields are only ever appended. size == sizeof(flagcx_mesh_net_adaptor_t)
+ * is this layout; size == FLAGCX_MESH_NET_ADAPTOR_SIZE_V1 is the layout of
+ * flagcx_mesh 0.2 (no reg_mr/dereg_mr, and isend/irecv without the mhandle
+ * argument: see flagcx_mesh_net_io_v1_fn), accepted as an adaptor that needs
+ * no registration. Any other size is refused. */
 typedef struct flagcx_mesh_net_adaptor {
   size_t size;        /* sizeof(flagcx_mesh_net_adaptor_t) */
   const char *name;
@@ -32,7 +40,8 @@ typedef struct flagcx_mesh_net_adaptor {
   /* Non-blocking: returns 0 with *send_comm == NULL while in progress. `handle`
    * is this rank's writable copy of the peer's listen handle (an adaptor may
    * keep its connect state in it, as FlagCX's does); each is used for one
-   * connection. */
+   * connection. Whether a connect completes before the peer accepts (sockets:
+   * in the kernel backlog) or only once it did (IB) is the adaptor's affair. */
   int (*connect)(void *ctx, void *handle, void **send_comm);
   /* Non-blocking: takes the first connection in the listener's queue, or
    * returns 0 with *recv_comm == NULL when none is ready yet. */
@@ -46,17 +55,40 @@ typedef struct flagcx_mesh_net_adaptor {
   int (*close_listen)(void *ctx, void *listen_comm);
   /* Optional (all three NULL when the adaptor cannot carry bytes before memory
    * registration): small transfers used for identity headers and the wiring
-   * check. test() sets *done to 1 once the request completed (and frees it). */
-  int (*isend)(void *ctx, void *send_comm, const void *data, size_t size, void **request);
-  int (*irecv)(void *ctx, void *recv_comm, void *data, size_t size, void **request);
+   * check. IB's contract: returning 0 with *request == NULL means "not yet,
+   * call again" (IB does so until the peer posted its side); the build calls
+   * again with the same arguments. mhandle is what reg_mr returned for a
+   * range holding [data, data + size) on this comm (NULL when reg_mr is
+   * NULL). test() sets *done to 1 once the request completed (and frees it). */
+  int (*isend)(void *ctx, void *send_comm, const void *data, size_t size, void *mhandle, void **request);
+  int (*irecv)(void *ctx, void *recv_comm, void *data, size_t size, void *mhandle, void **request);
   int (*test)(void *ctx, void *request, int *done);
+  /* ---- appended after FLAGCX_MESH_NET_ADAPTOR_SIZE_V1 ---- */
+  /* Optional (both set or both NULL): memory registration, as IB's regMr /
+   * deregMr. When set, the build registers every buffer it sends from or
+   * receives into, on the comm that carries it, before the transfer, and
+   * deregisters each handle before it closes that comm (on a failed build a
+   * request may still be posted on the buffer then: closing cancels it). */
+  int (*reg_mr)(void *ctx, void *comm, void *data, size_t size, void **mhandle);
+  int (*dereg_mr)(void *ctx, void *comm, void *mhandle);
 } flagcx_mesh_net_adaptor_t;
 
-/* An out-of-band bootstrap, shaped like FlagCX's (bootstrapAllGather,
+/* The isend/irecv of the 0.2 layout (size == FLAGCX_MESH_NET_ADAPTOR_SIZE_V1):
+ * the same, without mhandle. Such an adaptor stores these in isend/irecv. */
+typedef int (*flagcx_mesh_net_isend_v1_fn)(void *ctx, void *send_comm, const void *data, size_t size,
+                                           void **request);
+typedef int (*flagcx_mesh_net_irecv_v1_fn)(void *ctx, void *recv_comm, void *data, size_t size, void **request);
+#define FLAGCX_MESH_NET_ADAPTOR_SIZE_V1 offsetof(flagcx_mesh_net_adaptor_t, reg_mr)
+
+/* An out-of-band bootstrap, shaped like FlagCX's (bootstrapCollAllGather,
  * bootstrapSend, bootstrapRecv). Every function returns 0 on success,
  * FLAGCX_MESH_TIMEOUT (2) when its deadline expired, any other value on
  * failure. timeout_s is what is left of the build's deadline: a bootstrap
- * that supports deadlines fails after it (one that does not may ignore it). */
+ * that supports deadlines fails after it (one that does not may ignore it,
+ * as FlagCX's does: then give it an abort hook, or a rank that dies
+ * mid-build leaves the others blocked in recv for ever).
+ * size == FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1 (no abort field, flagcx_mesh 0.2)
+ * is accepted as a bootstrap without an abort hook. */
 typedef struct flagcx_mesh_bootstrap_ops {
   size_t size; /* sizeof(flagcx_mesh_bootstrap_ops_t) */
   void *ctx;
@@ -68,7 +100,16 @@ typedef struct flagcx_mesh_bootstrap_ops {
   int (*send)(void *ctx, int peer, int tag, const void *data, size_t size, double timeout_s);
   /* Blocks until the message with (peer, tag) arrives. */
   int (*recv)(void *ctx, int peer, int tag, void *data, size_t size, double timeout_s);
+  /* ---- appended after FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1 ---- */
+  /* Optional. When set, a build runs a watchdog thread that calls it once,
+   * from that thread, if the build's deadline passes while the build is
+   * blocked in one of the calls above: that call (and any later one) must
+   * then return non-zero soon. The bootstrap may be unusable afterwards (the
+   * build has failed). Never called after a build returned. */
+  int (*abort)(void *ctx);
 } flagcx_mesh_bootstrap_ops_t;
+
+#define FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1 offsetof(flagcx_mesh_bootstrap_ops_t, abort)
 
 typedef enum {
   /* FlagCX's loop as shipped, with a deadline added so that its hang is
@@ -78,10 +119,22 @@ typedef enum {
    * rank+i said over the bootstrap that its round-i accept is next, so an
    * accept queue never holds another round's connection. Round 0 is self. */
   FLAGCX_MESH_BUILD_ORDERED = 1,
-  /* Every connection carries an identity header over the adaptor and is filed
-   * by it; needs isend/irecv/test. */
+  /* Every connection carries identity headers over the adaptor and is filed
+   * by them; needs isend/irecv/test. Precondition: each accept delivers one
+   * whole connection, i.e. the comm an accept returns carries only what one
+   * connect's comm sends. FlagCX's socket adaptor with several sockets per
+   * connection breaks it (its accept takes sockets one at a time from the
+   * listener, so connections arriving together get mixed). The identity
+   * header is sent FLAGCX_MESH_TAGGED_IDENTITY_COPIES times and every copy
+   * must agree: a mixed connection fails the build with an error saying the
+   * precondition is violated (never a miswired mesh), provided the adaptor
+   * spreads consecutive messages over at most that many sockets. Over such
+   * an adaptor use ORDERED, which never has two connections in flight to one
+   * listener. */
   FLAGCX_MESH_BUILD_TAGGED = 2
 } flagcx_mesh_builder_t;
+
+#define FLAGCX_MESH_TAGGED_IDENTITY_COPIES 4
 
 typedef struct {
   size_t size;                   /* sizeof(flagcx_mesh_net_build_config_t) */
@@ -96,9 +149,11 @@ typedef struct {
 
 /* Collective over boot: builds send_comms[p] (to p) and recv_comms[p] (from p)
  * for every p, self included; both arrays hold boot->nranks entries and are
- * written only on success. On failure every comm the adaptor handed to this
- * call (listen, send and recv comms) is closed exactly once, and the last
- * error names the round, the peer and the step. */
+ * written only on success (every registration the build made is then
+ * deregistered). On failure every memory handle is deregistered and every
+ * comm the adaptor handed to this call (listen, send and recv comms) is
+ * closed exactly once, and the last error names the round, the peer and the
+ * step. With boot->abort set, a watchdog thread runs during the call. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_build_full_mesh(
     const flagcx_mesh_net_adaptor_t *net, const flagcx_mesh_bootstrap_ops_t *boot,
     const flagcx_mesh_net_build_config_t *config, void **send_comms, void **recv_comms);

@@ -86,10 +86,19 @@ int builder_code(const py::object& builder) {
   fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "unknown builder '" + name + "' (legacy, ordered or tagged)");
 }
 
+int mode_code(const std::string& mode) {
+  if (mode == "ib") return FLAGCX_MESH_TEST_ADAPTOR_IB;
+  if (mode == "ib-strict") return FLAGCX_MESH_TEST_ADAPTOR_IB_STRICT;
+  if (mode == "socket") return FLAGCX_MESH_TEST_ADAPTOR_SOCKET;
+  fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "unknown adaptor mode '" + mode + "' (ib, ib-strict or socket)");
+}
+
 py::dict trial(NetBootstrap& b, const py::object& builder, uint32_t jitter_us, uint64_t seed, double timeout,
                bool carry_bytes, uint32_t self_connect_delay_us, bool wiring_check, int tag_base, bool verify,
-               const std::string& fail_call, int fail_after, const std::string& stranger) {
+               const std::string& fail_call, int fail_after, const std::string& stranger, const std::string& mode,
+               uint32_t socks_per_conn, const std::string& bootstrap, bool fail_exits) {
   TrialOptions o;
+  o.mode = mode_code(mode), o.socks_per_conn = socks_per_conn, o.bootstrap = bootstrap, o.fail_exits = fail_exits;
   o.builder = builder_code(builder);
   o.jitter_us = jitter_us, o.seed = seed, o.timeout_s = timeout, o.carry_bytes = carry_bytes;
   o.self_connect_delay_us = self_connect_delay_us, o.wiring_check = wiring_check, o.tag_base = tag_base;
@@ -109,6 +118,7 @@ py::dict trial(NetBootstrap& b, const py::object& builder, uint32_t jitter_us, u
   d["outcome"] = r.outcome, d["code"] = r.code, d["peer"] = r.peer, d["error"] = r.error;
   d["seconds"] = r.seconds, d["outputs_untouched"] = r.outputs_untouched, d["verified"] = r.verified;
   d["bad_closes"] = r.bad_closes, d["left_open"] = r.left_open;
+  d["mr_left"] = r.mr_left, d["bad_deregs"] = r.bad_deregs, d["boot_aborted"] = r.boot_aborted;
   return d;
 }
 
@@ -128,10 +138,12 @@ void bind_adaptor(py::module_& m) {
   m.def("net_trial", &trial, py::arg("boot"), py::arg("builder"), py::arg("jitter_us") = 0, py::arg("seed") = 1,
         py::arg("timeout") = 10.0, py::arg("carry_bytes") = true, py::arg("self_connect_delay_us") = 0,
         py::arg("wiring_check") = true, py::arg("tag_base") = 0x6d780000, py::arg("verify") = true,
-        py::arg("fail_call") = "", py::arg("fail_after") = 0, py::arg("stranger") = "",
+        py::arg("fail_call") = "", py::arg("fail_after") = 0, py::arg("stranger") = "", py::arg("mode") = "ib",
+        py::arg("socks_per_conn") = 1, py::arg("bootstrap") = "own", py::arg("fail_exits") = false,
         "One build over a fresh test adaptor on every rank (collective over boot). Returns "
         "{outcome: completed|hung|miswired|failed, code, peer, error, seconds, outputs_untouched, "
-        "verified, bad_closes, left_open}; raises InvalidArgument for bad arguments.");
+        "verified, bad_closes, left_open, mr_left, bad_deregs, boot_aborted}; raises InvalidArgument "
+        "for bad arguments.");
   py::dict builders;
   builders["legacy"] = static_cast<int>(FLAGCX_MESH_BUILD_LEGACY);
   builders["ordered"] = static_cast<int>(FLAGCX_MESH_BUILD_ORDERED);

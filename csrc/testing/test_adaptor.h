@@ -1,14 +1,17 @@
-// A network adaptor that behaves like FlagCX's IB adaptor, over loopback TCP:
-// a listen handle is a constant magic plus an address (no rank, no
-// identity), each listener has one FIFO OS accept queue, and connect is a
-// non-blocking state machine that completes only after the acceptor's
-// accept() took the connection (accept writes one byte back). connect and
-// accept each wait a random 0..jitter_us (seeded) before acting, returning
-// "in progress" until then; a connect to one of this adaptor's own listeners
+// A network adaptor shaped like FlagCX's, over loopback TCP: a listen handle
+// is a constant magic plus an address (no rank, no identity), each listener
+// has one FIFO OS accept queue, and connect/accept are non-blocking state
+// machines. Modes (flagcx_mesh_testing.h): IB and IB_STRICT, where a connect
+// completes only after the acceptor's accept() took it (accept writes one
+// byte back) and IB_STRICT adds IB's NULL requests and registration; SOCKET,
+// where a connect completes in the kernel backlog and a connection is
+// several sockets that accept files by their index byte. connect and accept
+// each wait a random 0..jitter_us (seeded) before acting, returning "in
+// progress" until then; a connect to one of this adaptor's own listeners
 // waits self_connect_delay_us more. With carry_bytes, isend/irecv/test move
 // small messages over the connection.
 // Ownership: the adaptor owns every listener, connect state, comm and
-// request it hands out; destroy frees whatever is left. Thread-safety: all
+// request and memory registration it hands out; destroy frees whatever is left. Thread-safety: all
 // calls lock one mutex per adaptor.
 #pragma once
 

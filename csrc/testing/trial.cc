@@ -2,12 +2,16 @@
 
 #include <array>
 #include <cstring>
+#include <memory>
 #include <set>
 #include <vector>
 
 #include "adaptor/build_state.h"
-#include "testing/test_adaptor.h"
+#include <unistd.h>
+
 #include "base/status.h"
+#include "testing/no_deadline_boot.h"
+#include "testing/test_adaptor.h"
 
 namespace fxm::adaptor {
 namespace {
@@ -20,8 +24,12 @@ struct Fault {
   std::string call;
   int after = 0;
   int seen = 0;
+  bool exits = false;    // the chosen call ends the process instead of failing
   std::set<void*> open;  // comms returned by listen / connect / accept, not closed yet
   int bad_closes = 0;    // closes of a comm that was not open (double or foreign)
+  std::set<void*> mrs;   // registrations not deregistered yet
+  std::set<void*> connecting;  // handles connect was called with
+  int bad_deregs = 0;
   // stranger: before its first real connect, open one more connection to the
   // same peer that sends it garbage ("garbage") or nothing ("silent").
   std::string stranger;
@@ -29,7 +37,11 @@ struct Fault {
   void* foreign_comm = nullptr;
   void* foreign_req = nullptr;
   uint8_t garbage[kIdentitySize] = {};
-  bool hit(const char* name) { return !call.empty() && call == name && seen++ == after; }
+  bool hit(const char* name) {
+    bool now = !call.empty() && call == name && seen++ == after;
+    if (now && exits) _exit(kInjectedExit);  // a rank that dies mid-build
+    return now;
+  }
   // Drives the stranger's connect; true once its garbage is on the way.
   bool stranger_sent(const void* handle) {
     if (stranger.empty() || foreign_req || (foreign_comm && stranger == "silent")) return true;
@@ -41,7 +53,7 @@ struct Fault {
     if (!foreign_comm && inner.connect(inner.ctx, foreign_handle.data(), &foreign_comm) != 0) return true;
     if (!foreign_comm) return false;
     if (stranger == "silent") return true;
-    inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), &foreign_req);
+    inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), nullptr, &foreign_req);
     int done = 0;  // 64 bytes fit the socket buffer: the first test sends them
     if (foreign_req && inner.test(inner.ctx, foreign_req, &done) != 0) done = 1;
     return true;
@@ -62,7 +74,10 @@ int f_listen(void* c, void* h, void** l) {
 }
 int f_connect(void* c, void* h, void** s) {
   if (!F(c)->stranger_sent(h)) return 0;  // still in progress: the real connect waits behind it
-  return F(c)->hit("connect") ? kInjectedFault : F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
+  // connect counts connections (a new handle), not the calls polling one
+  bool fresh = F(c)->connecting.insert(h).second;
+  if (fresh && F(c)->hit("connect")) return kInjectedFault;
+  return F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
 }
 int f_accept(void* c, void* l, void** r) {
   return F(c)->hit("accept") ? kInjectedFault : F(c)->opened(F(c)->inner.accept(F(c)->inner.ctx, l, r), r);
@@ -70,11 +85,21 @@ int f_accept(void* c, void* l, void** r) {
 int f_close_send(void* c, void* s) { return F(c)->closing(s), F(c)->inner.close_send(F(c)->inner.ctx, s); }
 int f_close_recv(void* c, void* r) { return F(c)->closing(r), F(c)->inner.close_recv(F(c)->inner.ctx, r); }
 int f_close_listen(void* c, void* l) { return F(c)->closing(l), F(c)->inner.close_listen(F(c)->inner.ctx, l); }
-int f_isend(void* c, void* s, const void* d, size_t n, void** q) {
-  return F(c)->hit("isend") ? kInjectedFault : F(c)->inner.isend(F(c)->inner.ctx, s, d, n, q);
+int f_isend(void* c, void* s, const void* d, size_t n, void* mh, void** q) {
+  return F(c)->hit("isend") ? kInjectedFault : F(c)->inner.isend(F(c)->inner.ctx, s, d, n, mh, q);
 }
-int f_irecv(void* c, void* r, void* d, size_t n, void** q) {
-  return F(c)->hit("irecv") ? kInjectedFault : F(c)->inner.irecv(F(c)->inner.ctx, r, d, n, q);
+int f_irecv(void* c, void* r, void* d, size_t n, void* mh, void** q) {
+  return F(c)->hit("irecv") ? kInjectedFault : F(c)->inner.irecv(F(c)->inner.ctx, r, d, n, mh, q);
+}
+int f_reg(void* c, void* comm, void* d, size_t n, void** mh) {
+  if (F(c)->hit("reg_mr")) return kInjectedFault;
+  int rc = F(c)->inner.reg_mr(F(c)->inner.ctx, comm, d, n, mh);
+  if (rc == 0) F(c)->mrs.insert(*mh);
+  return rc;
+}
+int f_dereg(void* c, void* comm, void* mh) {
+  F(c)->bad_deregs += F(c)->mrs.erase(mh) == 0;
+  return F(c)->inner.dereg_mr(F(c)->inner.ctx, comm, mh);
 }
 int f_test(void* c, void* q, int* done) { return F(c)->hit("test") ? kInjectedFault : F(c)->inner.test(F(c)->inner.ctx, q, done); }
 
@@ -84,30 +109,64 @@ NetAdaptor wrap(Fault* f) {
   w.listen = &f_listen, w.connect = &f_connect, w.accept = &f_accept;
   w.close_send = &f_close_send, w.close_recv = &f_close_recv, w.close_listen = &f_close_listen;
   if (f->inner.isend) w.isend = &f_isend, w.irecv = &f_irecv, w.test = &f_test;
+  if (f->inner.reg_mr) w.reg_mr = &f_reg, w.dereg_mr = &f_dereg;
   return w;
 }
 
+// One message over a built comm, with the adaptor's contract: registered
+// when it wants, posted again while it answers NULL. 0 or an adaptor error.
+struct Msg {
+  void* comm;
+  bool send;
+  uint8_t* data;
+  void* mh = nullptr;
+  void* req = nullptr;
+  bool done = false;
+  int step(const NetAdaptor& net) {
+    if (done) return 0;
+    if (!req) {
+      return send ? net.isend(net.ctx, comm, data, kIdentitySize, mh, &req)
+                  : net.irecv(net.ctx, comm, data, kIdentitySize, mh, &req);
+    }
+    int finished = 0, rc = net.test(net.ctx, req, &finished);
+    if (finished) done = true;
+    return rc;
+  }
+};
+
 // Over the built comms: every rank sends {src, dst} on send[p] and checks
-// recv[p] brings {p, me}. Throws kProtocol / kTimeout.
+// recv[p] brings {p, me}. Throws kProtocol / kTimeout / kSystem.
 void verify(const NetAdaptor& net, int me, int n, void** send, void** recv, const Deadline& deadline) {
   std::vector<std::array<uint8_t, kIdentitySize>> out(n), in(n);
-  std::vector<void*> reqs;
+  std::vector<Msg> msgs;
   for (int p = 0; p < n; ++p) {
     encode_identity(0, me, p, n, out[p].data());
-    void* s = nullptr;
-    void* r = nullptr;
-    if (net.isend(net.ctx, send[p], out[p].data(), kIdentitySize, &s) || net.irecv(net.ctx, recv[p], in[p].data(), kIdentitySize, &r)) {
-      fail(Code::kSystem, p, 0, "rank " + std::to_string(me) + ": verify: isend/irecv with rank " + std::to_string(p) + " failed");
+    msgs.push_back(Msg{send[p], true, out[p].data()});
+    msgs.push_back(Msg{recv[p], false, in[p].data()});
+  }
+  struct Deregister {  // on every way out, before the caller closes the comms
+    const NetAdaptor& net;
+    std::vector<Msg>& msgs;
+    ~Deregister() {
+      for (Msg& m : msgs) {
+        if (m.mh) net.dereg_mr(net.ctx, m.comm, m.mh);
+      }
     }
-    reqs.push_back(s);
-    reqs.push_back(r);
+  } deregister{net, msgs};
+  for (Msg& m : msgs) {
+    if (net.reg_mr && net.reg_mr(net.ctx, m.comm, m.data, kIdentitySize, &m.mh)) {
+      fail(Code::kSystem, -1, 0, "rank " + std::to_string(me) + ": verify: reg_mr failed");
+    }
   }
   int spins = 0;
-  for (size_t i = 0; i < reqs.size();) {
-    int done = 0;
-    if (net.test(net.ctx, reqs[i], &done)) fail(Code::kSystem, static_cast<int>(i / 2), 0, "rank " + std::to_string(me) + ": verify: test failed");
-    if (done) { ++i; continue; }
-    if (deadline.expired()) fail(Code::kTimeout, static_cast<int>(i / 2), 0, "rank " + std::to_string(me) + ": verify: nothing from rank " + std::to_string(i / 2));
+  for (size_t left = msgs.size(); left > 0;) {
+    for (size_t i = 0; i < msgs.size(); ++i) {
+      int peer = static_cast<int>(i / 2);
+      bool was = msgs[i].done;
+      if (msgs[i].step(net)) fail(Code::kSystem, peer, 0, "rank " + std::to_string(me) + ": verify: adaptor call with rank " + std::to_string(peer) + " failed");
+      left -= msgs[i].done && !was;
+      if (!msgs[i].done && deadline.expired()) fail(Code::kTimeout, peer, 0, "rank " + std::to_string(me) + ": verify: nothing from rank " + std::to_string(peer));
+    }
     backoff(&spins);
   }
   for (int p = 0; p < n; ++p) {
@@ -154,22 +213,34 @@ void build_and_check(const NetAdaptor& net, const BootOps& boot, const TrialOpti
   close_full_mesh(&net, n, send.data(), recv.data());
 }
 
+// The bootstrap a trial builds over: the caller's, or FlagCX's model of it.
+std::unique_ptr<NoDeadlineBoot> boot_model(const BootOps& boot, const std::string& kind) {
+  if (kind == "own") return nullptr;
+  if (kind == "flagcx" || kind == "flagcx-noabort") return std::make_unique<NoDeadlineBoot>(boot, kind == "flagcx");
+  fail(Code::kInvalidArgument, -1, 0, "bootstrap must be 'own', 'flagcx' or 'flagcx-noabort', not '" + kind + "'");
+}
+
 }  // namespace
 
 TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
+  if (!opt.stranger.empty() && opt.mode != FLAGCX_MESH_TEST_ADAPTOR_IB) {
+    fail(Code::kInvalidArgument, -1, 0, "strangers are only sent over the test adaptor's IB mode");
+  }
+  std::unique_ptr<NoDeadlineBoot> model = boot_model(boot, opt.bootstrap);
   flagcx_mesh_test_adaptor_config_t tc{sizeof(tc), opt.jitter_us, opt.seed, opt.carry_bytes ? 1 : 0,
-                                       opt.self_connect_delay_us};
+                                       opt.self_connect_delay_us, opt.mode, opt.socks_per_conn};
   NetAdaptor net{};
   test_adaptor_create(&tc, &net);
   Fault fault;
   fault.inner = net;
   fault.call = opt.fail_call;
   fault.after = opt.fail_after;
+  fault.exits = opt.fail_exits;
   fault.stranger = opt.carry_bytes || opt.stranger == "silent" ? opt.stranger : "";
   NetAdaptor used = wrap(&fault);
   TrialResult res;
   try {
-    build_and_check(used, boot, opt, &res);
+    build_and_check(used, model ? model->ops() : boot, opt, &res);
     res.outcome = "completed";
   } catch (const Error& e) {
     if (e.code() == Code::kInvalidArgument) {
@@ -184,6 +255,9 @@ TrialResult run_trial(const BootOps& boot, const TrialOptions& opt) {
   fault.close_stranger();
   res.bad_closes = fault.bad_closes;
   res.left_open = static_cast<int>(fault.open.size());
+  res.mr_left = static_cast<int>(fault.mrs.size());
+  res.bad_deregs = fault.bad_deregs;
+  res.boot_aborted = model && model->aborted();
   test_adaptor_destroy(&net);
   return res;
 }

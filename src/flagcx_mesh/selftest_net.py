@@ -1,6 +1,8 @@
 """The self-test's --builder mode: build the full mesh over the test adaptor
-(loopback TCP shaped like FlagCX's IB adaptor) with the chosen builder, on
-every rank of the launcher, and check the wiring.
+(loopback TCP shaped like FlagCX's IB adaptor, in its IB-strict mode: a
+connect completes once the peer accepted it, NULL requests until the peer
+posts, registration required) with the chosen builder, on every rank of the
+launcher, and check the wiring.
 
 legacy is FlagCX's loop as shipped. To reproduce its hang deterministically,
 every rank but 0 delays the connect to its own listener (round 0), so rank
@@ -20,6 +22,8 @@ from .netbuild import DEFAULT_TAG_BASE, NetBootstrap, aggregate, build_trial, ea
 
 #: Delay of the self-connect on ranks > 0 in legacy mode (forces the interleaving).
 LEGACY_SELF_DELAY_US = 200_000
+#: The test adaptor's mode (see flagcx_mesh.netbuild): IB's contract, as the one-sided path uses IB.
+ADAPTOR_MODE = "ib-strict"
 
 
 def _trials(boot: Any, args: Any) -> List[Dict[str, Any]]:
@@ -30,7 +34,7 @@ def _trials(boot: Any, args: Any) -> List[Dict[str, Any]]:
         boot.barrier(timeout=60)
         r = build_trial(boot, args.builder, jitter_us=args.jitter_us, seed=it * 7919 + rank + 1,
                         timeout=args.timeout, self_connect_delay_us=delay,
-                        tag_base=DEFAULT_TAG_BASE + it * (n + 1))
+                        tag_base=DEFAULT_TAG_BASE + it * (n + 1), mode=ADAPTOR_MODE)
         out.append(r)
     return out
 
@@ -65,7 +69,7 @@ def _first_error(parts: List[List[Dict[str, Any]]], it: int, kind: str) -> str:
 
 def _report(parts: List[List[Dict[str, Any]]], outcomes: List[str], args: Any) -> None:
     n, k, b = len(parts), args.iterations, args.builder
-    print(f"flagcx_mesh selftest: builder {b} over the test adaptor (loopback TCP, IB-like), "
+    print(f"flagcx_mesh selftest: builder {b} over the test adaptor (loopback TCP, {ADAPTOR_MODE}), "
           f"{n} ranks, {k} build(s), jitter {args.jitter_us} us, deadline {args.timeout} s")
     for it, o in enumerate(outcomes):
         slowest = max(p[it]["seconds"] for p in parts) * 1e3

@@ -6,7 +6,6 @@
 #include <unistd.h>
 
 #include <cerrno>
-#include <fstream>
 
 #include "base/status.h"
 
@@ -93,10 +92,27 @@ void Segment::reset() {
   size_ = 0;
 }
 
+namespace {
+
+// The first line of a small file ("" when it cannot be read). Plain read(2):
+// the core uses no iostreams, which would set up a C++ locale.
+std::string first_line(const char* path) {
+  int fd = ::open(path, O_RDONLY | O_CLOEXEC);
+  if (fd < 0) return "";
+  char buf[128];
+  ssize_t n;
+  do {
+    n = ::read(fd, buf, sizeof(buf));
+  } while (n < 0 && errno == EINTR);
+  ::close(fd);
+  std::string s(buf, n > 0 ? static_cast<size_t>(n) : 0);
+  return s.substr(0, s.find('\n'));
+}
+
+}  // namespace
+
 std::string host_id() {
-  std::string boot;
-  std::ifstream f("/proc/sys/kernel/random/boot_id");
-  std::getline(f, boot);
+  std::string boot = first_line("/proc/sys/kernel/random/boot_id");
   struct stat st {};
   ::stat("/dev/shm", &st);
   return boot + ":" + std::to_string(st.st_dev) + ":" + std::to_string(st.st_ino);

@@ -5,6 +5,8 @@
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...]   (flagcx_mesh vs MPI_Put, same run)
     python -m flagcx_mesh.bench race [--trials 200] [-n 4] [--jitter-us 2000] [--builders legacy,ordered,tagged]
                                      [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
+    python -m flagcx_mesh.bench latency [--iters 10000] [--transports shm,tcp] [--json PATH]
+                                     (from C: put_signal / put+flush vs a raw socket, same run)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
 measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
@@ -25,6 +27,7 @@ COMMANDS = {
     "put-mpi": ("put_mpi", "mpi_entry"),
     "race": ("race", "main"),
     "race-rank": ("race", "rank_entry"),
+    "latency": ("latency", "main"),
 }
 
 
