@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+import inspect
 import operator
 from typing import Callable, Dict, List, Optional
 
@@ -34,15 +36,28 @@ def _ints(op: str, **values: int) -> None:
             raise InvalidArgument(f"{op}: {name} {v!r} is out of range (must be an integer in [0, {limit}))")
 
 
-def _checked(op: str, call, *args):
-    """``call`` with the values of ``args``, (name, value) pairs (name None: not an integer
-    argument). pybind11 refuses a negative, huge or non-integer value with TypeError before
-    the core sees it; that becomes InvalidArgument naming the argument."""
-    try:
-        return call(*(v for _, v in args))
-    except TypeError:
-        _ints(op, **{name: v for name, v in args if name})
-        raise
+def _names_bad_ints(*names: str):
+    """One fallback for the integer arguments ``names`` of a method: pybind11 refuses a
+    negative, huge or non-integer value with TypeError before the core sees it; that becomes
+    InvalidArgument naming the argument. The method's own call costs one frame, no more."""
+
+    def wrap(method):
+        signature = inspect.signature(method)
+
+        @functools.wraps(method)
+        def call(*args, **kwargs):
+            try:
+                return method(*args, **kwargs)
+            except TypeError:
+                bound = signature.bind(*args, **kwargs)  # a wrong call raises its own TypeError
+                bound.apply_defaults()
+                _ints(method.__name__, **{n: index_of(v) if n.endswith(("win", "window")) else v
+                                          for n, v in bound.arguments.items() if n in names and v is not None})
+                raise
+
+        return call
+
+    return wrap
 
 
 def _as_int(v):
@@ -282,40 +297,39 @@ class Mesh:
             raise InvalidArgument(f"rank {self.rank}: no signal window: call signal_window() first")
         return self._default_signal
 
+    @_names_bad_ints("peer", "src_win", "src_off", "dst_win", "dst_off", "size", "context")
     def put(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
             size: int, *, context: int = 0) -> None:
         """Copy ``size`` bytes from this rank's ``src_win[src_off:]`` to ``peer``'s
         ``dst_win[dst_off:]``. Non-blocking; FIFO per (peer, context); the source
         bytes must not change until the op completes (:meth:`flush`)."""
-        _checked("put", self._core.put, ("peer", peer), ("src_win", index_of(src_win)), ("src_off", src_off),
-                 ("dst_win", index_of(dst_win)), ("dst_off", dst_off), ("size", size), ("context", context))
+        self._core.put(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
 
+    @_names_bad_ints("peer", "src_win", "src_off", "dst_win", "dst_off", "size", "slot", "value",
+                     "signal_window", "context")
     def put_signal(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
                    size: int, slot: int, value: int = 1, *, op: str = "add",
                    signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
         """Put, then ``op`` (``"add"`` or ``"set"``) ``value`` on ``peer``'s signal
         ``slot``: the data is visible at the target before the signal changes.
         ``size`` 0 = signal only; ``value`` 0 (with add) = data only."""
-        _checked("put_signal", self._core.put_signal, ("peer", peer), ("src_win", index_of(src_win)),
-                 ("src_off", src_off), ("dst_win", index_of(dst_win)), ("dst_off", dst_off), ("size", size),
-                 ("signal_window", self._sig(signal_window)), ("slot", slot), ("value", value), (None, op),
-                 ("context", context))
+        self._core.put_signal(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size,
+                              self._sig(signal_window), slot, value, op, context)
 
+    @_names_bad_ints("peer", "slot", "value", "signal_window", "context")
     def signal(self, peer: int, slot: int, value: int = 1, *, op: str = "add",
                signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
         """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that (peer, context)."""
-        zero = (None, 0)  # no data: the data windows are not used
-        _checked("signal", self._core.put_signal, ("peer", peer), zero, zero, zero, zero, zero,
-                 ("signal_window", self._sig(signal_window)), ("slot", slot), ("value", value), (None, op),
-                 ("context", context))
+        self._core.put_signal(peer, 0, 0, 0, 0, 0, self._sig(signal_window), slot, value, op, context)
 
+    @_names_bad_ints("peer", "src_win", "src_off", "dst_win", "dst_off", "size", "context")
     def get(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
             size: int, *, context: int = 0) -> None:
         """Copy ``size`` bytes from ``peer``'s ``src_win[src_off:]`` into this rank's
         ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns."""
-        _checked("get", self._core.get, ("peer", peer), ("src_win", index_of(src_win)), ("src_off", src_off),
-                 ("dst_win", index_of(dst_win)), ("dst_off", dst_off), ("size", size), ("context", context))
+        self._core.get(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
 
+    @_names_bad_ints("peer", "src_win", "dst_win", "context")
     def batch_put(self, peer: int, src_win: WindowLike, dst_win: WindowLike,
                   entries, *, context: int = 0) -> None:
         """Several puts to one peer: ``entries`` is a sequence of (src_off, dst_off, size), or
@@ -323,13 +337,11 @@ class Mesh:
         checks every entry before any is issued (an error names the entry). Each counts as one op."""
         s, d = index_of(src_win), index_of(dst_win)
         if getattr(entries, "dtype", None) is not None and getattr(entries, "ndim", 0) == 2:
-            _checked("batch_put", self._core.batch_put_array, ("peer", peer), ("src_win", s), ("dst_win", d),
-                     (None, entries), ("context", context))
+            self._core.batch_put_array(peer, s, d, entries, context)
             return
         try:
             self._core.batch_put(peer, s, d, entries, context)
         except TypeError:
-            _ints("batch_put", peer=peer, src_win=s, dst_win=d, context=context)
             for i, e in enumerate(entries):
                 if len(e) != 3:
                     raise InvalidArgument(f"batch_put: entry {i} must be (src_off, dst_off, size), got {e!r}") from None
@@ -346,20 +358,22 @@ class Mesh:
         """How many one-sided ops issued by this rank have completed."""
         return self._core.read_counter()
 
+    @_names_bad_ints("value")
     def wait_counter(self, value: int, timeout: Optional[float] = None) -> None:
         """Wait until :meth:`read_counter` >= ``value``."""
-        _checked("wait_counter", self._core.wait_counter, ("value", value), (None, _timeout_arg(timeout)))
+        self._core.wait_counter(value, _timeout_arg(timeout))
 
+    @_names_bad_ints("slot", "window")
     def read_signal(self, slot: int, *, window: Optional[WindowLike] = None) -> int:
         """This rank's value of signal ``slot`` (default window: the first signal window)."""
-        return _checked("read_signal", self._core.read_signal, ("window", self._sig(window)), ("slot", slot))
+        return self._core.read_signal(self._sig(window), slot)
 
+    @_names_bad_ints("slot", "expected", "window")
     def wait_signal(self, slot: int, expected: int, timeout: Optional[float] = None, *,
                     window: Optional[WindowLike] = None) -> None:
         """Wait until this rank's signal ``slot`` >= ``expected``. On timeout the error
         names the slot, the expected and current values and the last rank that signalled it."""
-        _checked("wait_signal", self._core.wait_signal, ("window", self._sig(window)), ("slot", slot),
-                 ("expected", expected), (None, _timeout_arg(timeout)))
+        self._core.wait_signal(self._sig(window), slot, expected, _timeout_arg(timeout))
 
     # -- collectives over the bootstrap -------------------------------------
     def allgather(self, data: bytes, timeout: Optional[float] = None) -> List[bytes]:
