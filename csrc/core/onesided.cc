@@ -82,7 +82,7 @@ uint32_t OneSided::alloc(uint64_t size) {
 
 uint32_t OneSided::alloc_signal(uint64_t nslots) {
   return register_collective([&](uint32_t index, std::string* name) {
-    if (nslots == 0 || nslots > (1ull << 32)) {
+    if (!signal_slots_valid(nslots)) {
       fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " +
                                               std::to_string(nslots));
     }
@@ -192,7 +192,13 @@ std::vector<WindowDesc> OneSided::check_descriptions(const Window& w, const boot
       fail(Code::kProtocol, r, 0, who() + "rank " + std::to_string(r) + " published a malformed window description");
     }
     std::memcpy(&idx, parts[r].data(), 4);
-    if (idx != w.index || (descs[r].kind == WindowKind::kSignal) != (w.kind == WindowKind::kSignal)) {
+    const WindowDesc& d = descs[r];
+    if (d.kind == WindowKind::kSignal && (d.size % 8 != 0 || !signal_slots_valid(d.size / 8))) {
+      fail(Code::kProtocol, r, 0, who() + "rank " + std::to_string(r) + " published signal window #" +
+                                      std::to_string(idx) + " of " + std::to_string(d.size) +
+                                      " bytes, not 1 .. 2^32 slots of 8 bytes");
+    }
+    if (idx != w.index || (d.kind == WindowKind::kSignal) != (w.kind == WindowKind::kSignal)) {
       fail(Code::kInvalidArgument, r, 0,
            who() + "collective registration mismatch: this rank registers window #" + std::to_string(w.index) +
                " (" + kind_name(w.kind) + ") while rank " + std::to_string(r) + " registers #" +

@@ -10,6 +10,7 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/env.h"
 #include "base/log.h"
 #include "core/progress_items.h"
 #include "transport/signal_ops.h"
@@ -42,7 +43,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       out_(nranks * ncontexts), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
       in_flight_kind_(nranks * ncontexts, PathKind::kTcp), refused_(nranks),
-      queued_msg_(nranks * ncontexts),
+      queued_msg_(nranks * ncontexts), get_bytes_(nranks * ncontexts), answer_bytes_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
       done_(nranks) {
@@ -151,12 +152,35 @@ void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uin
   g.src_win = src_win;
   g.src_off = src_off;
   g.size = len;
+  int s = slot(peer, ctx);
   {
-    std::lock_guard<std::mutex> lock(mu_);
+    std::unique_lock<std::mutex> lock(mu_);
+    wait_get_credit(lock, peer, s, len);
+    get_bytes_[s] += len;
     g.req_id = next_req_++;
     gets_[g.req_id] = {peer, ctx, dst, len};
   }
-  enqueue(slot(peer, ctx), {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
+  enqueue(s, {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
+}
+
+void Engine::wait_get_credit(std::unique_lock<std::mutex>& lock, int peer, int s, uint64_t len) {
+  Deadline deadline = Deadline::after_seconds(env_config().timeout_s);
+  while (get_bytes_[s] > 0 && get_bytes_[s] + len > kMaxGetBytesInFlight) {
+    std::string what = who() + "get of " + std::to_string(len) + " bytes from peer " + std::to_string(peer);
+    if (stopping_) fail(Code::kClosed, peer, 0, what + ": the mesh was closed");
+    fail_if_gone(peer, what + ": ");
+    if (deadline.expired()) {
+      fail(Code::kTimeout, peer, 0, what + ": timed out waiting for " + std::to_string(get_bytes_[s]) +
+                                        " bytes of earlier gets to be answered (is the peer progressing?)");
+    }
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  }
+}
+
+void Engine::drop_get(std::map<uint64_t, PendingGet>::iterator* it) {
+  get_bytes_[slot((*it)->second.peer, (*it)->second.ctx)] -= (*it)->second.len;
+  *it = gets_.erase(*it);
+  cv_.notify_all();
 }
 
 bool Engine::in_flight(int peer, int ctx, PathKind* kind) const {
@@ -345,7 +369,8 @@ void Engine::lose(int peer, const std::string& why) {
     if (!lost_[peer].empty() || bye_[peer]) return;
     lost_[peer] = why;  // its queues are dropped by write_some(), which owns them
     for (auto it = gets_.begin(); it != gets_.end();) {
-      it = it->second.peer == peer ? gets_.erase(it) : std::next(it);
+      if (it->second.peer == peer) drop_get(&it);
+      else ++it;
     }
   }
   if (!stopping_) FXM_WARN(rank_, "peer " + std::to_string(peer) + " lost: " + why);
@@ -414,6 +439,7 @@ bool Engine::write_some(int s) {
       if (!lost_[s / ncontexts_].empty() || bye_[s / ncontexts_]) {  // nothing more goes to a lost/closed peer
         out_[s].clear();
         queued_msg_[s] = 0;
+        answer_bytes_[s] = 0;
         cv_.notify_all();
       }
       if (out_[s].empty()) return true;
@@ -424,6 +450,7 @@ bool Engine::write_some(int s) {
     if (it->sent < it->total()) return true;  // the socket is full: wait for POLLOUT
     std::lock_guard<std::mutex> lock(mu_);
     queued_msg_[s] -= it->msg_bytes;
+    answer_bytes_[s] -= it->answer_bytes;
     bool notify = stopping_ || it->msg_bytes > 0 || out_[s].size() == 1;
     out_[s].pop_front();
     if (notify) cv_.notify_all();
@@ -541,6 +568,12 @@ void Engine::on_op_header(int s, InConn& in) {
       std::lock_guard<std::mutex> lock(mu_);
       bye_conn_[s] = true;
       if (++bye_count_[peer] == ncontexts_) bye_[peer] = true;
+      // Waits on this peer now fail ("closed its mesh"): an answer it still sends after its
+      // goodbye must not land in a buffer its get's caller was told is given up.
+      for (auto it = gets_.begin(); it != gets_.end();) {
+        if (slot(it->second.peer, it->second.ctx) == s) drop_get(&it);
+        else ++it;
+      }
       in.reset();
       return;
     }

@@ -75,6 +75,8 @@ class Engine : public Outbox {
   bool stopped() const { return stopping_.load(); }
   // Largest two-sided message a peer may announce; a bigger frame is a protocol error.
   static constexpr uint64_t kMaxMessageBytes = 1ull << 32;
+  // Bytes of get answers one (peer, context) may have in flight (see get_bytes_).
+  static constexpr uint64_t kMaxGetBytesInFlight = 64ull << 20;
 
  private:
   struct OutItem;
@@ -137,6 +139,16 @@ class Engine : public Outbox {
     uint64_t len;
   };
   std::map<uint64_t, PendingGet> gets_;
+  // Get credits, per (peer, ctx). A target copies each answer when it reads the request, so
+  // answers in flight cost it memory: an initiator posts a get only while no get to that pair
+  // is in flight or their bytes plus this one fit kMaxGetBytesInFlight, and a target queues
+  // answers within the same bound (a peer that breaks it is lost: protocol error).
+  std::vector<uint64_t> get_bytes_;     // per slot (initiator): bytes of gets not yet answered
+  std::vector<uint64_t> answer_bytes_;  // per slot (target): bytes of answers queued to send
+  void drop_get(std::map<uint64_t, PendingGet>::iterator* it);  // with mu_ held: erase, return credit
+  // With mu_ held (lock): waits until a get of len bytes to slot s fits its credit, or fails.
+  void wait_get_credit(std::unique_lock<std::mutex>& lock, int peer, int s, uint64_t len);
+  bool take_answer_credit(int s, uint64_t size);  // target: false when the peer exceeds it
   // Held by the progress thread while it lands a get answer in the user's
   // buffer; lose() takes it, so once a get failed with PeerLost nothing lands.
   std::mutex landing_mu_;

@@ -16,6 +16,7 @@ struct Engine::OutItem {
   uint64_t len = 0;
   uint64_t sent = 0;
   uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
+  uint64_t answer_bytes = 0;  // get answer bytes it carries (get credits)
   uint64_t total() const { return head.size() + len; }
 };
 

@@ -21,7 +21,9 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
     in.refused = what + ": it was deregistered here";
   } else {
     in.entered = w;
-    if (in.put.dst_off > w->size || payload > w->size - in.put.dst_off) {
+    if (w->kind == WindowKind::kSignal) {  // slots change only through signals (notify, last signaller)
+      in.refused = what + ": a signal window (data goes to a data window; use signal())";
+    } else if (in.put.dst_off > w->size || payload > w->size - in.put.dst_off) {
       in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
                    std::to_string(w->size) + " bytes here)";
     } else {
@@ -93,7 +95,9 @@ void Engine::on_payload_done(int s, InConn& in) {
     bool pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      pending = gets_.erase(in.req_id) != 0;  // 0: its peer was lost meanwhile (already failed)
+      auto it = gets_.find(in.req_id);  // gone: its peer was lost meanwhile (already failed)
+      pending = it != gets_.end();
+      if (pending) drop_get(&it);
     }
     if (pending) complete(peer, s % ncontexts_, 1);
   } else if (in.f.type == FrameType::kRefused) {
@@ -154,6 +158,15 @@ void Engine::fail_if_refused(int lo, int hi, const char* doing) {
   }
 }
 
+// The initiator keeps its gets in flight within kMaxGetBytesInFlight (or one
+// at a time): a request beyond that is a peer breaking the protocol.
+bool Engine::take_answer_credit(int s, uint64_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (answer_bytes_[s] > 0 && answer_bytes_[s] + size > kMaxGetBytesInFlight) return false;
+  answer_bytes_[s] += size;
+  return true;
+}
+
 void Engine::on_get_request(int s, const wire::GetHeader& g) {
   Window* w = windows_->find(g.src_win);
   if (!w || !w->enter(true)) {
@@ -162,12 +175,19 @@ void Engine::on_get_request(int s, const wire::GetHeader& g) {
     return;
   }
   bool fits = g.src_off <= w->size && g.size <= w->size - g.src_off;
+  if (fits && !take_answer_credit(s, g.size)) {
+    w->leave();
+    lose(s / ncontexts_, "protocol error: get requests for more than " +
+                             std::to_string(kMaxGetBytesInFlight >> 20) + " MiB of answers at once");
+    return;
+  }
   if (fits) {
     // The answer is the window's bytes as of the request's place in the pair's
     // FIFO: copied now, before any later frame of the pair is applied.
     uint64_t id = g.req_id;
     OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, 0, 0, 0};
     it.head.insert(it.head.end(), w->base + g.src_off, w->base + g.src_off + g.size);
+    it.answer_bytes = g.size;
     w->leave();
     enqueue(s, std::move(it), Count::kNone);
     return;

@@ -63,8 +63,15 @@ struct WindowMemory {
 
 WindowMemory window_memory(Mesh& m, uint32_t index) {
   std::shared_ptr<fxm::Window> w = m.window(index);
-  if (!w->seg) throw py::value_error("user windows are the caller's own buffer");
-  return WindowMemory{w->seg, w->base, static_cast<size_t>(w->size)};
+  if (w->kind == fxm::WindowKind::kUser) throw py::value_error("user windows are the caller's own buffer");
+  // Inside the window, deregister (another thread) cannot drop the segment while it is copied.
+  if (!w->enter(true)) {
+    throw fxm::Error(fxm::Code::kInvalidArgument, -1, 0,
+                     "window #" + std::to_string(index) + " was deregistered");
+  }
+  WindowMemory mem{w->seg, w->base, static_cast<size_t>(w->size)};
+  w->leave();
+  return mem;
 }
 
 void put(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,

@@ -25,6 +25,9 @@ struct SignalNotify {
   uint32_t waiters;
 };
 
+// A signal window holds 1 .. kMaxSignalSlots slots, so its segment size never overflows.
+constexpr uint64_t kMaxSignalSlots = 1ull << 32;
+inline bool signal_slots_valid(uint64_t nslots) { return nslots >= 1 && nslots <= kMaxSignalSlots; }
 inline uint64_t signal_segment_bytes(uint64_t nslots) { return nslots * 16 + 64; }
 inline int64_t* signal_last_src(uint8_t* base, uint64_t nslots) {
   return reinterpret_cast<int64_t*>(base + nslots * 8);

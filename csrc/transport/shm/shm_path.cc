@@ -23,6 +23,10 @@ std::unique_ptr<Path> make_shm_path(const PathRequest& req, const WindowDesc& d,
   }
   int err = 0;
   uint64_t nslots = d.size / 8;
+  if (signal && (d.size % 8 != 0 || !signal_slots_valid(nslots))) {  // the core refuses it earlier
+    *why = "its signal window size " + std::to_string(d.size) + " is not 1 .. 2^32 slots";
+    return nullptr;
+  }
   shm::Segment seg = shm::Segment::open(d.shm_name, signal ? signal_segment_bytes(nslots) : d.size, &err);
   if (!seg) {
     *why = "mapping its shared memory failed: " + errno_text(err);
