@@ -7,6 +7,8 @@
     gets in flight per (peer, context) are bounded; before, the target's memory grew with the
     number of gets in flight (64 x 8 MiB gets: +528 MiB)
   - a data put into a signal window is refused (slots change only through signals)
+  - a close that one rank cannot finish (its flush fails) fails on every rank at once, naming it,
+    and the window stays open everywhere; before, the others waited out their timeout
 Each scenario runs in a child process (a crash fails the test instead of killing pytest).
 """
 
@@ -154,3 +156,50 @@ def test_a_data_put_into_a_signal_window_is_refused(tmp_path):
     verdict, out = run_rogue(tmp_path, "rogue_sigwin_prog.py", ROGUE_SIGNAL_WINDOW_PUT)
     assert "slot 0 = 0" in verdict, verdict
     assert "a signal window" in out, out[-4000:]
+
+
+ROGUE_CLOSE = ROGUE_COMMON + r"""
+from flagcx_mesh import MeshTimeout
+m = Mesh.from_launcher(timeout=4, max_unreceived=1 << 20)
+r = m.rank
+W = m.register_window(np.zeros(4096, np.uint8))
+
+def close_once():
+    try:
+        W.close()
+        return "closed"
+    except (InvalidArgument, MeshTimeout) as e:
+        return f"{type(e).__name__}: {e}"
+
+if r == 0:
+    m.send(1, b"x" * (2 << 20))  # rank 1 does not receive it yet: it stops reading this connection
+    m.barrier(timeout=30)
+    m.put(1, W, 0, W, 0, 4096)  # unread, so never acked, until rank 1 receives
+    m.barrier(timeout=30)
+    print(f"VERDICT0 {close_once()}", flush=True)
+    m.barrier(timeout=30)
+else:
+    hold_reading(m)
+    m.barrier(timeout=30)
+    m.barrier(timeout=30)
+    check_held()
+    print(f"VERDICT1 {close_once()}", flush=True)
+    m.recv(0, timeout=30)  # now the put lands and is acked
+    m.barrier(timeout=30)
+m.flush(timeout=30)
+W.close()  # it stayed open on both ranks: closing again works
+m.close()
+print(f"OK rank {r}", flush=True)
+"""
+
+
+def test_a_close_one_rank_cannot_finish_fails_on_every_rank_at_once(tmp_path):
+    """Rank 0's close cannot flush (its put waits unread at rank 1, whose engine pauses that
+    connection behind an unreceived message): rank 0 fails with its timeout, and rank 1, which
+    could close, fails at once naming rank 0, with the window left open on both (closed again
+    later). Before the fix rank 0 never joined the close collective: rank 1 waited out the
+    timeout (MeshTimeout) and the window could not be closed again."""
+    _, out = run_rogue(tmp_path, "rogue_close_prog.py", ROGUE_CLOSE)
+    v = {ln.split("VERDICT")[1][0]: ln for ln in out.splitlines() if "VERDICT" in ln}
+    assert "MeshTimeout" in v["0"] and "flush" in v["0"], out[-4000:]
+    assert "InvalidArgument" in v["1"] and "rank 0 could not close it" in v["1"], out[-4000:]

@@ -243,11 +243,22 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
                                             " is already being closed");
   }
   if (w->notify) wake_signal_waiters(w->notify);  // they see `closing` and leave
-  wait_unused(*w, deadline);  // ops being issued on it, waiters
-  engine_->flush(-1, deadline, false);  // ops in flight that hold it complete
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &index, 4);
-  check_same_window(*w, allgather_(mine));  // every rank closes it: nobody writes into it any more
+  std::exception_ptr local_failure;
+  try {
+    wait_unused(*w, deadline);  // ops being issued on it, waiters
+    engine_->flush(-1, deadline, false);  // ops in flight that hold it complete
+  } catch (const Error& e) {  // still take part, so every rank fails at once naming this one
+    local_failure = std::current_exception();
+    mine = failure_marker(index, e.what());
+  }
+  bootstrap::Parts parts = allgather_(mine);
+  if (local_failure) {
+    w->closing = false;  // it stays open on every rank
+    std::rethrow_exception(local_failure);
+  }
+  check_same_window(*w, parts);  // every rank closes it: nobody writes into it any more
   w->live = false;
   if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
   wait_unused(*w, deadline);  // a (misbehaving) peer's frame the engine is landing
@@ -267,6 +278,12 @@ void OneSided::check_same_window(Window& w, const bootstrap::Parts& parts) const
     if (parts[r].size() == 4) std::memcpy(&idx, parts[r].data(), 4);
     if (idx == w.index) continue;
     w.closing = false;
+    std::string reason;
+    if (is_failure_marker(parts[r], &reason)) {
+      fail(Code::kInvalidArgument, r, 0, who() + "deregister: window #" + std::to_string(w.index) +
+                                             " stays open: rank " + std::to_string(r) +
+                                             " could not close it (" + reason + ")");
+    }
     fail(Code::kInvalidArgument, r, 0,
          who() + "deregister: collective mismatch: this rank closes window #" + std::to_string(w.index) +
              " while rank " + std::to_string(r) + " closes " +
