@@ -33,7 +33,6 @@ size_t op_header_size(FrameType t) {
   }
 }
 
-uint8_t g_scratch[1 << 16];  // sink for discarded payloads (contents never read)
 
 }  // namespace
 
@@ -471,8 +470,8 @@ void Engine::read_some(int s) {
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
       where = landing_spot(in);
       if (!where) {
-        where = g_scratch;
-        want = std::min(want, sizeof(g_scratch));
+        where = discard_.data();
+        want = std::min(want, discard_.size());
       }
     } else {
       where = in.buf + in.got;

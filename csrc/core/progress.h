@@ -152,6 +152,7 @@ class Engine : public Outbox {
   // Held by the progress thread while it lands a get answer in the user's
   // buffer; lose() takes it, so once a get failed with PeerLost nothing lands.
   std::mutex landing_mu_;
+  std::vector<uint8_t> discard_ = std::vector<uint8_t>(1 << 16);  // sink for dropped payloads (never read)
   uint64_t next_req_ = 1;
   std::vector<uint64_t> outstanding_;  // per slot: ops on an asynchronous path not yet complete
   std::vector<PathKind> in_flight_kind_;  // per slot: the path they are on (one at a time)
