@@ -35,6 +35,8 @@ class Result:
         state = "TIMED OUT" if self.timed_out else f"rc={self.rc}"
         return f"{state}\n--- stdout\n{self.out[-4000:]}\n--- stderr\n{self.err[-4000:]}"
 
+    __repr__ = __str__  # an assertion message shows the outputs, not an address
+
 
 def run(cmd, timeout, env=None):
     """Runs cmd in its own session; on timeout kills the whole group. Never hangs."""
