@@ -399,11 +399,11 @@ void OneSided::put(const PutArgs& in) {
   PutArgs a = in;
   OpWindows ow;  // entered until the op is issued; in flight, the engine completes it before close()
   check_put(a, &ow);
-  engine_->check_peer(a.peer, a.sig.on ? (a.size ? "put_signal" : "signal") : "put");
+  const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   InFlight f;
-  f.busy = engine_->in_flight(a.peer, a.ctx, &f.kind);
+  f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
   if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f)) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
@@ -417,10 +417,9 @@ void OneSided::put(const PutArgs& in) {
 void OneSided::get(const PutArgs& a) {
   OpWindows ow;
   validate(a, "get", true, &ow);
-  engine_->check_peer(a.peer, "get");
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   InFlight f;
-  f.busy = engine_->in_flight(a.peer, a.ctx, &f.kind);
+  f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone
   if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f)) return;
   engine_->count_inline(a.peer, 1);
 }
