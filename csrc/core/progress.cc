@@ -93,7 +93,9 @@ void Engine::enqueue(int s, OutItem&& item, Count counted) {
     if (!idle) out_[s].push_back(std::move(item));
   }
   if (idle && send_direct(s, item)) return;
-  wake();
+  // The progress thread queues only from poll_once(), whose write_pending() sends it before the next
+  // poll: waking itself through the eventfd would cost a write and an extra pass for nothing.
+  if (std::this_thread::get_id() != progress_tid_.load()) wake();
 }
 
 bool Engine::send_direct(int s, OutItem& item) {
