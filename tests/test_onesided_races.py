@@ -9,6 +9,8 @@ Each test is a regression test that fails on the engine before the fix (46691ab)
   5 cma is not chosen for a peer in another PID namespace (its pid means nothing here)
   6 a forged ack cannot complete a get (acks count puts only); an answer from another peer is a
     protocol error and lands nothing
+The last test is no regression test: it covers the window lookup without a lock (ops through old
+and new windows while the table grows), for sanitize.sh's TSan run.
 Crash scenarios run in a child process, which must exit 0 with the expected error text (a
 SIGSEGV then fails the test instead of killing pytest). Every wait is bounded.
 """
