@@ -9,6 +9,8 @@ Each test is a regression test that fails on the engine before the fix (46691ab)
   5 cma is not chosen for a peer in another PID namespace (its pid means nothing here)
   6 a forged ack cannot complete a get (acks count puts only); an answer from another peer is a
     protocol error and lands nothing
+The last test is no regression test: it covers the window lookup without a lock (ops through old
+and new windows while the table grows), for sanitize.sh's TSan run.
 Crash scenarios run in a child process, which must exit 0 with the expected error text (a
 SIGSEGV then fails the test instead of killing pytest). Every wait is bounded.
 """
@@ -547,3 +549,53 @@ def test_a_get_answer_from_another_peer_is_a_protocol_error(tmp_path):
     assert "PeerLost" in lines[" "] and "protocol error" in lines[" "] and "get #1" in lines[" "], out[-4000:]
     assert "VERDICT2 0 forged bytes" in lines["2"], lines["2"]
     assert "VERDICT3 4096 of 4096" in lines["3"], lines["3"]
+
+
+# ----------------------------------------------------------------------------- window table
+
+
+def test_ops_on_old_windows_while_the_window_table_grows():
+    """Window lookups take no lock: the table publishes its pointers in slabs that are replaced
+    by larger ones as windows are added (16, 32, 64, ...). One thread puts and signals through
+    window 0 and the newest window while the main thread registers 80 more (and puts into each):
+    every byte lands where it should, no lookup misses a registered window."""
+    out = run_child("""
+        import threading, flagcx_mesh
+        from flagcx_mesh import Mesh
+        m = Mesh(1, flagcx_mesh.get_unique_id(), 0, timeout=30)
+        S = m.signal_window(2)
+        W0 = m.alloc_window(64)
+        wins = [W0]
+        stop = threading.Event()
+        errors, rounds = [], [0]
+        def worker():
+            try:
+                while not stop.is_set():
+                    w = wins[-1]
+                    m.put_signal(0, W0, 0, w, 8, 8, 0, 1, signal_window=S)
+                    m.put(0, w, 8, W0, 16, 8)
+                    rounds[0] += 1
+            except Exception as e:
+                errors.append(f"{type(e).__name__}: {e}")
+        W0.buffer[0:8] = bytes(range(1, 9))
+        t = threading.Thread(target=worker)
+        t.start()
+        while rounds[0] == 0 and not errors and t.is_alive():
+            pass
+        for i in range(80):
+            w = m.alloc_window(64)
+            m.put(0, W0, 0, w, 0, 8)
+            wins.append(w)
+        stop.set()
+        t.join(30)
+        assert not t.is_alive(), "the worker is still running"
+        assert not errors, errors
+        m.flush(timeout=30)
+        for i, w in enumerate(wins[1:], 1):
+            assert bytes(w.buffer[0:8]) == bytes(range(1, 9)), (i, bytes(w.buffer[0:8]))
+        assert m.read_signal(0, window=S) == rounds[0], (m.read_signal(0, window=S), rounds[0])
+        assert bytes(W0.buffer[16:24]) == bytes(range(1, 9))
+        m.close()
+        print("DONE", rounds[0])
+    """)
+    assert "DONE" in out, out

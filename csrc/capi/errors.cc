@@ -32,6 +32,7 @@ flagcx_mesh_result_t record_error(const char* call, Code code, int peer, int sys
 
 void clear_error() {
   LastError& e = last();
+  if (e.text.empty() && e.peer == -1 && e.sys_errno == 0) return;  // the common case: nothing to clear
   e.text.clear();
   e.peer = -1;
   e.sys_errno = 0;

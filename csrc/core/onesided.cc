@@ -422,11 +422,11 @@ void OneSided::put(const PutArgs& in) {
   PutArgs a = in;
   OpWindows ow;  // entered until the op is issued; in flight, the engine completes it before close()
   check_put(a, &ow);
-  engine_->check_peer(a.peer, a.sig.on ? (a.size ? "put_signal" : "signal") : "put");
+  const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   InFlight f;
-  f.busy = engine_->in_flight(a.peer, a.ctx, &f.kind);
+  f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
   if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f)) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
@@ -440,10 +440,9 @@ void OneSided::put(const PutArgs& in) {
 void OneSided::get(const PutArgs& a) {
   OpWindows ow;
   validate(a, "get", true, &ow);
-  engine_->check_peer(a.peer, "get");
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
   InFlight f;
-  f.busy = engine_->in_flight(a.peer, a.ctx, &f.kind);
+  f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone
   if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f)) return;
   engine_->count_inline(a.peer, 1);
 }
@@ -464,17 +463,33 @@ uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
   return load_signal(reinterpret_cast<const uint64_t*>(w.base), slot);
 }
 
+// Spin, then yield, each for a bounded time (a PAUSE count would not do: PAUSE takes 10 to 140 cycles
+// depending on the CPU, 2000 of them 45 us on some). The signaller may need this very core (fewer
+// free cores than spinning threads), so the spin is short; the caller then sleeps on the futex.
+uint64_t OneSided::spin_for_signal(const Window& w, uint64_t slot, uint64_t expected) const {
+  constexpr auto kSpin = std::chrono::microseconds(2), kYield = std::chrono::microseconds(50);
+  const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
+  uint64_t current = load_signal(slots, slot);
+  if (current >= expected) return current;
+  const Clock::time_point start = Clock::now();
+  for (unsigned i = 1; current < expected; ++i) {
+    cpu_relax();
+    current = load_signal(slots, slot);
+    if (i % 16 == 0 && Clock::now() - start >= kSpin) break;  // the clock every 16 loads
+  }
+  while (current < expected && Clock::now() - start < kYield) {
+    if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
+    sched_yield();
+    current = load_signal(slots, slot);
+  }
+  return current;
+}
+
 void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const {
   OpWindows ow;  // the slots stay mapped while this waits; close() wakes it
   Window& w = signal_slot(win, slot, "wait_signal", &ow);
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
-  uint64_t current = load_signal(slots, slot);
-  for (int spins = 0; current < expected && spins < 2200; ++spins) {  // spin, then yield: low latency
-    if (spins < 2000) cpu_relax();
-    else sched_yield();
-    if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
-    current = load_signal(slots, slot);
-  }
+  uint64_t current = spin_for_signal(w, slot, expected);
   while (current < expected) {
     uint32_t seen = __atomic_load_n(&w.notify->epoch, __ATOMIC_SEQ_CST);
     current = load_signal(slots, slot);

@@ -102,6 +102,7 @@ class OneSided {
     PathKind kind = PathKind::kTcp;
   };
   Path* ordered_path(const PutArgs& a, const PeerView& v, Path* preferred, const InFlight& f) const;
+  uint64_t spin_for_signal(const Window& w, uint64_t slot, uint64_t expected) const;  // the current value
   [[noreturn]] void fail_wait_closed(const Window& w, uint64_t slot) const;
   [[noreturn]] void fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
                                     int lost) const;

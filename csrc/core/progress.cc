@@ -34,6 +34,18 @@ size_t op_header_size(FrameType t) {
 }
 
 
+// Counts a thread that waits on the completion counters for as long as it is in scope.
+class CountWaiter {
+ public:
+  explicit CountWaiter(std::atomic<int>* n) : n_(n) { n_->fetch_add(1); }
+  ~CountWaiter() { n_->fetch_sub(1); }
+  CountWaiter(const CountWaiter&) = delete;
+  CountWaiter& operator=(const CountWaiter&) = delete;
+
+ private:
+  std::atomic<int>* n_;
+};
+
 }  // namespace
 
 Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
@@ -81,7 +93,9 @@ void Engine::enqueue(int s, OutItem&& item, Count counted) {
     if (!idle) out_[s].push_back(std::move(item));
   }
   if (idle && send_direct(s, item)) return;
-  wake();
+  // The progress thread queues only from poll_once(), whose write_pending() sends it before the next
+  // poll: waking itself through the eventfd would cost a write and an extra pass for nothing.
+  if (std::this_thread::get_id() != progress_tid_.load()) wake();
 }
 
 bool Engine::send_direct(int s, OutItem& item) {
@@ -182,8 +196,11 @@ void Engine::drop_get(std::map<uint64_t, PendingGet>::iterator* it) {
   cv_.notify_all();
 }
 
-bool Engine::in_flight(int peer, int ctx, PathKind* kind) const {
+bool Engine::in_flight(int peer, int ctx, const char* op, PathKind* kind) const {
   std::lock_guard<std::mutex> lock(mu_);
+  if (!lost_[peer].empty() || bye_[peer]) {  // the hot path builds no text
+    fail_if_gone(peer, who() + op + " to peer " + std::to_string(peer) + ": ");
+  }
   *kind = in_flight_kind_[slot(peer, ctx)];
   return outstanding_[slot(peer, ctx)] != 0;
 }
@@ -270,12 +287,13 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
 }
 
 void Engine::count_inline(int peer, uint64_t n) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);  // waiters test these under mu_: no lost wake-up
-    issued_[peer].fetch_add(n);
-    done_[peer].fetch_add(n);
-    completed_all_.fetch_add(n);
-  }
+  issued_[peer].fetch_add(n);
+  done_[peer].fetch_add(n);
+  completed_all_.fetch_add(n);
+  // A waiter counts itself (seq_cst) before it tests the counters under mu_: either it sees
+  // the additions above, or this sees it and, through mu_, notifies only once it sleeps.
+  if (count_waiters_.load() == 0) return;
+  { std::lock_guard<std::mutex> lock(mu_); }
   cv_.notify_all();
 }
 
@@ -287,12 +305,6 @@ void Engine::complete(int peer, int ctx, uint64_t n) {
     completed_all_.fetch_add(n);
   }
   cv_.notify_all();
-}
-
-void Engine::check_peer(int peer, const char* op) const {
-  std::lock_guard<std::mutex> lock(mu_);
-  if (lost_[peer].empty() && !bye_[peer]) return;  // the hot path builds no text
-  fail_if_gone(peer, who() + op + " to peer " + std::to_string(peer) + ": ");
 }
 
 void Engine::fail_if_gone(int peer, const std::string& what) const {
@@ -315,6 +327,7 @@ int Engine::first_lost_peer() const {
 
 void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
   std::unique_lock<std::mutex> lock(mu_);
+  CountWaiter counted(&count_waiters_);
   while (completed_all_.load() < value) {
     for (int p = 0; p < nranks_; ++p) {
       if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load()) {
@@ -335,6 +348,7 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
 void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
   int lo = peer < 0 ? 0 : peer, hi = peer < 0 ? nranks_ : peer + 1;
   std::unique_lock<std::mutex> lock(mu_);
+  CountWaiter counted(&count_waiters_);
   for (int p = lo; p < hi; ++p) {
     while (done_[p].load() != issued_[p].load()) {
       if (!lost_[p].empty() || bye_[p] || deadline.expired()) {

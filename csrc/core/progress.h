@@ -46,8 +46,9 @@ class Engine : public Outbox {
   void completed(int peer, int ctx, const std::string& error) override;
   // True while ops to (peer, ctx) are in flight on an asynchronous path
   // (*kind: which); a later op to that pair must then take that path too, or
-  // wait_idle(), to stay FIFO.
-  bool in_flight(int peer, int ctx, PathKind* kind) const;
+  // wait_idle(), to stay FIFO. Throws PeerLost, naming `op`, when the peer
+  // was lost or closed its mesh.
+  bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
   void wait_idle(int peer, int ctx, const Deadline& deadline);
 
   // Two-sided messages. The message is copied into the queue; while more
@@ -58,15 +59,13 @@ class Engine : public Outbox {
   std::vector<uint8_t> recv_message(int peer, int ctx, const Deadline& deadline);
 
   // Completion counting: ops issued by this rank and completed at their target.
-  void count_inline(int peer, uint64_t n);  // ops done synchronously
+  void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
   uint64_t completed() const { return completed_all_.load(); }
   void wait_counter(uint64_t value, const Deadline& deadline);
   // peer -1: every peer. Then raises what those peers refused since the last
   // report, unless `report_refused` is false (deregister keeps it for the user).
   void flush(int peer, const Deadline& deadline, bool report_refused = true);
 
-  // Throws PeerLost when the peer was lost or closed its mesh.
-  void check_peer(int peer, const char* op) const;
   // "" when the peer is fine, else why it is lost.
   std::string lost_reason(int peer) const;
   int first_lost_peer() const;
@@ -169,6 +168,9 @@ class Engine : public Outbox {
                                        // its earlier frames have been processed)
   std::vector<std::atomic<uint64_t>> issued_, done_;  // per peer
   std::atomic<uint64_t> completed_all_{0};
+  // Threads in flush / wait_counter: while none, count_inline neither locks
+  // mu_ nor notifies (each waiter counts itself before testing the counters).
+  std::atomic<int> count_waiters_{0};
 };
 
 }  // namespace fxm

@@ -68,7 +68,10 @@ struct Window {
 };
 
 // The registered windows of one mesh, by index. Thread-safe; entries are
-// never removed (a deregistered window stays, with live == false).
+// never removed (a deregistered window stays, with live == false), so a
+// Window lives as long as the table. find() takes no lock (it is on every op's path): the pointers sit in
+// a slab that add() publishes with release stores; a full slab is copied into
+// one twice its size and kept until the table goes (readers may still hold it).
 class WindowTable {
  public:
   std::shared_ptr<Window> get(uint32_t index) const {
@@ -81,12 +84,22 @@ class WindowTable {
   }
   void add(std::shared_ptr<Window> w) {
     std::lock_guard<std::mutex> lock(mu_);
+    size_t n = wins_.size();
+    Slab* cur = slab_.load(std::memory_order_relaxed);
+    if (cur == nullptr || n == cur->cap) {
+      auto bigger = std::make_unique<Slab>(cur == nullptr ? 16 : 2 * cur->cap);
+      for (size_t i = 0; i < n; ++i) bigger->at[i].store(wins_[i].get(), std::memory_order_relaxed);
+      cur = bigger.get();
+      slabs_.push_back(std::move(bigger));
+      slab_.store(cur, std::memory_order_release);
+    }
+    cur->at[n].store(w.get(), std::memory_order_release);
     wins_.push_back(std::move(w));
   }
-  // The window itself: entries are never removed, so it lives as long as the table.
+  // The window itself, or nullptr when no window has this index (yet).
   Window* find(uint32_t index) const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return index < wins_.size() ? wins_[index].get() : nullptr;
+    const Slab* s = slab_.load(std::memory_order_acquire);
+    return s != nullptr && index < s->cap ? s->at[index].load(std::memory_order_acquire) : nullptr;
   }
   std::vector<std::shared_ptr<Window>> all() const {
     std::lock_guard<std::mutex> lock(mu_);
@@ -94,9 +107,17 @@ class WindowTable {
   }
 
  private:
+  struct Slab {
+    explicit Slab(size_t n) : cap(n), at(new std::atomic<Window*>[n]) {
+      for (size_t i = 0; i < n; ++i) at[i].store(nullptr, std::memory_order_relaxed);
+    }
+    size_t cap;
+    std::unique_ptr<std::atomic<Window*>[]> at;
+  };
   mutable std::mutex mu_;
-  std::vector<std::shared_ptr<Window>> wins_;
+  std::vector<std::shared_ptr<Window>> wins_;  // owns the windows
+  std::vector<std::unique_ptr<Slab>> slabs_;   // every slab published, under mu_
+  std::atomic<Slab*> slab_{nullptr};           // the current one
 };
-
 
 }  // namespace fxm
