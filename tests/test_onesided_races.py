@@ -397,16 +397,19 @@ m.close()
 print(f"OK rank {r}", flush=True)
 """
 
-ROGUE_PUT_PROG = ROGUE_COMMON + r"""
+def rogue_put_prog(put_fields: str, payload: str) -> str:
+    """Rank 0 misbehaves: it writes a put frame (PutHeader fields `put_fields`, payload
+    expression `payload`) to rank 1, then a signal alone (+1 on slot 1 of the signal window S).
+    Rank 1 waits for that signal and reports slot 0 (VERDICT)."""
+    return ROGUE_COMMON + r"""
 m = Mesh.from_launcher(timeout=60)
 r = m.rank
 W = m.register_window(np.zeros(4096, np.uint8))
 S = m.signal_window(2)
 if r == 0:
-    # a put_signal to window #77, which rank 1 does not have: 8 bytes, then +1 on its slot 0
-    put = struct.pack("<IIQQQII", 77, S.index, 0, 0, 1, 1, 0)
+    put = struct.pack("<IIQQQII", """ + put_fields + r""")
     later = struct.pack("<IIQQQII", 0, S.index, 0, 1, 1, 1, 0)  # then a signal alone: +1 on slot 1
-    forge(m, 1, frame(3, put + bytes(8)) + frame(3, later))
+    forge(m, 1, frame(3, put + """ + payload + r""") + frame(3, later))
     m.barrier(timeout=30)
 else:
     share_ports(m)
@@ -416,6 +419,10 @@ else:
 m.close()
 print(f"OK rank {r}", flush=True)
 """
+
+
+# a put_signal to window #77, which rank 1 does not have: 8 bytes, then +1 on its slot 0
+ROGUE_PUT_PROG = rogue_put_prog("77, S.index, 0, 0, 1, 1, 0", "bytes(8)")
 
 ROGUE_REFUSAL_PROG = ROGUE_COMMON + r"""
 m = Mesh.from_launcher(timeout=60, max_unreceived=1 << 20)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import pytest
 
-from test_onesided_races import ROGUE_COMMON, run_child, run_rogue
+from test_onesided_races import ROGUE_COMMON, rogue_put_prog, run_child, run_rogue
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -129,25 +129,8 @@ def test_gets_in_flight_do_not_grow_the_targets_memory_without_bound():
     assert growth[0] < 200, f"peak memory grew by {growth[0]} MiB for 384 MiB of gets in flight"
 
 
-ROGUE_SIGNAL_WINDOW_PUT = ROGUE_COMMON + r"""
-m = Mesh.from_launcher(timeout=60)
-r = m.rank
-W = m.register_window(np.zeros(4096, np.uint8))
-S = m.signal_window(2)
-if r == 0:
-    # a data put of 8 bytes of 0xff into rank 1's SIGNAL window, slot 0; then +1 on slot 1
-    put = struct.pack("<IIQQQII", S.index, 0, 0, 0, 0, 0, 0)
-    later = struct.pack("<IIQQQII", 0, S.index, 0, 1, 1, 1, 0)
-    forge(m, 1, frame(3, put + bytes([0xff]) * 8) + frame(3, later))
-    m.barrier(timeout=30)
-else:
-    share_ports(m)
-    m.wait_signal(1, 1, timeout=30, window=S)  # the forged put came before it
-    print(f"VERDICT slot 0 = {m.read_signal(0, window=S)}", flush=True)
-    m.barrier(timeout=30)
-m.close()
-print(f"OK rank {r}", flush=True)
-"""
+# a data put of 8 bytes of 0xff into rank 1's SIGNAL window, slot 0
+ROGUE_SIGNAL_WINDOW_PUT = rogue_put_prog("S.index, 0, 0, 0, 0, 0, 0", "bytes([0xff]) * 8")
 
 
 def test_a_data_put_into_a_signal_window_is_refused(tmp_path):
