@@ -24,7 +24,8 @@ PYTHON=${PYTHON:-python3}
     -C cmake.define.FXM_SANITIZE="$kind" -C build-dir="build/san-$kind" -C install.strip=false -C cmake.build-type=RelWithDebInfo . || exit 1
 lib=$(${CC:-cc} -print-file-name="$runtime")
 [ -f "$lib" ] || { echo "scripts/sanitize.sh: no $runtime for ${CC:-cc} (install the compiler's sanitizer runtime)" >&2; exit 1; }
-[ $# -gt 0 ] || set -- tests/test_onesided.py tests/test_onesided_races.py tests/test_mesh_threads.py tests/test_capi.py \
+[ $# -gt 0 ] || set -- tests/test_onesided.py tests/test_onesided_races.py tests/test_onesided_review.py \
+    tests/test_mesh_threads.py tests/test_capi.py \
     tests/test_net_capi.py tests/test_net_builders.py tests/test_net_modes.py tests/test_engine_limits.py \
     tests/test_root_exit.py
 # libstdc++ right after the runtime: its C++ exception interceptors bind to the libstdc++

@@ -14,6 +14,8 @@ Each scenario runs in a child process (a crash fails the test instead of killing
 
 from __future__ import annotations
 
+import os
+
 import pytest
 
 from test_onesided_races import ROGUE_COMMON, rogue_put_prog, run_child, run_rogue
@@ -126,6 +128,8 @@ def test_gets_in_flight_do_not_grow_the_targets_memory_without_bound():
     out = run_child(GETS_IN_FLIGHT, transport="tcp")
     growth = [int(ln.split()[-1]) for ln in out.splitlines() if ln.startswith("PEAK_GROWTH_MIB")]
     assert growth and "LANDED True" in out and "done" in out, out[-4000:]
+    if "libasan" in os.environ.get("LD_PRELOAD", "") or "libtsan" in os.environ.get("LD_PRELOAD", ""):
+        return  # scripts/sanitize.sh: quarantine and shadow memory make the peak meaningless
     assert growth[0] < 200, f"peak memory grew by {growth[0]} MiB for 384 MiB of gets in flight"
 
 
