@@ -232,3 +232,113 @@ def test_ib_strict_test_adaptor_keeps_ibs_contract(lib):
         assert f["close"](net.ctx, sc) == 0 and f["close"](net.ctx, rc) == 0 and f["close_listen"](net.ctx, lc) == 0
     finally:
         assert lib.flagcx_mesh_test_adaptor_destroy(C.byref(net)) == 0
+
+
+def test_get_ops_fills_the_0_2_layout_only(lib):
+    """flagcx_mesh_bootstrap_get_ops writes the 0.2 fields and size FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1,
+    never `abort`: a caller's uninitialised struct must not announce a hook it does not have (a
+    watchdog called the garbage pointer: SIGSEGV), and a 0.2 caller's struct ends before it."""
+    uid = flagcx_mesh.get_unique_id()
+    b = C.c_void_p()
+    assert lib.flagcx_mesh_bootstrap_init(C.byref(b), 1, C.create_string_buffer(uid, 256), 0, C.c_double(10.0)) == 0
+    try:
+        ops = Boot()
+        C.memset(C.byref(ops), 0xAB, C.sizeof(ops))  # what an uninitialised stack struct may hold
+        assert lib.flagcx_mesh_bootstrap_get_ops(b, C.byref(ops)) == 0
+        assert ops.size == C.sizeof(BootV1), ops.size
+        assert ops.abort == int.from_bytes(b"\xab" * C.sizeof(C.c_void_p), "little")  # untouched
+        assert (ops.rank, ops.nranks) == (0, 1) and ops.allgather and ops.send and ops.recv
+    finally:
+        assert lib.flagcx_mesh_bootstrap_destroy(b) == 0
+
+
+ALLGATHER = C.CFUNCTYPE(C.c_int, C.c_void_p, C.c_void_p, C.c_size_t, C.c_double)
+ABORT = C.CFUNCTYPE(C.c_int, C.c_void_p)
+
+
+def test_a_build_whose_abort_hook_was_called_fails(lib):
+    """The deadline passes while the build is inside a bootstrap allgather, so the watchdog calls
+    the abort hook; the allgather then returns successfully anyway. The build must fail (the
+    bootstrap may be unusable after its hook): before, it returned OK with the hook called."""
+    import time
+
+    uid = flagcx_mesh.get_unique_id()
+    b = C.c_void_p()
+    assert lib.flagcx_mesh_bootstrap_init(C.byref(b), 1, C.create_string_buffer(uid, 256), 0, C.c_double(10.0)) == 0
+    real = Boot()
+    assert lib.flagcx_mesh_bootstrap_get_ops(b, C.byref(real)) == 0
+    real_allgather, aborts = ALLGATHER(real.allgather), []
+
+    def slow_allgather(ctx, data, size, timeout_s):
+        rc = real_allgather(ctx, data, size, C.c_double(10.0))
+        time.sleep(1.3)  # past the build's 1 s deadline, then success
+        return rc
+
+    def abort(ctx):
+        aborts.append(ctx)
+        return 0
+
+    allgather_cb, abort_cb = ALLGATHER(slow_allgather), ABORT(abort)
+    ops = Boot(C.sizeof(Boot), real.ctx, 0, 1, C.cast(allgather_cb, C.c_void_p), real.send, real.recv,
+               C.cast(abort_cb, C.c_void_p))
+    net, keep = instant_adaptor()
+    try:
+        send, recv = (C.c_void_p * 1)(), (C.c_void_p * 1)()
+        cfg = Config(C.sizeof(Config), 1, 1.0, 0, 300)  # ordered, no wiring check (no bytes carried)
+        rc = lib.flagcx_mesh_net_build_full_mesh(C.byref(net), C.byref(ops), C.byref(cfg), send, recv)
+        assert len(aborts) == 1, aborts
+        assert rc == 2 and "abort hook was called" in last(lib), (rc, last(lib))
+        assert send[0] is None and recv[0] is None  # outputs written only on success
+        assert keep["closed"] == 2 and keep["listen_closes"] == 1  # each comm and the listener once
+    finally:
+        assert lib.flagcx_mesh_bootstrap_destroy(b) == 0
+
+
+def instant_adaptor(close_listen_rc=0):
+    """An adaptor whose listen, connect and accept complete at once and which carries no bytes;
+    returns it and the callbacks it needs kept alive (and the count of comms it closed, and of
+    close_listen calls, which return close_listen_rc)."""
+    keep = {"closed": 0, "listen_closes": 0, "next": 0x1000}
+
+    def close_listen(ctx, comm):
+        keep["listen_closes"] += 1
+        return close_listen_rc
+
+    def comm_out(out):
+        keep["next"] += 16
+        out[0] = keep["next"]
+        return 0
+
+    def closed(ctx, comm):
+        keep["closed"] += 1
+        return 0
+
+    keep["cbs"] = cbs = dict(listen=LISTEN(lambda ctx, handle, out: comm_out(out)),
+                             connect=CONNECT(lambda ctx, handle, out: comm_out(out)),
+                             accept=ACCEPT(lambda ctx, lc, out: comm_out(out)), close=CLOSE(closed),
+                             close_listen=CLOSE(close_listen))
+    ptr = {k: C.cast(v, C.c_void_p) for k, v in cbs.items()}
+    net = Net(C.sizeof(Net), b"instant", None, 16, ptr["listen"], ptr["connect"], ptr["accept"], ptr["close"],
+              ptr["close"], ptr["close_listen"], None, None, None, None, None)
+    return net, keep
+
+
+def test_a_failing_close_listen_is_not_called_twice(lib):
+    """The build ends by closing its listener; when that close_listen fails, the build fails
+    naming it, and nothing closes the listener a second time (before: the cleanup of the failed
+    build called close_listen again, a double free on FlagCX's adaptors)."""
+    uid = flagcx_mesh.get_unique_id()
+    b = C.c_void_p()
+    assert lib.flagcx_mesh_bootstrap_init(C.byref(b), 1, C.create_string_buffer(uid, 256), 0, C.c_double(10.0)) == 0
+    ops = Boot()
+    assert lib.flagcx_mesh_bootstrap_get_ops(b, C.byref(ops)) == 0
+    net, keep = instant_adaptor(close_listen_rc=5)
+    try:
+        send, recv = (C.c_void_p * 1)(), (C.c_void_p * 1)()
+        cfg = Config(C.sizeof(Config), 1, 5.0, 0, 400)
+        rc = lib.flagcx_mesh_net_build_full_mesh(C.byref(net), C.byref(ops), C.byref(cfg), send, recv)
+        assert rc != 0 and "close_listen" in last(lib) and "returned 5" in last(lib), (rc, last(lib))
+        assert keep["listen_closes"] == 1, keep["listen_closes"]
+        assert keep["closed"] == 2 and send[0] is None and recv[0] is None
+    finally:
+        assert lib.flagcx_mesh_bootstrap_destroy(b) == 0

@@ -90,7 +90,9 @@ std::unique_ptr<flagcx_mesh_bootstrap> bootstrap_create(int nranks, const uint8_
 }
 
 void bootstrap_fill_ops(flagcx_mesh_bootstrap* boot, flagcx_mesh_bootstrap_ops_t* ops) {
-  ops->size = sizeof(*ops);
+  // The 0.2 layout only: this bootstrap has deadlines of its own and needs no abort hook, and
+  // a caller compiled against 0.2 has no room for one (its struct ends there).
+  ops->size = FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1;
   ops->ctx = boot;
   ops->rank = boot->rank;
   ops->nranks = boot->nranks;

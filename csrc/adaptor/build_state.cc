@@ -242,16 +242,24 @@ void Build::boot_recv(int peer, int tag, void* data, size_t size, int round) {
 
 void Build::finish(void** send_comms, void** recv_comms) {
   watchdog_.stop();  // no bootstrap call is left: the hook must not fire after this
+  if (watchdog_.aborted()) {  // it fired as a call was returning: the bootstrap may be unusable now
+    fail_at(Code::kTimeout, -1, "the build deadline passed during a bootstrap call and the bootstrap's "
+                                "abort hook was called; the build is failed, since the bootstrap may be unusable");
+  }
   for (int p = 0; p < n_; ++p) {
     if (!send_[p] || !recv_[p]) fail_at(Code::kInternal, p, "build ended with an empty slot");
   }
   std::vector<std::pair<void*, void*>> mrs = std::move(mrs_);
   mrs_.clear();
+  int dereg_rc = 0;  // every handle is deregistered; the first failure is reported after
   for (auto& [comm, mh] : mrs) {  // every transfer completed: the handles can go
-    check_call(net_.dereg_mr(net_.ctx, comm, mh), "dereg_mr", -1, -1);
+    int rc = net_.dereg_mr(net_.ctx, comm, mh);
+    if (dereg_rc == 0) dereg_rc = rc;
   }
-  if (listen_) check_call(net_.close_listen(net_.ctx, listen_), "close_listen", -1, -1);
-  listen_ = nullptr;
+  check_call(dereg_rc, "dereg_mr", -1, -1);
+  void* listener = listen_;
+  listen_ = nullptr;  // closed exactly once, whatever close_listen returns
+  if (listener) check_call(net_.close_listen(net_.ctx, listener), "close_listen", -1, -1);
   for (int p = 0; p < n_; ++p) {
     send_comms[p] = send_[p];
     recv_comms[p] = recv_[p];

@@ -30,7 +30,10 @@ extern "C" {
  * is this layout; size == FLAGCX_MESH_NET_ADAPTOR_SIZE_V1 is the layout of
  * flagcx_mesh 0.2 (no reg_mr/dereg_mr, and isend/irecv without the mhandle
  * argument: see flagcx_mesh_net_io_v1_fn), accepted as an adaptor that needs
- * no registration. Any other size is refused. */
+ * no registration. A size between the two is refused; a larger one (a later
+ * version's struct) is read as this layout. The mhandle argument arrived in
+ * 0.3 (FLAGCX_MESH_VERSION_MINOR 3): an adaptor written for this header must
+ * not be handed to a 0.2 library, which would call isend/irecv without it. */
 typedef struct flagcx_mesh_net_adaptor {
   size_t size;        /* sizeof(flagcx_mesh_net_adaptor_t) */
   const char *name;
@@ -171,7 +174,9 @@ typedef struct flagcx_mesh_bootstrap *flagcx_mesh_bootstrap_t;
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_init(flagcx_mesh_bootstrap_t *boot, int nranks,
                                                                 const flagcx_mesh_unique_id_t *id, int rank,
                                                                 double timeout_s);
-/* Fills ops for boot; valid while boot lives. */
+/* Fills ops for boot; valid while boot lives. Only the fields of the 0.2 layout are
+ * written, and ops->size is set to FLAGCX_MESH_BOOTSTRAP_OPS_SIZE_V1 (no abort hook: this
+ * bootstrap's calls have deadlines of their own), so a 0.2 caller's smaller struct is safe. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_get_ops(flagcx_mesh_bootstrap_t boot,
                                                                    flagcx_mesh_bootstrap_ops_t *ops);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_destroy(flagcx_mesh_bootstrap_t boot);

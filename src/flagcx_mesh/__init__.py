@@ -23,7 +23,7 @@ from ._paths import get_include, get_library, get_library_dir
 from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id
 from .window import SignalWindow, Window
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 __all__ = [
     "Mesh",
