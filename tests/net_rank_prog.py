@@ -20,6 +20,8 @@ def main() -> int:
         dies = rank == die_rank
         res = build_trial(boot, builder, timeout=timeout, mode="ib-strict", bootstrap=bootstrap,
                           fail_call="connect" if dies else "", fail_after=0, fail_exits=dies)
+        # The dying rank exits inside its build: reaching here means the fault never fired.
+        assert not dies, f"rank {rank} was to exit at its first connect but its build returned {res}"
         print(json.dumps(res), flush=True)
     finally:
         boot.close()
