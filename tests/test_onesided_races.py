@@ -362,6 +362,22 @@ def check_held():
         time.sleep(0.05)
     raise AssertionError("precondition: the request was read although reading should be paused")
 
+def issue_unread(mesh, peer, op):
+    # `peer` stops reading this rank's connection (a 2 MiB message it does not receive, with
+    # max_unreceived=1 MiB there), then op() goes out on it and stays unread; pairs with
+    # wait_until_unread() on the peer
+    mesh.send(peer, b"x" * (2 << 20))
+    mesh.barrier(timeout=30)
+    op()
+    mesh.barrier(timeout=30)
+
+def wait_until_unread(mesh):
+    # the other side of issue_unread(): returns once the op sits unread on the paused connection
+    hold_reading(mesh)
+    mesh.barrier(timeout=30)
+    mesh.barrier(timeout=30)
+    check_held()
+
 def frame(ftype, body):
     return struct.pack("<IHHQ", 0x464D5846, ftype, 0, len(body)) + body
 """
@@ -372,10 +388,7 @@ r = m.rank
 W = m.register_window(np.full(1 << 20, 5 + r, np.uint8))
 L = m.register_window(np.zeros(1 << 20, np.uint8))
 if r == 0:
-    m.send(1, b"x" * (2 << 20))  # rank 1 never receives it: it stops reading this connection
-    m.barrier(timeout=30)
-    m.get(1, W, 0, L, 0, 1 << 20)  # so this request stays unanswered
-    m.barrier(timeout=30)
+    issue_unread(m, 1, lambda: m.get(1, W, 0, L, 0, 1 << 20))  # rank 1 never receives its message: unanswered
     share_ports(m)  # (rank 1 looks up its connection)
     m.barrier(timeout=30)  # rank 1 has sent its ack
     try:
@@ -386,10 +399,7 @@ if r == 0:
         print(f"VERDICT PeerLost: {e}", flush=True)
     m.barrier(timeout=30)
 else:
-    hold_reading(m)
-    m.barrier(timeout=30)
-    m.barrier(timeout=30)
-    check_held()
+    wait_until_unread(m)
     forge(m, 0, frame(6, struct.pack("<Q", 1)))  # kAck: "1 op applied" (rank 0 issued no put)
     m.barrier(timeout=30)
     m.barrier(timeout=30)
@@ -430,10 +440,7 @@ r = m.rank
 W = m.register_window(np.zeros(4096, np.uint8))
 S = m.signal_window(1)
 if r == 0:
-    m.send(1, b"x" * (2 << 20))  # rank 1 does not receive it yet: it stops reading this connection
-    m.barrier(timeout=30)
-    m.put_signal(1, W, 0, W, 0, 4096, 0, 1, signal_window=S)  # unread until rank 1 receives
-    m.barrier(timeout=30)
+    issue_unread(m, 1, lambda: m.put_signal(1, W, 0, W, 0, 4096, 0, 1, signal_window=S))  # unread until rank 1 receives
     share_ports(m)
     m.barrier(timeout=30)  # rank 1 has refused it
     try:
@@ -443,10 +450,7 @@ if r == 0:
         print(f"VERDICT {type(e).__name__}: {e}", flush=True)
     m.barrier(timeout=30)
 else:
-    hold_reading(m)
-    m.barrier(timeout=30)
-    m.barrier(timeout=30)
-    check_held()
+    wait_until_unread(m)
     why = b"a put of 4096 bytes to window #0: refused on purpose"
     forge(m, 0, frame(8, struct.pack("<Q", 1) + why) + frame(6, struct.pack("<Q", 1)))
     m.barrier(timeout=30)
@@ -462,10 +466,7 @@ r = m.rank
 W = m.register_window(np.full(4096, 10 + r, np.uint8))
 L = m.register_window(np.zeros(4096, np.uint8))
 if r == 0:
-    m.send(1, b"x" * (2 << 20))  # rank 1 does not receive it yet: it stops reading this connection
-    m.barrier(timeout=30)
-    m.get(1, W, 0, L, 0, 4096)  # request #1 to rank 1, unanswered for now
-    m.barrier(timeout=30)
+    issue_unread(m, 1, lambda: m.get(1, W, 0, L, 0, 4096))  # request #1 to rank 1, unanswered for now
     share_ports(m)
     m.barrier(timeout=30)  # rank 2 has answered request #1 in rank 1's place
     verdict = "rank 2 was not lost"
@@ -484,10 +485,7 @@ if r == 0:
     print(f"VERDICT3 {int(np.count_nonzero(got == 11))} of 4096 bytes from rank 1", flush=True)
     m.barrier(timeout=30)
 elif r == 1:
-    hold_reading(m)
-    m.barrier(timeout=30)
-    m.barrier(timeout=30)
-    check_held()
+    wait_until_unread(m)
     share_ports(m)
     m.barrier(timeout=30)
     m.barrier(timeout=30)

@@ -159,17 +159,11 @@ def close_once():
         return f"{type(e).__name__}: {e}"
 
 if r == 0:
-    m.send(1, b"x" * (2 << 20))  # rank 1 does not receive it yet: it stops reading this connection
-    m.barrier(timeout=30)
-    m.put(1, W, 0, W, 0, 4096)  # unread, so never acked, until rank 1 receives
-    m.barrier(timeout=30)
+    issue_unread(m, 1, lambda: m.put(1, W, 0, W, 0, 4096))  # unread, so never acked, until rank 1 receives
     print(f"VERDICT0 {close_once()}", flush=True)
     m.barrier(timeout=30)
 else:
-    hold_reading(m)
-    m.barrier(timeout=30)
-    m.barrier(timeout=30)
-    check_held()
+    wait_until_unread(m)
     print(f"VERDICT1 {close_once()}", flush=True)
     m.recv(0, timeout=30)  # now the put lands and is acked
     m.barrier(timeout=30)
