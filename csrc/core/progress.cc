@@ -159,6 +159,22 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
+void Engine::post_put_owned(int peer, int ctx, std::vector<uint8_t> bytes, uint32_t dst_win, uint64_t dst_off,
+                            const SignalSpec& sig) {
+  wire::PutHeader h;
+  h.dst_win = dst_win;
+  h.dst_off = dst_off;
+  if (sig.on) {
+    h.flags = wire::kPutHasSignal | (sig.set ? wire::kPutSignalSet : 0);
+    h.sig_win = sig.win;
+    h.sig_slot = sig.slot;
+    h.sig_val = sig.value;
+  }
+  OutItem it{frame(FrameType::kPut, &h, bytes.size()), nullptr, 0, 0, 0};
+  it.head.insert(it.head.end(), bytes.begin(), bytes.end());
+  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
+}
+
 void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
                       uint64_t len) {
   wire::GetHeader g;
@@ -222,6 +238,15 @@ void Engine::issued(int peer, int ctx, PathKind kind) {
   ++outstanding_[slot(peer, ctx)];
   in_flight_kind_[slot(peer, ctx)] = kind;
   issued_[peer].fetch_add(1);
+  stream_ops_.fetch_add(1);
+}
+
+bool Engine::wait_stream_ops(const Deadline& deadline) const {
+  while (stream_ops_.load() > 0) {
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
+  return true;
 }
 
 void Engine::completed(int peer, int ctx, const std::string& error) {
@@ -230,6 +255,7 @@ void Engine::completed(int peer, int ctx, const std::string& error) {
     if (refused_[peer].empty()) refused_[peer] = "an op to peer " + std::to_string(peer) + " failed: " + error;
   }
   complete(peer, ctx, 1);
+  stream_ops_.fetch_sub(1);
 }
 
 void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline) {

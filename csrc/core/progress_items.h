@@ -28,6 +28,8 @@ struct Engine::InConn {
   wire::PutHeader put;
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
+  std::vector<uint8_t> stage;  // a put into a device window lands here first
+  Window* device_dst = nullptr;  // ... then is copied into this window at dst_off
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
@@ -38,6 +40,8 @@ struct Engine::InConn {
     got = 0;
     need = wire::kFrameHeaderSize;
     dst = nullptr;
+    device_dst = nullptr;
+    stage = {};
     if (entered) entered->leave();
     entered = nullptr;
     refused.clear();
