@@ -376,3 +376,66 @@ def test_failed_init_leaves_the_driver_uninitialised():
         print(lib.cuDeviceGetCount(C.byref(C.c_int())))
     """, extra=F.env(fail={"cuInit": 100}))
     assert out == [str(F.NO_DEVICE), str(F.NOT_INITIALIZED)]
+
+
+@pytest.mark.timeout(60)
+def test_destroy_returns_at_once_and_the_queued_work_still_runs(cu):
+    slot, addr = host_slot()
+    cu.host_register(addr, 8)
+    s = cu.stream()
+    done = threading.Event()
+    cu.wait_value64(s, addr, 1)
+    cu.launch_host_func(s, done.set)
+    cu.stream_destroy(s)  # as the driver's: does not wait for the pending wait
+    assert not done.is_set()
+    assert cu.rc("cuStreamSynchronize", s) == F.INVALID_HANDLE
+    slot[0] = 1
+    assert done.wait(30)
+    cu.host_unregister(addr)
+
+
+# ----------------------------------------------------------------------------- hygiene
+
+def open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.timeout(60)
+def test_no_descriptor_is_left_behind(cu):
+    g = cu.granularity()
+    for _ in range(2):  # the first round may open what stays (the NULL stream's thread)
+        before = open_fds()
+        bufs = [F.DeviceBuffer(4096) for _ in range(5)]
+        for b in bufs:
+            b.free()
+        h = cu.mem_create(g)
+        fd = cu.export_fd(h)
+        h2 = cu.import_fd(fd)
+        os.close(fd)
+        p = cu.map(h2, g)
+        cu.unmap(p, g)
+        cu.call("cuMemRelease", h2)
+        cu.call("cuMemRelease", h)
+        s = cu.stream()
+        cu.synchronize(s)
+        cu.stream_destroy(s)
+    assert open_fds() == before
+
+
+@pytest.mark.timeout(120)
+def test_threads_copying_through_their_own_streams(cu):
+    def body(rank):
+        s = cu.stream()
+        dev = cu.alloc(1 << 16)
+        src = C.create_string_buffer(bytes([rank]) * (1 << 16), 1 << 16)
+        dst = C.create_string_buffer(1 << 16)
+        for _ in range(20):
+            cu.memcpy_async(dev, C.addressof(src), 1 << 16, s)
+            cu.memcpy_async(C.addressof(dst), dev, 1 << 16, s)
+        cu.synchronize(s)
+        cu.stream_destroy(s)
+        cu.free(dev)
+        return dst.raw == bytes([rank]) * (1 << 16)
+
+    from meshutil import run_threads
+    assert run_threads(6, body, timeout=100) == [True] * 6

@@ -1,13 +1,16 @@
 // Streams and events. Each stream is a FIFO of operations served by a thread
 // of its own; the legacy NULL stream is one more such stream, ordered with
 // every blocking stream as the real one is. An operation's error becomes the
-// stream's sticky error, returned by cuStreamSynchronize.
+// stream's sticky error, returned by cuStreamSynchronize. cuStreamDestroy
+// returns at once, as the driver's does: the thread finishes the queued work
+// (a pending wait included) and then frees the stream.
 #include <unistd.h>
 
 #include <algorithm>
 #include <condition_variable>
 #include <deque>
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <set>
@@ -32,13 +35,17 @@ struct Event {  // what a CUevent points at
   EventPtr state = std::make_shared<EventState>();
 };
 
+struct Stream;
+using StreamPtr = std::shared_ptr<Stream>;
+
 struct Stream {
-  explicit Stream(bool b) : blocking(b), worker([this] { serve(); }) {}
+  explicit Stream(bool b) : blocking(b) {}
+  static StreamPtr start(bool blocking);
   void serve();
   void push(Op op);
   bool idle();
   CUresult synchronize();
-  void stop_and_join();
+  void stop();
 
   std::mutex mu;
   std::condition_variable cv;
@@ -47,8 +54,15 @@ struct Stream {
   bool stopping = false;
   CUresult sticky = kSuccess;
   const bool blocking;
-  std::thread worker;  // last: starts once the rest is built
+  std::thread worker;
 };
+
+// The thread holds the stream until it has drained it after stop().
+StreamPtr Stream::start(bool blocking) {
+  StreamPtr s = std::make_shared<Stream>(blocking);
+  s->worker = std::thread([s] { s->serve(); });
+  return s;
+}
 
 void Stream::serve() {
   std::unique_lock<std::mutex> lk(mu);
@@ -85,20 +99,18 @@ CUresult Stream::synchronize() {
   return sticky;
 }
 
-void Stream::stop_and_join() {
-  {
-    std::lock_guard<std::mutex> g(mu);
-    stopping = true;
-    cv.notify_all();
-  }
-  worker.join();
+void Stream::stop() {
+  worker.detach();
+  std::lock_guard<std::mutex> g(mu);
+  stopping = true;
+  cv.notify_all();
 }
 
 struct Registry {
   std::mutex mu;
-  std::set<Stream*> streams;
+  std::map<Stream*, StreamPtr> streams;  // by handle
   std::set<Event*> events;
-  Stream* null_stream = nullptr;
+  StreamPtr null_stream;
 };
 
 Registry& registry() {
@@ -111,15 +123,15 @@ bool is_null_stream(void* s) {  // 0, CU_STREAM_LEGACY, CU_STREAM_PER_THREAD
 }
 
 // The stream a CUstream names, or nullptr for an unknown handle.
-Stream* find_stream(void* s) {
+StreamPtr find_stream(void* s) {
   Registry& reg = registry();
   std::lock_guard<std::mutex> g(reg.mu);
   if (is_null_stream(s)) {
-    if (!reg.null_stream) reg.null_stream = new Stream(true);
+    if (!reg.null_stream) reg.null_stream = Stream::start(true);
     return reg.null_stream;
   }
-  Stream* st = static_cast<Stream*>(s);
-  return reg.streams.count(st) ? st : nullptr;
+  auto it = reg.streams.find(static_cast<Stream*>(s));
+  return it == reg.streams.end() ? nullptr : it->second;
 }
 
 EventPtr find_event(void* e) {
@@ -158,12 +170,12 @@ void order_after(Stream* waiter, Stream* on) {
 // Queues op on s, after what the legacy NULL stream semantics put before it.
 void enqueue(Stream* s, Op op) {
   Registry& reg = registry();
-  std::lock_guard<std::mutex> g(reg.mu);  // no stream is destroyed meanwhile
-  if (s == reg.null_stream) {
-    for (Stream* b : reg.streams)
-      if (b->blocking) order_after(s, b);
+  std::lock_guard<std::mutex> g(reg.mu);
+  if (s == reg.null_stream.get()) {
+    for (auto& b : reg.streams)
+      if (b.second->blocking) order_after(s, b.second.get());
   } else if (s->blocking && reg.null_stream) {
-    order_after(s, reg.null_stream);
+    order_after(s, reg.null_stream.get());
   }
   s->push(std::move(op));
 }
@@ -206,14 +218,14 @@ Op copy_op(CUdeviceptr dst, CUdeviceptr src, size_t n) {
 }  // namespace
 
 void synchronize_all_streams() {
-  std::vector<Stream*> all;
+  std::vector<StreamPtr> all;
   {
     Registry& reg = registry();
     std::lock_guard<std::mutex> g(reg.mu);
-    all.assign(reg.streams.begin(), reg.streams.end());
+    for (auto& s : reg.streams) all.push_back(s.second);
     if (reg.null_stream) all.push_back(reg.null_stream);
   }
-  for (Stream* s : all) s->synchronize();
+  for (StreamPtr& s : all) s->synchronize();
 }
 
 }  // namespace fakecuda
@@ -223,31 +235,34 @@ using namespace fakecuda;
 // A stream argument: unknown handles are invalid, the NULL stream needs a current context.
 #define FAKE_STREAM(var, handle)                                          \
   if (is_null_stream(handle)) FAKE_NEED_CONTEXT();                        \
-  Stream* var = find_stream(handle);                                      \
+  StreamPtr var##_ptr = find_stream(handle);                              \
+  Stream* var = var##_ptr.get();                                          \
   if (!var) return kInvalidHandle
 
 FAKE_API CUresult cuStreamCreate(void** out, unsigned flags) {
   FAKE_ENTER("cuStreamCreate");
   FAKE_NEED_CONTEXT();
   if (!out || (flags & ~1u)) return kInvalidValue;
-  Stream* s = new Stream((flags & 1u) == 0);  // CU_STREAM_NON_BLOCKING = 1
+  StreamPtr s = Stream::start((flags & 1u) == 0);  // CU_STREAM_NON_BLOCKING = 1
   Registry& reg = registry();
   std::lock_guard<std::mutex> g(reg.mu);
-  reg.streams.insert(s);
-  *out = s;
+  reg.streams[s.get()] = s;
+  *out = s.get();
   return kSuccess;
 }
 
 FAKE_API CUresult cuStreamDestroy_v2(void* handle) {
   FAKE_ENTER("cuStreamDestroy");
-  Stream* s = static_cast<Stream*>(handle);
+  StreamPtr s;
   {
     Registry& reg = registry();
     std::lock_guard<std::mutex> g(reg.mu);
-    if (is_null_stream(handle) || reg.streams.erase(s) == 0) return kInvalidHandle;
+    auto it = reg.streams.find(static_cast<Stream*>(handle));
+    if (is_null_stream(handle) || it == reg.streams.end()) return kInvalidHandle;
+    s = it->second;
+    reg.streams.erase(it);
   }
-  s->stop_and_join();  // drains first
-  delete s;
+  s->stop();  // its thread drains it, then lets it go
   return kSuccess;
 }
 
