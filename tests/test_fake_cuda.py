@@ -439,3 +439,14 @@ def test_threads_copying_through_their_own_streams(cu):
 
     from meshutil import run_threads
     assert run_threads(6, body, timeout=100) == [True] * 6
+
+
+@pytest.mark.timeout(60)
+def test_a_forked_child_cannot_use_the_parents_driver(cu):
+    cu.synchronize(None)  # the NULL stream's thread exists in this process, not in a child
+    pid = os.fork()
+    if pid == 0:  # the child: exits with the code of a call that needs the driver
+        code = cu.lib.cuStreamSynchronize(None)
+        os._exit(code if code < 256 else 255)
+    _, status = os.waitpid(pid, 0)
+    assert os.WEXITSTATUS(status) == F.NOT_INITIALIZED

@@ -1,4 +1,6 @@
 // Initialisation, devices, primary contexts, error names, fault injection.
+#include <pthread.h>
+
 #include <atomic>
 #include <cstdlib>
 #include <cstring>
@@ -25,6 +27,7 @@ struct State {
   size_t granularity = kDefaultGranularity;
   bool no_stream_memops = false;
   bool environment_read = false;
+  bool forked = false;  // a child forked after cuInit: its streams' threads are gone
   std::map<std::string, CUresult> failures;
   Context contexts[kMaxDevices];
 };
@@ -35,6 +38,16 @@ State& state() {
 }
 
 thread_local Context* current_context = nullptr;
+
+// As with the real driver, a child forked from an initialised process cannot
+// use it: every call answers CUDA_ERROR_NOT_INITIALIZED instead of waiting
+// on stream threads that do not exist in the child.
+void forked_child() {
+  State& s = state();
+  if (!s.initialized.load()) return;
+  s.forked = true;
+  s.initialized.store(false);
+}
 
 std::string base_name(std::string name) {
   if (name.size() > 3 && name.compare(name.size() - 3, 3, "_v2") == 0) name.resize(name.size() - 3);
@@ -146,7 +159,9 @@ FAKE_API CUresult cuInit(unsigned flags) {
   std::lock_guard<std::mutex> g(s.mu);
   if (flags != 0) return kInvalidValue;
   if (s.initialized.load()) return kSuccess;
+  if (s.forked) return kNotInitialized;
   if (!s.environment_read) {
+    pthread_atfork(nullptr, nullptr, forked_child);
     if (CUresult r = read_environment(s)) return r;
     s.environment_read = true;
   }
