@@ -75,6 +75,25 @@ class FakeDevice:
         buf.write(0, bytes(n))
         return buf
 
+    def multimap_buffer(self, n: int) -> FakeBuf:
+        """Device memory backed by two cuMem mappings back to back, as an expandable-segments
+        tensor is: each mapping must be exported on its own."""
+        import ctypes
+        import fakecuda
+
+        g = self.cu.granularity()
+        half = (n // 2 + g - 1) // g * g
+        ptr = fakecuda.CUdeviceptr()
+        self.cu.call("cuMemAddressReserve", ctypes.byref(ptr), 2 * half, 0, 0, 0)
+        desc = fakecuda.MemAccessDesc(fakecuda.MemLocation(1, 0), 3)
+        for i in range(2):
+            h = self.cu.mem_create(half)
+            self.cu.call("cuMemMap", ptr.value + i * half, half, 0, h, 0)
+            self.cu.call("cuMemSetAccess", ptr.value + i * half, half, ctypes.byref(desc), 1)
+        buf = FakeBuf(self.cu, ptr.value, n)
+        buf.write(0, bytes(n))
+        return buf
+
     def window_bytes(self, win) -> FakeBuf:
         return FakeBuf(self.cu, win._address, win.size, owner=win)
 
@@ -121,6 +140,9 @@ class TorchDevice:
     def buffer(self, n: int) -> TorchBuf:
         return TorchBuf(self.torch.zeros(n, dtype=self.torch.uint8, device="cuda"))
 
+    def multimap_buffer(self, n: int) -> TorchBuf:
+        return self.buffer(n)  # run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
     def window_bytes(self, win) -> TorchBuf:
         return TorchBuf(self.torch.as_tensor(win, device="cuda"))
 
@@ -164,7 +186,8 @@ def scenario_integrity(mesh: Mesh, dev, args) -> None:
     n, r = mesh.nranks, mesh.rank
     region = N // n
     src = mesh.alloc_window(N, device=0)  # cuMem
-    user = dev.buffer(N + 4096 * r)  # sizes differ per rank
+    size = N + 4096 * r  # sizes differ per rank
+    user = dev.multimap_buffer(size) if args.user == "multimap" else dev.buffer(size)
     dst = mesh.register_window(user)
     if args.expect_alloc:
         check_paths(mesh, src, args.expect_alloc, "alloc")
@@ -307,6 +330,8 @@ def main() -> int:
     ap.add_argument("--expect-alloc", default="")
     ap.add_argument("--expect-user", default="")
     ap.add_argument("--ops", type=int, default=40)
+    ap.add_argument("--user", choices=("default", "multimap"), default="default",
+                    help="the user window: one allocation, or two cuMem mappings (expandable segments)")
     ap.add_argument("--rounds", type=int, default=50)
     args = ap.parse_args()
     SCENARIO = args.scenario
