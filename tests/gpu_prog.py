@@ -17,6 +17,7 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
     bad_input    out-of-range ops on device windows and device-to-host-window ops are refused
                  and write nothing; a bad stream is a TypeError
     peer_death   rank 1 dies while rank 0 streams puts to it: flush fails with PeerLost naming it
+    compat       compat's one_side_register of device buffers, put_signal / wait_signal on streams
 """
 
 from __future__ import annotations
@@ -97,8 +98,8 @@ class FakeDevice:
     def window_bytes(self, win) -> FakeBuf:
         return FakeBuf(self.cu, win._address, win.size, owner=win)
 
-    def stream(self):
-        return self.cu.stream()
+    def stream(self, legacy: bool = False):
+        return 0 if legacy else self.cu.stream()
 
     def sync(self, s) -> None:
         self.cu.synchronize(s)
@@ -146,8 +147,9 @@ class TorchDevice:
     def window_bytes(self, win) -> TorchBuf:
         return TorchBuf(self.torch.as_tensor(win, device="cuda"))
 
-    def stream(self):
-        return self.torch.cuda.Stream()
+    def stream(self, legacy: bool = False):
+        # torch's current stream is the legacy default stream (handle 0) unless told otherwise
+        return self.torch.cuda.default_stream() if legacy else self.torch.cuda.Stream()
 
     def sync(self, s) -> None:
         s.synchronize()
@@ -232,7 +234,7 @@ def scenario_stream(mesh: Mesh, dev, args) -> None:
     sig = mesh.signal_window(4)
     src = mesh.alloc_window(chunk * rounds, device=0)
     dst = mesh.alloc_window(chunk * rounds, device=0)
-    stream = dev.stream()
+    stream = dev.stream(legacy=args.legacy_stream)
     if mesh.rank == 0:
         srcb = dev.window_bytes(src)
         for k in range(rounds):
@@ -318,7 +320,30 @@ def scenario_peer_death(mesh: Mesh, dev, args) -> None:
     raise Fail("no PeerLost within 30 s of rank 1's death")
 
 
-SCENARIOS = {"integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
+def scenario_compat(mesh: Mesh, dev, args) -> None:
+    """FlagCX's shape: device tensors registered, put_signal and wait_signal on streams."""
+    from flagcx_mesh import compat as fc
+
+    comm = fc.Comm(mesh, timeout=60)
+    n, r = mesh.nranks, mesh.rank
+    src, dst = dev.buffer(1 << 20), dev.buffer(n << 20)
+    s_idx, d_idx = comm.one_side_register(src), comm.one_side_register(dst)
+    comm.signal_register(8 * n)
+    src.write(0, pattern(100 + r, 1 << 20))
+    mesh.barrier(timeout=60)
+    stream = dev.stream()
+    for peer in range(n):
+        comm.put_signal(peer, 0, r << 20, 1 << 20, 8 * r, s_idx, d_idx, 1, stream)
+    for peer in range(n):
+        comm.wait_signal(peer, 8 * peer, 1, stream)
+    dev.sync(stream)
+    for peer in range(n):
+        check(dst.read(peer << 20, 1 << 20) == pattern(100 + peer, 1 << 20), f"compat: bytes from rank {peer}")
+    comm.flush(timeout=60)
+    mesh.barrier(timeout=60)
+
+
+SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
              "peer_death": scenario_peer_death}
 
 
@@ -333,6 +358,7 @@ def main() -> int:
     ap.add_argument("--user", choices=("default", "multimap"), default="default",
                     help="the user window: one allocation, or two cuMem mappings (expandable segments)")
     ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--legacy-stream", action="store_true", help="stream: use the legacy default stream (0)")
     args = ap.parse_args()
     SCENARIO = args.scenario
     dev = FakeDevice() if args.device == "fake" else TorchDevice()

@@ -85,6 +85,22 @@ def test_without_stream_memory_operations_the_wait_falls_back_to_the_host_and_sa
     assert "waits on the host: the driver has no stream memory operations" in p.stdout + p.stderr
 
 
+def test_the_legacy_default_stream_works_for_stream_waits_and_puts():
+    run_job(2, "stream", "--rounds", "30", "--legacy-stream")
+
+
+def test_compat_across_processes_registers_device_buffers_and_orders_on_streams():
+    run_job(3, "compat")
+
+
+def test_selftest_checks_device_windows():
+    p = subprocess.run([PY, "-m", "flagcx_mesh.selftest", "-n", "3", "--iterations", "2", "--device", "cuda:0"],
+                       env=fake_env(), cwd=HERE, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "device windows on cuda:0: every byte checked" in p.stdout
+    assert "peer 1 cuda-vmm, peer 2 cuda-vmm" in p.stdout, p.stdout
+
+
 def test_bad_input_on_device_windows_is_refused_and_writes_nothing():
     run_job(2, "bad_input")
 
