@@ -272,6 +272,10 @@ std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, int my
 PeerMapping::~PeerMapping() {
   const Driver* d = driver();
   if (d == nullptr) return;
+  try {
+    use_device(ordinal_);
+  } catch (const Error&) {  // unmapping below needs no context; closing an IPC handle may
+  }
   if (ipc_base_ != 0) {
     IpcTable& t = ipc_table();
     std::lock_guard<std::mutex> lock(t.mu);

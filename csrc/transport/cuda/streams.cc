@@ -35,7 +35,9 @@ CUstream library_stream(int ordinal) {
   if (it != streams.end()) return it->second;
   use_device(ordinal);
   CUstream s = nullptr;
-  check(driver()->cuStreamCreate(&s, 0), "cuStreamCreate on device " + std::to_string(ordinal));
+  // Non-blocking: it never waits for the legacy default stream's work (a user's pending
+  // stream wait there must not hold up the progress thread's staged copies).
+  check(driver()->cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate on device " + std::to_string(ordinal));
   streams.emplace(ordinal, s);
   return s;
 }

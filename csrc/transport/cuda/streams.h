@@ -34,8 +34,9 @@ class StreamFence {
   bool armed_ = false;
 };
 
-// The library's stream on `ordinal` (a blocking stream: it follows the legacy
-// default stream's earlier work, which torch uses unless told otherwise).
+// The library's stream on `ordinal`, for ops without a stream of their own. It
+// does not wait for other streams: an op without a stream reads the memory as
+// it is when called (synchronize the stream that wrote it first).
 CUstream library_stream(int ordinal);
 
 // Copies n bytes between any two addresses the driver knows (device, host) on
