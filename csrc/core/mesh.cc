@@ -305,6 +305,7 @@ void Mesh::flush(int peer, double timeout_s) {
 
 uint64_t Mesh::read_counter() {
   FXM_OPEN("read_counter");
+  engine_->poll_probes();
   return engine_->completed();
 }
 

@@ -486,12 +486,9 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
     cuda::check(cuda::need_driver("an op with a stream").cuStreamSynchronize(a.stream), "waiting for the op's stream");
     op.stream_set = false;
   }
-  if (a.sig.on && op.stream_set && is_device_path(p->kind())) {
-    const PeerView& sv = windows_->find(a.sig.win)->peers[a.peer];
-    op.sig_slots = sv.path->slots();  // applied from the stream; else the signal follows below
-    if (op.sig_slots.values == nullptr) op.sig = nullptr;
-  } else if (is_device_path(p->kind())) {
-    op.sig = nullptr;  // synchronous: the signal follows below, through its own path
+  if (is_device_path(p->kind()) && op.sig != nullptr) {
+    op.sig_slots = windows_->find(a.sig.win)->peers[a.peer].path->slots();  // applied from the stream
+    if (op.sig_slots.values == nullptr) op.sig = nullptr;  // else it follows below, through its own path
   }
   if (p->synchronous_for(op)) {
     int err = is_get ? p->get(op) : p->put(op);
@@ -521,6 +518,7 @@ void OneSided::put(const PutArgs& in) {
   const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  engine_->poll_probes();  // device ops done by now no longer hold this one up
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
   bool signal_done = false;  // it travels with the data (tcp, staged, or from the stream)
@@ -542,6 +540,7 @@ void OneSided::get(const PutArgs& a) {
   OpWindows ow;
   validate(a, "get", true, &ow);
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  engine_->poll_probes();
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone
   bool unused = false;
@@ -558,11 +557,9 @@ bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view) {
     cuda::check(d.cuStreamSynchronize(a.stream), "signal: waiting for its stream");
     return false;
   }
-  cuda::StreamFence* fence = fences_[a.peer * ncontexts_ + a.ctx].get();
-  fence->before(a.stream);
+  fences_[a.peer * ncontexts_ + a.ctx]->before(a.stream);  // after the pair's earlier device ops
   engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
   cuda::complete_on_stream(a.stream, engine_, a.peer, a.ctx, &a.sig, slots, rank_);
-  fence->after(a.stream);
   return true;
 }
 

@@ -43,9 +43,12 @@ class Engine : public Outbox {
                 uint64_t dst_off, const SignalSpec& sig) override;
   void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len) override;
   void issued(int peer, int ctx, PathKind kind) override;
+  void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) override;
+  // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
+  bool poll_probes();  // true when some completed
   // Ops counted by issued() and not completed yet (queued on CUDA streams).
   int64_t stream_ops_pending() const { return stream_ops_.load(); }
-  bool wait_stream_ops(const Deadline& deadline) const;  // false: some remain at the deadline
+  bool wait_stream_ops(const Deadline& deadline);  // false: some remain at the deadline
   void completed(int peer, int ctx, const std::string& error) override;
   // True while ops to (peer, ctx) are in flight on an asynchronous path
   // (*kind: which); a later op to that pair must then take that path too, or
@@ -53,7 +56,8 @@ class Engine : public Outbox {
   // was lost or closed its mesh.
   bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
-  void post_put_owned(int peer, int ctx, std::vector<uint8_t> bytes, uint32_t dst_win, uint64_t dst_off,
+  void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+                              uint64_t dst_off,
                       const SignalSpec& sig) override;
 
   // Two-sided messages. The message is copied into the queue; while more
@@ -177,6 +181,11 @@ class Engine : public Outbox {
   std::vector<std::atomic<uint64_t>> issued_, done_;  // per peer
   std::atomic<uint64_t> completed_all_{0};
   std::atomic<int64_t> stream_ops_{0};
+  std::mutex probe_mu_;  // after mu_, never while holding it
+  std::vector<std::deque<std::unique_ptr<CompletionProbe>>> probes_;  // per slot
+  std::atomic<int64_t> probes_pending_{0};
+  // How long a waiter sleeps between polls: short while probes are pending.
+  void wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline);
   // Threads in flush / wait_counter: while none, count_inline neither locks
   // mu_ nor notifies (each waiter counts itself before testing the counters).
   std::atomic<int> count_waiters_{0};

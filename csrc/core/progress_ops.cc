@@ -28,8 +28,12 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
       in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
                    std::to_string(w->size) + " bytes here)";
     } else if (w->kind == WindowKind::kDevice) {
-      in.stage.resize(payload);  // staged: through host memory
-      in.dst = in.stage.data();
+      if (in.stage_cap < payload) {  // staged: through host memory, the buffer kept for the next put
+        in.stage.reset(new uint8_t[payload]);
+        in.stage_cap = payload;
+      }
+      in.staged = payload;
+      in.dst = in.stage.get();
       in.device_dst = w;
     } else {
       in.dst = w->base + in.put.dst_off;
@@ -140,12 +144,12 @@ void Engine::on_put_done(int s, InConn& in) {
 // before its signal is applied and before it is acknowledged.
 std::string Engine::land_on_device(Window& w, InConn& in) {
   try {
-    cuda::copy_and_wait(w.device, w.base + in.put.dst_off, in.stage.data(), in.stage.size(),
+    cuda::copy_and_wait(w.device, w.base + in.put.dst_off, in.stage.get(), in.staged,
                         "landing a staged put in device window #" + std::to_string(w.index));
     return "";
   } catch (const Error& e) {
     FXM_WARN(rank_, e.what());
-    return std::string("a put of ") + std::to_string(in.stage.size()) + " bytes: " + e.what();
+    return std::string("a put of ") + std::to_string(in.staged) + " bytes: " + e.what();
   }
 }
 

@@ -75,6 +75,14 @@ struct SignalSpec {
   uint64_t value = 0;
 };
 
+// The completion of an asynchronous op that the engine polls (a CUDA event
+// recorded after a copy): done() is true once the op completed.
+class CompletionProbe {
+ public:
+  virtual ~CompletionProbe() = default;
+  virtual bool done() = 0;
+};
+
 // Frames and completions of asynchronous paths, implemented by the core's
 // progress engine. post_* count the op as issued to (peer, ctx); it completes
 // when the target acknowledges it (or answers the get).
@@ -91,8 +99,11 @@ class Outbox {
   // failure is reported by the next flush / wait_counter).
   virtual void issued(int peer, int ctx, PathKind kind) = 0;
   virtual void completed(int peer, int ctx, const std::string& error) = 0;
+  // Counts an op as issued; it completes when `probe` says so (polled in issue order per pair).
+  virtual void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) = 0;
   // A put whose payload the outbox owns (bytes staged out of device memory).
-  virtual void post_put_owned(int peer, int ctx, std::vector<uint8_t> bytes, uint32_t dst_win, uint64_t dst_off,
+  virtual void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+                              uint64_t dst_off,
                               const SignalSpec& sig) = 0;
   // Waits until the ops issued to (peer, ctx) completed (throws on loss or expiry).
   virtual void wait_idle(int peer, int ctx, const Deadline& deadline) = 0;

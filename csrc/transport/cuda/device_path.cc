@@ -13,19 +13,19 @@ int DevicePath::copy(const PathOp& op, void* dst, const void* src) {
   cuda::use_device(ordinal_);
   cuda::CUstream s = op.stream_set ? op.stream : cuda::library_stream(ordinal_);
   if (op.fence) op.fence->before(s);
-  if (op.stream_set) outbox_->issued(peer_, op.ctx, kind_);
   cuda::CUresult r = d.cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst), reinterpret_cast<cuda::CUdeviceptr>(src),
                                      op.len, s);
   if (r != cuda::kSuccess) {
-    std::string why = std::string("cuMemcpyAsync over ") + path_name(kind_) + ": " + cuda::result_text(r);
-    if (op.stream_set) outbox_->completed(peer_, op.ctx, why);
-    fail(Code::kSystem, peer_, 0, why);
+    fail(Code::kSystem, peer_, 0, std::string("cuMemcpyAsync over ") + path_name(kind_) + ": " + cuda::result_text(r));
   }
-  if (op.stream_set) {
+  cuda::SharedEvent after = cuda::record_event(ordinal_, s);
+  if (op.sig != nullptr && op.sig_slots.values != nullptr) {
+    outbox_->issued(peer_, op.ctx, kind_);
     cuda::complete_on_stream(s, outbox_, peer_, op.ctx, op.sig, op.sig_slots, op.src_rank);
+  } else {
+    outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, after));
   }
-  if (op.fence) op.fence->after(s);
-  if (!op.stream_set) cuda::check(d.cuStreamSynchronize(s), std::string("a copy over ") + path_name(kind_));
+  if (op.fence) op.fence->after(s, std::move(after));
   return 0;
 }
 
@@ -119,10 +119,10 @@ void wait_for_stream(const PathOp& op, const char* doing) {
 int StagedPath::put(const PathOp& op) {
   wait_for_stream(op, "a staged put");
   if (op.local_device < 0) return TcpPath::put(op);
-  std::vector<uint8_t> bytes(op.len);
-  cuda::copy_and_wait(op.local_device, bytes.data(), op.local, op.len, "staging a put's bytes to the host");
+  std::unique_ptr<uint8_t[]> bytes(new uint8_t[op.len]);
+  cuda::copy_and_wait(op.local_device, bytes.get(), op.local, op.len, "staging a put's bytes to the host");
   static const SignalSpec kNone;
-  outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), win_, op.remote_off, op.sig ? *op.sig : kNone);
+  outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
   return 0;
 }
 

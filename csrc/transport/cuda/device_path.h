@@ -1,9 +1,10 @@
 // Paths to a peer's device window. cuda-self (the window is in this process),
 // cuda-vmm (its cuMem mappings imported from fds passed over a unix socket)
 // and cuda-ipc (its allocation opened from a legacy IPC handle) map the
-// peer's memory here and copy with cuMemcpyAsync: synchronously on the
-// library's stream, or on the user's stream (then the op completes through
-// the Outbox when the stream reaches it, its signal applied from the stream).
+// peer's memory here and copy with cuMemcpyAsync on the user's stream or the
+// library's; the op completes through the Outbox when the stream gets there
+// (an event the engine polls, or, with a signal, a host function that applies
+// it first: there is no stream "add").
 // staged moves the bytes through host memory and the tcp path: the only one
 // across hosts; its ops with a stream first wait for that stream.
 #pragma once
@@ -22,8 +23,8 @@ class DevicePath : public Path {
              Outbox* outbox)
       : kind_(kind), peer_(peer), ordinal_(ordinal), remote_(remote), mapping_(std::move(m)), outbox_(outbox) {}
   PathKind kind() const override { return kind_; }
-  bool synchronous_for(const PathOp& op) const override { return !op.stream_set; }
-  bool carries_signal() const override { return true; }  // on a stream, with op.sig_slots
+  bool synchronous() const override { return false; }  // completes when its stream gets there
+  bool carries_signal() const override { return true; }  // from the stream, with op.sig_slots
   int put(const PathOp& op) override { return copy(op, remote_ + op.remote_off, op.local); }
   int get(const PathOp& op) override { return copy(op, op.local, remote_ + op.remote_off); }
   void release() override {

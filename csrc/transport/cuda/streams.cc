@@ -9,22 +9,73 @@
 
 namespace fxm::cuda {
 
-StreamFence::~StreamFence() {
-  const Driver* d = driver();
-  if (event_ != nullptr && d != nullptr) d->cuEventDestroy(event_);
+namespace {
+
+struct EventPool {
+  std::mutex mu;
+  std::map<int, std::vector<CUevent>> free;  // by device
+};
+EventPool& event_pool() {
+  static EventPool* p = new EventPool();  // never destroyed: events may be returned at exit
+  return *p;
+}
+
+}  // namespace
+
+SharedEvent pooled_event(int ordinal) {
+  EventPool& pool = event_pool();
+  CUevent e = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    std::vector<CUevent>& v = pool.free[ordinal];
+    if (!v.empty()) {
+      e = v.back();
+      v.pop_back();
+    }
+  }
+  if (e == nullptr) check(driver()->cuEventCreate(&e, kEventDisableTiming), "cuEventCreate");
+  return SharedEvent(e, [ordinal](void* ev) {
+    EventPool& p = event_pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.free[ordinal].push_back(ev);
+  });
+}
+
+SharedEvent record_event(int ordinal, CUstream s) {
+  SharedEvent e = pooled_event(ordinal);
+  check(driver()->cuEventRecord(e.get(), s), "cuEventRecord");
+  return e;
 }
 
 void StreamFence::before(CUstream s) {
-  if (!armed_ || last_ == s) return;
-  check(driver()->cuStreamWaitEvent(s, event_, 0), "cuStreamWaitEvent (ordering after the pair's previous op)");
+  if (!event_ || last_ == s) return;
+  check(driver()->cuStreamWaitEvent(s, event_.get(), 0), "cuStreamWaitEvent (ordering after the pair's previous op)");
 }
 
-void StreamFence::after(CUstream s) {
-  const Driver& d = *driver();
-  if (event_ == nullptr) check(d.cuEventCreate(&event_, kEventDisableTiming), "cuEventCreate");
-  check(d.cuEventRecord(event_, s), "cuEventRecord");
+void StreamFence::after(CUstream s, SharedEvent recorded) {
   last_ = s;
-  armed_ = true;
+  event_ = std::move(recorded);
+}
+
+namespace {
+
+class EventProbe : public CompletionProbe {
+ public:
+  EventProbe(int ordinal, SharedEvent e) : ordinal_(ordinal), event_(std::move(e)) {}
+  bool done() override {
+    use_device(ordinal_);
+    return driver()->cuEventQuery(event_.get()) != kErrNotReady;  // an error ends the wait too
+  }
+
+ private:
+  int ordinal_;
+  SharedEvent event_;
+};
+
+}  // namespace
+
+std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded) {
+  return std::make_unique<EventProbe>(ordinal, std::move(recorded));
 }
 
 CUstream library_stream(int ordinal) {

@@ -8,6 +8,7 @@
 #pragma once
 
 #include <cstdint>
+#include <memory>
 #include <mutex>
 #include <string>
 
@@ -19,20 +20,24 @@ namespace fxm::cuda {
 // Orders device ops of one (peer, context) across streams: an op on another
 // stream than the previous one waits for it on the device. Guarded by the
 // caller's per-pair lock.
+// A CUDA event from a per-device pool, back in the pool when the last holder lets go.
+using SharedEvent = std::shared_ptr<void>;
+SharedEvent pooled_event(int ordinal);
+// Records a pooled event on `s` (after the work queued so far).
+SharedEvent record_event(int ordinal, CUstream s);
+
 class StreamFence {
  public:
-  StreamFence() = default;
-  ~StreamFence();
-  StreamFence(const StreamFence&) = delete;
-  StreamFence& operator=(const StreamFence&) = delete;
   void before(CUstream s);  // s waits for the previous op when that was on another stream
-  void after(CUstream s);   // s carries the latest op
+  void after(CUstream s, SharedEvent recorded);  // the latest op was queued on s; `recorded` follows it
 
  private:
-  CUevent event_ = nullptr;
+  SharedEvent event_;
   CUstream last_ = nullptr;
-  bool armed_ = false;
 };
+
+// The completion of the work queued on a stream up to an event.
+std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded);
 
 // The library's stream on `ordinal`, for ops without a stream of their own. It
 // does not wait for other streams: an op without a stream reads the memory as

@@ -13,8 +13,9 @@ device-to-host plus host-to-device copy, and prints the ratios.
 
 Stream-wait latency: rank 1 queues ``wait_signal(stream=s)`` and an event on
 ``s``; rank 0 (after the stream is surely waiting) takes the time and
-signals; rank 1 spins on the event and takes the time when it completes
-(both clocks are CLOCK_MONOTONIC of one host). The median over ``--iters``
+signals; rank 1 waits for the event (cudaEventSynchronize) and takes the time
+when it completes (both clocks are CLOCK_MONOTONIC of one host), so the
+figure includes a Python call on each side. The median over ``--iters``
 is how long after a host-side signal the waiting stream passes.
 """
 
@@ -127,8 +128,7 @@ def stream_wait_latency(mesh, torch, iters: int) -> Optional[List[float]]:
             ev = torch.cuda.Event()
             ev.record(stream)
             mesh.signal(0, 1, signal_window=sig)  # "waiting now"
-            while not ev.query():
-                pass
+            ev.synchronize()  # the driver's wait for the event (spins), not a Python loop
             passed.append(time.perf_counter_ns())
         else:
             mesh.wait_signal(1, i, timeout=30, window=sig)
