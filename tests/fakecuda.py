@@ -312,8 +312,14 @@ class DeviceBuffer:
 
     def free(self) -> None:
         if self.ptr:
-            self.cuda.free(self.ptr)
-            self.ptr = 0
+            ptr, self.ptr = self.ptr, 0
+            self.cuda.free(ptr)
+
+    def __del__(self) -> None:  # like a CUDA tensor: freed when dropped (a window keeps it)
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __enter__(self) -> "DeviceBuffer":
         return self

@@ -456,3 +456,22 @@ def test_a_forked_child_cannot_use_the_parents_driver(cu):
         os._exit(code if code < 256 else 255)
     _, status = os.waitpid(pid, 0)
     assert os.WEXITSTATUS(status) == F.NOT_INITIALIZED
+
+
+def test_one_copy_spans_adjacent_mappings_of_one_reservation(cu):
+    """As in a torch expandable-segments tensor: one range, several mappings."""
+    g = cu.granularity()
+    reserved = C.c_ulonglong()
+    cu.call("cuMemAddressReserve", C.byref(reserved), 2 * g, 0, 0, 0)
+    base = reserved.value
+    handles = [cu.mem_create(g) for _ in range(2)]
+    for i, h in enumerate(handles):
+        cu.call("cuMemMap", base + i * g, g, 0, h, 0)
+        cu.call("cuMemRelease", h)
+    cu.call("cuMemSetAccess", base, 2 * g, C.byref(F.MemAccessDesc(F.MemLocation(1, 0), 3)), 1)
+    data = bytes(range(256)) * 16
+    cu.write(base + g - 2048, data)  # half in each mapping
+    assert cu.read(base + g - 2048, len(data)) == data
+    assert cu.attribute(base + g + 1, F.ATTR_MAPPING_BASE) == base + g
+    assert cu.address_range(base + g + 1) == (base + g, g)
+    cu.unmap(base, 2 * g)
