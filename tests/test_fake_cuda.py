@@ -99,8 +99,11 @@ def test_unregistered_host_memory_is_unknown_registered_is_host(cu):
     host = C.create_string_buffer(4096)
     addr = C.addressof(host)
     assert cu.rc("cuPointerGetAttribute", C.byref(C.c_ulonglong()), F.ATTR_MEMORY_TYPE, addr) == F.INVALID_VALUE
+    base, size = C.c_ulonglong(), C.c_size_t()
+    assert cu.rc("cuMemGetAddressRange_v2", C.byref(base), C.byref(size), addr) == F.NOT_FOUND  # as on the H200
     cu.host_register(addr, 4096)
     try:
+        assert cu.address_range(addr + 100) == (addr, 4096)  # as on the H200
         assert cu.attribute(addr + 100, F.ATTR_MEMORY_TYPE) == F.MEMORY_HOST
         dptr = C.c_ulonglong()
         cu.call("cuMemHostGetDevicePointer_v2", C.byref(dptr), addr, 0)
@@ -121,15 +124,23 @@ def test_cpu_read_of_a_device_address_dies_with_sigsegv():
     assert p.returncode == -signal.SIGSEGV or "SEGV" in p.stderr, p.stderr
 
 
-def test_no_current_context_is_invalid_context(cu):
-    got = []
+def test_no_current_context_is_invalid_context_where_the_h200_says_so(cu):
+    dev = cu.alloc(64)
+    got = {}
 
     def body():  # a thread that never made a context current
-        got.append(cu.lib.cuMemAlloc_v2(C.byref(C.c_ulonglong()), 64))
+        L = cu.lib
+        got["alloc"] = L.cuMemAlloc_v2(C.byref(C.c_ulonglong()), 64)
+        got["range"] = L.cuMemGetAddressRange_v2(C.byref(C.c_ulonglong()), C.byref(C.c_size_t()), dev)
+        got["ipc"] = L.cuIpcGetMemHandle(C.byref(F.IpcMemHandle()), dev)
+        got["attribute"] = L.cuPointerGetAttribute(C.byref(C.c_ulonglong()), F.ATTR_MEMORY_TYPE, dev)
+        got["free interior"] = L.cuMemFree_v2(dev + 7)
     t = threading.Thread(target=body)
     t.start()
     t.join(30)
-    assert got == [F.INVALID_CONTEXT]
+    assert got == {"alloc": F.INVALID_CONTEXT, "range": F.INVALID_CONTEXT, "ipc": F.INVALID_CONTEXT,
+                   "attribute": F.SUCCESS, "free interior": F.INVALID_VALUE}
+    cu.free(dev)
 
 
 # ----------------------------------------------------------------------------- legacy IPC
@@ -202,8 +213,10 @@ def test_vmm_attributes_and_retained_handle(cu):
     h = cu.mem_create(g)
     at = reserved.value + g
     cu.call("cuMemMap", at, g, 0, h, 0)
-    # no access granted yet: a copy into it is refused
+    # no access granted yet: a copy into it is refused, the range unknown (as on the H200)
     assert cu.rc("cuMemcpyHtoD_v2", at, b"x", 1) == F.INVALID_VALUE
+    base, size = C.c_ulonglong(), C.c_size_t()
+    assert cu.rc("cuMemGetAddressRange_v2", C.byref(base), C.byref(size), at + 5) == F.NOT_FOUND
     cu.call("cuMemSetAccess", at, g, C.byref(F.MemAccessDesc(F.MemLocation(1, 0), 3)), 1)
     cu.call("cuMemRelease", h)  # the mapping keeps the allocation
     cu.write(at + 10, b"vmm")
