@@ -76,7 +76,8 @@ def test_every_driver_member_resolves_by_base_name(cu):
 
 
 def test_error_names(cu):
-    for code, name in [(0, "CUDA_SUCCESS"), (1, "CUDA_ERROR_INVALID_VALUE"), (201, "CUDA_ERROR_INVALID_CONTEXT"),
+    for code, name in [(0, "CUDA_SUCCESS"), (1, "CUDA_ERROR_INVALID_VALUE"), (2, "CUDA_ERROR_OUT_OF_MEMORY"),
+                       (201, "CUDA_ERROR_INVALID_CONTEXT"),
                        (500, "CUDA_ERROR_NOT_FOUND"), (600, "CUDA_ERROR_NOT_READY"),
                        (800, "CUDA_ERROR_NOT_PERMITTED"), (801, "CUDA_ERROR_NOT_SUPPORTED")]:
         assert cu.error_name(code) == name

@@ -169,7 +169,7 @@ FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t size) {
   if (phys->fd < 0 || !map_views(phys->fd, r.mapped, nullptr, &base, &r.alias)) {
     if (phys->fd >= 0) close(phys->fd);
     delete phys;
-    return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+    return kOutOfMemory;
   }
   r.base = reinterpret_cast<CUdeviceptr>(base);
   r.size = size;
