@@ -369,6 +369,23 @@ def test_null_stream_waits_for_blocking_streams_not_for_non_blocking(cu):
     cu.host_unregister(addr)
 
 
+@pytest.mark.timeout(60)
+def test_wait_geq_compares_cyclically_as_the_driver(cu):
+    slot, addr = host_slot()
+    cu.host_register(addr, 8)
+    s, ev = cu.stream(), cu.event()
+    slot[0] = (1 << 64) - 1  # "before" 1 in the driver's wrap-around order
+    cu.wait_value64(s, addr, 1, F.WAIT_GEQ)
+    cu.record(ev, s)
+    time.sleep(0.2)
+    assert cu.event_query(ev) == F.NOT_READY
+    slot[0] = 1
+    cu.synchronize(s)
+    assert cu.event_query(ev) == F.SUCCESS
+    cu.stream_destroy(s)
+    cu.host_unregister(addr)
+
+
 # ----------------------------------------------------------------------------- fault injection
 
 @pytest.mark.timeout(120)
@@ -384,8 +401,10 @@ def test_injected_failures_and_switches():
         n = C.c_int()
         cu.call("cuDeviceGetCount", C.byref(n))
         print(n.value)
+        second = F.FakeCuda(device=1)
+        print(second.attribute(second.alloc(64), F.ATTR_DEVICE_ORDINAL))
     """, extra=F.env(fail={"cuMemCreate": 801, "cuIpcGetMemHandle": 1}, no_stream_memops=True, devices=2))
-    assert out == ["801", "1", "801", "2"]
+    assert out == ["801", "1", "801", "2", "1"]
 
 
 @pytest.mark.timeout(120)
