@@ -11,7 +11,6 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
-import time
 
 import pytest
 
