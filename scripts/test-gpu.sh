@@ -2,7 +2,7 @@
 # The GPU tests and benchmarks in one command, on a machine with an NVIDIA GPU and torch:
 #   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
 # Installs the package from this tree, then runs tests/test_gpu.py (real GPU), the
-# fake-driver tests, `bench put --device cuda` and the PD example on the GPU; every
+# fake-driver tests, `bench put --device cuda`, `bench stream-wait` and the PD example on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -26,5 +26,6 @@ step() {  # step NAME CMD...: runs CMD, logs to NAME.log, remembers a failure
 step install "$py" -m pip install -q --no-deps --no-build-isolation .
 step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json"
+step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 exit $status

@@ -9,6 +9,8 @@
                                      [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
     python -m flagcx_mesh.bench latency [--iters 10000] [--transports shm,tcp] [--json PATH]
                                      (from C: put_signal / put+flush vs a raw socket, same run)
+    python -m flagcx_mesh.bench stream-wait [--iters 2000] [--json PATH]
+                                     (from C: a waiting CUDA stream passes how long after a signal)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
 measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
@@ -31,6 +33,7 @@ COMMANDS = {
     "race": ("race", "main"),
     "race-rank": ("race", "rank_entry"),
     "latency": ("latency", "main"),
+    "stream-wait": ("stream_wait", "main"),
 }
 
 
