@@ -115,7 +115,7 @@ def inject_all(addr, fg, mesh_id, dst, nranks, ncontexts, seed=0):
     send_keep(hdr()[:30], SILENT)
     # valid-looking headers with one thing wrong
     send_keep(hdr(magic=0x12345678), "bad magic")
-    send_keep(hdr(version=2), "unsupported version")
+    send_keep(hdr(version=1), "unsupported version")  # a peer from before the key proofs
     send_keep(hdr(mesh_id=bytes(16)), "foreign mesh id")
     send_keep(hdr(dst=(dst + 1) % nranks if nranks > 1 else 5), "wrong destination rank")
     send_keep(hdr(epoch=1), "wrong epoch")

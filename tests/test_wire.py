@@ -62,7 +62,7 @@ def test_encode_layout_is_fixed_little_endian():
     raw = _core._wire_encode(header(epoch=0x01020304, src=3, dst=1, context=2))
     assert isinstance(raw, bytes) and len(raw) == HDR
     magic, version, role = struct.unpack_from("<IHH", raw, 0)
-    assert (magic, version, role) == (CONN_MAGIC, 1, _core.ROLE_CONNECT)
+    assert (magic, version, role) == (CONN_MAGIC, 2, _core.ROLE_CONNECT) and _core.WIRE_VERSION == 2
     assert raw[0:4] == b"FXMH"
     assert raw[8:24] == MESH_ID
     assert struct.unpack_from("<IiiIII", raw, 24) == (0x01020304, 3, 1, 2, 4, 3)
@@ -104,7 +104,8 @@ def test_encode_rejects_bad_mesh_id_length():
 @pytest.mark.parametrize("fields, exp, reason", [
     (dict(magic=0xDEADBEEF), {}, "bad magic"),
     (dict(magic=0x464D5846), {}, "bad magic"),  # the frame magic is not a header magic
-    (dict(version=2), {}, "unsupported version"),
+    (dict(version=1), {}, "unsupported version"),  # before the key proofs
+    (dict(version=3), {}, "unsupported version"),
     (dict(version=0), {}, "unsupported version"),
     (dict(role=_core.ROLE_ACCEPT), {}, "bad role"),
     (dict(role=0), {}, "bad role"),
@@ -183,7 +184,7 @@ def test_random_garbage_is_never_accepted():
         elif i % 4 == 1:  # right magic, random rest
             raw = b"FXMH" + bytes(rng.getrandbits(8) for _ in range(HDR - 4))
         elif i % 4 == 2:  # right magic and version, random rest
-            raw = b"FXMH\x01\x00" + bytes(rng.getrandbits(8) for _ in range(HDR - 6))
+            raw = b"FXMH\x02\x00" + bytes(rng.getrandbits(8) for _ in range(HDR - 6))
         else:  # a valid header with 1..4 random bytes changed
             raw = bytearray(_core._wire_encode(header()))
             changed = False
@@ -245,15 +246,18 @@ def test_unique_id_shape_and_info():
     a, b = flagcx_mesh.get_unique_id(), flagcx_mesh.get_unique_id()
     assert isinstance(a, bytes) and len(a) == 256 and len(b) == 256
     ia, ib = _core._unique_id_info(a), _core._unique_id_info(b)
-    assert set(ia) == {"root", "mesh_id"}
+    assert set(ia) == {"root", "mesh_id", "epoch"} and ia["epoch"] == 0
     assert len(ia["mesh_id"]) == 32 and int(ia["mesh_id"], 16) >= 0
     assert ia["mesh_id"] != ib["mesh_id"], "two unique ids must carry different mesh ids"
     assert ia["root"] != ib["root"], "each unique id hosts its own root on its own ephemeral port"
     host, _, port = ia["root"].rpartition(":")
     assert host and 0 < int(port) < 65536
     assert a[0:4] == b"FXMU"
-    assert a[48:] == bytes(208), "bytes after the checksum are zero"
-    assert struct.unpack_from("<I", a, 44)[0] == fnv1a(a[:44])
+    assert struct.unpack_from("<H", a, 4) == (2,), "unique id version 2"
+    assert a[48:52] == bytes(4), "epoch 0"
+    assert a[52:84] != b[52:84] and a[52:84] != bytes(32), "each id holds its own random secret"
+    assert a[84:] == bytes(172), "bytes after the secret are zero"
+    assert struct.unpack_from("<I", a, 44)[0] == fnv1a(a[:44] + a[48:])
     assert bytes.fromhex(ia["mesh_id"]) == a[28:44]
 
 
@@ -284,7 +288,7 @@ def _with(uid, pos, value):
 
 def _resum(b):
     b = bytearray(b)
-    struct.pack_into("<I", b, 44, fnv1a(bytes(b[:44])))
+    struct.pack_into("<I", b, 44, fnv1a(bytes(b[:44] + b[48:])))
     return bytes(b)
 
 
@@ -292,7 +296,10 @@ def _resum(b):
     (lambda u: _with(u, 0, u[0] ^ 0xFF), "bad magic"),
     (lambda u: bytes(256), "bad magic"),
     (lambda u: b"GET / HTTP/1.1\r\n".ljust(256, b"\0"), "bad magic"),
-    (lambda u: _with(u, 4, 2), "version 2 is not supported"),
+    (lambda u: _with(u, 4, 1), "version 1 is not supported"),
+    (lambda u: _with(u, 4, 3), "version 3 is not supported"),
+    (lambda u: _with(u, 60, u[60] ^ 1), "corrupted"),       # a secret byte
+    (lambda u: _with(u, 48, 1), "corrupted"),               # the epoch
     (lambda u: _with(u, 30, u[30] ^ 1), "corrupted"),       # a mesh id byte
     (lambda u: _with(u, 10, u[10] ^ 1), "corrupted"),       # a root port byte
     (lambda u: _with(u, 45, u[45] ^ 1), "corrupted"),       # the checksum itself
