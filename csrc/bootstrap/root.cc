@@ -23,6 +23,7 @@ constexpr size_t kMaxQueuedBytes = 1ull << 30;  // output queued for a client th
 // Connections that have not proved the key yet: beyond this many, the one
 // that made the least progress (no valid hello) is closed to make room.
 constexpr size_t kMaxPending = 256;
+constexpr int kAcceptBatch = 64;  // per poll round: each is read before a flood can push it out
 // The listener stays open until the ranks' second collective after every rank
 // joined (a Mesh's build ends with its second, the final barrier), so that a
 // second process started as an already joined rank is still heard.
@@ -174,13 +175,14 @@ void Root::poll_once() {
 }
 
 void Root::accept_all() {
-  while (listener_) {
+  for (int taken = 0; listener_ && taken < kAcceptBatch; ++taken) {
     tcp::SockAddr from;
     int err = 0;
     tcp::Fd fd = tcp::accept_one(listener_.get(), &from, &err);
     if (!fd) return;
     if (pending_.size() >= kMaxPending) make_room();
     pending_.push_back({std::move(fd), Deadline::after_seconds(kJoinHeaderTimeoutS), {}});
+    on_pending(pending_.size() - 1);  // a rank's hello is usually there already
   }
 }
 

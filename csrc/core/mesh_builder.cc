@@ -24,6 +24,9 @@ using wire::kAnswerSize;
 using wire::kConnHeaderSize;
 using wire::kHelloSize;
 constexpr double kConnectAttemptS = 5.0;
+// Connections taken from the listener per poll round: every accepted one is
+// read at least once before a flood can push it out of the pending table.
+constexpr int kAcceptBatch = 64;
 
 struct Outgoing {
   enum State { kQueued, kConnecting, kAwaitAck, kBackoff, kDone } state = kQueued;
@@ -226,7 +229,7 @@ void Builder::on_ack(Outgoing& o) {
 }
 
 void Builder::accept_all() {
-  while (true) {
+  for (int taken = 0; taken < kAcceptBatch; ++taken) {
     Incoming in;
     int err = 0;
     in.fd = tcp::accept_one(p_.listen_fd, &in.from, &err);
@@ -239,6 +242,7 @@ void Builder::accept_all() {
     in.deadline = Deadline::after_seconds(p_.header_timeout_s);
     make_room();
     in_.push_back(std::move(in));
+    on_incoming(in_.back());  // a peer's hello is usually there already
   }
 }
 
