@@ -116,6 +116,8 @@ class Mesh:
     ``max_unreceived`` bounds the bytes of messages waiting for :meth:`recv`
     per (peer, context); above it the mesh stops reading that connection
     (its one-sided completions wait too) until ``recv`` drains it.
+    ``epoch`` is the unique id's when ``None``; a rank given another one is
+    refused by the rendezvous root (see docs/security.md).
 
     Use it as a context manager, or call :meth:`close`.
     """
