@@ -33,8 +33,8 @@ struct Fault {
   int bad_deregs = 0;
   // stranger: before its first real connect, open one more connection to the
   // same peer that sends it garbage ("garbage"), nothing ("silent"), or
-  // ("forged") a copy of this rank's own identity header to that peer with a
-  // wrong MAC, as one who read the header off the wire but lacks the key.
+  // ("forged") every copy of this rank's own identity header to that peer with
+  // a wrong MAC, as one who read the header off the wire but lacks the key.
   std::string stranger;
   std::map<void*, std::vector<uint8_t>> handle_of;  // send comm -> the handle it connected to
   std::vector<uint8_t> foreign_handle;
@@ -70,9 +70,14 @@ struct Fault {
     if (it == handle_of.end() || it->second != foreign_handle) return;
     std::memcpy(garbage, data, size);
     garbage[size - 1] ^= 1;
-    inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), nullptr, &foreign_req);
-    int done = 0;
-    if (foreign_req && inner.test(inner.ctx, foreign_req, &done) != 0) done = 1;
+    for (int copy = 0; copy < FLAGCX_MESH_TAGGED_IDENTITY_COPIES; ++copy) {  // all a real rank sends
+      foreign_req = nullptr;
+      if (inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), nullptr, &foreign_req) != 0) return;
+      int done = 0;
+      for (int spins = 0; foreign_req && !done && spins < 1000000; ++spins) {
+        if (inner.test(inner.ctx, foreign_req, &done) != 0) return;
+      }
+    }
   }
   void close_stranger() {
     if (foreign_comm) inner.close_send(inner.ctx, foreign_comm);
