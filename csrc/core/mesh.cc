@@ -73,7 +73,10 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
       });
 }
 
-Mesh::~Mesh() { close(); }
+Mesh::~Mesh() {
+  close();
+  if (kept_engine_ != nullptr) (void)engine_.release();
+}
 
 void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline) {
   auto phase = [&](const char* name) {
@@ -229,6 +232,16 @@ uint32_t Mesh::alloc_window(uint64_t size) {
   return onesided_->alloc(size);
 }
 
+uint32_t Mesh::register_device_window(void* base, uint64_t size) {
+  FXM_OPEN("register_window");
+  return onesided_->register_device(base, size);
+}
+
+uint32_t Mesh::alloc_device_window(uint64_t size, int device) {
+  FXM_OPEN("alloc_window");
+  return onesided_->alloc_device(size, device);
+}
+
 uint32_t Mesh::signal_window(uint64_t nslots) {
   FXM_OPEN("signal_window");
   return onesided_->alloc_signal(nslots);
@@ -281,6 +294,11 @@ void Mesh::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, double ti
   onesided_->wait_signal(win, slot, expected, deadline_for(timeout_s));
 }
 
+void Mesh::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream, double timeout_s) {
+  FXM_OPEN("wait_signal");
+  onesided_->wait_signal_on_stream(win, slot, expected, stream, deadline_for(timeout_s));
+}
+
 void Mesh::flush(int peer, double timeout_s) {
   FXM_OPEN("flush");
   if (peer < -1 || peer >= nranks_) check_peer(peer, 0, "flush");
@@ -289,6 +307,7 @@ void Mesh::flush(int peer, double timeout_s) {
 
 uint64_t Mesh::read_counter() {
   FXM_OPEN("read_counter");
+  engine_->poll_probes();
   return engine_->completed();
 }
 
@@ -307,6 +326,7 @@ void Mesh::barrier(double timeout_s) { allgather({}, timeout_s); }
 
 void Mesh::close() {
   if (closed_.exchange(true)) return;
+  keep_for_streams();
   if (engine_) engine_->stop();  // says goodbye to every peer, wakes waiters
   for (auto* v : {&conns_.send, &conns_.recv}) {
     for (tcp::Fd& fd : *v) {
@@ -321,6 +341,17 @@ void Mesh::close() {
   conns_.send.clear();
   conns_.recv.clear();
   if (boot_) boot_->bye();
+}
+
+// Ops queued on CUDA streams report their completion (and apply signals)
+// from the stream: the engine and the windows must outlive them. When the
+// streams do not get there within the timeout, both are kept, never freed.
+void Mesh::keep_for_streams() {
+  if (!engine_ || engine_->wait_stream_ops(Deadline::after_seconds(timeout_s_))) return;
+  FXM_ERROR(rank_, "close: " + std::to_string(engine_->stream_ops_pending()) +
+                       " op(s) queued on CUDA streams have not completed; their memory is kept");
+  new std::vector<std::shared_ptr<Window>>(windows_.all());  // deliberately never freed
+  kept_engine_ = engine_.get();
 }
 
 std::string Mesh::describe() const {

@@ -7,8 +7,10 @@
 #include <cstring>
 #include <thread>
 
+#include "base/env.h"
 #include "base/log.h"
 #include "transport/signal_ops.h"
+#include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
 #include "base/status.h"
 
@@ -49,7 +51,10 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine*
                    WindowTable* windows, Allgather allgather)
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), tag_(std::move(tag)), engine_(engine),
       windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
-  for (int s = 0; s < nranks * ncontexts; ++s) pair_mu_.push_back(std::make_unique<std::mutex>());
+  for (int s = 0; s < nranks * ncontexts; ++s) {
+    pair_mu_.push_back(std::make_unique<std::mutex>());
+    fences_.push_back(std::make_unique<cuda::StreamFence>());
+  }
 }
 
 // ------------------------------------------------------------ registration
@@ -95,6 +100,33 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
     w->last_src = signal_last_src(w->base, nslots);
     w->notify = signal_notify(w->base, nslots);
     for (uint64_t i = 0; i < nslots; ++i) w->last_src[i] = -1;
+    return w;
+  });
+}
+
+uint32_t OneSided::register_device(void* base, uint64_t size) {
+  return register_collective([&](uint32_t, std::string*) {
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kDevice;
+    w->dev = cuda::DeviceMemory::wrap(base, size);
+    w->device = w->dev->ordinal();
+    w->base = w->dev->base();
+    w->size = size;
+    return w;
+  });
+}
+
+uint32_t OneSided::alloc_device(uint64_t size, int device) {
+  return register_collective([&](uint32_t, std::string*) {
+    if (device < 0) {
+      fail(Code::kInvalidArgument, -1, 0, who() + "alloc_window: device " + std::to_string(device) + " is not a CUDA device");
+    }
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kDevice;
+    w->dev = cuda::DeviceMemory::allocate(size, device);
+    w->device = device;
+    w->base = w->dev->base();
+    w->size = size;
     return w;
   });
 }
@@ -146,7 +178,12 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   }
   bootstrap::Parts parts = allgather_(mine);
   if (local_failure) std::rethrow_exception(local_failure);
-  connect_peers(*w, check_descriptions(*w, parts));
+  try {
+    connect_peers(*w, check_descriptions(*w, parts));
+  } catch (...) {
+    finish_registration(*w);
+    throw;
+  }
   windows_->add(w);  // before the barrier: a peer may use the window as soon as it returns
   try {
     allgather_({});  // every peer has mapped this rank's segment: the name can go
@@ -154,9 +191,16 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     w->live = false;
     throw;
   }
-  if (w->seg) w->seg->unlink();
+  finish_registration(*w);
   FXM_INFO(rank_, w->describe());
   return w->index;
+}
+
+// Every peer has mapped this rank's copy: its shm name and cuMem fds can go.
+void OneSided::finish_registration(Window& w) const {
+  if (w.seg) w.seg->unlink();
+  w.fd_server.reset();
+  if (w.dev) w.dev->drop_fds();
 }
 
 std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::string& shm_name) const {
@@ -170,6 +214,14 @@ std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::st
   d.shm_name = shm_name;
   d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
   d.cookie = *w.cookie;
+  if (w.dev) {
+    d.dev = w.dev->export_for_peers();
+    if (!d.dev.vmm.empty()) {
+      d.fd_token = random_cookie();
+      const_cast<Window&>(w).fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
+      d.fd_socket = w.fd_server->name();
+    }
+  }
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();
@@ -226,13 +278,18 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
   req.host = host_;
   req.pid_ns = pid_namespace();
   req.forced = forced_transport();
+  req.forced_cuda = forced_cuda_path();
+  req.device = w.device;
   req.outbox = engine_;
   PathChoice c = choose_path(req, d);
   PeerView v;
   v.size = d.size;
   v.why = std::move(c.why);
   v.path = std::move(c.path);
-  if (v.path->kind() != PathKind::kTcp) v.fallback = make_tcp_path(req, d, nullptr);
+  bool device = w.kind == WindowKind::kDevice || d.kind == WindowKind::kDevice;
+  if (v.path->kind() != PathKind::kTcp && v.path->kind() != PathKind::kStaged) {
+    v.fallback = device ? make_staged_path(req, d, nullptr) : make_tcp_path(req, d, nullptr);
+  }
   return v;
 }
 
@@ -266,7 +323,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     v.path->release();  // unmaps the peers' segments; describe() still names the paths
     if (v.fallback) v.fallback->release();
   }
+  {
+    std::lock_guard<std::mutex> lock(w->host_reg_mu);
+    w->host_reg.reset();
+  }
   w->seg.reset();  // unmapped once no Python view of it remains
+  w->dev.reset();  // released when the library allocated it
 }
 
 // A close collective in which ranks name different windows would leave them
@@ -383,10 +445,13 @@ void OneSided::validate_signal(const PutArgs& a, const char* op, OpWindows* ow) 
 // later op takes that path too when this window has it (tcp reaches every
 // window), so it completes after them, signals included; otherwise it waits
 // until they completed.
+// staged ops are tcp frames: they queue behind tcp ops like tcp ops do.
+inline PathKind order_kind(PathKind k) { return k == PathKind::kStaged ? PathKind::kTcp : k; }
+
 Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferred, const InFlight& f) const {
-  if (!f.busy || preferred->kind() == f.kind) return preferred;
-  if (v.path->kind() == f.kind) return v.path.get();
-  if (v.fallback && v.fallback->kind() == f.kind) return v.fallback.get();
+  if (!f.busy || order_kind(preferred->kind()) == f.kind) return preferred;
+  if (order_kind(v.path->kind()) == f.kind) return v.path.get();
+  if (v.fallback && order_kind(v.fallback->kind()) == f.kind) return v.fallback.get();
   engine_->wait_idle(a.peer, a.ctx, Deadline::never());
   return preferred;
 }
@@ -394,11 +459,38 @@ Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferre
 // Moves the data of a put or get over its ordered path; a synchronous path
 // that fails (process_vm_writev refused) hands the op to tcp. True when the
 // op is complete on return.
-bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f) {
+PathOp OneSided::path_op(const PutArgs& a, Window& local, bool is_get) const {
   PathOp op{a.ctx, is_get ? a.src_off : a.dst_off, local.base + (is_get ? a.dst_off : a.src_off), a.size,
             a.sig.on ? &a.sig : nullptr};
+  op.stream_set = a.stream_set;
+  op.stream = a.stream;
+  op.fence = fences_[a.peer * ncontexts_ + a.ctx].get();
+  op.local_device = local.device;
+  op.src_rank = rank_;
+  op.deadline = Deadline::after_seconds(env_config().timeout_s);
+  return op;
+}
+
+bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
+                         bool* signal_done) {
+  PathOp op = path_op(a, local, is_get);
   Path* p = ordered_path(a, v, v.path.get(), f);
-  if (p->synchronous()) {
+  bool device_path = is_device_path(p->kind()) || p->kind() == PathKind::kStaged;
+  if (local.kind == WindowKind::kDevice && !device_path) {
+    fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
+                                                "): window #" + std::to_string(local.index) +
+                                                " is device memory and the peer's window is host memory; "
+                                                "ops between a device and a host window are not supported");
+  }
+  if (a.stream_set && !device_path) {  // a host path: start after the stream's earlier work
+    cuda::check(cuda::need_driver("an op with a stream").cuStreamSynchronize(a.stream), "waiting for the op's stream");
+    op.stream_set = false;
+  }
+  if (is_device_path(p->kind()) && op.sig != nullptr) {
+    op.sig_slots = windows_->find(a.sig.win)->peers[a.peer].path->slots();  // applied from the stream
+    if (op.sig_slots.values == nullptr) op.sig = nullptr;  // else it follows below, through its own path
+  }
+  if (p->synchronous_for(op)) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;
     FXM_WARN(rank_, std::string(is_get ? "process_vm_readv" : "process_vm_writev") + " to peer " +
@@ -406,7 +498,8 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
     p = &v.tcp();
   }
   if (is_get) p->get(op);
-  else p->put(op);  // the signal travels with the data
+  else p->put(op);  // the signal travels with the data (or from the stream)
+  *signal_done = op.sig != nullptr;
   return false;
 }
 
@@ -425,9 +518,15 @@ void OneSided::put(const PutArgs& in) {
   const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  engine_->poll_probes();  // device ops done by now no longer hold this one up
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
-  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f)) return;
+  bool signal_done = false;  // it travels with the data (tcp, staged, or from the stream)
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f, &signal_done)) {
+    if (!a.sig.on || signal_done) return;
+    f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // the data is in flight on a stream
+  }
+  if (a.sig.on && a.size == 0 && a.stream_set && signal_on_stream(a, ow.sig->peers[a.peer])) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
     Path* p = ordered_path(a, v, v.path->can_signal() ? v.path.get() : &v.tcp(), f);
@@ -441,10 +540,27 @@ void OneSided::get(const PutArgs& a) {
   OpWindows ow;
   validate(a, "get", true, &ow);
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  engine_->poll_probes();
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone
-  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f)) return;
+  bool unused = false;
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f, &unused)) return;
   engine_->count_inline(a.peer, 1);
+}
+
+// A signal alone with a stream: applied from the stream once its earlier work
+// is done, when the slots are mapped here; otherwise after waiting for it.
+bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view) {
+  const cuda::Driver& d = cuda::need_driver("signal with a stream");
+  SignalSlots slots = sig_view.path->slots();
+  if (slots.values == nullptr) {
+    cuda::check(d.cuStreamSynchronize(a.stream), "signal: waiting for its stream");
+    return false;
+  }
+  fences_[a.peer * ncontexts_ + a.ctx]->before(a.stream);  // after the pair's earlier device ops
+  engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
+  cuda::complete_on_stream(a.stream, engine_, a.peer, a.ctx, &a.sig, slots, rank_);
+  return true;
 }
 
 Window& OneSided::signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const {
@@ -504,6 +620,26 @@ void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const
     wait_signal_epoch(w.notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));
     current = load_signal(slots, slot);
   }
+}
+
+void OneSided::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream,
+                                     const Deadline& deadline) const {
+  OpWindows ow;
+  Window& w = signal_slot(win, slot, "wait_signal", &ow);
+  cuda::need_driver("wait_signal with a stream");
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(w.host_reg_mu);
+    if (!w.host_reg) w.host_reg = std::make_unique<cuda::HostRegistration>(w.base, w.size);
+    uint64_t* at = reinterpret_cast<uint64_t*>(w.base) + slot;
+    if (cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, &why)) return;
+  }
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    FXM_WARN(rank_, "wait_signal with a stream waits on the host: the driver has no stream memory operations (" +
+                        why + ")");
+  });
+  wait_signal(win, slot, expected, deadline);
 }
 
 void OneSided::fail_wait_closed(const Window& w, uint64_t slot) const {

@@ -12,6 +12,7 @@
 #include "base/status.h"
 #include "base/wire.h"
 #include "python/bindings.h"
+#include "transport/cuda/driver.h"
 
 namespace py = pybind11;
 using fxm::Mesh;
@@ -262,6 +263,8 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
   }, py::arg("epoch") = 0);
+  m.def("cuda_driver_error", [] { return fxm::cuda::driver() != nullptr ? std::string() : fxm::cuda::driver_error(); },
+        "Why no CUDA driver could be loaded (\"\" when one is).");
   m.def("default_timeout", [] { return fxm::env_config().timeout_s; },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },

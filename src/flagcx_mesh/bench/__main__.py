@@ -2,6 +2,8 @@
 
     python -m flagcx_mesh.bench mesh [-n 8] [--iterations 20] [--contexts 1] [--json PATH]
     python -m flagcx_mesh.bench put  [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp] [--json PATH]
+    python -m flagcx_mesh.bench put --device cuda [--sizes ...] [--paths cuda-vmm,cuda-ipc,staged]
+                                     (GPU windows per path vs a local D2D copy; stream-wait latency)
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...]   (flagcx_mesh vs MPI_Put, same run)
     python -m flagcx_mesh.bench race [--trials 200] [-n 4] [--jitter-us 2000] [--builders legacy,ordered,tagged]
                                      [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
@@ -24,6 +26,7 @@ COMMANDS = {
     "mesh-rank": ("mesh", "rank_entry"),
     "put": ("put", "main"),
     "put-rank": ("put", "rank_entry"),
+    "put-cuda-rank": ("put_cuda", "rank_entry"),
     "put-mpi": ("put_mpi", "mpi_entry"),
     "race": ("race", "main"),
     "race-rank": ("race", "rank_entry"),

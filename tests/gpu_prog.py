@@ -1,0 +1,382 @@
+"""One rank of a device-window test job, on a real GPU (torch) or on the fake CUDA driver.
+
+Run under the embedded launcher::
+
+    python -m flagcx_mesh.launch -n N --timeout T -- python tests/gpu_prog.py SCENARIO --device fake|torch
+
+``--device fake`` needs FLAGCX_MESH_CUDA_DRIVER naming the fake driver (tests/fakecuda.py);
+``--device torch`` uses torch's CUDA tensors and streams. FLAGCX_MESH_CUDA_PATH forces a path;
+``--expect-alloc`` / ``--expect-user`` name the path expected to every other rank for a
+library-allocated (cuMem) window and for a user allocation. Scenarios (each asserts; a failing
+rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with ``OK rank R SCENARIO``):
+
+    integrity    random puts (with and without a stream) from a cuMem window into every rank's
+                 user window, region per source rank, then random gets back; byte-for-byte
+    stream       put_signal on a stream, wait_signal on the target's stream, then a copy on
+                 that stream: the copy always sees the data of its signal (never early)
+    bad_input    out-of-range ops on device windows and device-to-host-window ops are refused
+                 and write nothing; a bad stream is a TypeError
+    peer_death   rank 1 dies while rank 0 streams puts to it: flush fails with PeerLost naming it
+    compat       compat's one_side_register of device buffers, put_signal / wait_signal on streams
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import sys
+import time
+import traceback
+
+from flagcx_mesh import InvalidArgument, Mesh, PeerLost
+
+RANK = -1
+SCENARIO = "?"
+N = 1 << 20  # bytes per window region set
+
+
+class Fail(AssertionError):
+    pass
+
+
+def check(cond, msg) -> None:
+    if not cond:
+        raise Fail(msg() if callable(msg) else msg)
+
+
+# ---------------------------------------------------------------- devices
+
+class FakeBuf:
+    def __init__(self, cu, ptr: int, nbytes: int, owner=None):
+        self.cu, self.ptr, self.nbytes, self.owner = cu, ptr, nbytes, owner
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def write(self, off: int, data: bytes) -> None:
+        self.cu.write(self.ptr + off, data)
+
+    def read(self, off: int, n: int) -> bytes:
+        return self.cu.read(self.ptr + off, n)
+
+
+class FakeDevice:
+    name = "fake"
+
+    def __init__(self):
+        import fakecuda
+
+        self.cu = fakecuda.FakeCuda.get()
+
+    def buffer(self, n: int) -> FakeBuf:
+        ptr = self.cu.alloc(n)
+        buf = FakeBuf(self.cu, ptr, n)
+        buf.write(0, bytes(n))
+        return buf
+
+    def multimap_buffer(self, n: int) -> FakeBuf:
+        """Device memory backed by two cuMem mappings back to back, as an expandable-segments
+        tensor is: each mapping must be exported on its own."""
+        import ctypes
+        import fakecuda
+
+        g = self.cu.granularity()
+        half = (n // 2 + g - 1) // g * g
+        ptr = fakecuda.CUdeviceptr()
+        self.cu.call("cuMemAddressReserve", ctypes.byref(ptr), 2 * half, 0, 0, 0)
+        desc = fakecuda.MemAccessDesc(fakecuda.MemLocation(1, 0), 3)
+        for i in range(2):
+            h = self.cu.mem_create(half)
+            self.cu.call("cuMemMap", ptr.value + i * half, half, 0, h, 0)
+            self.cu.call("cuMemSetAccess", ptr.value + i * half, half, ctypes.byref(desc), 1)
+        buf = FakeBuf(self.cu, ptr.value, n)
+        buf.write(0, bytes(n))
+        return buf
+
+    def window_bytes(self, win) -> FakeBuf:
+        return FakeBuf(self.cu, win._address, win.size, owner=win)
+
+    def stream(self, legacy: bool = False):
+        return 0 if legacy else self.cu.stream()
+
+    def sync(self, s) -> None:
+        self.cu.synchronize(s)
+
+    def copy_async(self, dst, src, n: int, s) -> None:
+        self.cu.memcpy_async(dst.ptr, src.ptr, n, s)
+
+
+class TorchBuf:
+    def __init__(self, t):
+        self.t, self.nbytes = t, t.numel()
+
+    @property
+    def __cuda_array_interface__(self):
+        return self.t.__cuda_array_interface__
+
+    def write(self, off: int, data: bytes) -> None:
+        import torch
+
+        self.t[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        torch.cuda.synchronize()
+
+    def read(self, off: int, n: int) -> bytes:
+        import torch
+
+        torch.cuda.synchronize()
+        return self.t[off:off + n].cpu().numpy().tobytes()
+
+
+class TorchDevice:
+    name = "torch"
+
+    def __init__(self):
+        import torch
+
+        self.torch = torch
+        torch.cuda.init()
+
+    def buffer(self, n: int) -> TorchBuf:
+        return TorchBuf(self.torch.zeros(n, dtype=self.torch.uint8, device="cuda"))
+
+    def multimap_buffer(self, n: int) -> TorchBuf:
+        return self.buffer(n)  # run with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True
+
+    def window_bytes(self, win) -> TorchBuf:
+        return TorchBuf(self.torch.as_tensor(win, device="cuda"))
+
+    def stream(self, legacy: bool = False):
+        # torch's current stream is the legacy default stream (handle 0) unless told otherwise
+        return self.torch.cuda.default_stream() if legacy else self.torch.cuda.Stream()
+
+    def sync(self, s) -> None:
+        s.synchronize()
+
+    def copy_async(self, dst, src, n: int, s) -> None:
+        with self.torch.cuda.stream(s):
+            dst.t[:n].copy_(src.t[:n], non_blocking=True)
+
+
+# ---------------------------------------------------------------- helpers
+
+def pattern(seed: int, n: int) -> bytes:
+    return random.Random(seed).randbytes(n)
+
+
+def check_paths(mesh: Mesh, win, expect: str, what: str) -> None:
+    for peer, (path, why) in enumerate(win.paths):
+        want = "cuda-self" if peer == mesh.rank else expect
+        check(path == want, lambda: f"{what} window: peer {peer} path {path} ({why}), expected {want}")
+
+
+def ops_for(src: int, dst: int, region: int, count: int):
+    """The random (off, size, use_stream) puts rank src makes into its region at dst."""
+    rng = random.Random(src * 1000 + dst)
+    out = []
+    for _ in range(count):
+        size = rng.choice([1, 7, 64, 4096, 65536, rng.randrange(1, region)])
+        off = rng.randrange(0, region - size + 1)
+        out.append((off, size, rng.random() < 0.5))
+    return out
+
+
+# ---------------------------------------------------------------- scenarios
+
+def scenario_integrity(mesh: Mesh, dev, args) -> None:
+    n, r = mesh.nranks, mesh.rank
+    region = N // n
+    src = mesh.alloc_window(N, device=0)  # cuMem
+    size = N + 4096 * r  # sizes differ per rank
+    user = dev.multimap_buffer(size) if args.user == "multimap" else dev.buffer(size)
+    dst = mesh.register_window(user)
+    if args.expect_alloc:
+        check_paths(mesh, src, args.expect_alloc, "alloc")
+    if args.expect_user:
+        check_paths(mesh, dst, args.expect_user, "user")
+    dev.window_bytes(src).write(0, pattern(r, N))
+    mesh.barrier(timeout=60)
+    stream = dev.stream()
+    for peer in range(n):
+        for off, size, on_stream in ops_for(r, peer, region, args.ops):
+            mesh.put(peer, src, off, dst, r * region + off, size, stream=stream if on_stream else None)
+    mesh.flush(timeout=60)
+    mesh.barrier(timeout=60)
+    got = user.read(0, n * region)
+    for s in range(n):  # replay what rank s wrote into its region here
+        model = bytearray(region)
+        ps = pattern(s, N)
+        for off, size, _ in ops_for(s, r, region, args.ops):
+            model[off:off + size] = ps[off:off + size]
+        seen = got[s * region:(s + 1) * region]
+        if seen != bytes(model):
+            bad = next(i for i in range(region) if seen[i] != model[i])
+            raise Fail(f"region of rank {s}: first wrong byte at {bad} (got {seen[bad]}, want {model[bad]})")
+    # gets: every peer's cuMem window back into this rank's user window
+    mesh.barrier(timeout=60)
+    rng = random.Random(99 + r)
+    for peer in range(n):
+        size = rng.randrange(1, region)
+        off = rng.randrange(0, N - size)
+        mesh.get(peer, src, off, dst, 0, size, stream=stream if peer % 2 else None)
+        mesh.flush(timeout=60)
+        dev.sync(stream)
+        check(user.read(0, size) == pattern(peer, N)[off:off + size], f"get of {size} bytes from peer {peer}")
+    mesh.barrier(timeout=60)
+    print(f"modes alloc={src.mode} user={dst.mode}", flush=True)
+
+
+def scenario_stream(mesh: Mesh, dev, args) -> None:
+    """Rank 0 streams put_signal to rank 1 (region k, then +1 on slot 0); rank 1's stream waits
+    for slot >= k and copies region k: the copy must see iteration k's bytes."""
+    rounds, chunk = args.rounds, 64 << 10
+    sig = mesh.signal_window(4)
+    src = mesh.alloc_window(chunk * rounds, device=0)
+    dst = mesh.alloc_window(chunk * rounds, device=0)
+    stream = dev.stream(legacy=args.legacy_stream)
+    if mesh.rank == 0:
+        srcb = dev.window_bytes(src)
+        for k in range(rounds):
+            srcb.write(k * chunk, bytes([k % 251 + 1]) * chunk)
+        for k in range(rounds):
+            mesh.put_signal(1, src, k * chunk, dst, k * chunk, chunk, 0, 1, signal_window=sig, stream=stream)
+        mesh.flush(timeout=60)
+    elif mesh.rank == 1:
+        dstb = dev.window_bytes(dst)
+        check_buf = dev.buffer(chunk * rounds)
+        for k in range(rounds):
+            mesh.wait_signal(0, k + 1, timeout=60, window=sig, stream=stream)
+            dev.copy_async(_slice(dev, check_buf, k * chunk), _slice(dev, dstb, k * chunk), chunk, stream)
+        dev.sync(stream)
+        got = check_buf.read(0, chunk * rounds)
+        for k in range(rounds):
+            part = got[k * chunk:(k + 1) * chunk]
+            check(part == bytes([k % 251 + 1]) * chunk,
+                  lambda: f"round {k}: the stream passed its wait before the data landed "
+                          f"({sum(1 for b in part if b != k % 251 + 1)} wrong bytes)")
+        check(mesh.read_signal(0, window=sig) == rounds, "final signal value")
+    mesh.barrier(timeout=60)
+
+
+def _slice(dev, buf, off: int):
+    if dev.name == "fake":
+        return FakeBuf(buf.cu, buf.ptr + off, buf.nbytes - off)
+    return TorchBuf(buf.t[off:])
+
+
+def scenario_bad_input(mesh: Mesh, dev, args) -> None:
+    n, r = mesh.nranks, mesh.rank
+    dwin = mesh.alloc_window(4096, device=0)
+    hwin = mesh.alloc_window(4096)
+    peer = (r + 1) % n
+    dev.window_bytes(dwin).write(0, bytes([7]) * 4096)
+    mesh.barrier(timeout=60)
+    refused = [
+        ("remote range", lambda: mesh.put(peer, dwin, 0, dwin, 4000, 200)),
+        ("local range", lambda: mesh.put(peer, dwin, 4000, dwin, 0, 200)),
+        ("peer out of range", lambda: mesh.put(n, dwin, 0, dwin, 0, 8)),
+        ("device memory and the peer's window is host memory", lambda: mesh.put(peer, dwin, 0, hwin, 0, 8)),
+        ("remote range", lambda: mesh.get(peer, dwin, 4090, dwin, 0, 100)),
+    ]
+    for text, op in refused:
+        try:
+            op()
+        except InvalidArgument as e:
+            check(text in str(e), f"refusal should name '{text}': {e}")
+        else:
+            raise Fail(f"not refused: {text}")
+    try:
+        mesh.put(peer, dwin, 0, dwin, 0, 8, stream="not a stream")
+    except TypeError:
+        pass
+    else:
+        raise Fail("a bad stream was accepted")
+    mesh.flush(timeout=60)
+    mesh.barrier(timeout=60)
+    check(dev.window_bytes(dwin).read(0, 4096) == bytes([7]) * 4096, "a refused op wrote into a device window")
+    check(bytes(hwin.buffer) == bytes(4096), "a refused op wrote into a host window")
+
+
+def scenario_peer_death(mesh: Mesh, dev, args) -> None:
+    win = mesh.alloc_window(1 << 20, device=0)
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        time.sleep(0.3)
+        print(f"OK rank 1 {SCENARIO} (dying)", flush=True)
+        os._exit(0)
+    if mesh.rank != 0:
+        return
+    stream = dev.stream()
+    t0 = time.monotonic()
+    try:
+        while time.monotonic() - t0 < 30:
+            mesh.put(1, win, 0, win, 0, 1 << 20, stream=stream)
+            mesh.flush(timeout=30)
+    except PeerLost as e:
+        check(e.peer == 1 or "peer 1" in str(e), f"PeerLost should name peer 1: {e}")
+        print(f"peer loss seen after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+        return
+    raise Fail("no PeerLost within 30 s of rank 1's death")
+
+
+def scenario_compat(mesh: Mesh, dev, args) -> None:
+    """FlagCX's shape: device tensors registered, put_signal and wait_signal on streams."""
+    from flagcx_mesh import compat as fc
+
+    comm = fc.Comm(mesh, timeout=60)
+    n, r = mesh.nranks, mesh.rank
+    src, dst = dev.buffer(1 << 20), dev.buffer(n << 20)
+    s_idx, d_idx = comm.one_side_register(src), comm.one_side_register(dst)
+    comm.signal_register(8 * n)
+    src.write(0, pattern(100 + r, 1 << 20))
+    mesh.barrier(timeout=60)
+    stream = dev.stream()
+    for peer in range(n):
+        comm.put_signal(peer, 0, r << 20, 1 << 20, 8 * r, s_idx, d_idx, 1, stream)
+    for peer in range(n):
+        comm.wait_signal(peer, 8 * peer, 1, stream)
+    dev.sync(stream)
+    for peer in range(n):
+        check(dst.read(peer << 20, 1 << 20) == pattern(100 + peer, 1 << 20), f"compat: bytes from rank {peer}")
+    comm.flush(timeout=60)
+    mesh.barrier(timeout=60)
+
+
+SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
+             "peer_death": scenario_peer_death}
+
+
+def main() -> int:
+    global RANK, SCENARIO
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=sorted(SCENARIOS))
+    ap.add_argument("--device", choices=("fake", "torch"), default="fake")
+    ap.add_argument("--expect-alloc", default="")
+    ap.add_argument("--expect-user", default="")
+    ap.add_argument("--ops", type=int, default=40)
+    ap.add_argument("--user", choices=("default", "multimap"), default="default",
+                    help="the user window: one allocation, or two cuMem mappings (expandable segments)")
+    ap.add_argument("--rounds", type=int, default=50)
+    ap.add_argument("--legacy-stream", action="store_true", help="stream: use the legacy default stream (0)")
+    args = ap.parse_args()
+    SCENARIO = args.scenario
+    dev = FakeDevice() if args.device == "fake" else TorchDevice()
+    with Mesh.from_launcher(timeout=60) as mesh:
+        RANK = mesh.rank
+        try:
+            SCENARIOS[args.scenario](mesh, dev, args)
+        except Exception as e:  # noqa: BLE001
+            print(f"FAIL rank {RANK} {SCENARIO}: {e}", flush=True)
+            traceback.print_exc()
+            sys.stdout.flush()
+            os._exit(1)
+        if not (SCENARIO == "peer_death" and RANK == 1):
+            print(f"OK rank {RANK} {SCENARIO}", flush=True)
+        if SCENARIO == "peer_death":
+            os._exit(0)  # the mesh's goodbye to a dead peer is not part of the test
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
