@@ -62,6 +62,18 @@ def env(devices: Optional[int] = None, fail: Optional[Dict[str, int]] = None,
     return out
 
 
+def use_in_this_process() -> "FakeCuda":
+    """Makes this process's flagcx_mesh load the fake (FLAGCX_MESH_CUDA_DRIVER) and returns the
+    shared FakeCuda. The library loads its driver once per process, at its first device call,
+    and the fake reads its FXM_FAKECUDA_* switches at its first cuInit: call this (with the
+    switches already in os.environ) before either happens."""
+    path = library_path()
+    if os.environ.get(DRIVER_ENV, path) != path:
+        raise RuntimeError(f"{DRIVER_ENV} already names {os.environ[DRIVER_ENV]}")
+    os.environ[DRIVER_ENV] = path
+    return FakeCuda.get()
+
+
 class CudaError(RuntimeError):
     """A driver call answered something other than CUDA_SUCCESS."""
 
@@ -312,8 +324,14 @@ class DeviceBuffer:
 
     def free(self) -> None:
         if self.ptr:
-            self.cuda.free(self.ptr)
-            self.ptr = 0
+            ptr, self.ptr = self.ptr, 0
+            self.cuda.free(ptr)
+
+    def __del__(self) -> None:  # like a CUDA tensor: freed when dropped (a window keeps it)
+        try:
+            self.free()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
     def __enter__(self) -> "DeviceBuffer":
         return self

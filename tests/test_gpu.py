@@ -13,6 +13,7 @@ import subprocess
 
 import pytest
 
+import gpujobs
 from meshutil import PY, subprocess_env
 
 torch = pytest.importorskip("torch")
@@ -23,7 +24,6 @@ pytestmark = pytest.mark.timeout(300)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-PROG = os.path.join(HERE, "gpu_prog.py")
 JOB_TIMEOUT = 180
 
 
@@ -36,16 +36,8 @@ def gpu_env(**extra):
 
 
 def run_job(n, scenario, *args, env=None, silent=()):
-    cmd = [PY, "-m", "flagcx_mesh.launch", "-n", str(n), "--timeout", str(JOB_TIMEOUT), "--grace", "2",
-           "--", PY, PROG, scenario, "--device", "torch", *args]
-    p = subprocess.run(cmd, env=env or gpu_env(), cwd=HERE, capture_output=True, text=True,
-                       timeout=JOB_TIMEOUT + 60)
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{scenario} x{n}: exit {p.returncode}\n{out[-8000:]}"
-    for r in range(n):
-        if r not in silent:
-            assert f"OK rank {r} {scenario}" in p.stdout, f"rank {r} did not pass {scenario}\n{out[-8000:]}"
-    return p
+    return gpujobs.run_job(n, scenario, *args, env=env or gpu_env(), device="torch",
+                           timeout=JOB_TIMEOUT, silent=silent)
 
 
 @pytest.mark.parametrize("n", [2, 4])

@@ -11,17 +11,16 @@ from __future__ import annotations
 import os
 import subprocess
 import textwrap
-import time
 
 import pytest
 
 import fakecuda
+import gpujobs
 from meshutil import PY, subprocess_env
 
 pytestmark = pytest.mark.timeout(180)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PROG = os.path.join(HERE, "gpu_prog.py")
 JOB_TIMEOUT = 90
 
 
@@ -35,19 +34,8 @@ def fake_env(**extra):
 
 
 def run_job(n, scenario, *args, env=None, silent=()):
-    cmd = [PY, "-m", "flagcx_mesh.launch", "-n", str(n), "--timeout", str(JOB_TIMEOUT), "--grace", "1",
-           "--", PY, PROG, scenario, "--device", "fake", *args]
-    try:
-        p = subprocess.run(cmd, env=env or fake_env(), cwd=HERE, capture_output=True, text=True,
-                           timeout=JOB_TIMEOUT + 30)
-    except subprocess.TimeoutExpired as e:
-        pytest.fail(f"{scenario} x{n}: the job hung\n{e.stdout}\n{e.stderr}")
-    out = p.stdout + p.stderr
-    assert p.returncode == 0, f"{scenario} x{n}: exit {p.returncode}\n{out[-8000:]}"
-    for r in range(n):
-        if r not in silent:
-            assert f"OK rank {r} {scenario}" in p.stdout, f"rank {r} did not pass {scenario}\n{out[-8000:]}"
-    return p
+    return gpujobs.run_job(n, scenario, *args, env=env or fake_env(), device="fake",
+                           timeout=JOB_TIMEOUT, silent=silent)
 
 
 def run_python(code, env, timeout=60):

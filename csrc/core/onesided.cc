@@ -104,33 +104,6 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
   });
 }
 
-uint32_t OneSided::register_device(void* base, uint64_t size) {
-  return register_collective([&](uint32_t, std::string*) {
-    auto w = std::make_shared<Window>();
-    w->kind = WindowKind::kDevice;
-    w->dev = cuda::DeviceMemory::wrap(base, size);
-    w->device = w->dev->ordinal();
-    w->base = w->dev->base();
-    w->size = size;
-    return w;
-  });
-}
-
-uint32_t OneSided::alloc_device(uint64_t size, int device) {
-  return register_collective([&](uint32_t, std::string*) {
-    if (device < 0) {
-      fail(Code::kInvalidArgument, -1, 0, who() + "alloc_window: device " + std::to_string(device) + " is not a CUDA device");
-    }
-    auto w = std::make_shared<Window>();
-    w->kind = WindowKind::kDevice;
-    w->dev = cuda::DeviceMemory::allocate(size, device);
-    w->device = device;
-    w->base = w->dev->base();
-    w->size = size;
-    return w;
-  });
-}
-
 void OneSided::refuse_registration(const std::string& reason) {
   register_collective([&](uint32_t, std::string*) -> std::shared_ptr<Window> {
     fail(Code::kInvalidArgument, -1, 0, reason);
@@ -475,21 +448,7 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
                          bool* signal_done) {
   PathOp op = path_op(a, local, is_get);
   Path* p = ordered_path(a, v, v.path.get(), f);
-  bool device_path = is_device_path(p->kind()) || p->kind() == PathKind::kStaged;
-  if (local.kind == WindowKind::kDevice && !device_path) {
-    fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
-                                                "): window #" + std::to_string(local.index) +
-                                                " is device memory and the peer's window is host memory; "
-                                                "ops between a device and a host window are not supported");
-  }
-  if (a.stream_set && !device_path) {  // a host path: start after the stream's earlier work
-    cuda::check(cuda::need_driver("an op with a stream").cuStreamSynchronize(a.stream), "waiting for the op's stream");
-    op.stream_set = false;
-  }
-  if (is_device_path(p->kind()) && op.sig != nullptr) {
-    op.sig_slots = windows_->find(a.sig.win)->peers[a.peer].path->slots();  // applied from the stream
-    if (op.sig_slots.values == nullptr) op.sig = nullptr;  // else it follows below, through its own path
-  }
+  prepare_device_op(a, local, *p, is_get, &op);
   if (p->synchronous_for(op)) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;
@@ -546,21 +505,6 @@ void OneSided::get(const PutArgs& a) {
   bool unused = false;
   if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f, &unused)) return;
   engine_->count_inline(a.peer, 1);
-}
-
-// A signal alone with a stream: applied from the stream once its earlier work
-// is done, when the slots are mapped here; otherwise after waiting for it.
-bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view) {
-  const cuda::Driver& d = cuda::need_driver("signal with a stream");
-  SignalSlots slots = sig_view.path->slots();
-  if (slots.values == nullptr) {
-    cuda::check(d.cuStreamSynchronize(a.stream), "signal: waiting for its stream");
-    return false;
-  }
-  fences_[a.peer * ncontexts_ + a.ctx]->before(a.stream);  // after the pair's earlier device ops
-  engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
-  cuda::complete_on_stream(a.stream, engine_, a.peer, a.ctx, &a.sig, slots, rank_);
-  return true;
 }
 
 Window& OneSided::signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const {
@@ -620,26 +564,6 @@ void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const
     wait_signal_epoch(w.notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));
     current = load_signal(slots, slot);
   }
-}
-
-void OneSided::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream,
-                                     const Deadline& deadline) const {
-  OpWindows ow;
-  Window& w = signal_slot(win, slot, "wait_signal", &ow);
-  cuda::need_driver("wait_signal with a stream");
-  std::string why;
-  {
-    std::lock_guard<std::mutex> lock(w.host_reg_mu);
-    if (!w.host_reg) w.host_reg = std::make_unique<cuda::HostRegistration>(w.base, w.size);
-    uint64_t* at = reinterpret_cast<uint64_t*>(w.base) + slot;
-    if (cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, &why)) return;
-  }
-  static std::once_flag logged;
-  std::call_once(logged, [&] {
-    FXM_WARN(rank_, "wait_signal with a stream waits on the host: the driver has no stream memory operations (" +
-                        why + ")");
-  });
-  wait_signal(win, slot, expected, deadline);
 }
 
 void OneSided::fail_wait_closed(const Window& w, uint64_t slot) const {

@@ -120,6 +120,7 @@ class OneSided {
   bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
                  bool* signal_done);
   PathOp path_op(const PutArgs& a, Window& local, bool is_get) const;
+  void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, PathOp* op) const;
   bool signal_on_stream(const PutArgs& a, const PeerView& sig_view);  // true: queued on a.stream
   void finish_registration(Window& w) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }

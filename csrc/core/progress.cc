@@ -144,8 +144,9 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   }
 }
 
-void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
-                      uint64_t dst_off, const SignalSpec& sig) {
+namespace {
+
+wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {
   wire::PutHeader h;
   h.dst_win = dst_win;
   h.dst_off = dst_off;
@@ -155,21 +156,21 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
     h.sig_slot = sig.slot;
     h.sig_val = sig.value;
   }
+  return h;
+}
+
+}  // namespace
+
+void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
+                      uint64_t dst_off, const SignalSpec& sig) {
+  wire::PutHeader h = put_header(dst_win, dst_off, sig);
   OutItem it{frame(FrameType::kPut, &h, len), src, len, 0, 0};
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
 void Engine::post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
                             uint64_t dst_off, const SignalSpec& sig) {
-  wire::PutHeader h;
-  h.dst_win = dst_win;
-  h.dst_off = dst_off;
-  if (sig.on) {
-    h.flags = wire::kPutHasSignal | (sig.set ? wire::kPutSignalSet : 0);
-    h.sig_win = sig.win;
-    h.sig_slot = sig.slot;
-    h.sig_val = sig.value;
-  }
+  wire::PutHeader h = put_header(dst_win, dst_off, sig);
   OutItem it{frame(FrameType::kPut, &h, len), bytes.get(), len, 0, 0};
   it.owned = std::move(bytes);  // sent from where it is, freed with the item
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);

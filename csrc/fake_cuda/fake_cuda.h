@@ -20,7 +20,7 @@ using CUresult = int;
 using CUdeviceptr = unsigned long long;
 using Handle = unsigned long long;  // CUmemGenericAllocationHandle
 
-constexpr CUresult kSuccess = 0, kInvalidValue = 1, kNotInitialized = 3, kNoDevice = 100,
+constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3, kNoDevice = 100,
                    kInvalidDevice = 101, kInvalidContext = 201, kInvalidHandle = 400,
                    kNotFound = 500, kNotReady = 600, kIllegalAddress = 700,
                    kHostAlreadyRegistered = 712, kHostNotRegistered = 713, kNotPermitted = 800,

@@ -169,7 +169,7 @@ FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t size) {
   if (phys->fd < 0 || !map_views(phys->fd, r.mapped, nullptr, &base, &r.alias)) {
     if (phys->fd >= 0) close(phys->fd);
     delete phys;
-    return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+    return kOutOfMemory;
   }
   r.base = reinterpret_cast<CUdeviceptr>(base);
   r.size = size;
@@ -181,8 +181,7 @@ FAKE_API CUresult cuMemAlloc_v2(CUdeviceptr* ptr, size_t size) {
 }
 
 FAKE_API CUresult cuMemFree_v2(CUdeviceptr ptr) {
-  FAKE_ENTER("cuMemFree");
-  FAKE_NEED_CONTEXT();
+  FAKE_ENTER("cuMemFree");  // the H200 answers a bad pointer without a context, not 201
   return free_legacy(ptr);
 }
 
@@ -198,13 +197,24 @@ FAKE_API CUresult cuMemcpyDtoH_v2(void* dst, CUdeviceptr src, size_t n) {
   return copy_now(reinterpret_cast<CUdeviceptr>(dst), src, n);
 }
 
+// As the H200 answers: an allocation, a VMM mapping with access granted, or a
+// registered host range; CUDA_ERROR_NOT_FOUND for anything else.
 FAKE_API CUresult cuMemGetAddressRange_v2(CUdeviceptr* base, size_t* size, CUdeviceptr ptr) {
   FAKE_ENTER("cuMemGetAddressRange");
+  FAKE_NEED_CONTEXT();
   std::shared_lock<std::shared_mutex> g(table_lock());
-  const Range* r = find_range(ptr);
-  if (!r) return kInvalidValue;
-  if (base) *base = r->base;
-  if (size) *size = r->size;
+  CUdeviceptr b = 0;
+  size_t n = 0;
+  if (const Range* r = find_range(ptr)) {
+    if (r->kind == Kind::kVmmMapping && !r->access) return kNotFound;
+    b = r->base, n = r->size;
+  } else if (const HostRegion* h = find_host(static_cast<uintptr_t>(ptr), 1)) {
+    b = h->base, n = h->size;
+  } else {
+    return kNotFound;
+  }
+  if (base) *base = b;
+  if (size) *size = n;
   return kSuccess;
 }
 
@@ -228,8 +238,7 @@ FAKE_API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
 }
 
 FAKE_API CUresult cuMemHostUnregister(void* p) {
-  FAKE_ENTER("cuMemHostUnregister");
-  FAKE_NEED_CONTEXT();
+  FAKE_ENTER("cuMemHostUnregister");  // needs no context on the H200
   std::unique_lock<std::shared_mutex> g(table_lock());
   if (table().host.erase(reinterpret_cast<uintptr_t>(p)) == 0) return kHostNotRegistered;
   return kSuccess;

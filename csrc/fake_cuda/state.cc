@@ -103,6 +103,7 @@ struct ErrorText {
 constexpr ErrorText kErrors[] = {
     {kSuccess, "CUDA_SUCCESS", "no error"},
     {kInvalidValue, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
+    {kOutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
     {kNotInitialized, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
     {kNoDevice, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {kInvalidDevice, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},

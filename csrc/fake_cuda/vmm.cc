@@ -103,7 +103,7 @@ FAKE_API CUresult cuMemCreate(Handle* h, size_t size, const MemAllocationProp* p
   if (types & ~kHandlePosixFd) return kNotSupported;
   std::unique_lock<std::shared_mutex> g(table_lock());
   int fd = new_memfd(size, prop->location.id, types, table().next_id);
-  if (fd < 0) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  if (fd < 0) return kOutOfMemory;
   *h = add_physical(fd, size, prop->location.id, types);
   return kSuccess;
 }
@@ -123,7 +123,7 @@ FAKE_API CUresult cuMemAddressReserve(CUdeviceptr* ptr, size_t size, size_t alig
   if (!ptr || flags != 0 || size == 0 || size % gran != 0) return kInvalidValue;
   if (alignment & (alignment - 1)) return kInvalidValue;
   void* p = reserve_space(size, alignment > gran ? alignment : gran, addr);
-  if (!p) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  if (!p) return kOutOfMemory;
   std::unique_lock<std::shared_mutex> g(table_lock());
   *ptr = reinterpret_cast<CUdeviceptr>(p);
   table().reservations[*ptr] = Reservation{*ptr, size};
@@ -155,7 +155,7 @@ FAKE_API CUresult cuMemMap(CUdeviceptr ptr, size_t size, size_t offset, Handle h
   char* base = nullptr;
   r.mapped = size;
   if (!map_views(hit->second->fd, size, reinterpret_cast<void*>(ptr), &base, &r.alias))
-    return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+    return kOutOfMemory;
   r.base = ptr;
   r.size = size;
   r.kind = Kind::kVmmMapping;
@@ -218,7 +218,7 @@ FAKE_API CUresult cuMemExportToShareableHandle(void* shareable, Handle h, int ty
   auto it = table().handles.find(h);
   if (it == table().handles.end() || !(it->second->handle_types & kHandlePosixFd)) return kInvalidValue;
   int fd = fcntl(it->second->fd, F_DUPFD_CLOEXEC, 0);
-  if (fd < 0) return 2;  // CUDA_ERROR_OUT_OF_MEMORY
+  if (fd < 0) return kOutOfMemory;
   *static_cast<int*>(shareable) = fd;
   return kSuccess;
 }

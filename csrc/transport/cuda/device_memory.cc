@@ -150,7 +150,7 @@ DeviceExport DeviceMemory::export_for_peers() {
   use_device(ordinal_);
   DeviceExport e;
   e.ordinal = ordinal_;
-  int legacy = 0;
+  uint64_t legacy = 0;  // a boolean written as 4 bytes
   CUdeviceptr range = 0;
   if (attr(d, &legacy, kPtrIsLegacyIpcCapable, base_) != kSuccess || legacy == 0) {
     e.why_no_ipc = "not a cudaMalloc allocation (no legacy IPC handle)";
@@ -170,7 +170,7 @@ DeviceExport DeviceMemory::export_for_peers() {
 // (an expandable-segments tensor spans several).
 void DeviceMemory::export_vmm(DeviceExport* e) {
   const Driver& d = *driver();
-  int types = 0;
+  uint64_t types = 0;  // 4 or 8 bytes written, depending on the driver: zeroed, read little-endian
   if (attr(d, &types, kPtrAllowedHandleTypes, base_) != kSuccess || (types & kHandlePosixFd) == 0) {
     e->why_no_vmm = "not a cuMem allocation with a POSIX fd handle";
     return;
