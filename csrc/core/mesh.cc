@@ -40,16 +40,19 @@ void check_args(int nranks, int rank, const MeshOptions& opt) {
   if (opt.timeout_s < 0) bad("timeout must be positive");
   if (opt.max_inflight < 1) bad("max_inflight must be >= 1");
   if (opt.max_unreceived < 1) bad("max_unreceived must be >= 1");
+  if (opt.epoch > 0xFFFFFFFFll) bad("epoch must fit in 32 bits, got " + std::to_string(opt.epoch));
 }
 
 }  // namespace
 
 Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
            const MeshOptions& opt)
-    : nranks_(nranks), rank_(rank), contexts_(opt.contexts), epoch_(opt.epoch) {
+    : nranks_(nranks), rank_(rank), contexts_(opt.contexts) {
   check_args(nranks, rank, opt);
   bootstrap::UniqueId id = bootstrap::decode_unique_id(unique_id, unique_id_len);
   mesh_id_ = id.mesh_id;
+  epoch_ = opt.epoch < 0 ? id.epoch : static_cast<uint32_t>(opt.epoch);
+  key_ = id.key_for(epoch_);
   double timeout_s = opt.timeout_s > 0 ? opt.timeout_s : env_config().timeout_s;
   Deadline deadline = Deadline::after_seconds(timeout_s);
   try {
@@ -90,10 +93,10 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   if (!listener) fail(Code::kSystem, -1, err, who() + "listen on " + tcp::local_address().str());
   times_.listen = lap();
   phase("listen");
-  std::vector<tcp::SockAddr> peers = rendezvous(id.root, deadline);
+  std::vector<tcp::SockAddr> peers = rendezvous(id, deadline);
   times_.rendezvous = lap();
   phase("rendezvous");
-  BuildPlan plan{rank_, nranks_, contexts_, mesh_id_, epoch_, std::move(peers), listener.get(),
+  BuildPlan plan{rank_, nranks_, contexts_, mesh_id_, epoch_, key_, std::move(peers), listener.get(),
                  boot_->fd(), [&] { boot_->raise_pending(deadline); }, deadline,
                  opt.header_timeout_s, opt.max_inflight};
   conns_ = build_mesh(plan, &stats_);
@@ -107,9 +110,8 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   phase("wiring");
 }
 
-std::vector<tcp::SockAddr> Mesh::rendezvous(const tcp::SockAddr& root, const Deadline& deadline) {
-  bootstrap::UniqueId id{root, mesh_id_};
-  boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline);
+std::vector<tcp::SockAddr> Mesh::rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline) {
+  boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline, epoch_);
   std::vector<uint8_t> mine(tcp::kWireAddrSize);
   tcp::addr_to_wire(listen_addr_, mine.data());
   bootstrap::Parts parts = boot_->allgather(mine, deadline);

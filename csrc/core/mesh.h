@@ -29,7 +29,7 @@ struct MeshOptions {
   double timeout_s = 0;           // whole build; 0: FLAGCX_MESH_TIMEOUT (default 60)
   double header_timeout_s = 5.0;  // per accepted connection
   int max_inflight = 64;          // outgoing connects in flight
-  uint32_t epoch = 0;
+  int64_t epoch = -1;  // the unique id's when negative; another is refused by the root
   uint64_t max_unreceived = 1ull << 30;  // per (peer, ctx) mailbox, see Engine
   // Called after each phase ("listen", "rendezvous", "connect", "wiring");
   // a hook for tests and tracing. May throw to abort the build.
@@ -95,7 +95,7 @@ class Mesh {
 
  private:
   void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
-  std::vector<tcp::SockAddr> rendezvous(const tcp::SockAddr& root, const Deadline& deadline);
+  std::vector<tcp::SockAddr> rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline);
   void wiring_check(const Deadline& deadline);
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;
@@ -111,6 +111,7 @@ class Mesh {
   int contexts_;
   uint32_t epoch_ = 0;
   wire::MeshId mesh_id_{};
+  crypto::Key key_{};  // this epoch's key (wire::derive_key): proves every connection
   tcp::SockAddr listen_addr_;
   PhaseTimes times_;
   BuildStats stats_;

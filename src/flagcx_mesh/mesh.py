@@ -15,15 +15,20 @@ from .window import SignalWindow, Window, WindowLike, index_of
 UNIQUE_ID_SIZE = _core.UNIQUE_ID_SIZE
 
 
-def get_unique_id() -> bytes:
+def get_unique_id(epoch: int = 0) -> bytes:
     """Make a new unique id (256 opaque bytes) for one mesh.
+
+    The id holds a fresh secret key; joins and connections prove they know it
+    without sending it (see docs/security.md), so treat the bytes as a
+    credential. ``epoch`` (32 bits) is bound into the keys on the wire: a rank
+    started with another epoch is refused.
 
     The calling process hosts the rendezvous root for that mesh (a background
     thread listening on an ephemeral port of the chosen interface) until every
     rank has joined and left, so it must stay alive while the mesh is built.
     Send the bytes to every rank by any channel (MPI, a store, a file, env).
     """
-    return _core.get_unique_id()
+    return _core.get_unique_id(int(epoch))
 
 
 _U64 = 1 << 64
@@ -112,6 +117,8 @@ class Mesh:
     ``max_unreceived`` bounds the bytes of messages waiting for :meth:`recv`
     per (peer, context); above it the mesh stops reading that connection
     (its one-sided completions wait too) until ``recv`` drains it.
+    ``epoch`` is the unique id's when ``None``; a rank given another one is
+    refused by the rendezvous root (see docs/security.md).
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -127,7 +134,7 @@ class Mesh:
         header_timeout: float = 5.0,
         max_inflight: int = 64,
         max_unreceived: int = 1 << 30,
-        epoch: int = 0,
+        epoch: Optional[int] = None,
         _on_phase: Optional[Callable[[str], None]] = None,
     ) -> None:
         self._core = _core.Mesh(
@@ -139,7 +146,7 @@ class Mesh:
             header_timeout=float(header_timeout),
             max_inflight=int(max_inflight),
             max_unreceived=int(max_unreceived),
-            epoch=int(epoch),
+            epoch=-1 if epoch is None else int(epoch),
             on_phase=_on_phase,
         )
         self._default_signal: Optional[int] = None
