@@ -18,6 +18,9 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
                  and write nothing; a bad stream is a TypeError
     peer_death   rank 1 dies while rank 0 streams puts to it: flush fails with PeerLost naming it
     compat       compat's one_side_register of device buffers, put_signal / wait_signal on streams
+    staged_stream_signal  (FLAGCX_MESH_CUDA_PATH=staged) a put in flight as a tcp frame, then a
+                 signal on a stream: the target never sees the signal before the bytes
+    bad_cuda_path_env  rank 1 alone has a bad FLAGCX_MESH_CUDA_PATH: registration fails everywhere
 """
 
 from __future__ import annotations
@@ -343,8 +346,57 @@ def scenario_compat(mesh: Mesh, dev, args) -> None:
     mesh.barrier(timeout=60)
 
 
+def scenario_staged_stream_signal(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=staged. Rank 0 puts region k (staged: a tcp frame in
+    flight), then signals slot 0 on a stream (the signal window is shm, mapped here); rank 1
+    waits for slot 0 >= k + 1 and reads region k: FIFO per pair says its bytes are there."""
+    rounds, chunk = args.rounds, 4 << 20
+    sig = mesh.signal_window(4)
+    win = mesh.alloc_window(chunk * rounds, device=0)
+    check_paths(mesh, win, "staged", "device")
+    stream = dev.stream()
+    if mesh.rank == 0:
+        b = dev.window_bytes(win)
+        for k in range(rounds):
+            b.write(k * chunk, bytes([k % 251 + 1]) * chunk)
+    mesh.barrier(timeout=60)
+    early = []
+    if mesh.rank == 0:
+        for k in range(rounds):
+            mesh.put(1, win, k * chunk, win, k * chunk, chunk)
+            mesh.signal(1, 0, 1, signal_window=sig, stream=stream)
+        mesh.flush(timeout=60)
+    elif mesh.rank == 1:
+        b = dev.window_bytes(win)
+        for k in range(rounds):
+            mesh.wait_signal(0, k + 1, timeout=60, window=sig)
+            if b.read(k * chunk, chunk) != bytes([k % 251 + 1]) * chunk:
+                early.append(k)
+    mesh.barrier(timeout=60)
+    check(not early, lambda: f"rounds {early}: the signal queued on a stream was applied before the "
+                             f"earlier staged put's bytes landed")
+
+
+def scenario_bad_cuda_path_env(mesh: Mesh, dev, args) -> None:
+    """Only rank 1 has a bad FLAGCX_MESH_CUDA_PATH: a registration must fail on every rank
+    (naming rank 1), never succeed on some ranks and fail on others."""
+    if mesh.rank == 1:
+        os.environ["FLAGCX_MESH_CUDA_PATH"] = "bogus"
+    outcome = "registered"
+    try:
+        mesh.alloc_window(4096)
+    except InvalidArgument as e:
+        outcome = f"refused: {e}"
+    if mesh.rank == 1:
+        del os.environ["FLAGCX_MESH_CUDA_PATH"]
+    print(f"rank {mesh.rank} {outcome}", flush=True)
+    check(outcome != "registered", "the registration succeeded here although rank 1 could not take part")
+    mesh.barrier(timeout=60)
+
+
 SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
-             "peer_death": scenario_peer_death}
+             "peer_death": scenario_peer_death, "staged_stream_signal": scenario_staged_stream_signal,
+             "bad_cuda_path_env": scenario_bad_cuda_path_env}
 
 
 def main() -> int:
