@@ -20,6 +20,8 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
     compat       compat's one_side_register of device buffers, put_signal / wait_signal on streams
     staged_stream_signal  (FLAGCX_MESH_CUDA_PATH=staged) a put in flight as a tcp frame, then a
                  signal on a stream: the target never sees the signal before the bytes
+    held_library_stream  (FLAGCX_MESH_CUDA_PATH=cuda-vmm) a staged put_signal lands while the
+                 target's library stream is ordered behind a stream held by a stream wait
     bad_cuda_path_env  rank 1 alone has a bad FLAGCX_MESH_CUDA_PATH: registration fails everywhere
 """
 
@@ -394,9 +396,35 @@ def scenario_bad_cuda_path_env(mesh: Mesh, dev, args) -> None:
     mesh.barrier(timeout=60)
 
 
+def scenario_held_library_stream(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=cuda-vmm (cuMem windows cuda-vmm, cudaMalloc ones staged).
+    Rank 0 holds stream a with a stream wait on slot 3, queues a put on a, then a put without a
+    stream (the library's stream, ordered after a). Rank 1's staged put_signal to rank 0 sets
+    slot 3: rank 0's progress thread must land it (and so release a), whatever waits on a."""
+    sig = mesh.signal_window(4)
+    v = mesh.alloc_window(1 << 16, device=0)
+    ubuf = dev.buffer(1 << 16)
+    u = mesh.register_window(ubuf)
+    check_paths(mesh, v, "cuda-vmm", "alloc")
+    check_paths(mesh, u, "staged", "user")
+    mesh.barrier(timeout=60)
+    if mesh.rank == 0:
+        a = dev.stream()
+        mesh.wait_signal(3, 1, window=sig, stream=a)  # a is held until rank 1's put_signal lands
+        mesh.put(1, v, 0, v, 0, 4096, stream=a)
+        mesh.put(1, v, 4096, v, 4096, 4096)  # no stream: FIFO puts it after a's put
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        mesh.put_signal(0, u, 0, u, 0, 4096, 3, 1, signal_window=sig)
+    elif mesh.rank == 0:
+        mesh.wait_signal(3, 1, timeout=20, window=sig)
+    mesh.flush(timeout=20)
+    mesh.barrier(timeout=60)
+
+
 SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
              "peer_death": scenario_peer_death, "staged_stream_signal": scenario_staged_stream_signal,
-             "bad_cuda_path_env": scenario_bad_cuda_path_env}
+             "bad_cuda_path_env": scenario_bad_cuda_path_env, "held_library_stream": scenario_held_library_stream}
 
 
 def main() -> int:

@@ -360,3 +360,7 @@ def test_a_device_range_spanning_two_allocations_is_refused():
 
 def test_a_bad_cuda_path_variable_on_one_rank_fails_the_registration_on_every_rank():
     run_job(2, "bad_cuda_path_env")
+
+
+def test_a_staged_put_lands_while_the_library_stream_is_ordered_behind_a_held_stream():
+    run_job(2, "held_library_stream", env=fake_env(FLAGCX_MESH_CUDA_PATH="cuda-vmm"))
