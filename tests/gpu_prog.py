@@ -22,6 +22,7 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
                  signal on a stream: the target never sees the signal before the bytes
     held_library_stream  (FLAGCX_MESH_CUDA_PATH=cuda-vmm) a staged put_signal lands while the
                  target's library stream is ordered behind a stream held by a stream wait
+    counter      (FLAGCX_MESH_TRANSPORT=tcp) a put_signal over cuda-vmm counts one op
     bad_cuda_path_env  rank 1 alone has a bad FLAGCX_MESH_CUDA_PATH: registration fails everywhere
 """
 
@@ -422,9 +423,28 @@ def scenario_held_library_stream(mesh: Mesh, dev, args) -> None:
     mesh.barrier(timeout=60)
 
 
+def scenario_counter(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_TRANSPORT=tcp (device windows cuda-vmm, the signal window tcp):
+    each put_signal is one op for read_counter / wait_counter, as on every host path."""
+    sig = mesh.signal_window(4)
+    v = mesh.alloc_window(1 << 16, device=0)
+    check_paths(mesh, v, "cuda-vmm", "device")
+    mesh.barrier(timeout=60)
+    counted = 4
+    if mesh.rank == 0:
+        before = mesh.read_counter()
+        for _ in range(4):
+            mesh.put_signal(1, v, 0, v, 0, 4096, 0, 1, signal_window=sig)
+        mesh.flush(timeout=60)
+        counted = mesh.read_counter() - before
+    mesh.barrier(timeout=60)
+    check(counted == 4, f"4 put_signals counted as {counted} completed ops")
+
+
 SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
              "peer_death": scenario_peer_death, "staged_stream_signal": scenario_staged_stream_signal,
-             "bad_cuda_path_env": scenario_bad_cuda_path_env, "held_library_stream": scenario_held_library_stream}
+             "bad_cuda_path_env": scenario_bad_cuda_path_env, "held_library_stream": scenario_held_library_stream,
+             "counter": scenario_counter}
 
 
 def main() -> int:

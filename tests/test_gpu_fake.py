@@ -364,3 +364,7 @@ def test_a_bad_cuda_path_variable_on_one_rank_fails_the_registration_on_every_ra
 
 def test_a_staged_put_lands_while_the_library_stream_is_ordered_behind_a_held_stream():
     run_job(2, "held_library_stream", env=fake_env(FLAGCX_MESH_CUDA_PATH="cuda-vmm"))
+
+
+def test_a_put_signal_over_a_device_path_counts_one_op_when_its_signal_goes_over_tcp():
+    run_job(2, "counter", env=fake_env(FLAGCX_MESH_TRANSPORT="tcp"))
