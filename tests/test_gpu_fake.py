@@ -368,3 +368,29 @@ def test_a_staged_put_lands_while_the_library_stream_is_ordered_behind_a_held_st
 
 def test_a_put_signal_over_a_device_path_counts_one_op_when_its_signal_goes_over_tcp():
     run_job(2, "counter", env=fake_env(FLAGCX_MESH_TRANSPORT="tcp"))
+
+
+def test_a_stream_wait_from_a_thread_without_a_current_context_is_queued():
+    """The stream was made on another thread; this one never made a CUDA context current (a
+    C caller's communication thread): wait_signal(stream=) must still queue the wait."""
+    p = run_python("""
+        import threading, flagcx_mesh as fm, fakecuda
+        cu = fakecuda.FakeCuda.get()
+        s = cu.stream()
+        with fm.Mesh(1, fm.get_unique_id(), 0, timeout=10) as m:
+            sig = m.signal_window(4)
+            out = []
+            def waiter():
+                try:
+                    m.wait_signal(0, 1, window=sig, stream=s)
+                    out.append("QUEUED")
+                except fm.MeshError as e:
+                    out.append(f"ERROR {e}")
+            t = threading.Thread(target=waiter)
+            t.start()
+            t.join()
+            m.signal(0, 0, 1, signal_window=sig)
+            cu.synchronize(s)
+            print(out[0])
+    """, fake_env())
+    assert "QUEUED" in p.stdout, p.stdout
