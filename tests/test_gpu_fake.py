@@ -394,3 +394,27 @@ def test_a_stream_wait_from_a_thread_without_a_current_context_is_queued():
             print(out[0])
     """, fake_env())
     assert "QUEUED" in p.stdout, p.stdout
+
+
+def test_closing_a_mesh_never_frees_a_signal_slot_a_stream_still_waits_on():
+    """A stream waits for a signal that never comes (its peer died, say), then the mesh is
+    closed: the slot must stay mapped and registered; the stream keeps waiting, it neither
+    faults nor runs past the wait."""
+    p = run_python("""
+        import gc, time, flagcx_mesh as fm, fakecuda
+        cu = fakecuda.FakeCuda.get()
+        s = cu.stream()
+        m = fm.Mesh(1, fm.get_unique_id(), 0, timeout=2)
+        sig = m.signal_window(4)
+        m.wait_signal(0, 1, window=sig, stream=s)
+        after = cu.event()
+        cu.record(after, s)
+        m.close()
+        del m, sig
+        gc.collect()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2 and cu.event_query(after) == fakecuda.NOT_READY:
+            time.sleep(0.05)
+        print("PASSED THE WAIT" if cu.event_query(after) != fakecuda.NOT_READY else "STILL WAITING")
+    """, fake_env())
+    assert "STILL WAITING" in p.stdout, p.stdout
