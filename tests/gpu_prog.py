@@ -23,6 +23,8 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
     held_library_stream  (FLAGCX_MESH_CUDA_PATH=cuda-vmm) a staged put_signal lands while the
                  target's library stream is ordered behind a stream held by a stream wait
     counter      (FLAGCX_MESH_TRANSPORT=tcp) a put_signal over cuda-vmm counts one op
+    get_answer_fails  (staged, cuMemcpyAsync failing) a get the target cannot answer fails naming
+                 the driver's result, and the pair stays usable
     bad_cuda_path_env  rank 1 alone has a bad FLAGCX_MESH_CUDA_PATH: registration fails everywhere
 """
 
@@ -441,10 +443,41 @@ def scenario_counter(mesh: Mesh, dev, args) -> None:
     check(counted == 4, f"4 put_signals counted as {counted} completed ops")
 
 
+def scenario_get_answer_fails(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=staged and cuMemcpyAsync failing: rank 1 cannot copy its
+    device window down to answer rank 0's get. Rank 0's get must fail naming the driver's
+    result, and rank 1 must still reach rank 0 afterwards."""
+    dwin = mesh.alloc_window(4096, device=0)
+    hwin = mesh.alloc_window(4096)
+    check_paths(mesh, dwin, "staged", "device")
+    mesh.barrier(timeout=60)
+    outcome = "ok"
+    if mesh.rank == 0:
+        try:
+            mesh.get(1, dwin, 0, hwin, 0, 64)
+            mesh.flush(timeout=15)
+            outcome = "the get succeeded"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        print(f"rank 0 get: {outcome}", flush=True)
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        try:
+            mesh.put(0, hwin, 0, hwin, 0, 8)  # host windows: no CUDA copy involved
+            mesh.flush(timeout=15)
+        except Exception as e:  # noqa: BLE001
+            outcome = f"rank 1 can no longer reach rank 0: {type(e).__name__}: {e}"
+    mesh.barrier(timeout=60)
+    if mesh.rank == 0:
+        check("CUDA_ERROR_ILLEGAL_ADDRESS" in outcome, f"the get's error should name the driver's result: {outcome}")
+    else:
+        check(outcome == "ok", outcome)
+
+
 SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
              "peer_death": scenario_peer_death, "staged_stream_signal": scenario_staged_stream_signal,
              "bad_cuda_path_env": scenario_bad_cuda_path_env, "held_library_stream": scenario_held_library_stream,
-             "counter": scenario_counter}
+             "counter": scenario_counter, "get_answer_fails": scenario_get_answer_fails}
 
 
 def main() -> int:

@@ -418,3 +418,8 @@ def test_closing_a_mesh_never_frees_a_signal_slot_a_stream_still_waits_on():
         print("PASSED THE WAIT" if cu.event_query(after) != fakecuda.NOT_READY else "STILL WAITING")
     """, fake_env())
     assert "STILL WAITING" in p.stdout, p.stdout
+
+
+def test_a_get_the_target_cannot_copy_down_fails_naming_the_driver_and_keeps_the_pair():
+    run_job(2, "get_answer_fails",
+            env=fake_env(FLAGCX_MESH_CUDA_PATH="staged", FXM_FAKECUDA_FAIL="cuMemcpyAsync=700"))
