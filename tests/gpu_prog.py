@@ -18,6 +18,14 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
                  and write nothing; a bad stream is a TypeError
     peer_death   rank 1 dies while rank 0 streams puts to it: flush fails with PeerLost naming it
     compat       compat's one_side_register of device buffers, put_signal / wait_signal on streams
+    staged_stream_signal  (FLAGCX_MESH_CUDA_PATH=staged) a put in flight as a tcp frame, then a
+                 signal on a stream: the target never sees the signal before the bytes
+    held_library_stream  (FLAGCX_MESH_CUDA_PATH=cuda-vmm) a staged put_signal lands while the
+                 target's library stream is ordered behind a stream held by a stream wait
+    counter      (FLAGCX_MESH_TRANSPORT=tcp) a put_signal over cuda-vmm counts one op
+    get_answer_fails  (staged, cuMemcpyAsync failing) a get the target cannot answer fails naming
+                 the driver's result, and the pair stays usable
+    bad_cuda_path_env  rank 1 alone has a bad FLAGCX_MESH_CUDA_PATH: registration fails everywhere
 """
 
 from __future__ import annotations
@@ -343,8 +351,133 @@ def scenario_compat(mesh: Mesh, dev, args) -> None:
     mesh.barrier(timeout=60)
 
 
+def scenario_staged_stream_signal(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=staged. Rank 0 puts region k (staged: a tcp frame in
+    flight), then signals slot 0 on a stream (the signal window is shm, mapped here); rank 1
+    waits for slot 0 >= k + 1 and reads region k: FIFO per pair says its bytes are there."""
+    rounds, chunk = args.rounds, 4 << 20
+    sig = mesh.signal_window(4)
+    win = mesh.alloc_window(chunk * rounds, device=0)
+    check_paths(mesh, win, "staged", "device")
+    stream = dev.stream()
+    if mesh.rank == 0:
+        b = dev.window_bytes(win)
+        for k in range(rounds):
+            b.write(k * chunk, bytes([k % 251 + 1]) * chunk)
+    mesh.barrier(timeout=60)
+    early = []
+    if mesh.rank == 0:
+        for k in range(rounds):
+            mesh.put(1, win, k * chunk, win, k * chunk, chunk)
+            mesh.signal(1, 0, 1, signal_window=sig, stream=stream)
+        mesh.flush(timeout=60)
+    elif mesh.rank == 1:
+        b = dev.window_bytes(win)
+        for k in range(rounds):
+            mesh.wait_signal(0, k + 1, timeout=60, window=sig)
+            if b.read(k * chunk, chunk) != bytes([k % 251 + 1]) * chunk:
+                early.append(k)
+    mesh.barrier(timeout=60)
+    check(not early, lambda: f"rounds {early}: the signal queued on a stream was applied before the "
+                             f"earlier staged put's bytes landed")
+
+
+def scenario_bad_cuda_path_env(mesh: Mesh, dev, args) -> None:
+    """Only rank 1 has a bad FLAGCX_MESH_CUDA_PATH: a registration must fail on every rank
+    (naming rank 1), never succeed on some ranks and fail on others."""
+    if mesh.rank == 1:
+        os.environ["FLAGCX_MESH_CUDA_PATH"] = "bogus"
+    outcome = "registered"
+    try:
+        mesh.alloc_window(4096)
+    except InvalidArgument as e:
+        outcome = f"refused: {e}"
+    if mesh.rank == 1:
+        del os.environ["FLAGCX_MESH_CUDA_PATH"]
+    print(f"rank {mesh.rank} {outcome}", flush=True)
+    check(outcome != "registered", "the registration succeeded here although rank 1 could not take part")
+    mesh.barrier(timeout=60)
+
+
+def scenario_held_library_stream(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=cuda-vmm (cuMem windows cuda-vmm, cudaMalloc ones staged).
+    Rank 0 holds stream a with a stream wait on slot 3, queues a put on a, then a put without a
+    stream (the library's stream, ordered after a). Rank 1's staged put_signal to rank 0 sets
+    slot 3: rank 0's progress thread must land it (and so release a), whatever waits on a."""
+    sig = mesh.signal_window(4)
+    v = mesh.alloc_window(1 << 16, device=0)
+    ubuf = dev.buffer(1 << 16)
+    u = mesh.register_window(ubuf)
+    check_paths(mesh, v, "cuda-vmm", "alloc")
+    check_paths(mesh, u, "staged", "user")
+    mesh.barrier(timeout=60)
+    if mesh.rank == 0:
+        a = dev.stream()
+        mesh.wait_signal(3, 1, window=sig, stream=a)  # a is held until rank 1's put_signal lands
+        mesh.put(1, v, 0, v, 0, 4096, stream=a)
+        mesh.put(1, v, 4096, v, 4096, 4096)  # no stream: FIFO puts it after a's put
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        mesh.put_signal(0, u, 0, u, 0, 4096, 3, 1, signal_window=sig)
+    elif mesh.rank == 0:
+        mesh.wait_signal(3, 1, timeout=20, window=sig)
+    mesh.flush(timeout=20)
+    mesh.barrier(timeout=60)
+
+
+def scenario_counter(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_TRANSPORT=tcp (device windows cuda-vmm, the signal window tcp):
+    each put_signal is one op for read_counter / wait_counter, as on every host path."""
+    sig = mesh.signal_window(4)
+    v = mesh.alloc_window(1 << 16, device=0)
+    check_paths(mesh, v, "cuda-vmm", "device")
+    mesh.barrier(timeout=60)
+    counted = 4
+    if mesh.rank == 0:
+        before = mesh.read_counter()
+        for _ in range(4):
+            mesh.put_signal(1, v, 0, v, 0, 4096, 0, 1, signal_window=sig)
+        mesh.flush(timeout=60)
+        counted = mesh.read_counter() - before
+    mesh.barrier(timeout=60)
+    check(counted == 4, f"4 put_signals counted as {counted} completed ops")
+
+
+def scenario_get_answer_fails(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=staged and cuMemcpyAsync failing: rank 1 cannot copy its
+    device window down to answer rank 0's get. Rank 0's get must fail naming the driver's
+    result, and rank 1 must still reach rank 0 afterwards."""
+    dwin = mesh.alloc_window(4096, device=0)
+    hwin = mesh.alloc_window(4096)
+    check_paths(mesh, dwin, "staged", "device")
+    mesh.barrier(timeout=60)
+    outcome = "ok"
+    if mesh.rank == 0:
+        try:
+            mesh.get(1, dwin, 0, hwin, 0, 64)
+            mesh.flush(timeout=15)
+            outcome = "the get succeeded"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        print(f"rank 0 get: {outcome}", flush=True)
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        try:
+            mesh.put(0, hwin, 0, hwin, 0, 8)  # host windows: no CUDA copy involved
+            mesh.flush(timeout=15)
+        except Exception as e:  # noqa: BLE001
+            outcome = f"rank 1 can no longer reach rank 0: {type(e).__name__}: {e}"
+    mesh.barrier(timeout=60)
+    if mesh.rank == 0:
+        check("CUDA_ERROR_ILLEGAL_ADDRESS" in outcome, f"the get's error should name the driver's result: {outcome}")
+    else:
+        check(outcome == "ok", outcome)
+
+
 SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
-             "peer_death": scenario_peer_death}
+             "peer_death": scenario_peer_death, "staged_stream_signal": scenario_staged_stream_signal,
+             "bad_cuda_path_env": scenario_bad_cuda_path_env, "held_library_stream": scenario_held_library_stream,
+             "counter": scenario_counter, "get_answer_fails": scenario_get_answer_fails}
 
 
 def main() -> int:

@@ -241,3 +241,196 @@ def test_compat_registers_device_tensors_and_waits_on_a_stream():
         print("GOT", run_threads(2, rank, timeout=60))
     """, fake_env())
     assert "GOT [True, True]" in p.stdout, p.stdout
+
+
+# ---------------------------------------------------------------- ordering, errors, bad input
+
+def test_a_signal_on_a_stream_waits_for_an_earlier_staged_put_to_the_pair():
+    run_job(2, "staged_stream_signal", "--rounds", "6", env=fake_env(FLAGCX_MESH_CUDA_PATH="staged"))
+
+
+def test_a_signal_on_a_stream_is_ordered_before_a_later_put_signal_on_another_stream():
+    """Rank 0's stream a is held by a stream wait; signal(slot 0) on a, then put_signal(slot 1)
+    on stream b: FIFO per pair across streams says slot 0 changes first."""
+    p = run_python("""
+        import threading, flagcx_mesh as fm, fakecuda
+        from meshutil import run_threads
+        cu = fakecuda.FakeCuda.get()
+        uid = fm.get_unique_id()
+        def rank(r):
+            with fm.Mesh(2, uid, r, timeout=30) as m:
+                sig = m.signal_window(4)
+                win = m.alloc_window(4096, device=0)
+                m.barrier(timeout=30)
+                first = None
+                if r == 0:
+                    a, b = cu.stream(), cu.stream()
+                    m.wait_signal(3, 1, window=sig, stream=a)  # a is held until rank 1 releases it
+                    m.signal(1, 0, 1, signal_window=sig, stream=a)
+                    m.put_signal(1, win, 0, win, 0, 4096, 1, 1, signal_window=sig, stream=b)
+                else:
+                    release = threading.Timer(3.0, lambda: m.signal(0, 3, 1, signal_window=sig))
+                    release.start()
+                    m.wait_signal(1, 1, timeout=30, window=sig)
+                    first = m.read_signal(0, window=sig)
+                    release.join()
+                m.flush(timeout=30)
+                m.barrier(timeout=30)
+                return first
+        print("FIRST", run_threads(2, rank, timeout=60)[1])
+    """, fake_env())
+    assert "FIRST 1" in p.stdout, p.stdout
+
+
+def test_an_op_queued_behind_a_blocked_stream_does_not_block_a_host_op_past_the_timeout():
+    """A put on a stream held by a stream wait, then a put on a host window to the same pair:
+    FIFO keeps the host put behind it, but the call must not block beyond the mesh's timeout
+    (it fails with MeshTimeout, or returns with the put queued)."""
+    p = run_python("""
+        import threading, flagcx_mesh as fm, fakecuda
+        from meshutil import run_threads
+        cu = fakecuda.FakeCuda.get()
+        uid = fm.get_unique_id()
+        def rank(r):
+            with fm.Mesh(2, uid, r, timeout=3) as m:
+                sig = m.signal_window(4)
+                dwin = m.alloc_window(4096, device=0)
+                hwin = m.alloc_window(4096)
+                m.barrier(timeout=30)
+                out = None
+                if r == 0:
+                    a = cu.stream()
+                    m.wait_signal(3, 1, window=sig, stream=a)
+                    m.put(1, dwin, 0, dwin, 0, 4096, stream=a)
+                    try:
+                        m.put(1, hwin, 0, hwin, 0, 8)
+                        held = m.read_signal(3, window=sig) == 0  # the stream is still held
+                        out = "returned while held" if held else "blocked until the stream was released"
+                    except fm.MeshError as e:
+                        out = type(e).__name__
+                else:
+                    release = threading.Timer(15.0, lambda: m.signal(0, 3, 1, signal_window=sig))
+                    release.start()
+                    release.join()
+                m.barrier(timeout=30)
+                m.flush(timeout=30)
+                return out
+        print("HOST PUT", run_threads(2, rank, timeout=90)[0])
+    """, fake_env(), timeout=120)
+    assert "HOST PUT MeshTimeout" in p.stdout or "HOST PUT returned while held" in p.stdout, p.stdout
+
+
+def test_a_device_copy_that_failed_on_its_stream_fails_flush():
+    """cuEventQuery answering an error (a sticky fault of the copy) must not count as done."""
+    p = run_python("""
+        import flagcx_mesh as fm, fakecuda
+        cu = fakecuda.FakeCuda.get()
+        with fm.Mesh(1, fm.get_unique_id(), 0, timeout=10) as m:
+            w = m.alloc_window(8192, device=0)
+            m.put(0, w, 0, w, 4096, 4096, stream=cu.stream())
+            try:
+                m.flush(timeout=10)
+                print("FLUSHED")
+            except fm.MeshError as e:
+                print("ERROR", e)
+    """, fake_env(FXM_FAKECUDA_FAIL="cuEventQuery=700"))
+    assert "ERROR" in p.stdout and "CUDA_ERROR_ILLEGAL_ADDRESS" in p.stdout, p.stdout
+
+
+def test_a_driver_that_fails_cuInit_is_named_with_its_result():
+    p = run_python("""
+        import flagcx_mesh as fm
+        m = fm.Mesh(1, fm.get_unique_id(), 0)
+        try:
+            m.alloc_window(4096, device=0)
+        except fm.InvalidArgument as e:
+            print("REFUSED", e)
+    """, fake_env(FXM_FAKECUDA_FAIL="cuInit=100"))
+    assert "REFUSED" in p.stdout and "CUDA_ERROR_NO_DEVICE" in p.stdout, p.stdout
+
+
+def test_a_device_range_spanning_two_allocations_is_refused():
+    """[p, p + size) must be one allocation: a peer opens only the first one's IPC handle."""
+    p = run_python("""
+        import flagcx_mesh as fm, fakecuda
+        from types import SimpleNamespace
+        cu = fakecuda.FakeCuda.get()
+        a, b = cu.alloc(1 << 16), cu.alloc(1 << 16)
+        lo, hi = min(a, b), max(a, b)
+        span = SimpleNamespace(__cuda_array_interface__={"shape": (hi + (1 << 16) - lo,), "typestr": "|u1",
+                                                        "data": (lo, False), "version": 3})
+        m = fm.Mesh(1, fm.get_unique_id(), 0)
+        try:
+            w = m.register_window(span)
+            print("ACCEPTED", w.size)
+        except fm.InvalidArgument as e:
+            print("REFUSED", e)
+    """, fake_env())
+    assert "REFUSED" in p.stdout, p.stdout
+
+
+def test_a_bad_cuda_path_variable_on_one_rank_fails_the_registration_on_every_rank():
+    run_job(2, "bad_cuda_path_env")
+
+
+def test_a_staged_put_lands_while_the_library_stream_is_ordered_behind_a_held_stream():
+    run_job(2, "held_library_stream", env=fake_env(FLAGCX_MESH_CUDA_PATH="cuda-vmm"))
+
+
+def test_a_put_signal_over_a_device_path_counts_one_op_when_its_signal_goes_over_tcp():
+    run_job(2, "counter", env=fake_env(FLAGCX_MESH_TRANSPORT="tcp"))
+
+
+def test_a_stream_wait_from_a_thread_without_a_current_context_is_queued():
+    """The stream was made on another thread; this one never made a CUDA context current (a
+    C caller's communication thread): wait_signal(stream=) must still queue the wait."""
+    p = run_python("""
+        import threading, flagcx_mesh as fm, fakecuda
+        cu = fakecuda.FakeCuda.get()
+        s = cu.stream()
+        with fm.Mesh(1, fm.get_unique_id(), 0, timeout=10) as m:
+            sig = m.signal_window(4)
+            out = []
+            def waiter():
+                try:
+                    m.wait_signal(0, 1, window=sig, stream=s)
+                    out.append("QUEUED")
+                except fm.MeshError as e:
+                    out.append(f"ERROR {e}")
+            t = threading.Thread(target=waiter)
+            t.start()
+            t.join()
+            m.signal(0, 0, 1, signal_window=sig)
+            cu.synchronize(s)
+            print(out[0])
+    """, fake_env())
+    assert "QUEUED" in p.stdout, p.stdout
+
+
+def test_closing_a_mesh_never_frees_a_signal_slot_a_stream_still_waits_on():
+    """A stream waits for a signal that never comes (its peer died, say), then the mesh is
+    closed: the slot must stay mapped and registered; the stream keeps waiting, it neither
+    faults nor runs past the wait."""
+    p = run_python("""
+        import gc, time, flagcx_mesh as fm, fakecuda
+        cu = fakecuda.FakeCuda.get()
+        s = cu.stream()
+        m = fm.Mesh(1, fm.get_unique_id(), 0, timeout=2)
+        sig = m.signal_window(4)
+        m.wait_signal(0, 1, window=sig, stream=s)
+        after = cu.event()
+        cu.record(after, s)
+        m.close()
+        del m, sig
+        gc.collect()
+        t0 = time.monotonic()
+        while time.monotonic() - t0 < 2 and cu.event_query(after) == fakecuda.NOT_READY:
+            time.sleep(0.05)
+        print("PASSED THE WAIT" if cu.event_query(after) != fakecuda.NOT_READY else "STILL WAITING")
+    """, fake_env())
+    assert "STILL WAITING" in p.stdout, p.stdout
+
+
+def test_a_get_the_target_cannot_copy_down_fails_naming_the_driver_and_keeps_the_pair():
+    run_job(2, "get_answer_fails",
+            env=fake_env(FLAGCX_MESH_CUDA_PATH="staged", FXM_FAKECUDA_FAIL="cuMemcpyAsync=700"))
