@@ -48,8 +48,9 @@ std::string range_text(uint64_t off, uint64_t size) {
 }  // namespace
 
 OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine* engine,
-                   WindowTable* windows, Allgather allgather)
-    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), tag_(std::move(tag)), engine_(engine),
+                   WindowTable* windows, Allgather allgather, double op_timeout_s)
+    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), tag_(std::move(tag)),
+      engine_(engine),
       windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
     pair_mu_.push_back(std::make_unique<std::mutex>());
@@ -140,7 +141,8 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   std::exception_ptr local_failure;
   std::vector<uint8_t> mine;
   try {
-    forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails like any other local problem
+    forced_transport();  // a bad FLAGCX_MESH_TRANSPORT (or _CUDA_PATH) fails like any other local problem
+    forced_cuda_path();
     w = prepare(index, &shm_name);
     w->index = index;
     w->cookie = std::make_unique<uint64_t>(random_cookie());
@@ -296,6 +298,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     v.path->release();  // unmaps the peers' segments; describe() still names the paths
     if (v.fallback) v.fallback->release();
   }
+  if (!stream_waits_passed(*w, deadline)) {  // a stream still waits on a slot: keep them mapped
+    FXM_ERROR(rank_, "deregister: signal window #" + std::to_string(index) +
+                         " has stream waits that have not passed; its slots stay mapped and registered");
+    new std::shared_ptr<shm::Segment>(w->seg);  // deliberately never freed
+    (void)w->host_reg.release();
+  }
   {
     std::lock_guard<std::mutex> lock(w->host_reg_mu);
     w->host_reg.reset();
@@ -425,7 +433,7 @@ Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferre
   if (!f.busy || order_kind(preferred->kind()) == f.kind) return preferred;
   if (order_kind(v.path->kind()) == f.kind) return v.path.get();
   if (v.fallback && order_kind(v.fallback->kind()) == f.kind) return v.fallback.get();
-  engine_->wait_idle(a.peer, a.ctx, Deadline::never());
+  engine_->wait_idle(a.peer, a.ctx, op_deadline());
   return preferred;
 }
 
@@ -440,7 +448,7 @@ PathOp OneSided::path_op(const PutArgs& a, Window& local, bool is_get) const {
   op.fence = fences_[a.peer * ncontexts_ + a.ctx].get();
   op.local_device = local.device;
   op.src_rank = rank_;
-  op.deadline = Deadline::after_seconds(env_config().timeout_s);
+  op.deadline = op_deadline();
   return op;
 }
 
@@ -485,7 +493,7 @@ void OneSided::put(const PutArgs& in) {
     if (!a.sig.on || signal_done) return;
     f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // the data is in flight on a stream
   }
-  if (a.sig.on && a.size == 0 && a.stream_set && signal_on_stream(a, ow.sig->peers[a.peer])) return;
+  if (a.sig.on && a.size == 0 && a.stream_set && signal_on_stream(a, ow.sig->peers[a.peer], f)) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
     Path* p = ordered_path(a, v, v.path->can_signal() ? v.path.get() : &v.tcp(), f);

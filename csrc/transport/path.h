@@ -80,7 +80,8 @@ struct SignalSpec {
 class CompletionProbe {
  public:
   virtual ~CompletionProbe() = default;
-  virtual bool done() = 0;
+  virtual bool done() = 0;  // true once the op completed, or failed (then error() says why)
+  virtual std::string error() const { return ""; }
 };
 
 // Frames and completions of asynchronous paths, implemented by the core's
@@ -138,6 +139,9 @@ struct PathOp {
   SignalSlots sig_slots;
   int src_rank = -1;
   Deadline deadline = Deadline::never();
+  // A device op whose signal cannot be applied from the stream (the signal
+  // window is reached over tcp): the call waits for the copy, the signal follows.
+  bool wait_here = false;
 };
 
 class Path {
