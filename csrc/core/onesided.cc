@@ -164,6 +164,7 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     allgather_({});  // every peer has mapped this rank's segment: the name can go
   } catch (...) {
     w->live = false;
+    finish_registration(*w);  // no more fds served, no name left behind
     throw;
   }
   finish_registration(*w);
@@ -178,7 +179,7 @@ void OneSided::finish_registration(Window& w) const {
   if (w.dev) w.dev->drop_fds();
 }
 
-std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::string& shm_name) const {
+std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d;
   d.kind = w.kind;
   d.size = w.size;
@@ -193,7 +194,7 @@ std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::st
     d.dev = w.dev->export_for_peers();
     if (!d.dev.vmm.empty()) {
       d.fd_token = random_cookie();
-      const_cast<Window&>(w).fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
+      w.fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
       d.fd_socket = w.fd_server->name();
     }
   }

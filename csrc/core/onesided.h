@@ -96,7 +96,8 @@ class OneSided {
   // The registration collective; a local failure still takes part (see refuse_registration).
   uint32_t register_collective(const Prepare& prepare);
   std::string shm_name(uint32_t index) const;  // "/fxm-<mesh>-<rank>-<index>"
-  std::vector<uint8_t> describe_for_peers(const Window& w, const std::string& shm_name) const;
+  // This rank's part of the registration (device windows: starts the server of their cuMem fds).
+  std::vector<uint8_t> describe_for_peers(Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
   PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;

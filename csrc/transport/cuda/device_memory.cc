@@ -242,22 +242,28 @@ void DeviceMemory::export_vmm(DeviceExport* e) {
 // ------------------------------------------------------------ PeerMapping
 
 std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std::vector<int> fds, int my_ordinal) {
+  struct CloseLeft {  // every fd not yet imported is closed, whatever fails
+    std::vector<int>& fds;
+    ~CloseLeft() {
+      for (int fd : fds) {
+        if (fd >= 0) ::close(fd);
+      }
+    }
+  } close_left{fds};
   const Driver& d = need_driver("mapping a peer's device window");
   use_device(my_ordinal);
   std::unique_ptr<PeerMapping> m(new PeerMapping());
   m->ordinal_ = my_ordinal;
   int64_t first = e.vmm.front().offset;
   uint64_t span = static_cast<uint64_t>(e.vmm.back().offset - first) + e.vmm.back().size;
-  CUresult r = d.cuMemAddressReserve(&m->reserved_, span, 0, 0, 0);
-  for (int fd : fds) {
-    if (r != kSuccess) ::close(fd);
-  }
-  check(r, "cuMemAddressReserve(" + std::to_string(span) + " bytes) for a peer's window");
+  check(d.cuMemAddressReserve(&m->reserved_, span, 0, 0, 0),
+        "cuMemAddressReserve(" + std::to_string(span) + " bytes) for a peer's window");
   m->reserved_size_ = span;
   MemAccessDesc access{{kLocationDevice, my_ordinal}, kAccessReadWrite};
   for (size_t i = 0; i < e.vmm.size(); ++i) {
     CUmemGenericAllocationHandle h = 0;
-    r = d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])), kHandlePosixFd);
+    CUresult r = d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+                                                  kHandlePosixFd);
     ::close(fds[i]);
     fds[i] = -1;
     check(r, "cuMemImportFromShareableHandle");
@@ -267,7 +273,6 @@ std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std:
     m->mapped_.push_back({at, e.vmm[i].size});
     check(d.cuMemSetAccess(at, e.vmm[i].size, &access, 1), "cuMemSetAccess on a peer's mapping");
   }
-  for (size_t i = e.vmm.size(); i < fds.size(); ++i) ::close(fds[i]);
   m->window_base_ = reinterpret_cast<uint8_t*>(m->reserved_ - first);
   return m;
 }
