@@ -168,7 +168,7 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
-void Engine::post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+void Engine::post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
                             uint64_t dst_off, const SignalSpec& sig) {
   wire::PutHeader h = put_header(dst_win, dst_off, sig);
   OutItem it{frame(FrameType::kPut, &h, len), bytes.get(), len, 0, 0};

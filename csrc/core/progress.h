@@ -57,7 +57,7 @@ class Engine : public Outbox {
   // was lost or closed its mesh.
   bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
-  void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+  void post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
                               uint64_t dst_off,
                       const SignalSpec& sig) override;
 

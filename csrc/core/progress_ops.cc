@@ -6,6 +6,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "core/progress_items.h"
+#include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 #include "transport/signal_ops.h"
 
@@ -30,10 +31,7 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
       in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
                    std::to_string(w->size) + " bytes here)";
     } else if (w->kind == WindowKind::kDevice) {
-      if (in.stage_cap < payload) {  // staged: through host memory, the buffer kept for the next put
-        in.stage.reset(new uint8_t[payload]);
-        in.stage_cap = payload;
-      }
+      in.stage = cuda::staging_buffer(payload, w->device);  // staged: through pinned host memory
       in.staged = payload;
       in.dst = in.stage.get();
       in.device_dst = w;

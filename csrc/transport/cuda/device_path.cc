@@ -4,6 +4,7 @@
 
 #include "base/status.h"
 #include "transport/cuda/fd_pass.h"
+#include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 
 namespace fxm {
@@ -124,7 +125,7 @@ void wait_for_stream(const PathOp& op, const char* doing) {
 int StagedPath::put(const PathOp& op) {
   wait_for_stream(op, "a staged put");
   if (op.local_device < 0) return TcpPath::put(op);
-  std::unique_ptr<uint8_t[]> bytes(new uint8_t[op.len]);
+  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
   cuda::copy_and_wait(op.local_device, bytes.get(), op.local, op.len, "staging a put's bytes to the host");
   static const SignalSpec kNone;
   outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
@@ -136,16 +137,16 @@ int StagedPath::put(const PathOp& op) {
 int StagedPath::get(const PathOp& op) {
   wait_for_stream(op, "a staged get");
   if (op.local_device < 0) return TcpPath::get(op);
-  // Freed only once the answer landed: after a timeout it may still come.
-  auto bytes = std::make_unique<std::vector<uint8_t>>(op.len);
-  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, bytes->data(), op.len);
+  // Given back only once the answer landed: after a timeout it may still come.
+  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
+  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, bytes.get(), op.len);
   try {
     outbox_->wait_idle(peer_, op.ctx, op.deadline);
   } catch (...) {
-    (void)bytes.release();  // deliberately kept
+    new cuda::HostBuffer(bytes);  // deliberately kept
     throw;
   }
-  cuda::copy_and_wait(op.local_device, op.local, bytes->data(), op.len, "copying a staged get's bytes to the device");
+  cuda::copy_and_wait(op.local_device, op.local, bytes.get(), op.len, "copying a staged get's bytes to the device");
   return 0;
 }
 
