@@ -55,7 +55,7 @@ class OpWindows {
 
 class OneSided {
  public:
-  OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine* engine,
+  OneSided(int rank, int nranks, int ncontexts, Engine* engine,
            WindowTable* windows, Allgather allgather);
 
   // Collective registration; each returns the window index.
@@ -83,7 +83,6 @@ class OneSided {
   using Prepare = std::function<std::shared_ptr<Window>(uint32_t, std::string*)>;
   // The registration collective; a local failure still takes part (see refuse_registration).
   uint32_t register_collective(const Prepare& prepare);
-  std::string shm_name(uint32_t index) const;  // "/fxm-<mesh>-<rank>-<index>"
   std::vector<uint8_t> describe_for_peers(const Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
@@ -110,7 +109,6 @@ class OneSided {
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int rank_, nranks_, ncontexts_;
-  std::string tag_;
   Engine* engine_;
   WindowTable* windows_;
   Allgather allgather_;
