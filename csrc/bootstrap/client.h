@@ -29,7 +29,9 @@ class Client {
   ~Client();
 
   // Every rank's contribution, indexed by rank. Throws Error naming the
-  // failed or lost rank, or kTimeout.
+  // failed or lost rank, or kTimeout. A part above max_allgather_part(nranks)
+  // is refused without being sent: every rank fails with kInvalidArgument
+  // naming the limit and the rank, and the next collective works.
   Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline);
   void barrier(const Deadline& deadline) { allgather({}, deadline); }
 
@@ -62,6 +64,7 @@ class Client {
 
  private:
   void connect_root(const Deadline& deadline);
+  std::string oversized_part(size_t size) const;
   // Next message from the root other than a relayed one (which is stashed);
   // on an I/O failure raises naming `doing`. Caller holds mu_.
   Msg next_msg(const std::string& doing, const Deadline& deadline);

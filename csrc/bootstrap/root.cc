@@ -37,6 +37,7 @@ struct Client {
   bool joined = false;
   bool gone = false;  // said BYE or was lost
   bool contributed = false;
+  bool refused = false;  // its part was too large: `part` holds why
   std::vector<uint8_t> part;
   std::vector<Msg> held;  // relayed to this rank before it joined
   size_t held_bytes = 0;
@@ -64,6 +65,7 @@ class Root {
   void on_allgather(int rank, Msg& m);
   void on_relay(int src, Msg& m);
   void maybe_complete();
+  bool refuse_oversized();
   void lose(int rank, const std::string& why);
   void broadcast(const Msg& m, int except);
   void send_to(int rank, const Msg& m);
@@ -253,6 +255,7 @@ void Root::on_allgather(int rank, Msg& m) {
     return;
   }
   c.contributed = true;
+  c.refused = m.code == Code::kInvalidArgument;
   c.part = std::move(m.payload);
   maybe_complete();
 }
@@ -297,11 +300,12 @@ void Root::maybe_complete() {
                                   std::to_string(first_left_) + " left (closed its mesh or bootstrap)");
     return;
   }
-  std::vector<std::vector<uint8_t>> parts;
   for (const Client& c : clients_) {
     if (!c.contributed) return;
-    parts.push_back(c.part);
   }
+  if (refuse_oversized()) return;
+  std::vector<std::vector<uint8_t>> parts;
+  for (const Client& c : clients_) parts.push_back(c.part);
   Msg res{MsgType::kResult, Code::kOk, -1, seq_, encode_result(parts)};
   for (size_t r = 0; r < clients_.size(); ++r) {
     clients_[r].contributed = false;
@@ -311,12 +315,46 @@ void Root::maybe_complete() {
   ++seq_;
 }
 
+// Every rank has contributed: when a rank refused its part, or the result
+// would not fit kMaxPayload, every rank gets kError(kInvalidArgument) for this
+// collective instead of its result, and the next collective goes on.
+bool Root::refuse_oversized() {
+  int rank = -1;
+  std::string why;
+  uint64_t total = 0;
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    total += 8 + clients_[r].part.size();
+    if (clients_[r].refused && rank < 0) {
+      rank = static_cast<int>(r);
+      why = std::string(clients_[r].part.begin(), clients_[r].part.end());
+    }
+  }
+  if (rank < 0 && total <= kMaxPayload) return false;
+  if (rank < 0) {
+    rank = 0;
+    for (size_t r = 1; r < clients_.size(); ++r) {
+      if (clients_[r].part.size() > clients_[rank].part.size()) rank = static_cast<int>(r);
+    }
+    why = "the result would be " + std::to_string(total) + " bytes, above the root's reply limit of " +
+          std::to_string(kMaxPayload) + " (rank " + std::to_string(rank) + " contributed the most, " +
+          std::to_string(clients_[rank].part.size()) + " bytes)";
+  }
+  Msg refusal{MsgType::kError, Code::kInvalidArgument, rank, seq_, {why.begin(), why.end()}};
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    clients_[r].contributed = clients_[r].refused = false;
+    clients_[r].part.clear();
+    send_to(static_cast<int>(r), refusal);
+  }
+  ++seq_;
+  return true;
+}
+
 // Answers every rank waiting in the current collective with `why`, naming `rank`.
 void Root::fail_pending(int rank, const std::string& why) {
   for (size_t r = 0; r < clients_.size(); ++r) {
     if (clients_[r].contributed && !clients_[r].gone) {
       send_to(static_cast<int>(r), {MsgType::kError, Code::kPeerLost, rank, seq_, {why.begin(), why.end()}});
-      clients_[r].contributed = false;
+      clients_[r].contributed = clients_[r].refused = false;
     }
   }
 }
