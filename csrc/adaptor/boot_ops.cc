@@ -13,7 +13,7 @@ thread_local std::string t_detail;
 // timeout_s > 0: the caller's deadline; else the bootstrap's default.
 Deadline deadline_of(const flagcx_mesh_bootstrap* b, double timeout_s) {
   if (timeout_s > 0) return Deadline::after_seconds(timeout_s);
-  return Deadline::after_seconds(b->timeout_s > 0 ? b->timeout_s : env_config().timeout_s);
+  return Deadline::after_seconds(b->timeout_s > 0 ? b->timeout_s : default_timeout_s());
 }
 
 // Runs an op: 0 on success, else the Error's code (never 0), detail kept.
@@ -84,7 +84,7 @@ std::unique_ptr<flagcx_mesh_bootstrap> bootstrap_create(int nranks, const uint8_
   auto b = std::make_unique<flagcx_mesh_bootstrap>();
   b->rank = rank;
   b->nranks = nranks;
-  b->timeout_s = timeout_s > 0 ? timeout_s : env_config().timeout_s;
+  b->timeout_s = timeout_s > 0 ? timeout_s : default_timeout_s();
   b->client = std::make_unique<bootstrap::Client>(uid, rank, nranks, Deadline::after_seconds(b->timeout_s));
   return b;
 }

@@ -8,15 +8,16 @@
 #include <thread>
 #include <vector>
 
+#include "base/env.h"
 #include "base/log.h"
 #include "bootstrap/exit_wait.h"
+#include "bootstrap/root_release.h"
 #include "bootstrap/proto.h"
 
 namespace fxm::bootstrap {
 namespace {
 
 constexpr double kJoinHeaderTimeoutS = 5.0;
-constexpr double kIdleTimeoutS = 3600.0;
 constexpr double kWriteTimeoutS = 10.0;      // to read a message a client has begun
 constexpr double kDrainTimeoutS = 1.0;       // for queued output when the root exits
 constexpr size_t kMaxQueuedBytes = 1ull << 30;  // output queued for a client that does not read
@@ -49,10 +50,13 @@ struct Client {
 class Root {
  public:
   Root(tcp::Fd listener, const wire::MeshId& id)
-      : listener_(std::move(listener)), id_(id), life_(track_root(wire::mesh_id_hex(id).substr(0, 8))) {}
+      : listener_(std::move(listener)), id_(id), life_(track_root(wire::mesh_id_hex(id).substr(0, 8))),
+        release_(register_root(id)) {}
   void run();
 
  private:
+  bool release_requested();
+  void end_release(bool released);
   bool finished() const;
   void retire(int rank);
   void fail_pending(int rank, const std::string& why);
@@ -80,21 +84,41 @@ class Root {
   std::vector<Client> clients_;
   uint32_t nranks_ = 0;
   int joined_ = 0;
-  Deadline join_deadline_ = Deadline::after_seconds(kIdleTimeoutS);
+  Deadline join_deadline_ = Deadline::after_seconds(env_config().root_idle_s);
   double timeout_s_ = 0;
   uint32_t seq_ = 0;
   std::vector<int> lost_;
   int first_left_ = -1;  // the first rank that said BYE: no later collective can complete
   bool failed_ = false;
   std::shared_ptr<RootLife> life_;  // what this process's exit waits for
+  std::shared_ptr<RootRelease> release_;  // release_root() of an unused id
 };
 
 void Root::run() {
-  while (!finished() && !life_->stop_requested()) poll_once();
+  bool released = false;
+  while (!finished() && !life_->stop_requested() && !(released = release_requested())) poll_once();
   if (life_->stop_requested()) tell_stopping();
   drain();
+  end_release(released);
   life_->done();
   FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_) + " exits");
+}
+
+// release_root() asked: an id no rank has joined ends now; one in use goes on.
+bool Root::release_requested() {
+  if (!release_->requested()) return false;
+  if (joined_ == 0) return true;
+  release_->decline();
+  return false;
+}
+
+// The root ends: its port closes before release_root() hears of it.
+void Root::end_release(bool released) {
+  unregister_root(id_);
+  listener_.reset();
+  pending_.clear();
+  if (released) FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_) + " released unused");
+  release_->finished(released);
 }
 
 // A rank that left (BYE), failed or was lost: nothing more is read or written.
@@ -200,7 +224,7 @@ void Root::admit(Pending& p, const Msg& m) {
     nranks_ = j.nranks;
     clients_.resize(nranks_);
     timeout_s_ = j.timeout_ms / 1000.0;
-    join_deadline_ = Deadline::after_seconds(kIdleTimeoutS);
+    join_deadline_ = Deadline::after_seconds(env_config().root_idle_s);
   }
   // Expire a little before the earliest rank's own deadline, so that ranks
   // hear which ranks are missing rather than a bare timeout.
@@ -434,7 +458,7 @@ std::string Root::missing_ranks() const {
 }
 
 void Root::check_deadlines() {
-  if (joined_ == static_cast<int>(nranks_) || !join_deadline_.expired()) return;
+  if ((nranks_ != 0 && joined_ == static_cast<int>(nranks_)) || !join_deadline_.expired()) return;
   if (nranks_ == 0) {
     failed_ = true;  // nobody came within the idle limit
     return;

@@ -5,7 +5,9 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/env.h"
 #include "bootstrap/root.h"
+#include "bootstrap/root_release.h"
 #include "base/status.h"
 
 namespace fxm::bootstrap {
@@ -71,6 +73,7 @@ UniqueId decode_unique_id(const uint8_t* b, size_t len) {
 }
 
 UniqueIdBytes get_unique_id() {
+  root_idle_timeout_s();  // a malformed FLAGCX_MESH_ROOT_IDLE_TIMEOUT is refused here
   UniqueId id;
   id.mesh_id = random_mesh_id();
   int err = 0;
@@ -80,6 +83,10 @@ UniqueIdBytes get_unique_id() {
   }
   start_root(std::move(listener), id.mesh_id);
   return encode_unique_id(id);
+}
+
+bool release_unique_id(const uint8_t* bytes, size_t len) {
+  return release_root(decode_unique_id(bytes, len).mesh_id);
 }
 
 }  // namespace fxm::bootstrap

@@ -50,7 +50,7 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
   check_args(nranks, rank, opt);
   bootstrap::UniqueId id = bootstrap::decode_unique_id(unique_id, unique_id_len);
   mesh_id_ = id.mesh_id;
-  double timeout_s = opt.timeout_s > 0 ? opt.timeout_s : env_config().timeout_s;
+  double timeout_s = opt.timeout_s > 0 ? opt.timeout_s : default_timeout_s();
   Deadline deadline = Deadline::after_seconds(timeout_s);
   try {
     build(id, opt, deadline);

@@ -213,7 +213,12 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
   });
-  m.def("default_timeout", [] { return fxm::env_config().timeout_s; },
+  m.def("release_unique_id", [](const py::bytes& raw) {
+    std::string b = raw;
+    py::gil_scoped_release release;
+    return fxm::bootstrap::release_unique_id(reinterpret_cast<const uint8_t*>(b.data()), b.size());
+  }, "End the root of an unused unique id made by this process; True when it was ended.");
+  m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },
         "Which address this process listens on and why (interface choice).");

@@ -25,6 +25,23 @@ def get_unique_id() -> bytes:
     return _core.get_unique_id()
 
 
+def release_unique_id(unique_id: bytes) -> bool:
+    """End the rendezvous root of an id this process made that no rank has joined.
+
+    Its thread ends and its port closes before this returns ``True``. ``False`` when
+    the id is not a live root of this process (already ended, made elsewhere) or a
+    rank has joined it (that root lives on until its ranks leave). The id is plain
+    bytes, so dropping it tells the library nothing: an id that is never used is
+    ended by this call, or by itself after ``FLAGCX_MESH_ROOT_IDLE_TIMEOUT`` seconds
+    (default 600) without a join.
+    """
+    try:
+        raw = bytes(memoryview(unique_id))
+    except TypeError:
+        raise InvalidArgument(f"release_unique_id: unique_id must be bytes, got {type(unique_id).__name__}") from None
+    return _core.release_unique_id(raw)
+
+
 _U64 = 1 << 64
 
 
