@@ -99,6 +99,12 @@ double root_idle_timeout_s() {
   return env_config().root_idle_s;
 }
 
+double build_timeout_s(double seconds, const char* what) {
+  if (seconds == 0) return default_timeout_s();
+  check_timeout(seconds, what, false);
+  return seconds;
+}
+
 void check_timeout(double seconds, const char* what, bool no_limit_ok) {
   if (std::isfinite(seconds) && seconds > 0) return;
   if (no_limit_ok && std::isinf(seconds) && seconds > 0) return;

@@ -39,6 +39,9 @@ double root_idle_timeout_s();
 // with no_limit_ok, +inf is accepted too (it means no limit). Throws
 // Error(kInvalidArgument) naming what and the value (NaN, <= 0, inf).
 void check_timeout(double seconds, const char* what, bool no_limit_ok);
+// A build deadline argument: 0 means default_timeout_s(); anything else must
+// pass check_timeout(seconds, what, false). Returns the seconds to use.
+double build_timeout_s(double seconds, const char* what);
 
 // FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
 // later in the same process may use another value (tests and benchmarks do).

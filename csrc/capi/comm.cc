@@ -1,5 +1,6 @@
 // The C ABI of a communicator: unique id, init/destroy, windows and one-sided
 // operations, each a thin wrapper over fxm::Mesh through capi::guard.
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -173,6 +174,7 @@ flagcx_mesh_result_t flagcx_mesh_comm_nranks(flagcx_mesh_comm_t comm, int* nrank
 flagcx_mesh_result_t flagcx_mesh_barrier(flagcx_mesh_comm_t comm, double timeout_s) {
   return guard("flagcx_mesh_barrier", [&] {
     fxm::Mesh& m = mesh_of(comm);
+    if (std::isnan(timeout_s)) fxm::capi::bad("timeout_s is NaN (<= 0: the comm's timeout)");
     double t = timeout_s > 0 ? timeout_s : comm->timeout_s;
     m.barrier(t > 0 ? t : fxm::default_timeout_s());
   });
