@@ -77,3 +77,29 @@ def test_per_rank_limit_scales_with_nranks():
     finally:
         for m in meshes:
             m.close()
+
+
+def test_bootstrap_relay_and_allgather_refused_then_the_stream_works():
+    """The bootstrap the net builders use (NetBootstrap): a relayed message above 64 KiB and
+    an allgather part above the per-rank limit are refused before anything is sent; then a
+    relay, an allgather and a barrier work on both ranks."""
+    from flagcx_mesh.netbuild import NetBootstrap
+
+    uid = flagcx_mesh.get_unique_id()
+
+    def body(r):
+        boot = NetBootstrap(2, uid, r, 20.0)
+        try:
+            with pytest.raises(InvalidArgument, match="at most 65536"):
+                boot.send(1 - r, 5, bytes((64 << 10) + 1))
+            with pytest.raises(InvalidArgument, match="limit"):
+                boot.allgather(bytes(40 * MiB), 30.0)
+            boot.send(1 - r, 5, b"small %d" % r)
+            assert boot.recv(1 - r, 5, 20.0) == b"small %d" % (1 - r)
+            assert boot.allgather(b"%d" % r, 20.0) == [b"0", b"1"]
+            boot.barrier(20.0)
+            return True
+        finally:
+            boot.close()
+
+    assert run_threads(2, body, timeout=90) == [True, True]
