@@ -99,3 +99,31 @@ def test_bad_idle_timeout_env_is_refused(value):
     p = subprocess.run([sys.executable, "-c", prog], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "InvalidArgument" in p.stderr, p.stderr
     assert f"FLAGCX_MESH_ROOT_IDLE_TIMEOUT={value}" in p.stderr, p.stderr
+
+
+LATE_PROG = textwrap.dedent("""
+    import threading, time
+    import flagcx_mesh
+    uid = flagcx_mesh.get_unique_id()
+    out = [None, None]
+    def rank(r):
+        time.sleep(2.5 * r)  # rank 1 joins after the idle bound (1 s) has passed
+        try:
+            with flagcx_mesh.Mesh(2, uid, r, timeout=20) as m:
+                out[r] = m.allgather(b"ok", timeout=10)
+        except Exception as e:
+            out[r] = repr(e)
+    ts = [threading.Thread(target=rank, args=(r,)) for r in range(2)]
+    [t.start() for t in ts]
+    [t.join(60) for t in ts]
+    print(out)
+    assert out == [[b"ok", b"ok"]] * 2
+""")
+
+
+def test_idle_bound_ends_only_unused_roots():
+    """Once a rank has joined, the ranks' build deadline bounds the wait, not the idle bound:
+    a rank arriving after FLAGCX_MESH_ROOT_IDLE_TIMEOUT still builds."""
+    env = dict(os.environ, FLAGCX_MESH_ROOT_IDLE_TIMEOUT="1")
+    p = subprocess.run([sys.executable, "-c", LATE_PROG], env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stdout + p.stderr[-2000:]

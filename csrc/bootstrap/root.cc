@@ -224,7 +224,7 @@ void Root::admit(Pending& p, const Msg& m) {
     nranks_ = j.nranks;
     clients_.resize(nranks_);
     timeout_s_ = j.timeout_ms / 1000.0;
-    join_deadline_ = Deadline::after_seconds(env_config().root_idle_s);
+    join_deadline_ = Deadline::never();  // from now on the ranks' deadlines bound the wait
   }
   // Expire a little before the earliest rank's own deadline, so that ranks
   // hear which ranks are missing rather than a bare timeout.
