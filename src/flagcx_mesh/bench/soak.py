@@ -9,8 +9,10 @@ Each build draws n in [min, max] ranks, runs them as threads of this process, ea
 random 0..J ms delay. With probability --kill one rank abandons the build: it raises out of
 the build at a random phase (after the rendezvous or after connecting), so its sockets close
 mid-build. With probability --absent one rank never calls at all (the others wait out
---timeout, so keep it rare). With probability --foreign a stranger connects to the
-rendezvous root during the build: garbage bytes, a silent connection, a JOIN-sized blob.
+--timeout, so keep it rare). With probability --foreign strangers connect during the build:
+up to 8 to the rendezvous root while the ranks join, and 1 to 6 to the ranks' listeners (found
+through /proc) once the addresses are gathered; each sends garbage bytes, nothing, or 64 random
+bytes (a forged header).
 
 Outcomes: a build is hung when a rank is still inside after timeout + 20 s; miswired when
 a built mesh delivers a tagged message from another (rank, mesh) than its slot says;
@@ -58,23 +60,54 @@ def _names_a_peer(e: BaseException) -> bool:
     return getattr(e, "peer", -1) >= 0 or re.search(r"\b(peer|rank)s? \[?\d+", str(e)) is not None
 
 
-def _foreign(uid: bytes, stop: threading.Event, rng: random.Random) -> None:
-    host, port = _core._unique_id_info(uid)["root"].rsplit(":", 1)
-    socks = []
-    while not stop.is_set() and len(socks) < 8:
+def _listening_ports() -> List[int]:
+    """Ports of the TCP sockets this process listens on (the ranks' listeners and roots),
+    from /proc/self/net/tcp (state 0A) and this process's socket inodes."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
         try:
-            s = socket.create_connection((host, int(port)), timeout=1)
-            kind = rng.randrange(3)
-            if kind == 0:
-                s.sendall(os.urandom(rng.randrange(1, 200)))
-            elif kind == 2:
-                s.sendall(b"FXMB" + os.urandom(48))
-            socks.append(s)
+            target = os.readlink(f"/proc/self/fd/{fd}")
         except OSError:
-            pass  # the root closed its listener once every rank joined
-        stop.wait(rng.uniform(0.001, 0.02))
-    for s in socks:
-        s.close()
+            continue
+        if target.startswith("socket:["):
+            mine.add(target[8:-1])
+    ports = []
+    with open("/proc/self/net/tcp") as f:
+        for line in f.read().splitlines()[1:]:
+            cols = line.split()
+            if len(cols) > 9 and cols[3] == "0A" and cols[9] in mine:
+                ports.append(int(cols[1].split(":")[1], 16))
+    return ports
+
+
+def _stranger(host: str, port: int, rng: random.Random) -> Optional[socket.socket]:
+    """One foreign connection: garbage bytes, silence, or 64 random bytes (a forged header)."""
+    try:
+        s = socket.create_connection((host, port), timeout=1)
+        kind = rng.randrange(3)
+        if kind == 0:
+            s.sendall(os.urandom(rng.randrange(1, 200)))
+        elif kind == 2:
+            s.sendall(os.urandom(64))
+        return s
+    except OSError:
+        return None  # that listener closed meanwhile
+
+
+def _at_root(host: str, port: int, stop: threading.Event, rng: random.Random, socks: list) -> None:
+    """Strangers at the rendezvous root while the ranks join."""
+    while not stop.is_set() and len(socks) < 8:
+        socks.append(_stranger(host, port, rng))
+        stop.wait(rng.uniform(0.001, 0.01))
+
+
+def _at_listeners(host: str, root_port: int, rng: random.Random, socks: list) -> None:
+    """A burst of strangers at the ranks' listeners (found through /proc), sent by one rank
+    once the addresses are gathered, so they arrive while the ranks connect."""
+    ports = [p for p in _listening_ports() if p != root_port]
+    for _ in range(rng.randint(1, 6)):
+        if ports:
+            socks.append(_stranger(host, rng.choice(ports), rng))
 
 
 def _check_wiring(meshes: List[Mesh]) -> int:
@@ -106,21 +139,28 @@ def one_build(i: int, args: argparse.Namespace, rng: random.Random) -> Dict[str,
     results: List[Any] = [None] * n
     delays = [rng.uniform(0, args.jitter_ms / 1000) for _ in range(n)]
 
-    def hook(phase: str) -> None:
-        if phase == kill_phase:
-            raise Abandon(f"rank abandons the build after {phase}")
+    foreign = rng.random() < args.foreign
+    injector = min(r for r in range(n) if r not in (victim, absent))
+    host, port = _core._unique_id_info(uid)["root"].rsplit(":", 1)
+    frng, socks = random.Random(rng.random()), []
+
+    def hook_of(r: int):
+        def hook(phase: str) -> None:
+            if foreign and r == injector and phase == "rendezvous":
+                _at_listeners(host, int(port), frng, socks)
+            if r == victim and phase == kill_phase:
+                raise Abandon(f"rank abandons the build after {phase}")
+        return hook
 
     def body(r: int) -> None:
         time.sleep(delays[r])
         try:
-            results[r] = Mesh(n, uid, r, timeout=args.timeout, _on_phase=hook if r == victim else None)
+            results[r] = Mesh(n, uid, r, timeout=args.timeout, _on_phase=hook_of(r))
         except BaseException as e:  # noqa: BLE001 - classified below
             results[r] = e
 
     stop = threading.Event()
-    helpers = []
-    if rng.random() < args.foreign:
-        helpers.append(threading.Thread(target=_foreign, args=(uid, stop, random.Random(rng.random())), daemon=True))
+    helpers = [threading.Thread(target=_at_root, args=(host, int(port), stop, frng, socks), daemon=True)] if foreign else []
     threads = [threading.Thread(target=body, args=(r,), daemon=True) for r in range(n) if r != absent]
     t0 = time.monotonic()
     for t in helpers + threads:
@@ -128,8 +168,13 @@ def one_build(i: int, args: argparse.Namespace, rng: random.Random) -> Dict[str,
     for t in threads:
         t.join(max(0.0, t0 + args.timeout + HANG_GRACE_S - time.monotonic()))
     stop.set()
+    for t in helpers:
+        t.join(5)
+    for sock in socks:
+        if sock is not None:
+            sock.close()
     took = time.monotonic() - t0
-    out = {"build": i, "n": n, "victim": victim, "absent": absent, "foreign": bool(helpers),
+    out = {"build": i, "n": n, "victim": victim, "absent": absent, "foreign": foreign,
            "seconds": round(took, 3), "hung": sum(t.is_alive() for t in threads)}
     meshes = [m for m in results if isinstance(m, Mesh)]
     errors = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException) and r != victim]
@@ -137,6 +182,7 @@ def one_build(i: int, args: argparse.Namespace, rng: random.Random) -> Dict[str,
                        for r, e in errors]
     out["ok"] = len(meshes) == n
     out["miswired"] = _check_wiring(meshes) if out["ok"] else 0
+    out["rejected"] = sum(m.stats()["rejected_total"] for m in meshes)  # strangers the listeners closed
     for m in meshes:
         m.close()
     release_unique_id(uid)
@@ -158,6 +204,7 @@ def summarize(builds: List[Dict[str, Any]], seconds: float) -> Dict[str, Any]:
         "hangs": sum(b["hung"] > 0 for b in builds),
         "miswirings": sum(b["miswired"] > 0 for b in builds),
         "failures": sum(len(b["failures"]) for b in builds),
+        "foreign_connections_rejected": sum(b["rejected"] for b in builds),
         "unnamed_failures": len(unnamed),
         "unnamed_examples": [f["message"] for f in unnamed[:5]],
         "failure_classes": dict(classes.most_common()),
@@ -169,7 +216,8 @@ def summarize(builds: List[Dict[str, Any]], seconds: float) -> Dict[str, Any]:
 def _print(s: Dict[str, Any]) -> None:
     print(f"soak: {s['builds']} builds in {s['seconds']} s; built {s['built']}; "
           f"killed-rank builds {s['with_killed_rank']} (of which built {s['faulty_builds_that_built']}), "
-          f"absent-rank builds {s['with_absent_rank']}, foreign traffic {s['with_foreign_traffic']}")
+          f"absent-rank builds {s['with_absent_rank']}, foreign traffic {s['with_foreign_traffic']} "
+          f"({s['foreign_connections_rejected']} foreign connections rejected by built meshes' listeners)")
     print(f"  hangs {s['hangs']}  miswirings {s['miswirings']}  failures {s['failures']}  "
           f"unnamed failures {s['unnamed_failures']}  clean builds that failed {s['clean_builds_that_failed']}  "
           f"slowest build {s['max_build_seconds']} s  threads/fds at end {s['threads_end']}/{s['fds_end']}")
