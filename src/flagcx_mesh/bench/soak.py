@@ -11,7 +11,7 @@ the build at a random phase (after the rendezvous or after connecting), so its s
 mid-build. With probability --absent one rank never calls at all (the others wait out
 --timeout, so keep it rare). With probability --foreign strangers connect during the build:
 up to 8 to the rendezvous root while the ranks join, and 1 to 6 to the ranks' listeners (found
-through /proc) once the addresses are gathered; each sends garbage bytes, nothing, or 64 random
+through /proc/self/fd) once the addresses are gathered; each sends garbage bytes, nothing, or 64 random
 bytes (a forged header).
 
 Outcomes: a build is hung when a rank is still inside after timeout + 20 s; miswired when
@@ -61,22 +61,18 @@ def _names_a_peer(e: BaseException) -> bool:
 
 
 def _listening_ports() -> List[int]:
-    """Ports of the TCP sockets this process listens on (the ranks' listeners and roots),
-    from /proc/self/net/tcp (state 0A) and this process's socket inodes."""
-    mine = set()
+    """Ports this process listens on over TCP (the ranks' listeners and the roots): every
+    socket fd, asked through a duplicate whether it accepts connections."""
+    ports = []
     for fd in os.listdir("/proc/self/fd"):
         try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
+            if not os.readlink(f"/proc/self/fd/{fd}").startswith("socket:["):
+                continue
+            with socket.socket(fileno=os.dup(int(fd))) as s:  # closes the duplicate only
+                if s.type == socket.SOCK_STREAM and s.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN):
+                    ports.append(s.getsockname()[1])
         except OSError:
-            continue
-        if target.startswith("socket:["):
-            mine.add(target[8:-1])
-    ports = []
-    with open("/proc/self/net/tcp") as f:
-        for line in f.read().splitlines()[1:]:
-            cols = line.split()
-            if len(cols) > 9 and cols[3] == "0A" and cols[9] in mine:
-                ports.append(int(cols[1].split(":")[1], 16))
+            continue  # closed meanwhile, or not an inet socket
     return ports
 
 
@@ -102,8 +98,8 @@ def _at_root(host: str, port: int, stop: threading.Event, rng: random.Random, so
 
 
 def _at_listeners(host: str, root_port: int, rng: random.Random, socks: list) -> None:
-    """A burst of strangers at the ranks' listeners (found through /proc), sent by one rank
-    once the addresses are gathered, so they arrive while the ranks connect."""
+    """A burst of strangers at the ranks' listeners (found through /proc/self/fd), sent from
+    one rank's hook once the addresses are gathered, so they arrive while the ranks connect."""
     ports = [p for p in _listening_ports() if p != root_port]
     for _ in range(rng.randint(1, 6)):
         if ports:
