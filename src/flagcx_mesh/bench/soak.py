@@ -56,8 +56,14 @@ def _message_class(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[:110]}"
 
 
-def _names_a_peer(e: BaseException) -> bool:
-    return getattr(e, "peer", -1) >= 0 or re.search(r"\b(peer|rank)s? \[?\d+", str(e)) is not None
+def _names_a_peer(e: BaseException, rank: int, n: int) -> bool:
+    """Whether the error of `rank` names another rank: its peer, or "peer K" / "rank K" /
+    "ranks [K" in the message for some K != rank (its own "rank R:" prefix does not count)."""
+    peer = getattr(e, "peer", -1)
+    if isinstance(peer, int) and 0 <= peer < n and peer != rank:
+        return True
+    found = re.findall(r"\b(?:peer|rank)s? \[?(\d+)", str(e))
+    return any(int(k) != rank and int(k) < n for k in found)
 
 
 def _listening_ports() -> List[int]:
@@ -174,7 +180,7 @@ def one_build(i: int, args: argparse.Namespace, rng: random.Random) -> Dict[str,
            "seconds": round(took, 3), "hung": sum(t.is_alive() for t in threads)}
     meshes = [m for m in results if isinstance(m, Mesh)]
     errors = [(r, e) for r, e in enumerate(results) if isinstance(e, BaseException) and r != victim]
-    out["failures"] = [{"rank": r, "class": _message_class(e), "named": _names_a_peer(e), "message": str(e)[:300]}
+    out["failures"] = [{"rank": r, "class": _message_class(e), "named": _names_a_peer(e, r, n), "message": str(e)[:300]}
                        for r, e in errors]
     out["ok"] = len(meshes) == n
     out["miswired"] = _check_wiring(meshes) if out["ok"] else 0
