@@ -10,6 +10,10 @@ layer becomes 1 only once the whole layer has landed. Decode waits layer by laye
 With --rounds R the whole cache is sent R times with new contents; the slots ADD up, so
 round r is complete at value r + 1.
 
+With --device cuda the KV buffer is a torch CUDA tensor (as a serving engine's KV cache is):
+prefill issues its puts on a CUDA stream, decode queues each layer's wait on its stream
+(wait_signal(..., stream)) and takes the layer's arrival from an event recorded after the wait.
+
 Verification: prefill sends its own per-layer checksums (blake2b) to decode over the mesh
 as a message after the last put; decode compares every layer against them, and regenerates
 the first and last layers from the seed to compare them byte for byte. Decode reports the
@@ -50,6 +54,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int, default=3,
                    help="transfers of the whole cache (new contents each round; per-layer lines for the last)")
     p.add_argument("--seed", type=int, default=1234, help="seed of the KV contents")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="where the KV cache lives")
     p.add_argument("--corrupt-layer", type=int, default=-1, metavar="L",
                    help="(to test the checks) prefill flips one byte of layer L after checksumming it")
     a = p.parse_args(argv)
@@ -71,6 +76,46 @@ def checksum(data) -> str:
     return hashlib.blake2b(data, digest_size=16).hexdigest()
 
 
+class KVCache:
+    """The KV buffer: a numpy array on the host, or a torch tensor on the GPU (--device cuda)."""
+
+    def __init__(self, a):
+        self.lb, n = layer_bytes(a), a.layers * layer_bytes(a)
+        self.torch = None
+        if a.device == "cuda":
+            import torch
+
+            self.torch = torch
+            self.buf = torch.zeros(n, dtype=torch.uint8, device="cuda")
+            self.stream = torch.cuda.Stream()
+        else:
+            self.buf = np.zeros(n, np.uint8)  # every page touched, as a preallocated KV cache is
+            self.stream = None
+
+    def fill(self, layer: int, data: np.ndarray) -> None:
+        part = slice(layer * self.lb, (layer + 1) * self.lb)
+        if self.torch is None:
+            self.buf[part] = data
+        else:
+            self.buf[part].copy_(self.torch.from_numpy(data.copy()))
+            self.torch.cuda.synchronize()
+
+    def host(self, layer: int) -> np.ndarray:
+        part = slice(layer * self.lb, (layer + 1) * self.lb)
+        return self.buf[part] if self.torch is None else self.buf[part].cpu().numpy()
+
+    def flip(self, at: int) -> None:
+        self.buf[at] ^= 0xFF
+
+    def arrived(self):
+        """Something whose wait() returns once the decode stream has passed the last wait queued."""
+        if self.torch is None:
+            return None
+        ev = self.torch.cuda.Event()
+        ev.record(self.stream)
+        return ev
+
+
 def log(rank: int, text: str) -> None:
     role = "prefill" if rank == PREFILL else "decode"
     print(f"{role}: {text}", flush=True)
@@ -78,21 +123,21 @@ def log(rank: int, text: str) -> None:
 
 # ----------------------------------------------------------------------------- prefill
 
-def prefill(comm: fc.Comm, a, kv: np.ndarray, kv_idx: int, rnd: int) -> bool:
+def prefill(comm: fc.Comm, a, kv: KVCache, kv_idx: int, rnd: int) -> bool:
     """One round: fill every layer, then send it; True when decode reports PASS."""
     lb = layer_bytes(a)
     sums = []
     for layer in range(a.layers):  # "compute" every layer before the timed transfer
-        kv[layer * lb:(layer + 1) * lb] = make_layer(a, rnd, layer)
-        sums.append(checksum(kv[layer * lb:(layer + 1) * lb]))
+        kv.fill(layer, make_layer(a, rnd, layer))
+        sums.append(checksum(kv.host(layer)))
         if layer == a.corrupt_layer:
-            kv[layer * lb + lb // 2] ^= 0xFF
+            kv.flip(layer * lb + lb // 2)
     comm.mesh.barrier(timeout=a.timeout)
     t0 = time.monotonic()
     issued = []
     for layer in range(a.layers):
         issued.append(time.monotonic() - t0)
-        send_layer(comm, a, layer, kv_idx)
+        send_layer(comm, a, layer, kv_idx, kv.stream)
     comm.flush(DECODE, timeout=a.timeout)
     took = time.monotonic() - t0
     log(comm.rank, f"round {rnd}: sent {a.layers} layers ({a.layers * lb / 2**20:.1f} MiB) in "
@@ -104,19 +149,20 @@ def prefill(comm: fc.Comm, a, kv: np.ndarray, kv_idx: int, rnd: int) -> bool:
     return verdict.startswith("PASS")
 
 
-def send_layer(comm: fc.Comm, a, layer: int, kv_idx: int) -> None:
-    """put() every chunk of ``layer`` but the last; put_signal() the last (ADD 1 to slot ``layer``)."""
+def send_layer(comm: fc.Comm, a, layer: int, kv_idx: int, stream) -> None:
+    """put() every chunk of ``layer`` but the last; put_signal() the last (ADD 1 to slot ``layer``),
+    on ``stream`` when the cache is on the GPU."""
     base, cb = layer * layer_bytes(a), a.chunk_bytes
     for c in range(a.chunks - 1):
         off = base + c * cb
-        comm.put(DECODE, off, off, cb, kv_idx, kv_idx)
+        comm.put(DECODE, off, off, cb, kv_idx, kv_idx, stream)
     off = base + (a.chunks - 1) * cb
-    comm.put_signal(DECODE, off, off, cb, layer * fc.SLOT_BYTES, kv_idx, kv_idx, 1)
+    comm.put_signal(DECODE, off, off, cb, layer * fc.SLOT_BYTES, kv_idx, kv_idx, 1, stream)
 
 
 # ----------------------------------------------------------------------------- decode
 
-def decode(comm: fc.Comm, a, kv: np.ndarray, rnd: int) -> bool:
+def decode(comm: fc.Comm, a, kv: KVCache, rnd: int) -> bool:
     """One round: wait for and checksum each layer as it lands, then verify; True on PASS."""
     lb = layer_bytes(a)
     comm.mesh.barrier(timeout=a.timeout)
@@ -124,9 +170,12 @@ def decode(comm: fc.Comm, a, kv: np.ndarray, rnd: int) -> bool:
     arrived, pending = [], []
     with ThreadPoolExecutor(1) as hasher:  # checksums a layer while the next ones land
         for layer in range(a.layers):  # the slots ADD up: round r completes at value r + 1
-            comm.wait_signal(PREFILL, layer * fc.SLOT_BYTES, rnd + 1, timeout=a.timeout)
+            comm.wait_signal(PREFILL, layer * fc.SLOT_BYTES, rnd + 1, kv.stream, timeout=a.timeout)
+            event = kv.arrived()  # GPU: the stream's wait passed once this event completes
+            if event is not None:
+                event.synchronize()
             arrived.append(time.monotonic() - t0)
-            pending.append(hasher.submit(checksum, kv[layer * lb:(layer + 1) * lb]))
+            pending.append(hasher.submit(checksum, kv.host(layer)))
         got = [f.result() for f in pending]
     total, hashed = arrived[-1], time.monotonic() - t0
     sent = json.loads(comm.mesh.recv(PREFILL, timeout=a.timeout))
@@ -149,7 +198,7 @@ def decode(comm: fc.Comm, a, kv: np.ndarray, rnd: int) -> bool:
     return not problems
 
 
-def compare(comm: fc.Comm, a, kv: np.ndarray, rnd: int, got, sums) -> list:
+def compare(comm: fc.Comm, a, kv: KVCache, rnd: int, got, sums) -> list:
     """Every layer against prefill's checksum; the first and last against the seed;
     every slot exactly ``rnd + 1`` (one ADD per layer per round)."""
     lb, problems = layer_bytes(a), []
@@ -160,7 +209,7 @@ def compare(comm: fc.Comm, a, kv: np.ndarray, rnd: int, got, sums) -> list:
         if value != rnd + 1:
             problems.append(f"layer {layer}: signal slot is {value}, expected exactly {rnd + 1}")
     for layer in sorted({0, a.layers - 1}):
-        mine = kv[layer * lb:(layer + 1) * lb]
+        mine = kv.host(layer)
         diff = np.flatnonzero(mine != make_layer(a, rnd, layer))
         if diff.size:
             problems.append(f"layer {layer}: {diff.size} bytes differ from the seed, first at byte {diff[0]}")
@@ -189,12 +238,11 @@ def main(argv=None) -> int:
 
 
 def run(comm: fc.Comm, a) -> bool:
-    kv = np.empty(a.layers * layer_bytes(a), np.uint8)
-    kv.fill(0)  # touch every page now, as a serving engine's preallocated KV cache is
-    kv_idx = comm.one_side_register(kv)
+    kv = KVCache(a)
+    kv_idx = comm.one_side_register(kv.buf)
     comm.signal_register(a.layers * fc.SLOT_BYTES)
     if comm.rank == PREFILL:
-        log(comm.rank, f"launcher {detect_launch()}; {a.layers} layers x {a.chunks} chunks x "
+        log(comm.rank, f"launcher {detect_launch()}; KV cache on {a.device}; {a.layers} layers x {a.chunks} chunks x "
                        f"{a.chunk_bytes} B, {a.rounds} round(s); {comm.window_describe(kv_idx)}")
     ok = True
     for rnd in range(a.rounds):

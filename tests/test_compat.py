@@ -307,14 +307,16 @@ def test_registration_refused_on_one_rank_fails_every_rank_at_once():
     """A misaligned signal size, or device memory (NotSupported), on one rank: every rank's
     registration fails at once instead of waiting for the others until a timeout."""
     cs = comms(2)
-    gpu = SimpleNamespace(device=SimpleNamespace(type="cuda"))
+    # CUDA memory as a CUDA array (never dereferenced): without a CUDA driver it is NotSupported.
+    gpu = SimpleNamespace(__cuda_array_interface__={"shape": (64,), "typestr": "|u1", "data": (4096, False),
+                                                    "version": 3})
 
     def body(c):
         t0 = time.monotonic()
         if c.rank == 0:
             with refused(R.InvalidArgument, "size 12 is not a positive multiple of 8"):
                 c.signal_register(12)
-            with refused(R.NotSupported, "device memory"):
+            with refused(R.NotSupported, "device memory cannot be registered: no CUDA driver"):
                 c.one_side_register(gpu)
         else:
             with refused(R.RemoteError, "rank 0"):

@@ -115,7 +115,7 @@ def inject_all(addr, fg, mesh_id, dst, nranks, ncontexts, seed=0):
     send_keep(hdr()[:30], SILENT)
     # valid-looking headers with one thing wrong
     send_keep(hdr(magic=0x12345678), "bad magic")
-    send_keep(hdr(version=2), "unsupported version")
+    send_keep(hdr(version=1), "unsupported version")  # a peer from before the key proofs
     send_keep(hdr(mesh_id=bytes(16)), "foreign mesh id")
     send_keep(hdr(dst=(dst + 1) % nranks if nranks > 1 else 5), "wrong destination rank")
     send_keep(hdr(epoch=1), "wrong epoch")
@@ -135,13 +135,14 @@ def inject_all(addr, fg, mesh_id, dst, nranks, ncontexts, seed=0):
 
 def build_with_foreign(n, contexts=1, at_listen=(), during=(), hold_rank=None, hold_s=HOLD_S,
                        max_inflight=64, header_timeout=HEADER_TIMEOUT, timeout=15.0,
-                       extra_hook=None):
+                       extra_hook=None, uid=None):
     """Build an n-rank mesh from threads, started one after another (so each listen hook
     can identify its own port). `at_listen(addr, rank)` runs in the listen hook of each rank
     in `at_listen`; `during(addr, rank)` runs in a separate thread once the rank named in
     `during` has passed the rendezvous; both also get the mesh id (bytes).
+    `uid`: the unique id to build with (default: a new one).
     Returns (meshes, {rank: listen addr}, {(rank, phase): seconds since start})."""
-    uid = flagcx_mesh.get_unique_id()
+    uid = uid or flagcx_mesh.get_unique_id()
     mesh_id = bytes.fromhex(_core._unique_id_info(uid)["mesh_id"])
     known = set(listening_ports())
     addrs, timeline = {}, {}

@@ -265,6 +265,20 @@ def test_tagged_closes_strangers_connections_and_completes(stranger, capfd):
         assert "refused a connection: bad magic" in capfd.readouterr().err
 
 
+def test_tagged_refuses_a_copied_identity_header_without_the_build_key(capfd):
+    """Each rank's stranger connection copies the identity header the rank sends to that
+    peer (the build id, source and destination are right, as read off the wire) but cannot
+    make its MAC under the build key: refused as bad authentication, the build completes.
+    Before the MAC the header alone was the identity: such a copy was filed (or the real one
+    refused as a duplicate)."""
+    for ranks in trials(3, "tagged", 2, jitter_us=500, timeout=10.0, stranger="forged"):
+        assert [res["outcome"] for res in ranks] == ["completed"] * 3, ranks
+        assert all(res["left_open"] == 0 for res in ranks), ranks
+    err = capfd.readouterr().err
+    assert "refused a connection: bad authentication" in err, err[-2000:]
+    assert "duplicate" not in err, err[-2000:]
+
+
 def test_wiring_check_names_a_miswired_slot():
     """Legacy at 8 ranks miswires (or hangs) quickly; a miswire is a ProtocolError naming the slot."""
     found = None

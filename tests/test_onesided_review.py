@@ -55,7 +55,9 @@ def body(r):
         print("SIGNALLED", flush=True)
     else:  # takes part in the registration with a forged description: 2^63 bytes, a 4 KiB segment
         desc = struct.pack("<IQQi", 3, 1 << 63, 0, os.getpid()) + s(host_id().encode()) + s(b"") + \
-               s(("/" + name).encode()) + struct.pack("<QQ", 0, 1)
+               s(("/" + name).encode()) + struct.pack("<QQ", 0, 1) + \
+               struct.pack("<iB", -1, 0) + bytes(64) + struct.pack("<QI", 0, 0) + s(b"") + s(b"") + s(b"") + \
+               struct.pack("<Q", 0)  # the device fields: host memory
         m.allgather(struct.pack("<I", 0) + desc, timeout=30)
         try:
             m.allgather(b"", timeout=5)  # the registration's second step (only when rank 0 accepted)

@@ -62,7 +62,7 @@ def test_encode_layout_is_fixed_little_endian():
     raw = _core._wire_encode(header(epoch=0x01020304, src=3, dst=1, context=2))
     assert isinstance(raw, bytes) and len(raw) == HDR
     magic, version, role = struct.unpack_from("<IHH", raw, 0)
-    assert (magic, version, role) == (CONN_MAGIC, 1, _core.ROLE_CONNECT)
+    assert (magic, version, role) == (CONN_MAGIC, 2, _core.ROLE_CONNECT) and _core.WIRE_VERSION == 2
     assert raw[0:4] == b"FXMH"
     assert raw[8:24] == MESH_ID
     assert struct.unpack_from("<IiiIII", raw, 24) == (0x01020304, 3, 1, 2, 4, 3)
@@ -104,7 +104,8 @@ def test_encode_rejects_bad_mesh_id_length():
 @pytest.mark.parametrize("fields, exp, reason", [
     (dict(magic=0xDEADBEEF), {}, "bad magic"),
     (dict(magic=0x464D5846), {}, "bad magic"),  # the frame magic is not a header magic
-    (dict(version=2), {}, "unsupported version"),
+    (dict(version=1), {}, "unsupported version"),  # before the key proofs
+    (dict(version=3), {}, "unsupported version"),
     (dict(version=0), {}, "unsupported version"),
     (dict(role=_core.ROLE_ACCEPT), {}, "bad role"),
     (dict(role=0), {}, "bad role"),
@@ -183,7 +184,7 @@ def test_random_garbage_is_never_accepted():
         elif i % 4 == 1:  # right magic, random rest
             raw = b"FXMH" + bytes(rng.getrandbits(8) for _ in range(HDR - 4))
         elif i % 4 == 2:  # right magic and version, random rest
-            raw = b"FXMH\x01\x00" + bytes(rng.getrandbits(8) for _ in range(HDR - 6))
+            raw = b"FXMH\x02\x00" + bytes(rng.getrandbits(8) for _ in range(HDR - 6))
         else:  # a valid header with 1..4 random bytes changed
             raw = bytearray(_core._wire_encode(header()))
             changed = False
@@ -245,15 +246,18 @@ def test_unique_id_shape_and_info():
     a, b = flagcx_mesh.get_unique_id(), flagcx_mesh.get_unique_id()
     assert isinstance(a, bytes) and len(a) == 256 and len(b) == 256
     ia, ib = _core._unique_id_info(a), _core._unique_id_info(b)
-    assert set(ia) == {"root", "mesh_id"}
+    assert set(ia) == {"root", "mesh_id", "epoch"} and ia["epoch"] == 0
     assert len(ia["mesh_id"]) == 32 and int(ia["mesh_id"], 16) >= 0
     assert ia["mesh_id"] != ib["mesh_id"], "two unique ids must carry different mesh ids"
     assert ia["root"] != ib["root"], "each unique id hosts its own root on its own ephemeral port"
     host, _, port = ia["root"].rpartition(":")
     assert host and 0 < int(port) < 65536
     assert a[0:4] == b"FXMU"
-    assert a[48:] == bytes(208), "bytes after the checksum are zero"
-    assert struct.unpack_from("<I", a, 44)[0] == fnv1a(a[:44])
+    assert struct.unpack_from("<H", a, 4) == (2,), "unique id version 2"
+    assert a[48:52] == bytes(4), "epoch 0"
+    assert a[52:84] != b[52:84] and a[52:84] != bytes(32), "each id holds its own random secret"
+    assert a[84:] == bytes(172), "bytes after the secret are zero"
+    assert struct.unpack_from("<I", a, 44)[0] == fnv1a(a[:44] + a[48:])
     assert bytes.fromhex(ia["mesh_id"]) == a[28:44]
 
 
@@ -284,7 +288,7 @@ def _with(uid, pos, value):
 
 def _resum(b):
     b = bytearray(b)
-    struct.pack_into("<I", b, 44, fnv1a(bytes(b[:44])))
+    struct.pack_into("<I", b, 44, fnv1a(bytes(b[:44] + b[48:])))
     return bytes(b)
 
 
@@ -292,7 +296,10 @@ def _resum(b):
     (lambda u: _with(u, 0, u[0] ^ 0xFF), "bad magic"),
     (lambda u: bytes(256), "bad magic"),
     (lambda u: b"GET / HTTP/1.1\r\n".ljust(256, b"\0"), "bad magic"),
-    (lambda u: _with(u, 4, 2), "version 2 is not supported"),
+    (lambda u: _with(u, 4, 1), "version 1 is not supported"),
+    (lambda u: _with(u, 4, 3), "version 3 is not supported"),
+    (lambda u: _with(u, 60, u[60] ^ 1), "corrupted"),       # a secret byte
+    (lambda u: _with(u, 48, 1), "corrupted"),               # the epoch
     (lambda u: _with(u, 30, u[30] ^ 1), "corrupted"),       # a mesh id byte
     (lambda u: _with(u, 10, u[10] ^ 1), "corrupted"),       # a root port byte
     (lambda u: _with(u, 45, u[45] ^ 1), "corrupted"),       # the checksum itself
@@ -305,3 +312,103 @@ def test_unique_id_rejects_bad_bytes(uid, mutate, match):
 
 def test_unique_id_survives_a_round_trip_through_hex(uid):
     assert _core._unique_id_info(bytes.fromhex(uid.hex())) == _core._unique_id_info(uid)
+
+
+# ----------------------------------------------------------------------------- SHA-256 / HMAC-SHA256
+
+# FIPS 180-4 examples (NIST CSRC "SHA256.pdf", "SHA2_Additional.pdf").
+SHA256_VECTORS = [
+    (b"abc", "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad"),
+    (b"", "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"),
+    (b"abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq",
+     "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1"),
+    (b"abcdefghbcdefghicdefghijdefghijkefghijklfghijklmghijklmnhijklmnoijklmnopjklmnopqklmnopqr"
+     b"lmnopqrsmnopqrstnopqrstu",
+     "cf5b16a778af8380036ce59e7b0492370b249b11e8f07a51afac45037afee9d1"),
+    (b"a" * 1000000, "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0"),
+    (b"\xbd", "68325720aabd7c82f30f554b313d0570c95accbb7dc4b5aae11204c08ffe732b"),
+    (b"\xc9\x8c\x8e\x55", "7abc22c0ae5af26ce93dbb94433a0e0b2e119d014f8e7f65bd56c61ccccd9504"),
+    (bytes(55), "02779466cdec163811d078815c633f21901413081449002f24aa3e80f0b88ef7"),
+    (bytes(56), "d4817aa5497628e7c77e6b606107042bbba3130888c5f47a375e6179be789fbb"),
+    (bytes(57), "65a16cb7861335d5ace3c60718b5052e44660726da4cd13bb745381b235a1785"),
+    (bytes(64), "f5a5fd42d16a20302798ef6ed309979b43003d2320d9f0e8ea9831a92759fb4b"),
+]
+
+
+@pytest.mark.parametrize("message, digest", SHA256_VECTORS, ids=range(len(SHA256_VECTORS)))
+def test_sha256_nist_examples(message, digest):
+    assert _core._sha256(message).hex() == digest
+
+
+# RFC 4231 section 4: test cases 1-7 for HMAC-SHA-256 (case 5 compares the first 128 bits).
+HMAC_VECTORS = [
+    (b"\x0b" * 20, b"Hi There",
+     "b0344c61d8db38535ca8afceaf0bf12b881dc200c9833da726e9376c2e32cff7"),
+    (b"Jefe", b"what do ya want for nothing?",
+     "5bdcc146bf60754e6a042426089575c75a003f089d2739839dec58b964ec3843"),
+    (b"\xaa" * 20, b"\xdd" * 50,
+     "773ea91e36800e46854db8ebd09181a72959098b3ef8c122d9635514ced565fe"),
+    (bytes(range(1, 26)), b"\xcd" * 50,
+     "82558a389a443c0ea4cc819899f2083a85f0faa3e578f8077a2e3ff46729665b"),
+    (b"\x0c" * 20, b"Test With Truncation", "a3b6167473100ee06e0c796c2955552b"),
+    (b"\xaa" * 131, b"Test Using Larger Than Block-Size Key - Hash Key First",
+     "60e431591ee0b67f0d8a26aacbf5b77f8e0bc6213728c5140546040f0ee37f54"),
+    (b"\xaa" * 131, b"This is a test using a larger than block-size key and a larger than block-size "
+                    b"data. The key needs to be hashed before being used by the HMAC algorithm.",
+     "9b09ffa71b942fcb27635fbcd5b0e944bfdc63644f0713938a7f51535c3a35e2"),
+]
+
+
+@pytest.mark.parametrize("key, data, mac", HMAC_VECTORS, ids=range(1, 8))
+def test_hmac_sha256_rfc4231(key, data, mac):
+    assert _core._hmac_sha256(key, data).hex()[:len(mac)] == mac
+
+
+def test_sha256_and_hmac_agree_with_hashlib_at_every_length():
+    """Every padding case (lengths around the 55/56/64-byte boundaries) and keys around the
+    block size, against the interpreter's own implementation."""
+    import hashlib
+    import hmac
+    rng = random.Random(4231)
+    for n in list(range(0, 200)) + [1000, 4095, 4096, 65537]:
+        data = bytes(rng.getrandbits(8) for _ in range(n))
+        assert _core._sha256(data) == hashlib.sha256(data).digest(), n
+        key = bytes(rng.getrandbits(8) for _ in range(n % 140))
+        assert _core._hmac_sha256(key, data) == hmac.new(key, data, "sha256").digest(), n
+
+
+def test_constant_time_compare():
+    a = bytes(range(32))
+    assert _core._equal_ct(a, a)
+    for i in range(32):
+        b = bytearray(a)
+        b[i] ^= 0x80
+        assert not _core._equal_ct(a, bytes(b))
+    assert not _core._equal_ct(a, a[:31])
+
+
+def test_derived_keys_differ_per_epoch_and_mesh():
+    secret = bytes(range(32))
+    k0 = _core._derive_key(secret, MESH_ID, 0)
+    assert len(k0) == 32 and k0 != secret
+    assert k0 == _core._derive_key(secret, MESH_ID, 0)
+    assert k0 != _core._derive_key(secret, MESH_ID, 1)
+    assert k0 != _core._derive_key(secret, OTHER_ID, 0)
+    assert k0 != _core._derive_key(bytes(32), MESH_ID, 0)
+
+
+def test_handshake_macs_bind_role_and_both_nonces():
+    key = bytes(range(32))
+    hello = _core._wire_encode(header()) + bytes(32)
+    answer = _core._wire_encode(header(role=_core.ROLE_ACCEPT)) + bytes([1]) * 32
+    connect = _core._handshake_mac(key, _core.ROLE_CONNECT, hello, answer)
+    accept = _core._handshake_mac(key, _core.ROLE_ACCEPT, hello, answer)
+    assert connect != accept, "one side's MAC must not serve as the other's"
+    for pos in (0, 20, 63, 64, 95):
+        h = bytearray(hello)
+        h[pos] ^= 1
+        assert _core._handshake_mac(key, _core.ROLE_CONNECT, bytes(h), answer) != connect, pos
+        a = bytearray(answer)
+        a[pos] ^= 1
+        assert _core._handshake_mac(key, _core.ROLE_CONNECT, hello, bytes(a)) != connect, pos
+    assert _core._handshake_mac(bytes(32), _core.ROLE_CONNECT, hello, answer) != connect

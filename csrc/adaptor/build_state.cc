@@ -106,17 +106,23 @@ void Build::check_deadline(const std::string& what, int peer) const {
 }
 
 void Build::listen_and_gather() {
-  size_t hs = net_.handle_size, block = hs + 8;
+  size_t hs = net_.handle_size, block = hs + 8 + build_key_.size();
   std::vector<uint8_t> all(block * static_cast<size_t>(n_), 0);
   uint8_t* mine = all.data() + block * static_cast<size_t>(rank_);
   check_call(net_.listen(net_.ctx, mine, &listen_), "listen", -1, -1);
   std::random_device rd;
   uint64_t nonce = (static_cast<uint64_t>(rd()) << 32) ^ rd() ^ static_cast<uint64_t>(rank_ + 1);
   std::memcpy(mine + hs, &nonce, 8);
+  crypto::random_bytes(mine + hs + 8, build_key_.size());
   double left = seconds_left();
   int rc = boot_call([&] { return boot_.allgather(boot_.ctx, all.data(), block, left); });
   if (rc != 0) boot_failed(rc, -1, "bootstrap allgather of the listen handles");
   std::memcpy(&build_id_, all.data() + hs, 8);
+  crypto::Sha256 shares;
+  static const char kLabel[] = "flagcx_mesh tagged build key";
+  shares.update(kLabel, sizeof(kLabel));
+  for (int p = 0; p < n_; ++p) shares.update(all.data() + block * static_cast<size_t>(p) + hs + 8, build_key_.size());
+  build_key_ = shares.finish();
   handles_.resize(static_cast<size_t>(n_));
   for (int p = 0; p < n_; ++p) {
     const uint8_t* h = all.data() + block * static_cast<size_t>(p);
@@ -290,9 +296,15 @@ wire::MeshId mesh_id_of(uint64_t build_id) {
   return id;
 }
 
+wire::Mac identity_mac(const crypto::Key& key, const uint8_t header[wire::kConnHeaderSize]) {
+  static const char kLabel[] = "flagcx_mesh identity";
+  return crypto::Hmac(key.data(), key.size()).update(kLabel, sizeof(kLabel)).update(header, wire::kConnHeaderSize).finish();
+}
+
 }  // namespace
 
-void encode_identity(uint64_t build_id, int src, int dst, int nranks, uint8_t out[kIdentitySize]) {
+void encode_identity(uint64_t build_id, const crypto::Key& key, int src, int dst, int nranks,
+                     uint8_t out[kIdentitySize]) {
   wire::ConnHeader h;
   h.mesh_id = mesh_id_of(build_id);
   h.src = src;
@@ -300,10 +312,12 @@ void encode_identity(uint64_t build_id, int src, int dst, int nranks, uint8_t ou
   h.nranks = static_cast<uint32_t>(nranks);
   h.ncontexts = 1;
   wire::encode(h, out);
+  wire::Mac mac = identity_mac(key, out);
+  std::memcpy(out + wire::kConnHeaderSize, mac.data(), mac.size());
 }
 
-std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, int me, int nranks,
-                            wire::ConnHeader* out) {
+std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, const crypto::Key& key, int me,
+                            int nranks, wire::ConnHeader* out) {
   wire::Reject r = wire::decode(in, out);
   if (r == wire::Reject::kNone) {
     wire::Expect e;
@@ -312,6 +326,10 @@ std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, 
     e.nranks = static_cast<uint32_t>(nranks);
     e.ncontexts = 1;
     r = wire::validate(*out, e);
+  }
+  if (r == wire::Reject::kNone) {
+    wire::Mac mac = identity_mac(key, in);
+    if (!crypto::equal_ct(mac.data(), in + wire::kConnHeaderSize, mac.size())) r = wire::Reject::kBadAuth;
   }
   return r == wire::Reject::kNone ? "" : wire::reject_name(r);
 }

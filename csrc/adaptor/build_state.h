@@ -31,7 +31,8 @@ class Build {
   Build(const Build&) = delete;
   Build& operator=(const Build&) = delete;
 
-  // listen(), then allgather {handle, nonce}; build_id() is rank 0's nonce.
+  // listen(), then allgather {handle, nonce, key share}; build_id() is rank
+  // 0's nonce, build_key() a hash of every rank's random key share.
   void listen_and_gather();
   // One step of connect to `peer` (no-op once done); true when done.
   bool step_connect(int peer, int round);
@@ -68,6 +69,7 @@ class Build {
   int rank() const { return rank_; }
   int nranks() const { return n_; }
   uint64_t build_id() const { return build_id_; }
+  const crypto::Key& build_key() const { return build_key_; }
   int tag(int round) const { return config_.tag_base + round; }
   const BuildConfig& config() const { return config_; }
   void* send_comm(int peer) const { return send_[peer]; }
@@ -92,6 +94,7 @@ class Build {
   double timeout_s_;
   Deadline deadline_;
   uint64_t build_id_ = 0;
+  crypto::Key build_key_{};
   void* listen_ = nullptr;
   std::vector<std::vector<uint8_t>> handles_;  // writable copies, one per peer
   std::vector<void*> send_, recv_;
@@ -107,13 +110,18 @@ void backoff(int* spins);
 
 // The identity record sent over new connections (the tagged header and the
 // wiring check) is the project's one connection header, wire::ConnHeader,
-// with the build id in the first 8 bytes of its mesh id.
-constexpr size_t kIdentitySize = wire::kConnHeaderSize;
-void encode_identity(uint64_t build_id, int src, int dst, int nranks, uint8_t out[kIdentitySize]);
-// "" when `in` is a header of build `build_id` from a rank of nranks to `me`;
-// else why not (a wire::reject_name).
-std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, int me, int nranks,
-                            wire::ConnHeader* out);
+// with the build id in the first 8 bytes of its mesh id, followed by an
+// HMAC-SHA256 of it under the build key. The adaptor's comms carry bytes one
+// way only, so this cannot be a challenge-response: the key is fresh per build
+// and known only to the ranks that took part in the bootstrap allgather
+// (docs/security.md says what that does and does not stop).
+constexpr size_t kIdentitySize = wire::kConnHeaderSize + wire::kMacSize;
+void encode_identity(uint64_t build_id, const crypto::Key& key, int src, int dst, int nranks,
+                     uint8_t out[kIdentitySize]);
+// "" when `in` is a header of build `build_id` from a rank of nranks to `me`
+// with a valid MAC; else why not (a wire::reject_name).
+std::string decode_identity(const uint8_t in[kIdentitySize], uint64_t build_id, const crypto::Key& key, int me,
+                            int nranks, wire::ConnHeader* out);
 
 // This layout's copies of validated structs of an accepted (older) layout:
 // fields the caller's layout lacks are NULL.

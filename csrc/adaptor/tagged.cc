@@ -88,7 +88,7 @@ bool Tagged::step_outgoing(int peer) {
     if (!b_.step_connect(peer, -1)) return false;
     o.io.comm = b_.send_comm(peer), o.io.send = true, o.io.peer = peer, o.io.size = kIdentitySize;
     o.io.data = b_.buffer(kIdentitySize);
-    encode_identity(b_.build_id(), b_.rank(), peer, b_.nranks(), o.io.data);
+    encode_identity(b_.build_id(), b_.build_key(), b_.rank(), peer, b_.nranks(), o.io.data);
     o.io.mhandle = b_.reg(o.io.comm, o.io.data, kIdentitySize, peer, kStep);
   }
   if (!step_copy(o, peer)) return false;
@@ -119,7 +119,7 @@ bool Tagged::step_incoming(size_t i) {
 bool Tagged::copy_arrived(size_t i) {
   Side& s = *in_[i];
   wire::ConnHeader id;
-  std::string why = decode_identity(s.io.data, b_.build_id(), b_.rank(), b_.nranks(), &id);
+  std::string why = decode_identity(s.io.data, b_.build_id(), b_.build_key(), b_.rank(), b_.nranks(), &id);
   if (s.copies_done == 0) {
     if (why.empty() && b_.recv_comm(id.src)) {
       why = std::string(wire::reject_name(wire::Reject::kDuplicate)) + " (a second connection from rank " +
@@ -136,7 +136,7 @@ bool Tagged::copy_arrived(size_t i) {
     std::memcpy(s.first, s.io.data, kIdentitySize);
   } else if (std::memcmp(s.first, s.io.data, kIdentitySize) != 0) {
     wire::ConnHeader first;
-    decode_identity(s.first, b_.build_id(), b_.rank(), b_.nranks(), &first);
+    decode_identity(s.first, b_.build_id(), b_.build_key(), b_.rank(), b_.nranks(), &first);
     std::string from = why.empty() ? "rank " + std::to_string(id.src) : "unreadable bytes (" + why + ")";
     b_.fail_at(Code::kProtocol, first.src,
                "accept delivered a mixed connection: copy 1 of its identity header came from rank " +

@@ -10,7 +10,7 @@ namespace {
 
 void check_slot(const Build& b, int p, const uint8_t* got) {
   wire::ConnHeader id;
-  std::string why = decode_identity(got, b.build_id(), b.rank(), b.nranks(), &id);
+  std::string why = decode_identity(got, b.build_id(), b.build_key(), b.rank(), b.nranks(), &id);
   if (!why.empty()) {
     b.fail_at(Code::kProtocol, p, "wiring check: recv slot " + std::to_string(p) + ": refused header (" + why + ")");
   }
@@ -48,7 +48,7 @@ void wiring_check(Build& b) {
   std::vector<Transfer> sends, recvs;
   for (int p = 0; p < n; ++p) {
     sends.push_back(make(b, b.send_comm(p), true, p));
-    encode_identity(b.build_id(), b.rank(), p, n, sends.back().data);
+    encode_identity(b.build_id(), b.build_key(), b.rank(), p, n, sends.back().data);
     recvs.push_back(make(b, b.recv_comm(p), false, p));
   }
   int pending = 2 * n, spins = 0;

@@ -53,6 +53,16 @@ std::string transport_env() {
   return s ? s : "";
 }
 
+std::string cuda_path_env() {
+  const char* s = std::getenv("FLAGCX_MESH_CUDA_PATH");
+  return s ? s : "";
+}
+
+std::string cuda_driver_env() {
+  const char* s = std::getenv("FLAGCX_MESH_CUDA_DRIVER");
+  return s ? s : "";
+}
+
 namespace {
 
 const char* launcher_var(const char* name) {

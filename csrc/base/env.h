@@ -7,6 +7,9 @@
 //   FLAGCX_MESH_LOG      error | warn | info | debug (default warn)
 //   FLAGCX_MESH_TRANSPORT  auto | tcp | cma | shm: forces the one-sided path;
 //                        read at every window registration (transport_env())
+//   FLAGCX_MESH_CUDA_PATH  auto | cuda-vmm | cuda-ipc | staged: forces the
+//                        path to device windows (cuda_path_env())
+//   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
 //   FLAGCX_MESH_RANK, FLAGCX_MESH_NRANKS, FLAGCX_MESH_UNIQUE_ID (hex): set by
 //                        python -m flagcx_mesh.launch, read by the C ABI's
 //                        flagcx_mesh_comm_init_from_env (launcher_env())
@@ -46,6 +49,10 @@ double build_timeout_s(double seconds, const char* what);
 // FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
 // later in the same process may use another value (tests and benchmarks do).
 std::string transport_env();
+// FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.
+std::string cuda_path_env();
+// FLAGCX_MESH_CUDA_DRIVER ("" when unset), read once, when the driver is first loaded.
+std::string cuda_driver_env();
 
 // The embedded launcher's variables as they are now; throws
 // Error(kInvalidArgument) naming a missing or malformed one.

@@ -31,7 +31,8 @@ const char* reject_name(Reject r) {
       "bad magic",       "unsupported version",                "bad checksum",
       "bad role",        "foreign mesh id",                    "wrong epoch",
       "wrong destination rank", "source rank out of range",    "context out of range",
-      "nranks/contexts mismatch", "duplicate connection",      "too many pending connections"};
+      "nranks/contexts mismatch", "duplicate connection",      "too many pending connections",
+      "bad authentication"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Reject::kCount));
   int i = static_cast<int>(r);
   return (i >= 0 && i < static_cast<int>(Reject::kCount)) ? names[i] : "unknown";
@@ -78,6 +79,27 @@ Reject validate(const ConnHeader& h, const Expect& e) {
   if (h.src < 0 || static_cast<uint32_t>(h.src) >= e.nranks) return Reject::kBadSrc;
   if (h.context >= e.ncontexts) return Reject::kBadContext;
   return Reject::kNone;
+}
+
+crypto::Key derive_key(const crypto::Key& secret, const MeshId& mesh_id, uint32_t epoch) {
+  static const char kLabel[] = "flagcx_mesh epoch key v1";
+  uint8_t le[4];
+  put<uint32_t>(le, 0, epoch);
+  return crypto::Hmac(secret.data(), secret.size())
+      .update(kLabel, sizeof(kLabel))
+      .update(mesh_id.data(), mesh_id.size())
+      .update(le, sizeof(le))
+      .finish();
+}
+
+Mac handshake_mac(const crypto::Key& key, Role prover, const uint8_t hello[kHelloSize],
+                  const uint8_t answer_head[kHelloSize]) {
+  const char* label = prover == Role::kAccept ? "flagcx_mesh accept proof" : "flagcx_mesh connect proof";
+  return crypto::Hmac(key.data(), key.size())
+      .update(label, std::strlen(label) + 1)
+      .update(hello, kHelloSize)
+      .update(answer_head, kHelloSize)
+      .finish();
 }
 
 void encode_frame(const FrameHeader& f, uint8_t out[kFrameHeaderSize]) {

@@ -8,13 +8,15 @@
 #include <cstdint>
 #include <string>
 
+#include "base/hmac.h"
+
 namespace fxm::wire {
 
 static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire format assumes little-endian hosts");
 
 constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
 constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
-constexpr uint16_t kVersion = 1;
+constexpr uint16_t kVersion = 2;  // 2: the header is followed by the key proof handshake
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -54,6 +56,7 @@ enum class Reject : int {
   kBadShape,      // nranks / ncontexts differ from ours
   kDuplicate,     // that (src, context) slot is already filled
   kOverflow,      // too many unidentified connections at once
+  kBadAuth,       // its proof of the mesh key was wrong (a stranger, a replay, another epoch's key)
   kCount
 };
 const char* reject_name(Reject r);
@@ -73,6 +76,30 @@ struct Expect {
 };
 // Full identity check of a decoded header against expectations.
 Reject validate(const ConnHeader& h, const Expect& e);
+
+// Proof of the key. After the header, each side proves that it holds the
+// mesh's epoch key (derive_key) with an HMAC-SHA256 over both sides' fresh
+// nonces and both headers, so a recorded handshake is worth nothing later:
+//   connector -> acceptor  hello:  header + connector nonce     (96 bytes)
+//   acceptor -> connector  answer: header + acceptor nonce + acceptor MAC (128)
+//   connector -> acceptor  proof:  connector MAC                (32)
+// The MACs carry different labels, so neither side's answer can be reflected
+// as the other's proof.
+constexpr size_t kNonceSize = 32;
+constexpr size_t kMacSize = crypto::kDigestSize;
+constexpr size_t kHelloSize = kConnHeaderSize + kNonceSize;
+constexpr size_t kAnswerSize = kHelloSize + kMacSize;
+constexpr size_t kProofSize = kMacSize;
+using Mac = crypto::Digest;
+
+// The key a mesh of `epoch` uses on the wire: HMAC(secret, label | mesh id |
+// epoch). The secret (in the unique id) itself never travels; another epoch
+// means another key, so a rank of an earlier epoch cannot prove itself.
+crypto::Key derive_key(const crypto::Key& secret, const MeshId& mesh_id, uint32_t epoch);
+// The MAC `prover` sends: over the hello (header + connector nonce) and the
+// first kHelloSize bytes of the answer (header + acceptor nonce).
+Mac handshake_mac(const crypto::Key& key, Role prover, const uint8_t hello[kHelloSize],
+                  const uint8_t answer_head[kHelloSize]);
 
 // Frames on an established connection: {magic, type, flags, length}.
 enum class FrameType : uint16_t {

@@ -12,17 +12,49 @@
 
 namespace fxm::bootstrap {
 
-Client::Client(const UniqueId& id, int rank, int nranks, const Deadline& deadline)
+Client::Client(const UniqueId& id, int rank, int nranks, const Deadline& deadline, int64_t epoch)
     : root_(id.root), rank_(rank), nranks_(nranks) {
-  connect_root(deadline);
-  JoinInfo j;
-  j.mesh_id = id.mesh_id;
-  j.nranks = static_cast<uint32_t>(nranks);
-  j.timeout_ms = static_cast<uint32_t>(std::clamp(deadline.seconds_left(), 0.0, 4e6) * 1000);
-  Msg m{MsgType::kJoin, Code::kOk, rank, 0, encode_join(j)};
-  tcp::IoResult r = send_msg(fd_.get(), m, deadline);
-  if (!r.ok()) raise_io(r, "joining the bootstrap root at " + root_.str());
+  uint32_t e = epoch < 0 ? id.epoch : static_cast<uint32_t>(epoch);
+  int backoff_ms = 10;
+  while (!try_join(id, e, deadline)) {
+    if (deadline.expired()) {
+      fail(Code::kTimeout, -1, 0, "rank " + std::to_string(rank_) + ": the bootstrap root at " + root_.str() +
+                                      " kept closing the connection before the join handshake was done");
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(std::min(backoff_ms, deadline.poll_ms())));
+    backoff_ms = std::min(backoff_ms * 2, 200);
+  }
   track_client(this);
+}
+
+bool Client::try_join(const UniqueId& id, uint32_t epoch, const Deadline& deadline) {
+  connect_root(deadline);
+  std::string doing = "joining the bootstrap root at " + root_.str();
+  HelloInfo h;
+  h.mesh_id = id.mesh_id;
+  h.epoch = epoch;
+  crypto::random_bytes(h.nonce.data(), h.nonce.size());
+  Msg hello{MsgType::kHello, Code::kOk, rank_, 0, encode_hello(h)};
+  if (!send_msg(fd_.get(), hello, deadline).ok()) return false;
+  Msg m;
+  tcp::IoResult r = recv_msg(fd_.get(), &m, deadline.min(Deadline::after_seconds(5)));
+  if (r.kind == tcp::IoResult::kClosed || (r.kind == tcp::IoResult::kTimeout && !deadline.expired())) return false;
+  if (!r.ok()) raise_io(r, doing);
+  crypto::Key key = id.key_for(epoch);
+  ChallengeInfo c;
+  if (m.type != MsgType::kChallenge || !decode_challenge(m.payload, &c) ||
+      !crypto::equal_ct(c.mac.data(), root_proof(key, hello, c.nonce).data(), c.mac.size())) {
+    fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing +
+                                     ": it did not prove that it holds this unique id's key (another process "
+                                     "at that address, or a unique id altered on its way)");
+  }
+  JoinInfo j;
+  j.nranks = static_cast<uint32_t>(nranks_);
+  j.timeout_ms = static_cast<uint32_t>(std::clamp(deadline.seconds_left(), 0.0, 4e6) * 1000);
+  j.mac = join_proof(key, hello, c.nonce, j.nranks, j.timeout_ms);
+  r = send_msg(fd_.get(), {MsgType::kJoin, Code::kOk, rank_, 0, encode_join(j)}, deadline);
+  if (!r.ok()) raise_io(r, doing);
+  return true;
 }
 
 Client::~Client() {

@@ -23,9 +23,11 @@ using Parts = std::vector<std::vector<uint8_t>>;
 
 class Client {
  public:
-  // Connects (retrying until `deadline`) and sends JOIN, which tells the root
-  // the build timeout and how much of it is left. Throws Error.
-  Client(const UniqueId& id, int rank, int nranks, const Deadline& deadline);
+  // Connects (retrying until `deadline`), proves the key of `epoch` (the
+  // unique id's when negative) and checks the root's proof, then sends JOIN,
+  // which tells the root the build timeout and how much of it is left.
+  // Throws Error (kProtocol when the root cannot prove the key).
+  Client(const UniqueId& id, int rank, int nranks, const Deadline& deadline, int64_t epoch = -1);
   ~Client();
 
   // Every rank's contribution, indexed by rank. Throws Error naming the
@@ -65,6 +67,10 @@ class Client {
  private:
   void connect_root(const Deadline& deadline);
   std::string oversized_part(size_t size) const;
+  // One attempt of the join handshake on a fresh connection; false when the
+  // root closed it before proving itself (a root crowded by strangers drops
+  // connections that did not prove the key yet): the caller retries.
+  bool try_join(const UniqueId& id, uint32_t epoch, const Deadline& deadline);
   // Next message from the root other than a relayed one (which is stashed);
   // on an I/O failure raises naming `doing`. Caller holds mu_.
   Msg next_msg(const std::string& doing, const Deadline& deadline);

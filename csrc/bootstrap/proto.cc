@@ -66,22 +66,76 @@ tcp::IoResult recv_msg(int fd, Msg* m, const Deadline& deadline) {
   return tcp::read_full(fd, m->payload.data(), len, deadline);
 }
 
+std::vector<uint8_t> encode_hello(const HelloInfo& h) {
+  std::vector<uint8_t> p(kHelloPayload, 0);
+  std::memcpy(p.data(), h.mesh_id.data(), 16);
+  put<uint32_t>(p.data(), 16, h.epoch);
+  put<uint16_t>(p.data(), 20, h.version);
+  std::memcpy(p.data() + 24, h.nonce.data(), h.nonce.size());
+  return p;
+}
+
+bool decode_hello(const std::vector<uint8_t>& p, HelloInfo* h) {
+  if (p.size() != kHelloPayload) return false;
+  std::memcpy(h->mesh_id.data(), p.data(), 16);
+  h->epoch = get<uint32_t>(p.data(), 16);
+  h->version = get<uint16_t>(p.data(), 20);
+  std::memcpy(h->nonce.data(), p.data() + 24, h->nonce.size());
+  return true;
+}
+
+std::vector<uint8_t> encode_challenge(const ChallengeInfo& c) {
+  std::vector<uint8_t> p(kChallengePayload);
+  std::memcpy(p.data(), c.nonce.data(), 32);
+  std::memcpy(p.data() + 32, c.mac.data(), 32);
+  return p;
+}
+
+bool decode_challenge(const std::vector<uint8_t>& p, ChallengeInfo* c) {
+  if (p.size() != kChallengePayload) return false;
+  std::memcpy(c->nonce.data(), p.data(), 32);
+  std::memcpy(c->mac.data(), p.data() + 32, 32);
+  return true;
+}
+
 std::vector<uint8_t> encode_join(const JoinInfo& j) {
-  std::vector<uint8_t> p(28);
-  std::memcpy(p.data(), j.mesh_id.data(), 16);
-  put<uint32_t>(p.data(), 16, j.nranks);
-  put<uint32_t>(p.data(), 20, j.timeout_ms);
-  put<uint16_t>(p.data(), 24, j.version);
+  std::vector<uint8_t> p(kJoinPayload);
+  std::memcpy(p.data(), j.mac.data(), 32);
+  put<uint32_t>(p.data(), 32, j.nranks);
+  put<uint32_t>(p.data(), 36, j.timeout_ms);
   return p;
 }
 
 bool decode_join(const std::vector<uint8_t>& p, JoinInfo* j) {
-  if (p.size() != 28) return false;
-  std::memcpy(j->mesh_id.data(), p.data(), 16);
-  j->nranks = get<uint32_t>(p.data(), 16);
-  j->timeout_ms = get<uint32_t>(p.data(), 20);
-  j->version = get<uint16_t>(p.data(), 24);
+  if (p.size() != kJoinPayload) return false;
+  std::memcpy(j->mac.data(), p.data(), 32);
+  j->nranks = get<uint32_t>(p.data(), 32);
+  j->timeout_ms = get<uint32_t>(p.data(), 36);
   return true;
+}
+
+namespace {
+
+crypto::Hmac transcript(const crypto::Key& key, const char* label, const Msg& hello, const Nonce& root_nonce) {
+  std::vector<uint8_t> bytes;
+  append_msg(hello, &bytes);
+  crypto::Hmac mac(key.data(), key.size());
+  mac.update(label, std::strlen(label) + 1).update(bytes).update(root_nonce.data(), root_nonce.size());
+  return mac;
+}
+
+}  // namespace
+
+wire::Mac root_proof(const crypto::Key& key, const Msg& hello, const Nonce& root_nonce) {
+  return transcript(key, "flagcx_mesh root proof", hello, root_nonce).finish();
+}
+
+wire::Mac join_proof(const crypto::Key& key, const Msg& hello, const Nonce& root_nonce,
+                     uint32_t nranks, uint32_t timeout_ms) {
+  uint8_t tail[8];
+  put<uint32_t>(tail, 0, nranks);
+  put<uint32_t>(tail, 4, timeout_ms);
+  return transcript(key, "flagcx_mesh join proof", hello, root_nonce).update(tail, sizeof(tail)).finish();
 }
 
 std::vector<uint8_t> encode_result(const std::vector<std::vector<uint8_t>>& parts) {

@@ -11,12 +11,13 @@
 
 #include "base/clock.h"
 #include "base/status.h"
+#include "base/wire.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::bootstrap {
 
 constexpr uint32_t kMsgMagic = 0x424d5846;  // "FXMB"
-constexpr uint16_t kProtoVersion = 1;
+constexpr uint16_t kProtoVersion = 2;  // 2: joins prove the key (kHello, kChallenge)
 constexpr size_t kMsgHeaderSize = 24;
 constexpr uint64_t kMaxPayload = 64ull << 20;
 // Relayed point-to-point messages are for small control data (readiness
@@ -31,7 +32,7 @@ constexpr uint64_t max_allgather_part(uint64_t nranks) {
 constexpr uint64_t kMaxInboxBytes = 64ull << 20;
 
 enum class MsgType : uint16_t {
-  kJoin = 1,       // rank -> root: mesh id, nranks, timeout, version
+  kJoin = 1,       // rank -> root: its key proof, nranks, timeout (after kHello / kChallenge)
   kAllgather = 2,  // rank -> root: this rank's contribution for `seq`; with code
                    // kInvalidArgument, the rank's refusal (payload: why)
   kResult = 3,     // root -> rank: all contributions for `seq`
@@ -43,8 +44,10 @@ enum class MsgType : uint16_t {
   kBye = 7,        // rank -> root: clean close
   kSend = 8,       // rank -> root: relay payload to rank `rank` under tag `seq`
   kDeliver = 9,    // root -> rank: a relayed payload from rank `rank`, tag `seq`
+  kHello = 10,     // rank -> root, first: mesh id, epoch, version, the rank's nonce
+  kChallenge = 11, // root -> rank: the root's nonce and its key proof
 };
-constexpr uint16_t kMaxMsgType = 9;
+constexpr uint16_t kMaxMsgType = 11;
 
 struct Msg {
   MsgType type = MsgType::kBye;
@@ -66,15 +69,47 @@ tcp::IoResult send_msg(int fd, const Msg& m, const Deadline& deadline);
 // (a bad header is reported as kError with err == EPROTO).
 tcp::IoResult recv_msg(int fd, Msg* m, const Deadline& deadline);
 
-// Join payload: mesh id (16), nranks u32, timeout_ms u32, version u16.
-struct JoinInfo {
+// The join handshake (docs/security.md). Both sides prove they hold the
+// mesh's epoch key with an HMAC over the hello (which carries the rank's
+// nonce) and the root's nonce; neither the key nor the unique id's secret
+// travels.
+//   rank -> root  kHello     {mesh id 16, epoch u32, version u16, pad u16, nonce 32}
+//   root -> rank  kChallenge {root nonce 32, root MAC 32}
+//   rank -> root  kJoin      {rank MAC 32, nranks u32, timeout_ms u32}
+using Nonce = std::array<uint8_t, wire::kNonceSize>;
+constexpr size_t kHelloPayload = 56;
+constexpr size_t kChallengePayload = 64;
+constexpr size_t kJoinPayload = 40;
+
+struct HelloInfo {
   std::array<uint8_t, 16> mesh_id{};
+  uint32_t epoch = 0;
+  uint16_t version = kProtoVersion;
+  Nonce nonce{};
+};
+std::vector<uint8_t> encode_hello(const HelloInfo& h);
+bool decode_hello(const std::vector<uint8_t>& p, HelloInfo* h);
+
+struct ChallengeInfo {
+  Nonce nonce{};
+  wire::Mac mac{};
+};
+std::vector<uint8_t> encode_challenge(const ChallengeInfo& c);
+bool decode_challenge(const std::vector<uint8_t>& p, ChallengeInfo* c);
+
+struct JoinInfo {
+  wire::Mac mac{};
   uint32_t nranks = 0;
   uint32_t timeout_ms = 0;
-  uint16_t version = kProtoVersion;
 };
 std::vector<uint8_t> encode_join(const JoinInfo& j);
 bool decode_join(const std::vector<uint8_t>& p, JoinInfo* j);
+
+// What the root proves (over the hello message as sent, rank included, and
+// its nonce) and what the rank proves (the same, and its nranks and timeout).
+wire::Mac root_proof(const crypto::Key& key, const Msg& hello, const Nonce& root_nonce);
+wire::Mac join_proof(const crypto::Key& key, const Msg& hello, const Nonce& root_nonce,
+                     uint32_t nranks, uint32_t timeout_ms);
 
 // Result payload: nranks u64 lengths, then the contributions back to back.
 std::vector<uint8_t> encode_result(const std::vector<std::vector<uint8_t>>& parts);

@@ -1,8 +1,5 @@
 #include "bootstrap/unique_id.h"
 
-#include <sys/random.h>
-
-#include <cerrno>
 #include <cstring>
 
 #include "base/env.h"
@@ -14,12 +11,18 @@ namespace fxm::bootstrap {
 namespace {
 
 constexpr uint32_t kIdMagic = 0x554d5846;  // "FXMU"
-constexpr uint16_t kIdVersion = 1;
+constexpr uint16_t kIdVersion = 2;
 constexpr size_t kChecksumOffset = 44;
 
+constexpr size_t kEpochOffset = 48;
+constexpr size_t kSecretOffset = 52;
+
+// FNV-1a over every byte but the checksum's own four.
 uint32_t checksum(const uint8_t* p) {
   uint32_t h = 2166136261u;
-  for (size_t i = 0; i < kChecksumOffset; ++i) h = (h ^ p[i]) * 16777619u;
+  for (size_t i = 0; i < kUniqueIdSize; ++i) {
+    if (i < kChecksumOffset || i >= kChecksumOffset + 4) h = (h ^ p[i]) * 16777619u;
+  }
   return h;
 }
 
@@ -27,12 +30,7 @@ uint32_t checksum(const uint8_t* p) {
 
 wire::MeshId random_mesh_id() {
   wire::MeshId id{};
-  size_t got = 0;
-  while (got < id.size()) {
-    ssize_t n = getrandom(id.data() + got, id.size() - got, 0);
-    if (n < 0 && errno != EINTR) fail(Code::kSystem, -1, errno, "getrandom for a mesh id");
-    if (n > 0) got += static_cast<size_t>(n);
-  }
+  crypto::random_bytes(id.data(), id.size());
   return id;
 }
 
@@ -42,6 +40,8 @@ UniqueIdBytes encode_unique_id(const UniqueId& id) {
   std::memcpy(b.data() + 4, &kIdVersion, 2);
   tcp::addr_to_wire(id.root, b.data() + 8);
   std::memcpy(b.data() + 28, id.mesh_id.data(), 16);
+  std::memcpy(b.data() + kEpochOffset, &id.epoch, 4);
+  std::memcpy(b.data() + kSecretOffset, id.secret.data(), id.secret.size());
   uint32_t sum = checksum(b.data());
   std::memcpy(b.data() + kChecksumOffset, &sum, 4);
   return b;
@@ -69,19 +69,23 @@ UniqueId decode_unique_id(const uint8_t* b, size_t len) {
     fail(Code::kInvalidArgument, -1, 0, "unique id holds an unknown address family");
   }
   std::memcpy(id.mesh_id.data(), b + 28, 16);
+  std::memcpy(&id.epoch, b + kEpochOffset, 4);
+  std::memcpy(id.secret.data(), b + kSecretOffset, id.secret.size());
   return id;
 }
 
-UniqueIdBytes get_unique_id() {
+UniqueIdBytes get_unique_id(uint32_t epoch) {
   root_idle_timeout_s();  // a malformed FLAGCX_MESH_ROOT_IDLE_TIMEOUT is refused here
   UniqueId id;
   id.mesh_id = random_mesh_id();
+  id.epoch = epoch;
+  crypto::random_bytes(id.secret.data(), id.secret.size());
   int err = 0;
   tcp::Fd listener = tcp::listen_on(tcp::local_address(), &id.root, &err);
   if (!listener) {
     fail(Code::kSystem, -1, err, "get_unique_id: listen on " + tcp::local_address().str());
   }
-  start_root(std::move(listener), id.mesh_id);
+  start_root(std::move(listener), id);
   return encode_unique_id(id);
 }
 

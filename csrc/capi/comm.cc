@@ -89,6 +89,12 @@ PutArgs put_args(int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win,
   m.refuse_registration("rank " + std::to_string(m.rank()) + ": " + why);
 }
 
+PutArgs on_stream(PutArgs a, void* stream) {
+  a.stream_set = true;
+  a.stream = stream;
+  return a;
+}
+
 void add_signal(PutArgs* a, uint32_t sig_win, uint64_t sig_slot, uint64_t sig_value) {
   a->sig.on = true;
   a->sig.set = false;
@@ -202,6 +208,33 @@ flagcx_mesh_result_t flagcx_mesh_window_alloc(flagcx_mesh_comm_t comm, uint64_t 
   });
 }
 
+flagcx_mesh_result_t flagcx_mesh_window_register_mem(flagcx_mesh_comm_t comm, void* base, uint64_t size,
+                                                     flagcx_mesh_mem_type_t mem_type, uint32_t* index) {
+  if (mem_type == FLAGCX_MESH_MEM_HOST) return flagcx_mesh_window_register(comm, base, size, index);
+  return guard("flagcx_mesh_window_register_mem", [&] {
+    fxm::Mesh& m = mesh_of(comm);
+    if (mem_type != FLAGCX_MESH_MEM_CUDA) fxm::capi::refuse(m, "mem_type " + std::to_string(mem_type) + " is unknown");
+    if (index == nullptr) fxm::capi::refuse(m, "index is NULL");
+    if (base == nullptr) fxm::capi::refuse(m, "base is NULL");
+    *index = m.register_device_window(base, size);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_window_alloc_mem(flagcx_mesh_comm_t comm, uint64_t size,
+                                                  flagcx_mesh_mem_type_t mem_type, int device, uint32_t* index,
+                                                  void** base) {
+  if (mem_type == FLAGCX_MESH_MEM_HOST) return flagcx_mesh_window_alloc(comm, size, index, base);
+  return guard("flagcx_mesh_window_alloc_mem", [&] {
+    fxm::Mesh& m = mesh_of(comm);
+    if (mem_type != FLAGCX_MESH_MEM_CUDA) fxm::capi::refuse(m, "mem_type " + std::to_string(mem_type) + " is unknown");
+    if (index == nullptr) fxm::capi::refuse(m, "index is NULL");
+    if (base == nullptr) fxm::capi::refuse(m, "base is NULL");
+    uint32_t i = m.alloc_device_window(size, device);
+    *base = m.window(i)->base;
+    *index = i;
+  });
+}
+
 flagcx_mesh_result_t flagcx_mesh_signal_window(flagcx_mesh_comm_t comm, uint64_t nslots, uint32_t* index) {
   return guard("flagcx_mesh_signal_window", [&] {
     fxm::Mesh& m = mesh_of(comm);
@@ -287,6 +320,43 @@ flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t s
                                              uint64_t expected, double timeout_s) {
   return guard("flagcx_mesh_wait_signal",
                [&] { mesh_of(comm).wait_signal(sig_win, sig_slot, expected, timeout_s); });
+}
+
+flagcx_mesh_result_t flagcx_mesh_put_on_stream(flagcx_mesh_comm_t comm, int peer, uint32_t src_win, uint64_t src_off,
+                                               uint32_t dst_win, uint64_t dst_off, uint64_t size, void* stream) {
+  return guard("flagcx_mesh_put_on_stream", [&] {
+    mesh_of(comm).put(fxm::capi::on_stream(fxm::capi::put_args(peer, src_win, src_off, dst_win, dst_off, size), stream));
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_put_signal_on_stream(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
+                                                      uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+                                                      uint64_t size, uint32_t sig_win, uint64_t sig_slot,
+                                                      uint64_t sig_value, void* stream) {
+  return guard("flagcx_mesh_put_signal_on_stream", [&] {
+    fxm::PutArgs a = fxm::capi::put_args(peer, src_win, src_off, dst_win, dst_off, size);
+    fxm::capi::add_signal(&a, sig_win, sig_slot, sig_value);
+    mesh_of(comm).put(fxm::capi::on_stream(a, stream));
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_signal_on_stream(flagcx_mesh_comm_t comm, int peer, uint32_t sig_win,
+                                                  uint64_t sig_slot, uint64_t sig_value, void* stream) {
+  return flagcx_mesh_put_signal_on_stream(comm, peer, 0, 0, 0, 0, 0, sig_win, sig_slot, sig_value, stream);
+}
+
+flagcx_mesh_result_t flagcx_mesh_get_on_stream(flagcx_mesh_comm_t comm, int peer, uint32_t src_win, uint64_t src_off,
+                                               uint32_t dst_win, uint64_t dst_off, uint64_t size, void* stream) {
+  return guard("flagcx_mesh_get_on_stream", [&] {
+    mesh_of(comm).get(fxm::capi::on_stream(fxm::capi::put_args(peer, src_win, src_off, dst_win, dst_off, size), stream));
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_wait_signal_on_stream(flagcx_mesh_comm_t comm, uint32_t sig_win, uint64_t sig_slot,
+                                                       uint64_t expected, void* stream, double timeout_s) {
+  return guard("flagcx_mesh_wait_signal_on_stream", [&] {
+    mesh_of(comm).wait_signal_on_stream(sig_win, sig_slot, expected, stream, timeout_s);
+  });
 }
 
 flagcx_mesh_result_t flagcx_mesh_flush(flagcx_mesh_comm_t comm, int peer, double timeout_s) {

@@ -44,16 +44,19 @@ void check_args(int nranks, int rank, const MeshOptions& opt) {
   check_timeout(opt.header_timeout_s, "Mesh build: header_timeout", false);
   if (opt.max_inflight < 1) bad("max_inflight must be >= 1");
   if (opt.max_unreceived < 1) bad("max_unreceived must be >= 1");
+  if (opt.epoch > 0xFFFFFFFFll) bad("epoch must fit in 32 bits, got " + std::to_string(opt.epoch));
 }
 
 }  // namespace
 
 Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
            const MeshOptions& opt)
-    : nranks_(nranks), rank_(rank), contexts_(opt.contexts), epoch_(opt.epoch) {
+    : nranks_(nranks), rank_(rank), contexts_(opt.contexts) {
   check_args(nranks, rank, opt);
   bootstrap::UniqueId id = bootstrap::decode_unique_id(unique_id, unique_id_len);
   mesh_id_ = id.mesh_id;
+  epoch_ = opt.epoch < 0 ? id.epoch : static_cast<uint32_t>(opt.epoch);
+  key_ = id.key_for(epoch_);
   double timeout_s = build_timeout_s(opt.timeout_s, "Mesh build: timeout");
   Deadline deadline = Deadline::after_seconds(timeout_s);
   try {
@@ -74,7 +77,10 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
       });
 }
 
-Mesh::~Mesh() { close(); }
+Mesh::~Mesh() {
+  close();
+  if (kept_engine_ != nullptr) (void)engine_.release();
+}
 
 void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline) {
   auto phase = [&](const char* name) {
@@ -91,10 +97,10 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   if (!listener) fail(Code::kSystem, -1, err, who() + "listen on " + tcp::local_address().str());
   times_.listen = lap();
   phase("listen");
-  std::vector<tcp::SockAddr> peers = rendezvous(id.root, deadline);
+  std::vector<tcp::SockAddr> peers = rendezvous(id, deadline);
   times_.rendezvous = lap();
   phase("rendezvous");
-  BuildPlan plan{rank_, nranks_, contexts_, mesh_id_, epoch_, std::move(peers), listener.get(),
+  BuildPlan plan{rank_, nranks_, contexts_, mesh_id_, epoch_, key_, std::move(peers), listener.get(),
                  boot_->fd(), [&] { boot_->raise_pending(deadline); }, deadline,
                  opt.header_timeout_s, opt.max_inflight};
   conns_ = build_mesh(plan, &stats_);
@@ -108,9 +114,8 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   phase("wiring");
 }
 
-std::vector<tcp::SockAddr> Mesh::rendezvous(const tcp::SockAddr& root, const Deadline& deadline) {
-  bootstrap::UniqueId id{root, mesh_id_};
-  boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline);
+std::vector<tcp::SockAddr> Mesh::rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline) {
+  boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline, epoch_);
   std::vector<uint8_t> mine(tcp::kWireAddrSize);
   tcp::addr_to_wire(listen_addr_, mine.data());
   bootstrap::Parts parts = boot_->allgather(mine, deadline);
@@ -231,6 +236,16 @@ uint32_t Mesh::alloc_window(uint64_t size) {
   return onesided_->alloc(size);
 }
 
+uint32_t Mesh::register_device_window(void* base, uint64_t size) {
+  FXM_OPEN("register_window");
+  return onesided_->register_device(base, size);
+}
+
+uint32_t Mesh::alloc_device_window(uint64_t size, int device) {
+  FXM_OPEN("alloc_window");
+  return onesided_->alloc_device(size, device);
+}
+
 uint32_t Mesh::signal_window(uint64_t nslots) {
   FXM_OPEN("signal_window");
   return onesided_->alloc_signal(nslots);
@@ -283,6 +298,11 @@ void Mesh::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, double ti
   onesided_->wait_signal(win, slot, expected, deadline_for(timeout_s));
 }
 
+void Mesh::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream, double timeout_s) {
+  FXM_OPEN("wait_signal");
+  onesided_->wait_signal_on_stream(win, slot, expected, stream, deadline_for(timeout_s));
+}
+
 void Mesh::flush(int peer, double timeout_s) {
   FXM_OPEN("flush");
   if (peer < -1 || peer >= nranks_) check_peer(peer, 0, "flush");
@@ -291,6 +311,7 @@ void Mesh::flush(int peer, double timeout_s) {
 
 uint64_t Mesh::read_counter() {
   FXM_OPEN("read_counter");
+  engine_->poll_probes();
   return engine_->completed();
 }
 
@@ -309,6 +330,7 @@ void Mesh::barrier(double timeout_s) { allgather({}, timeout_s); }
 
 void Mesh::close() {
   if (closed_.exchange(true)) return;
+  keep_for_streams();
   if (engine_) engine_->stop();  // says goodbye to every peer, wakes waiters
   for (auto* v : {&conns_.send, &conns_.recv}) {
     for (tcp::Fd& fd : *v) {
@@ -323,6 +345,17 @@ void Mesh::close() {
   conns_.send.clear();
   conns_.recv.clear();
   if (boot_) boot_->bye();
+}
+
+// Ops queued on CUDA streams report their completion (and apply signals)
+// from the stream: the engine and the windows must outlive them. When the
+// streams do not get there within the timeout, both are kept, never freed.
+void Mesh::keep_for_streams() {
+  if (!engine_ || engine_->wait_stream_ops(Deadline::after_seconds(timeout_s_))) return;
+  FXM_ERROR(rank_, "close: " + std::to_string(engine_->stream_ops_pending()) +
+                       " op(s) queued on CUDA streams have not completed; their memory is kept");
+  new std::vector<std::shared_ptr<Window>>(windows_.all());  // deliberately never freed
+  kept_engine_ = engine_.get();
 }
 
 std::string Mesh::describe() const {

@@ -29,7 +29,7 @@ struct MeshOptions {
   double timeout_s = 0;           // whole build; 0: FLAGCX_MESH_TIMEOUT (default 60)
   double header_timeout_s = 5.0;  // per accepted connection
   int max_inflight = 64;          // outgoing connects in flight
-  uint32_t epoch = 0;
+  int64_t epoch = -1;  // the unique id's when negative; another is refused by the root
   uint64_t max_unreceived = 1ull << 30;  // per (peer, ctx) mailbox, see Engine
   // Called after each phase ("listen", "rendezvous", "connect", "wiring");
   // a hook for tests and tracing. May throw to abort the build.
@@ -69,6 +69,8 @@ class Mesh {
   uint32_t register_window(void* base, uint64_t size);
   uint32_t alloc_window(uint64_t size);
   uint32_t signal_window(uint64_t nslots);
+  uint32_t register_device_window(void* base, uint64_t size);  // CUDA device memory
+  uint32_t alloc_device_window(uint64_t size, int device);
   // Takes part in a registration this rank cannot provide: every rank fails, naming it.
   [[noreturn]] void refuse_registration(const std::string& reason);
   void deregister(uint32_t index);
@@ -78,6 +80,7 @@ class Mesh {
   void get(const PutArgs& a);
   uint64_t read_signal(uint32_t win, uint64_t slot);
   void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, double timeout_s);
+  void wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream, double timeout_s);
   void flush(int peer, double timeout_s);  // peer -1: all peers
   uint64_t read_counter();
   void wait_counter(uint64_t value, double timeout_s);
@@ -92,7 +95,7 @@ class Mesh {
 
  private:
   void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
-  std::vector<tcp::SockAddr> rendezvous(const tcp::SockAddr& root, const Deadline& deadline);
+  std::vector<tcp::SockAddr> rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline);
   void wiring_check(const Deadline& deadline);
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;
@@ -101,12 +104,14 @@ class Mesh {
   [[noreturn]] void fail_build_io(const tcp::IoResult& r, int peer, int ctx, const char* doing,
                                   const Deadline& deadline);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+  void keep_for_streams();
 
   int nranks_;
   int rank_;
   int contexts_;
   uint32_t epoch_ = 0;
   wire::MeshId mesh_id_{};
+  crypto::Key key_{};  // this epoch's key (wire::derive_key): proves every connection
   tcp::SockAddr listen_addr_;
   PhaseTimes times_;
   BuildStats stats_;
@@ -115,6 +120,7 @@ class Mesh {
   Connections conns_;
   WindowTable windows_;
   std::unique_ptr<Engine> engine_;
+  Engine* kept_engine_ = nullptr;  // never destroyed: CUDA streams may still report to it
   std::unique_ptr<OneSided> onesided_;
   std::shared_timed_mutex life_mu_;  // shared by operations, exclusive by close()
   std::atomic<bool> closed_{false};

@@ -3,6 +3,7 @@
 #include <poll.h>
 
 #include <algorithm>
+#include <cstring>
 #include <cstdio>
 #include <set>
 
@@ -19,8 +20,13 @@ uint64_t BuildStats::total_rejected() const {
 
 namespace {
 
+using wire::kAnswerSize;
 using wire::kConnHeaderSize;
+using wire::kHelloSize;
 constexpr double kConnectAttemptS = 5.0;
+// Connections taken from the listener per poll round: every accepted one is
+// read at least once before a flood can push it out of the pending table.
+constexpr int kAcceptBatch = 64;
 
 struct Outgoing {
   enum State { kQueued, kConnecting, kAwaitAck, kBackoff, kDone } state = kQueued;
@@ -29,19 +35,27 @@ struct Outgoing {
   tcp::Fd fd;
   Deadline attempt;
   Clock::time_point retry_at;
-  uint8_t ack[kConnHeaderSize];
+  uint8_t hello[kHelloSize];  // our header + nonce, as sent
+  uint8_t ack[kAnswerSize];   // the acceptor's header + nonce + MAC
   size_t got = 0;
   int backoff_ms = 5;
   std::string last_error;
 };
 
+// An accepted connection until it proved the key: hello (its header + nonce),
+// our answer (header + nonce + MAC), then its proof.
 struct Incoming {
   tcp::Fd fd;
   tcp::SockAddr from;
   Deadline deadline;
-  uint8_t buf[kConnHeaderSize];
-  size_t got = 0;
+  uint8_t hello[kHelloSize];
+  uint8_t answer[kHelloSize];     // our header + nonce, as sent
+  uint8_t proof[wire::kProofSize];
+  size_t got = 0;                 // of hello, then of proof
+  bool header_ok = false;         // its header passed validate()
+  bool answered = false;
   bool finished = false;
+  wire::ConnHeader h;
 };
 
 class Builder {
@@ -58,9 +72,13 @@ class Builder {
   void retry(Outgoing& o, const std::string& why);
   void on_outgoing(Outgoing& o, short revents);
   void on_ack(Outgoing& o);
+  wire::Reject check_answer(const Outgoing& o) const;
   void accept_all();
+  void make_room();
   void on_incoming(Incoming& in);
-  void file_incoming(Incoming& in, const wire::ConnHeader& h);
+  void check_hello_header(Incoming& in);
+  void answer_hello(Incoming& in);
+  void check_proof(Incoming& in);
   void reject(Incoming& in, wire::Reject why);
   void poll_once();
   void expire_timers();
@@ -162,9 +180,9 @@ void Builder::on_outgoing(Outgoing& o, short revents) {
   if (o.state == Outgoing::kConnecting) {
     int err = tcp::connect_error(o.fd.get());
     if (err != 0) return retry(o, "connect to " + p_.peers[o.peer].str() + ": " + errno_text(err));
-    uint8_t hdr[kConnHeaderSize];
-    wire::encode(my_header(o.peer, o.ctx, wire::Role::kConnect), hdr);
-    tcp::IoResult r = tcp::write_full(o.fd.get(), hdr, sizeof(hdr), Deadline::after_seconds(1));
+    wire::encode(my_header(o.peer, o.ctx, wire::Role::kConnect), o.hello);
+    crypto::random_bytes(o.hello + kConnHeaderSize, wire::kNonceSize);
+    tcp::IoResult r = tcp::write_full(o.fd.get(), o.hello, kHelloSize, Deadline::after_seconds(1));
     if (!r.ok()) return retry(o, "sending the connection header: " + r.describe());
     o.state = Outgoing::kAwaitAck;
   } else if (o.state == Outgoing::kAwaitAck && (revents & (POLLIN | POLLHUP | POLLERR))) {
@@ -172,11 +190,9 @@ void Builder::on_outgoing(Outgoing& o, short revents) {
   }
 }
 
-void Builder::on_ack(Outgoing& o) {
-  tcp::IoResult r = tcp::read_some(o.fd.get(), o.ack + o.got, kConnHeaderSize - o.got);
-  o.got += r.done;
-  if (!r.ok()) return retry(o, "peer closed the connection before answering: " + r.describe());
-  if (o.got < kConnHeaderSize) return;
+// The acceptor's header must name this connection, and its MAC prove the key
+// over both nonces (so neither an impostor nor a recording can answer).
+wire::Reject Builder::check_answer(const Outgoing& o) const {
   wire::ConnHeader h;
   wire::Expect e{p_.mesh_id, p_.epoch, p_.rank, static_cast<uint32_t>(p_.nranks),
                  static_cast<uint32_t>(p_.ncontexts), wire::Role::kAccept};
@@ -185,12 +201,27 @@ void Builder::on_ack(Outgoing& o) {
   if (why == wire::Reject::kNone && (h.src != o.peer || h.context != static_cast<uint32_t>(o.ctx))) {
     why = wire::Reject::kWrongDst;
   }
+  if (why != wire::Reject::kNone) return why;
+  wire::Mac mac = wire::handshake_mac(p_.key, wire::Role::kAccept, o.hello, o.ack);
+  bool ok = crypto::equal_ct(mac.data(), o.ack + kHelloSize, mac.size());
+  return ok ? wire::Reject::kNone : wire::Reject::kBadAuth;
+}
+
+void Builder::on_ack(Outgoing& o) {
+  tcp::IoResult r = tcp::read_some(o.fd.get(), o.ack + o.got, kAnswerSize - o.got);
+  o.got += r.done;
+  if (!r.ok()) return retry(o, "peer closed the connection before answering: " + r.describe());
+  if (o.got < kAnswerSize) return;
+  wire::Reject why = check_answer(o);
   if (why != wire::Reject::kNone) {
     fail(Code::kProtocol, o.peer, 0,
          who() + "the listener at " + p_.peers[o.peer].str() + " published for peer " +
              std::to_string(o.peer) + " answered with a bad header (" + wire::reject_name(why) +
              "); is that address used by another process?");
   }
+  wire::Mac proof = wire::handshake_mac(p_.key, wire::Role::kConnect, o.hello, o.ack);
+  r = tcp::write_full(o.fd.get(), proof.data(), proof.size(), Deadline::after_seconds(1));
+  if (!r.ok()) return retry(o, "sending the key proof: " + r.describe());
   conns_.send[slot(o.peer, o.ctx)] = std::move(o.fd);
   o.state = Outgoing::kDone;
   --inflight_;
@@ -198,7 +229,7 @@ void Builder::on_ack(Outgoing& o) {
 }
 
 void Builder::accept_all() {
-  while (true) {
+  for (int taken = 0; taken < kAcceptBatch; ++taken) {
     Incoming in;
     int err = 0;
     in.fd = tcp::accept_one(p_.listen_fd, &in.from, &err);
@@ -209,35 +240,70 @@ void Builder::accept_all() {
       return;
     }
     in.deadline = Deadline::after_seconds(p_.header_timeout_s);
-    if (in_.size() >= static_cast<size_t>(4 * total_ + 256)) {
-      reject(in, wire::Reject::kOverflow);
-      continue;
-    }
+    make_room();
     in_.push_back(std::move(in));
+    on_incoming(in_.back());  // a peer's hello is usually there already
   }
 }
 
-void Builder::on_incoming(Incoming& in) {
-  tcp::IoResult r = tcp::read_some(in.fd.get(), in.buf + in.got, kConnHeaderSize - in.got);
-  in.got += r.done;
-  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
-  if (in.got < kConnHeaderSize) return;
-  wire::ConnHeader h;
-  wire::Expect e{p_.mesh_id, p_.epoch, p_.rank, static_cast<uint32_t>(p_.nranks),
-                 static_cast<uint32_t>(p_.ncontexts), wire::Role::kConnect};
-  wire::Reject why = wire::decode(in.buf, &h);
-  if (why == wire::Reject::kNone) why = wire::validate(h, e);
-  if (why == wire::Reject::kNone && conns_.recv[slot(h.src, h.context)]) why = wire::Reject::kDuplicate;
-  if (why != wire::Reject::kNone) return reject(in, why);
-  file_incoming(in, h);
+// Beyond the bound of connections that did not prove the key yet, closes the
+// oldest without a valid header (else the oldest): a flood of idle or garbage
+// connections cannot crowd out a peer that is halfway through its handshake.
+// Marks only (poll_once indexes in_ while it dispatches).
+void Builder::make_room() {
+  size_t live = 0;
+  Incoming* victim = nullptr;
+  for (Incoming& in : in_) {
+    if (in.finished) continue;
+    ++live;
+    if (!victim || (victim->header_ok && !in.header_ok)) victim = &in;
+  }
+  if (live >= static_cast<size_t>(4 * total_ + 256)) reject(*victim, wire::Reject::kOverflow);
 }
 
-void Builder::file_incoming(Incoming& in, const wire::ConnHeader& h) {
-  uint8_t ack[kConnHeaderSize];
-  wire::encode(my_header(h.src, static_cast<int>(h.context), wire::Role::kAccept), ack);
-  tcp::IoResult r = tcp::write_full(in.fd.get(), ack, sizeof(ack), Deadline::after_seconds(1));
+void Builder::on_incoming(Incoming& in) {
+  if (in.finished) return;
+  size_t want = in.answered ? wire::kProofSize : kHelloSize;
+  uint8_t* buf = in.answered ? in.proof : in.hello;
+  tcp::IoResult r = tcp::read_some(in.fd.get(), buf + in.got, want - in.got);
+  in.got += r.done;
   if (!r.ok()) return reject(in, wire::Reject::kTruncated);
-  conns_.recv[slot(h.src, static_cast<int>(h.context))] = std::move(in.fd);
+  if (!in.answered && !in.header_ok && in.got >= kConnHeaderSize) check_hello_header(in);
+  if (in.finished || in.got < want) return;
+  if (in.answered) return check_proof(in);
+  answer_hello(in);
+}
+
+// Judged as soon as the 64 header bytes are in (before its nonce).
+void Builder::check_hello_header(Incoming& in) {
+  wire::Expect e{p_.mesh_id, p_.epoch, p_.rank, static_cast<uint32_t>(p_.nranks),
+                 static_cast<uint32_t>(p_.ncontexts), wire::Role::kConnect};
+  wire::Reject why = wire::decode(in.hello, &in.h);
+  if (why == wire::Reject::kNone) why = wire::validate(in.h, e);
+  if (why == wire::Reject::kNone && conns_.recv[slot(in.h.src, in.h.context)]) why = wire::Reject::kDuplicate;
+  if (why != wire::Reject::kNone) return reject(in, why);
+  in.header_ok = true;
+}
+
+// Our header, a fresh nonce and our proof over both nonces; its proof is next.
+void Builder::answer_hello(Incoming& in) {
+  wire::encode(my_header(in.h.src, static_cast<int>(in.h.context), wire::Role::kAccept), in.answer);
+  crypto::random_bytes(in.answer + kConnHeaderSize, wire::kNonceSize);
+  uint8_t out[kAnswerSize];
+  std::memcpy(out, in.answer, kHelloSize);
+  wire::Mac mac = wire::handshake_mac(p_.key, wire::Role::kAccept, in.hello, in.answer);
+  std::memcpy(out + kHelloSize, mac.data(), mac.size());
+  tcp::IoResult r = tcp::write_full(in.fd.get(), out, sizeof(out), Deadline::after_seconds(1));
+  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
+  in.answered = true;
+  in.got = 0;
+}
+
+void Builder::check_proof(Incoming& in) {
+  wire::Mac want = wire::handshake_mac(p_.key, wire::Role::kConnect, in.hello, in.answer);
+  if (!crypto::equal_ct(want.data(), in.proof, want.size())) return reject(in, wire::Reject::kBadAuth);
+  if (conns_.recv[slot(in.h.src, static_cast<int>(in.h.context))]) return reject(in, wire::Reject::kDuplicate);
+  conns_.recv[slot(in.h.src, static_cast<int>(in.h.context))] = std::move(in.fd);
   in.finished = true;
   ++recvs_done_;
 }

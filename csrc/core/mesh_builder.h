@@ -35,6 +35,7 @@ struct BuildPlan {
   int ncontexts = 1;
   wire::MeshId mesh_id{};
   uint32_t epoch = 0;
+  crypto::Key key{};                 // the epoch's key: each connection proves it, both ways
   std::vector<tcp::SockAddr> peers;  // listening address of every rank
   int listen_fd = -1;
   int bootstrap_fd = -1;             // polled; readable means a failure notice

@@ -7,8 +7,10 @@
 #include <cstring>
 #include <thread>
 
+#include "base/env.h"
 #include "base/log.h"
 #include "transport/signal_ops.h"
+#include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
 #include "base/status.h"
 
@@ -49,7 +51,10 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, WindowTa
                    Allgather allgather)
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), engine_(engine),
       windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
-  for (int s = 0; s < nranks * ncontexts; ++s) pair_mu_.push_back(std::make_unique<std::mutex>());
+  for (int s = 0; s < nranks * ncontexts; ++s) {
+    pair_mu_.push_back(std::make_unique<std::mutex>());
+    fences_.push_back(std::make_unique<cuda::StreamFence>());
+  }
 }
 
 // ------------------------------------------------------------ registration
@@ -142,7 +147,12 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   }
   bootstrap::Parts parts = allgather_(mine);
   if (local_failure) std::rethrow_exception(local_failure);
-  connect_peers(*w, check_descriptions(*w, parts));
+  try {
+    connect_peers(*w, check_descriptions(*w, parts));
+  } catch (...) {
+    finish_registration(*w);
+    throw;
+  }
   windows_->add(w);  // before the barrier: a peer may use the window as soon as it returns
   try {
     allgather_({});  // every peer has mapped this rank's segment: the name can go
@@ -150,9 +160,16 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     w->live = false;
     throw;
   }
-  if (w->seg) w->seg->unlink();
+  finish_registration(*w);
   FXM_INFO(rank_, w->describe());
   return w->index;
+}
+
+// Every peer has mapped this rank's copy: its shm name and cuMem fds can go.
+void OneSided::finish_registration(Window& w) const {
+  if (w.seg) w.seg->unlink();
+  w.fd_server.reset();
+  if (w.dev) w.dev->drop_fds();
 }
 
 std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::string& shm_name) const {
@@ -166,6 +183,14 @@ std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::st
   d.shm_name = shm_name;
   d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
   d.cookie = *w.cookie;
+  if (w.dev) {
+    d.dev = w.dev->export_for_peers();
+    if (!d.dev.vmm.empty()) {
+      d.fd_token = random_cookie();
+      const_cast<Window&>(w).fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
+      d.fd_socket = w.fd_server->name();
+    }
+  }
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();
@@ -222,13 +247,18 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
   req.host = host_;
   req.pid_ns = pid_namespace();
   req.forced = forced_transport();
+  req.forced_cuda = forced_cuda_path();
+  req.device = w.device;
   req.outbox = engine_;
   PathChoice c = choose_path(req, d);
   PeerView v;
   v.size = d.size;
   v.why = std::move(c.why);
   v.path = std::move(c.path);
-  if (v.path->kind() != PathKind::kTcp) v.fallback = make_tcp_path(req, d, nullptr);
+  bool device = w.kind == WindowKind::kDevice || d.kind == WindowKind::kDevice;
+  if (v.path->kind() != PathKind::kTcp && v.path->kind() != PathKind::kStaged) {
+    v.fallback = device ? make_staged_path(req, d, nullptr) : make_tcp_path(req, d, nullptr);
+  }
   return v;
 }
 
@@ -262,7 +292,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     v.path->release();  // unmaps the peers' segments; describe() still names the paths
     if (v.fallback) v.fallback->release();
   }
+  {
+    std::lock_guard<std::mutex> lock(w->host_reg_mu);
+    w->host_reg.reset();
+  }
   w->seg.reset();  // unmapped once no Python view of it remains
+  w->dev.reset();  // released when the library allocated it
 }
 
 // A close collective in which ranks name different windows would leave them
@@ -379,10 +414,13 @@ void OneSided::validate_signal(const PutArgs& a, const char* op, OpWindows* ow) 
 // later op takes that path too when this window has it (tcp reaches every
 // window), so it completes after them, signals included; otherwise it waits
 // until they completed.
+// staged ops are tcp frames: they queue behind tcp ops like tcp ops do.
+inline PathKind order_kind(PathKind k) { return k == PathKind::kStaged ? PathKind::kTcp : k; }
+
 Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferred, const InFlight& f) const {
-  if (!f.busy || preferred->kind() == f.kind) return preferred;
-  if (v.path->kind() == f.kind) return v.path.get();
-  if (v.fallback && v.fallback->kind() == f.kind) return v.fallback.get();
+  if (!f.busy || order_kind(preferred->kind()) == f.kind) return preferred;
+  if (order_kind(v.path->kind()) == f.kind) return v.path.get();
+  if (v.fallback && order_kind(v.fallback->kind()) == f.kind) return v.fallback.get();
   engine_->wait_idle(a.peer, a.ctx, Deadline::never());
   return preferred;
 }
@@ -390,11 +428,24 @@ Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferre
 // Moves the data of a put or get over its ordered path; a synchronous path
 // that fails (process_vm_writev refused) hands the op to tcp. True when the
 // op is complete on return.
-bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f) {
+PathOp OneSided::path_op(const PutArgs& a, Window& local, bool is_get) const {
   PathOp op{a.ctx, is_get ? a.src_off : a.dst_off, local.base + (is_get ? a.dst_off : a.src_off), a.size,
             a.sig.on ? &a.sig : nullptr};
+  op.stream_set = a.stream_set;
+  op.stream = a.stream;
+  op.fence = fences_[a.peer * ncontexts_ + a.ctx].get();
+  op.local_device = local.device;
+  op.src_rank = rank_;
+  op.deadline = Deadline::after_seconds(env_config().timeout_s);
+  return op;
+}
+
+bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
+                         bool* signal_done) {
+  PathOp op = path_op(a, local, is_get);
   Path* p = ordered_path(a, v, v.path.get(), f);
-  if (p->synchronous()) {
+  prepare_device_op(a, local, *p, is_get, &op);
+  if (p->synchronous_for(op)) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;
     FXM_WARN(rank_, std::string(is_get ? "process_vm_readv" : "process_vm_writev") + " to peer " +
@@ -402,7 +453,8 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
     p = &v.tcp();
   }
   if (is_get) p->get(op);
-  else p->put(op);  // the signal travels with the data
+  else p->put(op);  // the signal travels with the data (or from the stream)
+  *signal_done = op.sig != nullptr;
   return false;
 }
 
@@ -421,9 +473,15 @@ void OneSided::put(const PutArgs& in) {
   const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  engine_->poll_probes();  // device ops done by now no longer hold this one up
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
-  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f)) return;
+  bool signal_done = false;  // it travels with the data (tcp, staged, or from the stream)
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], false, f, &signal_done)) {
+    if (!a.sig.on || signal_done) return;
+    f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // the data is in flight on a stream
+  }
+  if (a.sig.on && a.size == 0 && a.stream_set && signal_on_stream(a, ow.sig->peers[a.peer])) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
     Path* p = ordered_path(a, v, v.path->can_signal() ? v.path.get() : &v.tcp(), f);
@@ -437,9 +495,11 @@ void OneSided::get(const PutArgs& a) {
   OpWindows ow;
   validate(a, "get", true, &ow);
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  engine_->poll_probes();
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone
-  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f)) return;
+  bool unused = false;
+  if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f, &unused)) return;
   engine_->count_inline(a.peer, 1);
 }
 

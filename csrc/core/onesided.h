@@ -31,6 +31,10 @@ struct PutArgs {
   uint64_t dst_off = 0;
   uint64_t size = 0;
   SignalSpec sig;  // sig.on: apply after the data landed (put_signal / signal)
+  // The user's CUDA stream (stream_set; 0 is the legacy default stream): the
+  // op starts after the stream's earlier work and completes in its order.
+  bool stream_set = false;
+  void* stream = nullptr;
 };
 
 // The windows one op touches, entered (Window::enter) until the op is done
@@ -62,6 +66,9 @@ class OneSided {
   uint32_t register_user(void* base, uint64_t size);
   uint32_t alloc(uint64_t size);
   uint32_t alloc_signal(uint64_t nslots);
+  // Device windows: the caller's CUDA memory, or cuMem memory allocated on `device`.
+  uint32_t register_device(void* base, uint64_t size);
+  uint32_t alloc_device(uint64_t size, int device);
   // Joins a registration collective for a window this rank cannot provide
   // (the reason is sent to every rank, which all fail naming this one), then
   // throws InvalidArgument with `reason`.
@@ -77,6 +84,10 @@ class OneSided {
   void get(const PutArgs& a);
   uint64_t read_signal(uint32_t win, uint64_t slot) const;
   void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const;
+  // Queues the wait on `stream` and returns; where the driver has no stream
+  // memory operations, waits on the host instead (logged once).
+  void wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream,
+                             const Deadline& deadline) const;
 
  private:
   // Makes this rank's part of the next window (index, &shm_name) or throws.
@@ -105,7 +116,12 @@ class OneSided {
   [[noreturn]] void fail_wait_closed(const Window& w, uint64_t slot) const;
   [[noreturn]] void fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
                                     int lost) const;
-  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f);
+  bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
+                 bool* signal_done);
+  PathOp path_op(const PutArgs& a, Window& local, bool is_get) const;
+  void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, PathOp* op) const;
+  bool signal_on_stream(const PutArgs& a, const PeerView& sig_view);  // true: queued on a.stream
+  void finish_registration(Window& w) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int rank_, nranks_, ncontexts_;
@@ -114,6 +130,7 @@ class OneSided {
   Allgather allgather_;
   std::string host_;
   std::vector<std::unique_ptr<std::mutex>> pair_mu_;  // per (peer, ctx)
+  std::vector<std::unique_ptr<cuda::StreamFence>> fences_;  // per (peer, ctx), under pair_mu_
   std::mutex register_mu_;
 };
 

@@ -53,7 +53,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), conns_(conns), windows_(windows),
       out_(nranks * ncontexts), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
-      in_flight_kind_(nranks * ncontexts, PathKind::kTcp), refused_(nranks),
+      in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks),
       queued_msg_(nranks * ncontexts), get_bytes_(nranks * ncontexts), answer_bytes_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
@@ -144,8 +144,9 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   }
 }
 
-void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
-                      uint64_t dst_off, const SignalSpec& sig) {
+namespace {
+
+wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {
   wire::PutHeader h;
   h.dst_win = dst_win;
   h.dst_off = dst_off;
@@ -155,7 +156,23 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
     h.sig_slot = sig.slot;
     h.sig_val = sig.value;
   }
+  return h;
+}
+
+}  // namespace
+
+void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
+                      uint64_t dst_off, const SignalSpec& sig) {
+  wire::PutHeader h = put_header(dst_win, dst_off, sig);
   OutItem it{frame(FrameType::kPut, &h, len), src, len, 0, 0};
+  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
+}
+
+void Engine::post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+                            uint64_t dst_off, const SignalSpec& sig) {
+  wire::PutHeader h = put_header(dst_win, dst_off, sig);
+  OutItem it{frame(FrameType::kPut, &h, len), bytes.get(), len, 0, 0};
+  it.owned = std::move(bytes);  // sent from where it is, freed with the item
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
@@ -213,7 +230,7 @@ void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
       fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
     }
     if (stopping_) fail(Code::kClosed, peer, 0, who() + "the mesh was closed");
-    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+    wait_or_poll(lock, deadline);
   }
 }
 
@@ -222,6 +239,54 @@ void Engine::issued(int peer, int ctx, PathKind kind) {
   ++outstanding_[slot(peer, ctx)];
   in_flight_kind_[slot(peer, ctx)] = kind;
   issued_[peer].fetch_add(1);
+  stream_ops_.fetch_add(1);
+}
+
+bool Engine::wait_stream_ops(const Deadline& deadline) {
+  while (stream_ops_.load() > 0) {
+    if (deadline.expired()) return false;
+    if (!poll_probes()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+void Engine::issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) {
+  issued(peer, ctx, kind);
+  std::lock_guard<std::mutex> lock(probe_mu_);
+  probes_[slot(peer, ctx)].push_back(std::move(probe));
+  probes_pending_.fetch_add(1);
+}
+
+bool Engine::poll_probes() {
+  if (probes_pending_.load() == 0) return false;
+  std::vector<std::pair<int, int>> done;  // (slot, ops)
+  {
+    std::lock_guard<std::mutex> lock(probe_mu_);
+    for (size_t s = 0; s < probes_.size(); ++s) {
+      int n = 0;
+      while (!probes_[s].empty() && probes_[s].front()->done()) {
+        probes_[s].pop_front();
+        ++n;
+      }
+      if (n > 0) done.push_back({static_cast<int>(s), n});
+    }
+  }
+  for (auto [s, n] : done) {
+    probes_pending_.fetch_sub(n);
+    for (int i = 0; i < n; ++i) completed(s / ncontexts_, s % ncontexts_, "");
+  }
+  return !done.empty();
+}
+
+// Sleeps on the condition variable, or, while probed ops are pending, polls them.
+void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline) {
+  if (probes_pending_.load() == 0) {
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+    return;
+  }
+  lock.unlock();
+  if (!poll_probes()) std::this_thread::sleep_for(std::chrono::microseconds(5));
+  lock.lock();
 }
 
 void Engine::completed(int peer, int ctx, const std::string& error) {
@@ -230,6 +295,7 @@ void Engine::completed(int peer, int ctx, const std::string& error) {
     if (refused_[peer].empty()) refused_[peer] = "an op to peer " + std::to_string(peer) + " failed: " + error;
   }
   complete(peer, ctx, 1);
+  stream_ops_.fetch_sub(1);
 }
 
 void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline) {
@@ -340,7 +406,7 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
       fail(Code::kTimeout, -1, 0, who() + "wait_counter(" + std::to_string(value) + ") timed out at " +
                                       std::to_string(completed_all_.load()) + " completed ops");
     }
-    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+    wait_or_poll(lock, deadline);
   }
   fail_if_refused(0, nranks_, "wait_counter");
 }
@@ -356,7 +422,7 @@ void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
         fail_wait(p, "flush", deadline);
       }
       if (stopping_) fail(Code::kClosed, p, 0, who() + "flush: the mesh was closed");
-      cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+      wait_or_poll(lock, deadline);
     }
   }
   if (report_refused) fail_if_refused(lo, hi, "flush");

@@ -43,13 +43,22 @@ class Engine : public Outbox {
                 uint64_t dst_off, const SignalSpec& sig) override;
   void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len) override;
   void issued(int peer, int ctx, PathKind kind) override;
+  void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) override;
+  // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
+  bool poll_probes();  // true when some completed
+  // Ops counted by issued() and not completed yet (queued on CUDA streams).
+  int64_t stream_ops_pending() const { return stream_ops_.load(); }
+  bool wait_stream_ops(const Deadline& deadline);  // false: some remain at the deadline
   void completed(int peer, int ctx, const std::string& error) override;
   // True while ops to (peer, ctx) are in flight on an asynchronous path
   // (*kind: which); a later op to that pair must then take that path too, or
   // wait_idle(), to stay FIFO. Throws PeerLost, naming `op`, when the peer
   // was lost or closed its mesh.
   bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
-  void wait_idle(int peer, int ctx, const Deadline& deadline);
+  void wait_idle(int peer, int ctx, const Deadline& deadline) override;
+  void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+                              uint64_t dst_off,
+                      const SignalSpec& sig) override;
 
   // Two-sided messages. The message is copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
@@ -103,6 +112,8 @@ class Engine : public Outbox {
   bool on_ack(int s, const uint8_t* buf);
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
+  std::string land_on_device(Window& w, InConn& in);  // "" or why the staged bytes did not land
+  bool answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
   void refuse(int s, const std::string& why);  // tells the initiator its op number applied_[s] was refused
   void on_refused(int s, InConn& in);
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
@@ -148,6 +159,7 @@ class Engine : public Outbox {
   // With mu_ held (lock): waits until a get of len bytes to slot s fits its credit, or fails.
   void wait_get_credit(std::unique_lock<std::mutex>& lock, int peer, int s, uint64_t len);
   bool take_answer_credit(int s, uint64_t size);  // target: false when the peer exceeds it
+  void release_answer_credit(int s, uint64_t size);
   // Held by the progress thread while it lands a get answer in the user's
   // buffer; lose() takes it, so once a get failed with PeerLost nothing lands.
   std::mutex landing_mu_;
@@ -168,6 +180,12 @@ class Engine : public Outbox {
                                        // its earlier frames have been processed)
   std::vector<std::atomic<uint64_t>> issued_, done_;  // per peer
   std::atomic<uint64_t> completed_all_{0};
+  std::atomic<int64_t> stream_ops_{0};
+  std::mutex probe_mu_;  // after mu_, never while holding it
+  std::vector<std::deque<std::unique_ptr<CompletionProbe>>> probes_;  // per slot
+  std::atomic<int64_t> probes_pending_{0};
+  // How long a waiter sleeps between polls: short while probes are pending.
+  void wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline);
   // Threads in flush / wait_counter: while none, count_inline neither locks
   // mu_ nor notifies (each waiter counts itself before testing the counters).
   std::atomic<int> count_waiters_{0};

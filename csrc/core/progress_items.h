@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstring>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -17,6 +18,7 @@ struct Engine::OutItem {
   uint64_t sent = 0;
   uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
   uint64_t answer_bytes = 0;  // get answer bytes it carries (get credits)
+  std::unique_ptr<uint8_t[]> owned;  // the payload `data` points into, when the item owns it
   uint64_t total() const { return head.size() + len; }
 };
 
@@ -28,6 +30,11 @@ struct Engine::InConn {
   wire::PutHeader put;
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
+  // A put into a device window lands in `stage` first (kept for the next one),
+  // then is copied into device_dst at dst_off.
+  std::unique_ptr<uint8_t[]> stage;
+  uint64_t stage_cap = 0, staged = 0;
+  Window* device_dst = nullptr;
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
@@ -38,6 +45,7 @@ struct Engine::InConn {
     got = 0;
     need = wire::kFrameHeaderSize;
     dst = nullptr;
+    device_dst = nullptr;
     if (entered) entered->leave();
     entered = nullptr;
     refused.clear();

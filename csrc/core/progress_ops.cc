@@ -4,6 +4,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "core/progress_items.h"
+#include "transport/cuda/streams.h"
 #include "transport/signal_ops.h"
 
 namespace fxm {
@@ -26,6 +27,14 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
     } else if (in.put.dst_off > w->size || payload > w->size - in.put.dst_off) {
       in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
                    std::to_string(w->size) + " bytes here)";
+    } else if (w->kind == WindowKind::kDevice) {
+      if (in.stage_cap < payload) {  // staged: through host memory, the buffer kept for the next put
+        in.stage.reset(new uint8_t[payload]);
+        in.stage_cap = payload;
+      }
+      in.staged = payload;
+      in.dst = in.stage.get();
+      in.device_dst = w;
     } else {
       in.dst = w->base + in.put.dst_off;
     }
@@ -110,6 +119,7 @@ void Engine::on_payload_done(int s, InConn& in) {
 void Engine::on_put_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string refused = in.refused;
+  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in);
   if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
     Window* w = windows_->find(in.put.sig_win);
     if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
@@ -128,6 +138,19 @@ void Engine::on_put_done(int s, InConn& in) {
   }
   ++applied_[s];
   if (!refused.empty()) refuse(s, refused);
+}
+
+// The bytes of a staged put, copied from host memory into the device window
+// before its signal is applied and before it is acknowledged.
+std::string Engine::land_on_device(Window& w, InConn& in) {
+  try {
+    cuda::copy_and_wait(w.device, w.base + in.put.dst_off, in.stage.get(), in.staged,
+                        "landing a staged put in device window #" + std::to_string(w.index));
+    return "";
+  } catch (const Error& e) {
+    FXM_WARN(rank_, e.what());
+    return std::string("a put of ") + std::to_string(in.staged) + " bytes: " + e.what();
+  }
 }
 
 void Engine::refuse(int s, const std::string& why) {
@@ -167,6 +190,29 @@ bool Engine::take_answer_credit(int s, uint64_t size) {
   return true;
 }
 
+// Appends the bytes a get asks for to `head` (device windows: copied down).
+bool Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head) {
+  if (w.kind != WindowKind::kDevice) {
+    head->insert(head->end(), w.base + g.src_off, w.base + g.src_off + g.size);
+    return true;
+  }
+  size_t at = head->size();
+  head->resize(at + g.size);
+  try {
+    cuda::copy_and_wait(w.device, head->data() + at, w.base + g.src_off, g.size,
+                        "answering a get from device window #" + std::to_string(w.index));
+    return true;
+  } catch (const Error& e) {
+    FXM_WARN(rank_, e.what());
+    return false;
+  }
+}
+
+void Engine::release_answer_credit(int s, uint64_t size) {
+  std::lock_guard<std::mutex> lock(mu_);
+  answer_bytes_[s] -= size;
+}
+
 void Engine::on_get_request(int s, const wire::GetHeader& g) {
   Window* w = windows_->find(g.src_win);
   if (!w || !w->enter(true)) {
@@ -186,7 +232,12 @@ void Engine::on_get_request(int s, const wire::GetHeader& g) {
     // FIFO: copied now, before any later frame of the pair is applied.
     uint64_t id = g.req_id;
     OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, 0, 0, 0};
-    it.head.insert(it.head.end(), w->base + g.src_off, w->base + g.src_off + g.size);
+    if (!answer_bytes(*w, g, &it.head)) {
+      w->leave();
+      release_answer_credit(s, g.size);
+      lose(s / ncontexts_, "could not read device window #" + std::to_string(g.src_win) + " for a get");
+      return;
+    }
     it.answer_bytes = g.size;
     w->leave();
     enqueue(s, std::move(it), Count::kNone);

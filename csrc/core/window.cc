@@ -1,15 +1,16 @@
 #include "core/window.h"
 
-
 namespace fxm {
 
 std::string Window::mode() const {
   // How this rank reaches the other ranks' copies: the most common path.
-  int count[4] = {0, 0, 0, 0};
+  // Remote paths first: "self" (or "cuda-self") only when every peer is in this process.
+  int count[8] = {0, 0, 0, 0, 0, 0, 0, 0};
   for (const PeerView& v : peers) ++count[static_cast<int>(v.path->kind())];
-  PathKind best = PathKind::kSelf;
+  PathKind best = kind == WindowKind::kDevice ? PathKind::kCudaSelf : PathKind::kSelf;
   int most = 0;
-  for (PathKind p : {PathKind::kShm, PathKind::kCma, PathKind::kTcp}) {
+  for (PathKind p : {PathKind::kShm, PathKind::kCma, PathKind::kTcp, PathKind::kCudaVmm, PathKind::kCudaIpc,
+                     PathKind::kStaged}) {
     if (count[static_cast<int>(p)] > most) {
       best = p;
       most = count[static_cast<int>(p)];

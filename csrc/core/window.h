@@ -16,6 +16,9 @@
 #include <string>
 #include <vector>
 
+#include "transport/cuda/device_memory.h"
+#include "transport/cuda/fd_pass.h"
+#include "transport/cuda/streams.h"
 #include "transport/path.h"
 #include "transport/shm/segment.h"
 
@@ -52,6 +55,15 @@ struct Window {
   // the window hold a reference, so deregistration never unmaps memory a view
   // still points at.
   std::shared_ptr<shm::Segment> seg;
+  // Device windows: the CUDA device, the memory (released with the window
+  // when the library allocated it) and, during registration, the server of
+  // its cuMem fds.
+  int device = -1;
+  std::shared_ptr<cuda::DeviceMemory> dev;
+  std::unique_ptr<cuda::FdServer> fd_server;
+  // Signal windows: the slots registered for the device at the first stream wait.
+  std::mutex host_reg_mu;
+  std::unique_ptr<cuda::HostRegistration> host_reg;
   std::vector<PeerView> peers;
   uint64_t nslots() const { return kind == WindowKind::kSignal ? size / 8 : 0; }
   // Ops: false once closing. The engine landing a peer's frame passes

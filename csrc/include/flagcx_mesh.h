@@ -124,10 +124,28 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_alloc(flagcx_mesh_comm_t
 /* A window of nslots 64-bit signal slots, all zero. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_signal_window(flagcx_mesh_comm_t comm, uint64_t nslots,
                                                                uint32_t *index);
+/* Where a window's memory lives. CUDA memory needs the NVIDIA driver at run
+ * time (libcuda.so.1, loaded on first use; no CUDA header is needed here). */
+typedef enum {
+  FLAGCX_MESH_MEM_HOST = 0,
+  FLAGCX_MESH_MEM_CUDA = 1
+} flagcx_mesh_mem_type_t;
+/* flagcx_mesh_window_register for host or CUDA device memory (a cudaMalloc /
+ * torch allocation, or cuMem memory with a POSIX fd handle). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_register_mem(flagcx_mesh_comm_t comm, void *base,
+                                                                     uint64_t size, flagcx_mesh_mem_type_t mem_type,
+                                                                     uint32_t *index);
+/* flagcx_mesh_window_alloc in host shared memory (device ignored) or in CUDA
+ * memory of device `device` (cuMem with a POSIX fd handle); *base gets the
+ * window's address (a device address for CUDA). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_alloc_mem(flagcx_mesh_comm_t comm, uint64_t size,
+                                                                  flagcx_mesh_mem_type_t mem_type, int device,
+                                                                  uint32_t *index, void **base);
 /* Collective: flushes, then every rank drops the window. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_deregister(flagcx_mesh_comm_t comm, uint32_t index);
-/* The path that reaches peer's copy of the window: "self", "shm", "cma" or
- * "tcp" (a static string). flagcx_mesh_window_describe says why a faster path
+/* The path that reaches peer's copy of the window: "self", "shm", "cma",
+ * "tcp", or for CUDA memory "cuda-self", "cuda-vmm", "cuda-ipc", "staged"
+ * (a static string). flagcx_mesh_window_describe says why a faster path
  * was not taken. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_path(flagcx_mesh_comm_t comm, uint32_t index,
                                                              int peer, const char **path);
@@ -164,6 +182,30 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_signal(flagcx_mesh_comm_t 
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t expected,
                                                              double timeout_s);
+/* Stream-ordered variants. stream is a CUstream / cudaStream_t (NULL: the
+ * legacy default stream): the op starts after the stream's earlier work and
+ * completes in its order (its signal is applied from the stream). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_put_on_stream(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
+                                                               uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+                                                               uint64_t size, void *stream);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_put_signal_on_stream(flagcx_mesh_comm_t comm, int peer,
+                                                                      uint32_t src_win, uint64_t src_off,
+                                                                      uint32_t dst_win, uint64_t dst_off,
+                                                                      uint64_t size, uint32_t sig_win,
+                                                                      uint64_t sig_slot, uint64_t sig_value,
+                                                                      void *stream);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_signal_on_stream(flagcx_mesh_comm_t comm, int peer,
+                                                                  uint32_t sig_win, uint64_t sig_slot,
+                                                                  uint64_t sig_value, void *stream);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get_on_stream(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
+                                                               uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
+                                                               uint64_t size, void *stream);
+/* Queues on stream a wait until this rank's slot is >= expected and returns
+ * at once; where the driver has no stream memory operations it waits on the
+ * host instead (up to timeout_s, <= 0: no limit). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal_on_stream(flagcx_mesh_comm_t comm, uint32_t sig_win,
+                                                                       uint64_t sig_slot, uint64_t expected,
+                                                                       void *stream, double timeout_s);
 /* Waits until every op issued to peer (-1: all peers) has completed remotely. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_flush(flagcx_mesh_comm_t comm, int peer, double timeout_s);
 /* Ops issued by this rank that have completed remotely, and a wait for it. */

@@ -103,8 +103,8 @@ py::dict trial(NetBootstrap& b, const py::object& builder, uint32_t jitter_us, u
   o.jitter_us = jitter_us, o.seed = seed, o.timeout_s = timeout, o.carry_bytes = carry_bytes;
   o.self_connect_delay_us = self_connect_delay_us, o.wiring_check = wiring_check, o.tag_base = tag_base;
   o.verify = verify, o.fail_call = fail_call, o.fail_after = fail_after;
-  if (stranger != "" && stranger != "garbage" && stranger != "silent") {
-    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "stranger must be '', 'garbage' or 'silent'");
+  if (stranger != "" && stranger != "garbage" && stranger != "silent" && stranger != "forged") {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "stranger must be '', 'garbage', 'silent' or 'forged'");
   }
   o.stranger = stranger;
   auto held = b.hold();

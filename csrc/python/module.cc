@@ -12,6 +12,7 @@
 #include "base/status.h"
 #include "base/wire.h"
 #include "python/bindings.h"
+#include "transport/cuda/driver.h"
 
 namespace py = pybind11;
 using fxm::Mesh;
@@ -32,7 +33,7 @@ void translate_error(std::exception_ptr p) {
 std::unique_ptr<Mesh> make_mesh(int nranks, const py::bytes& uid, int rank, int contexts,
                                 double timeout, double header_timeout, int max_inflight,
                                 uint64_t max_unreceived,
-                                uint32_t epoch, py::object on_phase) {
+                                int64_t epoch, py::object on_phase) {
   std::string id = uid;
   fxm::MeshOptions opt;
   opt.contexts = contexts;
@@ -112,7 +113,7 @@ void bind_mesh(py::module_& m) {
   cls
       .def(py::init(&make_mesh), py::arg("nranks"), py::arg("unique_id"), py::arg("rank"),
            py::arg("contexts") = 1, py::arg("timeout") = 0.0, py::arg("header_timeout") = 5.0,
-           py::arg("max_inflight") = 64, py::arg("max_unreceived") = 1ull << 30, py::arg("epoch") = 0,
+           py::arg("max_inflight") = 64, py::arg("max_unreceived") = 1ull << 30, py::arg("epoch") = -1,
            py::arg("on_phase") = py::none())
       .def_property_readonly("rank", &Mesh::rank)
       .def_property_readonly("nranks", &Mesh::nranks)
@@ -187,7 +188,53 @@ py::dict unique_id_info(const py::bytes& raw) {
   py::dict d;
   d["root"] = id.root.str();
   d["mesh_id"] = fxm::wire::mesh_id_hex(id.mesh_id);
+  d["epoch"] = id.epoch;
   return d;
+}
+
+py::bytes digest_bytes(const fxm::crypto::Digest& d) {
+  return py::bytes(reinterpret_cast<const char*>(d.data()), d.size());
+}
+
+fxm::crypto::Key key_arg(const py::bytes& raw, const char* what) {
+  std::string s = raw;
+  fxm::crypto::Key k;
+  if (s.size() != k.size()) throw py::value_error(std::string(what) + " must be 32 bytes");
+  std::memcpy(k.data(), s.data(), k.size());
+  return k;
+}
+
+// Test hooks of the key proofs (docs/security.md): SHA-256 and HMAC against
+// published vectors, and the MACs a holder of the key would send.
+void bind_crypto(py::module_& m) {
+  m.def("_sha256", [](const py::bytes& data) {
+    std::string s = data;
+    return digest_bytes(fxm::crypto::sha256(s.data(), s.size()));
+  });
+  m.def("_hmac_sha256", [](const py::bytes& key, const py::bytes& data) {
+    std::string k = key, s = data;
+    return digest_bytes(fxm::crypto::hmac_sha256(k.data(), k.size(), s.data(), s.size()));
+  });
+  m.def("_derive_key", [](const py::bytes& secret, const py::bytes& mesh_id, uint32_t epoch) {
+    std::string id = mesh_id;
+    fxm::wire::MeshId mid{};
+    if (id.size() != mid.size()) throw py::value_error("mesh_id must be 16 bytes");
+    std::memcpy(mid.data(), id.data(), mid.size());
+    return digest_bytes(fxm::wire::derive_key(key_arg(secret, "secret"), mid, epoch));
+  });
+  m.def("_handshake_mac", [](const py::bytes& key, int role, const py::bytes& hello, const py::bytes& answer) {
+    std::string h = hello, a = answer;
+    if (h.size() < fxm::wire::kHelloSize || a.size() < fxm::wire::kHelloSize) {
+      throw py::value_error("hello and answer must hold a header and a nonce");
+    }
+    return digest_bytes(fxm::wire::handshake_mac(key_arg(key, "key"), static_cast<fxm::wire::Role>(role),
+                                                 reinterpret_cast<const uint8_t*>(h.data()),
+                                                 reinterpret_cast<const uint8_t*>(a.data())));
+  });
+  m.def("_equal_ct", [](const py::bytes& a, const py::bytes& b) {
+    std::string x = a, y = b;
+    return x.size() == y.size() && fxm::crypto::equal_ct(x.data(), y.data(), x.size());
+  });
 }
 
 void bind_wire(py::module_& m) {
@@ -195,6 +242,9 @@ void bind_wire(py::module_& m) {
   m.def("_wire_check", &wire_check, "Decode + validate a header like the listener (test helper).");
   m.def("_unique_id_info", &unique_id_info, "Decode a unique id: root address and mesh id.");
   m.attr("CONN_HEADER_SIZE") = fxm::wire::kConnHeaderSize;
+  m.attr("WIRE_VERSION") = fxm::wire::kVersion;
+  m.attr("NONCE_SIZE") = fxm::wire::kNonceSize;
+  m.attr("MAC_SIZE") = fxm::wire::kMacSize;
   m.attr("UNIQUE_ID_SIZE") = fxm::bootstrap::kUniqueIdSize;
   m.attr("ROLE_CONNECT") = static_cast<int>(fxm::wire::Role::kConnect);
   m.attr("ROLE_ACCEPT") = static_cast<int>(fxm::wire::Role::kAccept);
@@ -205,19 +255,21 @@ void bind_wire(py::module_& m) {
 PYBIND11_MODULE(_core, m) {
   m.doc() = "flagcx_mesh C++ core (private; use the flagcx_mesh package)";
   py::register_exception_translator(&translate_error);
-  m.def("get_unique_id", [] {
+  m.def("get_unique_id", [](uint32_t epoch) {
     fxm::bootstrap::UniqueIdBytes b;
     {
       py::gil_scoped_release release;
-      b = fxm::bootstrap::get_unique_id();
+      b = fxm::bootstrap::get_unique_id(epoch);
     }
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
-  });
+  }, py::arg("epoch") = 0);
   m.def("release_unique_id", [](const py::bytes& raw) {
     std::string b = raw;
     py::gil_scoped_release release;
     return fxm::bootstrap::release_unique_id(reinterpret_cast<const uint8_t*>(b.data()), b.size());
   }, "End the root of an unused unique id made by this process; True when it was ended.");
+  m.def("cuda_driver_error", [] { return fxm::cuda::driver() != nullptr ? std::string() : fxm::cuda::driver_error(); },
+        "Why no CUDA driver could be loaded (\"\" when one is).");
   m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },
@@ -228,5 +280,6 @@ PYBIND11_MODULE(_core, m) {
   }, "The host part of the address this process listens on.");
   bind_mesh(m);
   bind_wire(m);
+  bind_crypto(m);
   fxm_py::bind_adaptor(m);
 }

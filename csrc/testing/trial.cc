@@ -3,6 +3,7 @@
 #include <array>
 #include <cstring>
 #include <memory>
+#include <map>
 #include <set>
 #include <vector>
 
@@ -31,8 +32,11 @@ struct Fault {
   std::set<void*> connecting;  // handles connect was called with
   int bad_deregs = 0;
   // stranger: before its first real connect, open one more connection to the
-  // same peer that sends it garbage ("garbage") or nothing ("silent").
+  // same peer that sends it garbage ("garbage"), nothing ("silent"), or
+  // ("forged") every copy of this rank's own identity header to that peer with
+  // a wrong MAC, as one who read the header off the wire but lacks the key.
   std::string stranger;
+  std::map<void*, std::vector<uint8_t>> handle_of;  // send comm -> the handle it connected to
   std::vector<uint8_t> foreign_handle;
   void* foreign_comm = nullptr;
   void* foreign_req = nullptr;
@@ -52,11 +56,28 @@ struct Fault {
     }
     if (!foreign_comm && inner.connect(inner.ctx, foreign_handle.data(), &foreign_comm) != 0) return true;
     if (!foreign_comm) return false;
-    if (stranger == "silent") return true;
+    if (stranger == "silent" || stranger == "forged") return true;
     inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), nullptr, &foreign_req);
     int done = 0;  // 64 bytes fit the socket buffer: the first test sends them
     if (foreign_req && inner.test(inner.ctx, foreign_req, &done) != 0) done = 1;
     return true;
+  }
+  // "forged": when this rank sends its identity to the stranger's peer, the
+  // stranger sends the same header with its MAC altered.
+  void forge_from(void* comm, const void* data, size_t size) {
+    if (stranger != "forged" || !foreign_comm || foreign_req || size != kIdentitySize) return;
+    auto it = handle_of.find(comm);
+    if (it == handle_of.end() || it->second != foreign_handle) return;
+    std::memcpy(garbage, data, size);
+    garbage[size - 1] ^= 1;
+    for (int copy = 0; copy < FLAGCX_MESH_TAGGED_IDENTITY_COPIES; ++copy) {  // all a real rank sends
+      foreign_req = nullptr;
+      if (inner.isend(inner.ctx, foreign_comm, garbage, sizeof(garbage), nullptr, &foreign_req) != 0) return;
+      int done = 0;
+      for (int spins = 0; foreign_req && !done && spins < 1000000; ++spins) {
+        if (inner.test(inner.ctx, foreign_req, &done) != 0) return;
+      }
+    }
   }
   void close_stranger() {
     if (foreign_comm) inner.close_send(inner.ctx, foreign_comm);
@@ -77,7 +98,12 @@ int f_connect(void* c, void* h, void** s) {
   // connect counts connections (a new handle), not the calls polling one
   bool fresh = F(c)->connecting.insert(h).second;
   if (fresh && F(c)->hit("connect")) return kInjectedFault;
-  return F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
+  int rc = F(c)->opened(F(c)->inner.connect(F(c)->inner.ctx, h, s), s);
+  if (rc == 0 && *s) {
+    const uint8_t* b = static_cast<const uint8_t*>(h);
+    F(c)->handle_of[*s].assign(b, b + F(c)->inner.handle_size);
+  }
+  return rc;
 }
 int f_accept(void* c, void* l, void** r) {
   return F(c)->hit("accept") ? kInjectedFault : F(c)->opened(F(c)->inner.accept(F(c)->inner.ctx, l, r), r);
@@ -86,7 +112,9 @@ int f_close_send(void* c, void* s) { return F(c)->closing(s), F(c)->inner.close_
 int f_close_recv(void* c, void* r) { return F(c)->closing(r), F(c)->inner.close_recv(F(c)->inner.ctx, r); }
 int f_close_listen(void* c, void* l) { return F(c)->closing(l), F(c)->inner.close_listen(F(c)->inner.ctx, l); }
 int f_isend(void* c, void* s, const void* d, size_t n, void* mh, void** q) {
-  return F(c)->hit("isend") ? kInjectedFault : F(c)->inner.isend(F(c)->inner.ctx, s, d, n, mh, q);
+  if (F(c)->hit("isend")) return kInjectedFault;
+  F(c)->forge_from(s, d, n);
+  return F(c)->inner.isend(F(c)->inner.ctx, s, d, n, mh, q);
 }
 int f_irecv(void* c, void* r, void* d, size_t n, void* mh, void** q) {
   return F(c)->hit("irecv") ? kInjectedFault : F(c)->inner.irecv(F(c)->inner.ctx, r, d, n, mh, q);
@@ -140,7 +168,7 @@ void verify(const NetAdaptor& net, int me, int n, void** send, void** recv, cons
   std::vector<std::array<uint8_t, kIdentitySize>> out(n), in(n);
   std::vector<Msg> msgs;
   for (int p = 0; p < n; ++p) {
-    encode_identity(0, me, p, n, out[p].data());
+    encode_identity(0, crypto::Key{}, me, p, n, out[p].data());
     msgs.push_back(Msg{send[p], true, out[p].data()});
     msgs.push_back(Msg{recv[p], false, in[p].data()});
   }
@@ -171,7 +199,7 @@ void verify(const NetAdaptor& net, int me, int n, void** send, void** recv, cons
   }
   for (int p = 0; p < n; ++p) {
     wire::ConnHeader id;
-    std::string why = decode_identity(in[p].data(), 0, me, n, &id);
+    std::string why = decode_identity(in[p].data(), 0, crypto::Key{}, me, n, &id);
     if (!why.empty() || id.src != p || id.dst != me) {
       fail(Code::kProtocol, p, 0, "rank " + std::to_string(me) + ": verify: miswired: recv slot " + std::to_string(p) +
                                       " holds rank " + std::to_string(id.src) + "'s connection" + (why.empty() ? "" : " (" + why + ")"));

@@ -30,8 +30,10 @@ struct TrialOptions {
   std::string fail_call;  // "" or an adaptor call name: that call returns kInjectedFault ...
   int fail_after = 0;     // ... on its (fail_after + 1)-th invocation
   bool fail_exits = false;  // ... or instead the process exits at once (_exit(kInjectedExit))
-  // "garbage" | "silent" | "": each rank first opens one more connection to its
-  // first peer that sends garbage (needs carry_bytes) or nothing, like a stranger
+  // "garbage" | "silent" | "forged" | "": each rank first opens one more
+  // connection to its first peer that sends garbage (needs carry_bytes),
+  // nothing, or a copy of the rank's identity header with a wrong MAC, like a
+  // stranger
   std::string stranger;
 };
 constexpr int kInjectedFault = 42;

@@ -20,17 +20,33 @@
 #include <string>
 #include <vector>
 
+#include "base/clock.h"
+#include "transport/cuda/device_memory.h"
+
 namespace fxm {
 
-enum class WindowKind : uint32_t { kUser = 1, kShm = 2, kSignal = 3 };
+// kDevice: CUDA device memory (the user's, or allocated by the library).
+enum class WindowKind : uint32_t { kUser = 1, kShm = 2, kSignal = 3, kDevice = 4 };
 const char* kind_name(WindowKind k);
 
 // FLAGCX_MESH_TRANSPORT: auto (default) | tcp | cma | shm
 enum class ForcedTransport { kAuto, kTcp, kCma, kShm };
 ForcedTransport forced_transport();  // throws InvalidArgument on a bad value
 
-enum class PathKind : uint8_t { kSelf = 0, kShm = 1, kCma = 2, kTcp = 3 };
+// FLAGCX_MESH_CUDA_PATH: auto (default) | cuda-vmm | cuda-ipc | staged: forces
+// the path to device windows (the same process always copies directly).
+enum class ForcedCudaPath { kAuto, kVmm, kIpc, kStaged };
+ForcedCudaPath forced_cuda_path();  // throws InvalidArgument on a bad value
+
+enum class PathKind : uint8_t {
+  kSelf = 0, kShm = 1, kCma = 2, kTcp = 3,
+  kCudaSelf = 4,  // a device window of this process: copies on the device
+  kCudaVmm = 5,   // the peer's cuMem mappings imported from fds
+  kCudaIpc = 6,   // the peer's allocation opened from a legacy IPC handle
+  kStaged = 7,    // through host memory and the tcp path (any host)
+};
 const char* path_name(PathKind k);
+inline bool is_device_path(PathKind k) { return k >= PathKind::kCudaSelf && k <= PathKind::kCudaIpc; }
 
 // What a rank publishes about its copy of a window.
 struct WindowDesc {
@@ -43,6 +59,9 @@ struct WindowDesc {
   std::string shm_name;      // empty for user windows
   uint64_t cookie_addr = 0;  // where the owner keeps `cookie` (read back through cma)
   uint64_t cookie = 0;       // random, per window and rank
+  cuda::DeviceExport dev;    // device windows: how peers reach the memory
+  std::string fd_socket;     // device windows with cuMem mappings: where their fds are served
+  uint64_t fd_token = 0;     // ... to those who send this token
   std::vector<uint8_t> encode() const;
   static bool decode(const std::vector<uint8_t>& b, WindowDesc* out);
 };
@@ -54,6 +73,14 @@ struct SignalSpec {
   uint32_t win = 0;
   uint64_t slot = 0;
   uint64_t value = 0;
+};
+
+// The completion of an asynchronous op that the engine polls (a CUDA event
+// recorded after a copy): done() is true once the op completed.
+class CompletionProbe {
+ public:
+  virtual ~CompletionProbe() = default;
+  virtual bool done() = 0;
 };
 
 // Frames and completions of asynchronous paths, implemented by the core's
@@ -72,7 +99,19 @@ class Outbox {
   // failure is reported by the next flush / wait_counter).
   virtual void issued(int peer, int ctx, PathKind kind) = 0;
   virtual void completed(int peer, int ctx, const std::string& error) = 0;
+  // Counts an op as issued; it completes when `probe` says so (polled in issue order per pair).
+  virtual void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) = 0;
+  // A put whose payload the outbox owns (bytes staged out of device memory).
+  virtual void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+                              uint64_t dst_off,
+                              const SignalSpec& sig) = 0;
+  // Waits until the ops issued to (peer, ctx) completed (throws on loss or expiry).
+  virtual void wait_idle(int peer, int ctx, const Deadline& deadline) = 0;
 };
+
+namespace cuda {
+class StreamFence;
+}
 
 // The signal slots of a signal window mapped in this process.
 struct SignalSlots {
@@ -89,6 +128,16 @@ struct PathOp {
   uint8_t* local = nullptr;  // source of a put, destination of a get
   uint64_t len = 0;
   const SignalSpec* sig = nullptr;  // put: apply after the data (carries_signal() paths only)
+  // Device ops: the user's stream (stream_set: 0 is the legacy default
+  // stream), the pair's fence (FIFO across streams), this rank's device
+  // (-1: host memory) and the target's signal slots mapped here (if any).
+  bool stream_set = false;
+  void* stream = nullptr;
+  cuda::StreamFence* fence = nullptr;
+  int local_device = -1;
+  SignalSlots sig_slots;
+  int src_rank = -1;
+  Deadline deadline = Deadline::never();
 };
 
 class Path {
@@ -99,6 +148,8 @@ class Path {
   // True: put / get / signal are done when they return. False: they post the
   // op, which completes later through the Outbox.
   virtual bool synchronous() const { return true; }
+  // The same for one op (device paths: synchronous unless it names a stream).
+  virtual bool synchronous_for(const PathOp& op) const { (void)op; return synchronous(); }
   // True: put() takes op.sig and applies it at the target after the data.
   virtual bool carries_signal() const { return false; }
   // True: signal() works on this path (a shared mapping or a carrier).
@@ -123,6 +174,8 @@ struct PathRequest {
   SignalSlots local_slots;        // this rank's signal slots (for self)
   std::string host, pid_ns;       // this rank's
   ForcedTransport forced = ForcedTransport::kAuto;
+  ForcedCudaPath forced_cuda = ForcedCudaPath::kAuto;
+  int device = -1;  // this rank's copy: its CUDA device (-1: host memory)
   Outbox* outbox = nullptr;
 };
 
@@ -130,6 +183,7 @@ struct PathRequest {
 // the path cannot reach that window.
 using PathFactory = std::unique_ptr<Path> (*)(const PathRequest& req, const WindowDesc& d, std::string* why);
 const std::vector<PathFactory>& path_factories();  // self, shm, cma, tcp
+const std::vector<PathFactory>& device_path_factories();  // cuda-self, cuda-vmm, cuda-ipc, staged
 
 struct PathChoice {
   std::unique_ptr<Path> path;

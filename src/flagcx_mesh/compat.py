@@ -28,7 +28,8 @@ import threading
 from dataclasses import dataclass
 from typing import List, Optional, Sequence, Tuple
 
-from . import errors
+from . import _core, errors
+from . import cuda as _cuda
 from .mesh import Mesh, _as_int
 from .mesh import get_unique_id as _mesh_unique_id
 from .window import Window
@@ -341,30 +342,39 @@ class Comm:
         self._fail(code, what, text)
 
     def _nbytes_of(self, what: str, obj) -> Optional[int]:
-        """nbytes for an int argument, None for a buffer; refuses device memory (NotSupported)."""
+        """nbytes for an int argument, None for a buffer (host or CUDA memory)."""
         obj = _as_int(obj)
         if _is_int(obj):
             if obj <= 0:
                 self._refuse(what, Result.InvalidArgument, f"size {obj} is not a positive number of bytes")
             return obj
-        device = getattr(obj, "device", None)
-        if device is not None and getattr(device, "type", "cpu") != "cpu":
-            self._refuse(what, Result.NotSupported, f"device memory ({device}) cannot be registered by "
-                         "this host-memory transport; register a CPU (pinned) buffer")
         return None
+
+    def _check_device_support(self, what: str, buffer) -> None:
+        """Device memory without a CUDA driver: NotSupported, naming why the driver is missing."""
+        try:
+            on_device = _cuda.device_buffer(buffer, what) is not None
+        except ValueError as e:
+            self._refuse(what, Result.InvalidArgument, str(e))
+        missing = on_device and _core.cuda_driver_error()
+        if missing:
+            self._refuse(what, Result.NotSupported, f"device memory cannot be registered: {missing}")
 
     def one_side_register(self, buffer) -> int:
         """Register a data window; returns its index (registration order, the same on every rank).
 
         Collective. ``buffer`` is any writable, C-contiguous buffer (numpy array, torch CPU
-        tensor, bytearray), which must stay alive and unmoved until :meth:`destroy`; or an
-        int: that many zero-filled bytes of library shared memory (fastest on one host),
-        readable through :meth:`window_buffer`. Sizes may differ per rank.
+        or CUDA tensor, bytearray, ``__cuda_array_interface__`` / DLPack on a CUDA device),
+        which must stay alive and unmoved until :meth:`destroy`; or an int: that many
+        zero-filled bytes of library shared memory (fastest on one host), readable through
+        :meth:`window_buffer`. Sizes may differ per rank. Without a CUDA driver a device
+        tensor is refused with InvalidArgument naming the missing driver.
         """
         what = "one_side_register"
         self._check_live(what)
         with self._lock:
             nbytes = self._nbytes_of(what, buffer)
+            self._check_device_support(what, buffer)
             try:
                 win = self._mesh.alloc_window(nbytes) if nbytes is not None else self._mesh.register_window(buffer)
                 reg = _Reg(win)
@@ -426,59 +436,67 @@ class Comm:
         return self._data(f"window_describe({index!r})", "index", index).window.describe()
 
     # -- one-sided operations -------------------------------------------------
-    def put(self, peer: int, src_off: int, dst_off: int, size: int, src_idx: int, dst_idx: int) -> None:
+    def put(self, peer: int, src_off: int, dst_off: int, size: int, src_idx: int, dst_idx: int,
+            stream=None) -> None:
         """Copy ``size`` bytes from this rank's window ``src_idx`` at ``src_off`` into
         ``peer``'s window ``dst_idx`` at ``dst_off``. Non-blocking, FIFO per peer; the
-        source must not change until the op completes (:meth:`flush` / :meth:`wait_counter`)."""
+        source must not change until the op completes (:meth:`flush` / :meth:`wait_counter`).
+        With ``stream`` the op starts after that stream's earlier work, in its order."""
         peer, src_off, dst_off, size, src_idx, dst_idx = _ints(peer, src_off, dst_off, size, src_idx, dst_idx)
         s, d = self._check_put("put", peer, src_off, dst_off, size, src_idx, dst_idx)
         try:
-            self._mesh.put(peer, s, src_off, d, dst_off, size)
+            self._mesh.put(peer, s, src_off, d, dst_off, size, stream=stream)
         except Exception as e:  # noqa: BLE001
             _translate(self, e, f"put(peer {peer}, src_idx {src_idx}, dst_idx {dst_idx})")
 
     def put_signal(self, peer: int, src_off: int, dst_off: int, size: int, sig_off: int,
-                   src_idx: int, dst_idx: int, sig_val: int) -> None:
+                   src_idx: int, dst_idx: int, sig_val: int, stream=None) -> None:
         """Put, then ADD ``sig_val`` to ``peer``'s signal slot ``sig_off // 8``: the data is
         visible at the target before the slot changes. ``size`` 0 = signal only (the windows
-        are not used); ``sig_val`` 0 = data only. Non-blocking, FIFO per peer."""
+        are not used); ``sig_val`` 0 = data only. Non-blocking, FIFO per peer; ``stream`` as in :meth:`put`
+        (the slot changes once the stream's copy is done)."""
         what = "put_signal"
         peer, src_off, dst_off, size, sig_off, src_idx, dst_idx, sig_val = _ints(
             peer, src_off, dst_off, size, sig_off, src_idx, dst_idx, sig_val)
         if size == 0:
-            return self.signal(peer, sig_off, sig_val)
+            return self.signal(peer, sig_off, sig_val, stream)
         s, d = self._check_put(what, peer, src_off, dst_off, size, src_idx, dst_idx)
         slot = self._slot(what, sig_off, peer)
         self._check_ints(what, peer, sig_val=sig_val)
         try:
-            self._mesh.put_signal(peer, s, src_off, d, dst_off, size, slot, sig_val, signal_window=self._sig.window)
+            self._mesh.put_signal(peer, s, src_off, d, dst_off, size, slot, sig_val, signal_window=self._sig.window,
+                                  stream=stream)
         except Exception as e:  # noqa: BLE001
             _translate(self, e, f"put_signal(peer {peer}, sig_off {sig_off})")
 
-    def signal(self, peer: int, sig_off: int, sig_val: int) -> None:
-        """ADD ``sig_val`` to ``peer``'s slot ``sig_off // 8``, after every earlier op to ``peer``."""
+    def signal(self, peer: int, sig_off: int, sig_val: int, stream=None) -> None:
+        """ADD ``sig_val`` to ``peer``'s slot ``sig_off // 8``, after every earlier op to ``peer``
+        (with ``stream``: also after that stream's earlier work)."""
         peer, sig_off, sig_val = _ints(peer, sig_off, sig_val)
         self._check_peer("signal", peer)
         slot = self._slot("signal", sig_off, peer)
         self._check_ints("signal", peer, sig_val=sig_val)
         try:
-            self._mesh.signal(peer, slot, sig_val, signal_window=self._sig.window)
+            self._mesh.signal(peer, slot, sig_val, signal_window=self._sig.window, stream=stream)
         except Exception as e:  # noqa: BLE001
             _translate(self, e, f"signal(peer {peer}, sig_off {sig_off})")
 
-    def wait_signal(self, peer: int, sig_off: int, expected: int, timeout: Optional[float] = None) -> None:
+    def wait_signal(self, peer: int, sig_off: int, expected: int, stream=None,
+                    timeout: Optional[float] = None) -> None:
         """Block (GIL released) until this rank's slot ``sig_off // 8`` >= ``expected``.
 
         ``peer`` is the rank expected to signal (checked, and named in errors). A timeout
         raises ``InProgress`` naming the slot, the expected and current values and the last
-        rank that signalled it; a lost peer raises ``RemoteError`` at once."""
+        rank that signalled it; a lost peer raises ``RemoteError`` at once. With ``stream``
+        (as ``flagcxWaitSignal``) the wait is queued on that CUDA stream and this returns
+        at once."""
         peer, sig_off, expected = _ints(peer, sig_off, expected)
         what = f"wait_signal(peer {peer}, sig_off {sig_off}, expected {expected})"
         self._check_peer(what, peer)
         slot = self._slot(what, sig_off, self.rank)
         self._check_ints(what, expected=expected)
         try:
-            self._mesh.wait_signal(slot, expected, timeout, window=self._sig.window)
+            self._mesh.wait_signal(slot, expected, timeout, window=self._sig.window, stream=stream)
         except Exception as e:  # noqa: BLE001
             _translate(self, e, f"{what} on the signal buffer (slot {slot}), waiting for rank {peer}")
 
@@ -488,7 +506,8 @@ class Comm:
         slot = self._slot("read_signal", _as_int(sig_off), self.rank)
         return self._mesh.read_signal(slot, window=self._sig.window)
 
-    def batch_put(self, peer: int, ops: Sequence[Sequence[int]], src_idx: int = 0, dst_idx: int = 0) -> None:
+    def batch_put(self, peer: int, ops: Sequence[Sequence[int]], src_idx: int = 0, dst_idx: int = 0,
+                  stream=None) -> None:
         """Several puts to ``peer``, FIFO: each op is ``(src_off, dst_off, size)`` (windows
         ``src_idx`` / ``dst_idx``) or ``(src_off, dst_off, size, src_idx, dst_idx)``. Every op
         is checked before any is issued; each counts once in :meth:`read_counter`."""
@@ -498,7 +517,7 @@ class Comm:
         groups = self._batch_groups(peer, ops, src_idx, dst_idx)
         try:
             for s, d, entries in groups:
-                self._mesh.batch_put(peer, s, d, entries)
+                self._mesh.batch_put(peer, s, d, entries, stream=stream)
         except Exception as e:  # noqa: BLE001
             _translate(self, e, f"batch_put(peer {peer}, {len(ops)} ops)")
 

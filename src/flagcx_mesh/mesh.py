@@ -10,20 +10,26 @@ from typing import Callable, Dict, List, Optional
 
 from . import _core
 from .errors import InvalidArgument
+from . import cuda as _cuda
 from .window import SignalWindow, Window, WindowLike, index_of
 
 UNIQUE_ID_SIZE = _core.UNIQUE_ID_SIZE
 
 
-def get_unique_id() -> bytes:
+def get_unique_id(epoch: int = 0) -> bytes:
     """Make a new unique id (256 opaque bytes) for one mesh.
+
+    The id holds a fresh secret key; joins and connections prove they know it
+    without sending it (see docs/security.md), so treat the bytes as a
+    credential. ``epoch`` (32 bits) is bound into the keys on the wire: a rank
+    started with another epoch is refused.
 
     The calling process hosts the rendezvous root for that mesh (a background
     thread listening on an ephemeral port of the chosen interface) until every
     rank has joined and left, so it must stay alive while the mesh is built.
     Send the bytes to every rank by any channel (MPI, a store, a file, env).
     """
-    return _core.get_unique_id()
+    return _core.get_unique_id(int(epoch))
 
 
 def release_unique_id(unique_id: bytes) -> bool:
@@ -147,6 +153,8 @@ class Mesh:
     ``max_unreceived`` bounds the bytes of messages waiting for :meth:`recv`
     per (peer, context); above it the mesh stops reading that connection
     (its one-sided completions wait too) until ``recv`` drains it.
+    ``epoch`` is the unique id's when ``None``; a rank given another one is
+    refused by the rendezvous root (see docs/security.md).
 
     Use it as a context manager, or call :meth:`close`.
     """
@@ -162,7 +170,7 @@ class Mesh:
         header_timeout: float = 5.0,
         max_inflight: int = 64,
         max_unreceived: int = 1 << 30,
-        epoch: int = 0,
+        epoch: Optional[int] = None,
         _on_phase: Optional[Callable[[str], None]] = None,
     ) -> None:
         self._core = _core.Mesh(
@@ -174,7 +182,7 @@ class Mesh:
             header_timeout=_seconds_or_refuse(header_timeout, "Mesh: header_timeout", False),
             max_inflight=int(max_inflight),
             max_unreceived=int(max_unreceived),
-            epoch=int(epoch),
+            epoch=-1 if epoch is None else int(epoch),
             on_phase=_on_phase,
         )
         self._default_signal: Optional[int] = None
@@ -287,23 +295,38 @@ class Mesh:
 
     # -- windows (collective registration) ----------------------------------
     def register_window(self, buffer) -> Window:
-        """Register a writable, contiguous buffer (numpy array, torch CPU tensor,
-        bytearray, anything with the buffer protocol). Collective: every rank
-        registers its window in the same order; sizes may differ per rank.
-        The buffer must stay alive and unmoved until the window is closed."""
+        """Register a writable, contiguous buffer: host memory (numpy array, torch CPU
+        tensor, bytearray, anything with the buffer protocol) or CUDA memory (a torch
+        CUDA tensor, anything with ``__cuda_array_interface__`` or DLPack on a CUDA
+        device). Collective: every rank registers its window in the same order; sizes
+        may differ per rank. The buffer must stay alive and unmoved until the window
+        is closed. ``window.describe()`` names the path chosen per peer."""
+        what = f"rank {self.rank}: register_window"
         try:
-            view = _byte_view(buffer, f"rank {self.rank}: register_window")
-        except InvalidArgument as e:  # still take part, so the other ranks fail at once too
+            dev = _cuda.device_buffer(buffer, what)
+            view = None if dev is not None else _byte_view(buffer, what)
+        except (InvalidArgument, ValueError) as e:  # still take part, so the other ranks fail at once too
             self._core.refuse_registration(str(e))
-            raise
+            raise InvalidArgument(str(e)) from None
+        if dev is not None:
+            return Window(self, self._core.register_device_window(dev.ptr, dev.nbytes), keepalive=(None, dev.keepalive))
         index = self._core.register_window(view)
         return Window(self, index, keepalive=(view, buffer))
 
-    def alloc_window(self, nbytes: int) -> Window:
-        """Allocate a zero-filled shared-memory window of ``nbytes`` (collective).
-        Local peers map it, so puts to it are a memcpy by the initiator."""
+    def alloc_window(self, nbytes: int, device=None) -> Window:
+        """Allocate a zero-filled window of ``nbytes`` (collective): shared host memory,
+        or with ``device`` (an ordinal, ``"cuda:N"`` or a torch.device) exportable CUDA
+        memory (cuMem with a POSIX fd handle). Local peers map it, so puts to it are a
+        copy by the initiator."""
         nbytes = self._registration_count("alloc_window", "nbytes", nbytes)
-        return Window(self, self._core.alloc_window(nbytes))
+        if device is None:
+            return Window(self, self._core.alloc_window(nbytes))
+        try:
+            ordinal = _cuda.device_ordinal(device)
+        except ValueError as e:
+            self._core.refuse_registration(f"rank {self.rank}: alloc_window: {e}")
+            raise InvalidArgument(f"rank {self.rank}: alloc_window: {e}") from None
+        return Window(self, self._core.alloc_device_window(nbytes, ordinal))
 
     def signal_window(self, nslots: int) -> SignalWindow:
         """Allocate a window of ``nslots`` 64-bit signal slots, all 0 (collective).
@@ -335,48 +358,56 @@ class Mesh:
 
     @_names_bad_ints("peer", "src_win", "src_off", "dst_win", "dst_off", "size", "context")
     def put(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
-            size: int, *, context: int = 0) -> None:
+            size: int, *, context: int = 0, stream=None) -> None:
         """Copy ``size`` bytes from this rank's ``src_win[src_off:]`` to ``peer``'s
         ``dst_win[dst_off:]``. Non-blocking; FIFO per (peer, context); the source
-        bytes must not change until the op completes (:meth:`flush`)."""
-        self._core.put(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
+        bytes must not change until the op completes (:meth:`flush`). With ``stream``
+        (a torch.cuda.Stream or a handle) the op starts after that stream's earlier
+        work and completes in its order."""
+        self._core.put(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context,
+                       _cuda.stream_handle(stream))
 
     @_names_bad_ints("peer", "src_win", "src_off", "dst_win", "dst_off", "size", "slot", "value",
                      "signal_window", "context")
     def put_signal(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
                    size: int, slot: int, value: int = 1, *, op: str = "add",
-                   signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
+                   signal_window: Optional[WindowLike] = None, context: int = 0, stream=None) -> None:
         """Put, then ``op`` (``"add"`` or ``"set"``) ``value`` on ``peer``'s signal
         ``slot``: the data is visible at the target before the signal changes.
-        ``size`` 0 = signal only; ``value`` 0 (with add) = data only."""
+        ``size`` 0 = signal only; ``value`` 0 (with add) = data only. ``stream`` as in :meth:`put`."""
         self._core.put_signal(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size,
-                              self._sig(signal_window), slot, value, op, context)
+                              self._sig(signal_window), slot, value, op, context, _cuda.stream_handle(stream))
 
     @_names_bad_ints("peer", "slot", "value", "signal_window", "context")
     def signal(self, peer: int, slot: int, value: int = 1, *, op: str = "add",
-               signal_window: Optional[WindowLike] = None, context: int = 0) -> None:
-        """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that (peer, context)."""
-        self._core.put_signal(peer, 0, 0, 0, 0, 0, self._sig(signal_window), slot, value, op, context)
+               signal_window: Optional[WindowLike] = None, context: int = 0, stream=None) -> None:
+        """Add (or set) ``value`` on ``peer``'s signal ``slot``, after every earlier op to that
+        (peer, context); with ``stream``, also after that stream's earlier work."""
+        self._core.put_signal(peer, 0, 0, 0, 0, 0, self._sig(signal_window), slot, value, op, context,
+                              _cuda.stream_handle(stream))
 
     @_names_bad_ints("peer", "src_win", "src_off", "dst_win", "dst_off", "size", "context")
     def get(self, peer: int, src_win: WindowLike, src_off: int, dst_win: WindowLike, dst_off: int,
-            size: int, *, context: int = 0) -> None:
+            size: int, *, context: int = 0, stream=None) -> None:
         """Copy ``size`` bytes from ``peer``'s ``src_win[src_off:]`` into this rank's
-        ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns."""
-        self._core.get(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context)
+        ``dst_win[dst_off:]``. Non-blocking: the bytes are there once :meth:`flush` returns
+        (with ``stream``: for the stream's later work once it gets there)."""
+        self._core.get(peer, index_of(src_win), src_off, index_of(dst_win), dst_off, size, context,
+                       _cuda.stream_handle(stream))
 
     @_names_bad_ints("peer", "src_win", "dst_win", "context")
     def batch_put(self, peer: int, src_win: WindowLike, dst_win: WindowLike,
-                  entries, *, context: int = 0) -> None:
+                  entries, *, context: int = 0, stream=None) -> None:
         """Several puts to one peer: ``entries`` is a sequence of (src_off, dst_off, size), or
         an (n, 3) numpy array of unsigned 64-bit integers (read without a copy). The core
         checks every entry before any is issued (an error names the entry). Each counts as one op."""
         s, d = index_of(src_win), index_of(dst_win)
+        h = _cuda.stream_handle(stream)
         if getattr(entries, "dtype", None) is not None and getattr(entries, "ndim", 0) == 2:
-            self._core.batch_put_array(peer, s, d, entries, context)
+            self._core.batch_put_array(peer, s, d, entries, context, h)
             return
         try:
-            self._core.batch_put(peer, s, d, entries, context)
+            self._core.batch_put(peer, s, d, entries, context, h)
         except TypeError:
             for i, e in enumerate(entries):
                 if len(e) != 3:
@@ -406,10 +437,17 @@ class Mesh:
 
     @_names_bad_ints("slot", "expected", "window")
     def wait_signal(self, slot: int, expected: int, timeout: Optional[float] = None, *,
-                    window: Optional[WindowLike] = None) -> None:
+                    window: Optional[WindowLike] = None, stream=None) -> None:
         """Wait until this rank's signal ``slot`` >= ``expected``. On timeout the error
-        names the slot, the expected and current values and the last rank that signalled it."""
-        self._core.wait_signal(self._sig(window), slot, expected, _timeout_arg(timeout))
+        names the slot, the expected and current values and the last rank that signalled it.
+        With ``stream``, the wait is queued on that CUDA stream (its later work starts once
+        the slot is reached) and this returns at once; ``timeout`` then applies only where
+        the driver lacks stream memory operations and the wait falls back to the host."""
+        h = _cuda.stream_handle(stream)
+        if h is None:
+            self._core.wait_signal(self._sig(window), slot, expected, _timeout_arg(timeout))
+        else:
+            self._core.wait_signal_stream(self._sig(window), slot, expected, h, _timeout_arg(timeout))
 
     # -- collectives over the bootstrap -------------------------------------
     def allgather(self, data: bytes, timeout: Optional[float] = None) -> List[bytes]:

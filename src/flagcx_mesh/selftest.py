@@ -2,6 +2,7 @@
 
     python -m flagcx_mesh.selftest [-n N] [--contexts C] [--iterations K]
                                    [--timeout S] [--json PATH]
+    python -m flagcx_mesh.selftest --device cuda[:D] [-n N] [--iterations K]
     python -m flagcx_mesh.selftest --builder legacy|ordered|tagged [-n N] [--iterations K]
                                    [--jitter-us J] [--timeout S]
 
@@ -16,6 +17,12 @@ prove slot j is rank j, then sends a tagged, checksummed payload on every
 (listen, rendezvous, connect/accept, wiring check: min / median / max over
 all ranks and iterations). Exit status 0 only when every check passed; a
 failure names the rank, iteration, peer and phase.
+
+With --device cuda (or cuda:D), each iteration also allocates a device window
+on that GPU and a host window, puts a tagged pattern from every rank into every
+rank's device window (put_signal, one slot per source), reads each rank's device
+window back into host memory with get() and checks every byte; rank 0 prints
+the path taken to each peer (cuda-vmm, cuda-ipc, staged, cuda-self).
 
 With --builder, each iteration instead builds the full mesh over the test
 adaptor (loopback TCP shaped like FlagCX's IB adaptor: no identity on the
@@ -56,6 +63,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="build over the IB-like test adaptor with this builder instead")
     p.add_argument("--jitter-us", type=int, default=0, help="with --builder: random delay before each "
                    "connect/accept step of the test adaptor, microseconds (default 0)")
+    p.add_argument("--device", default=None, help="cuda or cuda:D: also check device windows on that GPU")
     p.add_argument("--payload", type=int, default=256, help="payload bytes per (peer, context) (default 256)")
     p.add_argument("--json", metavar="PATH", help="write the figures as JSON to PATH (rank 0)")
     a = p.parse_args(argv)
@@ -103,6 +111,34 @@ def _check_payloads(mesh, it: int, size: int, timeout: float) -> float:
     return time.perf_counter() - t0
 
 
+def _check_device(mesh, it: int, device: str, size: int, timeout: float) -> str:
+    """Every rank's pattern into every rank's device window, read back and checked; the paths."""
+    from .cuda import device_ordinal
+
+    n, me = mesh.nranks, mesh.rank
+    size = max(size, 64)
+    dev = mesh.alloc_window(n * size, device=device_ordinal(device))
+    host = mesh.alloc_window(n * size)
+    sig = mesh.signal_window(n)
+    buf = host.buffer
+    buf[:size] = _payload(it, me, -1, 0, size)[:size]
+    for peer in range(n):
+        mesh.put_signal(peer, host, 0, dev, me * size, size, slot=me, signal_window=sig)
+    mesh.flush(timeout=timeout)
+    for src in range(n):
+        mesh.wait_signal(src, 1, timeout=timeout, window=sig)
+    mesh.get(me, dev, 0, host, 0, n * size)
+    mesh.flush(timeout=timeout)
+    for src in range(n):
+        if bytes(buf[src * size:(src + 1) * size]) != _payload(it, src, -1, 0, size)[:size]:
+            raise CheckFailed(f"rank {me}: iteration {it}: the device window's bytes from rank {src} are wrong")
+    mesh.barrier(timeout=timeout)
+    paths = dev.describe()
+    for w in (sig, host, dev):
+        w.close()
+    return paths
+
+
 def _next_uid(mesh) -> bytes:
     """Rank 0 makes the next unique id and hands it out over the current mesh."""
     from . import get_unique_id
@@ -137,6 +173,9 @@ def run_rank(rank: int, nranks: int, uid: bytes, args: argparse.Namespace) -> in
                 samples[k].append(v)
             phase = "payload check"
             samples["payload"].append(_check_payloads(mesh, it, args.payload, args.timeout))
+            if args.device:
+                phase = "device window check"
+                stats["device_paths"] = _check_device(mesh, it, args.device, args.payload, args.timeout or 60)
             s = mesh.stats()
             stats["rejected_total"] += s["rejected_total"]
             stats["connect_retries"] += s["connect_retries"]
@@ -165,6 +204,8 @@ def _report(mesh, samples, stats, args) -> int:
     retries = sum(p["stats"]["connect_retries"] for p in parts)
     summary = _summarise(merged)
     _print_report(mesh, parts[0]["describe"], summary, rejected, retries, args)
+    if args.device:
+        print(f"device windows on {args.device}: every byte checked; rank 0's {parts[0]['stats']['device_paths']}")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"nranks": mesh.nranks, "contexts": mesh.contexts, "iterations": args.iterations,

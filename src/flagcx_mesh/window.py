@@ -10,7 +10,9 @@ class Window:
 
     ``index`` is the registration order, identical on every rank. ``mode``
     says how this rank reaches the other ranks' copies of the window
-    (``"shm"``, ``"cma"``, ``"tcp"``, or ``"self"`` for a one-rank mesh);
+    (``"shm"``, ``"cma"``, ``"tcp"``, or ``"self"`` for a one-rank mesh; for
+    device windows ``"cuda-vmm"``, ``"cuda-ipc"``, ``"staged"`` or ``"cuda-self"``);
+    ``device`` is the CUDA device of this rank's copy (None: host memory);
     ``paths`` gives it per peer, with the reason whenever a preferred path was
     not taken; ``peer_sizes`` the size of every rank's copy. Deregister with
     :meth:`close` (collective).
@@ -27,11 +29,23 @@ class Window:
         self.paths: List[Tuple[str, str]] = [tuple(p) for p in info["paths"]]
         # Bytes of every rank's copy, as the ranks published them at registration.
         self.peer_sizes: Tuple[int, ...] = tuple(info["peer_sizes"])
+        self.device: Optional[int] = None if info["device"] < 0 else info["device"]
+        self._address: int = info["address"]
         self.closed = False
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        """Device windows: the window's bytes as a CUDA array (``torch.as_tensor(w, device="cuda")``)."""
+        if self.device is None:
+            raise AttributeError("a host window has no __cuda_array_interface__; use .buffer")
+        return {"shape": (self.size,), "typestr": "|u1", "data": (self._address, False), "version": 3,
+                "strides": None}
 
     @property
     def buffer(self) -> memoryview:
         """The window's own bytes (library-allocated windows); for user windows, the user's buffer."""
+        if self.device is not None:
+            raise ValueError(f"window #{self.index} is CUDA memory: use torch.as_tensor(window, device='cuda')")
         if self._keepalive is not None:
             return self._keepalive[0]
         return memoryview(self._mesh._core.window_memory(self.index))

@@ -2,6 +2,8 @@
 
     python -m flagcx_mesh.bench mesh [-n 8] [--iterations 20] [--contexts 1] [--json PATH]
     python -m flagcx_mesh.bench put  [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp] [--json PATH]
+    python -m flagcx_mesh.bench put --device cuda [--sizes ...] [--paths cuda-vmm,cuda-ipc,staged]
+                                     (GPU windows per path vs a local D2D copy; stream-wait latency)
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...]   (flagcx_mesh vs MPI_Put, same run)
     python -m flagcx_mesh.bench race [--trials 200] [-n 4] [--jitter-us 2000] [--builders legacy,ordered,tagged]
                                      [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
@@ -10,6 +12,8 @@
     python -m flagcx_mesh.bench soak [--builds 10000] [--max-ranks 32] [--kill 0.2] [--json PATH]
                                      (ranks as threads: jitter, foreign traffic, killed ranks;
                                      counts hangs, miswirings, failures by class)
+    python -m flagcx_mesh.bench stream-wait [--iters 2000] [--json PATH]
+                                     (from C: a waiting CUDA stream passes how long after a signal)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
 measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
@@ -27,11 +31,13 @@ COMMANDS = {
     "mesh-rank": ("mesh", "rank_entry"),
     "put": ("put", "main"),
     "put-rank": ("put", "rank_entry"),
+    "put-cuda-rank": ("put_cuda", "rank_entry"),
     "put-mpi": ("put_mpi", "mpi_entry"),
     "race": ("race", "main"),
     "race-rank": ("race", "rank_entry"),
     "latency": ("latency", "main"),
     "soak": ("soak", "main"),
+    "stream-wait": ("stream_wait", "main"),
 }
 
 

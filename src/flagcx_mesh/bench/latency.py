@@ -57,16 +57,18 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     return a
 
 
-def compile_program(directory: str) -> str:
-    """Builds latency.c in `directory` against the installed library; returns the program."""
-    exe = os.path.join(directory, "flagcx_mesh_latency")
+def compile_program(directory: str, source: str = SOURCE, name: str = "flagcx_mesh_latency",
+                    extra: Optional[List[str]] = None) -> str:
+    """Builds `source` (a C benchmark of this package) in `directory` against the installed
+    library; returns the program."""
+    exe = os.path.join(directory, name)
     cc = shlex.split(os.environ.get("CC", "cc"))
     if not cc or shutil.which(cc[0]) is None:
-        raise RuntimeError(f"bench latency needs a C compiler: {cc[:1]} was not found (set CC)")
-    cmd = [*cc, "-O2", "-std=c99", SOURCE, *cflags(), *libs(), "-o", exe]
+        raise RuntimeError(f"bench {name} needs a C compiler: {cc[:1]} was not found (set CC)")
+    cmd = [*cc, "-O2", "-std=c99", source, *cflags(), *libs(), *(extra or []), "-o", exe]
     r = subprocess.run(cmd, capture_output=True, text=True)
     if r.returncode != 0:
-        raise RuntimeError(f"bench latency: compiling failed ({' '.join(cmd)}):\n{r.stderr}")
+        raise RuntimeError(f"bench {name}: compiling failed ({' '.join(cmd)}):\n{r.stderr}")
     return exe
 
 

@@ -2,6 +2,7 @@
 
     python -m flagcx_mesh.bench put [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp]
                                     [--batch 2000] [--batch-size 4K] [--json PATH]
+    python -m flagcx_mesh.bench put --device cuda [...]   (GPU windows: see put_cuda.py)
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...] [--json PATH]
 
 ``put`` starts 2 local ranks. For each transport, rank 0 puts ``size`` bytes
@@ -275,6 +276,10 @@ def _report(data: dict, args) -> None:
 
 
 def main(argv: List[str]) -> int:
+    if any(a == "--device" or a.startswith("--device=") for a in argv):
+        from . import put_cuda
+
+        return put_cuda.main(argv)
     args = _parse(argv, "put")
     data = run_ranks("put", ["put-rank", *argv], 2, timeout=900)
     if data is None:

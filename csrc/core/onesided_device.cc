@@ -1,0 +1,94 @@
+// The device side of one-sided operations: device window registration, the
+// checks and stream handling of an op whose path is a device path, signals
+// and signal waits on CUDA streams (see docs/gpu.md).
+#include "base/log.h"
+#include "base/status.h"
+#include "core/onesided.h"
+#include "transport/cuda/device_path.h"
+
+namespace fxm {
+
+uint32_t OneSided::register_device(void* base, uint64_t size) {
+  return register_collective([&](uint32_t, std::string*) {
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kDevice;
+    w->dev = cuda::DeviceMemory::wrap(base, size);
+    w->device = w->dev->ordinal();
+    w->base = w->dev->base();
+    w->size = size;
+    return w;
+  });
+}
+
+uint32_t OneSided::alloc_device(uint64_t size, int device) {
+  return register_collective([&](uint32_t, std::string*) {
+    if (device < 0) {
+      fail(Code::kInvalidArgument, -1, 0, who() + "alloc_window: device " + std::to_string(device) + " is not a CUDA device");
+    }
+    auto w = std::make_shared<Window>();
+    w->kind = WindowKind::kDevice;
+    w->dev = cuda::DeviceMemory::allocate(size, device);
+    w->device = device;
+    w->base = w->dev->base();
+    w->size = size;
+    return w;
+  });
+}
+
+// An op whose path is a device path or staged: its stream and signal; an op
+// from device memory into a host window is refused (nothing was issued yet).
+void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get,
+                                 PathOp* op) const {
+  bool device_path = is_device_path(p.kind()) || p.kind() == PathKind::kStaged;
+  if (local.kind == WindowKind::kDevice && !device_path) {
+    fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
+                                                "): window #" + std::to_string(local.index) +
+                                                " is device memory and the peer's window is host memory; "
+                                                "ops between a device and a host window are not supported");
+  }
+  if (a.stream_set && !device_path) {  // a host path: start after the stream's earlier work
+    cuda::check(cuda::need_driver("an op with a stream").cuStreamSynchronize(a.stream), "waiting for the op's stream");
+    op->stream_set = false;
+  }
+  if (is_device_path(p.kind()) && op->sig != nullptr) {
+    op->sig_slots = windows_->find(a.sig.win)->peers[a.peer].path->slots();  // applied from the stream
+    if (op->sig_slots.values == nullptr) op->sig = nullptr;  // else it follows, through its own path
+  }
+}
+
+// A signal alone with a stream: applied from the stream once its earlier work
+// is done, when the slots are mapped here; otherwise after waiting for it.
+bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view) {
+  const cuda::Driver& d = cuda::need_driver("signal with a stream");
+  SignalSlots slots = sig_view.path->slots();
+  if (slots.values == nullptr) {
+    cuda::check(d.cuStreamSynchronize(a.stream), "signal: waiting for its stream");
+    return false;
+  }
+  fences_[a.peer * ncontexts_ + a.ctx]->before(a.stream);  // after the pair's earlier device ops
+  engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
+  cuda::complete_on_stream(a.stream, engine_, a.peer, a.ctx, &a.sig, slots, rank_);
+  return true;
+}
+
+void OneSided::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream,
+                                     const Deadline& deadline) const {
+  OpWindows ow;
+  Window& w = signal_slot(win, slot, "wait_signal", &ow);
+  cuda::need_driver("wait_signal with a stream");
+  std::string why;
+  {
+    std::lock_guard<std::mutex> lock(w.host_reg_mu);
+    if (!w.host_reg) w.host_reg = std::make_unique<cuda::HostRegistration>(w.base, w.size);
+    uint64_t* at = reinterpret_cast<uint64_t*>(w.base) + slot;
+    if (cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, &why)) return;
+  }
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    FXM_WARN(rank_, "wait_signal with a stream waits on the host: the driver has no stream memory operations (" +
+                        why + ")");
+  });
+  wait_signal(win, slot, expected, deadline);
+}
+
+}  // namespace fxm

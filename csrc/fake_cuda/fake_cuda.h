@@ -1,0 +1,93 @@
+// A fake CUDA driver over host memory, for tests on machines without a GPU.
+// libflagcx_mesh_fakecuda.so exports the driver entry points flagcx_mesh
+// loads (csrc/transport/cuda/driver.h) under the real symbol names. Device
+// memory is a memfd mapped PROT_NONE at the address the caller sees (a CPU
+// access faults, as on a GPU); the fake copies through a private read-write
+// alias of the same memfd. Streams are FIFOs served by one thread each.
+// See docs/testing.md, "The fake CUDA driver". No project header is used.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <shared_mutex>
+#include <vector>
+
+#define FAKE_API extern "C" __attribute__((visibility("default")))
+
+namespace fakecuda {
+
+using CUresult = int;
+using CUdeviceptr = unsigned long long;
+using Handle = unsigned long long;  // CUmemGenericAllocationHandle
+
+constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3, kNoDevice = 100,
+                   kInvalidDevice = 101, kInvalidContext = 201, kInvalidHandle = 400,
+                   kNotFound = 500, kNotReady = 600, kIllegalAddress = 700,
+                   kHostAlreadyRegistered = 712, kHostNotRegistered = 713, kNotPermitted = 800,
+                   kNotSupported = 801;
+constexpr int kHandlePosixFd = 1, kHandleFabric = 8;
+
+struct MemLocation {
+  int type;
+  int id;
+};
+struct MemAllocationProp {  // CUmemAllocationProp
+  int type;
+  int requested_handle_types;
+  MemLocation location;
+  void* win32_metadata;
+  unsigned char compression_type;
+  unsigned char gpu_direct_rdma_capable;
+  unsigned short usage;
+  unsigned char reserved[4];
+};
+struct MemAccessDesc {  // CUmemAccessDesc
+  MemLocation location;
+  int flags;
+};
+
+// ---- state.cc: initialisation, devices, contexts, fault injection
+bool initialized();
+int device_count();
+size_t granularity();
+bool stream_memops_disabled();
+// The code FXM_FAKECUDA_FAIL sets for `name` (base name, no _v2), or 0.
+CUresult injected_failure(const char* name);
+// The primary context of `device` (never null), and the device of a context (-1: not ours).
+void* primary_context(int device);
+int context_device(void* ctx);
+// The device of the calling thread's current context, or -1.
+int current_device();
+
+// The checks every entry point starts with: initialised, then an injected failure.
+#define FAKE_ENTER(name)                                              \
+  do {                                                                \
+    if (!::fakecuda::initialized()) return ::fakecuda::kNotInitialized; \
+    if (CUresult inj_ = ::fakecuda::injected_failure(name)) return inj_; \
+  } while (0)
+#define FAKE_NEED_CONTEXT()                                                  \
+  do {                                                                       \
+    if (::fakecuda::current_device() < 0) return ::fakecuda::kInvalidContext; \
+  } while (0)
+
+// ---- memory.cc: the table of device address ranges
+// One piece of a resolved address range: where the bytes are for the fake.
+struct Span {
+  char* p;
+  size_t n;
+};
+// Resolves [addr, addr+n) to the fake's own accessible memory: device ranges
+// (possibly several adjacent mappings) to their aliases, anything else to
+// itself (host memory). Returns kIllegalAddress where a device range ends
+// inside it or a mapping has no access set. Call with table_lock() held shared.
+CUresult resolve(CUdeviceptr addr, size_t n, std::vector<Span>* out);
+// True where addr is in a device range or in registered host memory.
+bool device_visible(CUdeviceptr addr, size_t n);
+std::shared_mutex& table_lock();
+// Copies between two resolved lists of the same total length.
+void copy_spans(const std::vector<Span>& dst, const std::vector<Span>& src);
+
+// ---- streams.cc
+void synchronize_all_streams();
+
+}  // namespace fakecuda

@@ -1,0 +1,294 @@
+#include "transport/cuda/device_memory.h"
+
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+#include <mutex>
+
+#include "base/log.h"
+#include "base/status.h"
+
+namespace fxm::cuda {
+
+const Driver& need_driver(const std::string& doing) {
+  const Driver* d = driver();
+  if (d == nullptr) fail(Code::kInvalidArgument, -1, 0, doing + ": " + driver_error());
+  return *d;
+}
+
+void check(CUresult r, const std::string& doing) {
+  if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": " + result_text(r));
+}
+
+void use_device(int ordinal) {
+  static std::mutex mu;
+  static std::map<int, CUcontext> contexts;
+  const Driver& d = need_driver("using CUDA device " + std::to_string(ordinal));
+  CUcontext ctx = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    auto it = contexts.find(ordinal);
+    if (it == contexts.end()) {
+      CUdevice dev = 0;
+      check(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet(" + std::to_string(ordinal) + ")");
+      check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(ordinal) + ")");
+      it = contexts.emplace(ordinal, ctx).first;
+    }
+    ctx = it->second;
+  }
+  CUcontext cur = nullptr;
+  if (d.cuCtxGetCurrent(&cur) == kSuccess && cur == ctx) return;
+  check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(ordinal) + ")");
+}
+
+namespace {
+
+template <typename T>
+CUresult attr(const Driver& d, T* out, PointerAttr a, const void* p) {
+  return d.cuPointerGetAttribute(out, a, reinterpret_cast<CUdeviceptr>(p));
+}
+
+// Some context must be current for pointer queries; device 0's primary one will do.
+void ensure_some_context(const Driver& d) {
+  CUcontext cur = nullptr;
+  if (d.cuCtxGetCurrent(&cur) != kSuccess || cur == nullptr) use_device(0);
+}
+
+std::string hex(const void* p) {
+  char b[32];
+  std::snprintf(b, sizeof(b), "%p", p);
+  return b;
+}
+
+}  // namespace
+
+int device_of(const void* p) {
+  const Driver* d = driver();
+  if (d == nullptr || p == nullptr) return -1;
+  ensure_some_context(*d);
+  unsigned type = 0;
+  int ordinal = -1;
+  if (attr(*d, &type, kPtrMemoryType, p) != kSuccess || type != kMemoryTypeDevice) return -1;
+  if (attr(*d, &ordinal, kPtrDeviceOrdinal, p) != kSuccess) return -1;
+  return ordinal;
+}
+
+std::shared_ptr<DeviceMemory> DeviceMemory::wrap(void* p, uint64_t size) {
+  const Driver& d = need_driver("registering device memory at " + hex(p));
+  ensure_some_context(d);
+  unsigned type = 0;
+  CUresult r = attr(d, &type, kPtrMemoryType, p);
+  if (r != kSuccess || type != kMemoryTypeDevice) {
+    fail(Code::kInvalidArgument, -1, 0, "registering " + std::to_string(size) + " bytes at " + hex(p) +
+                                            " as device memory: the CUDA driver does not know it as device memory (" +
+                                            (r != kSuccess ? result_text(r) : "memory type " + std::to_string(type)) + ")");
+  }
+  auto m = std::shared_ptr<DeviceMemory>(new DeviceMemory());
+  m->base_ = static_cast<uint8_t*>(p);
+  m->size_ = size;
+  check(attr(d, &m->ordinal_, kPtrDeviceOrdinal, p), "cuPointerGetAttribute(DEVICE_ORDINAL)");
+  if (size > 0 && device_of(m->base_ + size - 1) != m->ordinal_) {
+    fail(Code::kInvalidArgument, -1, 0, "registering " + std::to_string(size) + " bytes at " + hex(p) +
+                                            ": the range does not lie in device memory of device " +
+                                            std::to_string(m->ordinal_));
+  }
+  return m;
+}
+
+std::shared_ptr<DeviceMemory> DeviceMemory::allocate(uint64_t size, int ordinal) {
+  const Driver& d = need_driver("alloc_window on CUDA device " + std::to_string(ordinal));
+  use_device(ordinal);
+  MemAllocationProp prop{};
+  prop.type = kAllocationPinned;
+  prop.location = {kLocationDevice, ordinal};
+  prop.requested_handle_types = kHandlePosixFd | kHandleFabric;
+  size_t gran = 0;
+  check(d.cuMemGetAllocationGranularity(&gran, &prop, kGranularityMinimum), "cuMemGetAllocationGranularity");
+  uint64_t rounded = (size + gran - 1) / gran * gran;
+  if (rounded == 0) rounded = gran;
+  auto m = std::shared_ptr<DeviceMemory>(new DeviceMemory());
+  m->ordinal_ = ordinal;
+  m->owned_ = true;
+  m->size_ = size;
+  CUresult r = d.cuMemCreate(&m->handle_, rounded, &prop, 0);
+  if (r != kSuccess) {  // FABRIC needs an IMEX channel: a quiet fallback, as on most hosts
+    FXM_INFO(-1, "cuMemCreate with a FABRIC handle refused (" + result_text(r) + "); using a POSIX fd handle");
+    prop.requested_handle_types = kHandlePosixFd;
+    check(d.cuMemCreate(&m->handle_, rounded, &prop, 0),
+          "cuMemCreate(" + std::to_string(rounded) + " bytes, device " + std::to_string(ordinal) + ", POSIX fd)");
+  }
+  CUdeviceptr va = 0;
+  check(d.cuMemAddressReserve(&va, rounded, gran, 0, 0), "cuMemAddressReserve");
+  m->reserved_ = rounded;
+  m->base_ = reinterpret_cast<uint8_t*>(va);
+  check(d.cuMemMap(va, rounded, 0, m->handle_, 0), "cuMemMap");
+  MemAccessDesc access{{kLocationDevice, ordinal}, kAccessReadWrite};
+  check(d.cuMemSetAccess(va, rounded, &access, 1), "cuMemSetAccess");
+  return m;
+}
+
+DeviceMemory::~DeviceMemory() {
+  drop_fds();
+  const Driver* d = driver();
+  if (!owned_ || d == nullptr) return;
+  CUdeviceptr va = reinterpret_cast<CUdeviceptr>(base_);
+  if (reserved_ != 0) {
+    d->cuMemUnmap(va, reserved_);
+    d->cuMemAddressFree(va, reserved_);
+  }
+  if (handle_ != 0) d->cuMemRelease(handle_);
+}
+
+void DeviceMemory::drop_fds() {
+  for (int fd : fds_) ::close(fd);
+  fds_.clear();
+}
+
+DeviceExport DeviceMemory::export_for_peers() {
+  const Driver& d = need_driver("exporting a device window");
+  use_device(ordinal_);
+  DeviceExport e;
+  e.ordinal = ordinal_;
+  uint64_t legacy = 0;  // a boolean written as 4 bytes
+  CUdeviceptr range = 0;
+  if (attr(d, &legacy, kPtrIsLegacyIpcCapable, base_) != kSuccess || legacy == 0) {
+    e.why_no_ipc = "not a cudaMalloc allocation (no legacy IPC handle)";
+  } else if (CUresult r = attr(d, &range, kPtrRangeStartAddr, base_); r != kSuccess) {
+    e.why_no_ipc = "its allocation base is unknown: " + result_text(r);
+  } else if (CUresult r2 = d.cuIpcGetMemHandle(&e.ipc_handle, range); r2 != kSuccess) {
+    e.why_no_ipc = "cuIpcGetMemHandle: " + result_text(r2);
+  } else {
+    e.ipc = true;
+    e.ipc_offset = reinterpret_cast<CUdeviceptr>(base_) - range;
+  }
+  export_vmm(&e);
+  return e;
+}
+
+// Each cuMem mapping the window touches, exported as a POSIX fd of its own
+// (an expandable-segments tensor spans several).
+void DeviceMemory::export_vmm(DeviceExport* e) {
+  const Driver& d = *driver();
+  uint64_t types = 0;  // 4 or 8 bytes written, depending on the driver: zeroed, read little-endian
+  if (attr(d, &types, kPtrAllowedHandleTypes, base_) != kSuccess || (types & kHandlePosixFd) == 0) {
+    e->why_no_vmm = "not a cuMem allocation with a POSIX fd handle";
+    return;
+  }
+  drop_fds();
+  for (uint8_t* a = base_; a < base_ + size_ || a == base_;) {
+    CUdeviceptr mbase = 0;
+    size_t msize = 0;
+    CUmemGenericAllocationHandle h = 0;
+    int fd = -1;
+    CUresult r = attr(d, &mbase, kPtrMappingBaseAddr, a);
+    if (r == kSuccess) r = attr(d, &msize, kPtrMappingSize, a);
+    if (r == kSuccess) r = d.cuMemRetainAllocationHandle(&h, a);
+    if (r == kSuccess) {
+      r = d.cuMemExportToShareableHandle(&fd, h, kHandlePosixFd, 0);
+      d.cuMemRelease(h);
+    }
+    if (r != kSuccess || msize == 0) {
+      e->vmm.clear();
+      drop_fds();
+      e->why_no_vmm = "exporting its cuMem mapping at " + hex(a) + ": " + result_text(r);
+      return;
+    }
+    fds_.push_back(fd);
+    e->vmm.push_back({static_cast<int64_t>(mbase - reinterpret_cast<CUdeviceptr>(base_)), msize});
+    a = reinterpret_cast<uint8_t*>(mbase + msize);
+    if (size_ == 0) break;
+  }
+}
+
+// ------------------------------------------------------------ PeerMapping
+
+std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std::vector<int> fds, int my_ordinal) {
+  const Driver& d = need_driver("mapping a peer's device window");
+  use_device(my_ordinal);
+  std::unique_ptr<PeerMapping> m(new PeerMapping());
+  m->ordinal_ = my_ordinal;
+  int64_t first = e.vmm.front().offset;
+  uint64_t span = static_cast<uint64_t>(e.vmm.back().offset - first) + e.vmm.back().size;
+  CUresult r = d.cuMemAddressReserve(&m->reserved_, span, 0, 0, 0);
+  for (int fd : fds) {
+    if (r != kSuccess) ::close(fd);
+  }
+  check(r, "cuMemAddressReserve(" + std::to_string(span) + " bytes) for a peer's window");
+  m->reserved_size_ = span;
+  MemAccessDesc access{{kLocationDevice, my_ordinal}, kAccessReadWrite};
+  for (size_t i = 0; i < e.vmm.size(); ++i) {
+    CUmemGenericAllocationHandle h = 0;
+    r = d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])), kHandlePosixFd);
+    ::close(fds[i]);
+    fds[i] = -1;
+    check(r, "cuMemImportFromShareableHandle");
+    m->handles_.push_back(h);
+    CUdeviceptr at = m->reserved_ + static_cast<uint64_t>(e.vmm[i].offset - first);
+    check(d.cuMemMap(at, e.vmm[i].size, 0, h, 0), "cuMemMap of a peer's mapping");
+    m->mapped_.push_back({at, e.vmm[i].size});
+    check(d.cuMemSetAccess(at, e.vmm[i].size, &access, 1), "cuMemSetAccess on a peer's mapping");
+  }
+  for (size_t i = e.vmm.size(); i < fds.size(); ++i) ::close(fds[i]);
+  m->window_base_ = reinterpret_cast<uint8_t*>(m->reserved_ - first);
+  return m;
+}
+
+namespace {
+
+// Opened IPC handles of this process: the driver returns one pointer per
+// allocation, so each is opened once and closed when its last user goes.
+struct IpcTable {
+  std::mutex mu;
+  std::map<std::string, std::pair<CUdeviceptr, int>> open;  // handle bytes -> (base, users)
+};
+IpcTable& ipc_table() {
+  static IpcTable* t = new IpcTable();  // never destroyed: mappings may outlive static destruction
+  return *t;
+}
+
+}  // namespace
+
+std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, int my_ordinal) {
+  const Driver& d = need_driver("opening a peer's IPC handle");
+  use_device(my_ordinal);
+  std::string key(e.ipc_handle.reserved, kIpcHandleSize);
+  IpcTable& t = ipc_table();
+  std::lock_guard<std::mutex> lock(t.mu);
+  auto it = t.open.find(key);
+  if (it == t.open.end()) {
+    CUdeviceptr p = 0;
+    check(d.cuIpcOpenMemHandle(&p, e.ipc_handle, kIpcLazyEnablePeerAccess), "cuIpcOpenMemHandle");
+    it = t.open.emplace(key, std::make_pair(p, 0)).first;
+  }
+  ++it->second.second;
+  std::unique_ptr<PeerMapping> m(new PeerMapping());
+  m->ordinal_ = my_ordinal;
+  m->ipc_base_ = it->second.first;
+  m->window_base_ = reinterpret_cast<uint8_t*>(m->ipc_base_ + e.ipc_offset);
+  return m;
+}
+
+PeerMapping::~PeerMapping() {
+  const Driver* d = driver();
+  if (d == nullptr) return;
+  try {
+    use_device(ordinal_);
+  } catch (const Error&) {  // unmapping below needs no context; closing an IPC handle may
+  }
+  if (ipc_base_ != 0) {
+    IpcTable& t = ipc_table();
+    std::lock_guard<std::mutex> lock(t.mu);
+    for (auto it = t.open.begin(); it != t.open.end(); ++it) {
+      if (it->second.first != ipc_base_ || --it->second.second > 0) continue;
+      d->cuIpcCloseMemHandle(ipc_base_);
+      t.open.erase(it);
+      break;
+    }
+  }
+  for (auto& [at, size] : mapped_) d->cuMemUnmap(at, size);
+  for (CUmemGenericAllocationHandle h : handles_) d->cuMemRelease(h);
+  if (reserved_ != 0) d->cuMemAddressFree(reserved_, reserved_size_);
+}
+
+}  // namespace fxm::cuda

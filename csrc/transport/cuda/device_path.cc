@@ -1,0 +1,147 @@
+#include "transport/cuda/device_path.h"
+
+#include <unistd.h>
+
+#include "base/status.h"
+#include "transport/cuda/fd_pass.h"
+#include "transport/cuda/streams.h"
+
+namespace fxm {
+
+int DevicePath::copy(const PathOp& op, void* dst, const void* src) {
+  const cuda::Driver& d = cuda::need_driver("a device put/get");
+  cuda::use_device(ordinal_);
+  cuda::CUstream s = op.stream_set ? op.stream : cuda::library_stream(ordinal_);
+  if (op.fence) op.fence->before(s);
+  cuda::CUresult r = d.cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst), reinterpret_cast<cuda::CUdeviceptr>(src),
+                                     op.len, s);
+  if (r != cuda::kSuccess) {
+    fail(Code::kSystem, peer_, 0, std::string("cuMemcpyAsync over ") + path_name(kind_) + ": " + cuda::result_text(r));
+  }
+  cuda::SharedEvent after = cuda::record_event(ordinal_, s);
+  if (op.sig != nullptr && op.sig_slots.values != nullptr) {
+    outbox_->issued(peer_, op.ctx, kind_);
+    cuda::complete_on_stream(s, outbox_, peer_, op.ctx, op.sig, op.sig_slots, op.src_rank);
+  } else {
+    outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, after));
+  }
+  if (op.fence) op.fence->after(s, std::move(after));
+  return 0;
+}
+
+namespace {
+
+bool same_host(const PathRequest& req, const WindowDesc& d) { return d.host == req.host && d.pid_ns == req.pid_ns; }
+
+// The device this rank copies on: its own copy's, else the peer's (same host).
+int copy_device(const PathRequest& req, const WindowDesc& d) { return req.device >= 0 ? req.device : d.dev.ordinal; }
+
+const char* forced_name(ForcedCudaPath f) {
+  switch (f) {
+    case ForcedCudaPath::kVmm: return "FLAGCX_MESH_CUDA_PATH=cuda-vmm";
+    case ForcedCudaPath::kIpc: return "FLAGCX_MESH_CUDA_PATH=cuda-ipc";
+    case ForcedCudaPath::kStaged: return "FLAGCX_MESH_CUDA_PATH=staged";
+    default: return "";
+  }
+}
+
+// Empty, or why a device path cannot map the peer's copy at all.
+std::string mappable(const PathRequest& req, const WindowDesc& d, ForcedCudaPath self) {
+  if (req.forced_cuda != ForcedCudaPath::kAuto && req.forced_cuda != self) return forced_name(req.forced_cuda);
+  if (d.kind != WindowKind::kDevice) return "the peer's copy is host memory";
+  if (!same_host(req, d)) return "peer is on another host";
+  if (cuda::driver() == nullptr) return cuda::driver_error();
+  return "";
+}
+
+}  // namespace
+
+std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string*) {
+  if (d.pid != static_cast<int32_t>(::getpid()) || !same_host(req, d) || cuda::driver() == nullptr) return nullptr;
+  int ordinal = d.kind == WindowKind::kDevice ? d.dev.ordinal : req.device;
+  return std::make_unique<DevicePath>(PathKind::kCudaSelf, req.peer, ordinal, reinterpret_cast<uint8_t*>(d.addr),
+                                      nullptr, req.outbox);
+}
+
+std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
+  std::string no = mappable(req, d, ForcedCudaPath::kVmm);
+  if (no.empty() && d.dev.vmm.empty()) no = d.dev.why_no_vmm;
+  std::vector<int> fds;
+  if (no.empty()) fds = cuda::fetch_fds(d.fd_socket, d.fd_token, d.dev.vmm.size(), 5000, &no);
+  if (!no.empty()) {
+    *why = "cuda-vmm refused: " + no;
+    return nullptr;
+  }
+  try {
+    auto m = cuda::PeerMapping::import_vmm(d.dev, std::move(fds), copy_device(req, d));
+    uint8_t* base = m->window_base();
+    return std::make_unique<DevicePath>(PathKind::kCudaVmm, req.peer, copy_device(req, d), base, std::move(m),
+                                        req.outbox);
+  } catch (const Error& e) {
+    *why = std::string("cuda-vmm refused: ") + e.what();
+    return nullptr;
+  }
+}
+
+std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
+  std::string no = mappable(req, d, ForcedCudaPath::kIpc);
+  if (no.empty() && !d.dev.ipc) no = d.dev.why_no_ipc;
+  if (!no.empty()) {
+    *why = "cuda-ipc refused: " + no;
+    return nullptr;
+  }
+  try {
+    auto m = cuda::PeerMapping::open_ipc(d.dev, copy_device(req, d));
+    uint8_t* base = m->window_base();
+    return std::make_unique<DevicePath>(PathKind::kCudaIpc, req.peer, copy_device(req, d), base, std::move(m),
+                                        req.outbox);
+  } catch (const Error& e) {
+    *why = std::string("cuda-ipc refused: ") + e.what();
+    return nullptr;
+  }
+}
+
+std::unique_ptr<Path> make_staged_path(const PathRequest& req, const WindowDesc&, std::string*) {
+  return std::make_unique<StagedPath>(req.outbox, req.peer, req.win_index);
+}
+
+// ------------------------------------------------------------ staged
+
+namespace {
+
+void wait_for_stream(const PathOp& op, const char* doing) {
+  if (!op.stream_set) return;
+  cuda::check(cuda::need_driver(doing).cuStreamSynchronize(op.stream), std::string(doing) + ": waiting for its stream");
+}
+
+}  // namespace
+
+int StagedPath::put(const PathOp& op) {
+  wait_for_stream(op, "a staged put");
+  if (op.local_device < 0) return TcpPath::put(op);
+  std::unique_ptr<uint8_t[]> bytes(new uint8_t[op.len]);
+  cuda::copy_and_wait(op.local_device, bytes.get(), op.local, op.len, "staging a put's bytes to the host");
+  static const SignalSpec kNone;
+  outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
+  return 0;
+}
+
+// A get into device memory lands in host memory first, then is copied up:
+// the call returns once the bytes are in place.
+int StagedPath::get(const PathOp& op) {
+  wait_for_stream(op, "a staged get");
+  if (op.local_device < 0) return TcpPath::get(op);
+  // Freed only once the answer landed: after a timeout it may still come.
+  auto bytes = std::make_unique<std::vector<uint8_t>>(op.len);
+  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, bytes->data(), op.len);
+  try {
+    outbox_->wait_idle(peer_, op.ctx, op.deadline);
+  } catch (...) {
+    (void)bytes.release();  // deliberately kept
+    throw;
+  }
+  cuda::copy_and_wait(op.local_device, op.local, bytes->data(), op.len, "copying a staged get's bytes to the device");
+  return 0;
+}
+
+}  // namespace fxm

@@ -1,0 +1,63 @@
+// Paths to a peer's device window. cuda-self (the window is in this process),
+// cuda-vmm (its cuMem mappings imported from fds passed over a unix socket)
+// and cuda-ipc (its allocation opened from a legacy IPC handle) map the
+// peer's memory here and copy with cuMemcpyAsync on the user's stream or the
+// library's; the op completes through the Outbox when the stream gets there
+// (an event the engine polls, or, with a signal, a host function that applies
+// it first: there is no stream "add").
+// staged moves the bytes through host memory and the tcp path: the only one
+// across hosts; its ops with a stream first wait for that stream.
+#pragma once
+
+#include <memory>
+
+#include "transport/cuda/device_memory.h"
+#include "transport/path.h"
+#include "transport/tcp/tcp_path.h"
+
+namespace fxm {
+
+class DevicePath : public Path {
+ public:
+  DevicePath(PathKind kind, int peer, int ordinal, uint8_t* remote, std::unique_ptr<cuda::PeerMapping> m,
+             Outbox* outbox)
+      : kind_(kind), peer_(peer), ordinal_(ordinal), remote_(remote), mapping_(std::move(m)), outbox_(outbox) {}
+  PathKind kind() const override { return kind_; }
+  bool synchronous() const override { return false; }  // completes when its stream gets there
+  bool carries_signal() const override { return true; }  // from the stream, with op.sig_slots
+  int put(const PathOp& op) override { return copy(op, remote_ + op.remote_off, op.local); }
+  int get(const PathOp& op) override { return copy(op, op.local, remote_ + op.remote_off); }
+  void release() override {
+    mapping_.reset();
+    remote_ = nullptr;
+  }
+
+ private:
+  int copy(const PathOp& op, void* dst, const void* src);
+  PathKind kind_;
+  int peer_;
+  int ordinal_;
+  uint8_t* remote_;
+  std::unique_ptr<cuda::PeerMapping> mapping_;
+  Outbox* outbox_;
+};
+
+class StagedPath : public TcpPath {
+ public:
+  StagedPath(Outbox* outbox, int peer, uint32_t win) : TcpPath(outbox, peer, win), outbox_(outbox), peer_(peer), win_(win) {}
+  PathKind kind() const override { return PathKind::kStaged; }
+  int put(const PathOp& op) override;
+  int get(const PathOp& op) override;
+
+ private:
+  Outbox* outbox_;
+  int peer_;
+  uint32_t win_;
+};
+
+std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string* why);
+std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDesc& d, std::string* why);
+std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDesc& d, std::string* why);
+std::unique_ptr<Path> make_staged_path(const PathRequest& req, const WindowDesc& d, std::string* why);
+
+}  // namespace fxm

@@ -1,0 +1,42 @@
+// Passing a window's cuMem fds to peers on the same host: the owner serves
+// them on an abstract unix socket (SCM_RIGHTS) for the length of the
+// registration collective; a peer proves it was told the window's random
+// token (published through the bootstrap) before it gets any fd. Abstract
+// sockets belong to a network namespace: a peer in another one cannot connect
+// and takes another path (describe() says so).
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <string>
+#include <thread>
+#include <vector>
+
+namespace fxm::cuda {
+
+class FdServer {
+ public:
+  // Serves dup()s of `fds` (not owned) to whoever sends `token`; throws Error(kSystem).
+  FdServer(std::vector<int> fds, uint64_t token);
+  ~FdServer();  // stops serving
+  FdServer(const FdServer&) = delete;
+  FdServer& operator=(const FdServer&) = delete;
+  const std::string& name() const { return name_; }  // the abstract socket's name (no leading NUL)
+
+ private:
+  void serve();
+  void answer(int conn) const;
+  std::vector<int> fds_;
+  uint64_t token_;
+  std::string name_;
+  int listen_fd_ = -1;
+  int stop_fd_ = -1;  // eventfd that ends serve()
+  std::thread thread_;
+};
+
+// Fetches `count` fds from the server `name` within `timeout_ms`. Empty with
+// *why set when it cannot (other network namespace, refused, timed out).
+std::vector<int> fetch_fds(const std::string& name, uint64_t token, size_t count, int timeout_ms,
+                           std::string* why);
+
+}  // namespace fxm::cuda

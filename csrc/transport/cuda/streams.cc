@@ -1,0 +1,167 @@
+#include "transport/cuda/streams.h"
+
+#include <map>
+
+#include "base/log.h"
+#include "base/status.h"
+#include "transport/cuda/device_memory.h"
+#include "transport/signal_ops.h"
+
+namespace fxm::cuda {
+
+namespace {
+
+struct EventPool {
+  std::mutex mu;
+  std::map<int, std::vector<CUevent>> free;  // by device
+};
+EventPool& event_pool() {
+  static EventPool* p = new EventPool();  // never destroyed: events may be returned at exit
+  return *p;
+}
+
+}  // namespace
+
+SharedEvent pooled_event(int ordinal) {
+  EventPool& pool = event_pool();
+  CUevent e = nullptr;
+  {
+    std::lock_guard<std::mutex> lock(pool.mu);
+    std::vector<CUevent>& v = pool.free[ordinal];
+    if (!v.empty()) {
+      e = v.back();
+      v.pop_back();
+    }
+  }
+  if (e == nullptr) check(driver()->cuEventCreate(&e, kEventDisableTiming), "cuEventCreate");
+  return SharedEvent(e, [ordinal](void* ev) {
+    EventPool& p = event_pool();
+    std::lock_guard<std::mutex> lock(p.mu);
+    p.free[ordinal].push_back(ev);
+  });
+}
+
+SharedEvent record_event(int ordinal, CUstream s) {
+  SharedEvent e = pooled_event(ordinal);
+  check(driver()->cuEventRecord(e.get(), s), "cuEventRecord");
+  return e;
+}
+
+void StreamFence::before(CUstream s) {
+  if (!event_ || last_ == s) return;
+  check(driver()->cuStreamWaitEvent(s, event_.get(), 0), "cuStreamWaitEvent (ordering after the pair's previous op)");
+}
+
+void StreamFence::after(CUstream s, SharedEvent recorded) {
+  last_ = s;
+  event_ = std::move(recorded);
+}
+
+namespace {
+
+class EventProbe : public CompletionProbe {
+ public:
+  EventProbe(int ordinal, SharedEvent e) : ordinal_(ordinal), event_(std::move(e)) {}
+  bool done() override {
+    use_device(ordinal_);
+    return driver()->cuEventQuery(event_.get()) != kErrNotReady;  // an error ends the wait too
+  }
+
+ private:
+  int ordinal_;
+  SharedEvent event_;
+};
+
+}  // namespace
+
+std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded) {
+  return std::make_unique<EventProbe>(ordinal, std::move(recorded));
+}
+
+CUstream library_stream(int ordinal) {
+  static std::mutex mu;
+  static std::map<int, CUstream> streams;
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = streams.find(ordinal);
+  if (it != streams.end()) return it->second;
+  use_device(ordinal);
+  CUstream s = nullptr;
+  // Non-blocking: it never waits for the legacy default stream's work (a user's pending
+  // stream wait there must not hold up the progress thread's staged copies).
+  check(driver()->cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate on device " + std::to_string(ordinal));
+  streams.emplace(ordinal, s);
+  return s;
+}
+
+void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const std::string& doing) {
+  const Driver& d = need_driver(doing);
+  use_device(ordinal);
+  CUstream s = library_stream(ordinal);
+  check(d.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s), doing);
+  check(d.cuStreamSynchronize(s), doing + " (waiting for the copy)");
+}
+
+namespace {
+
+struct StreamDone {
+  Outbox* outbox;
+  int peer, ctx;
+  bool has_signal;
+  SignalSpec sig;
+  SignalSlots slots;
+  int src_rank;
+};
+
+// Runs on the driver's thread once the stream reached it: no CUDA call here.
+void on_stream_done(void* p) {
+  StreamDone* done = static_cast<StreamDone*>(p);
+  if (done->has_signal) {
+    apply_signal(done->slots.values, done->slots.last_src, done->slots.notify, done->sig.slot, done->sig.value,
+                 done->sig.set, done->src_rank);
+  }
+  done->outbox->completed(done->peer, done->ctx, "");
+  delete done;
+}
+
+}  // namespace
+
+void complete_on_stream(CUstream s, Outbox* outbox, int peer, int ctx, const SignalSpec* sig,
+                        const SignalSlots& slots, int src_rank) {
+  bool has_signal = sig != nullptr && sig->on && slots.values != nullptr;
+  auto* done = new StreamDone{outbox, peer, ctx, has_signal, has_signal ? *sig : SignalSpec{}, slots, src_rank};
+  CUresult r = driver()->cuLaunchHostFunc(s, on_stream_done, done);
+  if (r != kSuccess) {
+    delete done;
+    outbox->completed(peer, ctx, "cuLaunchHostFunc: " + result_text(r));
+  }
+}
+
+HostRegistration::HostRegistration(void* base, uint64_t bytes) : base_(base) {
+  const Driver& d = need_driver("registering signal slots for stream waits");
+  check(d.cuMemHostRegister(base, bytes, kHostRegisterPortable | kHostRegisterDeviceMap),
+        "cuMemHostRegister of a signal window (" + std::to_string(bytes) + " bytes)");
+  CUresult r = d.cuMemHostGetDevicePointer(&dev_base_, base, 0);
+  if (r != kSuccess) {
+    d.cuMemHostUnregister(base);
+    check(r, "cuMemHostGetDevicePointer of a signal window");
+  }
+}
+
+HostRegistration::~HostRegistration() {
+  const Driver* d = driver();
+  if (d != nullptr) d->cuMemHostUnregister(base_);
+}
+
+CUdeviceptr HostRegistration::device_address(const void* p) const {
+  return dev_base_ + (static_cast<const uint8_t*>(p) - static_cast<const uint8_t*>(base_));
+}
+
+bool stream_wait_geq(CUstream s, CUdeviceptr slot, uint64_t expected, std::string* why) {
+  CUresult r = driver()->cuStreamWaitValue64(s, slot, expected, kWaitGeq);
+  if (r == kSuccess) return true;
+  if (r != kErrNotSupported) check(r, "cuStreamWaitValue64");
+  *why = "cuStreamWaitValue64: " + result_text(r);
+  return false;
+}
+
+}  // namespace fxm::cuda

@@ -1,0 +1,74 @@
+// Stream ordering of device ops: the pair's fence (FIFO across streams), the
+// library's own stream per device (ops without a stream), completion and
+// signals reported from the stream (cuLaunchHostFunc: there is no stream
+// "add"), and stream waits on host-shared signal slots (cuStreamWaitValue64).
+//
+// The library launches no kernel of its own, so no lazy module load can sit
+// behind a pending stream wait in its own calls.
+#pragma once
+
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <string>
+
+#include "transport/cuda/driver.h"
+#include "transport/path.h"
+
+namespace fxm::cuda {
+
+// Orders device ops of one (peer, context) across streams: an op on another
+// stream than the previous one waits for it on the device. Guarded by the
+// caller's per-pair lock.
+// A CUDA event from a per-device pool, back in the pool when the last holder lets go.
+using SharedEvent = std::shared_ptr<void>;
+SharedEvent pooled_event(int ordinal);
+// Records a pooled event on `s` (after the work queued so far).
+SharedEvent record_event(int ordinal, CUstream s);
+
+class StreamFence {
+ public:
+  void before(CUstream s);  // s waits for the previous op when that was on another stream
+  void after(CUstream s, SharedEvent recorded);  // the latest op was queued on s; `recorded` follows it
+
+ private:
+  SharedEvent event_;
+  CUstream last_ = nullptr;
+};
+
+// The completion of the work queued on a stream up to an event.
+std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded);
+
+// The library's stream on `ordinal`, for ops without a stream of their own. It
+// does not wait for other streams: an op without a stream reads the memory as
+// it is when called (synchronize the stream that wrote it first).
+CUstream library_stream(int ordinal);
+
+// Copies n bytes between any two addresses the driver knows (device, host) on
+// the library's stream and waits until they landed.
+void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const std::string& doing);
+
+// After the work queued on `s` so far: applies `sig` to `slots` (when given)
+// and reports the op to (peer, ctx) completed through `outbox`. The op must
+// have been counted with outbox->issued() before.
+void complete_on_stream(CUstream s, Outbox* outbox, int peer, int ctx, const SignalSpec* sig,
+                        const SignalSlots& slots, int src_rank);
+
+// Host memory (a signal window's slots) registered for the device, so a
+// stream can wait on it. Unregistered on destruction.
+class HostRegistration {
+ public:
+  HostRegistration(void* base, uint64_t bytes);
+  ~HostRegistration();
+  CUdeviceptr device_address(const void* p) const;
+
+ private:
+  void* base_;
+  CUdeviceptr dev_base_ = 0;
+};
+
+// Queues on `s` a wait until *slot >= expected. False when the driver has no
+// stream memory operations (then *why says so and nothing was queued).
+bool stream_wait_geq(CUstream s, CUdeviceptr slot, uint64_t expected, std::string* why);
+
+}  // namespace fxm::cuda

@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# The GPU tests and benchmarks in one command, on a machine with an NVIDIA GPU and torch:
+#   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
+# Installs the package from this tree, then runs tests/test_gpu.py (real GPU), the
+# fake-driver tests, `bench put --device cuda`, `bench stream-wait` and the PD example on the GPU; every
+# log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
+set -u
+cd "$(dirname "$0")/.."
+logs=${1:-${OUT:-gpu-logs}}
+mkdir -p "$logs"
+py=${PYTHON:-python3}
+status=0
+step() {  # step NAME CMD...: runs CMD, logs to NAME.log, remembers a failure
+  local name=$1; shift
+  echo "== $name: $*" | tee -a "$logs/summary.txt"
+  local t0=$SECONDS
+  if "$@" >"$logs/$name.log" 2>&1; then
+    echo "   passed in $((SECONDS - t0)) s" | tee -a "$logs/summary.txt"
+  else
+    echo "   FAILED (exit $?) in $((SECONDS - t0)) s; tail of $name.log:" | tee -a "$logs/summary.txt"
+    tail -n 40 "$logs/$name.log" | tee -a "$logs/summary.txt"
+    status=1
+  fi
+}
+{ date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; } >"$logs/machine.txt" 2>&1
+step install "$py" -m pip install -q --no-deps --no-build-isolation .
+step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py
+step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json"
+step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
+step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
+exit $status
