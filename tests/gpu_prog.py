@@ -179,12 +179,15 @@ def check_paths(mesh: Mesh, win, expect: str, what: str) -> None:
         check(path == want, lambda: f"{what} window: peer {peer} path {path} ({why}), expected {want}")
 
 
-def ops_for(src: int, dst: int, region: int, count: int):
-    """The random (off, size, use_stream) puts rank src makes into its region at dst."""
+def ops_for(src: int, dst: int, region: int, count: int, big: bool = False):
+    """The random (off, size, use_stream) puts rank src makes into its region at dst (big:
+    mostly several MiB, so puts cross the mappings of an expandable-segments tensor)."""
     rng = random.Random(src * 1000 + dst)
     out = []
     for _ in range(count):
         size = rng.choice([1, 7, 64, 4096, 65536, rng.randrange(1, region)])
+        if big:
+            size = rng.randrange(region // 4, region // 2)
         off = rng.randrange(0, region - size + 1)
         out.append((off, size, rng.random() < 0.5))
     return out
@@ -207,7 +210,7 @@ def scenario_integrity(mesh: Mesh, dev, args) -> None:
     mesh.barrier(timeout=60)
     stream = dev.stream()
     for peer in range(n):
-        for off, size, on_stream in ops_for(r, peer, region, args.ops):
+        for off, size, on_stream in ops_for(r, peer, region, args.ops, big=args.size > (8 << 20)):
             mesh.put(peer, src, off, dst, r * region + off, size, stream=stream if on_stream else None)
     mesh.flush(timeout=60)
     mesh.barrier(timeout=60)
@@ -215,7 +218,7 @@ def scenario_integrity(mesh: Mesh, dev, args) -> None:
     for s in range(n):  # replay what rank s wrote into its region here
         model = bytearray(region)
         ps = pattern(s, N)
-        for off, size, _ in ops_for(s, r, region, args.ops):
+        for off, size, _ in ops_for(s, r, region, args.ops, big=args.size > (8 << 20)):
             model[off:off + size] = ps[off:off + size]
         seen = got[s * region:(s + 1) * region]
         if seen != bytes(model):
@@ -488,12 +491,14 @@ def main() -> int:
     ap.add_argument("--expect-alloc", default="")
     ap.add_argument("--expect-user", default="")
     ap.add_argument("--ops", type=int, default=40)
+    ap.add_argument("--size", type=int, default=N, help="integrity: bytes of the windows (default 1 MiB)")
     ap.add_argument("--user", choices=("default", "multimap"), default="default",
                     help="the user window: one allocation, or two cuMem mappings (expandable segments)")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--legacy-stream", action="store_true", help="stream: use the legacy default stream (0)")
     args = ap.parse_args()
     SCENARIO = args.scenario
+    globals()["N"] = args.size
     dev = FakeDevice() if args.device == "fake" else TorchDevice()
     with Mesh.from_launcher(timeout=60) as mesh:
         RANK = mesh.rank

@@ -57,7 +57,10 @@ def test_every_path_forced(forced, alloc, user):
 
 
 def test_expandable_segments_tensors_go_over_cuda_vmm():
+    """64 MiB windows: an expandable-segments tensor that size spans several cuMem mappings
+    (20 MiB each), and the puts (8-16 MiB) cross their boundaries."""
     p = run_job(2, "integrity", "--user", "multimap", "--expect-alloc", "cuda-vmm", "--expect-user", "cuda-vmm",
+                "--size", str(64 << 20), "--ops", "12",
                 env=gpu_env(PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True"))
     assert "user=cuda-vmm" in p.stdout
 

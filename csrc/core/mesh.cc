@@ -74,7 +74,8 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
       rank_, nranks_, contexts_, engine_.get(), &windows_,
       [this](const std::vector<uint8_t>& mine) {
         return boot_->allgather(mine, Deadline::after_seconds(timeout_s_));
-      });
+      },
+      timeout_s_);
 }
 
 Mesh::~Mesh() {
@@ -351,9 +352,14 @@ void Mesh::close() {
 // from the stream: the engine and the windows must outlive them. When the
 // streams do not get there within the timeout, both are kept, never freed.
 void Mesh::keep_for_streams() {
-  if (!engine_ || engine_->wait_stream_ops(Deadline::after_seconds(timeout_s_))) return;
+  if (!engine_) return;
+  Deadline deadline = Deadline::after_seconds(std::min(timeout_s_, 5.0));
+  bool waits_passed = true;
+  for (const std::shared_ptr<Window>& w : windows_.all()) waits_passed = stream_waits_passed(*w, deadline) && waits_passed;
+  if (engine_->wait_stream_ops(deadline) && waits_passed) return;
   FXM_ERROR(rank_, "close: " + std::to_string(engine_->stream_ops_pending()) +
-                       " op(s) queued on CUDA streams have not completed; their memory is kept");
+                       " op(s) queued on CUDA streams have not completed, or a stream still waits on a signal "
+                       "slot; the windows' memory is kept (never freed)");
   new std::vector<std::shared_ptr<Window>>(windows_.all());  // deliberately never freed
   kept_engine_ = engine_.get();
 }

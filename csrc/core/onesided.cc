@@ -48,8 +48,8 @@ std::string range_text(uint64_t off, uint64_t size) {
 }  // namespace
 
 OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, WindowTable* windows,
-                   Allgather allgather)
-    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), engine_(engine),
+                   Allgather allgather, double op_timeout_s)
+    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), engine_(engine),
       windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
     pair_mu_.push_back(std::make_unique<std::mutex>());
@@ -136,7 +136,8 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   std::exception_ptr local_failure;
   std::vector<uint8_t> mine;
   try {
-    forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails like any other local problem
+    forced_transport();  // a bad FLAGCX_MESH_TRANSPORT (or _CUDA_PATH) fails like any other local problem
+    forced_cuda_path();
     w = prepare(index, &shm_name);
     w->index = index;
     w->cookie = std::make_unique<uint64_t>(random_cookie());
@@ -158,6 +159,7 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     allgather_({});  // every peer has mapped this rank's segment: the name can go
   } catch (...) {
     w->live = false;
+    finish_registration(*w);  // no more fds served, no name left behind
     throw;
   }
   finish_registration(*w);
@@ -172,7 +174,7 @@ void OneSided::finish_registration(Window& w) const {
   if (w.dev) w.dev->drop_fds();
 }
 
-std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::string& shm_name) const {
+std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d;
   d.kind = w.kind;
   d.size = w.size;
@@ -187,7 +189,7 @@ std::vector<uint8_t> OneSided::describe_for_peers(const Window& w, const std::st
     d.dev = w.dev->export_for_peers();
     if (!d.dev.vmm.empty()) {
       d.fd_token = random_cookie();
-      const_cast<Window&>(w).fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
+      w.fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
       d.fd_socket = w.fd_server->name();
     }
   }
@@ -291,6 +293,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   for (PeerView& v : w->peers) {
     v.path->release();  // unmaps the peers' segments; describe() still names the paths
     if (v.fallback) v.fallback->release();
+  }
+  if (!stream_waits_passed(*w, deadline)) {  // a stream still waits on a slot: keep them mapped
+    FXM_ERROR(rank_, "deregister: signal window #" + std::to_string(index) +
+                         " has stream waits that have not passed; its slots stay mapped and registered");
+    new std::shared_ptr<shm::Segment>(w->seg);  // deliberately never freed
+    (void)w->host_reg.release();
   }
   {
     std::lock_guard<std::mutex> lock(w->host_reg_mu);
@@ -421,7 +429,7 @@ Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferre
   if (!f.busy || order_kind(preferred->kind()) == f.kind) return preferred;
   if (order_kind(v.path->kind()) == f.kind) return v.path.get();
   if (v.fallback && order_kind(v.fallback->kind()) == f.kind) return v.fallback.get();
-  engine_->wait_idle(a.peer, a.ctx, Deadline::never());
+  engine_->wait_idle(a.peer, a.ctx, op_deadline());
   return preferred;
 }
 
@@ -436,7 +444,7 @@ PathOp OneSided::path_op(const PutArgs& a, Window& local, bool is_get) const {
   op.fence = fences_[a.peer * ncontexts_ + a.ctx].get();
   op.local_device = local.device;
   op.src_rank = rank_;
-  op.deadline = Deadline::after_seconds(env_config().timeout_s);
+  op.deadline = op_deadline();
   return op;
 }
 
@@ -481,7 +489,7 @@ void OneSided::put(const PutArgs& in) {
     if (!a.sig.on || signal_done) return;
     f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // the data is in flight on a stream
   }
-  if (a.sig.on && a.size == 0 && a.stream_set && signal_on_stream(a, ow.sig->peers[a.peer])) return;
+  if (a.sig.on && a.size == 0 && a.stream_set && signal_on_stream(a, ow.sig->peers[a.peer], f)) return;
   if (a.sig.on) {
     const PeerView& v = ow.sig->peers[a.peer];
     Path* p = ordered_path(a, v, v.path->can_signal() ? v.path.get() : &v.tcp(), f);

@@ -59,8 +59,9 @@ class OpWindows {
 
 class OneSided {
  public:
+  // op_timeout_s bounds what an op may wait for (earlier ops to its pair, a stream).
   OneSided(int rank, int nranks, int ncontexts, Engine* engine,
-           WindowTable* windows, Allgather allgather);
+           WindowTable* windows, Allgather allgather, double op_timeout_s);
 
   // Collective registration; each returns the window index.
   uint32_t register_user(void* base, uint64_t size);
@@ -94,7 +95,8 @@ class OneSided {
   using Prepare = std::function<std::shared_ptr<Window>(uint32_t, std::string*)>;
   // The registration collective; a local failure still takes part (see refuse_registration).
   uint32_t register_collective(const Prepare& prepare);
-  std::vector<uint8_t> describe_for_peers(const Window& w, const std::string& shm_name) const;
+  // This rank's part of the registration (device windows: starts the server of their cuMem fds).
+  std::vector<uint8_t> describe_for_peers(Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
   PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
@@ -120,11 +122,13 @@ class OneSided {
                  bool* signal_done);
   PathOp path_op(const PutArgs& a, Window& local, bool is_get) const;
   void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, PathOp* op) const;
-  bool signal_on_stream(const PutArgs& a, const PeerView& sig_view);  // true: queued on a.stream
+  bool signal_on_stream(const PutArgs& a, const PeerView& sig_view, const InFlight& f);  // true: queued
   void finish_registration(Window& w) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+  Deadline op_deadline() const { return Deadline::after_seconds(op_timeout_s_); }
 
   int rank_, nranks_, ncontexts_;
+  double op_timeout_s_;
   Engine* engine_;
   WindowTable* windows_;
   Allgather allgather_;

@@ -1,6 +1,9 @@
 // The device side of one-sided operations: device window registration, the
 // checks and stream handling of an op whose path is a device path, signals
 // and signal waits on CUDA streams (see docs/gpu.md).
+#include <algorithm>
+#include <thread>
+
 #include "base/log.h"
 #include "base/status.h"
 #include "core/onesided.h"
@@ -47,27 +50,35 @@ void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Pa
                                                 "ops between a device and a host window are not supported");
   }
   if (a.stream_set && !device_path) {  // a host path: start after the stream's earlier work
-    cuda::check(cuda::need_driver("an op with a stream").cuStreamSynchronize(a.stream), "waiting for the op's stream");
+    int ordinal = local.device >= 0 ? local.device : cuda::current_device();
+    cuda::wait_for_stream(ordinal, a.stream, op->deadline, who() + "waiting for the op's stream");
     op->stream_set = false;
   }
   if (is_device_path(p.kind()) && op->sig != nullptr) {
     op->sig_slots = windows_->find(a.sig.win)->peers[a.peer].path->slots();  // applied from the stream
-    if (op->sig_slots.values == nullptr) op->sig = nullptr;  // else it follows, through its own path
+    if (op->sig_slots.values == nullptr) {  // reached over tcp: it follows once the copy is done
+      op->sig = nullptr;
+      op->wait_here = true;
+    }
   }
 }
 
-// A signal alone with a stream: applied from the stream once its earlier work
-// is done, when the slots are mapped here; otherwise after waiting for it.
-bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view) {
-  const cuda::Driver& d = cuda::need_driver("signal with a stream");
+// A signal alone with a stream: applied from the stream after its earlier work
+// and the pair's earlier ops, when the slots are mapped here; otherwise (over
+// tcp) it follows through the engine once the stream got there.
+bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view, const InFlight& f) {
+  int ordinal = cuda::current_device();  // the stream's device; a context for this thread
   SignalSlots slots = sig_view.path->slots();
   if (slots.values == nullptr) {
-    cuda::check(d.cuStreamSynchronize(a.stream), "signal: waiting for its stream");
+    cuda::wait_for_stream(ordinal, a.stream, op_deadline(), who() + "signal: waiting for its stream");
     return false;
   }
-  fences_[a.peer * ncontexts_ + a.ctx]->before(a.stream);  // after the pair's earlier device ops
+  if (f.busy && !is_device_path(f.kind)) engine_->wait_idle(a.peer, a.ctx, op_deadline());  // tcp / staged first
+  cuda::StreamFence& fence = *fences_[a.peer * ncontexts_ + a.ctx];
+  fence.before(a.stream);  // after the pair's earlier device ops on other streams
   engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
   cuda::complete_on_stream(a.stream, engine_, a.peer, a.ctx, &a.sig, slots, rank_);
+  fence.after(a.stream, cuda::record_event(ordinal, a.stream));  // later ops wait for the signal too
   return true;
 }
 
@@ -75,13 +86,16 @@ void OneSided::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expec
                                      const Deadline& deadline) const {
   OpWindows ow;
   Window& w = signal_slot(win, slot, "wait_signal", &ow);
-  cuda::need_driver("wait_signal with a stream");
+  int ordinal = cuda::current_device();  // a context for this thread (it may never have used CUDA)
   std::string why;
   {
     std::lock_guard<std::mutex> lock(w.host_reg_mu);
     if (!w.host_reg) w.host_reg = std::make_unique<cuda::HostRegistration>(w.base, w.size);
     uint64_t* at = reinterpret_cast<uint64_t*>(w.base) + slot;
-    if (cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, &why)) return;
+    if (cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, &why)) {
+      w.stream_waits.push_back(cuda::record_event(ordinal, stream));  // the slots stay mapped until it passed
+      return;
+    }
   }
   static std::once_flag logged;
   std::call_once(logged, [&] {
@@ -89,6 +103,20 @@ void OneSided::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expec
                         why + ")");
   });
   wait_signal(win, slot, expected, deadline);
+}
+
+// Waits (until `deadline`) for the stream waits queued on a signal window; false
+// when some are still pending (then its slots must stay mapped and registered).
+bool stream_waits_passed(Window& w, const Deadline& deadline) {
+  std::lock_guard<std::mutex> lock(w.host_reg_mu);
+  auto& waits = w.stream_waits;
+  for (;;) {
+    waits.erase(std::remove_if(waits.begin(), waits.end(), [](const cuda::SharedEvent& e) { return cuda::event_done(e); }),
+                waits.end());
+    if (waits.empty()) return true;
+    if (deadline.expired()) return false;
+    std::this_thread::sleep_for(std::chrono::milliseconds(1));
+  }
 }
 
 }  // namespace fxm

@@ -168,7 +168,7 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
-void Engine::post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+void Engine::post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
                             uint64_t dst_off, const SignalSpec& sig) {
   wire::PutHeader h = put_header(dst_win, dst_off, sig);
   OutItem it{frame(FrameType::kPut, &h, len), bytes.get(), len, 0, 0};
@@ -257,24 +257,30 @@ void Engine::issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<Comp
   probes_pending_.fetch_add(1);
 }
 
+// A probe that throws (no driver context any more) counts as done: its error is in the log.
+bool Engine::probe_done(CompletionProbe& p) {
+  try {
+    return p.done();
+  } catch (const Error& e) {
+    FXM_WARN(rank_, std::string("polling a device op: ") + e.what());
+    return true;
+  }
+}
+
 bool Engine::poll_probes() {
   if (probes_pending_.load() == 0) return false;
-  std::vector<std::pair<int, int>> done;  // (slot, ops)
+  std::vector<std::pair<int, std::string>> done;  // (slot, error) per completed op, in order
   {
     std::lock_guard<std::mutex> lock(probe_mu_);
     for (size_t s = 0; s < probes_.size(); ++s) {
-      int n = 0;
-      while (!probes_[s].empty() && probes_[s].front()->done()) {
+      while (!probes_[s].empty() && probe_done(*probes_[s].front())) {
+        done.push_back({static_cast<int>(s), probes_[s].front()->error()});
         probes_[s].pop_front();
-        ++n;
       }
-      if (n > 0) done.push_back({static_cast<int>(s), n});
     }
   }
-  for (auto [s, n] : done) {
-    probes_pending_.fetch_sub(n);
-    for (int i = 0; i < n; ++i) completed(s / ncontexts_, s % ncontexts_, "");
-  }
+  probes_pending_.fetch_sub(static_cast<int64_t>(done.size()));
+  for (auto& [s, error] : done) completed(s / ncontexts_, s % ncontexts_, error);
   return !done.empty();
 }
 

@@ -46,6 +46,7 @@ class Engine : public Outbox {
   void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) override;
   // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
   bool poll_probes();  // true when some completed
+  bool probe_done(CompletionProbe& p);
   // Ops counted by issued() and not completed yet (queued on CUDA streams).
   int64_t stream_ops_pending() const { return stream_ops_.load(); }
   bool wait_stream_ops(const Deadline& deadline);  // false: some remain at the deadline
@@ -56,7 +57,7 @@ class Engine : public Outbox {
   // was lost or closed its mesh.
   bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
-  void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+  void post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
                               uint64_t dst_off,
                       const SignalSpec& sig) override;
 
@@ -113,7 +114,7 @@ class Engine : public Outbox {
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
   std::string land_on_device(Window& w, InConn& in);  // "" or why the staged bytes did not land
-  bool answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
+  std::string answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
   void refuse(int s, const std::string& why);  // tells the initiator its op number applied_[s] was refused
   void on_refused(int s, InConn& in);
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
@@ -159,7 +160,6 @@ class Engine : public Outbox {
   // With mu_ held (lock): waits until a get of len bytes to slot s fits its credit, or fails.
   void wait_get_credit(std::unique_lock<std::mutex>& lock, int peer, int s, uint64_t len);
   bool take_answer_credit(int s, uint64_t size);  // target: false when the peer exceeds it
-  void release_answer_credit(int s, uint64_t size);
   // Held by the progress thread while it lands a get answer in the user's
   // buffer; lose() takes it, so once a get failed with PeerLost nothing lands.
   std::mutex landing_mu_;

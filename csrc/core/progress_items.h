@@ -18,7 +18,7 @@ struct Engine::OutItem {
   uint64_t sent = 0;
   uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
   uint64_t answer_bytes = 0;  // get answer bytes it carries (get credits)
-  std::unique_ptr<uint8_t[]> owned;  // the payload `data` points into, when the item owns it
+  std::shared_ptr<uint8_t> owned;  // the payload `data` points into, when the item owns it
   uint64_t total() const { return head.size() + len; }
 };
 
@@ -30,10 +30,10 @@ struct Engine::InConn {
   wire::PutHeader put;
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
-  // A put into a device window lands in `stage` first (kept for the next one),
+  // A put into a device window lands in `stage` first (a pinned staging buffer),
   // then is copied into device_dst at dst_off.
-  std::unique_ptr<uint8_t[]> stage;
-  uint64_t stage_cap = 0, staged = 0;
+  std::shared_ptr<uint8_t> stage;
+  uint64_t staged = 0;
   Window* device_dst = nullptr;
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;
@@ -46,6 +46,7 @@ struct Engine::InConn {
     need = wire::kFrameHeaderSize;
     dst = nullptr;
     device_dst = nullptr;
+    stage.reset();  // back to the staging pool
     if (entered) entered->leave();
     entered = nullptr;
     refused.clear();

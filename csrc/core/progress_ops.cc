@@ -1,9 +1,12 @@
 // One-sided frames of the progress engine: puts landed (or refused) and
 // their signals, get requests answered with a snapshot, get answers landed,
 // acks and refusals counted.
+#include <algorithm>
+
 #include "base/log.h"
 #include "base/status.h"
 #include "core/progress_items.h"
+#include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 #include "transport/signal_ops.h"
 
@@ -28,10 +31,7 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
       in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
                    std::to_string(w->size) + " bytes here)";
     } else if (w->kind == WindowKind::kDevice) {
-      if (in.stage_cap < payload) {  // staged: through host memory, the buffer kept for the next put
-        in.stage.reset(new uint8_t[payload]);
-        in.stage_cap = payload;
-      }
+      in.stage = cuda::staging_buffer(payload, w->device);  // staged: through pinned host memory
       in.staged = payload;
       in.dst = in.stage.get();
       in.device_dst = w;
@@ -190,27 +190,24 @@ bool Engine::take_answer_credit(int s, uint64_t size) {
   return true;
 }
 
-// Appends the bytes a get asks for to `head` (device windows: copied down).
-bool Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head) {
+// Appends the bytes a get asks for to `head` (device windows: copied down);
+// "" or why they could not be read (then `head` carries zeros).
+std::string Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head) {
   if (w.kind != WindowKind::kDevice) {
     head->insert(head->end(), w.base + g.src_off, w.base + g.src_off + g.size);
-    return true;
+    return "";
   }
   size_t at = head->size();
   head->resize(at + g.size);
   try {
     cuda::copy_and_wait(w.device, head->data() + at, w.base + g.src_off, g.size,
                         "answering a get from device window #" + std::to_string(w.index));
-    return true;
+    return "";
   } catch (const Error& e) {
     FXM_WARN(rank_, e.what());
-    return false;
+    std::fill(head->begin() + static_cast<std::ptrdiff_t>(at), head->end(), 0);
+    return e.what();
   }
-}
-
-void Engine::release_answer_credit(int s, uint64_t size) {
-  std::lock_guard<std::mutex> lock(mu_);
-  answer_bytes_[s] -= size;
 }
 
 void Engine::on_get_request(int s, const wire::GetHeader& g) {
@@ -232,11 +229,10 @@ void Engine::on_get_request(int s, const wire::GetHeader& g) {
     // FIFO: copied now, before any later frame of the pair is applied.
     uint64_t id = g.req_id;
     OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, 0, 0, 0};
-    if (!answer_bytes(*w, g, &it.head)) {
-      w->leave();
-      release_answer_credit(s, g.size);
-      lose(s / ncontexts_, "could not read device window #" + std::to_string(g.src_win) + " for a get");
-      return;
+    std::string failed = answer_bytes(*w, g, &it.head);
+    if (!failed.empty()) {  // the initiator's flush fails naming it; the answer is zeros
+      refuse(s, "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win) +
+                    ": " + failed);
     }
     it.answer_bytes = g.size;
     w->leave();

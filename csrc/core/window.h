@@ -62,8 +62,10 @@ struct Window {
   std::shared_ptr<cuda::DeviceMemory> dev;
   std::unique_ptr<cuda::FdServer> fd_server;
   // Signal windows: the slots registered for the device at the first stream wait.
+  // The stream waits queued on them (an event after each) keep them mapped.
   std::mutex host_reg_mu;
   std::unique_ptr<cuda::HostRegistration> host_reg;
+  std::vector<cuda::SharedEvent> stream_waits;
   std::vector<PeerView> peers;
   uint64_t nslots() const { return kind == WindowKind::kSignal ? size / 8 : 0; }
   // Ops: false once closing. The engine landing a peer's frame passes
@@ -78,6 +80,9 @@ struct Window {
   std::string mode() const;      // "shm" | "cma" | "tcp" | "self" (the dominant remote path)
   std::string describe() const;  // per-peer paths and reasons
 };
+
+// Waits until `deadline` for the stream waits queued on w; false when some are still pending.
+bool stream_waits_passed(Window& w, const Deadline& deadline);
 
 // The registered windows of one mesh, by index. Thread-safe; entries are
 // never removed (a deregistered window stays, with live == false), so a

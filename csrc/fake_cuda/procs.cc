@@ -18,6 +18,7 @@ void cuDeviceGetCount();
 void cuDevicePrimaryCtxRetain();
 void cuCtxSetCurrent();
 void cuCtxGetCurrent();
+void cuCtxGetDevice();
 void cuCtxSynchronize();
 void cuPointerGetAttribute();
 void cuMemGetAddressRange_v2();
@@ -74,6 +75,7 @@ const Proc kProcs[] = {
     {"cuDevicePrimaryCtxRetain", reinterpret_cast<void*>(&cuDevicePrimaryCtxRetain)},
     {"cuCtxSetCurrent", reinterpret_cast<void*>(&cuCtxSetCurrent)},
     {"cuCtxGetCurrent", reinterpret_cast<void*>(&cuCtxGetCurrent)},
+    {"cuCtxGetDevice", reinterpret_cast<void*>(&cuCtxGetDevice)},
     {"cuCtxSynchronize", reinterpret_cast<void*>(&cuCtxSynchronize)},
     {"cuPointerGetAttribute", reinterpret_cast<void*>(&cuPointerGetAttribute)},
     {"cuMemGetAddressRange", reinterpret_cast<void*>(&cuMemGetAddressRange_v2)},

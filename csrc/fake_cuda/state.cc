@@ -230,6 +230,14 @@ FAKE_API CUresult cuCtxGetCurrent(void** ctx) {
   return kSuccess;
 }
 
+FAKE_API CUresult cuCtxGetDevice(int* device) {
+  FAKE_ENTER("cuCtxGetDevice");
+  if (!device) return kInvalidValue;
+  if (!current_context) return kInvalidContext;
+  *device = context_device(current_context);
+  return kSuccess;
+}
+
 FAKE_API CUresult cuCtxSynchronize() {
   FAKE_ENTER("cuCtxSynchronize");
   FAKE_NEED_CONTEXT();

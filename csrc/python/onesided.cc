@@ -49,9 +49,9 @@ py::dict window_info(Mesh& m, uint32_t index) {
     peer_sizes.append(v.size);
   }
   d["paths"] = paths;
-  d["peer_sizes"] = peer_sizes;
-  d["device"] = w->device;  // CUDA device ordinal of this rank's copy, -1: host memory
-  d["address"] = reinterpret_cast<uintptr_t>(w->base);  // bytes of each rank's copy (signal windows: nslots * 8)
+  d["peer_sizes"] = peer_sizes;  // bytes of each rank's copy (signal windows: nslots * 8)
+  d["device"] = w->device;        // CUDA device ordinal of this rank's copy, -1: host memory
+  d["address"] = reinterpret_cast<uintptr_t>(w->base);
   return d;
 }
 

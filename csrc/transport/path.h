@@ -80,7 +80,8 @@ struct SignalSpec {
 class CompletionProbe {
  public:
   virtual ~CompletionProbe() = default;
-  virtual bool done() = 0;
+  virtual bool done() = 0;  // true once the op completed, or failed (then error() says why)
+  virtual std::string error() const { return ""; }
 };
 
 // Frames and completions of asynchronous paths, implemented by the core's
@@ -102,7 +103,7 @@ class Outbox {
   // Counts an op as issued; it completes when `probe` says so (polled in issue order per pair).
   virtual void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) = 0;
   // A put whose payload the outbox owns (bytes staged out of device memory).
-  virtual void post_put_owned(int peer, int ctx, std::unique_ptr<uint8_t[]> bytes, uint64_t len, uint32_t dst_win,
+  virtual void post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
                               uint64_t dst_off,
                               const SignalSpec& sig) = 0;
   // Waits until the ops issued to (peer, ctx) completed (throws on loss or expiry).
@@ -138,6 +139,9 @@ struct PathOp {
   SignalSlots sig_slots;
   int src_rank = -1;
   Deadline deadline = Deadline::never();
+  // A device op whose signal cannot be applied from the stream (the signal
+  // window is reached over tcp): the call waits for the copy, the signal follows.
+  bool wait_here = false;
 };
 
 class Path {

@@ -368,7 +368,7 @@ class Comm:
         which must stay alive and unmoved until :meth:`destroy`; or an int: that many
         zero-filled bytes of library shared memory (fastest on one host), readable through
         :meth:`window_buffer`. Sizes may differ per rank. Without a CUDA driver a device
-        tensor is refused with InvalidArgument naming the missing driver.
+        tensor is refused with NotSupported naming why the driver is missing.
         """
         what = "one_side_register"
         self._check_live(what)

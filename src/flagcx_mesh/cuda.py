@@ -114,12 +114,15 @@ def device_ordinal(device) -> int:
 
 def stream_handle(stream) -> Optional[int]:
     """The CUDA stream handle of ``stream``: None, an int (0: the legacy default
-    stream), a torch.cuda.Stream (``cuda_stream``) or an object with ``__cuda_stream__``."""
+    stream; a small int other than 0, 1, 2 is refused: it is no stream pointer), a
+    torch.cuda.Stream (``cuda_stream``) or an object with ``__cuda_stream__``."""
     if stream is None:
         return None
     if isinstance(stream, bool):
         raise TypeError(f"stream must be a CUDA stream, got {stream!r}")
     if isinstance(stream, int):
+        if 3 <= stream < 4096:  # 0, 1, 2 are the driver's special streams; others are pointers
+            raise TypeError(f"stream {stream} is not a CUDA stream handle (a timeout passed positionally?)")
         return stream
     if hasattr(stream, "__cuda_stream__"):
         return int(stream.__cuda_stream__()[1])

@@ -38,6 +38,8 @@ class Window:
         """Device windows: the window's bytes as a CUDA array (``torch.as_tensor(w, device="cuda")``)."""
         if self.device is None:
             raise AttributeError("a host window has no __cuda_array_interface__; use .buffer")
+        if self.closed:
+            raise ValueError(f"window #{self.index} was closed: its device memory is gone")
         return {"shape": (self.size,), "typestr": "|u1", "data": (self._address, False), "version": 3,
                 "strides": None}
 

@@ -61,7 +61,42 @@ std::string hex(const void* p) {
   return b;
 }
 
+// Empty, or why [p, p + size) is not one cudaMalloc allocation or an unbroken
+// run of cuMem mappings (a peer maps the allocation, or each mapping, it lies in).
+std::string range_problem(const Driver& d, uint8_t* p, uint64_t size) {
+  uint64_t types = 0;  // cuMem: every mapping the range touches must be there
+  if (attr(d, &types, kPtrAllowedHandleTypes, p) == kSuccess && types != 0) {
+    for (uint8_t* a = p; a < p + size;) {
+      CUdeviceptr mbase = 0;
+      size_t msize = 0;
+      if (attr(d, &mbase, kPtrMappingBaseAddr, a) != kSuccess || attr(d, &msize, kPtrMappingSize, a) != kSuccess ||
+          msize == 0) {
+        return "no cuMem mapping at " + hex(a) + " inside the range";
+      }
+      a = reinterpret_cast<uint8_t*>(mbase + msize);
+    }
+    return "";
+  }
+  CUdeviceptr start = 0;
+  size_t len = 0;
+  if (attr(d, &start, kPtrRangeStartAddr, p) != kSuccess || attr(d, &len, kPtrRangeSize, p) != kSuccess) return "";
+  CUdeviceptr end = reinterpret_cast<CUdeviceptr>(p) + size;
+  if (end > start + len) {
+    return "it runs " + std::to_string(end - start - len) + " bytes past the end of its allocation (" +
+           std::to_string(len) + " bytes at " + hex(reinterpret_cast<void*>(start)) + "); a window must lie in one";
+  }
+  return "";
+}
+
 }  // namespace
+
+int current_device() {
+  const Driver& d = need_driver("using a CUDA stream");
+  ensure_some_context(d);
+  CUdevice dev = 0;
+  check(d.cuCtxGetDevice(&dev), "cuCtxGetDevice");
+  return dev;
+}
 
 int device_of(const void* p) {
   const Driver* d = driver();
@@ -88,10 +123,13 @@ std::shared_ptr<DeviceMemory> DeviceMemory::wrap(void* p, uint64_t size) {
   m->base_ = static_cast<uint8_t*>(p);
   m->size_ = size;
   check(attr(d, &m->ordinal_, kPtrDeviceOrdinal, p), "cuPointerGetAttribute(DEVICE_ORDINAL)");
-  if (size > 0 && device_of(m->base_ + size - 1) != m->ordinal_) {
+  std::string problem = size == 0 ? "" : range_problem(d, m->base_, size);
+  if (problem.empty() && size > 0 && device_of(m->base_ + size - 1) != m->ordinal_) {
+    problem = "it does not lie in device memory of device " + std::to_string(m->ordinal_);
+  }
+  if (!problem.empty()) {
     fail(Code::kInvalidArgument, -1, 0, "registering " + std::to_string(size) + " bytes at " + hex(p) +
-                                            ": the range does not lie in device memory of device " +
-                                            std::to_string(m->ordinal_));
+                                            " as device memory: " + problem);
   }
   return m;
 }
@@ -204,22 +242,28 @@ void DeviceMemory::export_vmm(DeviceExport* e) {
 // ------------------------------------------------------------ PeerMapping
 
 std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std::vector<int> fds, int my_ordinal) {
+  struct CloseLeft {  // every fd not yet imported is closed, whatever fails
+    std::vector<int>& fds;
+    ~CloseLeft() {
+      for (int fd : fds) {
+        if (fd >= 0) ::close(fd);
+      }
+    }
+  } close_left{fds};
   const Driver& d = need_driver("mapping a peer's device window");
   use_device(my_ordinal);
   std::unique_ptr<PeerMapping> m(new PeerMapping());
   m->ordinal_ = my_ordinal;
   int64_t first = e.vmm.front().offset;
   uint64_t span = static_cast<uint64_t>(e.vmm.back().offset - first) + e.vmm.back().size;
-  CUresult r = d.cuMemAddressReserve(&m->reserved_, span, 0, 0, 0);
-  for (int fd : fds) {
-    if (r != kSuccess) ::close(fd);
-  }
-  check(r, "cuMemAddressReserve(" + std::to_string(span) + " bytes) for a peer's window");
+  check(d.cuMemAddressReserve(&m->reserved_, span, 0, 0, 0),
+        "cuMemAddressReserve(" + std::to_string(span) + " bytes) for a peer's window");
   m->reserved_size_ = span;
   MemAccessDesc access{{kLocationDevice, my_ordinal}, kAccessReadWrite};
   for (size_t i = 0; i < e.vmm.size(); ++i) {
     CUmemGenericAllocationHandle h = 0;
-    r = d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])), kHandlePosixFd);
+    CUresult r = d.cuMemImportFromShareableHandle(&h, reinterpret_cast<void*>(static_cast<intptr_t>(fds[i])),
+                                                  kHandlePosixFd);
     ::close(fds[i]);
     fds[i] = -1;
     check(r, "cuMemImportFromShareableHandle");
@@ -229,7 +273,6 @@ std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std:
     m->mapped_.push_back({at, e.vmm[i].size});
     check(d.cuMemSetAccess(at, e.vmm[i].size, &access, 1), "cuMemSetAccess on a peer's mapping");
   }
-  for (size_t i = e.vmm.size(); i < fds.size(); ++i) ::close(fds[i]);
   m->window_base_ = reinterpret_cast<uint8_t*>(m->reserved_ - first);
   return m;
 }

@@ -18,6 +18,9 @@ namespace fxm::cuda {
 const Driver& need_driver(const std::string& doing);
 // Makes device `ordinal`'s primary context current on this thread.
 void use_device(int ordinal);
+// The device of this thread's current context; device 0's primary context is
+// made current first when none is (a thread that never used CUDA).
+int current_device();
 // Throws Error(kSystem) "<doing>: <driver result>" when r is not success.
 void check(CUresult r, const std::string& doing);
 

@@ -4,6 +4,7 @@
 
 #include "base/status.h"
 #include "transport/cuda/fd_pass.h"
+#include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 
 namespace fxm {
@@ -11,21 +12,25 @@ namespace fxm {
 int DevicePath::copy(const PathOp& op, void* dst, const void* src) {
   const cuda::Driver& d = cuda::need_driver("a device put/get");
   cuda::use_device(ordinal_);
-  cuda::CUstream s = op.stream_set ? op.stream : cuda::library_stream(ordinal_);
+  cuda::CUstream s = op.stream_set ? op.stream : op.fence ? op.fence->own_stream(ordinal_) : cuda::library_stream(ordinal_);
   if (op.fence) op.fence->before(s);
   cuda::CUresult r = d.cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst), reinterpret_cast<cuda::CUdeviceptr>(src),
                                      op.len, s);
   if (r != cuda::kSuccess) {
     fail(Code::kSystem, peer_, 0, std::string("cuMemcpyAsync over ") + path_name(kind_) + ": " + cuda::result_text(r));
   }
-  cuda::SharedEvent after = cuda::record_event(ordinal_, s);
-  if (op.sig != nullptr && op.sig_slots.values != nullptr) {
+  bool signal = op.sig != nullptr && op.sig_slots.values != nullptr;
+  if (signal) {  // the host function reports the op; the fence's event follows the signal
     outbox_->issued(peer_, op.ctx, kind_);
     cuda::complete_on_stream(s, outbox_, peer_, op.ctx, op.sig, op.sig_slots, op.src_rank);
-  } else {
-    outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, after));
   }
-  if (op.fence) op.fence->after(s, std::move(after));
+  cuda::SharedEvent after = cuda::record_event(ordinal_, s);
+  if (op.fence) op.fence->after(s, after);
+  if (op.wait_here) {
+    cuda::wait_for_stream(ordinal_, s, op.deadline, std::string("a copy over ") + path_name(kind_));
+  } else if (!signal) {
+    outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, std::move(after)));
+  }
   return 0;
 }
 
@@ -111,7 +116,8 @@ namespace {
 
 void wait_for_stream(const PathOp& op, const char* doing) {
   if (!op.stream_set) return;
-  cuda::check(cuda::need_driver(doing).cuStreamSynchronize(op.stream), std::string(doing) + ": waiting for its stream");
+  int ordinal = op.local_device >= 0 ? op.local_device : cuda::current_device();
+  cuda::wait_for_stream(ordinal, op.stream, op.deadline, std::string(doing) + ": waiting for its stream");
 }
 
 }  // namespace
@@ -119,7 +125,7 @@ void wait_for_stream(const PathOp& op, const char* doing) {
 int StagedPath::put(const PathOp& op) {
   wait_for_stream(op, "a staged put");
   if (op.local_device < 0) return TcpPath::put(op);
-  std::unique_ptr<uint8_t[]> bytes(new uint8_t[op.len]);
+  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
   cuda::copy_and_wait(op.local_device, bytes.get(), op.local, op.len, "staging a put's bytes to the host");
   static const SignalSpec kNone;
   outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
@@ -131,16 +137,16 @@ int StagedPath::put(const PathOp& op) {
 int StagedPath::get(const PathOp& op) {
   wait_for_stream(op, "a staged get");
   if (op.local_device < 0) return TcpPath::get(op);
-  // Freed only once the answer landed: after a timeout it may still come.
-  auto bytes = std::make_unique<std::vector<uint8_t>>(op.len);
-  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, bytes->data(), op.len);
+  // Given back only once the answer landed: after a timeout it may still come.
+  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
+  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, bytes.get(), op.len);
   try {
     outbox_->wait_idle(peer_, op.ctx, op.deadline);
   } catch (...) {
-    (void)bytes.release();  // deliberately kept
+    new cuda::HostBuffer(bytes);  // deliberately kept
     throw;
   }
-  cuda::copy_and_wait(op.local_device, op.local, bytes->data(), op.len, "copying a staged get's bytes to the device");
+  cuda::copy_and_wait(op.local_device, op.local, bytes.get(), op.len, "copying a staged get's bytes to the device");
   return 0;
 }
 

@@ -24,6 +24,7 @@ class DevicePath : public Path {
       : kind_(kind), peer_(peer), ordinal_(ordinal), remote_(remote), mapping_(std::move(m)), outbox_(outbox) {}
   PathKind kind() const override { return kind_; }
   bool synchronous() const override { return false; }  // completes when its stream gets there
+  bool synchronous_for(const PathOp& op) const override { return op.wait_here; }
   bool carries_signal() const override { return true; }  // from the stream, with op.sig_slots
   int put(const PathOp& op) override { return copy(op, remote_ + op.remote_off, op.local); }
   int get(const PathOp& op) override { return copy(op, op.local, remote_ + op.remote_off); }

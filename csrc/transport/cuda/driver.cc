@@ -41,7 +41,7 @@ bool resolve_all(void* lib, Driver& d, std::string* error) {
   } entries[] = {
       FXM_CU_ENTRY(cuInit), FXM_CU_ENTRY(cuDriverGetVersion), FXM_CU_ENTRY(cuGetErrorName),
       FXM_CU_ENTRY(cuGetErrorString), FXM_CU_ENTRY(cuDeviceGet), FXM_CU_ENTRY(cuDeviceGetCount),
-      FXM_CU_ENTRY(cuDevicePrimaryCtxRetain), FXM_CU_ENTRY(cuCtxSetCurrent), FXM_CU_ENTRY(cuCtxGetCurrent),
+      FXM_CU_ENTRY(cuDevicePrimaryCtxRetain), FXM_CU_ENTRY(cuCtxSetCurrent), FXM_CU_ENTRY(cuCtxGetCurrent), FXM_CU_ENTRY(cuCtxGetDevice),
       FXM_CU_ENTRY(cuPointerGetAttribute), FXM_CU_ENTRY(cuMemGetAddressRange), FXM_CU_ENTRY(cuIpcGetMemHandle),
       FXM_CU_ENTRY(cuIpcOpenMemHandle), FXM_CU_ENTRY(cuIpcCloseMemHandle),
       FXM_CU_ENTRY(cuMemGetAllocationGranularity), FXM_CU_ENTRY(cuMemCreate), FXM_CU_ENTRY(cuMemRelease),
@@ -80,7 +80,10 @@ Loaded load() {
   }
   CUresult r = l.d.cuInit(0);
   if (r != kSuccess) {
-    l.error = path + ": cuInit failed: " + std::to_string(r);
+    const char* name = nullptr;
+    l.d.cuGetErrorName(r, &name);
+    l.error = path + ": cuInit failed: " + (name != nullptr ? name : "CUDA error " + std::to_string(r)) +
+              " (no usable GPU?)";
     return l;
   }
   l.ok = true;

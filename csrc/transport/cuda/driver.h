@@ -93,6 +93,7 @@ struct Driver {
   CUresult (*cuDevicePrimaryCtxRetain)(CUcontext*, CUdevice);
   CUresult (*cuCtxSetCurrent)(CUcontext);
   CUresult (*cuCtxGetCurrent)(CUcontext*);
+  CUresult (*cuCtxGetDevice)(CUdevice*);
   CUresult (*cuPointerGetAttribute)(void* data, int attr, CUdeviceptr ptr);
   CUresult (*cuMemGetAddressRange)(CUdeviceptr* base, size_t* size, CUdeviceptr ptr);
   CUresult (*cuIpcGetMemHandle)(IpcMemHandle* handle, CUdeviceptr ptr);

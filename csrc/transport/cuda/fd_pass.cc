@@ -60,6 +60,11 @@ FdServer::FdServer(std::vector<int> fds, uint64_t token) : fds_(std::move(fds)),
     fail(Code::kSystem, -1, err, "binding the unix socket that passes cuMem fds");
   }
   stop_fd_ = ::eventfd(0, EFD_CLOEXEC);
+  if (stop_fd_ < 0) {
+    int err = errno;
+    ::close(listen_fd_);
+    fail(Code::kSystem, -1, err, "eventfd for the server of cuMem fds");
+  }
   thread_ = std::thread([this] { serve(); });
 }
 

@@ -1,6 +1,7 @@
 #include "transport/cuda/streams.h"
 
 #include <map>
+#include <thread>
 
 #include "base/log.h"
 #include "base/status.h"
@@ -47,6 +48,43 @@ SharedEvent record_event(int ordinal, CUstream s) {
   return e;
 }
 
+bool event_done(const SharedEvent& e) {
+  const Driver* d = driver();
+  return d == nullptr || d->cuEventQuery(e.get()) != kErrNotReady;
+}
+
+void wait_for_stream(int ordinal, CUstream s, const Deadline& deadline, const std::string& doing) {
+  use_device(ordinal);
+  SharedEvent e = record_event(ordinal, s);
+  for (int spins = 0;; ++spins) {
+    CUresult r = driver()->cuEventQuery(e.get());
+    if (r == kSuccess) return;
+    if (r != kErrNotReady) check(r, doing);
+    if (deadline.expired()) {
+      fail(Code::kTimeout, -1, 0, doing + ": the stream did not get there before the deadline "
+                                          "(is its earlier work waiting for something that never comes?)");
+    }
+    if (spins < 200) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(50));
+  }
+}
+
+StreamFence::~StreamFence() {
+  const Driver* d = driver();
+  if (own_ != nullptr && d != nullptr) d->cuStreamDestroy(own_);  // its queued work still runs
+}
+
+CUstream StreamFence::own_stream(int ordinal) {
+  if (own_ != nullptr && own_ordinal_ == ordinal) return own_;
+  use_device(ordinal);
+  CUstream s = nullptr;
+  check(driver()->cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate for a pair's ops");
+  if (own_ != nullptr) driver()->cuStreamDestroy(own_);
+  own_ = s;
+  own_ordinal_ = ordinal;
+  return s;
+}
+
 void StreamFence::before(CUstream s) {
   if (!event_ || last_ == s) return;
   check(driver()->cuStreamWaitEvent(s, event_.get(), 0), "cuStreamWaitEvent (ordering after the pair's previous op)");
@@ -64,12 +102,17 @@ class EventProbe : public CompletionProbe {
   EventProbe(int ordinal, SharedEvent e) : ordinal_(ordinal), event_(std::move(e)) {}
   bool done() override {
     use_device(ordinal_);
-    return driver()->cuEventQuery(event_.get()) != kErrNotReady;  // an error ends the wait too
+    CUresult r = driver()->cuEventQuery(event_.get());
+    if (r == kErrNotReady) return false;
+    if (r != kSuccess) error_ = "a device copy failed on its stream: " + result_text(r);
+    return true;
   }
+  std::string error() const override { return error_; }
 
  private:
   int ordinal_;
   SharedEvent event_;
+  std::string error_;
 };
 
 }  // namespace

@@ -12,36 +12,48 @@
 #include <mutex>
 #include <string>
 
+#include "base/clock.h"
 #include "transport/cuda/driver.h"
 #include "transport/path.h"
 
 namespace fxm::cuda {
 
-// Orders device ops of one (peer, context) across streams: an op on another
-// stream than the previous one waits for it on the device. Guarded by the
-// caller's per-pair lock.
 // A CUDA event from a per-device pool, back in the pool when the last holder lets go.
 using SharedEvent = std::shared_ptr<void>;
 SharedEvent pooled_event(int ordinal);
 // Records a pooled event on `s` (after the work queued so far).
 SharedEvent record_event(int ordinal, CUstream s);
 
+// True once the work before the event's record is done (or failed).
+bool event_done(const SharedEvent& e);
+
+// Waits on the host until `s` has done the work queued so far, at most until
+// `deadline` (then Error(kTimeout) "<doing>: ..."): no unbounded synchronize.
+void wait_for_stream(int ordinal, CUstream s, const Deadline& deadline, const std::string& doing);
+
+// Orders device ops of one (peer, context) across streams: an op on another
+// stream than the previous one waits for it on the device. Guarded by the
+// caller's per-pair lock. Ops without a stream of their own go on the pair's
+// stream (own_stream), so a user's stream that holds them holds only this pair.
 class StreamFence {
  public:
+  ~StreamFence();
   void before(CUstream s);  // s waits for the previous op when that was on another stream
   void after(CUstream s, SharedEvent recorded);  // the latest op was queued on s; `recorded` follows it
+  CUstream own_stream(int ordinal);
 
  private:
   SharedEvent event_;
   CUstream last_ = nullptr;
+  CUstream own_ = nullptr;
+  int own_ordinal_ = -1;
 };
 
 // The completion of the work queued on a stream up to an event.
 std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded);
 
-// The library's stream on `ordinal`, for ops without a stream of their own. It
-// does not wait for other streams: an op without a stream reads the memory as
-// it is when called (synchronize the stream that wrote it first).
+// The library's stream on `ordinal`, for the engine's copies (staged bytes
+// landing, get answers) and staging: never ordered after a user's stream.
 CUstream library_stream(int ordinal);
 
 // Copies n bytes between any two addresses the driver knows (device, host) on

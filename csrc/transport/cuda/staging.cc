@@ -1,0 +1,82 @@
+#include "transport/cuda/staging.h"
+
+#include <cstdlib>
+#include <map>
+#include <mutex>
+#include <vector>
+
+#include "base/status.h"
+#include "transport/cuda/device_memory.h"
+
+namespace fxm::cuda {
+namespace {
+
+constexpr uint64_t kMinBytes = 64 << 10;
+constexpr size_t kKeepPerSize = 4;
+constexpr uint64_t kKeepBytes = 512ull << 20;
+
+struct Pool {
+  std::mutex mu;
+  std::map<uint64_t, std::vector<uint8_t*>> free;  // by size
+  uint64_t kept = 0;                               // bytes in `free`
+};
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: buffers may come back during exit
+  return *p;
+}
+
+uint64_t size_class(uint64_t n) {
+  uint64_t c = kMinBytes;
+  while (c < n) c <<= 1;
+  return c;
+}
+
+uint8_t* allocate(uint64_t bytes, int ordinal) {
+  void* p = nullptr;
+  if (::posix_memalign(&p, 4096, bytes) != 0) {
+    fail(Code::kSystem, -1, 0, "allocating a staging buffer of " + std::to_string(bytes) + " bytes");
+  }
+  const Driver* d = driver();
+  if (d != nullptr) {
+    use_device(ordinal);
+    d->cuMemHostRegister(p, bytes, kHostRegisterPortable);  // pinned where it works; pageable otherwise
+  }
+  return static_cast<uint8_t*>(p);
+}
+
+void give_back(uint64_t bytes, uint8_t* p) {
+  Pool& pl = pool();
+  {
+    std::lock_guard<std::mutex> lock(pl.mu);
+    std::vector<uint8_t*>& v = pl.free[bytes];
+    if (v.size() < kKeepPerSize && pl.kept + bytes <= kKeepBytes) {
+      v.push_back(p);
+      pl.kept += bytes;
+      return;
+    }
+  }
+  const Driver* d = driver();
+  if (d != nullptr) d->cuMemHostUnregister(p);
+  std::free(p);
+}
+
+}  // namespace
+
+HostBuffer staging_buffer(uint64_t n, int ordinal) {
+  uint64_t bytes = size_class(n);
+  uint8_t* p = nullptr;
+  {
+    Pool& pl = pool();
+    std::lock_guard<std::mutex> lock(pl.mu);
+    std::vector<uint8_t*>& v = pl.free[bytes];
+    if (!v.empty()) {
+      p = v.back();
+      v.pop_back();
+      pl.kept -= bytes;
+    }
+  }
+  if (p == nullptr) p = allocate(bytes, ordinal);
+  return HostBuffer(p, [bytes](uint8_t* b) { give_back(bytes, b); });
+}
+
+}  // namespace fxm::cuda

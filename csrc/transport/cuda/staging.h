@@ -1,0 +1,19 @@
+// Host buffers for staged device bytes: page-locked (registered with the CUDA
+// driver once, then reused), so copies to and from the device run at pinned
+// speed and no op pays for fresh pages. Buffers come in power-of-two sizes
+// from 64 KiB; a released buffer goes back to the pool (up to 4 per size and
+// 512 MiB in all are kept, the rest freed).
+#pragma once
+
+#include <cstdint>
+#include <memory>
+
+namespace fxm::cuda {
+
+using HostBuffer = std::shared_ptr<uint8_t>;
+
+// A buffer of at least n bytes (not zeroed), for copies with device `ordinal`.
+// Registered with the driver when registration works; plain memory otherwise.
+HostBuffer staging_buffer(uint64_t n, int ordinal);
+
+}  // namespace fxm::cuda
