@@ -1,5 +1,6 @@
 #include "adaptor/boot_ops.h"
 
+#include <cmath>
 #include <cstring>
 
 #include "bootstrap/unique_id.h"
@@ -10,10 +11,11 @@ namespace {
 
 thread_local std::string t_detail;
 
-// timeout_s > 0: the caller's deadline; else the bootstrap's default.
+// timeout_s > 0: the caller's deadline; else the bootstrap's default (NaN refused).
 Deadline deadline_of(const flagcx_mesh_bootstrap* b, double timeout_s) {
+  if (std::isnan(timeout_s)) fail(Code::kInvalidArgument, b->rank, 0, "bootstrap: timeout is NaN");
   if (timeout_s > 0) return Deadline::after_seconds(timeout_s);
-  return Deadline::after_seconds(b->timeout_s > 0 ? b->timeout_s : env_config().timeout_s);
+  return Deadline::after_seconds(b->timeout_s > 0 ? b->timeout_s : default_timeout_s());
 }
 
 // Runs an op: 0 on success, else the Error's code (never 0), detail kept.
@@ -79,12 +81,11 @@ std::unique_ptr<flagcx_mesh_bootstrap> bootstrap_create(int nranks, const uint8_
     fail(Code::kInvalidArgument, -1, 0, "bootstrap: rank " + std::to_string(rank) + " / nranks " +
                                             std::to_string(nranks) + " out of range");
   }
-  if (!(timeout_s >= 0)) fail(Code::kInvalidArgument, -1, 0, "bootstrap: timeout must be >= 0");
   bootstrap::UniqueId uid = bootstrap::decode_unique_id(id, id_len);
   auto b = std::make_unique<flagcx_mesh_bootstrap>();
   b->rank = rank;
   b->nranks = nranks;
-  b->timeout_s = timeout_s > 0 ? timeout_s : env_config().timeout_s;
+  b->timeout_s = build_timeout_s(timeout_s, "bootstrap: timeout");
   b->client = std::make_unique<bootstrap::Client>(uid, rank, nranks, Deadline::after_seconds(b->timeout_s));
   return b;
 }

@@ -39,7 +39,7 @@ BootOps upgrade_boot(const BootOps& boot) {
 Build::Build(const NetAdaptor& net, const BootOps& boot, const BuildConfig& config)
     : net_(upgrade_adaptor(net)), io_v1_(net.size < sizeof(NetAdaptor)), boot_(upgrade_boot(boot)),
       config_(config), rank_(boot.rank), n_(boot.nranks),
-      timeout_s_(config.timeout_s > 0 ? config.timeout_s : env_config().timeout_s),
+      timeout_s_(build_timeout_s(config.timeout_s, "build config: timeout_s")),
       deadline_(Deadline::after_seconds(timeout_s_)),
       send_(static_cast<size_t>(n_), nullptr), recv_(static_cast<size_t>(n_), nullptr),
       watchdog_(boot_, deadline_) {}

@@ -1,5 +1,7 @@
 #include "base/env.h"
 
+#include <cmath>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 
@@ -16,16 +18,32 @@ LogLevel parse_level(const char* s) {
   return LogLevel::kWarn;
 }
 
+// A variable of seconds: unset or empty keeps *out; else a finite number > 0,
+// or `error` names the variable and its value.
+void parse_seconds(const char* name, double* out, std::string* error) {
+  const char* s = std::getenv(name);
+  if (s == nullptr || *s == '\0') return;
+  char* end = nullptr;
+  double v = std::strtod(s, &end);
+  if (end != s && *end == '\0' && std::isfinite(v) && v > 0) {
+    *out = v;
+    return;
+  }
+  if (!error->empty()) *error += "; ";
+  *error += std::string(name) + "=" + s + " is not a number of seconds > 0 (finite)";
+}
+
 EnvConfig read_env() {
   EnvConfig cfg;
   if (const char* s = std::getenv("FLAGCX_MESH_IFNAME")) cfg.ifname = s;
-  if (const char* s = std::getenv("FLAGCX_MESH_TIMEOUT")) {
-    char* end = nullptr;
-    double v = std::strtod(s, &end);
-    if (end != s && v > 0) cfg.timeout_s = v;
-  }
+  parse_seconds("FLAGCX_MESH_TIMEOUT", &cfg.timeout_s, &cfg.error);
+  parse_seconds("FLAGCX_MESH_ROOT_IDLE_TIMEOUT", &cfg.root_idle_s, &cfg.error);
   cfg.log_level = parse_level(std::getenv("FLAGCX_MESH_LOG"));
   return cfg;
+}
+
+void require_valid_env() {
+  if (!env_config().error.empty()) fail(Code::kInvalidArgument, -1, 0, env_config().error);
 }
 
 }  // namespace
@@ -79,6 +97,32 @@ LauncherEnv launcher_env() {
 const EnvConfig& env_config() {
   static const EnvConfig cfg = read_env();
   return cfg;
+}
+
+double default_timeout_s() {
+  require_valid_env();
+  return env_config().timeout_s;
+}
+
+double root_idle_timeout_s() {
+  require_valid_env();
+  return env_config().root_idle_s;
+}
+
+double build_timeout_s(double seconds, const char* what) {
+  if (seconds == 0) return default_timeout_s();
+  check_timeout(seconds, what, false);
+  return seconds;
+}
+
+void check_timeout(double seconds, const char* what, bool no_limit_ok) {
+  if (std::isfinite(seconds) && seconds > 0) return;
+  if (no_limit_ok && std::isinf(seconds) && seconds > 0) return;
+  char value[64];
+  std::snprintf(value, sizeof(value), "%g", seconds);
+  fail(Code::kInvalidArgument, -1, 0,
+       std::string(what) + " must be a finite number of seconds > 0" + (no_limit_ok ? " (or inf: no limit)" : "") +
+           ", got " + value);
 }
 
 }  // namespace fxm

@@ -2,6 +2,8 @@
 //   FLAGCX_MESH_IFNAME   interface name (or prefix), or an IP address literal,
 //                        used for listening and published to peers
 //   FLAGCX_MESH_TIMEOUT  default mesh build deadline, seconds (default 60)
+//   FLAGCX_MESH_ROOT_IDLE_TIMEOUT  seconds a rendezvous root waits for its
+//                        first join before it ends (default 600)
 //   FLAGCX_MESH_LOG      error | warn | info | debug (default warn)
 //   FLAGCX_MESH_TRANSPORT  auto | tcp | cma | shm: forces the one-sided path;
 //                        read at every window registration (transport_env())
@@ -21,12 +23,28 @@ enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
 
 struct EnvConfig {
   std::string ifname;            // empty: automatic choice
-  double timeout_s = 60.0;
+  double timeout_s = 60.0;       // a malformed value leaves the default (see default_timeout_s)
+  double root_idle_s = 600.0;
   LogLevel log_level = LogLevel::kWarn;
+  std::string error;             // what is wrong with a timeout variable ("" if nothing)
 };
 
 // Parsed once, on first use; later changes to the environment are not seen.
 const EnvConfig& env_config();
+
+// FLAGCX_MESH_TIMEOUT / FLAGCX_MESH_ROOT_IDLE_TIMEOUT, for the entry points
+// that use them; throw Error(kInvalidArgument) naming a malformed variable
+// (not a finite number of seconds > 0).
+double default_timeout_s();
+double root_idle_timeout_s();
+
+// A timeout argument: `what` (e.g. "Mesh: timeout") must be finite and > 0;
+// with no_limit_ok, +inf is accepted too (it means no limit). Throws
+// Error(kInvalidArgument) naming what and the value (NaN, <= 0, inf).
+void check_timeout(double seconds, const char* what, bool no_limit_ok);
+// A build deadline argument: 0 means default_timeout_s(); anything else must
+// pass check_timeout(seconds, what, false). Returns the seconds to use.
+double build_timeout_s(double seconds, const char* what);
 
 // FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
 // later in the same process may use another value (tests and benchmarks do).

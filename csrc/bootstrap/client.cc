@@ -93,8 +93,18 @@ Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadli
   std::lock_guard<std::mutex> lock(mu_);
   std::string doing = "bootstrap allgather #" + std::to_string(seq_);
   check_open(doing);
-  write_msg({MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, doing, deadline);
+  std::string too_big = oversized_part(mine.size());
+  if (too_big.empty()) {
+    write_msg({MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, doing, deadline);
+  } else {  // the others hear of it through the root, so every rank stays in step
+    write_msg({MsgType::kAllgather, Code::kInvalidArgument, rank_, seq_, {too_big.begin(), too_big.end()}},
+              doing, deadline);
+  }
   Msg m = next_msg(doing, deadline);
+  if (m.type == MsgType::kError && m.code == Code::kInvalidArgument && m.seq == seq_) {
+    ++seq_;  // refused by the root (this rank's part or another's): the stream stays usable
+    fail(Code::kInvalidArgument, m.rank, 0, "rank " + std::to_string(rank_) + ": " + doing + " refused: " + m.text());
+  }
   if (m.type != MsgType::kResult || m.seq != seq_) raise(m, doing);
   Parts parts;
   if (!decode_result(m.payload, static_cast<size_t>(nranks_), &parts)) {
@@ -102,6 +112,15 @@ Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadli
   }
   ++seq_;
   return parts;
+}
+
+// Why `size` bytes cannot be this rank's part of an allgather ("" when they can).
+std::string Client::oversized_part(size_t size) const {
+  uint64_t limit = max_allgather_part(static_cast<uint64_t>(nranks_));
+  if (size <= limit) return "";
+  return "rank " + std::to_string(rank_) + " contributed " + std::to_string(size) + " bytes, above the limit of " +
+         std::to_string(limit) + " bytes per rank for " + std::to_string(nranks_) + " ranks (a result of nranks x (8 + part) bytes must fit the root's " +
+         std::to_string(kMaxPayload >> 20) + " MiB reply limit)";
 }
 
 Msg Client::next_msg(const std::string& doing, const Deadline& deadline) {
@@ -115,6 +134,9 @@ Msg Client::next_msg(const std::string& doing, const Deadline& deadline) {
       if (r.kind == tcp::IoResult::kTimeout) {
         broken_ = "collective #" + std::to_string(seq_) +
                   " timed out on this rank, so the collectives are out of step (close the mesh)";
+      } else if (r.err == EPROTO) {
+        broken_ = "a message from the root could not be read (bad header or above " +
+                  std::to_string(kMaxPayload >> 20) + " MiB), so the stream is out of step (close the mesh)";
       }
       raise_io(r, doing);
     }

@@ -31,7 +31,9 @@ class Client {
   ~Client();
 
   // Every rank's contribution, indexed by rank. Throws Error naming the
-  // failed or lost rank, or kTimeout.
+  // failed or lost rank, or kTimeout. A part above max_allgather_part(nranks)
+  // is refused without being sent: every rank fails with kInvalidArgument
+  // naming the limit and the rank, and the next collective works.
   Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline);
   void barrier(const Deadline& deadline) { allgather({}, deadline); }
 
@@ -64,6 +66,7 @@ class Client {
 
  private:
   void connect_root(const Deadline& deadline);
+  std::string oversized_part(size_t size) const;
   // One attempt of the join handshake on a fresh connection; false when the
   // root closed it before proving itself (a root crowded by strangers drops
   // connections that did not prove the key yet): the caller retries.

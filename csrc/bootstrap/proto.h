@@ -23,16 +23,24 @@ constexpr uint64_t kMaxPayload = 64ull << 20;
 // Relayed point-to-point messages are for small control data (readiness
 // tokens): the root forwards them with blocking writes from its one thread.
 constexpr uint64_t kMaxRelayPayload = 64ull << 10;
+// The most one rank may contribute to an allgather of nranks: the result
+// (nranks u64 lengths + the contributions) must fit kMaxPayload.
+constexpr uint64_t max_allgather_part(uint64_t nranks) {
+  return nranks == 0 || kMaxPayload / nranks < 8 ? 0 : kMaxPayload / nranks - 8;
+}
 // Relayed bytes a rank may hold unreceived before recv() takes them.
 constexpr uint64_t kMaxInboxBytes = 64ull << 20;
 
 enum class MsgType : uint16_t {
   kJoin = 1,       // rank -> root: its key proof, nranks, timeout (after kHello / kChallenge)
-  kAllgather = 2,  // rank -> root: this rank's contribution for `seq`
+  kAllgather = 2,  // rank -> root: this rank's contribution for `seq`; with code
+                   // kInvalidArgument, the rank's refusal (payload: why)
   kResult = 3,     // root -> rank: all contributions for `seq`
   kAbortReq = 4,   // rank -> root: this rank failed; tell the others
   kAbort = 5,      // root -> rank: rank `rank` failed or was lost
-  kError = 6,      // root -> rank: the rendezvous itself failed
+  kError = 6,      // root -> rank: the rendezvous itself failed; with code
+                   // kInvalidArgument and `seq`, collective `seq` was refused
+                   // (too large) and the next one is seq + 1
   kBye = 7,        // rank -> root: clean close
   kSend = 8,       // rank -> root: relay payload to rank `rank` under tag `seq`
   kDeliver = 9,    // root -> rank: a relayed payload from rank `rank`, tag `seq`

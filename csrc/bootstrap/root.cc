@@ -8,15 +8,16 @@
 #include <thread>
 #include <vector>
 
+#include "base/env.h"
 #include "base/log.h"
 #include "bootstrap/exit_wait.h"
+#include "bootstrap/root_release.h"
 #include "bootstrap/proto.h"
 
 namespace fxm::bootstrap {
 namespace {
 
 constexpr double kJoinHeaderTimeoutS = 5.0;
-constexpr double kIdleTimeoutS = 3600.0;
 constexpr double kWriteTimeoutS = 10.0;      // to read a message a client has begun
 constexpr double kDrainTimeoutS = 1.0;       // for queued output when the root exits
 constexpr size_t kMaxQueuedBytes = 1ull << 30;  // output queued for a client that does not read
@@ -53,6 +54,7 @@ struct Client {
   bool joined = false;
   bool gone = false;  // said BYE or was lost
   bool contributed = false;
+  bool refused = false;  // its part was too large: `part` holds why
   std::vector<uint8_t> part;
   std::vector<Msg> held;  // relayed to this rank before it joined
   size_t held_bytes = 0;
@@ -64,10 +66,13 @@ struct Client {
 class Root {
  public:
   Root(tcp::Fd listener, const UniqueId& id)
-      : listener_(std::move(listener)), id_(id), life_(track_root(wire::mesh_id_hex(id.mesh_id).substr(0, 8))) {}
+      : listener_(std::move(listener)), id_(id), life_(track_root(wire::mesh_id_hex(id.mesh_id).substr(0, 8))),
+        release_(register_root(id.mesh_id)) {}
   void run();
 
  private:
+  bool release_requested();
+  void end_release(bool released);
   bool finished() const;
   void retire(int rank);
   void fail_pending(int rank, const std::string& why);
@@ -88,6 +93,7 @@ class Root {
   void on_allgather(int rank, Msg& m);
   void on_relay(int src, Msg& m);
   void maybe_complete();
+  bool refuse_oversized();
   void lose(int rank, const std::string& why);
   void broadcast(const Msg& m, int except);
   void send_to(int rank, const Msg& m);
@@ -106,22 +112,42 @@ class Root {
   std::vector<Client> clients_;
   uint32_t nranks_ = 0;
   int joined_ = 0;
-  Deadline join_deadline_ = Deadline::after_seconds(kIdleTimeoutS);
+  Deadline join_deadline_ = Deadline::after_seconds(env_config().root_idle_s);
   double timeout_s_ = 0;
   uint32_t seq_ = 0;
   std::vector<int> lost_;
   int first_left_ = -1;  // the first rank that said BYE: no later collective can complete
   bool failed_ = false;
   std::shared_ptr<RootLife> life_;  // what this process's exit waits for
+  std::shared_ptr<RootRelease> release_;  // release_root() of an unused id
 };
 
 void Root::run() {
-  while (!finished() && !life_->stop_requested()) poll_once();
+  bool released = false;
+  while (!finished() && !life_->stop_requested() && !(released = release_requested())) poll_once();
   if (life_->stop_requested()) tell_stopping();
   drain();
+  end_release(released);
   log_strangers();
   life_->done();
   FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_.mesh_id) + " exits");
+}
+
+// release_root() asked: an id no rank has joined ends now; one in use goes on.
+bool Root::release_requested() {
+  if (!release_->requested()) return false;
+  if (joined_ == 0) return true;
+  release_->decline();
+  return false;
+}
+
+// The root ends: its port closes before release_root() hears of it.
+void Root::end_release(bool released) {
+  unregister_root(id_.mesh_id);
+  listener_.reset();
+  pending_.clear();
+  if (released) FXM_DEBUG(-1, "bootstrap root " + wire::mesh_id_hex(id_.mesh_id) + " released unused");
+  release_->finished(released);
 }
 
 // A rank that left (BYE), failed or was lost: nothing more is read or written.
@@ -307,7 +333,7 @@ void Root::admit(Pending& p, const JoinInfo& j) {
     clients_.resize(nranks_);
     told_.assign(nranks_, false);
     timeout_s_ = j.timeout_ms / 1000.0;
-    join_deadline_ = Deadline::after_seconds(kIdleTimeoutS);
+    join_deadline_ = Deadline::never();  // from now on the ranks' deadlines bound the wait
   }
   // Expire a little before the earliest rank's own deadline, so that ranks
   // hear which ranks are missing rather than a bare timeout.
@@ -370,6 +396,7 @@ void Root::on_allgather(int rank, Msg& m) {
     return;
   }
   c.contributed = true;
+  c.refused = m.code == Code::kInvalidArgument;
   c.part = std::move(m.payload);
   maybe_complete();
 }
@@ -414,11 +441,12 @@ void Root::maybe_complete() {
                                   std::to_string(first_left_) + " left (closed its mesh or bootstrap)");
     return;
   }
-  std::vector<std::vector<uint8_t>> parts;
   for (const Client& c : clients_) {
     if (!c.contributed) return;
-    parts.push_back(c.part);
   }
+  if (refuse_oversized()) return;
+  std::vector<std::vector<uint8_t>> parts;
+  for (const Client& c : clients_) parts.push_back(c.part);
   Msg res{MsgType::kResult, Code::kOk, -1, seq_, encode_result(parts)};
   for (size_t r = 0; r < clients_.size(); ++r) {
     clients_[r].contributed = false;
@@ -428,12 +456,46 @@ void Root::maybe_complete() {
   if (++seq_ >= kListenCollectives) listener_.reset();  // no strangers after this
 }
 
+// Every rank has contributed: when a rank refused its part, or the result
+// would not fit kMaxPayload, every rank gets kError(kInvalidArgument) for this
+// collective instead of its result, and the next collective goes on.
+bool Root::refuse_oversized() {
+  int rank = -1;
+  std::string why;
+  uint64_t total = 0;
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    total += 8 + clients_[r].part.size();
+    if (clients_[r].refused && rank < 0) {
+      rank = static_cast<int>(r);
+      why = std::string(clients_[r].part.begin(), clients_[r].part.end());
+    }
+  }
+  if (rank < 0 && total <= kMaxPayload) return false;
+  if (rank < 0) {
+    rank = 0;
+    for (size_t r = 1; r < clients_.size(); ++r) {
+      if (clients_[r].part.size() > clients_[rank].part.size()) rank = static_cast<int>(r);
+    }
+    why = "the result would be " + std::to_string(total) + " bytes, above the root's reply limit of " +
+          std::to_string(kMaxPayload) + " (rank " + std::to_string(rank) + " contributed the most, " +
+          std::to_string(clients_[rank].part.size()) + " bytes)";
+  }
+  Msg refusal{MsgType::kError, Code::kInvalidArgument, rank, seq_, {why.begin(), why.end()}};
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    clients_[r].contributed = clients_[r].refused = false;
+    clients_[r].part.clear();
+    send_to(static_cast<int>(r), refusal);
+  }
+  if (++seq_ >= kListenCollectives) listener_.reset();  // as after a result
+  return true;
+}
+
 // Answers every rank waiting in the current collective with `why`, naming `rank`.
 void Root::fail_pending(int rank, const std::string& why) {
   for (size_t r = 0; r < clients_.size(); ++r) {
     if (clients_[r].contributed && !clients_[r].gone) {
       send_to(static_cast<int>(r), {MsgType::kError, Code::kPeerLost, rank, seq_, {why.begin(), why.end()}});
-      clients_[r].contributed = false;
+      clients_[r].contributed = clients_[r].refused = false;
     }
   }
 }
@@ -513,7 +575,7 @@ std::string Root::missing_ranks() const {
 }
 
 void Root::check_deadlines() {
-  if (joined_ == static_cast<int>(nranks_) || !join_deadline_.expired()) return;
+  if ((nranks_ != 0 && joined_ == static_cast<int>(nranks_)) || !join_deadline_.expired()) return;
   if (nranks_ == 0) {
     failed_ = true;  // nobody came within the idle limit
     return;

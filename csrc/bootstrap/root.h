@@ -5,7 +5,9 @@
 // rank when another failed or was lost; a collective begun after a rank said
 // BYE fails at once naming it. A second join of one rank fails every rank,
 // naming it. It exits when every rank has said BYE or gone,
-// when the join deadline expires, or after an hour with no join. The process
+// when the join deadline expires, when release_root() asks before any rank
+// joined (bootstrap/root_release.h), or after FLAGCX_MESH_ROOT_IDLE_TIMEOUT
+// (600 s) with no join. The process
 // that hosts it waits at exit for the ranks that joined (bootstrap/exit_wait.h).
 #pragma once
 

@@ -2,7 +2,9 @@
 
 #include <cstring>
 
+#include "base/env.h"
 #include "bootstrap/root.h"
+#include "bootstrap/root_release.h"
 #include "base/status.h"
 
 namespace fxm::bootstrap {
@@ -73,6 +75,7 @@ UniqueId decode_unique_id(const uint8_t* b, size_t len) {
 }
 
 UniqueIdBytes get_unique_id(uint32_t epoch) {
+  root_idle_timeout_s();  // a malformed FLAGCX_MESH_ROOT_IDLE_TIMEOUT is refused here
   UniqueId id;
   id.mesh_id = random_mesh_id();
   id.epoch = epoch;
@@ -84,6 +87,10 @@ UniqueIdBytes get_unique_id(uint32_t epoch) {
   }
   start_root(std::move(listener), id);
   return encode_unique_id(id);
+}
+
+bool release_unique_id(const uint8_t* bytes, size_t len) {
+  return release_root(decode_unique_id(bytes, len).mesh_id);
 }
 
 }  // namespace fxm::bootstrap

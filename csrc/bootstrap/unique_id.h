@@ -36,6 +36,12 @@ UniqueId decode_unique_id(const uint8_t* bytes, size_t len);
 // chosen interface) and returns the id.
 UniqueIdBytes get_unique_id(uint32_t epoch = 0);
 
+// Ends the root of an id this process made, when no rank has joined it: its
+// thread ends and its port closes before this returns true. False when the id
+// is not one of this process's live roots or a rank has joined it (that root
+// lives on as usual). Throws Error(kInvalidArgument) for malformed bytes.
+bool release_unique_id(const uint8_t* bytes, size_t len);
+
 // 16 random bytes from the kernel.
 wire::MeshId random_mesh_id();
 

@@ -1,5 +1,6 @@
 // The C ABI of a communicator: unique id, init/destroy, windows and one-sided
 // operations, each a thin wrapper over fxm::Mesh through capi::guard.
+#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -119,6 +120,15 @@ flagcx_mesh_result_t flagcx_mesh_get_unique_id(flagcx_mesh_unique_id_t* id) {
   });
 }
 
+flagcx_mesh_result_t flagcx_mesh_release_unique_id(const flagcx_mesh_unique_id_t* id, int* released) {
+  return guard("flagcx_mesh_release_unique_id", [&] {
+    require(id, "id");
+    bool done = fxm::bootstrap::release_unique_id(reinterpret_cast<const uint8_t*>(id->internal),
+                                                  FLAGCX_MESH_UNIQUE_ID_BYTES);
+    if (released != nullptr) *released = done ? 1 : 0;
+  });
+}
+
 flagcx_mesh_result_t flagcx_mesh_unique_id_from_hex(const char* hex, flagcx_mesh_unique_id_t* id) {
   return guard("flagcx_mesh_unique_id_from_hex", [&] {
     require(hex, "hex");
@@ -170,8 +180,9 @@ flagcx_mesh_result_t flagcx_mesh_comm_nranks(flagcx_mesh_comm_t comm, int* nrank
 flagcx_mesh_result_t flagcx_mesh_barrier(flagcx_mesh_comm_t comm, double timeout_s) {
   return guard("flagcx_mesh_barrier", [&] {
     fxm::Mesh& m = mesh_of(comm);
+    if (std::isnan(timeout_s)) fxm::capi::bad("timeout_s is NaN (<= 0: the comm's timeout)");
     double t = timeout_s > 0 ? timeout_s : comm->timeout_s;
-    m.barrier(t > 0 ? t : fxm::env_config().timeout_s);
+    m.barrier(t > 0 ? t : fxm::default_timeout_s());
   });
 }
 

@@ -3,6 +3,7 @@
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <cmath>
 #include <cstdio>
 #include <cstring>
 
@@ -24,7 +25,9 @@ std::vector<uint8_t> wire_check_payload(const wire::MeshId& id, int src, int dst
   return p;
 }
 
+// An operation's timeout: > 0 seconds, or <= 0 / +inf for no limit; NaN is refused.
 Deadline deadline_for(double timeout_s) {
+  if (std::isnan(timeout_s)) fail(Code::kInvalidArgument, -1, 0, "timeout is NaN (use <= 0 or inf for no limit)");
   return timeout_s > 0 ? Deadline::after_seconds(timeout_s) : Deadline::never();
 }
 
@@ -37,7 +40,8 @@ void check_args(int nranks, int rank, const MeshOptions& opt) {
   if (opt.contexts < 1 || opt.contexts > 1024) {
     bad("contexts must be in [1, 1024], got " + std::to_string(opt.contexts));
   }
-  if (opt.timeout_s < 0) bad("timeout must be positive");
+  if (opt.timeout_s != 0) check_timeout(opt.timeout_s, "Mesh build: timeout", false);
+  check_timeout(opt.header_timeout_s, "Mesh build: header_timeout", false);
   if (opt.max_inflight < 1) bad("max_inflight must be >= 1");
   if (opt.max_unreceived < 1) bad("max_unreceived must be >= 1");
   if (opt.epoch > 0xFFFFFFFFll || opt.epoch < -1) {
@@ -55,7 +59,7 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
   mesh_id_ = id.mesh_id;
   epoch_ = opt.epoch < 0 ? id.epoch : static_cast<uint32_t>(opt.epoch);
   key_ = id.key_for(epoch_);
-  double timeout_s = opt.timeout_s > 0 ? opt.timeout_s : env_config().timeout_s;
+  double timeout_s = build_timeout_s(opt.timeout_s, "Mesh build: timeout");
   Deadline deadline = Deadline::after_seconds(timeout_s);
   try {
     build(id, opt, deadline);
@@ -69,7 +73,7 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
   timeout_s_ = timeout_s;
   engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_, opt.max_unreceived);
   onesided_ = std::make_unique<OneSided>(
-      rank_, nranks_, contexts_, mesh_id_hex().substr(0, 12), engine_.get(), &windows_,
+      rank_, nranks_, contexts_, engine_.get(), &windows_,
       [this](const std::vector<uint8_t>& mine) {
         return boot_->allgather(mine, Deadline::after_seconds(timeout_s_));
       },

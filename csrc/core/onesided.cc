@@ -47,10 +47,9 @@ std::string range_text(uint64_t off, uint64_t size) {
 
 }  // namespace
 
-OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine* engine,
-                   WindowTable* windows, Allgather allgather, double op_timeout_s)
-    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), tag_(std::move(tag)),
-      engine_(engine),
+OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, WindowTable* windows,
+                   Allgather allgather, double op_timeout_s)
+    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), engine_(engine),
       windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
     pair_mu_.push_back(std::make_unique<std::mutex>());
@@ -59,10 +58,6 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine*
 }
 
 // ------------------------------------------------------------ registration
-
-std::string OneSided::shm_name(uint32_t index) const {
-  return "/fxm-" + tag_ + "-" + std::to_string(rank_) + "-" + std::to_string(index);
-}
 
 uint32_t OneSided::register_user(void* base, uint64_t size) {
   return register_collective([&](uint32_t, std::string*) {
@@ -75,11 +70,11 @@ uint32_t OneSided::register_user(void* base, uint64_t size) {
 }
 
 uint32_t OneSided::alloc(uint64_t size) {
-  return register_collective([&](uint32_t index, std::string* name) {
-    *name = shm_name(index);
+  return register_collective([&](uint32_t, std::string* name) {
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kShm;
-    w->seg = std::make_shared<shm::Segment>(shm::Segment::create(*name, size));
+    w->seg = std::make_shared<shm::Segment>(shm::Segment::create_unique(size));
+    *name = w->seg->name();
     w->base = w->seg->data();
     w->size = size;
     return w;
@@ -87,15 +82,15 @@ uint32_t OneSided::alloc(uint64_t size) {
 }
 
 uint32_t OneSided::alloc_signal(uint64_t nslots) {
-  return register_collective([&](uint32_t index, std::string* name) {
+  return register_collective([&](uint32_t, std::string* name) {
     if (!signal_slots_valid(nslots)) {
       fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " +
                                               std::to_string(nslots));
     }
-    *name = shm_name(index);
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kSignal;
-    w->seg = std::make_shared<shm::Segment>(shm::Segment::create(*name, signal_segment_bytes(nslots)));
+    w->seg = std::make_shared<shm::Segment>(shm::Segment::create_unique(signal_segment_bytes(nslots)));
+    *name = w->seg->name();
     w->base = w->seg->data();
     w->size = nslots * 8;
     w->last_src = signal_last_src(w->base, nslots);

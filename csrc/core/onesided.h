@@ -60,7 +60,7 @@ class OpWindows {
 class OneSided {
  public:
   // op_timeout_s bounds what an op may wait for (earlier ops to its pair, a stream).
-  OneSided(int rank, int nranks, int ncontexts, std::string tag, Engine* engine,
+  OneSided(int rank, int nranks, int ncontexts, Engine* engine,
            WindowTable* windows, Allgather allgather, double op_timeout_s);
 
   // Collective registration; each returns the window index.
@@ -95,7 +95,6 @@ class OneSided {
   using Prepare = std::function<std::shared_ptr<Window>(uint32_t, std::string*)>;
   // The registration collective; a local failure still takes part (see refuse_registration).
   uint32_t register_collective(const Prepare& prepare);
-  std::string shm_name(uint32_t index) const;  // "/fxm-<mesh>-<rank>-<index>"
   // This rank's part of the registration (device windows: starts the server of their cuMem fds).
   std::vector<uint8_t> describe_for_peers(Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
@@ -130,7 +129,6 @@ class OneSided {
 
   int rank_, nranks_, ncontexts_;
   double op_timeout_s_;
-  std::string tag_;
   Engine* engine_;
   WindowTable* windows_;
   Allgather allgather_;

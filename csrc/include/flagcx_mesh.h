@@ -70,6 +70,13 @@ typedef struct {
 /* Makes an id and starts the rendezvous root in this process, which must stay
  * alive until every rank has joined. Carry the bytes to all ranks any way. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get_unique_id(flagcx_mesh_unique_id_t *id);
+/* Ends the rendezvous root of an id this process made and no rank has joined:
+ * its thread ends and its port closes before this returns. *released (may be
+ * NULL) is 1 then, 0 when the id is not a live root of this process or a rank
+ * has joined it (that root lives on). An unused root also ends by itself after
+ * FLAGCX_MESH_ROOT_IDLE_TIMEOUT seconds (600). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_release_unique_id(const flagcx_mesh_unique_id_t *id,
+                                                                   int *released);
 /* 512 hex characters (as the launcher's FLAGCX_MESH_UNIQUE_ID) -> id. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_unique_id_from_hex(const char *hex,
                                                                     flagcx_mesh_unique_id_t *id);

@@ -280,9 +280,14 @@ PYBIND11_MODULE(_core, m) {
     fxm::bootstrap::UniqueIdBytes b = fxm::bootstrap::unseal_unique_id(sid, std::vector<uint8_t>(x.begin(), x.end()));
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
   }, py::arg("shared"), py::arg("sealed"), "The unique id sealed by seal_unique_id (ProtocolError when forged).");
+  m.def("release_unique_id", [](const py::bytes& raw) {
+    std::string b = raw;
+    py::gil_scoped_release release;
+    return fxm::bootstrap::release_unique_id(reinterpret_cast<const uint8_t*>(b.data()), b.size());
+  }, "End the root of an unused unique id made by this process; True when it was ended.");
   m.def("cuda_driver_error", [] { return fxm::cuda::driver() != nullptr ? std::string() : fxm::cuda::driver_error(); },
         "Why no CUDA driver could be loaded (\"\" when one is).");
-  m.def("default_timeout", [] { return fxm::env_config().timeout_s; },
+  m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },
         "Which address this process listens on and why (interface choice).");

@@ -20,7 +20,7 @@ from .errors import (
     SystemCallError,
 )
 from ._paths import get_include, get_library, get_library_dir
-from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id
+from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id, release_unique_id
 from .window import SignalWindow, Window
 
 __version__ = "0.3.0"
@@ -30,6 +30,7 @@ __all__ = [
     "Window",
     "SignalWindow",
     "get_unique_id",
+    "release_unique_id",
     "UNIQUE_ID_SIZE",
     "errors",
     "MeshError",

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import datetime
 import errno
+import math
 import os
 import struct
 import sys
@@ -67,9 +68,14 @@ def default_timeout() -> float:
 def _seconds(timeout: Optional[float]) -> float:
     if timeout is None:
         return default_timeout()
-    if timeout <= 0:
-        raise errors.InvalidArgument(f"bootstrap: timeout must be positive or None, got {timeout!r}")
-    return float(timeout)
+    try:
+        seconds = float(timeout)
+    except (TypeError, ValueError):
+        raise errors.InvalidArgument(f"bootstrap: timeout must be a number of seconds or None, got {timeout!r}") from None
+    if not (seconds > 0 and math.isfinite(seconds)):
+        raise errors.InvalidArgument(f"bootstrap: timeout must be > 0 and finite, or None "
+                                     f"(FLAGCX_MESH_TIMEOUT), got {timeout!r}")
+    return seconds
 
 
 def _pack(world: int, uid: Optional[bytes] = None, error: str = "") -> bytes:

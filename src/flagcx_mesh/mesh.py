@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import operator
 from typing import Callable, Dict, List, Optional
 
@@ -29,6 +30,23 @@ def get_unique_id(epoch: int = 0) -> bytes:
     Send the bytes to every rank by any channel (MPI, a store, a file, env).
     """
     return _core.get_unique_id(int(epoch))
+
+
+def release_unique_id(unique_id: bytes) -> bool:
+    """End the rendezvous root of an id this process made that no rank has joined.
+
+    Its thread ends and its port closes before this returns ``True``. ``False`` when
+    the id is not a live root of this process (already ended, made elsewhere) or a
+    rank has joined it (that root lives on until its ranks leave). The id is plain
+    bytes, so dropping it tells the library nothing: an id that is never used is
+    ended by this call, or by itself after ``FLAGCX_MESH_ROOT_IDLE_TIMEOUT`` seconds
+    (default 600) without a join.
+    """
+    try:
+        raw = bytes(memoryview(unique_id))
+    except TypeError:
+        raise InvalidArgument(f"release_unique_id: unique_id must be bytes, got {type(unique_id).__name__}") from None
+    return _core.release_unique_id(raw)
 
 
 _U64 = 1 << 64
@@ -96,12 +114,30 @@ def _byte_view(buffer, what: str) -> memoryview:
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
 
 
+def _seconds_or_refuse(timeout, what: str, no_limit_ok: bool) -> float:
+    """timeout as float seconds; InvalidArgument for a non-number, NaN, <= 0, or inf
+    unless ``no_limit_ok`` (then inf means no limit)."""
+    try:
+        t = float(timeout)
+    except (TypeError, ValueError):
+        raise InvalidArgument(f"{what} must be a number of seconds or None, got {timeout!r}") from None
+    if t > 0 and (math.isfinite(t) or no_limit_ok):
+        return t
+    allowed = "> 0, inf or None (no limit)" if no_limit_ok else "> 0 and finite, or None (FLAGCX_MESH_TIMEOUT)"
+    raise InvalidArgument(f"{what} must be {allowed}, got {timeout!r}")
+
+
 def _timeout_arg(timeout: Optional[float]) -> float:
+    """An operation's timeout: None or inf wait without limit (0.0 for the core)."""
     if timeout is None:
-        return 0.0  # no limit for operations; FLAGCX_MESH_TIMEOUT for the build
-    if timeout <= 0:
-        raise ValueError(f"timeout must be positive or None, got {timeout!r}")
-    return float(timeout)
+        return 0.0
+    t = _seconds_or_refuse(timeout, "timeout", True)
+    return 0.0 if math.isinf(t) else t
+
+
+def _build_timeout(timeout: Optional[float]) -> float:
+    """The build's deadline: None is FLAGCX_MESH_TIMEOUT (0.0 for the core); never unlimited."""
+    return 0.0 if timeout is None else _seconds_or_refuse(timeout, "Mesh: timeout", False)
 
 
 class Mesh:
@@ -142,8 +178,8 @@ class Mesh:
             bytes(unique_id),
             int(rank),
             contexts=int(contexts),
-            timeout=_timeout_arg(timeout),
-            header_timeout=float(header_timeout),
+            timeout=_build_timeout(timeout),
+            header_timeout=_seconds_or_refuse(header_timeout, "Mesh: header_timeout", False),
             max_inflight=int(max_inflight),
             max_unreceived=int(max_unreceived),
             epoch=-1 if epoch is None else int(epoch),

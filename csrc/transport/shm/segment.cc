@@ -2,6 +2,7 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
+#include <sys/random.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -36,11 +37,54 @@ uint8_t* map_fd(int fd, size_t size, int* err) {
   return static_cast<uint8_t*>(p);
 }
 
+// "/fxm-" + 32 hex digits of the kernel's random source.
+std::string random_name() {
+  uint8_t bytes[16];
+  size_t got = 0;
+  while (got < sizeof(bytes)) {
+    ssize_t n = ::getrandom(bytes + got, sizeof(bytes) - got, 0);
+    if (n < 0 && errno != EINTR) fail(Code::kSystem, -1, errno, "getrandom for a shared-memory name");
+    if (n > 0) got += static_cast<size_t>(n);
+  }
+  static const char kHex[] = "0123456789abcdef";
+  std::string name = "/fxm-";
+  for (uint8_t b : bytes) {
+    name += kHex[b >> 4];
+    name += kHex[b & 15];
+  }
+  return name;
+}
+
+// shm_open(O_CREAT | O_EXCL); fails naming the segment unless the name is
+// taken (EEXIST), which returns -1 with *taken set.
+int create_fd(const std::string& name, bool* taken) {
+  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
+  *taken = fd < 0 && errno == EEXIST;
+  if (fd < 0 && !*taken) fail(Code::kSystem, -1, errno, "shm_open(" + name + ") for a window");
+  return fd;
+}
+
 }  // namespace
 
+Segment Segment::create_unique(size_t size) {
+  for (int attempt = 0; attempt < kNameAttempts; ++attempt) {
+    std::string name = random_name();
+    bool taken = false;
+    int fd = create_fd(name, &taken);
+    if (!taken) return from_new_fd(fd, name, size);
+  }
+  fail(Code::kSystem, -1, EEXIST, "shm_open for a window: " + std::to_string(kNameAttempts) +
+                                      " random names in a row already existed in /dev/shm");
+}
+
 Segment Segment::create(const std::string& name, size_t size) {
-  int fd = ::shm_open(name.c_str(), O_CREAT | O_EXCL | O_RDWR | O_CLOEXEC, 0600);
-  if (fd < 0) fail(Code::kSystem, -1, errno, "shm_open(" + name + ") for a window");
+  bool taken = false;
+  int fd = create_fd(name, &taken);
+  if (taken) fail(Code::kSystem, -1, EEXIST, "shm_open(" + name + ") for a window");
+  return from_new_fd(fd, name, size);
+}
+
+Segment Segment::from_new_fd(int fd, const std::string& name, size_t size) {
   int err = 0;
   if (::ftruncate(fd, static_cast<off_t>(size == 0 ? 1 : size)) != 0) err = errno;
   // tmpfs grants pages lazily: reserve them now, or a write past what /dev/shm

@@ -20,6 +20,11 @@ class Segment {
 
   // Creates, sizes and maps a new segment (zero-filled). Throws Error.
   static Segment create(const std::string& name, size_t size);
+  // The same under a fresh random name ("/fxm-" + 32 hex digits from
+  // getrandom, nothing derived from any id): a name another local user
+  // created first (EEXIST) is skipped for a new one, up to kNameAttempts times.
+  static Segment create_unique(size_t size);
+  static constexpr int kNameAttempts = 16;
   // Maps an existing segment; returns an empty Segment and sets *err on failure.
   static Segment open(const std::string& name, size_t size, int* err);
 
@@ -31,6 +36,9 @@ class Segment {
   void reset();   // unmaps (and unlinks if still owned and named)
 
  private:
+  // Sizes and maps a just-created fd (closed here) as the owner of `name`.
+  static Segment from_new_fd(int fd, const std::string& name, size_t size);
+
   uint8_t* data_ = nullptr;
   size_t size_ = 0;
   std::string name_;

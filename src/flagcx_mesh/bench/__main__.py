@@ -9,6 +9,9 @@
                                      [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
     python -m flagcx_mesh.bench latency [--iters 10000] [--transports shm,tcp] [--json PATH]
                                      (from C: put_signal / put+flush vs a raw socket, same run)
+    python -m flagcx_mesh.bench soak [--builds 10000] [--max-ranks 32] [--kill 0.2] [--json PATH]
+                                     (ranks as threads: jitter, foreign traffic, killed ranks;
+                                     counts hangs, miswirings, failures by class)
     python -m flagcx_mesh.bench stream-wait [--iters 2000] [--json PATH]
                                      (from C: a waiting CUDA stream passes how long after a signal)
 
@@ -33,6 +36,7 @@ COMMANDS = {
     "race": ("race", "main"),
     "race-rank": ("race", "rank_entry"),
     "latency": ("latency", "main"),
+    "soak": ("soak", "main"),
     "stream-wait": ("stream_wait", "main"),
 }
 

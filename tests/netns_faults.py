@@ -1,0 +1,177 @@
+"""Mesh builds between two "hosts" (network namespaces joined by a veth pair) through a lossy
+or briefly dead link, made with nft in each namespace: every build must succeed, or fail
+within its deadline naming a peer it could not reach.
+
+Used by tests/test_netns_faults.py, and as a script that prints figures (root, nft, ip):
+
+    python tests/netns_faults.py [--trials 20] [--loss 30] [--blackhole 2] [--timeout 20]
+
+Per trial: ranks 0, 1 on host A and 2, 3 on host B (rank 0 hosts the root); --loss percent
+of the packets arriving on each veth are dropped (nft numgen random), and --blackhole
+seconds after rank 0's root is up every packet on the veth is dropped for that long.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from typing import Dict, List, Optional, Tuple
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from meshutil import subprocess_env  # noqa: E402
+
+RANK_PROG = os.path.join(HERE, "rank_prog.py")
+Host = Tuple[str, str, str]  # netns, veth name, address
+
+
+def missing_tools() -> Optional[str]:
+    """Why this cannot run here (None when it can)."""
+    if os.geteuid() != 0:
+        return "not root"
+    for tool in ("ip", "nft"):
+        if shutil.which(tool) is None:
+            return f"`{tool}` is not installed (nft: apt-get install nftables)"
+    return None
+
+
+def _run(*cmd: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run(list(cmd), capture_output=True, text=True, timeout=20, check=check)
+
+
+def make_hosts() -> Dict[str, Host]:
+    tag = str(os.getpid())[-5:]
+    hosts = {"A": (f"fxq{tag}a", f"fqa{tag}", "198.51.100.1"), "B": (f"fxq{tag}b", f"fqb{tag}", "198.51.100.2")}
+    try:
+        for ns, _, _ in hosts.values():
+            _run("ip", "netns", "add", ns)
+        _run("ip", "link", "add", hosts["A"][1], "type", "veth", "peer", "name", hosts["B"][1])
+        for ns, ifname, addr in hosts.values():
+            _run("ip", "link", "set", ifname, "netns", ns)
+            _run("ip", "-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
+            _run("ip", "-n", ns, "link", "set", ifname, "up")
+            _run("ip", "-n", ns, "link", "set", "lo", "up")
+            _run("ip", "netns", "exec", ns, "nft", "add", "table", "inet", "fxm")
+            _run("ip", "netns", "exec", ns, "nft", "add", "chain", "inet", "fxm", "in",
+                 "{ type filter hook input priority 0; }")
+    except (OSError, subprocess.CalledProcessError) as e:
+        remove_hosts(hosts)
+        raise RuntimeError(f"cannot set up the namespaces: {getattr(e, 'stderr', e)}") from e
+    return hosts
+
+
+def remove_hosts(hosts: Dict[str, Host]) -> None:
+    for ns, _, _ in hosts.values():
+        _run("ip", "netns", "del", ns, check=False)
+
+
+def set_drop(hosts: Dict[str, Host], percent: int) -> None:
+    """Drops `percent` % of the packets arriving on each host's veth (0: none, 100: all)."""
+    for ns, ifname, _ in hosts.values():
+        _run("ip", "netns", "exec", ns, "nft", "flush", "chain", "inet", "fxm", "in")
+        if percent >= 100:
+            _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "fxm", "in", "iifname", ifname, "drop")
+        elif percent > 0:
+            _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "fxm", "in", "iifname", ifname,
+                 "numgen", "random", "mod", "100", "<", str(percent), "drop")
+
+
+def one_build(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: float) -> List[dict]:
+    """Ranks 0, 1 on A, 2, 3 on B; returns every rank's RESULT (plus "wall")."""
+    set_drop(hosts, loss)
+    placement = [hosts["A"], hosts["A"], hosts["B"], hosts["B"]]
+    with tempfile.TemporaryDirectory() as tmp:
+        uid_file = os.path.join(tmp, "uid")
+        procs, t0 = [], time.monotonic()
+        for rank, (ns, ifname, _) in enumerate(placement):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, RANK_PROG, "--rank", str(rank), "--nranks", "4",
+                   "--uid-file", uid_file, "--timeout", str(timeout), "--iterations", "2"]
+            if rank == 0:
+                cmd.append("--make-uid")
+            procs.append(subprocess.Popen(cmd, env=subprocess_env({"FLAGCX_MESH_IFNAME": ifname}), text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        while not os.path.exists(uid_file) and time.monotonic() - t0 < 20:
+            time.sleep(0.005)
+        if blackhole > 0:  # the root is up and rank 0 is in the build: the link dies for a while
+            set_drop(hosts, 100)
+            time.sleep(blackhole)
+            set_drop(hosts, loss)
+        results = []
+        for p in procs:
+            try:
+                out, err = p.communicate(timeout=timeout + 30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                out, err = p.communicate()
+                results.append({"ok": False, "hung": True, "message": err[-500:]})
+                continue
+            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+            res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "message": err[-500:]}
+            results.append(res)
+    for res in results:
+        res["wall"] = time.monotonic() - t0
+    return results
+
+
+def verdict(results: List[dict], timeout: float) -> str:
+    """'built', 'failed-named' (every failing rank names a peer, within its deadline), or
+    what is wrong ('hung', 'late', 'unnamed', 'partial')."""
+    if any(r.get("hung") for r in results):
+        return "hung"
+    if all(r["ok"] for r in results):
+        return "built"
+    for r in results:
+        if r["ok"]:
+            continue
+        if r.get("elapsed", 1e9) > timeout + 10:
+            return "late"
+        if not (r.get("peer") is not None and r["peer"] >= 0 or "peer " in r.get("message", "")):
+            return "unnamed"
+    return "failed-named"
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--trials", type=int, default=20)
+    p.add_argument("--loss", type=int, default=30, help="percent of packets dropped on each veth")
+    p.add_argument("--blackhole", type=float, default=2.0, help="seconds of 100 %% drop after the root is up")
+    p.add_argument("--timeout", type=float, default=20.0, help="build deadline, seconds")
+    args = p.parse_args(argv)
+    why = missing_tools()
+    if why:
+        print(f"netns_faults: cannot run: {why}")
+        return 2
+    hosts = make_hosts()
+    counts: Dict[str, int] = {}
+    walls, builds, failures = [], [], []
+    try:
+        for _ in range(args.trials):
+            results = one_build(hosts, args.loss, args.blackhole, args.timeout)
+            v = verdict(results, args.timeout)
+            counts[v] = counts.get(v, 0) + 1
+            walls.append(max(r["wall"] for r in results))
+            builds.append(max(r.get("elapsed_build", r.get("elapsed", 0.0)) for r in results))
+            failures += [r.get("message", "")[:200] for r in results if not r["ok"]]
+    finally:
+        remove_hosts(hosts)
+    print(f"netns_faults: {args.trials} builds of 4 ranks on 2 hosts, {args.loss} % loss, "
+          f"{args.blackhole:g} s blackhole, deadline {args.timeout:g} s: {counts}")
+    print(f"  build (slowest rank): median {statistics.median(builds):.2f} s, max {max(builds):.2f} s; "
+          f"wall per trial (processes started to all exited): median {statistics.median(walls):.2f} s, "
+          f"max {max(walls):.2f} s")
+    for m in failures[:10]:
+        print(f"  failure: {m}")
+    bad = sum(v for k, v in counts.items() if k not in ("built", "failed-named"))
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

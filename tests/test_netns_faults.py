@@ -1,0 +1,43 @@
+"""Two "hosts" (network namespaces and a veth pair) through a bad link made with nft: 30 %
+of the packets dropped, and a 2 s blackhole once rank 0's root is up. The mesh builds, or
+fails within its deadline on every rank naming a peer. Needs root, `ip netns` and `nft`;
+skipped (with the reason) where one is missing, unless FXM_REQUIRE_NFT=1 makes that a
+failure. The script mode with figures: python tests/netns_faults.py --trials 20."""
+
+import os
+
+import pytest
+
+import netns_faults
+
+pytestmark = pytest.mark.timeout(240)
+
+DEADLINE = 30.0
+
+
+@pytest.fixture(scope="module")
+def hosts():
+    why = netns_faults.missing_tools()
+    if why:
+        if os.environ.get("FXM_REQUIRE_NFT") == "1":
+            pytest.fail(f"nft fault tests required (FXM_REQUIRE_NFT=1) but {why}")
+        pytest.skip(why)
+    try:
+        h = netns_faults.make_hosts()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    yield h
+    netns_faults.remove_hosts(h)
+
+
+def check(results):
+    v = netns_faults.verdict(results, DEADLINE)
+    assert v in ("built", "failed-named"), (v, results)
+    for r in results:
+        assert r.get("elapsed", 0) <= DEADLINE + 10, r  # nobody outlived its deadline by much
+
+
+@pytest.mark.parametrize("loss, blackhole", [(30, 0.0), (0, 2.0), (30, 2.0)],
+                         ids=["loss30", "blackhole2s", "loss30+blackhole2s"])
+def test_mesh_builds_or_names_the_peer_through_a_bad_link(hosts, loss, blackhole):
+    check(netns_faults.one_build(hosts, loss, blackhole, DEADLINE))
