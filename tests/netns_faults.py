@@ -31,6 +31,7 @@ from meshutil import subprocess_env  # noqa: E402
 
 RANK_PROG = os.path.join(HERE, "rank_prog.py")
 Host = Tuple[str, str, str]  # netns, veth name, address
+ITERATIONS = 2  # builds per rank process and trial (each within its own deadline)
 
 
 def missing_tools() -> Optional[str]:
@@ -93,7 +94,7 @@ def one_build(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: floa
         procs, t0 = [], time.monotonic()
         for rank, (ns, ifname, _) in enumerate(placement):
             cmd = ["ip", "netns", "exec", ns, sys.executable, RANK_PROG, "--rank", str(rank), "--nranks", "4",
-                   "--uid-file", uid_file, "--timeout", str(timeout), "--iterations", "2"]
+                   "--uid-file", uid_file, "--timeout", str(timeout), "--iterations", str(ITERATIONS)]
             if rank == 0:
                 cmd.append("--make-uid")
             procs.append(subprocess.Popen(cmd, env=subprocess_env({"FLAGCX_MESH_IFNAME": ifname}), text=True,
@@ -121,9 +122,10 @@ def one_build(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: floa
     return results
 
 
-def verdict(results: List[dict], timeout: float) -> str:
-    """'built', 'failed-named' (every failing rank names a peer, within its deadline), or
-    what is wrong ('hung', 'late', 'unnamed', 'partial')."""
+def verdict(results: List[dict], timeout: float, builds: int = ITERATIONS) -> str:
+    """'built', 'failed-named' (every failing rank names a peer, or the bootstrap root it could
+    not hear from, within its deadlines: `builds` builds one after another), or what is wrong
+    ('hung', 'late', 'unnamed', 'partial')."""
     if any(r.get("hung") for r in results):
         return "hung"
     if all(r["ok"] for r in results):
@@ -131,9 +133,10 @@ def verdict(results: List[dict], timeout: float) -> str:
     for r in results:
         if r["ok"]:
             continue
-        if r.get("elapsed", 1e9) > timeout + 10:
+        if r.get("elapsed", 1e9) > builds * timeout + 10:
             return "late"
-        if not (r.get("peer") is not None and r["peer"] >= 0 or "peer " in r.get("message", "")):
+        message = r.get("message", "")
+        if not (r.get("peer") is not None and r["peer"] >= 0 or "peer " in message or "bootstrap root at" in message):
             return "unnamed"
     return "failed-named"
 

@@ -53,7 +53,20 @@ bool Client::try_join(const UniqueId& id, uint32_t epoch, const Deadline& deadli
   j.timeout_ms = static_cast<uint32_t>(std::clamp(deadline.seconds_left(), 0.0, 4e6) * 1000);
   j.mac = join_proof(key, hello, c.nonce, j.nranks, j.timeout_ms);
   r = send_msg(fd_.get(), {MsgType::kJoin, Code::kOk, rank_, 0, encode_join(j)}, deadline);
+  if (r.kind == tcp::IoResult::kClosed) return false;
   if (!r.ok()) raise_io(r, doing);
+  return admitted(doing, deadline);
+}
+
+// The root's answer to a join: filed (true), or the connection closed before
+// it was (false: the root dropped the handshake, at its deadline or to make
+// room; the caller joins again). A refusal raises it.
+bool Client::admitted(const std::string& doing, const Deadline& deadline) {
+  Msg m;
+  tcp::IoResult r = recv_msg(fd_.get(), &m, deadline);
+  if (r.kind == tcp::IoResult::kClosed) return false;
+  if (!r.ok()) raise_io(r, doing);
+  if (m.type != MsgType::kAdmitted) raise(m, doing);  // a refusal (kError) names its reason
   return true;
 }
 
@@ -248,7 +261,8 @@ void Client::raise(const Msg& m, const std::string& doing) {
 void Client::raise_io(const tcp::IoResult& r, const std::string& doing) {
   std::string who = "rank " + std::to_string(rank_) + ": " + doing + ": ";
   if (r.kind == tcp::IoResult::kTimeout) {
-    fail(Code::kTimeout, -1, 0, who + "timed out waiting for the other ranks");
+    fail(Code::kTimeout, -1, 0, who + "timed out waiting for the other ranks through the bootstrap root at " +
+                                    root_.str() + " (it named no missing rank in time: is this rank's link to it down?)");
   }
   if (r.kind == tcp::IoResult::kClosed) {
     fail(Code::kPeerLost, -1, r.err, who + "lost the bootstrap root at " + root_.str() +

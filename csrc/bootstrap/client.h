@@ -71,6 +71,7 @@ class Client {
   // root closed it before proving itself (a root crowded by strangers drops
   // connections that did not prove the key yet): the caller retries.
   bool try_join(const UniqueId& id, uint32_t epoch, const Deadline& deadline);
+  bool admitted(const std::string& doing, const Deadline& deadline);
   // Next message from the root other than a relayed one (which is stashed);
   // on an I/O failure raises naming `doing`. Caller holds mu_.
   Msg next_msg(const std::string& doing, const Deadline& deadline);

@@ -17,7 +17,7 @@
 namespace fxm::bootstrap {
 
 constexpr uint32_t kMsgMagic = 0x424d5846;  // "FXMB"
-constexpr uint16_t kProtoVersion = 2;  // 2: joins prove the key (kHello, kChallenge)
+constexpr uint16_t kProtoVersion = 3;  // 2: joins prove the key (kHello, kChallenge); 3: kAdmitted
 constexpr size_t kMsgHeaderSize = 24;
 constexpr uint64_t kMaxPayload = 64ull << 20;
 // Relayed point-to-point messages are for small control data (readiness
@@ -46,8 +46,9 @@ enum class MsgType : uint16_t {
   kDeliver = 9,    // root -> rank: a relayed payload from rank `rank`, tag `seq`
   kHello = 10,     // rank -> root, first: mesh id, epoch, version, the rank's nonce
   kChallenge = 11, // root -> rank: the root's nonce and its key proof
+  kAdmitted = 12,  // root -> rank: the join was checked and filed (a rank not told retries)
 };
-constexpr uint16_t kMaxMsgType = 11;
+constexpr uint16_t kMaxMsgType = 12;
 
 struct Msg {
   MsgType type = MsgType::kBye;

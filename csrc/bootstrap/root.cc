@@ -342,6 +342,7 @@ void Root::admit(Pending& p, const JoinInfo& j) {
   Client& c = clients_[rank];
   c.fd = std::move(p.fd);
   c.joined = true;
+  send_to(rank, Msg{MsgType::kAdmitted, Code::kOk, rank, 0, {}});  // before anything held for it
   life_->joined(rank, j.timeout_ms / 1000.0);
   for (const Msg& held : c.held) send_to(rank, held);
   c.held.clear();
