@@ -44,7 +44,9 @@ void check_args(int nranks, int rank, const MeshOptions& opt) {
   check_timeout(opt.header_timeout_s, "Mesh build: header_timeout", false);
   if (opt.max_inflight < 1) bad("max_inflight must be >= 1");
   if (opt.max_unreceived < 1) bad("max_unreceived must be >= 1");
-  if (opt.epoch > 0xFFFFFFFFll) bad("epoch must fit in 32 bits, got " + std::to_string(opt.epoch));
+  if (opt.epoch > 0xFFFFFFFFll || opt.epoch < -1) {
+    bad("epoch must be in [0, 2^32) (or -1: the unique id's), got " + std::to_string(opt.epoch));
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <cstring>
 
+#include "bootstrap/sealed_id.h"
 #include "bootstrap/unique_id.h"
 #include "base/env.h"
 #include "core/mesh.h"
@@ -263,6 +264,22 @@ PYBIND11_MODULE(_core, m) {
     }
     return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
   }, py::arg("epoch") = 0);
+  m.def("seal_unique_id", [](const py::bytes& shared, const py::bytes& next) {
+    std::string s = shared, n = next;
+    fxm::bootstrap::UniqueIdBytes nb{};
+    fxm::bootstrap::UniqueId sid = fxm::bootstrap::decode_unique_id(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+    fxm::bootstrap::decode_unique_id(reinterpret_cast<const uint8_t*>(n.data()), n.size());
+    std::memcpy(nb.data(), n.data(), nb.size());
+    std::vector<uint8_t> out = fxm::bootstrap::seal_unique_id(sid, nb);
+    return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
+  }, py::arg("shared"), py::arg("next"),
+        "Seals unique id `next` under the secret of unique id `shared` (for ranks that hold `shared`).");
+  m.def("unseal_unique_id", [](const py::bytes& shared, const py::bytes& sealed) {
+    std::string s = shared, x = sealed;
+    fxm::bootstrap::UniqueId sid = fxm::bootstrap::decode_unique_id(reinterpret_cast<const uint8_t*>(s.data()), s.size());
+    fxm::bootstrap::UniqueIdBytes b = fxm::bootstrap::unseal_unique_id(sid, std::vector<uint8_t>(x.begin(), x.end()));
+    return py::bytes(reinterpret_cast<const char*>(b.data()), b.size());
+  }, py::arg("shared"), py::arg("sealed"), "The unique id sealed by seal_unique_id (ProtocolError when forged).");
   m.def("release_unique_id", [](const py::bytes& raw) {
     std::string b = raw;
     py::gil_scoped_release release;

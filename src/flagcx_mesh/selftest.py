@@ -139,12 +139,13 @@ def _check_device(mesh, it: int, device: str, size: int, timeout: float) -> str:
     return paths
 
 
-def _next_uid(mesh) -> bytes:
-    """Rank 0 makes the next unique id and hands it out over the current mesh."""
-    from . import get_unique_id
+def _next_uid(mesh, uid: bytes) -> bytes:
+    """Rank 0 makes the next unique id and hands it out over the current mesh, sealed under
+    the current id's secret (the secret of the next mesh never goes on the wire in clear)."""
+    from . import _core, get_unique_id
 
-    mine = get_unique_id() if mesh.rank == 0 else b""
-    return mesh.allgather(mine, timeout=60)[0]
+    mine = _core.seal_unique_id(uid, get_unique_id()) if mesh.rank == 0 else b""
+    return _core.unseal_unique_id(uid, mesh.allgather(mine, timeout=60)[0])
 
 
 def _progress(rank: int, it: int, total: int, last: List[float]) -> None:
@@ -165,7 +166,7 @@ def run_rank(rank: int, nranks: int, uid: bytes, args: argparse.Namespace) -> in
         for it in range(args.iterations):
             phase = "unique id hand-out"
             if mesh is not None:
-                uid = _next_uid(mesh)
+                uid = _next_uid(mesh, uid)
                 mesh.close()
             phase = "build"
             mesh = Mesh(nranks, uid, rank, contexts=args.contexts, timeout=args.timeout)

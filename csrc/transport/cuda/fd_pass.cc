@@ -89,10 +89,14 @@ void FdServer::serve() {
   }
 }
 
-// One request: 8 bytes of token within 2 s, answered by the fds and their count.
+// One request from a process of this user: 8 bytes of token within 200 ms,
+// answered by the fds and their count. Anything else is closed at once.
 void FdServer::answer(int conn) const {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != ::getuid()) return;
   uint64_t token = 0;
-  if (!wait_fd(conn, POLLIN, 2000) || ::recv(conn, &token, sizeof(token), MSG_WAITALL) != sizeof(token)) return;
+  if (!wait_fd(conn, POLLIN, 200) || ::recv(conn, &token, sizeof(token), MSG_WAITALL) != sizeof(token)) return;
   if (token != token_) return;
   uint32_t count = static_cast<uint32_t>(fds_.size());
   iovec iov{&count, sizeof(count)};

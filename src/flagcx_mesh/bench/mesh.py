@@ -51,9 +51,15 @@ def _have_torch() -> bool:
 # ---------------------------------------------------------------- rank side
 
 def _time_flagcx(control, nranks: int, contexts: int) -> float:
-    from .. import Mesh, get_unique_id
+    """One build timed; its unique id handed out over the control mesh, sealed under the control
+    mesh's secret (the launcher's id), so no secret goes on the wire in clear."""
+    import os
 
-    uid = control.allgather(get_unique_id() if control.rank == 0 else b"", timeout=60)[0]
+    from .. import Mesh, _core, get_unique_id
+
+    shared = bytes.fromhex(os.environ["FLAGCX_MESH_UNIQUE_ID"])
+    sealed = _core.seal_unique_id(shared, get_unique_id()) if control.rank == 0 else b""
+    uid = _core.unseal_unique_id(shared, control.allgather(sealed, timeout=60)[0])
     control.barrier(timeout=60)
     t0 = time.perf_counter()
     mesh = Mesh(nranks, uid, control.rank, contexts=contexts, timeout=60)
