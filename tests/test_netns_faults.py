@@ -33,9 +33,8 @@ def hosts():
 def check(results):
     v = netns_faults.verdict(results, DEADLINE)
     assert v in ("built", "failed-named"), (v, results)
-    for r in results:
-        # nobody outlived its deadlines (one per build, ITERATIONS builds) by much
-        assert r.get("elapsed", 0) <= netns_faults.ITERATIONS * DEADLINE + 10, r
+    for r in results:  # a rank that failed inside the build did so by its deadline
+        assert "elapsed_build" in r or r.get("elapsed", 0) <= DEADLINE + 10, r
 
 
 @pytest.mark.parametrize("loss, blackhole", [(30, 0.0), (0, 2.0), (30, 2.0)],
