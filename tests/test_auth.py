@@ -99,9 +99,11 @@ def via_port(uid, port):
 
 
 class RecordingProxy:
-    """Forwards one connection to `target` both ways and records what the client sent."""
+    """Forwards one connection to `target` both ways and records what the client sent (with
+    both_ways, what the target sent too)."""
 
-    def __init__(self, host, target):
+    def __init__(self, host, target, both_ways=False):
+        self.both_ways = both_ways
         self.srv = socket.create_server((host, 0))
         self.port = self.srv.getsockname()[1]
         self.target = target
@@ -132,7 +134,7 @@ class RecordingProxy:
         client, _ = self.srv.accept()
         upstream = socket.create_connection(self.target)
         threading.Thread(target=self._pump, args=(client, upstream, True), daemon=True).start()
-        threading.Thread(target=self._pump, args=(upstream, client, False), daemon=True).start()
+        threading.Thread(target=self._pump, args=(upstream, client, self.both_ways), daemon=True).start()
 
     def recorded(self):
         with self.lock:

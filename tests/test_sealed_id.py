@@ -4,15 +4,12 @@ docs/security.md: the secret never goes on the wire. Tools that build mesh after
 next id out over the current one; they seal it under the current mesh's secret.
 """
 
-import socket
-import threading
-
 import pytest
 
 import flagcx_mesh
 from flagcx_mesh import Mesh, ProtocolError, _core
 from meshutil import raise_nofile_limit, run_threads
-from test_auth import root_and_mesh_id, via_port
+from test_auth import RecordingProxy, root_and_mesh_id, via_port
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -22,48 +19,8 @@ def _nofile():
     raise_nofile_limit()
 
 
-class BothWaysProxy:
-    """Forwards one connection to `target` and records the bytes of both directions."""
-
-    def __init__(self, host, target):
-        self.srv = socket.create_server((host, 0))
-        self.port = self.srv.getsockname()[1]
-        self.target = target
-        self.seen = bytearray()
-        self.lock = threading.Lock()
-        threading.Thread(target=self._serve, daemon=True).start()
-
-    def _pump(self, a, b):
-        try:
-            while True:
-                chunk = a.recv(65536)
-                if not chunk:
-                    break
-                with self.lock:
-                    self.seen += chunk
-                b.sendall(chunk)
-        except OSError:
-            pass
-        finally:
-            for s in (a, b):
-                try:
-                    s.shutdown(socket.SHUT_RDWR)
-                except OSError:
-                    pass
-
-    def _serve(self):
-        client, _ = self.srv.accept()
-        upstream = socket.create_connection(self.target)
-        for a, b in ((client, upstream), (upstream, client)):
-            threading.Thread(target=self._pump, args=(a, b), daemon=True).start()
-
-    def recorded(self):
-        with self.lock:
-            return bytes(self.seen)
-
-
 def test_selftest_hands_out_the_next_unique_id_without_its_secret_on_the_wire():
-    """`python -m flagcx_mesh.selftest --iterations N` (and `bench mesh`) hands every
+    """`python -m flagcx_mesh.selftest --iterations N` (and `bench mesh`) handed every
     next unique id to the ranks with `mesh.allgather`, i.e. in clear over the bootstrap
     TCP connections through the root. docs/security.md: "The secret never goes on the
     wire" -- a reader of the network (inside the threat model) learns the key of every
@@ -73,7 +30,7 @@ def test_selftest_hands_out_the_next_unique_id_without_its_secret_on_the_wire():
 
     uid = flagcx_mesh.get_unique_id()
     root, _ = root_and_mesh_id(uid)
-    proxy = BothWaysProxy(root[0], root)
+    proxy = RecordingProxy(root[0], root, both_ways=True)
     uids = [uid, via_port(uid, proxy.port)]
 
     def rank(r):
