@@ -434,3 +434,40 @@ def test_closing_a_mesh_never_frees_a_signal_slot_a_stream_still_waits_on():
 def test_a_get_the_target_cannot_copy_down_fails_naming_the_driver_and_keeps_the_pair():
     run_job(2, "get_answer_fails",
             env=fake_env(FLAGCX_MESH_CUDA_PATH="staged", FXM_FAKECUDA_FAIL="cuMemcpyAsync=700"))
+
+
+def test_a_device_op_done_before_its_peer_left_completes_flush():
+    """Rank 0's put waits on a held stream; rank 1 releases it and closes its mesh at once.
+    Nothing polls rank 0's device ops meanwhile: when its flush starts, the peer's goodbye is
+    already in, but the op is done, and flush must say so (it used to raise PeerLost)."""
+    p = run_python("""
+        import threading, time, flagcx_mesh as fm, fakecuda
+        from meshutil import run_threads
+        cu = fakecuda.FakeCuda.get()
+        uid = fm.get_unique_id()
+        def rank(r):
+            m = fm.Mesh(2, uid, r, timeout=10)
+            sig = m.signal_window(4)
+            win = m.alloc_window(4096, device=0)
+            m.barrier(timeout=30)
+            if r == 0:
+                a = cu.stream()
+                m.wait_signal(3, 1, window=sig, stream=a)
+                m.put(1, win, 0, win, 0, 4096, stream=a)
+                m.barrier(timeout=30)  # rank 1 releases the stream after this, then leaves
+                time.sleep(1.0)
+                try:
+                    m.flush(timeout=10)
+                    out = "FLUSHED"
+                except fm.MeshError as e:
+                    out = f"{type(e).__name__}: {e}"
+            else:
+                m.barrier(timeout=30)
+                m.signal(0, 3, 1, signal_window=sig)
+                m.flush(timeout=10)
+                out = None
+            m.close()
+            return out
+        print("RANK0", run_threads(2, rank, timeout=60)[0])
+    """, fake_env())
+    assert "RANK0 FLUSHED" in p.stdout, p.stdout

@@ -226,6 +226,7 @@ void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   while (outstanding_[slot(peer, ctx)] != 0) {
     if (!lost_[peer].empty() || bye_[peer] || deadline.expired()) {
+      if (settle_probes(lock)) continue;
       lock.unlock();
       fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
     }
@@ -282,6 +283,17 @@ bool Engine::poll_probes() {
   probes_pending_.fetch_sub(static_cast<int64_t>(done.size()));
   for (auto& [s, error] : done) completed(s / ncontexts_, s % ncontexts_, error);
   return !done.empty();
+}
+
+// Before a waiter fails (a peer gone, the deadline): the device ops it waits
+// for may be done without anyone having polled them. True when polling
+// completed some (the caller checks again).
+bool Engine::settle_probes(std::unique_lock<std::mutex>& lock) {
+  if (probes_pending_.load() == 0) return false;
+  lock.unlock();
+  bool some = poll_probes();
+  lock.lock();
+  return some;
 }
 
 // Sleeps on the condition variable, or, while probed ops are pending, polls them.
@@ -402,7 +414,7 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
   CountWaiter counted(&count_waiters_);
   while (completed_all_.load() < value) {
     for (int p = 0; p < nranks_; ++p) {
-      if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load()) {
+      if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load() && !settle_probes(lock)) {
         lock.unlock();
         fail_wait(p, "wait_counter", deadline);
       }
@@ -424,6 +436,7 @@ void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
   for (int p = lo; p < hi; ++p) {
     while (done_[p].load() != issued_[p].load()) {
       if (!lost_[p].empty() || bye_[p] || deadline.expired()) {
+        if (settle_probes(lock)) continue;
         lock.unlock();
         fail_wait(p, "flush", deadline);
       }

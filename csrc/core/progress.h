@@ -186,6 +186,7 @@ class Engine : public Outbox {
   std::atomic<int64_t> probes_pending_{0};
   // How long a waiter sleeps between polls: short while probes are pending.
   void wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline);
+  bool settle_probes(std::unique_lock<std::mutex>& lock);
   // Threads in flush / wait_counter: while none, count_inline neither locks
   // mu_ nor notifies (each waiter counts itself before testing the counters).
   std::atomic<int> count_waiters_{0};
