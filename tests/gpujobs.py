@@ -7,10 +7,19 @@ import subprocess
 
 import pytest
 
-from meshutil import PY
+from meshutil import PY, subprocess_env
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "gpu_prog.py")
+
+
+def job_env(base_extra, drop, **extra):
+    """subprocess_env(base_extra) without the variables in `drop` (set by an outer run), then `extra`."""
+    env = subprocess_env(base_extra)
+    for k in drop:
+        env.pop(k, None)
+    env.update({k: str(v) for k, v in extra.items()})
+    return env
 
 
 def run_job(n, scenario, *args, env, device, timeout, silent=()):

@@ -14,7 +14,7 @@ import subprocess
 import pytest
 
 import gpujobs
-from meshutil import PY, subprocess_env
+from meshutil import PY
 
 torch = pytest.importorskip("torch")
 if not torch.cuda.is_available():
@@ -28,11 +28,8 @@ JOB_TIMEOUT = 180
 
 
 def gpu_env(**extra):
-    env = subprocess_env()
-    for k in ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_CUDA_DRIVER", "PYTORCH_CUDA_ALLOC_CONF"):
-        env.pop(k, None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return gpujobs.job_env({}, ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_CUDA_DRIVER", "PYTORCH_CUDA_ALLOC_CONF"),
+                           **extra)
 
 
 def run_job(n, scenario, *args, env=None, silent=()):

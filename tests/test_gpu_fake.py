@@ -16,7 +16,7 @@ import pytest
 
 import fakecuda
 import gpujobs
-from meshutil import PY, subprocess_env
+from meshutil import PY
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -25,12 +25,9 @@ JOB_TIMEOUT = 90
 
 
 def fake_env(**extra):
-    env = subprocess_env(fakecuda.env(granularity=64 << 10))
-    for k in ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_TRANSPORT", "FXM_FAKECUDA_FAIL",
-              "FXM_FAKECUDA_NO_STREAM_MEMOPS"):
-        env.pop(k, None)
-    env.update({k: str(v) for k, v in extra.items()})
-    return env
+    return gpujobs.job_env(fakecuda.env(granularity=64 << 10),
+                           ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_TRANSPORT", "FXM_FAKECUDA_FAIL",
+                            "FXM_FAKECUDA_NO_STREAM_MEMOPS"), **extra)
 
 
 def run_job(n, scenario, *args, env=None, silent=()):

@@ -444,7 +444,6 @@ PathOp OneSided::path_op(const PutArgs& a, Window& local, bool is_get) const {
   op.fence = fences_[a.peer * ncontexts_ + a.ctx].get();
   op.local_device = local.device;
   op.src_rank = rank_;
-  op.deadline = op_deadline();
   return op;
 }
 

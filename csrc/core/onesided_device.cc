@@ -43,6 +43,7 @@ uint32_t OneSided::alloc_device(uint64_t size, int device) {
 void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get,
                                  PathOp* op) const {
   bool device_path = is_device_path(p.kind()) || p.kind() == PathKind::kStaged;
+  if (device_path || a.stream_set) op->deadline = op_deadline();  // host paths never wait: no clock read
   if (local.kind == WindowKind::kDevice && !device_path) {
     fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
                                                 "): window #" + std::to_string(local.index) +

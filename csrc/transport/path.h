@@ -138,7 +138,7 @@ struct PathOp {
   int local_device = -1;
   SignalSlots sig_slots;
   int src_rank = -1;
-  Deadline deadline = Deadline::never();
+  Deadline deadline = Deadline::never();  // set for device / staged ops and ops with a stream
   // A device op whose signal cannot be applied from the stream (the signal
   // window is reached over tcp): the call waits for the copy, the signal follows.
   bool wait_here = false;

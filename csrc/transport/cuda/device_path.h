@@ -45,15 +45,10 @@ class DevicePath : public Path {
 
 class StagedPath : public TcpPath {
  public:
-  StagedPath(Outbox* outbox, int peer, uint32_t win) : TcpPath(outbox, peer, win), outbox_(outbox), peer_(peer), win_(win) {}
+  StagedPath(Outbox* outbox, int peer, uint32_t win) : TcpPath(outbox, peer, win) {}
   PathKind kind() const override { return PathKind::kStaged; }
   int put(const PathOp& op) override;
   int get(const PathOp& op) override;
-
- private:
-  Outbox* outbox_;
-  int peer_;
-  uint32_t win_;
 };
 
 std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string* why);

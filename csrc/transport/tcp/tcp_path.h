@@ -19,7 +19,7 @@ class TcpPath : public Path {
   int get(const PathOp& op) override;
   void signal(const PathOp& op, int src_rank) override;
 
- private:
+ protected:  // the staged path (transport/cuda) posts through the same outbox, peer and window
   Outbox* outbox_;
   int peer_;
   uint32_t win_;
