@@ -348,6 +348,59 @@ def test_stream_waits_for_an_event_of_another_stream(cu):
 
 
 @pytest.mark.timeout(60)
+def test_a_stream_wait_is_not_released_by_a_later_record_of_its_event(cu):
+    """CUDA: cuStreamWaitEvent waits for the record that was the event's latest when the wait
+    was queued. A later record of the same event (a pooled event reused) on a stream that gets
+    there at once must not let the waiting stream run ahead of the first record's work."""
+    slot, addr = host_slot()
+    cu.host_register(addr, 8)
+    first, waiter, quick, ev = cu.stream(), cu.stream(), cu.stream(), cu.event()
+    dev = cu.alloc(16)
+    payload, out = C.create_string_buffer(b"the first stream", 16), C.create_string_buffer(16)
+    passed = threading.Event()
+    cu.wait_value64(first, addr, 1)
+    cu.memcpy_async(dev, C.addressof(payload), 16, first)
+    cu.record(ev, first)
+    cu.call("cuStreamWaitEvent", waiter, ev, 0)
+    cu.launch_host_func(waiter, passed.set)
+    cu.memcpy_async(C.addressof(out), dev, 16, waiter)
+    cu.record(ev, quick)  # the event's latest record now: done at once
+    cu.synchronize(quick)
+    assert cu.event_query(ev) == F.SUCCESS  # query and synchronize refer to the latest record
+    cu.call("cuEventSynchronize", ev)
+    released_early = passed.wait(1.0)  # the old fake let the waiter go here
+    slot[0] = 1
+    cu.synchronize(waiter)
+    assert not released_early, "the waiting stream ran before the record it waited for"
+    assert out.raw == b"the first stream"
+    for s in (first, waiter, quick):
+        cu.stream_destroy(s)
+    cu.host_unregister(addr)
+    cu.free(dev)
+
+
+@pytest.mark.timeout(60)
+def test_a_record_issued_after_a_wait_was_queued_is_not_waited_for(cu):
+    """The other half: a wait queued before a record waits only for the records before it."""
+    slot, addr = host_slot()
+    cu.host_register(addr, 8)
+    early, held, waiter, ev = cu.stream(), cu.stream(), cu.stream(), cu.event()
+    cu.record(ev, early)
+    cu.synchronize(early)
+    cu.call("cuStreamWaitEvent", waiter, ev, 0)
+    cu.wait_value64(held, addr, 1)
+    cu.record(ev, held)  # after the wait was queued: the waiter does not wait for it
+    cu.synchronize(waiter)
+    assert cu.event_query(ev) == F.NOT_READY
+    slot[0] = 1
+    cu.call("cuEventSynchronize", ev)
+    assert cu.event_query(ev) == F.SUCCESS
+    for s in (early, held, waiter):
+        cu.stream_destroy(s)
+    cu.host_unregister(addr)
+
+
+@pytest.mark.timeout(60)
 def test_null_stream_waits_for_blocking_streams_not_for_non_blocking(cu):
     slot, addr = host_slot()
     cu.host_register(addr, 8)
@@ -431,6 +484,101 @@ def test_destroy_returns_at_once_and_the_queued_work_still_runs(cu):
     slot[0] = 1
     assert done.wait(30)
     cu.host_unregister(addr)
+
+
+# ----------------------------------------------------------------------------- memory gone under queued work
+
+@pytest.mark.timeout(120)
+def test_a_copy_queued_before_its_device_memory_was_freed_fails_and_touches_nothing():
+    """A copy held on its stream while the allocation is freed must not write the pages that
+    were the allocation (the old fake took the address for host memory and died of SIGSEGV).
+    It fails as an illegal address, the stream's sticky error."""
+    p = run_child("""
+        cu = F.FakeCuda.get()
+        slot = (C.c_uint64 * 1)(0)
+        cu.host_register(C.addressof(slot), 8)
+        s, d, src = cu.stream(), cu.alloc(1 << 16), C.create_string_buffer(1 << 16)
+        cu.wait_value64(s, C.addressof(slot), 1)
+        cu.memcpy_async(d, C.addressof(src), 1 << 16, s)  # into the allocation
+        cu.memcpy_async(C.addressof(src), d, 1 << 16, s)  # and out of it
+        cu.free(d)
+        slot[0] = 1
+        print(cu.rc("cuStreamSynchronize", s), flush=True)
+    """, expect_rc=None)
+    assert p.returncode == 0 and p.stdout.split() == [str(F.ILLEGAL_ADDRESS)], (p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_stream_wait_on_a_slot_unregistered_meanwhile_fails_and_reads_nothing():
+    """A pending cuStreamWaitValue64 on registered host memory that is unregistered and unmapped
+    (a signal window closed) ends with an illegal address instead of reading the freed pages."""
+    p = run_child("""
+        import mmap
+        cu = F.FakeCuda.get()
+        m = mmap.mmap(-1, 4096)
+        addr = C.addressof(C.c_char.from_buffer(m))
+        cu.host_register(addr, 4096)
+        s = cu.stream()
+        cu.wait_value64(s, addr, 1)
+        cu.host_unregister(addr)
+        libc = C.CDLL(None)
+        libc.munmap.argtypes = [C.c_void_p, C.c_size_t]
+        print(libc.munmap(addr, 4096), cu.rc("cuStreamSynchronize", s), flush=True)
+        os._exit(0)  # the mmap object must not unmap it again
+    """, expect_rc=None)
+    assert p.returncode == 0 and p.stdout.split() == ["0", str(F.ILLEGAL_ADDRESS)], (p.returncode, p.stdout, p.stderr)
+
+
+@pytest.mark.timeout(120)
+def test_a_window_freed_while_its_copy_is_held_on_a_stream_does_not_crash_the_process():
+    """The library's case, made deterministic: cuEventQuery fails (injected), so the put counts as
+    failed while its copy is still held on the user's stream; dropping the mesh frees the window,
+    then the stream is released. The copy must fail, not write the freed pages (the old fake died
+    of SIGSEGV here, and at interpreter exit under load where nothing held the stream)."""
+    p = run_child("""
+        import gc
+        import flagcx_mesh as fm
+        cu = F.FakeCuda.get()
+        slot = (C.c_uint64 * 1)(0)
+        cu.host_register(C.addressof(slot), 8)
+        s = cu.stream()
+        cu.wait_value64(s, C.addressof(slot), 1)
+        m = fm.Mesh(1, fm.get_unique_id(), 0, timeout=10)
+        w = m.alloc_window(1 << 16, device=0)
+        m.put(0, w, 0, w, 1 << 15, 1 << 15, stream=s)
+        try:
+            m.flush(timeout=10)
+            print("FLUSHED")
+        except fm.MeshError:
+            print("FAILED")
+        m.close()
+        del m, w
+        gc.collect()
+        slot[0] = 1
+        print(cu.rc("cuStreamSynchronize", s), flush=True)
+    """, extra=F.env(granularity=GRAN, fail={"cuEventQuery": F.ILLEGAL_ADDRESS}), expect_rc=None)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    assert p.stdout.split() == ["FAILED", str(F.ILLEGAL_ADDRESS)], p.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_process_exits_cleanly_with_work_held_and_queued_on_its_streams():
+    """exit() with a stream wait pending and copies queued behind it: the exit handler stops
+    the stream threads (the wait ends, the queued copies are dropped) and the process ends."""
+    p = run_child("""
+        cu = F.FakeCuda.get()
+        slot = (C.c_uint64 * 1)(0)
+        cu.host_register(C.addressof(slot), 8)
+        d, host = cu.alloc(1 << 20), C.create_string_buffer(1 << 20)
+        for flags in (0, F.STREAM_NON_BLOCKING):
+            s = cu.stream(flags)
+            cu.wait_value64(s, C.addressof(slot), 1)
+            cu.memcpy_async(d, C.addressof(host), 1 << 20, s)
+            cu.memcpy_async(C.addressof(host), d, 1 << 20, s)
+        cu.memcpy_async(d, C.addressof(host), 1 << 20, None)  # behind the blocking one
+        print("queued", flush=True)
+    """, expect_rc=None)
+    assert p.returncode == 0 and p.stdout.split() == ["queued"], (p.returncode, p.stdout, p.stderr)
 
 
 # ----------------------------------------------------------------------------- hygiene

@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <shared_mutex>
 #include <vector>
 
@@ -20,7 +21,8 @@ using CUresult = int;
 using CUdeviceptr = unsigned long long;
 using Handle = unsigned long long;  // CUmemGenericAllocationHandle
 
-constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3, kNoDevice = 100,
+constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3, kDeinitialized = 4,
+                   kNoDevice = 100,
                    kInvalidDevice = 101, kInvalidContext = 201, kInvalidHandle = 400,
                    kNotFound = 500, kNotReady = 600, kIllegalAddress = 700,
                    kHostAlreadyRegistered = 712, kHostNotRegistered = 713, kNotPermitted = 800,
@@ -89,5 +91,15 @@ void copy_spans(const std::vector<Span>& dst, const std::vector<Span>& src);
 
 // ---- streams.cc
 void synchronize_all_streams();
+
+// ---- shutdown.cc: stream work at process exit
+// Registers (once) the exit handler that stops stream work before exit()
+// tears the process down; called when the first stream starts.
+void watch_process_exit();
+// True once exit() has begun: long stream operations return.
+bool process_exiting();
+// Runs one stream operation, counted as running for the exit handler; once the
+// process is exiting, runs nothing and answers CUDA_ERROR_DEINITIALIZED.
+CUresult run_stream_op(const std::function<CUresult()>& op);
 
 }  // namespace fakecuda

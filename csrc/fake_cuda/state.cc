@@ -105,6 +105,7 @@ constexpr ErrorText kErrors[] = {
     {kInvalidValue, "CUDA_ERROR_INVALID_VALUE", "invalid argument"},
     {kOutOfMemory, "CUDA_ERROR_OUT_OF_MEMORY", "out of memory"},
     {kNotInitialized, "CUDA_ERROR_NOT_INITIALIZED", "initialization error"},
+    {kDeinitialized, "CUDA_ERROR_DEINITIALIZED", "driver shutting down"},
     {kNoDevice, "CUDA_ERROR_NO_DEVICE", "no CUDA-capable device is detected"},
     {kInvalidDevice, "CUDA_ERROR_INVALID_DEVICE", "invalid device ordinal"},
     {kInvalidContext, "CUDA_ERROR_INVALID_CONTEXT", "invalid device context"},

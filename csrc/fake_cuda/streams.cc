@@ -3,10 +3,13 @@
 // every blocking stream as the real one is. An operation's error becomes the
 // stream's sticky error, returned by cuStreamSynchronize. cuStreamDestroy
 // returns at once, as the driver's does: the thread finishes the queued work
-// (a pending wait included) and then frees the stream.
+// (a pending wait included) and then frees the stream. An operation never
+// touches memory freed after it was queued (it fails as an illegal address),
+// and at process exit the stream threads stop (shutdown.cc).
 #include <unistd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <condition_variable>
 #include <deque>
 #include <functional>
@@ -16,18 +19,24 @@
 #include <set>
 #include <thread>
 
-#include "fake_cuda.h"
+#include "table.h"
 
 namespace fakecuda {
 namespace {
 
 using Op = std::function<CUresult()>;
 
+// One cuEventRecord: done once its stream has reached it. A wait queued
+// behind a record waits for that record alone, never for a later one.
+struct Record {
+  bool done = false;
+};
+using RecordPtr = std::shared_ptr<Record>;
+
 struct EventState {
   std::mutex mu;
   std::condition_variable cv;
-  uint64_t recorded = 0;   // records issued
-  uint64_t completed = 0;  // the latest record the stream has reached
+  RecordPtr latest;  // the most recent record issued (null: never recorded)
 };
 using EventPtr = std::shared_ptr<EventState>;
 
@@ -60,6 +69,7 @@ struct Stream {
 // The thread holds the stream until it has drained it after stop().
 StreamPtr Stream::start(bool blocking) {
   StreamPtr s = std::make_shared<Stream>(blocking);
+  watch_process_exit();
   s->worker = std::thread([s] { s->serve(); });
   return s;
 }
@@ -72,7 +82,8 @@ void Stream::serve() {
     Op op = std::move(queue.front());
     queue.pop_front();
     lk.unlock();
-    CUresult r = op();
+    CUresult r = run_stream_op(op);
+    op = nullptr;
     lk.lock();
     if (r != kSuccess && sticky == kSuccess) sticky = r;
     done++;
@@ -141,30 +152,36 @@ EventPtr find_event(void* e) {
   return reg.events.count(ev) ? ev->state : nullptr;
 }
 
-Op record_op(const EventPtr& ev, uint64_t seq) {
-  return [ev, seq] {
+Op record_op(const EventPtr& ev, const RecordPtr& rec) {
+  return [ev, rec] {
     std::lock_guard<std::mutex> g(ev->mu);
-    ev->completed = std::max(ev->completed, seq);
+    rec->done = true;
     ev->cv.notify_all();
     return kSuccess;
   };
 }
 
-Op wait_op(const EventPtr& ev, uint64_t target) {
-  return [ev, target] {
-    std::unique_lock<std::mutex> lk(ev->mu);
-    ev->cv.wait(lk, [&] { return ev->completed >= target; });
-    return kSuccess;
-  };
+// Waits on the host for `rec`; false when the process began to exit first.
+bool wait_record(EventState& ev, const Record& rec) {
+  std::unique_lock<std::mutex> lk(ev.mu);
+  while (!rec.done) {
+    if (process_exiting()) return false;
+    ev.cv.wait_for(lk, std::chrono::milliseconds(5));
+  }
+  return true;
+}
+
+Op wait_op(const EventPtr& ev, const RecordPtr& rec) {
+  return [ev, rec] { return wait_record(*ev, *rec) ? kSuccess : kDeinitialized; };
 }
 
 // Makes `waiter` wait for the work queued so far on `on` (nothing when it is idle).
 void order_after(Stream* waiter, Stream* on) {
   if (on == waiter || on->idle()) return;
   auto ev = std::make_shared<EventState>();
-  ev->recorded = 1;
-  on->push(record_op(ev, 1));
-  waiter->push(wait_op(ev, 1));
+  auto rec = std::make_shared<Record>();
+  on->push(record_op(ev, rec));
+  waiter->push(wait_op(ev, rec));
 }
 
 // Queues op on s, after what the legacy NULL stream semantics put before it.
@@ -193,22 +210,38 @@ Op wait_value_op(CUdeviceptr addr, uint64_t value, unsigned kind) {
   return [addr, value, kind] {
     for (;;) {
       uint64_t v = 0;
-      {
+      {  // the slot must still be device or registered memory: never read freed pages
         std::shared_lock<std::shared_mutex> g(table_lock());
         std::vector<Span> spans;
-        if (resolve(addr, 8, &spans) != kSuccess || spans.size() != 1) return kIllegalAddress;
+        if (!device_visible(addr, 8) || resolve(addr, 8, &spans) != kSuccess || spans.size() != 1)
+          return kIllegalAddress;
         v = __atomic_load_n(reinterpret_cast<uint64_t*>(spans[0].p), __ATOMIC_ACQUIRE);
       }
       if (wait_condition(v, value, kind)) return kSuccess;
+      if (process_exiting()) return kDeinitialized;
       usleep(20);
     }
   };
 }
 
-Op copy_op(CUdeviceptr dst, CUdeviceptr src, size_t n) {
-  return [dst, src, n] {
+// What one end of a copy was when the copy was queued. Call with table_lock() held.
+enum class End { kPageable, kRegisteredHost, kDevice };
+End end_of(CUdeviceptr addr, size_t n) {
+  if (find_range(addr)) return End::kDevice;
+  return find_host(static_cast<uintptr_t>(addr), n) ? End::kRegisteredHost : End::kPageable;
+}
+
+// An end queued as device or registered memory that is no longer so was freed
+// meanwhile: its pages may be unmapped, or another allocation's.
+bool end_still_there(CUdeviceptr addr, size_t n, End was) {
+  return was == End::kPageable || end_of(addr, n) == was;
+}
+
+Op copy_op(CUdeviceptr dst, End dst_was, CUdeviceptr src, End src_was, size_t n) {
+  return [=] {
     std::shared_lock<std::shared_mutex> g(table_lock());
     std::vector<Span> d, s;
+    if (!end_still_there(dst, n, dst_was) || !end_still_there(src, n, src_was)) return kIllegalAddress;
     if (resolve(dst, n, &d) != kSuccess || resolve(src, n, &s) != kSuccess) return kIllegalAddress;
     copy_spans(d, s);
     return kSuccess;
@@ -275,12 +308,15 @@ FAKE_API CUresult cuStreamSynchronize(void* handle) {
 FAKE_API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void* handle) {
   FAKE_ENTER("cuMemcpyAsync");
   FAKE_STREAM(s, handle);
+  End dst_was, src_was;
   {
     std::shared_lock<std::shared_mutex> g(table_lock());
     std::vector<Span> d, sp;
     if (resolve(dst, n, &d) != kSuccess || resolve(src, n, &sp) != kSuccess) return kInvalidValue;
+    dst_was = end_of(dst, n);
+    src_was = end_of(src, n);
   }
-  if (n) enqueue(s, copy_op(dst, src, n));
+  if (n) enqueue(s, copy_op(dst, dst_was, src, src_was, n));
   return kSuccess;
 }
 
@@ -338,44 +374,48 @@ FAKE_API CUresult cuEventRecord(void* event, void* handle) {
   EventPtr ev = find_event(event);
   if (!ev) return kInvalidHandle;
   FAKE_STREAM(s, handle);
-  uint64_t seq;
-  {
-    std::lock_guard<std::mutex> g(ev->mu);
-    seq = ++ev->recorded;
-  }
-  enqueue(s, record_op(ev, seq));
+  auto rec = std::make_shared<Record>();
+  std::lock_guard<std::mutex> g(ev->mu);  // records of one event are queued in the order they become latest
+  ev->latest = rec;
+  enqueue(s, record_op(ev, rec));
   return kSuccess;
 }
 
+// Waits for the record that is the latest when the wait is queued; a later
+// record of the same event, on any stream, does not release it.
 FAKE_API CUresult cuStreamWaitEvent(void* handle, void* event, unsigned flags) {
   FAKE_ENTER("cuStreamWaitEvent");
   EventPtr ev = find_event(event);
   if (!ev) return kInvalidHandle;
   if (flags != 0) return kInvalidValue;
   FAKE_STREAM(s, handle);
-  uint64_t target;
+  RecordPtr rec;
   {
     std::lock_guard<std::mutex> g(ev->mu);
-    target = ev->recorded;  // the latest record issued so far, not later ones
+    rec = ev->latest;
   }
-  if (target) enqueue(s, wait_op(ev, target));
+  if (rec) enqueue(s, wait_op(ev, rec));  // never recorded: nothing to wait for
   return kSuccess;
 }
 
+// Query and synchronize refer to the latest record at the time of the call.
 FAKE_API CUresult cuEventQuery(void* event) {
   FAKE_ENTER("cuEventQuery");
   EventPtr ev = find_event(event);
   if (!ev) return kInvalidHandle;
   std::lock_guard<std::mutex> g(ev->mu);
-  return ev->completed >= ev->recorded ? kSuccess : kNotReady;
+  return !ev->latest || ev->latest->done ? kSuccess : kNotReady;
 }
 
 FAKE_API CUresult cuEventSynchronize(void* event) {
   FAKE_ENTER("cuEventSynchronize");
   EventPtr ev = find_event(event);
   if (!ev) return kInvalidHandle;
-  std::unique_lock<std::mutex> lk(ev->mu);
-  uint64_t target = ev->recorded;
-  ev->cv.wait(lk, [&] { return ev->completed >= target; });
-  return kSuccess;
+  RecordPtr rec;
+  {
+    std::lock_guard<std::mutex> g(ev->mu);
+    rec = ev->latest;
+  }
+  if (!rec) return kSuccess;
+  return wait_record(*ev, *rec) ? kSuccess : kDeinitialized;
 }
