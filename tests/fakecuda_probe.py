@@ -166,6 +166,27 @@ def probe_streams(cu, stream):
     show("GEQ 1 on 2**64-1 passed (a cyclic compare says no)", cu.event_query(ev) == 0)
     slot[1] = 5
     cu.synchronize(s)
+    probe_event_records(cu, slot, sa)
+
+
+def probe_event_records(cu, slot, sa):
+    """A wait queued behind record 1 of an event is not released by a later record 2 of it."""
+    first, waiter, quick, ev, seen = cu.stream(), cu.stream(), cu.stream(), cu.event(), []
+    slot[0] = 0
+    cu.wait_value64(first, sa, 7)
+    cu.record(ev, first)
+    cu.call("cuStreamWaitEvent", waiter, ev, 0)
+    cu.launch_host_func(waiter, lambda: seen.append(1))
+    cu.record(ev, quick)
+    cu.synchronize(quick)
+    show("event query after a later record on a stream that is done", cu.event_query(ev))
+    time.sleep(0.5)
+    show("a wait on the earlier record passed on the later one", bool(seen))
+    slot[0] = 7
+    cu.synchronize(waiter)
+    show("the wait passed once the earlier record was reached", seen == [1])
+    for s in (first, waiter, quick):
+        cu.stream_destroy(s)
 
 
 def child(path, body):

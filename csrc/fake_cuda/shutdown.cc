@@ -7,6 +7,7 @@
 // ever must not keep the process from ending.
 #include <unistd.h>
 
+#include <atomic>
 #include <chrono>
 #include <condition_variable>
 #include <cstdlib>
@@ -22,7 +23,7 @@ constexpr auto kExitGrace = std::chrono::seconds(5);
 struct Gate {
   std::mutex mu;
   std::condition_variable cv;
-  bool exiting = false;
+  std::atomic<bool> exiting{false};  // set under mu; read without it by long operations' polls
   int running = 0;  // stream operations in progress
   pid_t pid = 0;    // the process that registered the handler
 };
@@ -50,11 +51,7 @@ void watch_process_exit() {
   });
 }
 
-bool process_exiting() {
-  Gate& g = gate();
-  std::lock_guard<std::mutex> lk(g.mu);
-  return g.exiting;
-}
+bool process_exiting() { return gate().exiting.load(); }
 
 CUresult run_stream_op(const std::function<CUresult()>& op) {
   Gate& g = gate();
