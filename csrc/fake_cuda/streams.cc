@@ -232,7 +232,8 @@ End end_of(CUdeviceptr addr, size_t n) {
 }
 
 // An end queued as device or registered memory that is no longer so was freed
-// meanwhile: its pages may be unmapped, or another allocation's.
+// meanwhile: its pages may be unmapped. (An address reused by a new allocation
+// of the same kind is not told apart.)
 bool end_still_there(CUdeviceptr addr, size_t n, End was) {
   return was == End::kPageable || end_of(addr, n) == was;
 }
