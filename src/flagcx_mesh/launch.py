@@ -307,8 +307,9 @@ def _supervise(ranks: Sequence[_Rank], deadline: Optional[float],
 
 
 def _get_unique_id() -> bytes:
-    from flagcx_mesh import get_unique_id  # lazy: the C++ extension may not be built yet
-    return bytes(get_unique_id())
+    # lazy: the C++ extension may not be built yet; the core's call, as mesh.py imports this module
+    from ._core import get_unique_id
+    return bytes(get_unique_id(0))
 
 
 def _start_all(cmd: Sequence[str], nranks: int, uid: bytes, extra: Optional[Mapping[str, str]],
