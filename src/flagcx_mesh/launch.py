@@ -444,8 +444,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("a command is required (after --)")
     if cmd[0].endswith(".py"):  # a script runs under this interpreter, as torchrun does
         cmd = [sys.executable] + cmd
-    return launch(cmd, args.nranks, timeout=args.timeout, grace=args.grace,
-                  prefix=not args.no_prefix)
+    from .errors import MeshError  # lazy, as the unique id: no compiled core needed for -h
+
+    try:
+        return launch(cmd, args.nranks, timeout=args.timeout, grace=args.grace,
+                      prefix=not args.no_prefix)
+    except MeshError as e:  # the unique id (e.g. FLAGCX_MESH_IFNAME): one line, not a traceback
+        print(f"flagcx_mesh.launch: cannot make the mesh's unique id: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
