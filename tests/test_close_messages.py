@@ -1,5 +1,5 @@
 """What a waiter reads when its peer closes its mesh: never that the peer's process exited or was
-killed (docs/python-api.md, "Errors"). The peer here closes with more messages queued to this
+killed (docs/python-api.md, one-sided operations). The peer here closes with more messages queued to this
 rank than the connection takes, so its goodbye stays queued behind them past close's 1 s."""
 
 import pytest

@@ -1,5 +1,5 @@
 """A wrong FLAGCX_MESH_IFNAME names the variable, what is wrong with it and the interfaces that
-are up (docs/launching.md, "Choosing the interface"); under the launcher it is one line."""
+are up (docs/launching.md, "Across hosts"); under the launcher it is one line."""
 
 import socket
 import subprocess
