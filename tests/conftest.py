@@ -1,11 +1,32 @@
-"""Shared pytest set-up: the suite tests the INSTALLED package."""
+"""Shared pytest set-up: the suite tests the INSTALLED package.
 
+Tiers the test command runs apart (scripts/test.sh; docs/testing.md, "Parallel runs"):
+``serial`` files watch state every process of the machine shares (/dev/shm names, thousands of
+descriptors, network namespaces, a second C++ build) and run alone after the parallel run;
+``slow`` tests take minutes each (``-m "not slow"`` leaves them out of a quick local run; CI runs
+them all the same).
+"""
+
+import os
 import resource
 
 import pytest
 
+SERIAL_FILES = {
+    "test_shm_names.py",       # counts every fxm- name in /dev/shm
+    "test_auth.py",            # a flood of thousands of connections
+    "test_netns.py",           # network namespaces and veth pairs of the host
+    "test_netns_faults.py",    # the same, with nft rules
+    "test_soak.py",            # many meshes at once, long
+    "test_runtime_symbols.py", # builds the core a second time (both cores busy)
+    "test_onesided_races.py",  # crash races and a PID namespace
+}
+SLOW_FILES = {"test_soak.py", "test_runtime_symbols.py", "test_netns_faults.py"}
+
 
 def pytest_configure(config):
+    config.addinivalue_line("markers", "serial: run alone, after the parallel run (SERIAL_FILES)")
+    config.addinivalue_line("markers", "slow: minutes per test; CI runs them (SLOW_FILES)")
     # Ranks-as-threads tests open 2 * nranks * contexts sockets per rank.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 65536
@@ -17,3 +38,12 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"flagcx_mesh is not installed with its compiled core ({e}); "
             "run the suite with: bash scripts/test.sh") from e
+
+
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        name = os.path.basename(str(item.fspath))
+        if name in SERIAL_FILES:
+            item.add_marker(pytest.mark.serial)
+        if name in SLOW_FILES:
+            item.add_marker(pytest.mark.slow)

@@ -15,7 +15,9 @@ import os
 import threading
 from typing import Callable, Dict, List, Optional
 
-LIBRARY_NAME = "libflagcx_mesh_fakecuda.so"
+import testdoubles
+
+LIBRARY_NAME = testdoubles.FAKECUDA_LIBRARY
 DRIVER_ENV = "FLAGCX_MESH_CUDA_DRIVER"
 
 # CUresult values the fake answers
@@ -36,12 +38,8 @@ HOST_FN = C.CFUNCTYPE(None, C.c_void_p)
 
 
 def library_path() -> str:
-    """The fake driver installed with the tested flagcx_mesh package (its lib/ folder)."""
-    import flagcx_mesh
-    path = os.path.join(os.path.dirname(os.path.abspath(flagcx_mesh.__file__)), "lib", LIBRARY_NAME)
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"the fake CUDA driver is missing at {path} (reinstall the package)")
-    return path
+    """The fake driver of the test build (testdoubles.py): the installed package holds none."""
+    return testdoubles.library(LIBRARY_NAME)
 
 
 def env(devices: Optional[int] = None, fail: Optional[Dict[str, int]] = None,

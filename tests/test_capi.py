@@ -16,6 +16,8 @@ import pytest
 import flagcx_mesh
 from flagcx_mesh import config
 
+import testdoubles
+
 pytestmark = pytest.mark.timeout(180)
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -127,10 +129,9 @@ def test_only_the_c_abi_is_exported():
 
 
 def test_the_testing_library_exports_the_test_adaptor_only():
-    from flagcx_mesh._paths import get_testing_library
-    out = sh([shutil.which("nm"), "-D", "--defined-only", get_testing_library()])
+    out = sh([shutil.which("nm"), "-D", "--defined-only", testdoubles.testing_library()])
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
-    header = open(os.path.join(flagcx_mesh.get_include(), "flagcx_mesh_testing.h")).read()
+    header = open(os.path.join(testdoubles.include_dir(), "flagcx_mesh_testing.h")).read()
     declared = set(re.findall(r"\b(flagcx_mesh_\w+)\(", header))
     assert declared and names == declared, (sorted(names), sorted(declared))
 

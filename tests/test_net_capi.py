@@ -7,6 +7,8 @@ import pytest
 
 import flagcx_mesh
 
+import testdoubles
+
 pytestmark = pytest.mark.timeout(30)
 
 
@@ -57,9 +59,8 @@ class Libs:
     """libflagcx_mesh.so, with the test adaptor's calls from libflagcx_mesh_testing.so."""
 
     def __init__(self):
-        from flagcx_mesh._paths import get_testing_library
-        self.main = C.CDLL(flagcx_mesh.get_library())  # the installed package's libraries
-        self.testing = C.CDLL(get_testing_library())
+        self.main = C.CDLL(flagcx_mesh.get_library())  # the installed package's library
+        self.testing = C.CDLL(testdoubles.testing_library())  # the test build's
         self.main.flagcx_mesh_last_error.restype = C.c_char_p
         self.testing.flagcx_mesh_test_last_error.restype = C.c_char_p
 

@@ -10,8 +10,7 @@ import pytest
 README = os.path.join(os.path.dirname(__file__), os.pardir, "README.md")
 
 
-@pytest.mark.timeout(90)
-def test_readme_python_example_runs(tmp_path):
+def _run_example(tmp_path, env=None):
     if not os.path.exists(README):
         pytest.skip("README.md is not beside the tests")
     blocks = re.findall(r"```python\n(.*?)```", open(README).read(), re.S)
@@ -19,6 +18,23 @@ def test_readme_python_example_runs(tmp_path):
     script = tmp_path / "example.py"
     script.write_text(blocks[0])
     p = subprocess.run([sys.executable, "-m", "flagcx_mesh.launch", "-n", "2", str(script)],
-                       capture_output=True, text=True, timeout=80)
+                       capture_output=True, text=True, timeout=80, env=env)
     assert p.returncode == 0, p.stdout + p.stderr
+    return p
+
+
+@pytest.mark.timeout(90)
+def test_readme_python_example_runs_without_numpy(tmp_path):
+    """It runs right after `pip install .`, which installs no numpy: here numpy cannot be imported."""
+    blocker = tmp_path / "no-numpy"
+    blocker.mkdir()
+    (blocker / "numpy.py").write_text("raise ImportError('numpy is not installed (test)')\n")
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(blocker), env.get("PYTHONPATH")]))
+    _run_example(tmp_path, env)
+
+
+@pytest.mark.timeout(90)
+def test_readme_python_example_runs(tmp_path):
+    p = _run_example(tmp_path)
     assert "peer 0 self" in p.stdout and "peer 1 self" in p.stdout, p.stdout

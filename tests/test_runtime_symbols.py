@@ -19,6 +19,7 @@ import sys
 import pytest
 
 import flagcx_mesh
+import testdoubles
 from meshutil import REPO_ROOT, subprocess_env
 
 PKG = os.path.dirname(flagcx_mesh.__file__)
@@ -51,7 +52,7 @@ def _core_of(pkg_dir):
 
 def _installed_libraries():
     return [_core_of(PKG), os.path.join(PKG, "lib", "libflagcx_mesh.so"),
-            os.path.join(PKG, "lib", "libflagcx_mesh_testing.so")]
+            testdoubles.testing_library()]
 
 
 # ----------------------------------------------------------------------------- (a) installed

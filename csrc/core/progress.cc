@@ -586,7 +586,11 @@ void Engine::read_some(int s) {
         std::lock_guard<std::mutex> lock(mu_);
         clean = bye_conn_[s];
       }
-      if (!clean) lose(peer, "its connection closed (" + r.describe() + "; the process exited or was killed)");
+      // Without its goodbye: a close that gave up on unsent frames (1 s) looks the same as an end.
+      if (!clean) {
+        lose(peer, "its connection closed before its goodbye (" + r.describe() +
+                       "): its process ended, or it closed its mesh before the frames queued to this rank were sent");
+      }
       in.reset();
       cv_.notify_all();
       return;

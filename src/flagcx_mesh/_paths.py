@@ -5,7 +5,6 @@ from typing import List
 
 _PKG_DIR = os.path.dirname(os.path.abspath(__file__))
 LIBRARY_NAME = "libflagcx_mesh.so"
-TESTING_LIBRARY_NAME = "libflagcx_mesh_testing.so"
 
 
 def _existing(path: str, what: str) -> str:
@@ -29,11 +28,6 @@ def get_library_dir() -> str:
 def get_library() -> str:
     """Full path of libflagcx_mesh.so (for dlopen / ctypes.CDLL)."""
     return _existing(os.path.join(_PKG_DIR, "lib", LIBRARY_NAME), "the C library")
-
-
-def get_testing_library() -> str:
-    """Full path of libflagcx_mesh_testing.so: the test adaptor (flagcx_mesh_testing.h)."""
-    return _existing(os.path.join(_PKG_DIR, "lib", TESTING_LIBRARY_NAME), "the testing library")
 
 
 def get_cmake_dir() -> str:

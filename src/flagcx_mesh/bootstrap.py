@@ -104,10 +104,10 @@ def _unpack(raw: bytes, rank: int, world: int, where: str) -> bytes:
 
 def _make_uid(world: int) -> Tuple[bytes, Optional[BaseException]]:
     """(message for the other ranks, error): rank 0 side; an error is sent, then raised."""
-    from .mesh import get_unique_id
+    from . import _core  # the id itself (mesh.get_unique_id); mesh.py imports this module
 
     try:
-        return _pack(world, get_unique_id()), None
+        return _pack(world, _core.get_unique_id(0)), None
     except Exception as e:  # noqa: BLE001 - forwarded to every rank, then re-raised
         return _pack(world, error=f"{type(e).__name__}: {e}"), e
 

@@ -153,17 +153,19 @@ def _raise(comm: Optional["Comm"], code: Result, message: str, *, peer: int = -1
 
 
 def _translate(comm: Optional["Comm"], e: BaseException, what: str,
-               timeout_code: Result = Result.InProgress):
+               timeout_code: Result = Result.InProgress, rank: Optional[int] = None):
     """Raises the FlagcxError for a flagcx_mesh (or Python) exception ``e`` raised in ``what``.
 
-    The message is "rank R: WHAT: DETAIL"; with a comm, the rank comes from it (and is taken
-    off the front of the detail, where the core put it)."""
+    The message is "rank R: WHAT: DETAIL"; the rank comes from the comm, else from ``rank``
+    (and is taken off the front of the detail, where the core put it)."""
     text = str(e) or type(e).__name__
     code, peer = _code_of(e, timeout_code), getattr(e, "peer", -1)
-    if comm is not None:
-        head = f"rank {comm.rank}: "
+    rank = comm.rank if comm is not None else rank
+    if rank is not None:
+        head = f"rank {rank}: "
         what = head + what
         text = text[len(head):] if text.startswith(head) else text
+    if comm is not None:
         if code == Result.InvalidArgument and 0 <= peer != comm.rank and "could not register" in text:
             code = Result.RemoteError  # another rank's registration failed, not this rank's arguments
     _raise(comm, code, f"{what}: {text}", peer=peer, errno=getattr(e, "errno", 0) or 0, cause=e)
@@ -189,18 +191,18 @@ def comm_init_rank(nranks: int, unique_id: bytes, rank: int, timeout: Optional[f
     arrive within ``timeout`` seconds; default ``FLAGCX_MESH_TIMEOUT``, 60). Callable
     from any thread; several communicators in one process are independent.
     """
-    what = f"rank {rank}: comm_init_rank(nranks={nranks})"
+    what = f"comm_init_rank(nranks={nranks})"
     try:
         uid = memoryview(unique_id).tobytes()  # bytes, bytearray, a ctypes struct, a numpy array
     except TypeError:
-        _raise(None, Result.InvalidArgument, f"{what}: unique_id must be bytes, got {type(unique_id).__name__}")
+        _raise(None, Result.InvalidArgument, f"rank {rank}: {what}: unique_id must be bytes, got {type(unique_id).__name__}")
     if len(uid) != UNIQUE_ID_BYTES:
         _raise(None, Result.InvalidArgument,
-               f"{what}: unique_id has {len(uid)} bytes, expected {UNIQUE_ID_BYTES} (from get_unique_id())")
+               f"rank {rank}: {what}: unique_id has {len(uid)} bytes, expected {UNIQUE_ID_BYTES} (from get_unique_id())")
     try:
         return Comm(Mesh(nranks, uid, rank, timeout=timeout), timeout)
     except Exception as e:  # noqa: BLE001
-        _translate(None, e, what, timeout_code=Result.RemoteError)
+        _translate(None, e, what, timeout_code=Result.RemoteError, rank=rank)
 
 
 def comm_init_from_env(timeout: Optional[float] = None) -> "Comm":

@@ -307,8 +307,9 @@ def _supervise(ranks: Sequence[_Rank], deadline: Optional[float],
 
 
 def _get_unique_id() -> bytes:
-    from flagcx_mesh import get_unique_id  # lazy: the C++ extension may not be built yet
-    return bytes(get_unique_id())
+    # lazy: the C++ extension may not be built yet; the core's call, as mesh.py imports this module
+    from ._core import get_unique_id
+    return bytes(get_unique_id(0))
 
 
 def _start_all(cmd: Sequence[str], nranks: int, uid: bytes, extra: Optional[Mapping[str, str]],
@@ -443,8 +444,14 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         parser.error("a command is required (after --)")
     if cmd[0].endswith(".py"):  # a script runs under this interpreter, as torchrun does
         cmd = [sys.executable] + cmd
-    return launch(cmd, args.nranks, timeout=args.timeout, grace=args.grace,
-                  prefix=not args.no_prefix)
+    from .errors import MeshError  # lazy, as the unique id: no compiled core needed for -h
+
+    try:
+        return launch(cmd, args.nranks, timeout=args.timeout, grace=args.grace,
+                      prefix=not args.no_prefix)
+    except MeshError as e:  # the unique id (e.g. FLAGCX_MESH_IFNAME): one line, not a traceback
+        print(f"flagcx_mesh.launch: cannot make the mesh's unique id: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -6,6 +6,10 @@
 #include <arpa/inet.h>
 #include <ifaddrs.h>
 #include <net/if.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+#include <cerrno>
 
 #include <cstring>
 #include <mutex>
@@ -85,6 +89,40 @@ const ifaddrs* find_interface(const ifaddrs* list, const std::string& want) {
   return nullptr;
 }
 
+std::string host_of(const SockAddr& a) {
+  std::string s = a.str();  // "10.0.0.5:0" or "[fd00::2]:0"
+  s = s.substr(0, s.rfind(':'));
+  return s.size() > 1 && s.front() == '[' ? s.substr(1, s.size() - 2) : s;
+}
+
+// "lo 127.0.0.1, eth0 10.0.0.5": what FLAGCX_MESH_IFNAME may name.
+std::string interfaces_up() {
+  ifaddrs* list = nullptr;
+  if (getifaddrs(&list) != 0) return "(getifaddrs failed: " + errno_text(errno) + ")";
+  std::string out;
+  for (const ifaddrs* ifa = list; ifa; ifa = ifa->ifa_next) {
+    if (!usable(ifa)) continue;
+    out += (out.empty() ? "" : ", ") + std::string(ifa->ifa_name) + " " + host_of(from_ifa(ifa));
+  }
+  freeifaddrs(list);
+  return out.empty() ? "none" : out;
+}
+
+[[noreturn]] void fail_ifname(const std::string& want, int err, const std::string& why) {
+  fail(Code::kInvalidArgument, -1, err,
+       "FLAGCX_MESH_IFNAME=" + want + " " + why + "; interfaces up: " + interfaces_up() +
+           "; set FLAGCX_MESH_IFNAME to one of these names or addresses, or unset it");
+}
+
+// An address literal this host cannot bind (EADDRNOTAVAIL) is not one of its own.
+void check_local(const std::string& want, const SockAddr& lit) {
+  int fd = ::socket(lit.ss.ss_family, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (fd < 0) return;  // the listener reports it
+  bool foreign = ::bind(fd, reinterpret_cast<const sockaddr*>(&lit.ss), lit.len) != 0 && errno == EADDRNOTAVAIL;
+  ::close(fd);
+  if (foreign) fail_ifname(want, EADDRNOTAVAIL, "is not an address of this host");
+}
+
 SockAddr loopback() {
   SockAddr a;
   parse_literal("127.0.0.1", &a);
@@ -95,6 +133,7 @@ Choice choose() {
   const std::string& want = env_config().ifname;
   SockAddr lit;
   if (!want.empty() && parse_literal(want, &lit)) {
+    check_local(want, lit);
     return {lit, "address " + want + " from FLAGCX_MESH_IFNAME"};
   }
   ifaddrs* list = nullptr;
@@ -110,8 +149,7 @@ Choice choose() {
                              : " (from FLAGCX_MESH_IFNAME)");
   } else if (!want.empty()) {
     freeifaddrs(list);
-    fail(Code::kInvalidArgument, -1, 0,
-         "FLAGCX_MESH_IFNAME=" + want + " matches no interface that is up with an address");
+    fail_ifname(want, 0, "matches no interface that is up with an address");
   } else {
     c.addr = loopback();
     c.reason = "loopback (no other interface is up)";

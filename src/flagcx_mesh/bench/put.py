@@ -31,23 +31,10 @@ from typing import Dict, List, Optional
 import numpy as np
 
 from ._ranks import run_ranks, save_json
+from ._sizes import parse_size, size_name
 
-UNITS = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
 TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp"}
 TARGET_BYTES = 256 << 20  # per size and transport, bounded by the repetition limits
-
-
-def parse_size(text: str) -> int:
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    mult = UNITS.get(text[-1:], 1)
-    return int(text[:-1] if text[-1:] in UNITS else text) * mult
-
-
-def size_name(n: int) -> str:
-    for unit, mult in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
-        if n >= mult and n % mult == 0:
-            return f"{n // mult} {unit}"
-    return f"{n} B"
 
 
 def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace:

@@ -29,7 +29,7 @@ import time
 from typing import Dict, List, Optional
 
 from ._ranks import run_ranks, save_json
-from .put import parse_size, size_name
+from ._sizes import parse_size, size_name
 
 TARGET_BYTES = 2 << 30  # per size and path
 
