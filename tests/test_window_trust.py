@@ -10,10 +10,13 @@ Rank 2 of three misbehaves (tests/window_trust_prog.py): it publishes, for windo
   - rank 0's own pid with an address past rank 0's device window (fake driver): no window of
     this process is registered there, so rank 0 takes no cuda-self path;
   - its own IPC handle with a window running past the end of the allocation (fake driver): the
-    driver's size of the opened allocation refuses it.
+    driver's size of the opened allocation refuses it;
+  - its own cuMem fd (served as the library serves them) for a window twice the size of its one
+    mapping (fake driver): the mappings must cover the window.
 Each time rank 0's get and put to rank 2 go over tcp or staged instead, where rank 2 has no such
 window: both fail with a MeshError naming peer 2, and no private byte is read or overwritten.
-Before the fix rank 0 read and overwrote the private bytes (cma, ipc, self) with no error.
+Before the fix rank 0 read and overwrote the private bytes (cma, ipc, self) with no error, and
+took cuda-ipc and cuda-vmm to the windows that run past their memory.
 """
 
 from __future__ import annotations
@@ -79,3 +82,8 @@ def test_a_rank_claiming_this_process_pid_gets_no_cuda_self_path():
 def test_an_ipc_window_past_the_end_of_its_allocation_is_refused():
     out = run_scenario("ipc-past", device=True)
     check_nothing_reached(out, "cuda-ipc", "does not lie inside the allocation its IPC handle opens")
+
+
+def test_a_vmm_window_larger_than_its_mappings_is_refused():
+    out = run_scenario("vmm-past", device=True)
+    check_nothing_reached(out, "cuda-vmm", "the mappings end 65536 bytes after the window's base, before its end")

@@ -1,6 +1,6 @@
 """One rank of a job in which rank 2 misbehaves on window descriptions (test_window_trust.py).
 
-    python -m flagcx_mesh.launch -n 3 -- python tests/window_trust_prog.py cma|ipc|self|ipc-past
+    python -m flagcx_mesh.launch -n 3 -- python tests/window_trust_prog.py cma|ipc|self|ipc-past|vmm-past
 
 Rank 2 takes part in the registrations through the bootstrap allgather (no window of its own),
 learns what the others published for window #0, and publishes for window #1:
@@ -9,6 +9,7 @@ learns what the others published for window #0, and publishes for window #1:
   ipc   rank 1's legacy IPC handle with the offset of rank 1's private bytes in that allocation
   self  rank 0's own pid with an address past rank 0's device window #0 (its private bytes)
   ipc-past  its own IPC handle with a window that runs past the end of its allocation
+  vmm-past  its own cuMem fd (served like the library serves them) with a window twice its size
 Ranks 0 and 1 are honest. Rank 0 then gets and puts into rank 2's window #1; the private bytes
 (0x5A, in no window) must be neither read nor overwritten. Device scenarios need the fake CUDA
 driver (FLAGCX_MESH_CUDA_DRIVER). Prints VERDICT lines.
@@ -38,12 +39,32 @@ def host_id():
     return f"{boot}:{st.st_dev}:{st.st_ino}".encode()
 
 
-def desc(kind, size, addr, pid, host, ns, cookie_addr=0, cookie=0, ipc_handle=None, ipc_offset=0):
-    # WindowDesc.encode() (csrc/transport/path.cc); no cuMem mappings, no fd server
+def desc(kind, size, addr, pid, host, ns, cookie_addr=0, cookie=0, ipc_handle=None, ipc_offset=0, vmm=(),
+         fd_socket=b"", fd_token=0):
+    # WindowDesc.encode() (csrc/transport/path.cc); vmm: (offset, size) of each cuMem mapping
     dev = struct.pack("<iB", 0 if kind == 4 else -1, ipc_handle is not None) + (ipc_handle or bytes(64))
+    maps = struct.pack("<I", len(vmm)) + b"".join(struct.pack("<qQ", o, n) for o, n in vmm)
     return (struct.pack("<IQQi", kind, size, addr, pid) + s(host) + s(ns) + s(b"") +
-            struct.pack("<QQ", cookie_addr, cookie) + dev + struct.pack("<QI", ipc_offset, 0) +
-            s(b"") + s(b"") + s(b"") + struct.pack("<Q", 0))
+            struct.pack("<QQ", cookie_addr, cookie) + dev + struct.pack("<Q", ipc_offset) + maps +
+            s(b"") + s(b"") + s(fd_socket) + struct.pack("<Q", fd_token))
+
+
+def serve_fds(name, token, fds):
+    # the cuMem fd server's protocol (csrc/transport/cuda/fd_pass.cc), from a thread
+    import socket
+    import threading
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    srv.bind(b"\0" + name)
+    srv.listen(8)
+
+    def loop():
+        while True:
+            conn, _ = srv.accept()
+            with conn:
+                if conn.recv(8, socket.MSG_WAITALL) == struct.pack("<Q", token):
+                    socket.send_fds(conn, [struct.pack("<I", len(fds))], fds)
+
+    threading.Thread(target=loop, daemon=True).start()
 
 
 def fields(part):
@@ -121,6 +142,13 @@ if r == 2:
         own = fakecuda.DeviceBuffer(1 << 20)
         forged = desc(4, SIZE, 0, os.getpid(), host_id(), ns, ipc_handle=fakecuda.FakeCuda.get().ipc_handle(own.ptr),
                       ipc_offset=(1 << 20) - SIZE // 2)
+    elif SCENARIO == "vmm-past":  # its own cuMem mapping of SIZE bytes for a window of 2 * SIZE
+        import fakecuda
+        cuda = fakecuda.FakeCuda.get()
+        fd = cuda.export_fd(cuda.mem_create(SIZE))
+        name = f"fxm-fd-test-{os.getpid()}".encode()
+        serve_fds(name, 7, [fd])
+        forged = desc(4, 2 * SIZE, 0, os.getpid(), host_id(), ns, vmm=[(0, SIZE)], fd_socket=name, fd_token=7)
     else:
         forged = desc(4, SIZE, struct.unpack("<Q", shared[0][:8])[0] + PRIVATE, struct.unpack("<i", shared[0][8:])[0],
                       host_id(), ns)
