@@ -73,7 +73,7 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
   timeout_s_ = timeout_s;
   engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_, opt.max_unreceived);
   onesided_ = std::make_unique<OneSided>(
-      rank_, nranks_, contexts_, engine_.get(), &windows_,
+      rank_, nranks_, contexts_, engine_.get(), &conns_, &windows_,
       [this](const std::vector<uint8_t>& mine) {
         return boot_->allgather(mine, Deadline::after_seconds(timeout_s_));
       },

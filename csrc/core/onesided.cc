@@ -47,10 +47,10 @@ std::string range_text(uint64_t off, uint64_t size) {
 
 }  // namespace
 
-OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, WindowTable* windows,
-                   Allgather allgather, double op_timeout_s)
+OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, const Connections* conns,
+                   WindowTable* windows, Allgather allgather, double op_timeout_s)
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), engine_(engine),
-      windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
+      conns_(conns), windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
     pair_mu_.push_back(std::make_unique<std::mutex>());
     fences_.push_back(std::make_unique<cuda::StreamFence>());
@@ -142,6 +142,7 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     w->index = index;
     w->cookie = std::make_unique<uint64_t>(random_cookie());
     mine = describe_for_peers(*w, shm_name);
+    w->own.set({rank_, index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
   } catch (const Error& e) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
@@ -149,7 +150,9 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   bootstrap::Parts parts = allgather_(mine);
   if (local_failure) std::rethrow_exception(local_failure);
   try {
-    connect_peers(*w, check_descriptions(*w, parts));
+    std::vector<WindowDesc> descs = check_descriptions(*w, parts);
+    bind_exports(&descs);
+    connect_peers(*w, descs);
   } catch (...) {
     finish_registration(*w);
     throw;
@@ -252,6 +255,8 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
   req.forced_cuda = forced_cuda_path();
   req.device = w.device;
   req.outbox = engine_;
+  size_t s = static_cast<size_t>(peer) * ncontexts_;
+  if (conns_ != nullptr && s < conns_->send.size()) req.peer_socket = conns_->send[s].get();
   PathChoice c = choose_path(req, d);
   PeerView v;
   v.size = d.size;
@@ -289,6 +294,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   check_same_window(*w, parts);  // every rank closes it: nobody writes into it any more
   w->live = false;
   if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
+  w->own.reset();                 // nor cuda-self
   wait_unused(*w, deadline);  // a (misbehaving) peer's frame the engine is landing
   for (PeerView& v : w->peers) {
     v.path->release();  // unmaps the peers' segments; describe() still names the paths

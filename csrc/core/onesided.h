@@ -8,6 +8,7 @@
 #pragma once
 
 #include <functional>
+#include <map>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -60,7 +61,8 @@ class OpWindows {
 class OneSided {
  public:
   // op_timeout_s bounds what an op may wait for (earlier ops to its pair, a stream).
-  OneSided(int rank, int nranks, int ncontexts, Engine* engine,
+  // conns: the mesh's connections (which process is a local peer's, for cma).
+  OneSided(int rank, int nranks, int ncontexts, Engine* engine, const Connections* conns,
            WindowTable* windows, Allgather allgather, double op_timeout_s);
 
   // Collective registration; each returns the window index.
@@ -98,6 +100,9 @@ class OneSided {
   // This rank's part of the registration (device windows: starts the server of their cuMem fds).
   std::vector<uint8_t> describe_for_peers(Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;
+  // Drops from each description the device exports (IPC handle, cuMem fd
+  // server) another rank published first or alongside: they open that rank's memory.
+  void bind_exports(std::vector<WindowDesc>* descs);
   void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
   PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
   // Checks every argument; with `ow`, enters the windows the op touches.
@@ -130,12 +135,14 @@ class OneSided {
   int rank_, nranks_, ncontexts_;
   double op_timeout_s_;
   Engine* engine_;
+  const Connections* conns_;
   WindowTable* windows_;
   Allgather allgather_;
   std::string host_;
   std::vector<std::unique_ptr<std::mutex>> pair_mu_;  // per (peer, ctx)
   std::vector<std::unique_ptr<cuda::StreamFence>> fences_;  // per (peer, ctx), under pair_mu_
   std::mutex register_mu_;
+  std::map<std::string, int> export_owner_;  // device export -> the rank that published it (under register_mu_)
 };
 
 }  // namespace fxm

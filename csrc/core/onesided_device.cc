@@ -38,6 +38,49 @@ uint32_t OneSided::alloc_device(uint64_t size, int device) {
   });
 }
 
+namespace {
+
+// What identifies a description's device exports ("" for none): each opens
+// the memory of the rank that made it, whoever publishes it.
+std::string ipc_export(const WindowDesc& d) {
+  return d.dev.ipc ? "ipc:" + std::string(d.dev.ipc_handle.reserved, cuda::kIpcHandleSize) : "";
+}
+std::string vmm_export(const WindowDesc& d) { return d.dev.vmm.empty() ? "" : "fd:" + d.fd_socket; }
+
+}  // namespace
+
+void OneSided::bind_exports(std::vector<WindowDesc>* descs) {
+  std::map<std::string, int> now;  // this registration's exports: the first rank that published each
+  for (int r = 0; r < nranks_; ++r) {
+    for (const std::string& e : {ipc_export((*descs)[r]), vmm_export((*descs)[r])}) {
+      auto it = now.find(e);
+      if (!e.empty()) now[e] = it == now.end() || it->second == r ? r : -1;  // -1: two ranks at once
+    }
+  }
+  for (int r = 0; r < nranks_; ++r) {
+    WindowDesc& d = (*descs)[r];
+    auto owner = [&](const std::string& e) {
+      auto seen = export_owner_.find(e);
+      return seen != export_owner_.end() ? seen->second : now[e];
+    };
+    auto taken = [&](const std::string& e) {
+      int o = owner(e);
+      return "rank " + std::to_string(r) + " published " + (o < 0 ? "the same export as another rank in this "
+             "registration" : "an export rank " + std::to_string(o) + " published") + ": it opens that rank's memory";
+    };
+    std::string ipc = ipc_export(d), vmm = vmm_export(d);
+    if (!ipc.empty() && owner(ipc) != r) {
+      d.dev.why_no_ipc = taken(ipc);
+      d.dev.ipc = false;
+    }
+    if (!vmm.empty() && owner(vmm) != r) {
+      d.dev.why_no_vmm = taken(vmm);
+      d.dev.vmm.clear();
+    }
+  }
+  for (const auto& [e, r] : now) export_owner_.emplace(e, r);  // -1 stays refused
+}
+
 // An op whose path is a device path or staged: its stream and signal; an op
 // from device memory into a host window is refused (nothing was issued yet).
 void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get,

@@ -20,6 +20,7 @@
 #include "transport/cuda/fd_pass.h"
 #include "transport/cuda/streams.h"
 #include "transport/path.h"
+#include "transport/self/own_windows.h"
 #include "transport/shm/segment.h"
 
 namespace fxm {
@@ -51,6 +52,8 @@ struct Window {
   std::atomic<uint32_t> users{0};
   // Identity proof for cma (published with its address, revoked on close).
   std::unique_ptr<uint64_t> cookie;
+  // This process's registration of the window (what cuda-self may reach), until it is closed.
+  OwnWindowClaim own;
   // Library-allocated memory (shm and signal windows). Shared: Python views of
   // the window hold a reference, so deregistration never unmaps memory a view
   // still points at.

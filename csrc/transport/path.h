@@ -181,6 +181,7 @@ struct PathRequest {
   ForcedCudaPath forced_cuda = ForcedCudaPath::kAuto;
   int device = -1;  // this rank's copy: its CUDA device (-1: host memory)
   Outbox* outbox = nullptr;
+  int peer_socket = -1;  // this rank's mesh connection to the peer (tells which process is the peer's)
 };
 
 // nullptr with *why set (or left empty: "not applicable, say nothing") when

@@ -4,6 +4,7 @@
 
 #include "base/status.h"
 #include "transport/cma/cma.h"
+#include "transport/cma/peer_process.h"
 
 namespace fxm {
 
@@ -14,6 +15,10 @@ int CmaPath::get(const PathOp& op) { return cma::read(pid_, addr_ + op.remote_of
 namespace {
 
 // "" when the process behind d.pid is the peer that published d, else why not.
+// The cookie says the process behind the pid holds it (the window is open);
+// the pid is then bound to the peer through this rank's connection to it
+// (another rank may republish the peer's pid, cookie and cookie address, with
+// an address of its choosing).
 std::string check_identity(const PathRequest& req, const WindowDesc& d) {
   if (d.host != req.host) return "peer is on another host";
   if (d.pid_ns.empty() || d.pid_ns != req.pid_ns) {
@@ -27,6 +32,8 @@ std::string check_identity(const PathRequest& req, const WindowDesc& d) {
   if (cookie != d.cookie) {
     return "pid " + std::to_string(d.pid) + " is not the peer's process here (the window cookie read back does not match)";
   }
+  std::string process = cma::holds_other_end(d.pid, req.peer_socket);  // (the read above tells whether cma works)
+  if (!process.empty()) return "the published pid is not rank " + std::to_string(req.peer) + "'s process: " + process;
   return "";
 }
 

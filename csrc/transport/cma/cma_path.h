@@ -2,11 +2,13 @@
 // and writes with process_vm_readv / process_vm_writev (synchronous).
 //
 // Identity: a pid names a process only inside one PID namespace, and a pid
-// can be reused. The factory takes this path only when the peer is on this
-// host (boot id, /dev/shm), in this PID namespace, and the window's random
-// cookie, read back through process_vm_readv at the published address,
-// matches the one the peer published: the process behind that pid is the
-// peer that registered the window, at the time of registration.
+// can be reused; and any rank may publish any pid (another rank's, with that
+// rank's cookie and an address of its choosing). The factory takes this path
+// only when the peer is on this host (boot id, /dev/shm), in this PID
+// namespace, the process behind the pid holds the peer's end of this rank's
+// mesh connection to it (peer_process.h: it is the peer's process), and the
+// window's random cookie, read back through process_vm_readv at the published
+// address, matches the one the peer published (the window is open).
 #pragma once
 
 #include "transport/path.h"

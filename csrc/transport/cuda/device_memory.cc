@@ -241,7 +241,30 @@ void DeviceMemory::export_vmm(DeviceExport* e) {
 
 // ------------------------------------------------------------ PeerMapping
 
-std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std::vector<int> fds, int my_ordinal) {
+namespace {
+
+// Empty, or why the published mappings do not hold the window [0, size): they
+// must follow each other without a gap, the first starting at or before the
+// window's base, the last ending at or after its end.
+std::string vmm_layout_problem(const std::vector<VmmMapping>& maps, uint64_t size, size_t nfds) {
+  if (maps.empty() || maps.size() != nfds) return "the mappings published do not match the fds served";
+  if (maps.front().offset > 0) return "the first mapping starts after the window's base";
+  int64_t at = maps.front().offset;
+  for (const VmmMapping& m : maps) {
+    if (m.offset != at || m.size == 0 || m.size > (1ull << 56)) return "the mappings published are not contiguous";
+    at += static_cast<int64_t>(m.size);
+  }
+  if (at < 0 || static_cast<uint64_t>(at) < size) {
+    return "the mappings end " + std::to_string(at) + " bytes after the window's base, before its end (" +
+           std::to_string(size) + " bytes)";
+  }
+  return "";
+}
+
+}  // namespace
+
+std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, uint64_t size, std::vector<int> fds,
+                                                     int my_ordinal) {
   struct CloseLeft {  // every fd not yet imported is closed, whatever fails
     std::vector<int>& fds;
     ~CloseLeft() {
@@ -250,6 +273,8 @@ std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, std:
       }
     }
   } close_left{fds};
+  std::string layout = vmm_layout_problem(e.vmm, size, fds.size());
+  if (!layout.empty()) fail(Code::kProtocol, -1, 0, "mapping a peer's device window: " + layout);
   const Driver& d = need_driver("mapping a peer's device window");
   use_device(my_ordinal);
   std::unique_ptr<PeerMapping> m(new PeerMapping());
@@ -281,9 +306,14 @@ namespace {
 
 // Opened IPC handles of this process: the driver returns one pointer per
 // allocation, so each is opened once and closed when its last user goes.
+struct IpcOpen {
+  CUdeviceptr base = 0;
+  int users = 0;
+  uint64_t size = 0;  // of the allocation, as the driver says
+};
 struct IpcTable {
   std::mutex mu;
-  std::map<std::string, std::pair<CUdeviceptr, int>> open;  // handle bytes -> (base, users)
+  std::map<std::string, IpcOpen> open;  // by handle bytes
 };
 IpcTable& ipc_table() {
   static IpcTable* t = new IpcTable();  // never destroyed: mappings may outlive static destruction
@@ -292,7 +322,7 @@ IpcTable& ipc_table() {
 
 }  // namespace
 
-std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, int my_ordinal) {
+std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, uint64_t size, int my_ordinal) {
   const Driver& d = need_driver("opening a peer's IPC handle");
   use_device(my_ordinal);
   std::string key(e.ipc_handle.reserved, kIpcHandleSize);
@@ -302,12 +332,31 @@ std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, int my
   if (it == t.open.end()) {
     CUdeviceptr p = 0;
     check(d.cuIpcOpenMemHandle(&p, e.ipc_handle, kIpcLazyEnablePeerAccess), "cuIpcOpenMemHandle");
-    it = t.open.emplace(key, std::make_pair(p, 0)).first;
+    CUdeviceptr base = 0;
+    size_t len = 0;
+    CUresult r = d.cuMemGetAddressRange(&base, &len, p);
+    if (r != kSuccess || base != p) {
+      d.cuIpcCloseMemHandle(p);
+      fail(Code::kSystem, -1, 0, "the size of the allocation a peer's IPC handle opens is unknown: " +
+                                     (r != kSuccess ? result_text(r) : std::string("its base is not the pointer opened")));
+    }
+    it = t.open.emplace(key, IpcOpen{p, 0, len}).first;
   }
-  ++it->second.second;
+  const IpcOpen& o = it->second;
+  if (e.ipc_offset > o.size || size > o.size - e.ipc_offset) {
+    bool unused = o.users == 0;
+    if (unused) {
+      d.cuIpcCloseMemHandle(o.base);
+      t.open.erase(it);
+    }
+    fail(Code::kProtocol, -1, 0, "the window a peer describes (" + std::to_string(size) + " bytes at offset " +
+                                     std::to_string(e.ipc_offset) + ") does not lie inside the allocation its IPC "
+                                     "handle opens (" + std::to_string(o.size) + " bytes)");
+  }
+  ++it->second.users;
   std::unique_ptr<PeerMapping> m(new PeerMapping());
   m->ordinal_ = my_ordinal;
-  m->ipc_base_ = it->second.first;
+  m->ipc_base_ = it->second.base;
   m->window_base_ = reinterpret_cast<uint8_t*>(m->ipc_base_ + e.ipc_offset);
   return m;
 }
@@ -323,7 +372,7 @@ PeerMapping::~PeerMapping() {
     IpcTable& t = ipc_table();
     std::lock_guard<std::mutex> lock(t.mu);
     for (auto it = t.open.begin(); it != t.open.end(); ++it) {
-      if (it->second.first != ipc_base_ || --it->second.second > 0) continue;
+      if (it->second.base != ipc_base_ || --it->second.users > 0) continue;
       d->cuIpcCloseMemHandle(ipc_base_);
       t.open.erase(it);
       break;

@@ -77,8 +77,13 @@ class DeviceMemory {
 class PeerMapping {
  public:
   // Imports the peer's cuMem fds (one per mapping, in order); takes the fds.
-  static std::unique_ptr<PeerMapping> import_vmm(const DeviceExport& e, std::vector<int> fds, int my_ordinal);
-  static std::unique_ptr<PeerMapping> open_ipc(const DeviceExport& e, int my_ordinal);
+  // The mappings must follow each other and cover the window's `size` bytes;
+  // the driver refuses a mapping larger than the allocation its fd opens.
+  static std::unique_ptr<PeerMapping> import_vmm(const DeviceExport& e, uint64_t size, std::vector<int> fds,
+                                                 int my_ordinal);
+  // Opens the peer's IPC handle; the window (ipc_offset, `size` bytes) must lie
+  // inside the allocation the handle opens (its size asked of the driver).
+  static std::unique_ptr<PeerMapping> open_ipc(const DeviceExport& e, uint64_t size, int my_ordinal);
   ~PeerMapping();
   uint8_t* window_base() const { return window_base_; }
 

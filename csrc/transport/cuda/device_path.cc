@@ -6,6 +6,7 @@
 #include "transport/cuda/fd_pass.h"
 #include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
+#include "transport/self/own_windows.h"
 
 namespace fxm {
 
@@ -61,8 +62,15 @@ std::string mappable(const PathRequest& req, const WindowDesc& d, ForcedCudaPath
 
 }  // namespace
 
-std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string*) {
+// Only a window registered in this process, by that peer, exactly as described
+// (a peer may claim this process's pid with any address).
+std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
   if (d.pid != static_cast<int32_t>(::getpid()) || !same_host(req, d) || cuda::driver() == nullptr) return nullptr;
+  if (!is_own_window({req.peer, req.win_index, d.cookie, d.addr, d.size})) {
+    *why = "cuda-self refused: rank " + std::to_string(req.peer) + " names this process but no window #" +
+           std::to_string(req.win_index) + " of it at that address and size is registered here";
+    return nullptr;
+  }
   int ordinal = d.kind == WindowKind::kDevice ? d.dev.ordinal : req.device;
   return std::make_unique<DevicePath>(PathKind::kCudaSelf, req.peer, ordinal, reinterpret_cast<uint8_t*>(d.addr),
                                       nullptr, req.outbox);
@@ -78,7 +86,7 @@ std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDes
     return nullptr;
   }
   try {
-    auto m = cuda::PeerMapping::import_vmm(d.dev, std::move(fds), copy_device(req, d));
+    auto m = cuda::PeerMapping::import_vmm(d.dev, d.size, std::move(fds), copy_device(req, d));
     uint8_t* base = m->window_base();
     return std::make_unique<DevicePath>(PathKind::kCudaVmm, req.peer, copy_device(req, d), base, std::move(m),
                                         req.outbox);
@@ -96,7 +104,7 @@ std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDes
     return nullptr;
   }
   try {
-    auto m = cuda::PeerMapping::open_ipc(d.dev, copy_device(req, d));
+    auto m = cuda::PeerMapping::open_ipc(d.dev, d.size, copy_device(req, d));
     uint8_t* base = m->window_base();
     return std::make_unique<DevicePath>(PathKind::kCudaIpc, req.peer, copy_device(req, d), base, std::move(m),
                                         req.outbox);
