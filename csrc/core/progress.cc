@@ -224,13 +224,17 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
   if (!box.empty()) {
-    std::vector<uint8_t> m = std::move(box.front());
+    Inbound m = std::move(box.front());
     box.pop_front();
     uint64_t& queued = mailbox_bytes_[slot(peer, ctx)];
     bool was_paused = queued >= max_unreceived_;
-    queued -= m.size();
+    queued -= m.bytes.size();
     if (was_paused && queued < max_unreceived_) wake();  // resume reading that connection
-    return m;
+    if (!m.dropped.empty()) {
+      fail(Code::kSystem, peer, ENOMEM, who() + "recv from peer " + std::to_string(peer) + ": it sent " +
+                                            m.dropped + "; the message was dropped here");
+    }
+    return std::move(m.bytes);
   }
   std::string what = who() + "recv from peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
   if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost_[peer]);
@@ -273,12 +277,34 @@ void Engine::lose(int peer, const std::string& why) {
   cv_.notify_all();
 }
 
+// The thread never ends before stop(): what a peer's frames throw fails that
+// peer (read_guarded, write_guarded); anything else is logged and retried.
 void Engine::run() {
   progress_tid_.store(std::this_thread::get_id());
+  while (!stopping_) {
+    try {
+      poll_once();
+    } catch (const std::exception& e) {  // never std::terminate the application
+      FXM_WARN(rank_, std::string("progress thread: ") + e.what() + " (retrying)");
+      std::this_thread::sleep_for(std::chrono::milliseconds(10));
+    }
+  }
+}
+
+void Engine::read_guarded(int s) {
   try {
-    while (!stopping_) poll_once();
-  } catch (const std::exception& e) {  // never std::terminate the application
-    for (int p = 0; p < nranks_; ++p) lose(p, std::string("progress thread failed: ") + e.what());
+    read_some(s);
+  } catch (const std::exception& e) {
+    in_[s]->closed = true;  // its frame is half read: nothing more can be read from it
+    lose(s / ncontexts_, std::string("handling its frames failed: ") + e.what());
+  }
+}
+
+void Engine::write_guarded(int s) {
+  try {
+    write_some(s);
+  } catch (const std::exception& e) {
+    lose(s / ncontexts_, std::string("writing its frames failed: ") + e.what());
   }
 }
 
@@ -302,8 +328,8 @@ void Engine::poll_once() {
   ::poll(fds.data(), fds.size(), 100);
   for (size_t k = 1; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
-    if (owner[k] >= total) read_some(owner[k] - total);
-    else write_some(owner[k]);
+    if (owner[k] >= total) read_guarded(owner[k] - total);
+    else write_guarded(owner[k]);
   }
   if (fds[0].revents) {  // new work was queued: the write_pending() below starts it now
     uint64_t v;
@@ -322,7 +348,7 @@ void Engine::write_pending() {
       std::lock_guard<std::mutex> lock(mu_);
       pending = !out_[s].empty();
     }
-    if (pending) write_some(s);
+    if (pending) write_guarded(s);
   }
 }
 

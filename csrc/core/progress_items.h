@@ -22,6 +22,12 @@ struct Engine::OutItem {
   uint64_t total() const { return head.size() + len; }
 };
 
+// A message received, or dropped here (`dropped` says why; recv() raises it in its place).
+struct Engine::Inbound {
+  std::vector<uint8_t> bytes;
+  std::string dropped;
+};
+
 struct Engine::InConn {
   enum State { kHeader, kOpHeader, kPayload } st = kHeader;
   uint8_t buf[64];
@@ -36,9 +42,9 @@ struct Engine::InConn {
   uint64_t staged = 0;
   Window* device_dst = nullptr;
   uint64_t total = 0, remaining = 0;
-  std::vector<uint8_t> msg;
+  std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
-  std::string refused;        // why the target drops this put (empty: applied)
+  std::string refused;        // why the target drops this put or message (empty: applied)
   bool closed = false;
   void reset() {
     st = kHeader;
@@ -50,6 +56,7 @@ struct Engine::InConn {
     if (entered) entered->leave();
     entered = nullptr;
     refused.clear();
+    std::vector<uint8_t>().swap(msg);
   }
 };
 

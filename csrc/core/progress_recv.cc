@@ -39,7 +39,7 @@ void Engine::read_some(int s) {
       // A get answer lands in the user's buffer: lose() waits for this read to end.
       if (in.f.type == FrameType::kGetResp) landing.lock();
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
-      where = landing_spot(in);
+      where = landing_spot(in, &want);
       if (!where) {
         where = discard_.data();
         want = std::min(want, discard_.size());
@@ -105,8 +105,7 @@ void Engine::on_op_header(int s, InConn& in) {
         in.closed = true;
         return;
       }
-      in.msg.assign(payload, 0);
-      in.dst = in.msg.data();
+      in.msg.clear();  // committed as its bytes arrive (landing_spot)
       break;
     case FrameType::kPut:
       on_put_header(s, in, payload);
