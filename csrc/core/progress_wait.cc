@@ -39,7 +39,9 @@ void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   while (outstanding_[slot(peer, ctx)] != 0) {
     if (!lost_[peer].empty() || bye_[peer] || deadline.expired()) {
-      if (settle_probes(lock)) continue;
+      // One last poll, then only this pair's ops count (others completing meanwhile must not keep it waiting).
+      settle_probes(lock);
+      if (outstanding_[slot(peer, ctx)] == 0) break;
       lock.unlock();
       fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
     }
@@ -160,7 +162,9 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
   CountWaiter counted(&count_waiters_);
   while (completed_all_.load() < value) {
     for (int p = 0; p < nranks_; ++p) {
-      if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load() && !settle_probes(lock)) {
+      if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load()) {
+        settle_probes(lock);  // one last poll; then only that peer's ops count
+        if (done_[p].load() == issued_[p].load()) continue;
         lock.unlock();
         fail_wait(p, "wait_counter", deadline);
       }
@@ -182,7 +186,8 @@ void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
   for (int p = lo; p < hi; ++p) {
     while (done_[p].load() != issued_[p].load()) {
       if (!lost_[p].empty() || bye_[p] || deadline.expired()) {
-        if (settle_probes(lock)) continue;
+        settle_probes(lock);  // one last poll: then only this peer's ops count, not others completing meanwhile
+        if (done_[p].load() == issued_[p].load()) break;
         lock.unlock();
         fail_wait(p, "flush", deadline);
       }
