@@ -8,15 +8,23 @@ RLIMIT_AS once its windows are in place, so the allocation the engine makes for 
     the cause, the sender's flush fails naming it, and the pair keeps working;
   - a get of a large window answered by a rank that cannot allocate the answer fails at the
     initiator naming that rank and the cause, and the others keep working.
+  - a staged put (fake CUDA driver) larger than the memory to spare lands through a bounded
+    staging buffer reused as its bytes arrive.
 Before the fix the progress thread died of std::bad_alloc and reported every peer lost.
 Every wait is bounded; a child that hangs fails through the launcher's and pytest's timeouts.
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+
 import pytest
 
+from meshutil import PY
 from test_onesided_races import ROGUE_COMMON, run_rogue
+
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -178,3 +186,66 @@ def test_a_get_the_target_cannot_allocate_fails_naming_the_rank_and_the_cause(tm
     assert "VERDICT2 0 bytes" in v["2"], v["2"]
     assert "rank 1: b'from 0 back'" in v["3"], out[-4000:]
     assert "rank 1: b'from 2 back'" in v["4"], out[-4000:]
+
+
+STAGED_PUT_PROG = LIMIT_COMMON + r"""
+import select
+
+def forge_all(mesh, peer, data):
+    # forge() for more bytes than a socket buffer takes: writes as the connection drains
+    port = share_ports(mesh)[peer]
+    fd = [fd for fd, _, p in sockets() if p == port]
+    assert len(fd) == 1, (port, sockets())
+    view = memoryview(data)
+    while view:
+        select.select([], [fd[0]], [], 30)
+        try:
+            view = view[os.write(fd[0], view):]
+        except BlockingIOError:
+            pass
+
+m = Mesh.from_launcher(timeout=60)
+r = m.rank
+D = m.alloc_window(BIG, device=0)
+H = m.register_window(np.zeros(BIG, np.uint8))
+S = m.signal_window(1)
+m.barrier(timeout=30)
+if r == 0:
+    limit_address_space(BIG // 2)  # no room for a staging buffer of the put's size
+    share_ports(m)
+    try:
+        m.wait_signal(0, 1, window=S, timeout=60)
+        m.get(0, D, 0, H, 0, BIG)
+        m.flush(timeout=30)
+        got = np.frombuffer(H.buffer, np.uint8)
+        landed = sum(int(np.count_nonzero(got[i:i + (8 << 20)] == 9)) for i in range(0, BIG, 8 << 20))
+        print(f"VERDICT {landed} bytes landed", flush=True)
+    except Exception as e:
+        print(f"VERDICT {type(e).__name__}: {e}", flush=True)
+else:  # a put_signal of the whole device window, as raw frames: +1 on slot 0 once its data landed
+    put = struct.pack("<IIQQQII", D.index, S.index, 0, 0, 1, 1, 0)
+    forge_all(m, 0, frame(3, put + bytes([9]) * BIG))
+m.barrier(timeout=60)
+m.close()
+print(f"OK rank {r}", flush=True)
+""".replace("BIG", str(BIG))
+
+
+def test_a_staged_put_commits_a_bounded_staging_buffer_whatever_its_size(tmp_path):
+    """On the fake CUDA driver: rank 1 writes a 256 MiB put_signal to rank 0's device window
+    over tcp, and rank 0's address space has only 128 MiB to spare. The put lands through a
+    staging buffer of at most 8 MiB, reused as its bytes arrive, then its signal is applied.
+    Before the fix the staging buffer had the put's size: it could not be allocated here, the
+    put was refused and its signal never came."""
+    import fakecuda
+    import gpujobs
+    env = gpujobs.job_env(fakecuda.env(granularity=64 << 10), ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_TRANSPORT"),
+                          FLAGCX_MESH_CUDA_PATH="staged")
+    prog = tmp_path / "staged_put_prog.py"
+    prog.write_text(STAGED_PUT_PROG)
+    p = subprocess.run([PY, "-m", "flagcx_mesh.launch", "-n", "2", "--timeout", "120", "--", PY, str(prog)],
+                       env=env, cwd=HERE, capture_output=True, text=True, timeout=150)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out[-6000:]
+    v = verdicts(out)
+    assert f"VERDICT {BIG} bytes landed" in v[" "], out[-4000:]

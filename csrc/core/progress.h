@@ -115,7 +115,10 @@ class Engine : public Outbox {
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
   void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
-  std::string land_on_device(Window& w, InConn& in);  // "" or why the staged bytes did not land
+  // Copies the first n staged bytes to the device window: "" or why they did not land.
+  std::string land_on_device(Window& w, InConn& in, uint64_t n);
+  uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
+  static constexpr uint64_t kStageChunkBytes = 8ull << 20;  // pinned memory a staged put holds
   std::string answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
   // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
   void refuse(int s, const std::string& why, uint64_t number = 0);

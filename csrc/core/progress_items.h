@@ -36,10 +36,12 @@ struct Engine::InConn {
   wire::PutHeader put;
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
-  // A put into a device window lands in `stage` first (a pinned staging buffer),
-  // then is copied into device_dst at dst_off.
+  // A put into a device window lands in `stage` first (a pinned staging buffer
+  // of `staged` bytes, at most kStageChunkBytes), copied into device_dst at
+  // dst_off + landed each time it fills, and at the end.
   std::shared_ptr<uint8_t> stage;
   uint64_t staged = 0;
+  uint64_t landed = 0;
   Window* device_dst = nullptr;
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
@@ -52,6 +54,7 @@ struct Engine::InConn {
     need = wire::kFrameHeaderSize;
     dst = nullptr;
     device_dst = nullptr;
+    landed = 0;
     stage.reset();  // back to the staging pool
     if (entered) entered->leave();
     entered = nullptr;

@@ -40,10 +40,12 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
 }
 
 // A put to a device window lands in a staging buffer first (pinned host
-// memory of its size, within the window's); one that cannot be had refuses the put.
+// memory of at most kStageChunkBytes, reused as its bytes arrive); one that
+// cannot be had refuses the put.
 void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what) {
+  uint64_t chunk = std::min(payload, kStageChunkBytes);
   try {
-    in.stage = cuda::staging_buffer(payload, w.device);
+    in.stage = cuda::staging_buffer(chunk, w.device);
   } catch (const Error& e) {
     in.refused = what + ": " + e.what();
     return;
@@ -51,7 +53,7 @@ void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::strin
     in.refused = what + ": allocating its staging buffer failed (out of memory)";
     return;
   }
-  in.staged = payload;
+  in.staged = chunk;
   in.dst = in.stage.get();
   in.device_dst = &w;
 }
@@ -80,10 +82,30 @@ uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
     *want = static_cast<size_t>(std::min<uint64_t>(*want, in.msg.size() - at));
     return in.msg.data() + at;
   }
+  if (in.device_dst != nullptr) return staging_spot(in, want);
   if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + at : nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = gets_.find(in.req_id);  // gone once its peer was lost: discard
   return it == gets_.end() ? nullptr : it->second.dst + at;
+}
+
+// A full staging buffer is copied down before it takes the next bytes; a copy
+// that fails refuses the put (the rest is discarded).
+uint8_t* Engine::staging_spot(InConn& in, size_t* want) {
+  uint64_t filled = in.total - in.remaining - in.landed;
+  if (filled == in.staged) {
+    std::string failed = land_on_device(*in.device_dst, in, filled);
+    if (!failed.empty()) {
+      in.refused = failed;
+      in.device_dst = nullptr;
+      in.dst = nullptr;
+      return nullptr;
+    }
+    in.landed += filled;
+    filled = 0;
+  }
+  *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
+  return in.stage.get() + filled;
 }
 
 // A message's buffer doubles as its bytes arrive, from 64 KiB up to its
@@ -167,7 +189,7 @@ void Engine::on_payload_done(int s, InConn& in) {
 void Engine::on_put_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string refused = in.refused;
-  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in);
+  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in, in.total - in.landed);
   if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
     Window* w = windows_->find(in.put.sig_win);
     if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
@@ -190,14 +212,14 @@ void Engine::on_put_done(int s, InConn& in) {
 
 // The bytes of a staged put, copied from host memory into the device window
 // before its signal is applied and before it is acknowledged.
-std::string Engine::land_on_device(Window& w, InConn& in) {
+std::string Engine::land_on_device(Window& w, InConn& in, uint64_t n) {
   try {
-    cuda::copy_and_wait(w.device, w.base + in.put.dst_off, in.stage.get(), in.staged,
+    cuda::copy_and_wait(w.device, w.base + in.put.dst_off + in.landed, in.stage.get(), n,
                         "landing a staged put in device window #" + std::to_string(w.index));
     return "";
   } catch (const Error& e) {
     FXM_WARN(rank_, e.what());
-    return std::string("a put of ") + std::to_string(in.staged) + " bytes: " + e.what();
+    return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
   }
 }
 

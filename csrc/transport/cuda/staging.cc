@@ -36,7 +36,7 @@ uint8_t* allocate(uint64_t bytes, int ordinal) {
   void* p = nullptr;
   int rc = ::posix_memalign(&p, 4096, bytes);
   if (rc != 0) {
-    fail(Code::kSystem, -1, rc, "allocating a staging buffer of " + std::to_string(bytes) + " bytes: " + errno_text(rc));
+    fail(Code::kSystem, -1, rc, "allocating a staging buffer of " + std::to_string(bytes) + " bytes");
   }
   const Driver* d = driver();
   if (d != nullptr) {
