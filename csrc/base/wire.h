@@ -113,6 +113,9 @@ enum class FrameType : uint16_t {
   kRefused = 8,    // u64 number of the refused op on this pair (as acks count) + the reason (text)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
+// Set in a kRefused number: it refuses get request (number & ~kRefusedGet),
+// which no answer follows (the refusal completes that get, failed).
+constexpr uint64_t kRefusedGet = 1ull << 63;
 
 // After a kPut frame header (40 bytes).
 struct PutHeader {

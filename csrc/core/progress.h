@@ -90,6 +90,7 @@ class Engine : public Outbox {
  private:
   struct OutItem;
   struct InConn;
+  struct Inbound;
   int slot(int peer, int ctx) const { return peer * ncontexts_ + ctx; }
   enum class Count { kNone, kPut, kGet };  // what an item counts as (puts are acked, gets answered)
   void enqueue(int s, OutItem&& item, Count counted);
@@ -113,13 +114,27 @@ class Engine : public Outbox {
   bool on_ack(int s, const uint8_t* buf);
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
-  std::string land_on_device(Window& w, InConn& in);  // "" or why the staged bytes did not land
+  void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
+  // Copies the first n staged bytes to the device window: "" or why they did not land.
+  std::string land_on_device(Window& w, InConn& in, uint64_t n);
+  uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
+  static constexpr uint64_t kStageChunkBytes = 8ull << 20;  // pinned memory a staged put holds
   std::string answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
-  void refuse(int s, const std::string& why);  // tells the initiator its op number applied_[s] was refused
+  // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
+  void refuse(int s, const std::string& why, uint64_t number = 0);
+  void answer_get(int s, Window& w, const wire::GetHeader& g);
   void on_refused(int s, InConn& in);
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
   void fail_if_refused(int lo, int hi, const char* doing);
-  uint8_t* landing_spot(InConn& in);  // where the next payload bytes go (nullptr: discard)
+  // Where the next payload bytes go (nullptr: discard), at most *want of them.
+  uint8_t* landing_spot(InConn& in, size_t* want);
+  // Commits memory for a message as its bytes arrive (a header alone commits
+  // little); false when that allocation failed (in.refused says so).
+  bool grow_message(InConn& in);
+  void on_message_done(int s, InConn& in);
+  // Reads and handles frames of slot s; what throws fails that peer only.
+  void read_guarded(int s);
+  void write_guarded(int s);
   void complete(int peer, int ctx, uint64_t n);
   void send_acks();
   void lose(int peer, const std::string& why);
@@ -141,7 +156,7 @@ class Engine : public Outbox {
   std::condition_variable cv_;
   std::vector<std::deque<OutItem>> out_;
   std::vector<std::unique_ptr<InConn>> in_;
-  std::vector<std::deque<std::vector<uint8_t>>> mailbox_;
+  std::vector<std::deque<Inbound>> mailbox_;
   std::vector<uint64_t> mailbox_bytes_;  // per slot: bytes waiting for recv()
   uint64_t max_unreceived_;
   struct PendingGet {

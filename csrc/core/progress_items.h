@@ -22,6 +22,12 @@ struct Engine::OutItem {
   uint64_t total() const { return head.size() + len; }
 };
 
+// A message received, or dropped here (`dropped` says why; recv() raises it in its place).
+struct Engine::Inbound {
+  std::vector<uint8_t> bytes;
+  std::string dropped;
+};
+
 struct Engine::InConn {
   enum State { kHeader, kOpHeader, kPayload } st = kHeader;
   uint8_t buf[64];
@@ -30,15 +36,17 @@ struct Engine::InConn {
   wire::PutHeader put;
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
-  // A put into a device window lands in `stage` first (a pinned staging buffer),
-  // then is copied into device_dst at dst_off.
+  // A put into a device window lands in `stage` first (a pinned staging buffer
+  // of `staged` bytes, at most kStageChunkBytes), copied into device_dst at
+  // dst_off + landed each time it fills, and at the end.
   std::shared_ptr<uint8_t> stage;
   uint64_t staged = 0;
+  uint64_t landed = 0;
   Window* device_dst = nullptr;
   uint64_t total = 0, remaining = 0;
-  std::vector<uint8_t> msg;
+  std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
-  std::string refused;        // why the target drops this put (empty: applied)
+  std::string refused;        // why the target drops this put or message (empty: applied)
   bool closed = false;
   void reset() {
     st = kHeader;
@@ -46,10 +54,12 @@ struct Engine::InConn {
     need = wire::kFrameHeaderSize;
     dst = nullptr;
     device_dst = nullptr;
+    landed = 0;
     stage.reset();  // back to the staging pool
     if (entered) entered->leave();
     entered = nullptr;
     refused.clear();
+    std::vector<uint8_t>().swap(msg);
   }
 };
 

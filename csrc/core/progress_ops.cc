@@ -31,15 +31,31 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
       in.refused = what + " at offset " + std::to_string(in.put.dst_off) + ": out of range (" +
                    std::to_string(w->size) + " bytes here)";
     } else if (w->kind == WindowKind::kDevice) {
-      in.stage = cuda::staging_buffer(payload, w->device);  // staged: through pinned host memory
-      in.staged = payload;
-      in.dst = in.stage.get();
-      in.device_dst = w;
+      stage_put(in, *w, payload, what);
     } else {
       in.dst = w->base + in.put.dst_off;
     }
   }
   if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
+}
+
+// A put to a device window lands in a staging buffer first (pinned host
+// memory of at most kStageChunkBytes, reused as its bytes arrive); one that
+// cannot be had refuses the put.
+void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what) {
+  uint64_t chunk = std::min(payload, kStageChunkBytes);
+  try {
+    in.stage = cuda::staging_buffer(chunk, w.device);
+  } catch (const Error& e) {
+    in.refused = what + ": " + e.what();
+    return;
+  } catch (const std::bad_alloc&) {
+    in.refused = what + ": allocating its staging buffer failed (out of memory)";
+    return;
+  }
+  in.staged = chunk;
+  in.dst = in.stage.get();
+  in.device_dst = &w;
 }
 
 void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
@@ -59,11 +75,74 @@ void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
   in.closed = true;
 }
 
-uint8_t* Engine::landing_spot(InConn& in) {
-  if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + (in.total - in.remaining) : nullptr;
+uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
+  uint64_t at = in.total - in.remaining;
+  if (in.f.type == FrameType::kMessage) {
+    if (!in.refused.empty() || (at == in.msg.size() && !grow_message(in))) return nullptr;
+    *want = static_cast<size_t>(std::min<uint64_t>(*want, in.msg.size() - at));
+    return in.msg.data() + at;
+  }
+  if (in.device_dst != nullptr) return staging_spot(in, want);
+  if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + at : nullptr;
   std::lock_guard<std::mutex> lock(mu_);
   auto it = gets_.find(in.req_id);  // gone once its peer was lost: discard
-  return it == gets_.end() ? nullptr : it->second.dst + (in.total - in.remaining);
+  return it == gets_.end() ? nullptr : it->second.dst + at;
+}
+
+// A full staging buffer is copied down before it takes the next bytes; a copy
+// that fails refuses the put (the rest is discarded).
+uint8_t* Engine::staging_spot(InConn& in, size_t* want) {
+  uint64_t filled = in.total - in.remaining - in.landed;
+  if (filled == in.staged) {
+    std::string failed = land_on_device(*in.device_dst, in, filled);
+    if (!failed.empty()) {
+      in.refused = failed;
+      in.device_dst = nullptr;
+      in.dst = nullptr;
+      return nullptr;
+    }
+    in.landed += filled;
+    filled = 0;
+  }
+  *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
+  return in.stage.get() + filled;
+}
+
+// A message's buffer doubles as its bytes arrive, from 64 KiB up to its
+// announced size: a header alone commits 64 KiB, whatever it announces.
+bool Engine::grow_message(InConn& in) {
+  constexpr uint64_t kFirstBytes = 64 << 10;
+  uint64_t next = std::min<uint64_t>(in.total, std::max<uint64_t>(kFirstBytes, in.msg.size() * 2));
+  try {
+    in.msg.reserve(next);  // exactly `next`: resize alone may take up to twice that
+    in.msg.resize(next);
+    return true;
+  } catch (const std::bad_alloc&) {
+    in.refused = "a " + std::to_string(in.total) + "-byte message: allocating " + std::to_string(next) +
+                 " bytes for it failed (out of memory)";
+    std::vector<uint8_t>().swap(in.msg);  // the rest is discarded
+    return false;
+  }
+}
+
+// A message goes to its mailbox; one dropped here leaves its place to an
+// error that recv() raises, and the sender is told (its next flush fails).
+void Engine::on_message_done(int s, InConn& in) {
+  int peer = s / ncontexts_;
+  if (!in.refused.empty()) {
+    FXM_WARN(rank_, "dropped " + in.refused + " from peer " + std::to_string(peer));
+    refuse(s, in.refused);
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  bool below = mailbox_bytes_[s] < max_unreceived_;
+  mailbox_bytes_[s] += in.msg.size();
+  if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
+    FXM_WARN(rank_, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
+                        " (ctx " + std::to_string(s % ncontexts_) +
+                        ") wait for recv(); reading that connection pauses until they are received");
+  }
+  mailbox_[s].push_back({std::move(in.msg), in.refused});
+  cv_.notify_all();
 }
 
 bool Engine::on_ack(int s, const uint8_t* buf) {
@@ -88,16 +167,7 @@ bool Engine::on_ack(int s, const uint8_t* buf) {
 void Engine::on_payload_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   if (in.f.type == FrameType::kMessage) {
-    std::lock_guard<std::mutex> lock(mu_);
-    bool below = mailbox_bytes_[s] < max_unreceived_;
-    mailbox_bytes_[s] += in.msg.size();
-    if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
-      FXM_WARN(rank_, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
-                          " (ctx " + std::to_string(s % ncontexts_) +
-                          ") wait for recv(); reading that connection pauses until they are received");
-    }
-    mailbox_[s].push_back(std::move(in.msg));
-    cv_.notify_all();
+    on_message_done(s, in);
   } else if (in.f.type == FrameType::kPut) {
     on_put_done(s, in);
   } else if (in.f.type == FrameType::kGetResp) {
@@ -119,7 +189,7 @@ void Engine::on_payload_done(int s, InConn& in) {
 void Engine::on_put_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string refused = in.refused;
-  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in);
+  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in, in.total - in.landed);
   if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
     Window* w = windows_->find(in.put.sig_win);
     if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
@@ -142,19 +212,19 @@ void Engine::on_put_done(int s, InConn& in) {
 
 // The bytes of a staged put, copied from host memory into the device window
 // before its signal is applied and before it is acknowledged.
-std::string Engine::land_on_device(Window& w, InConn& in) {
+std::string Engine::land_on_device(Window& w, InConn& in, uint64_t n) {
   try {
-    cuda::copy_and_wait(w.device, w.base + in.put.dst_off, in.stage.get(), in.staged,
+    cuda::copy_and_wait(w.device, w.base + in.put.dst_off + in.landed, in.stage.get(), n,
                         "landing a staged put in device window #" + std::to_string(w.index));
     return "";
   } catch (const Error& e) {
     FXM_WARN(rank_, e.what());
-    return std::string("a put of ") + std::to_string(in.staged) + " bytes: " + e.what();
+    return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
   }
 }
 
-void Engine::refuse(int s, const std::string& why) {
-  uint64_t n = applied_[s];
+void Engine::refuse(int s, const std::string& why, uint64_t number) {
+  uint64_t n = number != 0 ? number : applied_[s];
   std::string text = why.substr(0, wire::kMaxRefusedText);
   OutItem it{frame(FrameType::kRefused, &n, text.size()), nullptr, 0, 0, 0};
   it.head.insert(it.head.end(), text.begin(), text.end());
@@ -164,12 +234,23 @@ void Engine::refuse(int s, const std::string& why) {
 void Engine::on_refused(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string why(in.msg.begin(), in.msg.end());
-  std::lock_guard<std::mutex> lock(mu_);
-  if (refused_[peer].empty()) {
-    refused_[peer] = "peer " + std::to_string(peer) + " refused " + why;
-  } else if (refused_[peer].find(" (and more)") == std::string::npos) {
-    refused_[peer] += " (and more)";
+  uint64_t n;
+  std::memcpy(&n, in.buf, 8);
+  bool get_done = false;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (refused_[peer].empty()) {
+      refused_[peer] = "peer " + std::to_string(peer) + " refused " + why;
+    } else if (refused_[peer].find(" (and more)") == std::string::npos) {
+      refused_[peer] += " (and more)";
+    }
+    auto it = (n & wire::kRefusedGet) ? gets_.find(n & ~wire::kRefusedGet) : gets_.end();
+    if (it != gets_.end() && slot(it->second.peer, it->second.ctx) == s) {  // no answer follows
+      drop_get(&it);
+      get_done = true;
+    }
   }
+  if (get_done) complete(peer, s % ncontexts_, 1);
 }
 
 void Engine::fail_if_refused(int lo, int hi, const char* doing) {
@@ -210,6 +291,31 @@ std::string Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vecto
   }
 }
 
+// The answer is the window's bytes as of the request's place in the pair's
+// FIFO: copied now, before any later frame of the pair is applied. Where that
+// copy cannot be allocated, a refusal of the request completes the get.
+void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
+  std::string what = "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win);
+  OutItem it;
+  try {
+    uint64_t id = g.req_id;
+    it.head = frame(FrameType::kGetResp, &id, g.size);
+    std::string failed = answer_bytes(w, g, &it.head);
+    if (!failed.empty()) refuse(s, what + ": " + failed);  // the initiator's flush fails naming it; the answer is zeros
+  } catch (const std::bad_alloc&) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      answer_bytes_[s] -= g.size;  // the credit taken for it
+    }
+    std::string why = what + ": allocating " + std::to_string(g.size) + " bytes for its answer failed (out of memory)";
+    FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(s / ncontexts_));
+    refuse(s, why, wire::kRefusedGet | g.req_id);
+    return;
+  }
+  it.answer_bytes = g.size;
+  enqueue(s, std::move(it), Count::kNone);
+}
+
 void Engine::on_get_request(int s, const wire::GetHeader& g) {
   Window* w = windows_->find(g.src_win);
   if (!w || !w->enter(true)) {
@@ -225,18 +331,8 @@ void Engine::on_get_request(int s, const wire::GetHeader& g) {
     return;
   }
   if (fits) {
-    // The answer is the window's bytes as of the request's place in the pair's
-    // FIFO: copied now, before any later frame of the pair is applied.
-    uint64_t id = g.req_id;
-    OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, 0, 0, 0};
-    std::string failed = answer_bytes(*w, g, &it.head);
-    if (!failed.empty()) {  // the initiator's flush fails naming it; the answer is zeros
-      refuse(s, "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win) +
-                    ": " + failed);
-    }
-    it.answer_bytes = g.size;
+    answer_get(s, *w, g);
     w->leave();
-    enqueue(s, std::move(it), Count::kNone);
     return;
   }
   w->leave();

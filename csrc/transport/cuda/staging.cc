@@ -14,6 +14,7 @@ namespace {
 constexpr uint64_t kMinBytes = 64 << 10;
 constexpr size_t kKeepPerSize = 4;
 constexpr uint64_t kKeepBytes = 512ull << 20;
+constexpr uint64_t kMaxBytes = 1ull << 48;  // size classes stay powers of two up to this
 
 struct Pool {
   std::mutex mu;
@@ -33,8 +34,9 @@ uint64_t size_class(uint64_t n) {
 
 uint8_t* allocate(uint64_t bytes, int ordinal) {
   void* p = nullptr;
-  if (::posix_memalign(&p, 4096, bytes) != 0) {
-    fail(Code::kSystem, -1, 0, "allocating a staging buffer of " + std::to_string(bytes) + " bytes");
+  int rc = ::posix_memalign(&p, 4096, bytes);
+  if (rc != 0) {
+    fail(Code::kSystem, -1, rc, "allocating a staging buffer of " + std::to_string(bytes) + " bytes");
   }
   const Driver* d = driver();
   if (d != nullptr) {
@@ -63,6 +65,10 @@ void give_back(uint64_t bytes, uint8_t* p) {
 }  // namespace
 
 HostBuffer staging_buffer(uint64_t n, int ordinal) {
+  if (n > kMaxBytes) {  // size_class() would not end; no window is that large
+    fail(Code::kInvalidArgument, -1, 0, "a staging buffer of " + std::to_string(n) + " bytes: over the limit of " +
+                                            std::to_string(kMaxBytes));
+  }
   uint64_t bytes = size_class(n);
   uint8_t* p = nullptr;
   {

@@ -14,6 +14,8 @@ using HostBuffer = std::shared_ptr<uint8_t>;
 
 // A buffer of at least n bytes (not zeroed), for copies with device `ordinal`.
 // Registered with the driver when registration works; plain memory otherwise.
+// Throws Error: kSystem (with its errno) when the memory cannot be had,
+// kInvalidArgument for n over 2^48.
 HostBuffer staging_buffer(uint64_t n, int ordinal);
 
 }  // namespace fxm::cuda

@@ -1,0 +1,163 @@
+// Frame receive of the progress engine: reads each receive connection,
+// decodes frame and op headers (checking their lengths against their type)
+// and hands payloads to where they land (progress_ops.cc).
+#include <algorithm>
+#include <cstring>
+
+#include "base/status.h"
+#include "core/progress_items.h"
+#include "transport/tcp/socket.h"
+
+namespace fxm {
+
+using wire::FrameType;
+
+namespace {
+
+size_t op_header_size(FrameType t) {
+  switch (t) {
+    case FrameType::kPut: return sizeof(wire::PutHeader);
+    case FrameType::kGetReq: return sizeof(wire::GetHeader);
+    case FrameType::kGetResp:
+    case FrameType::kAck:
+    case FrameType::kRefused: return 8;
+    default: return 0;
+  }
+}
+
+}  // namespace
+
+void Engine::read_some(int s) {
+  InConn& in = *in_[s];
+  int fd = conns_->recv[s].get();
+  size_t budget = 8u << 20;  // then let other connections have a turn
+  while (budget > 0 && !in.closed) {
+    uint8_t* where;
+    size_t want;
+    std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
+    if (in.st == InConn::kPayload) {
+      // A get answer lands in the user's buffer: lose() waits for this read to end.
+      if (in.f.type == FrameType::kGetResp) landing.lock();
+      want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
+      where = landing_spot(in, &want);
+      if (!where) {
+        where = discard_.data();
+        want = std::min(want, discard_.size());
+      }
+    } else {
+      where = in.buf + in.got;
+      want = in.need - in.got;
+    }
+    tcp::IoResult r = tcp::read_some(fd, where, want);
+    if (landing.owns_lock()) landing.unlock();
+    if (!r.ok()) {
+      in.closed = true;
+      int peer = s / ncontexts_;
+      bool clean;
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        clean = bye_conn_[s];
+      }
+      // Without its goodbye: a close that gave up on unsent frames (1 s) looks the same as an end.
+      if (!clean) {
+        lose(peer, "its connection closed before its goodbye (" + r.describe() +
+                       "): its process ended, or it closed its mesh before the frames queued to this rank were sent");
+      }
+      in.reset();
+      cv_.notify_all();
+      return;
+    }
+    if (r.done == 0) return;
+    budget -= std::min(budget, r.done);
+    if (in.st == InConn::kPayload) {
+      in.remaining -= r.done;
+      if (in.remaining == 0) on_payload_done(s, in);
+    } else if ((in.got += r.done) == in.need) {
+      if (in.st == InConn::kHeader) on_header(s, in);
+      else on_op_header(s, in);
+    }
+  }
+}
+
+void Engine::on_header(int s, InConn& in) {
+  if (!wire::decode_frame(in.buf, &in.f)) {
+    lose(s / ncontexts_, "protocol error: a malformed frame arrived");
+    in.closed = true;
+    return;
+  }
+  size_t oplen = op_header_size(in.f.type);
+  bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq;
+  if (in.f.length < oplen || (fixed && in.f.length != oplen)) {
+    lose(s / ncontexts_, "protocol error: a frame whose length does not fit its type");
+    in.closed = true;
+    return;
+  }
+  in.st = InConn::kOpHeader;
+  in.got = 0;
+  in.need = oplen;
+  if (oplen == 0) on_op_header(s, in);
+}
+
+void Engine::on_op_header(int s, InConn& in) {
+  int peer = s / ncontexts_;
+  uint64_t payload = in.f.length - in.need;
+  in.dst = nullptr;
+  switch (in.f.type) {
+    case FrameType::kMessage:
+      if (payload > kMaxMessageBytes) {
+        lose(peer, "protocol error: a " + std::to_string(payload) + "-byte message frame");
+        in.closed = true;
+        return;
+      }
+      in.msg.clear();  // committed as its bytes arrive (landing_spot)
+      break;
+    case FrameType::kPut:
+      on_put_header(s, in, payload);
+      break;
+    case FrameType::kGetReq: {
+      wire::GetHeader g;
+      std::memcpy(&g, in.buf, sizeof(g));
+      on_get_request(s, g);
+      in.reset();
+      return;
+    }
+    case FrameType::kGetResp:
+      on_get_answer(s, in, payload);
+      if (in.closed) return;
+      break;
+    case FrameType::kRefused:
+      if (payload > wire::kMaxRefusedText) {
+        lose(peer, "protocol error: a " + std::to_string(payload) + "-byte refusal");
+        in.closed = true;
+        return;
+      }
+      in.msg.assign(payload, 0);
+      in.dst = in.msg.data();
+      break;
+    case FrameType::kAck:
+      if (on_ack(s, in.buf)) in.reset();
+      return;
+    case FrameType::kBye: {
+      std::lock_guard<std::mutex> lock(mu_);
+      bye_conn_[s] = true;
+      if (++bye_count_[peer] == ncontexts_) bye_[peer] = true;
+      // Waits on this peer now fail ("closed its mesh"): an answer it still sends after its
+      // goodbye must not land in a buffer its get's caller was told is given up.
+      for (auto it = gets_.begin(); it != gets_.end();) {
+        if (slot(it->second.peer, it->second.ctx) == s) drop_get(&it);
+        else ++it;
+      }
+      in.reset();
+      return;
+    }
+    default:
+      lose(peer, "protocol error: unknown frame type " + std::to_string(static_cast<int>(in.f.type)));
+      in.closed = true;
+      return;
+  }
+  in.st = InConn::kPayload;
+  in.total = in.remaining = payload;
+  if (payload == 0) on_payload_done(s, in);
+}
+
+}  // namespace fxm

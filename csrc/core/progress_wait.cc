@@ -1,0 +1,211 @@
+// Completion and waiting in the progress engine: ops counted as issued and
+// completed (acks, answers, device probes), and the calls that wait on them
+// (wait_idle, flush, wait_counter) within their deadline.
+#include <chrono>
+#include <thread>
+
+#include "base/log.h"
+#include "base/status.h"
+#include "core/progress_items.h"
+
+namespace fxm {
+
+namespace {
+
+// Counts a thread that waits on the completion counters for as long as it is in scope.
+class CountWaiter {
+ public:
+  explicit CountWaiter(std::atomic<int>* n) : n_(n) { n_->fetch_add(1); }
+  ~CountWaiter() { n_->fetch_sub(1); }
+  CountWaiter(const CountWaiter&) = delete;
+  CountWaiter& operator=(const CountWaiter&) = delete;
+
+ private:
+  std::atomic<int>* n_;
+};
+
+}  // namespace
+
+bool Engine::in_flight(int peer, int ctx, const char* op, PathKind* kind) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!lost_[peer].empty() || bye_[peer]) {  // the hot path builds no text
+    fail_if_gone(peer, who() + op + " to peer " + std::to_string(peer) + ": ");
+  }
+  *kind = in_flight_kind_[slot(peer, ctx)];
+  return outstanding_[slot(peer, ctx)] != 0;
+}
+
+void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  while (outstanding_[slot(peer, ctx)] != 0) {
+    if (!lost_[peer].empty() || bye_[peer] || deadline.expired()) {
+      // One last poll, then only this pair's ops count (others completing meanwhile must not keep it waiting).
+      settle_probes(lock);
+      if (outstanding_[slot(peer, ctx)] == 0) break;
+      lock.unlock();
+      fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
+    }
+    if (stopping_) fail(Code::kClosed, peer, 0, who() + "the mesh was closed");
+    wait_or_poll(lock, deadline);
+  }
+}
+
+void Engine::issued(int peer, int ctx, PathKind kind) {
+  std::lock_guard<std::mutex> lock(mu_);
+  ++outstanding_[slot(peer, ctx)];
+  in_flight_kind_[slot(peer, ctx)] = kind;
+  issued_[peer].fetch_add(1);
+  stream_ops_.fetch_add(1);
+}
+
+bool Engine::wait_stream_ops(const Deadline& deadline) {
+  while (stream_ops_.load() > 0) {
+    if (deadline.expired()) return false;
+    if (!poll_probes()) std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return true;
+}
+
+void Engine::issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) {
+  issued(peer, ctx, kind);
+  std::lock_guard<std::mutex> lock(probe_mu_);
+  probes_[slot(peer, ctx)].push_back(std::move(probe));
+  probes_pending_.fetch_add(1);
+}
+
+// A probe that throws (no driver context any more) counts as done: its error is in the log.
+bool Engine::probe_done(CompletionProbe& p) {
+  try {
+    return p.done();
+  } catch (const Error& e) {
+    FXM_WARN(rank_, std::string("polling a device op: ") + e.what());
+    return true;
+  }
+}
+
+bool Engine::poll_probes() {
+  if (probes_pending_.load() == 0) return false;
+  std::vector<std::pair<int, std::string>> done;  // (slot, error) per completed op, in order
+  {
+    std::lock_guard<std::mutex> lock(probe_mu_);
+    for (size_t s = 0; s < probes_.size(); ++s) {
+      while (!probes_[s].empty() && probe_done(*probes_[s].front())) {
+        done.push_back({static_cast<int>(s), probes_[s].front()->error()});
+        probes_[s].pop_front();
+      }
+    }
+  }
+  probes_pending_.fetch_sub(static_cast<int64_t>(done.size()));
+  for (auto& [s, error] : done) completed(s / ncontexts_, s % ncontexts_, error);
+  return !done.empty();
+}
+
+// Before a waiter fails (a peer gone, the deadline): the device ops it waits
+// for may be done without anyone having polled them. True when polling
+// completed some (the caller checks again).
+bool Engine::settle_probes(std::unique_lock<std::mutex>& lock) {
+  if (probes_pending_.load() == 0) return false;
+  lock.unlock();
+  bool some = poll_probes();
+  lock.lock();
+  return some;
+}
+
+// Sleeps on the condition variable, or, while probed ops are pending, polls them.
+void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline) {
+  if (probes_pending_.load() == 0) {
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+    return;
+  }
+  lock.unlock();
+  if (!poll_probes()) std::this_thread::sleep_for(std::chrono::microseconds(5));
+  lock.lock();
+}
+
+void Engine::completed(int peer, int ctx, const std::string& error) {
+  if (!error.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (refused_[peer].empty()) refused_[peer] = "an op to peer " + std::to_string(peer) + " failed: " + error;
+  }
+  complete(peer, ctx, 1);
+  stream_ops_.fetch_sub(1);
+}
+
+void Engine::count_inline(int peer, uint64_t n) {
+  issued_[peer].fetch_add(n);
+  done_[peer].fetch_add(n);
+  completed_all_.fetch_add(n);
+  // A waiter counts itself (seq_cst) before it tests the counters under mu_: either it sees
+  // the additions above, or this sees it and, through mu_, notifies only once it sleeps.
+  if (count_waiters_.load() == 0) return;
+  { std::lock_guard<std::mutex> lock(mu_); }
+  cv_.notify_all();
+}
+
+void Engine::complete(int peer, int ctx, uint64_t n) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    outstanding_[slot(peer, ctx)] -= n;
+    done_[peer].fetch_add(n);
+    completed_all_.fetch_add(n);
+  }
+  cv_.notify_all();
+}
+
+void Engine::fail_if_gone(int peer, const std::string& what) const {
+  if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + lost_[peer]);
+  if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + "peer " + std::to_string(peer) + " closed its mesh");
+}
+
+void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
+  std::unique_lock<std::mutex> lock(mu_);
+  CountWaiter counted(&count_waiters_);
+  while (completed_all_.load() < value) {
+    for (int p = 0; p < nranks_; ++p) {
+      if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load()) {
+        settle_probes(lock);  // one last poll; then only that peer's ops count
+        if (done_[p].load() == issued_[p].load()) continue;
+        lock.unlock();
+        fail_wait(p, "wait_counter", deadline);
+      }
+    }
+    if (stopping_) fail(Code::kClosed, -1, 0, who() + "wait_counter: the mesh was closed");
+    if (deadline.expired()) {
+      fail(Code::kTimeout, -1, 0, who() + "wait_counter(" + std::to_string(value) + ") timed out at " +
+                                      std::to_string(completed_all_.load()) + " completed ops");
+    }
+    wait_or_poll(lock, deadline);
+  }
+  fail_if_refused(0, nranks_, "wait_counter");
+}
+
+void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
+  int lo = peer < 0 ? 0 : peer, hi = peer < 0 ? nranks_ : peer + 1;
+  std::unique_lock<std::mutex> lock(mu_);
+  CountWaiter counted(&count_waiters_);
+  for (int p = lo; p < hi; ++p) {
+    while (done_[p].load() != issued_[p].load()) {
+      if (!lost_[p].empty() || bye_[p] || deadline.expired()) {
+        settle_probes(lock);  // one last poll: then only this peer's ops count, not others completing meanwhile
+        if (done_[p].load() == issued_[p].load()) break;
+        lock.unlock();
+        fail_wait(p, "flush", deadline);
+      }
+      if (stopping_) fail(Code::kClosed, p, 0, who() + "flush: the mesh was closed");
+      wait_or_poll(lock, deadline);
+    }
+  }
+  if (report_refused) fail_if_refused(lo, hi, "flush");
+}
+
+void Engine::fail_wait(int peer, const char* doing, const Deadline& deadline) const {
+  uint64_t left = issued_[peer].load() - done_[peer].load();
+  std::string what = who() + doing + ": " + std::to_string(left) + " op(s) to peer " +
+                     std::to_string(peer) + " not completed";
+  std::string lost = lost_reason(peer);
+  if (!lost.empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost);
+  if (!deadline.expired()) fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
+  fail(Code::kTimeout, peer, 0, what + " before the deadline");
+}
+
+}  // namespace fxm
