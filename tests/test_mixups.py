@@ -45,3 +45,34 @@ def test_bad_signal_op_raises_invalid_argument():
         assert run_threads(2, body, timeout=60) == [True, True]
     finally:
         close_all(meshes)
+
+
+def test_host_signal_wait_compares_like_the_stream_wait():
+    """Regression test (issue 17, item 11): the host wait compared unsigned (value >= expected)
+    while the stream wait (cuStreamWaitValue64 GEQ) compares cyclically; a slot at 2^63 + 5
+    passed `expected=1` on the host and never on a stream. Both now use the cyclic rule:
+    (int64)(value - expected) >= 0."""
+    big = (1 << 63) + 5
+    meshes = thread_meshes(2)
+    try:
+        def body(r):
+            m = meshes[r]
+            m.signal_window(2)
+            m.barrier(timeout=10)
+            m.signal(1 - r, 0, value=big, op="set")
+            m.signal(1 - r, 1, value=5, op="set")
+            m.flush(timeout=10)
+            m.barrier(timeout=10)
+            assert m.read_signal(0) == big and m.read_signal(1) == 5
+            m.wait_signal(0, big, timeout=10)          # equal
+            m.wait_signal(0, 1 << 63, timeout=10)      # 5 ahead
+            m.wait_signal(1, (1 << 64) - 1, timeout=10)  # 5 is 6 ahead of 2^64 - 1 ("-1")
+            for slot, expected in ((0, 1), (0, 5), (1, 6)):  # 2^63 + 4 and 2^63 ahead count as behind
+                with pytest.raises(flagcx_mesh.MeshTimeout, match=f"slot {slot}"):
+                    m.wait_signal(slot, expected, timeout=0.3)
+            m.barrier(timeout=10)
+            return True
+
+        assert run_threads(2, body, timeout=60) == [True, True]
+    finally:
+        close_all(meshes)

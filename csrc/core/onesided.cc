@@ -533,14 +533,14 @@ uint64_t OneSided::spin_for_signal(const Window& w, uint64_t slot, uint64_t expe
   constexpr auto kSpin = std::chrono::microseconds(2), kYield = std::chrono::microseconds(50);
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
   uint64_t current = load_signal(slots, slot);
-  if (current >= expected) return current;
+  if (signal_reached(current, expected)) return current;
   const Clock::time_point start = Clock::now();
-  for (unsigned i = 1; current < expected; ++i) {
+  for (unsigned i = 1; !signal_reached(current, expected); ++i) {
     cpu_relax();
     current = load_signal(slots, slot);
     if (i % 16 == 0 && Clock::now() - start >= kSpin) break;  // the clock every 16 loads
   }
-  while (current < expected && Clock::now() - start < kYield) {
+  while (!signal_reached(current, expected) && Clock::now() - start < kYield) {
     if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
     sched_yield();
     current = load_signal(slots, slot);
@@ -553,10 +553,10 @@ void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const
   Window& w = signal_slot(win, slot, "wait_signal", &ow);
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
   uint64_t current = spin_for_signal(w, slot, expected);
-  while (current < expected) {
+  while (!signal_reached(current, expected)) {
     uint32_t seen = __atomic_load_n(&w.notify->epoch, __ATOMIC_SEQ_CST);
     current = load_signal(slots, slot);
-    if (current >= expected) break;
+    if (signal_reached(current, expected)) break;
     if (w.closing.load()) fail_wait_closed(w, slot);
     if (engine_->stopped()) {
       fail(Code::kClosed, -1, 0, who() + "wait_signal(window #" + std::to_string(win) + ", slot " +
