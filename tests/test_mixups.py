@@ -76,3 +76,44 @@ def test_host_signal_wait_compares_like_the_stream_wait():
         assert run_threads(2, body, timeout=60) == [True, True]
     finally:
         close_all(meshes)
+
+
+def mixed_calls(calls, needles):
+    """Rank r makes calls[r]; every rank must fail with InvalidArgument naming both calls,
+    then a barrier and a registration work on every rank."""
+    meshes = thread_meshes(2)
+    try:
+        def body(r):
+            m = meshes[r]
+            with pytest.raises(InvalidArgument) as e:
+                calls[r](m)
+            for needle in needles:
+                assert needle in str(e.value), str(e.value)
+            m.barrier(timeout=10)
+            assert m.alloc_window(64).index == 0
+            m.barrier(timeout=10)
+            return True
+
+        assert run_threads(2, body, timeout=60) == [True, True]
+    finally:
+        close_all(meshes)
+
+
+def test_barrier_against_a_registration_fails_every_rank_naming_both():
+    """Regression test (issue 17, item 8): rank 0's barrier() returned success while rank 1's
+    signal_window() got 'rank 0 published a malformed window description'."""
+    mixed_calls([lambda m: m.barrier(timeout=10), lambda m: m.signal_window(4)],
+                ["rank 0 called barrier() while rank 1 called signal_window() (window #0)"])
+
+
+def test_allgather_against_a_barrier_fails_every_rank():
+    mixed_calls([lambda m: m.allgather(b"x", timeout=10), lambda m: m.barrier(timeout=10)],
+                ["rank 0 called allgather() while rank 1 called barrier()"])
+
+
+def test_registrations_of_two_kinds_fail_every_rank_naming_both():
+    """Regression test (issue 17, item 9): rank 0 registering a user window while rank 1
+    allocates one succeeded on both, and a put into window #0 landed in the other kind."""
+    buf = [np.zeros(64, np.uint8) for _ in range(2)]
+    mixed_calls([lambda m: m.register_window(buf[0]), lambda m: m.alloc_window(64)],
+                ["rank 0 called register_window() (window #0) while rank 1 called alloc_window() (window #0)"])

@@ -102,17 +102,20 @@ void Client::check_open(const std::string& doing) {
   if (!broken_.empty()) fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": " + broken_);
 }
 
-Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadline) {
+Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadline, const Call& call) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string doing = "bootstrap allgather #" + std::to_string(seq_);
+  std::string doing = call_name(call) + " (bootstrap collective #" + std::to_string(seq_) + ")";
   check_open(doing);
   std::string too_big = oversized_part(mine.size());
+  Msg out{MsgType::kAllgather, Code::kOk, rank_, seq_, std::vector<uint8_t>(kCallSize)};
+  encode_call(call, out.payload.data());
   if (too_big.empty()) {
-    write_msg({MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, doing, deadline);
+    out.payload.insert(out.payload.end(), mine.begin(), mine.end());
   } else {  // the others hear of it through the root, so every rank stays in step
-    write_msg({MsgType::kAllgather, Code::kInvalidArgument, rank_, seq_, {too_big.begin(), too_big.end()}},
-              doing, deadline);
+    out.code = Code::kInvalidArgument;
+    out.payload.insert(out.payload.end(), too_big.begin(), too_big.end());
   }
+  write_msg(out, doing, deadline);
   Msg m = next_msg(doing, deadline);
   if (m.type == MsgType::kError && m.code == Code::kInvalidArgument && m.seq == seq_) {
     ++seq_;  // refused by the root (this rank's part or another's): the stream stays usable

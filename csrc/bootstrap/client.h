@@ -33,9 +33,13 @@ class Client {
   // Every rank's contribution, indexed by rank. Throws Error naming the
   // failed or lost rank, or kTimeout. A part above max_allgather_part(nranks)
   // is refused without being sent: every rank fails with kInvalidArgument
-  // naming the limit and the rank, and the next collective works.
-  Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline);
-  void barrier(const Deadline& deadline) { allgather({}, deadline); }
+  // naming the limit and the rank, and the next collective works. `call` says
+  // what this collective is; when another rank's differs, every rank fails
+  // with kInvalidArgument naming both calls, and the next collective works.
+  Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline, const Call& call = {});
+  void barrier(const Deadline& deadline, CallKind kind = CallKind::kBarrier) {
+    allgather({}, deadline, Call{kind, 0});
+  }
 
   // Relays `size` bytes (at most kMaxRelayPayload) to rank `peer` under `tag`
   // (self included); returns once the root has them. Throws kInvalidArgument

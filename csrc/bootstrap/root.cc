@@ -130,9 +130,14 @@ void Root::on_allgather(int rank, Msg& m) {
                    std::to_string(seq_) + " (sent " + std::to_string(m.seq) + ")");
     return;
   }
+  if (m.payload.size() < kCallSize || !decode_call(m.payload.data(), &c.call)) {
+    lose(rank, "rank " + std::to_string(rank) + " sent bootstrap collective " + std::to_string(seq_) +
+                   " without a valid call (a rank of an older protocol?)");
+    return;
+  }
   c.contributed = true;
   c.refused = m.code == Code::kInvalidArgument;
-  c.part = std::move(m.payload);
+  c.part.assign(m.payload.begin() + kCallSize, m.payload.end());
   maybe_complete();
 }
 
@@ -179,7 +184,7 @@ void Root::maybe_complete() {
   for (const Client& c : clients_) {
     if (!c.contributed) return;
   }
-  if (refuse_oversized()) return;
+  if (refuse_mismatched_calls() || refuse_oversized()) return;
   std::vector<std::vector<uint8_t>> parts;
   for (const Client& c : clients_) parts.push_back(c.part);
   Msg res{MsgType::kResult, Code::kOk, -1, seq_, encode_result(parts)};
@@ -215,6 +220,32 @@ bool Root::refuse_oversized() {
           std::to_string(kMaxPayload) + " (rank " + std::to_string(rank) + " contributed the most, " +
           std::to_string(clients_[rank].part.size()) + " bytes)";
   }
+  refuse_collective(rank, why);
+  return true;
+}
+
+// Every rank has contributed: when two ranks called different collectives (a
+// barrier against a registration, two kinds of registration, two windows),
+// every rank fails naming both calls, and the next collective goes on.
+bool Root::refuse_mismatched_calls() {
+  size_t ref = 0;  // a rank that refused a registration matches any: compare with one that did not
+  while (ref + 1 < clients_.size() && clients_[ref].call.kind == CallKind::kRefusedRegistration) ++ref;
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    if (calls_match(clients_[ref].call, clients_[r].call)) continue;
+    size_t a = std::min(ref, r), b = std::max(ref, r);
+    std::string why = "rank " + std::to_string(a) + " called " + call_name(clients_[a].call) + " while rank " +
+                      std::to_string(b) + " called " + call_name(clients_[b].call) +
+                      " (every rank must make the same collective calls in the same order)";
+    FXM_WARN(-1, "bootstrap root: collective #" + std::to_string(seq_) + ": " + why);
+    refuse_collective(static_cast<int>(b), why);
+    return true;
+  }
+  return false;
+}
+
+// Answers the current collective on every rank with kError(kInvalidArgument,
+// `why`, naming `rank`) instead of its result; the next collective goes on.
+void Root::refuse_collective(int rank, const std::string& why) {
   Msg refusal{MsgType::kError, Code::kInvalidArgument, rank, seq_, {why.begin(), why.end()}};
   for (size_t r = 0; r < clients_.size(); ++r) {
     clients_[r].contributed = clients_[r].refused = false;
@@ -222,7 +253,6 @@ bool Root::refuse_oversized() {
     send_to(static_cast<int>(r), refusal);
   }
   if (++seq_ >= kListenCollectives) listener_.reset();  // as after a result
-  return true;
 }
 
 // Answers every rank waiting in the current collective with `why`, naming `rank`.

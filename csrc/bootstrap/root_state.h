@@ -52,6 +52,7 @@ struct Client {
   bool contributed = false;
   bool refused = false;  // its part was too large: `part` holds why
   std::vector<uint8_t> part;
+  Call call;  // what the rank called (proto.h): every rank's must match
   std::vector<Msg> held;  // relayed to this rank before it joined
   size_t held_bytes = 0;
   std::vector<uint8_t> out;  // queued output: the root never blocks writing
@@ -90,6 +91,8 @@ class Root {
   void on_relay(int src, Msg& m);
   void maybe_complete();
   bool refuse_oversized();
+  bool refuse_mismatched_calls();
+  void refuse_collective(int rank, const std::string& why);
   void lose(int rank, const std::string& why);
   void broadcast(const Msg& m, int except);
   void send_to(int rank, const Msg& m);

@@ -97,6 +97,7 @@ class Mesh {
   void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
   std::vector<tcp::SockAddr> rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline);
   void wiring_check(const Deadline& deadline);
+  bootstrap::Parts collective(const std::vector<uint8_t>& mine, double timeout_s, bootstrap::CallKind kind);
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;
   void check_open(const char* op) const;

@@ -60,7 +60,7 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, WindowTa
 // ------------------------------------------------------------ registration
 
 uint32_t OneSided::register_user(void* base, uint64_t size) {
-  return register_collective([&](uint32_t, std::string*) {
+  return register_collective(bootstrap::CallKind::kRegisterWindow, [&](uint32_t, std::string*) {
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kUser;
     w->base = static_cast<uint8_t*>(base);
@@ -70,7 +70,7 @@ uint32_t OneSided::register_user(void* base, uint64_t size) {
 }
 
 uint32_t OneSided::alloc(uint64_t size) {
-  return register_collective([&](uint32_t, std::string* name) {
+  return register_collective(bootstrap::CallKind::kAllocWindow, [&](uint32_t, std::string* name) {
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kShm;
     w->seg = std::make_shared<shm::Segment>(shm::Segment::create_unique(size));
@@ -82,7 +82,7 @@ uint32_t OneSided::alloc(uint64_t size) {
 }
 
 uint32_t OneSided::alloc_signal(uint64_t nslots) {
-  return register_collective([&](uint32_t, std::string* name) {
+  return register_collective(bootstrap::CallKind::kSignalWindow, [&](uint32_t, std::string* name) {
     if (!signal_slots_valid(nslots)) {
       fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " +
                                               std::to_string(nslots));
@@ -101,7 +101,8 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
 }
 
 void OneSided::refuse_registration(const std::string& reason) {
-  register_collective([&](uint32_t, std::string*) -> std::shared_ptr<Window> {
+  using bootstrap::CallKind;
+  register_collective(CallKind::kRefusedRegistration, [&](uint32_t, std::string*) -> std::shared_ptr<Window> {
     fail(Code::kInvalidArgument, -1, 0, reason);
   });
   fail(Code::kInternal, -1, 0, who() + "refused registration went through");  // unreachable
@@ -128,7 +129,7 @@ bool is_failure_marker(const std::vector<uint8_t>& part, std::string* reason) {
 
 }  // namespace
 
-uint32_t OneSided::register_collective(const Prepare& prepare) {
+uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& prepare) {
   std::lock_guard<std::mutex> lock(register_mu_);
   uint32_t index = windows_->next_index();
   std::shared_ptr<Window> w;
@@ -146,7 +147,7 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
   }
-  bootstrap::Parts parts = allgather_(mine);
+  bootstrap::Parts parts = allgather_(mine, {kind, index});
   if (local_failure) std::rethrow_exception(local_failure);
   try {
     connect_peers(*w, check_descriptions(*w, parts));
@@ -156,7 +157,8 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   }
   windows_->add(w);  // before the barrier: a peer may use the window as soon as it returns
   try {
-    allgather_({});  // every peer has mapped this rank's segment: the name can go
+    // every peer has mapped this rank's segment: the name can go
+    allgather_({}, {bootstrap::CallKind::kRegistrationDone, index});
   } catch (...) {
     w->live = false;
     finish_registration(*w);  // no more fds served, no name left behind
@@ -281,7 +283,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
   }
-  bootstrap::Parts parts = allgather_(mine);
+  bootstrap::Parts parts = allgather_(mine, {bootstrap::CallKind::kDeregister, index});
   if (local_failure) {
     w->closing = false;  // it stays open on every rank
     std::rethrow_exception(local_failure);
