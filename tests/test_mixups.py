@@ -5,12 +5,16 @@ otherwise."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import textwrap
+
 import numpy as np
 import pytest
 
 import flagcx_mesh
 from flagcx_mesh import InvalidArgument, Mesh, MeshError
-from meshutil import run_threads
+from meshutil import PY, run_threads, subprocess_env
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -117,3 +121,45 @@ def test_registrations_of_two_kinds_fail_every_rank_naming_both():
     buf = [np.zeros(64, np.uint8) for _ in range(2)]
     mixed_calls([lambda m: m.register_window(buf[0]), lambda m: m.alloc_window(64)],
                 ["rank 0 called register_window() (window #0) while rank 1 called alloc_window() (window #0)"])
+
+
+def test_a_used_unique_id_fails_at_once_saying_so():
+    """Regression test (issue 17, item 10): a rank joining with the id of a mesh already built
+    (a late duplicate, a stale id) waited out its whole timeout, then said 'cannot reach the
+    bootstrap root ... Connection refused'. The root's listener closes once its mesh is built:
+    a refused connection to a root on this host now fails at once, saying the id was used."""
+    uid = flagcx_mesh.get_unique_id()
+    meshes = run_threads(2, lambda r: Mesh(2, uid, r, timeout=30), timeout=45)
+    try:
+        with pytest.raises(InvalidArgument, match="already used") as e:
+            Mesh(2, uid, 1, timeout=20)
+        assert "serves one mesh" in str(e.value), str(e.value)
+    finally:
+        close_all(meshes)
+
+
+LAUNCHED_TWICE = textwrap.dedent("""
+    import flagcx_mesh
+    from flagcx_mesh import InvalidArgument, Mesh
+    m = Mesh.from_env(timeout=20)
+    m.barrier(timeout=20)
+    try:
+        Mesh.from_env(timeout=20)
+        print("SECOND BUILT", flush=True)
+    except InvalidArgument as e:
+        print("REFUSED", e, flush=True)
+    m.close()
+""")
+
+
+def test_a_second_from_env_under_the_launcher_says_the_id_was_used(tmp_path):
+    """Regression test (issue 17, item 10): a second Mesh.from_env() under the embedded
+    launcher waited out its timeout, then said 'Connection refused'."""
+    prog = tmp_path / "twice.py"
+    prog.write_text(LAUNCHED_TWICE)
+    cmd = [PY, "-m", "flagcx_mesh.launch", "-n", "2", "--timeout", "90", "--", PY, str(prog)]
+    p = subprocess.run(cmd, env=subprocess_env(), cwd=os.path.dirname(__file__), capture_output=True,
+                       text=True, timeout=110)
+    assert p.returncode == 0, p.stdout + p.stderr
+    refused = [line for line in p.stdout.splitlines() if "REFUSED" in line]
+    assert len(refused) == 2 and all("already used" in line for line in refused), p.stdout + p.stderr

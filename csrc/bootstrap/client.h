@@ -70,6 +70,8 @@ class Client {
 
  private:
   void connect_root(const Deadline& deadline);
+  // Raises when `err` says the id was used or its root is gone (see client.cc).
+  void check_refused(int err, Clock::time_point* refused_since);
   std::string oversized_part(size_t size) const;
   // One attempt of the join handshake on a fresh connection; false when the
   // root closed it before proving itself (a root crowded by strangers drops
