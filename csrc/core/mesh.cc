@@ -324,15 +324,15 @@ void Mesh::wait_counter(uint64_t value, double timeout_s) {
 }
 
 bootstrap::Parts Mesh::allgather(const std::vector<uint8_t>& mine, double timeout_s) {
-  return collective(mine, timeout_s, bootstrap::CallKind::kAllgather);
+  return collective(mine, timeout_s, {bootstrap::CallKind::kAllgather, 0});
 }
 
-void Mesh::barrier(double timeout_s) { collective({}, timeout_s, bootstrap::CallKind::kBarrier); }
+void Mesh::barrier(double timeout_s) { collective({}, timeout_s, {bootstrap::CallKind::kBarrier, 0}); }
 
-bootstrap::Parts Mesh::collective(const std::vector<uint8_t>& mine, double timeout_s, bootstrap::CallKind kind) {
+bootstrap::Parts Mesh::collective(const std::vector<uint8_t>& mine, double timeout_s, const bootstrap::Call& call) {
   std::shared_lock<std::shared_timed_mutex> life(life_mu_);
-  if (closed_) fail(Code::kClosed, -1, 0, who() + bootstrap::call_name({kind, 0}) + ": the mesh is closed");
-  return boot_->allgather(mine, deadline_for(timeout_s), {kind, 0});
+  if (closed_) fail(Code::kClosed, -1, 0, who() + bootstrap::call_name(call) + ": the mesh is closed");
+  return boot_->allgather(mine, deadline_for(timeout_s), call);
 }
 
 void Mesh::close() {

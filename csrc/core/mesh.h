@@ -88,6 +88,9 @@ class Mesh {
   // Collectives over the bootstrap root.
   bootstrap::Parts allgather(const std::vector<uint8_t>& mine, double timeout_s);
   void barrier(double timeout_s);
+  // A collective taking part as `call` (kind and window index): for tests that
+  // forge what a peer publishes.
+  bootstrap::Parts collective(const std::vector<uint8_t>& mine, double timeout_s, const bootstrap::Call& call);
 
   // Closes every connection and leaves the bootstrap. Idempotent; operations
   // blocked in other threads return with Error(kClosed).
@@ -97,7 +100,6 @@ class Mesh {
   void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
   std::vector<tcp::SockAddr> rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline);
   void wiring_check(const Deadline& deadline);
-  bootstrap::Parts collective(const std::vector<uint8_t>& mine, double timeout_s, bootstrap::CallKind kind);
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;
   void check_open(const char* op) const;
