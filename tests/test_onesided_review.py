@@ -58,9 +58,9 @@ def body(r):
                s(("/" + name).encode()) + struct.pack("<QQ", 0, 1) + \
                struct.pack("<iB", -1, 0) + bytes(64) + struct.pack("<QI", 0, 0) + s(b"") + s(b"") + s(b"") + \
                struct.pack("<Q", 0)  # the device fields: host memory
-        m.allgather(struct.pack("<I", 0) + desc, timeout=30)
+        m._core.allgather(struct.pack("<I", 0) + desc, 30, call_kind=7)  # as signal_window() of window #0
         try:
-            m.allgather(b"", timeout=5)  # the registration's second step (only when rank 0 accepted)
+            m._core.allgather(b"", 5, call_kind=11)  # the registration's second step (if rank 0 accepted)
         except MeshError:
             pass
 

@@ -111,10 +111,16 @@ class Memory:
         return bytes(self.alloc[off:off + n]) if SCENARIO == "cma" else self.alloc.read(n, off)
 
 
-def rank2_registration(part):
-    parts = m.allgather(part, timeout=30)
-    try:
-        m.allgather(b"", timeout=10)  # the registration's second step
+# bootstrap::CallKind (csrc/bootstrap/proto.h): a collective carries the call it is part of, so
+# rank 2 takes part as the registration the others make (host or device window, its index).
+REGISTER_WINDOW, REGISTER_DEVICE_WINDOW, REGISTRATION_DONE = 5, 8, 11
+
+
+def rank2_registration(part, index):
+    call = REGISTER_WINDOW if SCENARIO == "cma" else REGISTER_DEVICE_WINDOW
+    parts = m._core.allgather(part, 30.0, call_kind=call, call_index=index)
+    try:  # the registration's second step
+        m._core.allgather(b"", 10.0, call_kind=REGISTRATION_DONE, call_index=index)
     except MeshError:
         pass
     return parts
@@ -123,7 +129,7 @@ def rank2_registration(part):
 ns = os.readlink("/proc/self/ns/pid").encode()
 kind = 1 if SCENARIO == "cma" else 4
 if r == 2:
-    first = rank2_registration(struct.pack("<I", 0) + desc(1, SIZE, 0, os.getpid(), b"elsewhere", b""))
+    first = rank2_registration(struct.pack("<I", 0) + desc(1, SIZE, 0, os.getpid(), b"elsewhere", b""), 0)
 else:
     A = Memory(0x10 + r)
     W0 = m.register_window(A.window)
@@ -152,7 +158,7 @@ if r == 2:
     else:
         forged = desc(4, SIZE, struct.unpack("<Q", shared[0][:8])[0] + PRIVATE, struct.unpack("<i", shared[0][8:])[0],
                       host_id(), ns)
-    rank2_registration(struct.pack("<I", 1) + forged)
+    rank2_registration(struct.pack("<I", 1) + forged, 1)
 else:
     B = Memory(0x77 if r == 0 else 0x20)
     W1 = m.register_window(B.window)

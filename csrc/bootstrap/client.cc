@@ -75,9 +75,43 @@ Client::~Client() {
   bye();
 }
 
+namespace {
+
+// A root on another host that refuses every connection this long is taken as gone.
+constexpr double kRefusedGiveUpS = 5.0;
+
+// Whether `a` is an address of this host (binding to it works).
+bool on_this_host(const tcp::SockAddr& a) {
+  tcp::SockAddr probe = a, bound;
+  probe.set_port(0);
+  int err = 0;
+  return static_cast<bool>(tcp::listen_on(probe, &bound, &err));
+}
+
+}  // namespace
+
+// The root listens from the moment its unique id exists until its mesh is
+// built (or it exits), so a refused connection means the id was used already
+// or its root is gone: said at once for a root on this host, after
+// kRefusedGiveUpS for a remote one (the network may refuse for a moment).
+void Client::check_refused(int err, Clock::time_point* refused_since) {
+  if (err != ECONNREFUSED) {
+    *refused_since = Clock::time_point{};
+    return;
+  }
+  if (*refused_since == Clock::time_point{}) *refused_since = Clock::now();
+  if (!on_this_host(root_) && seconds_since(*refused_since) < kRefusedGiveUpS) return;
+  fail(Code::kInvalidArgument, -1, err,
+       "rank " + std::to_string(rank_) + ": the bootstrap root at " + root_.str() +
+           " refused the connection: this unique id was already used (its root takes joins only until its "
+           "mesh is built: a unique id, and the launcher's, serves one mesh) or the process that made it "
+           "is gone; make a new unique id for a new mesh");
+}
+
 void Client::connect_root(const Deadline& deadline) {
   int backoff_ms = 10;
   int err = 0;
+  Clock::time_point refused_since{};  // none yet
   while (true) {
     fd_ = tcp::connect_start(root_, &err);
     if (fd_) {
@@ -87,6 +121,7 @@ void Client::connect_root(const Deadline& deadline) {
       if (err == 0) return;
       fd_.reset();
     }
+    check_refused(err, &refused_since);
     if (deadline.expired()) {
       fail(Code::kTimeout, -1, err,
            "rank " + std::to_string(rank_) + ": cannot reach the bootstrap root at " + root_.str() +
@@ -102,17 +137,20 @@ void Client::check_open(const std::string& doing) {
   if (!broken_.empty()) fail(Code::kProtocol, -1, 0, "rank " + std::to_string(rank_) + ": " + doing + ": " + broken_);
 }
 
-Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadline) {
+Parts Client::allgather(const std::vector<uint8_t>& mine, const Deadline& deadline, const Call& call) {
   std::lock_guard<std::mutex> lock(mu_);
-  std::string doing = "bootstrap allgather #" + std::to_string(seq_);
+  std::string doing = call_name(call) + " (bootstrap collective #" + std::to_string(seq_) + ")";
   check_open(doing);
   std::string too_big = oversized_part(mine.size());
+  Msg out{MsgType::kAllgather, Code::kOk, rank_, seq_, std::vector<uint8_t>(kCallSize)};
+  encode_call(call, out.payload.data());
   if (too_big.empty()) {
-    write_msg({MsgType::kAllgather, Code::kOk, rank_, seq_, mine}, doing, deadline);
+    out.payload.insert(out.payload.end(), mine.begin(), mine.end());
   } else {  // the others hear of it through the root, so every rank stays in step
-    write_msg({MsgType::kAllgather, Code::kInvalidArgument, rank_, seq_, {too_big.begin(), too_big.end()}},
-              doing, deadline);
+    out.code = Code::kInvalidArgument;
+    out.payload.insert(out.payload.end(), too_big.begin(), too_big.end());
   }
+  write_msg(out, doing, deadline);
   Msg m = next_msg(doing, deadline);
   if (m.type == MsgType::kError && m.code == Code::kInvalidArgument && m.seq == seq_) {
     ++seq_;  // refused by the root (this rank's part or another's): the stream stays usable

@@ -33,9 +33,13 @@ class Client {
   // Every rank's contribution, indexed by rank. Throws Error naming the
   // failed or lost rank, or kTimeout. A part above max_allgather_part(nranks)
   // is refused without being sent: every rank fails with kInvalidArgument
-  // naming the limit and the rank, and the next collective works.
-  Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline);
-  void barrier(const Deadline& deadline) { allgather({}, deadline); }
+  // naming the limit and the rank, and the next collective works. `call` says
+  // what this collective is; when another rank's differs, every rank fails
+  // with kInvalidArgument naming both calls, and the next collective works.
+  Parts allgather(const std::vector<uint8_t>& mine, const Deadline& deadline, const Call& call = {});
+  void barrier(const Deadline& deadline, CallKind kind = CallKind::kBarrier) {
+    allgather({}, deadline, Call{kind, 0});
+  }
 
   // Relays `size` bytes (at most kMaxRelayPayload) to rank `peer` under `tag`
   // (self included); returns once the root has them. Throws kInvalidArgument
@@ -66,6 +70,8 @@ class Client {
 
  private:
   void connect_root(const Deadline& deadline);
+  // Raises when `err` says the id was used or its root is gone (see client.cc).
+  void check_refused(int err, Clock::time_point* refused_since);
   std::string oversized_part(size_t size) const;
   // One attempt of the join handshake on a fresh connection; false when the
   // root closed it before proving itself (a root crowded by strangers drops

@@ -66,6 +66,54 @@ tcp::IoResult recv_msg(int fd, Msg* m, const Deadline& deadline) {
   return tcp::read_full(fd, m->payload.data(), len, deadline);
 }
 
+namespace {
+
+bool is_registration(CallKind k) {
+  return k >= CallKind::kRegisterWindow && k <= CallKind::kRefusedRegistration;
+}
+
+}  // namespace
+
+std::string call_name(const Call& c) {
+  static const char* const names[] = {"",
+                                      "allgather()",
+                                      "barrier()",
+                                      "the build's address exchange",
+                                      "the build's final barrier",
+                                      "register_window()",
+                                      "alloc_window()",
+                                      "signal_window()",
+                                      "register_window() of device memory",
+                                      "alloc_window(device=)",
+                                      "a registration it could not make",
+                                      "the end of a registration",
+                                      "deregister()"};
+  std::string s = names[static_cast<uint16_t>(c.kind)];
+  bool windowed = is_registration(c.kind) || c.kind == CallKind::kRegistrationDone || c.kind == CallKind::kDeregister;
+  return windowed ? s + " (window #" + std::to_string(c.index) + ")" : s;
+}
+
+bool calls_match(const Call& a, const Call& b) {
+  if (a.kind == CallKind::kRefusedRegistration || b.kind == CallKind::kRefusedRegistration) {
+    return is_registration(a.kind) && is_registration(b.kind) && a.index == b.index;
+  }
+  return a.kind == b.kind && a.index == b.index;
+}
+
+void encode_call(const Call& c, uint8_t out[kCallSize]) {
+  put<uint16_t>(out, 0, static_cast<uint16_t>(c.kind));
+  put<uint16_t>(out, 2, 0);
+  put<uint32_t>(out, 4, c.index);
+}
+
+bool decode_call(const uint8_t in[kCallSize], Call* c) {
+  uint16_t kind = get<uint16_t>(in, 0);
+  if (kind < 1 || kind > kMaxCallKind) return false;
+  c->kind = static_cast<CallKind>(kind);
+  c->index = get<uint32_t>(in, 4);
+  return true;
+}
+
 std::vector<uint8_t> encode_hello(const HelloInfo& h) {
   std::vector<uint8_t> p(kHelloPayload, 0);
   std::memcpy(p.data(), h.mesh_id.data(), 16);

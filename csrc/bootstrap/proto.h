@@ -17,7 +17,8 @@
 namespace fxm::bootstrap {
 
 constexpr uint32_t kMsgMagic = 0x424d5846;  // "FXMB"
-constexpr uint16_t kProtoVersion = 3;  // 2: joins prove the key (kHello, kChallenge); 3: kAdmitted
+constexpr uint16_t kProtoVersion = 4;  // 2: joins prove the key (kHello, kChallenge); 3: kAdmitted;
+                                       // 4: a contribution carries its call (Call)
 constexpr size_t kMsgHeaderSize = 24;
 constexpr uint64_t kMaxPayload = 64ull << 20;
 // Relayed point-to-point messages are for small control data (readiness
@@ -49,6 +50,37 @@ enum class MsgType : uint16_t {
   kAdmitted = 12,  // root -> rank: the join was checked and filed (a rank not told retries)
 };
 constexpr uint16_t kMaxMsgType = 12;
+
+// What a collective is, as the rank called it: every kAllgather payload starts
+// with it (kCallSize bytes: kind u16, pad u16, index u32; the root strips it),
+// and the root fails every rank, naming both calls, when two ranks' calls of
+// one collective differ (a barrier against a window registration, or two
+// kinds of registration).
+enum class CallKind : uint16_t {
+  kAllgather = 1,
+  kBarrier = 2,
+  kBuildAddresses = 3,   // the build's address exchange
+  kBuildBarrier = 4,     // the build's final barrier
+  kRegisterWindow = 5,   // index: the window's
+  kAllocWindow = 6,
+  kSignalWindow = 7,
+  kRegisterDeviceWindow = 8,
+  kAllocDeviceWindow = 9,
+  kRefusedRegistration = 10,  // a rank that cannot register: matches any registration of that index
+  kRegistrationDone = 11,     // a registration's second step (every peer mapped the window)
+  kDeregister = 12,
+};
+constexpr uint16_t kMaxCallKind = 12;
+constexpr size_t kCallSize = 8;
+
+struct Call {
+  CallKind kind = CallKind::kAllgather;
+  uint32_t index = 0;  // the window, for registrations and deregister
+};
+std::string call_name(const Call& c);  // "signal_window() (window #2)"
+bool calls_match(const Call& a, const Call& b);
+void encode_call(const Call& c, uint8_t out[kCallSize]);
+bool decode_call(const uint8_t in[kCallSize], Call* c);
 
 struct Msg {
   MsgType type = MsgType::kBye;

@@ -8,119 +8,11 @@
 #include <thread>
 #include <vector>
 
-#include "base/env.h"
 #include "base/log.h"
-#include "bootstrap/exit_wait.h"
-#include "bootstrap/root_release.h"
-#include "bootstrap/proto.h"
+#include "bootstrap/root_state.h"
 
 namespace fxm::bootstrap {
-namespace {
-
-constexpr double kJoinHeaderTimeoutS = 5.0;
-constexpr double kWriteTimeoutS = 10.0;      // to read a message a client has begun
-constexpr double kDrainTimeoutS = 1.0;       // for queued output when the root exits
-constexpr size_t kMaxQueuedBytes = 1ull << 30;  // output queued for a client that does not read
-// Connections that have not proved the key yet: beyond this many, the one
-// that made the least progress (no valid hello) is closed to make room.
-constexpr size_t kMaxPending = 256;
-constexpr int kAcceptBatch = 64;  // per poll round: each is read before a flood can push it out
-// The listener stays open until the ranks' second collective after every rank
-// joined (a Mesh's build ends with its second, the final barrier), so that a
-// second process started as an already joined rank is still heard.
-constexpr uint32_t kListenCollectives = 2;
-constexpr uint32_t kMaxRanks = 1u << 20;
-constexpr size_t kMaxHeld = 4096;  // relayed messages waiting for a rank to join
-constexpr size_t kMaxHeldBytes = 64u << 20;  // and their bytes, per rank
-
-// A connection that has not yet proved the key (proto.h, the join handshake).
-struct Pending {
-  tcp::Fd fd;
-  Deadline deadline;
-  std::vector<uint8_t> buf;
-  bool challenged = false;  // its hello was read and answered: a kJoin is due
-  Msg hello;                // as received: the MACs cover it
-  HelloInfo info;
-  Nonce nonce{};            // the root's
-};
-
-// What became of a pending connection.
-enum class Step { kWait, kDone, kSilent, kClosed, kGarbage, kForeign, kBadAuth, kOverflow, kCount };
-const char* const kStepNames[] = {"", "", "silent", "closed", "garbage", "foreign mesh",
-                                  "bad authentication", "overflow"};
-
-struct Client {
-  tcp::Fd fd;
-  bool joined = false;
-  bool gone = false;  // said BYE or was lost
-  bool contributed = false;
-  bool refused = false;  // its part was too large: `part` holds why
-  std::vector<uint8_t> part;
-  std::vector<Msg> held;  // relayed to this rank before it joined
-  size_t held_bytes = 0;
-  std::vector<uint8_t> out;  // queued output: the root never blocks writing
-  size_t out_off = 0;        // bytes of `out` already written
-  size_t queued() const { return out.size() - out_off; }
-};
-
-class Root {
- public:
-  Root(tcp::Fd listener, const UniqueId& id)
-      : listener_(std::move(listener)), id_(id), life_(track_root(wire::mesh_id_hex(id.mesh_id).substr(0, 8))),
-        release_(register_root(id.mesh_id)) {}
-  void run();
-
- private:
-  bool release_requested();
-  void end_release(bool released);
-  bool finished() const;
-  void retire(int rank);
-  void fail_pending(int rank, const std::string& why);
-  void tell_stopping();
-  void poll_once();
-  void accept_all();
-  void on_pending(size_t i);
-  void make_room();
-  Step step_pending(Pending& p);
-  Step on_hello(Pending& p, const Msg& m);
-  Step on_join(Pending& p, const Msg& m);
-  void admit(Pending& p, const JoinInfo& j);
-  std::string refusal(int rank, uint32_t epoch, const JoinInfo& j) const;
-  void refuse(Pending& p, Code code, int rank, const std::string& why);
-  void fail_duplicate(Pending& p, int rank);
-  void log_strangers() const;
-  void on_client(int rank);
-  void on_allgather(int rank, Msg& m);
-  void on_relay(int src, Msg& m);
-  void maybe_complete();
-  bool refuse_oversized();
-  void lose(int rank, const std::string& why);
-  void broadcast(const Msg& m, int except);
-  void send_to(int rank, const Msg& m);
-  void flush(int rank);
-  void drain();
-  void check_deadlines();
-  std::string missing_ranks() const;
-
-  tcp::Fd listener_;
-  UniqueId id_;
-  uint64_t strangers_[static_cast<size_t>(Step::kCount)] = {};  // closed unproved, by why
-  std::string fatal_;            // set by a duplicate join: every rank fails with it
-  int fatal_rank_ = -1;
-  std::vector<bool> told_;       // ranks that were sent fatal_
-  std::vector<Pending> pending_;
-  std::vector<Client> clients_;
-  uint32_t nranks_ = 0;
-  int joined_ = 0;
-  Deadline join_deadline_ = Deadline::after_seconds(env_config().root_idle_s);
-  double timeout_s_ = 0;
-  uint32_t seq_ = 0;
-  std::vector<int> lost_;
-  int first_left_ = -1;  // the first rank that said BYE: no later collective can complete
-  bool failed_ = false;
-  std::shared_ptr<RootLife> life_;  // what this process's exit waits for
-  std::shared_ptr<RootRelease> release_;  // release_root() of an unused id
-};
+namespace root_impl {
 
 void Root::run() {
   bool released = false;
@@ -200,164 +92,6 @@ void Root::poll_once() {
   check_deadlines();
 }
 
-void Root::accept_all() {
-  for (int taken = 0; listener_ && taken < kAcceptBatch; ++taken) {
-    tcp::SockAddr from;
-    int err = 0;
-    tcp::Fd fd = tcp::accept_one(listener_.get(), &from, &err);
-    if (!fd) return;
-    if (pending_.size() >= kMaxPending) make_room();
-    pending_.push_back({std::move(fd), Deadline::after_seconds(kJoinHeaderTimeoutS), {}});
-    on_pending(pending_.size() - 1);  // a rank's hello is usually there already
-  }
-}
-
-// Closes the oldest pending connection that has not sent a valid hello (else
-// the oldest of all): a flood of idle or garbage connections cannot crowd out
-// a rank that is halfway through its handshake.
-void Root::make_room() {
-  size_t victim = 0;
-  for (size_t i = 0; i < pending_.size(); ++i) {
-    if (!pending_[i].challenged) {
-      victim = i;
-      break;
-    }
-  }
-  pending_.erase(pending_.begin() + static_cast<long>(victim));
-  ++strangers_[static_cast<size_t>(Step::kOverflow)];
-}
-
-void Root::on_pending(size_t i) {
-  Step st = step_pending(pending_[i]);
-  if (st == Step::kWait) return;
-  if (st != Step::kDone) {
-    ++strangers_[static_cast<size_t>(st)];
-    FXM_DEBUG(-1, std::string("bootstrap root: closed an unproved connection (") + kStepNames[static_cast<int>(st)] + ")");
-  }
-  pending_.erase(pending_.begin() + static_cast<long>(i));
-}
-
-// Reads what the current step of the handshake expects; acts on it once whole.
-Step Root::step_pending(Pending& p) {
-  if (p.deadline.expired()) return Step::kSilent;
-  size_t payload = p.challenged ? kJoinPayload : kHelloPayload;
-  size_t whole = kMsgHeaderSize + payload;
-  uint8_t tmp[kMsgHeaderSize + kHelloPayload];
-  tcp::IoResult r = tcp::read_some(p.fd.get(), tmp, whole - p.buf.size());
-  p.buf.insert(p.buf.end(), tmp, tmp + r.done);
-  if (!r.ok()) return Step::kClosed;
-  Msg m;
-  uint64_t len = 0;
-  MsgType want = p.challenged ? MsgType::kJoin : MsgType::kHello;
-  if (p.buf.size() >= kMsgHeaderSize &&
-      (!decode_header(p.buf.data(), &m, &len) || m.type != want || len != payload)) {
-    return Step::kGarbage;
-  }
-  if (p.buf.size() < whole) return Step::kWait;
-  m.payload.assign(p.buf.begin() + kMsgHeaderSize, p.buf.end());
-  p.buf.clear();
-  return p.challenged ? on_join(p, m) : on_hello(p, m);
-}
-
-// Answers a hello of this mesh with the root's nonce and its proof of the key
-// (of the epoch the rank names: a rank of another epoch is told so later).
-Step Root::on_hello(Pending& p, const Msg& m) {
-  if (!decode_hello(m.payload, &p.info) || p.info.mesh_id != id_.mesh_id || p.info.version != kProtoVersion) {
-    return Step::kForeign;
-  }
-  p.hello = m;
-  crypto::random_bytes(p.nonce.data(), p.nonce.size());
-  ChallengeInfo c{p.nonce, root_proof(id_.key_for(p.info.epoch), m, p.nonce)};
-  Msg out{MsgType::kChallenge, Code::kOk, m.rank, 0, encode_challenge(c)};
-  if (!send_msg(p.fd.get(), out, Deadline::after_seconds(0.1)).ok()) return Step::kClosed;
-  p.challenged = true;
-  return Step::kWait;
-}
-
-Step Root::on_join(Pending& p, const Msg& m) {
-  JoinInfo j;
-  if (!decode_join(m.payload, &j)) return Step::kGarbage;
-  wire::Mac want = join_proof(id_.key_for(p.info.epoch), p.hello, p.nonce, j.nranks, j.timeout_ms);
-  if (!crypto::equal_ct(want.data(), j.mac.data(), want.size())) return Step::kBadAuth;
-  admit(p, j);
-  return Step::kDone;
-}
-
-// Why a join that proved the key is refused ("" when it is not).
-std::string Root::refusal(int rank, uint32_t epoch, const JoinInfo& j) const {
-  std::string r = "rank " + std::to_string(rank);
-  if (epoch != id_.epoch) {
-    return r + " joined with epoch " + std::to_string(epoch) + ", but the unique id is of epoch " +
-           std::to_string(id_.epoch) + " (a rank of another run of the job)";
-  }
-  if (j.nranks == 0 || j.nranks > kMaxRanks)
-    return "nranks=" + std::to_string(j.nranks) + " is outside [1, " + std::to_string(kMaxRanks) + "]";
-  if (nranks_ != 0 && j.nranks != nranks_)
-    return r + " joined with nranks=" + std::to_string(j.nranks) + " but others use nranks=" + std::to_string(nranks_);
-  if (rank < 0 || static_cast<uint32_t>(rank) >= j.nranks)
-    return r + " out of range for nranks=" + std::to_string(j.nranks);
-  return "";
-}
-
-void Root::refuse(Pending& p, Code code, int rank, const std::string& why) {
-  Msg err{MsgType::kError, code, rank, 0, {why.begin(), why.end()}};
-  send_msg(p.fd.get(), err, Deadline::after_seconds(1));
-  FXM_WARN(-1, "bootstrap root refused a join: " + why);
-}
-
-// Two processes claim one rank: every rank, joined or still to come, fails
-// with an error naming it (the first joiner would otherwise win silently).
-void Root::fail_duplicate(Pending& p, int rank) {
-  fatal_rank_ = rank;
-  fatal_ = "rank " + std::to_string(rank) + " joined the bootstrap root twice: two processes were started as rank " +
-           std::to_string(rank) + " (check the launcher); the build fails on every rank";
-  FXM_WARN(-1, "bootstrap root: " + fatal_);
-  Msg err{MsgType::kError, Code::kInvalidArgument, rank, seq_, {fatal_.begin(), fatal_.end()}};
-  send_msg(p.fd.get(), err, Deadline::after_seconds(1));
-  broadcast(err, -1);
-  for (size_t r = 0; r < clients_.size(); ++r) told_[r] = told_[r] || clients_[r].joined;
-}
-
-void Root::admit(Pending& p, const JoinInfo& j) {
-  int rank = p.hello.rank;
-  std::string why = refusal(rank, p.info.epoch, j);
-  if (!why.empty()) return refuse(p, Code::kInvalidArgument, rank, why);
-  if (!fatal_.empty()) {
-    refuse(p, Code::kInvalidArgument, fatal_rank_, fatal_);
-    told_[rank] = true;
-    return;
-  }
-  if (nranks_ != 0 && clients_[rank].joined) return fail_duplicate(p, rank);
-  if (nranks_ == 0) {
-    nranks_ = j.nranks;
-    clients_.resize(nranks_);
-    told_.assign(nranks_, false);
-    timeout_s_ = j.timeout_ms / 1000.0;
-    join_deadline_ = Deadline::never();  // from now on the ranks' deadlines bound the wait
-  }
-  // Expire a little before the earliest rank's own deadline, so that ranks
-  // hear which ranks are missing rather than a bare timeout.
-  double left = j.timeout_ms / 1000.0;
-  join_deadline_ = join_deadline_.min(Deadline::after_seconds(left - std::min(1.0, left / 10)));
-  Client& c = clients_[rank];
-  c.fd = std::move(p.fd);
-  c.joined = true;
-  send_to(rank, Msg{MsgType::kAdmitted, Code::kOk, rank, 0, {}});  // before anything held for it
-  life_->joined(rank, j.timeout_ms / 1000.0);
-  for (const Msg& held : c.held) send_to(rank, held);
-  c.held.clear();
-  c.held_bytes = 0;
-  ++joined_;
-}
-
-void Root::log_strangers() const {
-  std::string s;
-  for (int k = static_cast<int>(Step::kSilent); k < static_cast<int>(Step::kCount); ++k) {
-    if (strangers_[k]) s += (s.empty() ? "" : ", ") + std::to_string(strangers_[k]) + " " + kStepNames[k];
-  }
-  if (!s.empty()) FXM_INFO(-1, "bootstrap root: closed connections that did not prove the key: " + s);
-}
-
 void Root::on_client(int rank) {
   Client& c = clients_[rank];
   pollfd pfd{c.fd.get(), POLLIN, 0};
@@ -396,9 +130,14 @@ void Root::on_allgather(int rank, Msg& m) {
                    std::to_string(seq_) + " (sent " + std::to_string(m.seq) + ")");
     return;
   }
+  if (m.payload.size() < kCallSize || !decode_call(m.payload.data(), &c.call)) {
+    lose(rank, "rank " + std::to_string(rank) + " sent bootstrap collective " + std::to_string(seq_) +
+                   " without a valid call (a rank of an older protocol?)");
+    return;
+  }
   c.contributed = true;
   c.refused = m.code == Code::kInvalidArgument;
-  c.part = std::move(m.payload);
+  c.part.assign(m.payload.begin() + kCallSize, m.payload.end());
   maybe_complete();
 }
 
@@ -445,7 +184,7 @@ void Root::maybe_complete() {
   for (const Client& c : clients_) {
     if (!c.contributed) return;
   }
-  if (refuse_oversized()) return;
+  if (refuse_mismatched_calls() || refuse_oversized()) return;
   std::vector<std::vector<uint8_t>> parts;
   for (const Client& c : clients_) parts.push_back(c.part);
   Msg res{MsgType::kResult, Code::kOk, -1, seq_, encode_result(parts)};
@@ -481,6 +220,32 @@ bool Root::refuse_oversized() {
           std::to_string(kMaxPayload) + " (rank " + std::to_string(rank) + " contributed the most, " +
           std::to_string(clients_[rank].part.size()) + " bytes)";
   }
+  refuse_collective(rank, why);
+  return true;
+}
+
+// Every rank has contributed: when two ranks called different collectives (a
+// barrier against a registration, two kinds of registration, two windows),
+// every rank fails naming both calls, and the next collective goes on.
+bool Root::refuse_mismatched_calls() {
+  size_t ref = 0;  // a rank that refused a registration matches any: compare with one that did not
+  while (ref + 1 < clients_.size() && clients_[ref].call.kind == CallKind::kRefusedRegistration) ++ref;
+  for (size_t r = 0; r < clients_.size(); ++r) {
+    if (calls_match(clients_[ref].call, clients_[r].call)) continue;
+    size_t a = std::min(ref, r), b = std::max(ref, r);
+    std::string why = "rank " + std::to_string(a) + " called " + call_name(clients_[a].call) + " while rank " +
+                      std::to_string(b) + " called " + call_name(clients_[b].call) +
+                      " (every rank must make the same collective calls in the same order)";
+    FXM_WARN(-1, "bootstrap root: collective #" + std::to_string(seq_) + ": " + why);
+    refuse_collective(static_cast<int>(b), why);
+    return true;
+  }
+  return false;
+}
+
+// Answers the current collective on every rank with kError(kInvalidArgument,
+// `why`, naming `rank`) instead of its result; the next collective goes on.
+void Root::refuse_collective(int rank, const std::string& why) {
   Msg refusal{MsgType::kError, Code::kInvalidArgument, rank, seq_, {why.begin(), why.end()}};
   for (size_t r = 0; r < clients_.size(); ++r) {
     clients_[r].contributed = clients_[r].refused = false;
@@ -488,7 +253,6 @@ bool Root::refuse_oversized() {
     send_to(static_cast<int>(r), refusal);
   }
   if (++seq_ >= kListenCollectives) listener_.reset();  // as after a result
-  return true;
 }
 
 // Answers every rank waiting in the current collective with `why`, naming `rank`.
@@ -592,10 +356,10 @@ void Root::check_deadlines() {
   failed_ = true;
 }
 
-}  // namespace
+}  // namespace root_impl
 
 void start_root(tcp::Fd listener, const UniqueId& id) {
-  auto root = std::make_shared<Root>(std::move(listener), id);
+  auto root = std::make_shared<root_impl::Root>(std::move(listener), id);
   std::thread([root] { root->run(); }).detach();
 }
 

@@ -74,8 +74,8 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
   engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_, opt.max_unreceived);
   onesided_ = std::make_unique<OneSided>(
       rank_, nranks_, contexts_, engine_.get(), &conns_, &windows_,
-      [this](const std::vector<uint8_t>& mine) {
-        return boot_->allgather(mine, Deadline::after_seconds(timeout_s_));
+      [this](const std::vector<uint8_t>& mine, const bootstrap::Call& call) {
+        return boot_->allgather(mine, Deadline::after_seconds(timeout_s_), call);
       },
       timeout_s_);
 }
@@ -111,7 +111,7 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   times_.connect = lap();
   phase("connect");
   wiring_check(deadline);
-  boot_->barrier(deadline);
+  boot_->barrier(deadline, bootstrap::CallKind::kBuildBarrier);
   times_.wiring = lap();
   times_.total = seconds_since(t0);
   phase("wiring");
@@ -121,7 +121,7 @@ std::vector<tcp::SockAddr> Mesh::rendezvous(const bootstrap::UniqueId& id, const
   boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline, epoch_);
   std::vector<uint8_t> mine(tcp::kWireAddrSize);
   tcp::addr_to_wire(listen_addr_, mine.data());
-  bootstrap::Parts parts = boot_->allgather(mine, deadline);
+  bootstrap::Parts parts = boot_->allgather(mine, deadline, {bootstrap::CallKind::kBuildAddresses, 0});
   std::vector<tcp::SockAddr> peers(nranks_);
   for (int r = 0; r < nranks_; ++r) {
     if (parts[r].size() != tcp::kWireAddrSize || !tcp::addr_from_wire(parts[r].data(), &peers[r])) {
@@ -324,12 +324,16 @@ void Mesh::wait_counter(uint64_t value, double timeout_s) {
 }
 
 bootstrap::Parts Mesh::allgather(const std::vector<uint8_t>& mine, double timeout_s) {
-  std::shared_lock<std::shared_timed_mutex> life(life_mu_);
-  if (closed_) fail(Code::kClosed, -1, 0, who() + "allgather: the mesh is closed");
-  return boot_->allgather(mine, deadline_for(timeout_s));
+  return collective(mine, timeout_s, {bootstrap::CallKind::kAllgather, 0});
 }
 
-void Mesh::barrier(double timeout_s) { allgather({}, timeout_s); }
+void Mesh::barrier(double timeout_s) { collective({}, timeout_s, {bootstrap::CallKind::kBarrier, 0}); }
+
+bootstrap::Parts Mesh::collective(const std::vector<uint8_t>& mine, double timeout_s, const bootstrap::Call& call) {
+  std::shared_lock<std::shared_timed_mutex> life(life_mu_);
+  if (closed_) fail(Code::kClosed, -1, 0, who() + bootstrap::call_name(call) + ": the mesh is closed");
+  return boot_->allgather(mine, deadline_for(timeout_s), call);
+}
 
 void Mesh::close() {
   if (closed_.exchange(true)) return;

@@ -88,6 +88,9 @@ class Mesh {
   // Collectives over the bootstrap root.
   bootstrap::Parts allgather(const std::vector<uint8_t>& mine, double timeout_s);
   void barrier(double timeout_s);
+  // A collective taking part as `call` (kind and window index): for tests that
+  // forge what a peer publishes.
+  bootstrap::Parts collective(const std::vector<uint8_t>& mine, double timeout_s, const bootstrap::Call& call);
 
   // Closes every connection and leaves the bootstrap. Idempotent; operations
   // blocked in other threads return with Error(kClosed).

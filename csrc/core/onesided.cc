@@ -60,7 +60,7 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, const Co
 // ------------------------------------------------------------ registration
 
 uint32_t OneSided::register_user(void* base, uint64_t size) {
-  return register_collective([&](uint32_t, std::string*) {
+  return register_collective(bootstrap::CallKind::kRegisterWindow, [&](uint32_t, std::string*) {
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kUser;
     w->base = static_cast<uint8_t*>(base);
@@ -70,7 +70,7 @@ uint32_t OneSided::register_user(void* base, uint64_t size) {
 }
 
 uint32_t OneSided::alloc(uint64_t size) {
-  return register_collective([&](uint32_t, std::string* name) {
+  return register_collective(bootstrap::CallKind::kAllocWindow, [&](uint32_t, std::string* name) {
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kShm;
     w->seg = std::make_shared<shm::Segment>(shm::Segment::create_unique(size));
@@ -82,7 +82,7 @@ uint32_t OneSided::alloc(uint64_t size) {
 }
 
 uint32_t OneSided::alloc_signal(uint64_t nslots) {
-  return register_collective([&](uint32_t, std::string* name) {
+  return register_collective(bootstrap::CallKind::kSignalWindow, [&](uint32_t, std::string* name) {
     if (!signal_slots_valid(nslots)) {
       fail(Code::kInvalidArgument, -1, 0, who() + "signal_window: nslots must be in [1, 2^32], got " +
                                               std::to_string(nslots));
@@ -101,7 +101,8 @@ uint32_t OneSided::alloc_signal(uint64_t nslots) {
 }
 
 void OneSided::refuse_registration(const std::string& reason) {
-  register_collective([&](uint32_t, std::string*) -> std::shared_ptr<Window> {
+  using bootstrap::CallKind;
+  register_collective(CallKind::kRefusedRegistration, [&](uint32_t, std::string*) -> std::shared_ptr<Window> {
     fail(Code::kInvalidArgument, -1, 0, reason);
   });
   fail(Code::kInternal, -1, 0, who() + "refused registration went through");  // unreachable
@@ -128,7 +129,7 @@ bool is_failure_marker(const std::vector<uint8_t>& part, std::string* reason) {
 
 }  // namespace
 
-uint32_t OneSided::register_collective(const Prepare& prepare) {
+uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& prepare) {
   std::lock_guard<std::mutex> lock(register_mu_);
   uint32_t index = windows_->next_index();
   std::shared_ptr<Window> w;
@@ -147,7 +148,7 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
   }
-  bootstrap::Parts parts = allgather_(mine);
+  bootstrap::Parts parts = allgather_(mine, {kind, index});
   if (local_failure) std::rethrow_exception(local_failure);
   try {
     std::vector<WindowDesc> descs = check_descriptions(*w, parts);
@@ -159,7 +160,8 @@ uint32_t OneSided::register_collective(const Prepare& prepare) {
   }
   windows_->add(w);  // before the barrier: a peer may use the window as soon as it returns
   try {
-    allgather_({});  // every peer has mapped this rank's segment: the name can go
+    // every peer has mapped this rank's segment: the name can go
+    allgather_({}, {bootstrap::CallKind::kRegistrationDone, index});
   } catch (...) {
     w->live = false;
     finish_registration(*w);  // no more fds served, no name left behind
@@ -286,7 +288,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
   }
-  bootstrap::Parts parts = allgather_(mine);
+  bootstrap::Parts parts = allgather_(mine, {bootstrap::CallKind::kDeregister, index});
   if (local_failure) {
     w->closing = false;  // it stays open on every rank
     std::rethrow_exception(local_failure);
@@ -539,14 +541,14 @@ uint64_t OneSided::spin_for_signal(const Window& w, uint64_t slot, uint64_t expe
   constexpr auto kSpin = std::chrono::microseconds(2), kYield = std::chrono::microseconds(50);
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
   uint64_t current = load_signal(slots, slot);
-  if (current >= expected) return current;
+  if (signal_reached(current, expected)) return current;
   const Clock::time_point start = Clock::now();
-  for (unsigned i = 1; current < expected; ++i) {
+  for (unsigned i = 1; !signal_reached(current, expected); ++i) {
     cpu_relax();
     current = load_signal(slots, slot);
     if (i % 16 == 0 && Clock::now() - start >= kSpin) break;  // the clock every 16 loads
   }
-  while (current < expected && Clock::now() - start < kYield) {
+  while (!signal_reached(current, expected) && Clock::now() - start < kYield) {
     if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
     sched_yield();
     current = load_signal(slots, slot);
@@ -559,10 +561,10 @@ void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const
   Window& w = signal_slot(win, slot, "wait_signal", &ow);
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
   uint64_t current = spin_for_signal(w, slot, expected);
-  while (current < expected) {
+  while (!signal_reached(current, expected)) {
     uint32_t seen = __atomic_load_n(&w.notify->epoch, __ATOMIC_SEQ_CST);
     current = load_signal(slots, slot);
-    if (current >= expected) break;
+    if (signal_reached(current, expected)) break;
     if (w.closing.load()) fail_wait_closed(w, slot);
     if (engine_->stopped()) {
       fail(Code::kClosed, -1, 0, who() + "wait_signal(window #" + std::to_string(win) + ", slot " +

@@ -21,7 +21,8 @@
 
 namespace fxm {
 
-using Allgather = std::function<bootstrap::Parts(const std::vector<uint8_t>&)>;
+// A bootstrap collective, carrying what it is (bootstrap::Call: a mismatch fails every rank).
+using Allgather = std::function<bootstrap::Parts(const std::vector<uint8_t>&, const bootstrap::Call&)>;
 
 struct PutArgs {
   int peer = 0;
@@ -95,8 +96,9 @@ class OneSided {
  private:
   // Makes this rank's part of the next window (index, &shm_name) or throws.
   using Prepare = std::function<std::shared_ptr<Window>(uint32_t, std::string*)>;
-  // The registration collective; a local failure still takes part (see refuse_registration).
-  uint32_t register_collective(const Prepare& prepare);
+  // The registration collective (`kind`: the call, matched on every rank); a
+  // local failure still takes part (see refuse_registration).
+  uint32_t register_collective(bootstrap::CallKind kind, const Prepare& prepare);
   // This rank's part of the registration (device windows: starts the server of their cuMem fds).
   std::vector<uint8_t> describe_for_peers(Window& w, const std::string& shm_name) const;
   std::vector<WindowDesc> check_descriptions(const Window& w, const bootstrap::Parts& parts) const;

@@ -12,7 +12,7 @@
 namespace fxm {
 
 uint32_t OneSided::register_device(void* base, uint64_t size) {
-  return register_collective([&](uint32_t, std::string*) {
+  return register_collective(bootstrap::CallKind::kRegisterDeviceWindow, [&](uint32_t, std::string*) {
     auto w = std::make_shared<Window>();
     w->kind = WindowKind::kDevice;
     w->dev = cuda::DeviceMemory::wrap(base, size);
@@ -24,7 +24,7 @@ uint32_t OneSided::register_device(void* base, uint64_t size) {
 }
 
 uint32_t OneSided::alloc_device(uint64_t size, int device) {
-  return register_collective([&](uint32_t, std::string*) {
+  return register_collective(bootstrap::CallKind::kAllocDeviceWindow, [&](uint32_t, std::string*) {
     if (device < 0) {
       fail(Code::kInvalidArgument, -1, 0, who() + "alloc_window: device " + std::to_string(device) + " is not a CUDA device");
     }

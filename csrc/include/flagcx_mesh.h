@@ -177,7 +177,8 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get(flagcx_mesh_comm_t comm, in
 /* This rank's slot value. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t *value);
-/* Waits until this rank's slot is >= expected; FLAGCX_MESH_TIMEOUT after
+/* Waits until this rank's slot reached expected: (int64)(value - expected) >= 0,
+ * the stream wait's rule (docs/gpu.md). FLAGCX_MESH_TIMEOUT after
  * timeout_s (<= 0: no limit), FLAGCX_MESH_PEER_LOST when the last signaller went away. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t expected,

@@ -97,12 +97,16 @@ py::bytes recv(Mesh& m, int peer, int ctx, double timeout) {
   return py::bytes(reinterpret_cast<const char*>(out.data()), out.size());
 }
 
-py::list allgather(Mesh& m, const py::bytes& mine, double timeout) {
+// kind 0: a plain allgather; another kind (bootstrap::CallKind) takes part in
+// that collective with raw bytes (the tests forge a peer's window description).
+py::list allgather(Mesh& m, const py::bytes& mine, double timeout, uint16_t kind, uint32_t index) {
   std::string s = mine;
   fxm::bootstrap::Parts parts;
   {
     py::gil_scoped_release release;
-    parts = m.allgather(std::vector<uint8_t>(s.begin(), s.end()), timeout);
+    std::vector<uint8_t> v(s.begin(), s.end());
+    parts = kind == 0 ? m.allgather(v, timeout)
+                      : m.collective(v, timeout, {static_cast<fxm::bootstrap::CallKind>(kind), index});
   }
   py::list out;
   for (const auto& p : parts) out.append(py::bytes(reinterpret_cast<const char*>(p.data()), p.size()));
@@ -126,7 +130,8 @@ void bind_mesh(py::module_& m) {
       .def("stats", &stats)
       .def("send", &send, py::arg("peer"), py::arg("data"), py::arg("context"), py::arg("timeout"))
       .def("recv", &recv, py::arg("peer"), py::arg("context"), py::arg("timeout"))
-      .def("allgather", &allgather, py::arg("data"), py::arg("timeout"))
+      .def("allgather", &allgather, py::arg("data"), py::arg("timeout"), py::arg("call_kind") = 0,
+           py::arg("call_index") = 0)
       .def("barrier", &Mesh::barrier, py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("close", &Mesh::close, py::call_guard<py::gil_scoped_release>());
   fxm_py::bind_onesided(cls);

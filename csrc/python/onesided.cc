@@ -16,8 +16,11 @@ ByteView::ByteView(const py::object& obj, bool writable) {
 
 namespace {
 
-fxm::SignalSpec signal_spec(uint32_t win, uint64_t slot, uint64_t value, const std::string& op) {
-  if (op != "add" && op != "set") throw py::value_error("signal op must be 'add' or 'set', got '" + op + "'");
+fxm::SignalSpec signal_spec(const Mesh& m, uint32_t win, uint64_t slot, uint64_t value, const std::string& op) {
+  if (op != "add" && op != "set") {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+              "rank " + std::to_string(m.rank()) + ": signal op must be 'add' or 'set', got '" + op + "'");
+  }
   fxm::SignalSpec s;
   s.on = true;
   s.set = op == "set";
@@ -105,8 +108,8 @@ void put(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win
 void put_signal(Mesh& m, int peer, uint32_t src_win, uint64_t src_off, uint32_t dst_win, uint64_t dst_off,
                 uint64_t size, uint32_t sig_win, uint64_t slot, uint64_t value, const std::string& op, int ctx,
                 const Stream& stream) {
-  PutArgs a = with_stream({peer, ctx, src_win, src_off, dst_win, dst_off, size, signal_spec(sig_win, slot, value, op)},
-                          stream);
+  fxm::SignalSpec sig = signal_spec(m, sig_win, slot, value, op);
+  PutArgs a = with_stream({peer, ctx, src_win, src_off, dst_win, dst_off, size, sig}, stream);
   py::gil_scoped_release release;
   m.put(a);
 }

@@ -62,6 +62,15 @@ inline uint64_t load_signal(const uint64_t* slots, uint64_t slot) {
   return __atomic_load_n(&slots[slot], __ATOMIC_ACQUIRE);
 }
 
+// Whether a slot holding `value` has reached `expected`: the rule of every
+// signal wait, on the host and on a stream alike. It is the CUDA driver's
+// stream wait (cuStreamWaitValue64 GEQ): cyclic, value - expected as a signed
+// 64-bit number >= 0, so a value up to 2^63 - 1 ahead of `expected` passes and
+// one further ahead counts as behind (docs/gpu.md).
+inline bool signal_reached(uint64_t value, uint64_t expected) {
+  return static_cast<int64_t>(value - expected) >= 0;
+}
+
 // Sleeps while the epoch still equals `seen`, at most `max_ns`.
 inline void wait_signal_epoch(SignalNotify* notify, uint32_t seen, long max_ns) {
   timespec ts{max_ns / 1000000000L, max_ns % 1000000000L};

@@ -438,7 +438,8 @@ class Mesh:
     @_names_bad_ints("slot", "expected", "window")
     def wait_signal(self, slot: int, expected: int, timeout: Optional[float] = None, *,
                     window: Optional[WindowLike] = None, stream=None) -> None:
-        """Wait until this rank's signal ``slot`` >= ``expected``. On timeout the error
+        """Wait until this rank's signal ``slot`` reached ``expected``: ``(int64)(value -
+        expected) >= 0``, the rule of a stream wait too (docs/gpu.md). On timeout the error
         names the slot, the expected and current values and the last rank that signalled it.
         With ``stream``, the wait is queued on that CUDA stream (its later work starts once
         the slot is reached) and this returns at once; ``timeout`` then applies only where
