@@ -238,7 +238,8 @@ def test_closing_different_windows_in_one_collective_fails_everywhere(monkeypatc
 
         res = run_threads(2, body, timeout=120)
         for r, text in enumerate(res):
-            assert "collective mismatch" in text and "window #" in text, (r, text)
+            # the bootstrap compares the calls: every rank names both windows
+            assert "called deregister" in text and "window #0" in text and "window #1" in text, (r, text)
     finally:
         close_all(meshes)
 

@@ -288,7 +288,10 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
   }
-  bootstrap::Parts parts = allgather_(mine, {bootstrap::CallKind::kDeregister, index});
+  bootstrap::Parts parts;
+  try {  // a mismatched call (another window) fails every rank: the window stays open
+    parts = allgather_(mine, {bootstrap::CallKind::kDeregister, index});
+  } catch (const Error&) { local_failure = std::current_exception(); }
   if (local_failure) {
     w->closing = false;  // it stays open on every rank
     std::rethrow_exception(local_failure);
@@ -316,9 +319,8 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   w->dev.reset();  // released when the library allocated it
 }
 
-// A close collective in which ranks name different windows would leave them
-// disagreeing about which windows exist (a peer writing into memory its owner
-// released): every rank fails, and the window stays open.
+// A close collective in which ranks name different windows would leave them disagreeing about which
+// windows exist (a peer writing into memory its owner released): every rank fails, the window stays open.
 void OneSided::check_same_window(Window& w, const bootstrap::Parts& parts) const {
   for (int r = 0; r < nranks_; ++r) {
     uint32_t idx = UINT32_MAX;

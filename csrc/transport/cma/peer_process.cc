@@ -7,9 +7,8 @@
 #include <unistd.h>
 
 #include <cerrno>
+#include <cstdio>
 #include <cstring>
-#include <fstream>
-#include <sstream>
 
 #include "base/status.h"
 
@@ -60,16 +59,21 @@ std::string normalise(const std::string& e) {
 // The inode of the socket in pid's network namespace whose local end is
 // `local` and remote end `remote`, or "" when there is none.
 std::string socket_inode(pid_t pid, const std::string& local, const std::string& remote) {
-  for (const char* table : {"tcp", "tcp6"}) {
-    std::ifstream f("/proc/" + std::to_string(pid) + "/net/" + table);
-    std::string line;
-    std::getline(f, line);  // the header
-    while (std::getline(f, line)) {
-      std::istringstream in(line);
-      std::string sl, l, r, st, queues, timer, retr, uid, timeout, inode;
-      if (!(in >> sl >> l >> r >> st >> queues >> timer >> retr >> uid >> timeout >> inode)) continue;
-      if (normalise(l) == local && normalise(r) == remote && inode != "0") return inode;
+  for (const char* table : {"tcp", "tcp6"}) {  // stdio: the core uses no iostreams (no C++ locale)
+    std::string path = "/proc/" + std::to_string(pid) + "/net/" + table;
+    FILE* f = std::fopen(path.c_str(), "r");
+    if (!f) continue;
+    char line[512], l[64], r[64], inode[32];
+    std::string found;
+    bool header = true;
+    while (found.empty() && std::fgets(line, sizeof line, f)) {
+      if (header) { header = false; continue; }
+      // sl local remote st tx:rx tr:when retrnsmt uid timeout inode
+      if (std::sscanf(line, "%*s %63s %63s %*s %*s %*s %*s %*s %*s %31s", l, r, inode) != 3) continue;
+      if (normalise(l) == local && normalise(r) == remote && std::string(inode) != "0") found = inode;
     }
+    std::fclose(f);
+    if (!found.empty()) return found;
   }
   return "";
 }
