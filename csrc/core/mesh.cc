@@ -283,7 +283,11 @@ void Mesh::batch_put(const std::vector<PutArgs>& ops) {
       fail(e.code(), e.peer(), e.sys_errno(), "batch_put entry " + std::to_string(i) + ": " + e.what());
     }
   }
-  for (const PutArgs& a : ops) onesided_->put(a);
+  Deadline deadline = onesided_->op_deadline();  // one for the whole batch
+  for (PutArgs a : ops) {
+    a.deadline = &deadline;
+    onesided_->put(a);
+  }
 }
 
 void Mesh::get(const PutArgs& a) {

@@ -439,7 +439,7 @@ Path* OneSided::ordered_path(const PutArgs& a, const PeerView& v, Path* preferre
   if (!f.busy || order_kind(preferred->kind()) == f.kind) return preferred;
   if (order_kind(v.path->kind()) == f.kind) return v.path.get();
   if (v.fallback && order_kind(v.fallback->kind()) == f.kind) return v.fallback.get();
-  engine_->wait_idle(a.peer, a.ctx, op_deadline());
+  engine_->wait_idle(a.peer, a.ctx, op_deadline(a));
   return preferred;
 }
 

@@ -37,6 +37,8 @@ struct PutArgs {
   // op starts after the stream's earlier work and completes in its order.
   bool stream_set = false;
   void* stream = nullptr;
+  // Set by batch_put: every entry's waits end at the batch's one deadline.
+  const Deadline* deadline = nullptr;
 };
 
 // The windows one op touches, entered (Window::enter) until the op is done
@@ -82,6 +84,8 @@ class OneSided {
   std::shared_ptr<Window> window(uint32_t index, const char* op) const;  // live or throws
 
   void put(const PutArgs& a);
+  // What an op may wait for, from now (batch_put takes one for all its entries).
+  Deadline op_deadline() const { return Deadline::after_seconds(op_timeout_s_); }
   // Validates like put() without issuing anything (batch_put checks all first).
   void check_put(const PutArgs& a) const;
   // Reads peer's window src_win into this rank's window dst_win.
@@ -132,7 +136,7 @@ class OneSided {
   bool signal_on_stream(const PutArgs& a, const PeerView& sig_view, const InFlight& f);  // true: queued
   void finish_registration(Window& w) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
-  Deadline op_deadline() const { return Deadline::after_seconds(op_timeout_s_); }
+  Deadline op_deadline(const PutArgs& a) const { return a.deadline ? *a.deadline : op_deadline(); }
 
   int rank_, nranks_, ncontexts_;
   double op_timeout_s_;

@@ -86,7 +86,7 @@ void OneSided::bind_exports(std::vector<WindowDesc>* descs) {
 void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get,
                                  PathOp* op) const {
   bool device_path = is_device_path(p.kind()) || p.kind() == PathKind::kStaged;
-  if (device_path || a.stream_set) op->deadline = op_deadline();  // host paths never wait: no clock read
+  if (device_path || a.stream_set) op->deadline = op_deadline(a);  // host paths never wait: no clock read
   if (local.kind == WindowKind::kDevice && !device_path) {
     fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
                                                 "): window #" + std::to_string(local.index) +
@@ -114,10 +114,10 @@ bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view, cons
   int ordinal = cuda::current_device();  // the stream's device; a context for this thread
   SignalSlots slots = sig_view.path->slots();
   if (slots.values == nullptr) {
-    cuda::wait_for_stream(ordinal, a.stream, op_deadline(), who() + "signal: waiting for its stream");
+    cuda::wait_for_stream(ordinal, a.stream, op_deadline(a), who() + "signal: waiting for its stream");
     return false;
   }
-  if (f.busy && !is_device_path(f.kind)) engine_->wait_idle(a.peer, a.ctx, op_deadline());  // tcp / staged first
+  if (f.busy && !is_device_path(f.kind)) engine_->wait_idle(a.peer, a.ctx, op_deadline(a));  // tcp / staged first
   cuda::StreamFence& fence = *fences_[a.peer * ncontexts_ + a.ctx];
   fence.before(a.stream);  // after the pair's earlier device ops on other streams
   engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
