@@ -160,3 +160,15 @@ def subprocess_env(extra: Optional[Dict[str, str]] = None) -> Dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env.update(extra or {})
     return env
+
+
+def thread_meshes(n: int = 2, contexts: int = 1) -> List[Any]:
+    """n ranks of one mesh as threads of this process (a 30 s mesh timeout)."""
+    import flagcx_mesh
+    uid = flagcx_mesh.get_unique_id()
+    return run_threads(n, lambda r: flagcx_mesh.Mesh(n, uid, r, contexts=contexts, timeout=30), timeout=45)
+
+
+def close_all(meshes) -> None:
+    for m in meshes:
+        m.close()

@@ -14,19 +14,9 @@ import pytest
 
 import flagcx_mesh
 from flagcx_mesh import InvalidArgument, Mesh, MeshError
-from meshutil import PY, run_threads, subprocess_env
+from meshutil import PY, run_threads, subprocess_env, close_all, thread_meshes
 
 pytestmark = pytest.mark.timeout(120)
-
-
-def thread_meshes(n=2):
-    uid = flagcx_mesh.get_unique_id()
-    return run_threads(n, lambda r: Mesh(n, uid, r, timeout=30), timeout=45)
-
-
-def close_all(meshes):
-    for m in meshes:
-        m.close()
 
 
 def test_bad_signal_op_raises_invalid_argument():

@@ -22,7 +22,7 @@ import pytest
 
 import flagcx_mesh
 from flagcx_mesh import InvalidArgument, Mesh, MeshClosed, MeshTimeout, PeerLost
-from meshutil import PY, run_threads, subprocess_env
+from meshutil import PY, run_threads, subprocess_env, close_all, thread_meshes
 
 pytestmark = pytest.mark.timeout(150)
 
@@ -143,16 +143,6 @@ def test_peer_death_fails_pending_ops_naming_it(transport, n):
 
 
 # ----------------------------------------------------------------------------- ranks as threads
-
-def thread_meshes(n=2, contexts=1):
-    uid = flagcx_mesh.get_unique_id()
-    return run_threads(n, lambda r: Mesh(n, uid, r, contexts=contexts, timeout=30), timeout=45)
-
-
-def close_all(meshes):
-    for m in meshes:
-        m.close()
-
 
 def test_threads_api_roundtrip():
     """2 ranks as threads: windows, put_signal / wait_signal, get, batch_put, signal set/add,
