@@ -531,11 +531,12 @@ def main() -> int:
                     help="the user window: one allocation, or two cuMem mappings (expandable segments)")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--legacy-stream", action="store_true", help="stream: use the legacy default stream (0)")
+    ap.add_argument("--mesh-timeout", type=float, default=60, help="the mesh's timeout in seconds")
     args = ap.parse_args()
     SCENARIO = args.scenario
     globals()["N"] = args.size
     dev = FakeDevice() if args.device == "fake" else TorchDevice()
-    with Mesh.from_launcher(timeout=60) as mesh:
+    with Mesh.from_launcher(timeout=args.mesh_timeout) as mesh:
         RANK = mesh.rank
         try:
             SCENARIOS[args.scenario](mesh, dev, args)

@@ -471,6 +471,6 @@ def test_a_device_op_done_before_its_peer_left_completes_flush():
 
 
 def test_a_staged_put_landing_slower_than_the_mesh_timeout_fails_it_and_keeps_the_engine():
-    run_job(2, "slow_landing",
-            env=fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_TIMEOUT="3",
+    run_job(2, "slow_landing", "--mesh-timeout", "3",
+            env=fake_env(FLAGCX_MESH_CUDA_PATH="staged",
                          FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="12000"))
