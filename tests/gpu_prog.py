@@ -23,6 +23,7 @@ rank prints ``FAIL rank R SCENARIO: why`` and exits 1; a passing one ends with `
     held_library_stream  (FLAGCX_MESH_CUDA_PATH=cuda-vmm) a staged put_signal lands while the
                  target's library stream is ordered behind a stream held by a stream wait
     counter      (FLAGCX_MESH_TRANSPORT=tcp) a put_signal over cuda-vmm counts one op
+    slow_landing  (staged, slow copies to the device) a staged put the target cannot land in time fails
     get_answer_fails  (staged, cuMemcpyAsync failing) a get the target cannot answer fails naming
                  the driver's result, and the pair stays usable
     bad_cuda_path_env  rank 1 alone has a bad FLAGCX_MESH_CUDA_PATH: registration fails everywhere
@@ -477,10 +478,44 @@ def scenario_get_answer_fails(mesh: Mesh, dev, args) -> None:
         check(outcome == "ok", outcome)
 
 
+def scenario_slow_landing(mesh: Mesh, dev, args) -> None:
+    """Run with FLAGCX_MESH_CUDA_PATH=staged, a mesh timeout of a few seconds and copies into
+    device memory slower than it: rank 1 cannot land rank 0's staged put in time. Rank 0's
+    flush must fail naming the landing and the deadline (not succeed once the copy is done),
+    and rank 1's engine must still serve rank 0 afterwards."""
+    dwin = mesh.alloc_window(4096, device=0)
+    hwin = mesh.alloc_window(4096)
+    check_paths(mesh, dwin, "staged", "device")
+    mesh.barrier(timeout=60)
+    outcome = "ok"
+    if mesh.rank == 0:
+        try:
+            mesh.put(1, hwin, 0, dwin, 0, 64)
+            mesh.flush(timeout=60)
+            outcome = "the put succeeded"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        print(f"rank 0 put: {outcome}", flush=True)
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        try:
+            mesh.put(0, hwin, 0, hwin, 0, 8)  # host windows: no CUDA copy involved
+            mesh.flush(timeout=15)
+        except Exception as e:  # noqa: BLE001
+            outcome = f"rank 1 can no longer reach rank 0: {type(e).__name__}: {e}"
+    mesh.barrier(timeout=60)
+    if mesh.rank == 0:
+        check("landing a staged put" in outcome and "deadline" in outcome,
+              f"the put's error should name the landing and its deadline: {outcome}")
+    else:
+        check(outcome == "ok", outcome)
+
+
 SCENARIOS = {"compat": scenario_compat, "integrity": scenario_integrity, "stream": scenario_stream, "bad_input": scenario_bad_input,
              "peer_death": scenario_peer_death, "staged_stream_signal": scenario_staged_stream_signal,
              "bad_cuda_path_env": scenario_bad_cuda_path_env, "held_library_stream": scenario_held_library_stream,
-             "counter": scenario_counter, "get_answer_fails": scenario_get_answer_fails}
+             "counter": scenario_counter, "get_answer_fails": scenario_get_answer_fails,
+             "slow_landing": scenario_slow_landing}
 
 
 def main() -> int:
@@ -496,11 +531,12 @@ def main() -> int:
                     help="the user window: one allocation, or two cuMem mappings (expandable segments)")
     ap.add_argument("--rounds", type=int, default=50)
     ap.add_argument("--legacy-stream", action="store_true", help="stream: use the legacy default stream (0)")
+    ap.add_argument("--mesh-timeout", type=float, default=60, help="the mesh's timeout in seconds")
     args = ap.parse_args()
     SCENARIO = args.scenario
     globals()["N"] = args.size
     dev = FakeDevice() if args.device == "fake" else TorchDevice()
-    with Mesh.from_launcher(timeout=60) as mesh:
+    with Mesh.from_launcher(timeout=args.mesh_timeout) as mesh:
         RANK = mesh.rank
         try:
             SCENARIOS[args.scenario](mesh, dev, args)

@@ -468,3 +468,9 @@ def test_a_device_op_done_before_its_peer_left_completes_flush():
         print("RANK0", run_threads(2, rank, timeout=60)[0])
     """, fake_env())
     assert "RANK0 FLUSHED" in p.stdout, p.stdout
+
+
+def test_a_staged_put_landing_slower_than_the_mesh_timeout_fails_it_and_keeps_the_engine():
+    run_job(2, "slow_landing", "--mesh-timeout", "3",
+            env=fake_env(FLAGCX_MESH_CUDA_PATH="staged",
+                         FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="12000"))

@@ -71,7 +71,7 @@ Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
     throw;
   }
   timeout_s_ = timeout_s;
-  engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_, opt.max_unreceived);
+  engine_ = std::make_unique<Engine>(rank_, nranks_, contexts_, &conns_, &windows_, opt.max_unreceived, timeout_s_);
   onesided_ = std::make_unique<OneSided>(
       rank_, nranks_, contexts_, engine_.get(), &conns_, &windows_,
       [this](const std::vector<uint8_t>& mine, const bootstrap::Call& call) {

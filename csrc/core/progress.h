@@ -33,8 +33,9 @@ class Engine : public Outbox {
   // max_unreceived: bytes of messages that may wait in one (peer, ctx)
   // mailbox; above it the engine stops reading that connection until recv()
   // drains it (acks and get answers on that connection wait too).
+  // timeout_s (the mesh's) bounds each device copy of the progress thread.
   Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
-         uint64_t max_unreceived);
+         uint64_t max_unreceived, double timeout_s);
   ~Engine() override;
 
   // One-sided ops over TCP (the caller validated every argument). The source
@@ -159,6 +160,7 @@ class Engine : public Outbox {
   std::vector<std::deque<Inbound>> mailbox_;
   std::vector<uint64_t> mailbox_bytes_;  // per slot: bytes waiting for recv()
   uint64_t max_unreceived_;
+  double timeout_s_;
   struct PendingGet {
     int peer, ctx;
     uint8_t* dst;

@@ -2,6 +2,7 @@
 // their signals, get requests answered with a snapshot, get answers landed,
 // acks and refusals counted.
 #include <algorithm>
+#include <cstring>
 
 #include "base/log.h"
 #include "base/status.h"
@@ -215,9 +216,11 @@ void Engine::on_put_done(int s, InConn& in) {
 std::string Engine::land_on_device(Window& w, InConn& in, uint64_t n) {
   try {
     cuda::copy_and_wait(w.device, w.base + in.put.dst_off + in.landed, in.stage.get(), n,
+                        Deadline::after_seconds(timeout_s_),
                         "landing a staged put in device window #" + std::to_string(w.index));
     return "";
   } catch (const Error& e) {
+    if (e.code() == Code::kTimeout) new cuda::HostBuffer(in.stage);  // the copy may still read it
     FXM_WARN(rank_, e.what());
     return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
   }
@@ -280,11 +283,15 @@ std::string Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vecto
   }
   size_t at = head->size();
   head->resize(at + g.size);
+  cuda::HostBuffer copy;  // the copy lands here, not in `head`: after a timeout it may still write
   try {
-    cuda::copy_and_wait(w.device, head->data() + at, w.base + g.src_off, g.size,
+    copy = cuda::staging_buffer(g.size, w.device);
+    cuda::copy_and_wait(w.device, copy.get(), w.base + g.src_off, g.size, Deadline::after_seconds(timeout_s_),
                         "answering a get from device window #" + std::to_string(w.index));
+    std::memcpy(head->data() + at, copy.get(), g.size);
     return "";
   } catch (const Error& e) {
+    if (e.code() == Code::kTimeout) new cuda::HostBuffer(copy);  // deliberately kept
     FXM_WARN(rank_, e.what());
     std::fill(head->begin() + static_cast<std::ptrdiff_t>(at), head->end(), 0);
     return e.what();

@@ -53,6 +53,9 @@ bool initialized();
 int device_count();
 size_t granularity();
 bool stream_memops_disabled();
+// FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS: a stream copy into device memory
+// waits that long on its stream before it runs (a slow copy).
+long copy_to_device_delay_ms();
 // The code FXM_FAKECUDA_FAIL sets for `name` (base name, no _v2), or 0.
 CUresult injected_failure(const char* name);
 // The primary context of `device` (never null), and the device of a context (-1: not ours).

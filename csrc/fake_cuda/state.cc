@@ -26,6 +26,7 @@ struct State {
   int devices = 1;
   size_t granularity = kDefaultGranularity;
   bool no_stream_memops = false;
+  long copy_to_device_delay_ms = 0;
   bool environment_read = false;
   bool forked = false;  // a child forked after cuInit: its streams' threads are gone
   std::map<std::string, CUresult> failures;
@@ -85,7 +86,9 @@ long env_long(const char* name, long fallback) {
 CUresult read_environment(State& s) {
   long devices = env_long("FXM_FAKECUDA_DEVICES", 1);
   long gran = env_long("FXM_FAKECUDA_GRANULARITY", static_cast<long>(kDefaultGranularity));
-  if (devices < 0 || devices > kMaxDevices || gran <= 0 || (gran & 4095) != 0) return kInvalidValue;
+  long delay = env_long("FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS", 0);
+  if (devices < 0 || devices > kMaxDevices || gran <= 0 || (gran & 4095) != 0 || delay < 0) return kInvalidValue;
+  s.copy_to_device_delay_ms = delay;
   if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures)) return kInvalidValue;
   s.devices = static_cast<int>(devices);
   s.granularity = static_cast<size_t>(gran);
@@ -133,6 +136,7 @@ bool initialized() { return state().initialized.load(std::memory_order_acquire);
 int device_count() { return state().devices; }
 size_t granularity() { return state().granularity; }
 bool stream_memops_disabled() { return state().no_stream_memops; }
+long copy_to_device_delay_ms() { return state().copy_to_device_delay_ms; }
 
 CUresult injected_failure(const char* name) {
   State& s = state();

@@ -239,7 +239,9 @@ bool end_still_there(CUdeviceptr addr, size_t n, End was) {
 }
 
 Op copy_op(CUdeviceptr dst, End dst_was, CUdeviceptr src, End src_was, size_t n) {
+  long delay_ms = dst_was == End::kDevice ? copy_to_device_delay_ms() : 0;
   return [=] {
+    if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     std::shared_lock<std::shared_mutex> g(table_lock());
     std::vector<Span> d, s;
     if (!end_still_there(dst, n, dst_was) || !end_still_there(src, n, src_was)) return kIllegalAddress;

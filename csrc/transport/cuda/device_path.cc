@@ -128,13 +128,25 @@ void wait_for_stream(const PathOp& op, const char* doing) {
   cuda::wait_for_stream(ordinal, op.stream, op.deadline, std::string(doing) + ": waiting for its stream");
 }
 
+// A copy within the op's deadline; after a timeout the copy may still touch
+// `buffer`, so it is never given back.
+void copy_keeping_buffer(const PathOp& op, void* dst, const void* src, const cuda::HostBuffer& buffer,
+                         const char* doing) {
+  try {
+    cuda::copy_and_wait(op.local_device, dst, src, op.len, op.deadline, doing);
+  } catch (const Error& e) {
+    if (e.code() == Code::kTimeout) new cuda::HostBuffer(buffer);  // deliberately kept
+    throw;
+  }
+}
+
 }  // namespace
 
 int StagedPath::put(const PathOp& op) {
   wait_for_stream(op, "a staged put");
   if (op.local_device < 0) return TcpPath::put(op);
   cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
-  cuda::copy_and_wait(op.local_device, bytes.get(), op.local, op.len, "staging a put's bytes to the host");
+  copy_keeping_buffer(op, bytes.get(), op.local, bytes, "staging a put's bytes to the host");
   static const SignalSpec kNone;
   outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
   return 0;
@@ -154,7 +166,7 @@ int StagedPath::get(const PathOp& op) {
     new cuda::HostBuffer(bytes);  // deliberately kept
     throw;
   }
-  cuda::copy_and_wait(op.local_device, op.local, bytes.get(), op.len, "copying a staged get's bytes to the device");
+  copy_keeping_buffer(op, op.local, bytes.get(), bytes, "copying a staged get's bytes to the device");
   return 0;
 }
 

@@ -136,12 +136,13 @@ CUstream library_stream(int ordinal) {
   return s;
 }
 
-void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const std::string& doing) {
+void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const Deadline& deadline,
+                   const std::string& doing) {
   const Driver& d = need_driver(doing);
   use_device(ordinal);
   CUstream s = library_stream(ordinal);
   check(d.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s), doing);
-  check(d.cuStreamSynchronize(s), doing + " (waiting for the copy)");
+  wait_for_stream(ordinal, s, deadline, doing + " (waiting for the copy)");
 }
 
 namespace {

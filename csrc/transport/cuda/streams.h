@@ -57,8 +57,11 @@ std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded);
 CUstream library_stream(int ordinal);
 
 // Copies n bytes between any two addresses the driver knows (device, host) on
-// the library's stream and waits until they landed.
-void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const std::string& doing);
+// the library's stream and waits until they landed, at most until `deadline`
+// (then Error(kTimeout) "<doing>: ..."; the copy may still run: the caller
+// keeps both buffers alive).
+void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const Deadline& deadline,
+                   const std::string& doing);
 
 // After the work queued on `s` so far: applies `sig` to `slots` (when given)
 // and reports the op to (peer, ctx) completed through `outbox`. The op must
