@@ -447,6 +447,29 @@ def scenario_counter(mesh: Mesh, dev, args) -> None:
     check(counted == 4, f"4 put_signals counted as {counted} completed ops")
 
 
+def one_op_fails_then_rank_1_still_serves(mesh: Mesh, hwin, what: str, op, flush_timeout: float) -> str:
+    """Rank 0 runs `op` and flushes, expecting a failure; then rank 1 puts to rank 0 over host
+    windows (no CUDA copy involved). Rank 0 gets its op's outcome, rank 1 "ok" or what failed."""
+    outcome = "ok"
+    if mesh.rank == 0:
+        try:
+            op()
+            mesh.flush(timeout=flush_timeout)
+            outcome = f"the {what} succeeded"
+        except Exception as e:  # noqa: BLE001
+            outcome = f"{type(e).__name__}: {e}"
+        print(f"rank 0 {what}: {outcome}", flush=True)
+    mesh.barrier(timeout=60)
+    if mesh.rank == 1:
+        try:
+            mesh.put(0, hwin, 0, hwin, 0, 8)
+            mesh.flush(timeout=15)
+        except Exception as e:  # noqa: BLE001
+            outcome = f"rank 1 can no longer reach rank 0: {type(e).__name__}: {e}"
+    mesh.barrier(timeout=60)
+    return outcome
+
+
 def scenario_get_answer_fails(mesh: Mesh, dev, args) -> None:
     """Run with FLAGCX_MESH_CUDA_PATH=staged and cuMemcpyAsync failing: rank 1 cannot copy its
     device window down to answer rank 0's get. Rank 0's get must fail naming the driver's
@@ -455,23 +478,7 @@ def scenario_get_answer_fails(mesh: Mesh, dev, args) -> None:
     hwin = mesh.alloc_window(4096)
     check_paths(mesh, dwin, "staged", "device")
     mesh.barrier(timeout=60)
-    outcome = "ok"
-    if mesh.rank == 0:
-        try:
-            mesh.get(1, dwin, 0, hwin, 0, 64)
-            mesh.flush(timeout=15)
-            outcome = "the get succeeded"
-        except Exception as e:  # noqa: BLE001
-            outcome = f"{type(e).__name__}: {e}"
-        print(f"rank 0 get: {outcome}", flush=True)
-    mesh.barrier(timeout=60)
-    if mesh.rank == 1:
-        try:
-            mesh.put(0, hwin, 0, hwin, 0, 8)  # host windows: no CUDA copy involved
-            mesh.flush(timeout=15)
-        except Exception as e:  # noqa: BLE001
-            outcome = f"rank 1 can no longer reach rank 0: {type(e).__name__}: {e}"
-    mesh.barrier(timeout=60)
+    outcome = one_op_fails_then_rank_1_still_serves(mesh, hwin, "get", lambda: mesh.get(1, dwin, 0, hwin, 0, 64), 15)
     if mesh.rank == 0:
         check("CUDA_ERROR_ILLEGAL_ADDRESS" in outcome, f"the get's error should name the driver's result: {outcome}")
     else:
@@ -487,23 +494,7 @@ def scenario_slow_landing(mesh: Mesh, dev, args) -> None:
     hwin = mesh.alloc_window(4096)
     check_paths(mesh, dwin, "staged", "device")
     mesh.barrier(timeout=60)
-    outcome = "ok"
-    if mesh.rank == 0:
-        try:
-            mesh.put(1, hwin, 0, dwin, 0, 64)
-            mesh.flush(timeout=60)
-            outcome = "the put succeeded"
-        except Exception as e:  # noqa: BLE001
-            outcome = f"{type(e).__name__}: {e}"
-        print(f"rank 0 put: {outcome}", flush=True)
-    mesh.barrier(timeout=60)
-    if mesh.rank == 1:
-        try:
-            mesh.put(0, hwin, 0, hwin, 0, 8)  # host windows: no CUDA copy involved
-            mesh.flush(timeout=15)
-        except Exception as e:  # noqa: BLE001
-            outcome = f"rank 1 can no longer reach rank 0: {type(e).__name__}: {e}"
-    mesh.barrier(timeout=60)
+    outcome = one_op_fails_then_rank_1_still_serves(mesh, hwin, "put", lambda: mesh.put(1, hwin, 0, dwin, 0, 64), 60)
     if mesh.rank == 0:
         check("landing a staged put" in outcome and "deadline" in outcome,
               f"the put's error should name the landing and its deadline: {outcome}")
