@@ -170,6 +170,12 @@ class FakeCuda:
         if code != SUCCESS:
             raise CudaError(name, code, self.error_name(code))
 
+    def calls(self, name: str) -> int:
+        """How often this process called the entry point ``name`` (base name, e.g. "cuEventRecord")."""
+        fn = self.lib.fakecuda_call_count
+        fn.argtypes, fn.restype = [C.c_char_p], C.c_ulonglong
+        return fn(name.encode())
+
     def error_name(self, code: int) -> str:
         text = C.c_char_p()
         if self.lib.cuGetErrorName(code, C.byref(text)) != SUCCESS:

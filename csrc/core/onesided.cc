@@ -461,7 +461,7 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
                          bool* signal_done) {
   PathOp op = path_op(a, local, is_get);
   Path* p = ordered_path(a, v, v.path.get(), f);
-  prepare_device_op(a, local, *p, is_get, &op);
+  prepare_device_op(a, local, *p, is_get, f.busy, &op);
   if (p->synchronous_for(op)) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;

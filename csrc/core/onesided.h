@@ -132,7 +132,9 @@ class OneSided {
   bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
                  bool* signal_done);
   PathOp path_op(const PutArgs& a, Window& local, bool is_get) const;
-  void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, PathOp* op) const;
+  // pair_busy: ops to the pair are in flight (else the pair's stream fence is dropped: nothing to wait for).
+  void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, bool pair_busy,
+                         PathOp* op) const;
   bool signal_on_stream(const PutArgs& a, const PeerView& sig_view, const InFlight& f);  // true: queued
   void finish_registration(Window& w) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }

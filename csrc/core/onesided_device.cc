@@ -84,8 +84,9 @@ void OneSided::bind_exports(std::vector<WindowDesc>* descs) {
 // An op whose path is a device path or staged: its stream and signal; an op
 // from device memory into a host window is refused (nothing was issued yet).
 void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get,
-                                 PathOp* op) const {
+                                 bool pair_busy, PathOp* op) const {
   bool device_path = is_device_path(p.kind()) || p.kind() == PathKind::kStaged;
+  if (!pair_busy && op->fence && is_device_path(p.kind())) op->fence->forget();  // idle pair: no stream wait
   if (device_path || a.stream_set) op->deadline = op_deadline(a);  // host paths never wait: no clock read
   if (local.kind == WindowKind::kDevice && !device_path) {
     fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
@@ -119,6 +120,7 @@ bool OneSided::signal_on_stream(const PutArgs& a, const PeerView& sig_view, cons
   }
   if (f.busy && !is_device_path(f.kind)) engine_->wait_idle(a.peer, a.ctx, op_deadline(a));  // tcp / staged first
   cuda::StreamFence& fence = *fences_[a.peer * ncontexts_ + a.ctx];
+  if (!f.busy) fence.forget();  // every earlier op of the pair completed: nothing to wait for
   fence.before(a.stream);  // after the pair's earlier device ops on other streams
   engine_->issued(a.peer, a.ctx, PathKind::kCudaSelf);
   cuda::complete_on_stream(a.stream, engine_, a.peer, a.ctx, &a.sig, slots, rank_);

@@ -28,6 +28,8 @@
 
 namespace fxm {
 
+class Backoff;  // base/backoff.h
+
 class Engine : public Outbox {
  public:
   // max_unreceived: bytes of messages that may wait in one (peer, ctx)
@@ -201,8 +203,8 @@ class Engine : public Outbox {
   std::mutex probe_mu_;  // after mu_, never while holding it
   std::vector<std::deque<std::unique_ptr<CompletionProbe>>> probes_;  // per slot
   std::atomic<int64_t> probes_pending_{0};
-  // How long a waiter sleeps between polls: short while probes are pending.
-  void wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline);
+  // One step of a waiter: polls probes, yields or sleeps, paced by `pace` (one per wait).
+  void wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline, const Backoff& pace);
   bool settle_probes(std::unique_lock<std::mutex>& lock);
   // Threads in flush / wait_counter: while none, count_inline neither locks
   // mu_ nor notifies (each waiter counts itself before testing the counters).

@@ -4,6 +4,7 @@
 #include <chrono>
 #include <thread>
 
+#include "base/backoff.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "core/progress_items.h"
@@ -37,6 +38,7 @@ bool Engine::in_flight(int peer, int ctx, const char* op, PathKind* kind) const 
 
 void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
   std::unique_lock<std::mutex> lock(mu_);
+  Backoff pace;
   while (outstanding_[slot(peer, ctx)] != 0) {
     if (!lost_[peer].empty() || bye_[peer] || deadline.expired()) {
       // One last poll, then only this pair's ops count (others completing meanwhile must not keep it waiting).
@@ -46,7 +48,7 @@ void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
       fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
     }
     if (stopping_) fail(Code::kClosed, peer, 0, who() + "the mesh was closed");
-    wait_or_poll(lock, deadline);
+    wait_or_poll(lock, deadline, pace);
   }
 }
 
@@ -111,14 +113,20 @@ bool Engine::settle_probes(std::unique_lock<std::mutex>& lock) {
   return some;
 }
 
-// Sleeps on the condition variable, or, while probed ops are pending, polls them.
-void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline) {
-  if (probes_pending_.load() == 0) {
+// One step of a wait on the completion counters. While probed device ops are
+// pending it polls them; while ops completed from a stream (host functions)
+// are pending and the wait is young, it only yields. Otherwise it sleeps on
+// the condition variable. `pace` (one per wait) spins first, then sleeps
+// longer as the wait grows (base/backoff.h): a sleep costs the timer slack
+// (~50 us), more than a small device copy takes.
+void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline, const Backoff& pace) {
+  bool probes = probes_pending_.load() != 0;
+  if (!probes && (stream_ops_.load() == 0 || !pace.spinning())) {
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
     return;
   }
   lock.unlock();
-  if (!poll_probes()) std::this_thread::sleep_for(std::chrono::microseconds(5));
+  if (!probes || !poll_probes()) pace.pause();
   lock.lock();
 }
 
@@ -160,6 +168,7 @@ void Engine::fail_if_gone(int peer, const std::string& what) const {
 void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
   std::unique_lock<std::mutex> lock(mu_);
   CountWaiter counted(&count_waiters_);
+  Backoff pace;
   while (completed_all_.load() < value) {
     for (int p = 0; p < nranks_; ++p) {
       if ((!lost_[p].empty() || bye_[p]) && done_[p].load() != issued_[p].load()) {
@@ -174,7 +183,7 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
       fail(Code::kTimeout, -1, 0, who() + "wait_counter(" + std::to_string(value) + ") timed out at " +
                                       std::to_string(completed_all_.load()) + " completed ops");
     }
-    wait_or_poll(lock, deadline);
+    wait_or_poll(lock, deadline, pace);
   }
   fail_if_refused(0, nranks_, "wait_counter");
 }
@@ -183,6 +192,7 @@ void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
   int lo = peer < 0 ? 0 : peer, hi = peer < 0 ? nranks_ : peer + 1;
   std::unique_lock<std::mutex> lock(mu_);
   CountWaiter counted(&count_waiters_);
+  Backoff pace;
   for (int p = lo; p < hi; ++p) {
     while (done_[p].load() != issued_[p].load()) {
       if (!lost_[p].empty() || bye_[p] || deadline.expired()) {
@@ -192,7 +202,7 @@ void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
         fail_wait(p, "flush", deadline);
       }
       if (stopping_) fail(Code::kClosed, p, 0, who() + "flush: the mesh was closed");
-      wait_or_poll(lock, deadline);
+      wait_or_poll(lock, deadline, pace);
     }
   }
   if (report_refused) fail_if_refused(lo, hi, "flush");

@@ -64,9 +64,13 @@ int context_device(void* ctx);
 // The device of the calling thread's current context, or -1.
 int current_device();
 
-// The checks every entry point starts with: initialised, then an injected failure.
+// ---- counts.cc: calls per entry point (fakecuda_call_count)
+void count_call(const char* name);
+
+// The checks every entry point starts with: counted, initialised, then an injected failure.
 #define FAKE_ENTER(name)                                              \
   do {                                                                \
+    ::fakecuda::count_call(name);                                     \
     if (!::fakecuda::initialized()) return ::fakecuda::kNotInitialized; \
     if (CUresult inj_ = ::fakecuda::injected_failure(name)) return inj_; \
   } while (0)

@@ -24,7 +24,9 @@ void check(CUresult r, const std::string& doing) {
 void use_device(int ordinal) {
   static std::mutex mu;
   static std::map<int, CUcontext> contexts;
-  const Driver& d = need_driver("using CUDA device " + std::to_string(ordinal));
+  const Driver* dp = driver();  // the text only when it fails: this runs on every device op
+  if (dp == nullptr) need_driver("using CUDA device " + std::to_string(ordinal));
+  const Driver& d = *dp;
   CUcontext ctx = nullptr;
   {
     std::lock_guard<std::mutex> lock(mu);

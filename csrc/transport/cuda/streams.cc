@@ -3,6 +3,7 @@
 #include <map>
 #include <thread>
 
+#include "base/backoff.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "transport/cuda/device_memory.h"
@@ -56,7 +57,7 @@ bool event_done(const SharedEvent& e) {
 void wait_for_stream(int ordinal, CUstream s, const Deadline& deadline, const std::string& doing) {
   use_device(ordinal);
   SharedEvent e = record_event(ordinal, s);
-  for (int spins = 0;; ++spins) {
+  for (Backoff pace;; pace.pause()) {
     CUresult r = driver()->cuEventQuery(e.get());
     if (r == kSuccess) return;
     if (r != kErrNotReady) check(r, doing);
@@ -64,8 +65,6 @@ void wait_for_stream(int ordinal, CUstream s, const Deadline& deadline, const st
       fail(Code::kTimeout, -1, 0, doing + ": the stream did not get there before the deadline "
                                           "(is its earlier work waiting for something that never comes?)");
     }
-    if (spins < 200) std::this_thread::yield();
-    else std::this_thread::sleep_for(std::chrono::microseconds(50));
   }
 }
 
@@ -88,6 +87,11 @@ CUstream StreamFence::own_stream(int ordinal) {
 void StreamFence::before(CUstream s) {
   if (!event_ || last_ == s) return;
   check(driver()->cuStreamWaitEvent(s, event_.get(), 0), "cuStreamWaitEvent (ordering after the pair's previous op)");
+}
+
+void StreamFence::forget() {
+  event_.reset();
+  last_ = nullptr;
 }
 
 void StreamFence::after(CUstream s, SharedEvent recorded) {

@@ -40,6 +40,8 @@ class StreamFence {
   ~StreamFence();
   void before(CUstream s);  // s waits for the previous op when that was on another stream
   void after(CUstream s, SharedEvent recorded);  // the latest op was queued on s; `recorded` follows it
+  // Every earlier op of the pair has completed: the next op, on any stream, waits for nothing.
+  void forget();
   CUstream own_stream(int ordinal);
 
  private:

@@ -11,6 +11,11 @@ cuda-ipc and staged ones torch tensors. In the same run rank 0 measures a
 local device-to-device copy (torch ``copy_``) and, for staged, a pinned
 device-to-host plus host-to-device copy, and prints the ratios.
 
+Blocking: each put is followed by its flush (a connector that waits per
+request), beside a blocking local copy of the same size (``copy_`` then
+``torch.cuda.synchronize()``), and the ratio; then the latency of an 8-byte
+put + flush (median of ``--iters``) beside an 8-byte blocking local copy.
+
 Stream-wait latency: rank 1 queues ``wait_signal(stream=s)`` and an event on
 ``s``; rank 0 (after the stream is surely waiting) takes the time and
 signals; rank 1 waits for the event (cudaEventSynchronize) and takes the time
@@ -86,6 +91,71 @@ def put_bandwidth(mesh, torch, src, dst, size: int, path: str, stream) -> Option
     return reps * size / dt / 1e9
 
 
+def blocking_put(mesh, torch, src, dst, size: int, path: str) -> Optional[float]:
+    """GB/s of put + flush, one op at a time (each waits for the last)."""
+    mesh.barrier()
+    if mesh.rank != 0:
+        mesh.barrier()
+        return None
+    torch.cuda.synchronize()
+    mesh.put(1, src, 0, dst, 0, size)  # warm-up
+    mesh.flush(1, timeout=120)
+    reps = _reps(size, path)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mesh.put(1, src, 0, dst, 0, size)
+        mesh.flush(1, timeout=120)
+    dt = time.perf_counter() - t0
+    mesh.barrier()
+    return reps * size / dt / 1e9
+
+
+def small_put_latency(mesh, torch, src, dst, iters: int) -> Optional[List[float]]:
+    """Microseconds of an 8-byte put + flush, per sample (rank 0)."""
+    mesh.barrier()
+    if mesh.rank != 0:
+        mesh.barrier()
+        return None
+    torch.cuda.synchronize()
+    out: List[float] = []
+    for i in range(iters + 10):
+        t0 = time.perf_counter_ns()
+        mesh.put(1, src, 0, dst, 0, 8)
+        mesh.flush(1, timeout=120)
+        if i >= 10:  # warm-up
+            out.append((time.perf_counter_ns() - t0) / 1e3)
+    mesh.barrier()
+    return out
+
+
+def local_copy_blocking(torch, size: int) -> float:
+    """GB/s of a local D2D copy waited for each time (copy_ then synchronize)."""
+    a = torch.ones(size, dtype=torch.uint8, device="cuda")
+    b = torch.zeros(size, dtype=torch.uint8, device="cuda")
+    b.copy_(a)
+    torch.cuda.synchronize()
+    reps = _reps(size, "local")
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        b.copy_(a)
+        torch.cuda.synchronize()
+    return reps * size / (time.perf_counter() - t0) / 1e9
+
+
+def local_copy_latency(torch, iters: int) -> List[float]:
+    """Microseconds of an 8-byte local D2D copy_ + synchronize, per sample."""
+    a = torch.ones(8, dtype=torch.uint8, device="cuda")
+    b = torch.zeros(8, dtype=torch.uint8, device="cuda")
+    out: List[float] = []
+    for i in range(iters + 10):
+        t0 = time.perf_counter_ns()
+        b.copy_(a)
+        torch.cuda.synchronize()
+        if i >= 10:
+            out.append((time.perf_counter_ns() - t0) / 1e3)
+    return out
+
+
 def local_copy(torch, size: int) -> float:
     a = torch.ones(size, dtype=torch.uint8, device="cuda")
     b = torch.zeros(size, dtype=torch.uint8, device="cuda")
@@ -157,7 +227,9 @@ def rank_entry(argv: List[str]) -> int:
             side = torch.cuda.Stream()
             row = {"path": dst.paths[1 - mesh.rank][0], "why": dst.paths[1 - mesh.rank][1],
                    "gbs": {str(s): put_bandwidth(mesh, torch, src, dst, s, path, None) for s in args.sizes},
-                   "gbs_stream": {str(s): put_bandwidth(mesh, torch, src, dst, s, path, side) for s in args.sizes}}
+                   "gbs_stream": {str(s): put_bandwidth(mesh, torch, src, dst, s, path, side) for s in args.sizes},
+                   "gbs_blocking": {str(s): blocking_put(mesh, torch, src, dst, s, path) for s in args.sizes},
+                   "put8_us": small_put_latency(mesh, torch, src, dst, args.iters)}
             out["paths"][path] = row
             src.close()
             dst.close()
@@ -166,6 +238,8 @@ def rank_entry(argv: List[str]) -> int:
         if mesh.rank == 0:
             out["stream_wait_us"] = lat
             out["local_d2d_gbs"] = {str(s): local_copy(torch, s) for s in args.sizes}
+            out["local_d2d_blocking_gbs"] = {str(s): local_copy_blocking(torch, s) for s in args.sizes}
+            out["local_copy8_us"] = local_copy_latency(torch, args.iters)
             out["pinned_round_gbs"] = {str(s): pinned_round(torch, s) for s in args.sizes}
             out["gpu"] = torch.cuda.get_device_name(0)
             with open(args.out, "w") as f:
@@ -174,22 +248,30 @@ def rank_entry(argv: List[str]) -> int:
     return 0
 
 
+def _quantiles(samples: List[float]) -> str:
+    lat = sorted(samples)
+    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
+    return f"{statistics.median(lat):.1f} us (median of {len(lat)}; p10 {q(0.1):.1f}, p90 {q(0.9):.1f})"
+
+
 def report(data: dict, args) -> None:
     print(f"GPU put bandwidth, rank 0 -> rank 1 on one {data['gpu']} (GB/s, flush included)")
+    blocking_ref = data["local_d2d_blocking_gbs"]
     for path, row in data["paths"].items():
         peer = "local D2D" if path != "staged" else "pinned D2H+H2D"
         ref = data["local_d2d_gbs"] if path != "staged" else data["pinned_round_gbs"]
         why = f" ({row['why']})" if row["why"] else ""
         print(f"  {path}: path taken {row['path']}{why}")
-        print(f"  {'size':>9}{'put':>9}{'on stream':>11}{peer:>16}{'ratio':>8}")
+        print(f"  {'size':>9}{'put':>9}{'on stream':>11}{peer:>16}{'ratio':>8}"
+              f"{'blocking':>10}{'blocking D2D':>14}{'ratio':>8}")
         for s in args.sizes:
             k = str(s)
+            blk = row["gbs_blocking"][k]
             print(f"  {size_name(s):>9}{row['gbs'][k]:>9.1f}{row['gbs_stream'][k]:>11.1f}{ref[k]:>16.1f}"
-                  f"{row['gbs'][k] / ref[k]:>8.2f}")
-    lat = sorted(data["stream_wait_us"])
-    q = lambda f: lat[min(len(lat) - 1, int(f * len(lat)))]  # noqa: E731
-    print(f"stream wait: a waiting stream passes {statistics.median(lat):.1f} us after a host-side signal "
-          f"(median of {len(lat)}; p10 {q(0.1):.1f}, p90 {q(0.9):.1f})")
+                  f"{row['gbs'][k] / ref[k]:>8.2f}{blk:>10.1f}{blocking_ref[k]:>14.1f}{blk / blocking_ref[k]:>8.2f}")
+        print(f"  8-byte put + flush: {_quantiles(row['put8_us'])}")
+    print(f"8-byte local copy_ + synchronize: {_quantiles(data['local_copy8_us'])}")
+    print(f"stream wait: a waiting stream passes {_quantiles(data['stream_wait_us'])} after a host-side signal")
 
 
 def main(argv: List[str]) -> int:
