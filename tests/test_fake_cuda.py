@@ -57,10 +57,20 @@ def test_exports_only_driver_entry_points():
     out = subprocess.run([shutil.which("nm"), "-D", "--defined-only", F.library_path()],
                          capture_output=True, text=True, check=True, timeout=60).stdout
     names = {line.split()[-1] for line in out.splitlines() if line.strip()}
+    names.discard("fakecuda_call_count")  # the one test extra of its own: calls counted per entry point
     assert names and all(n.startswith("cu") for n in names), sorted(names)
     for extra in ("cuGetProcAddress_v2", "cuMemAlloc_v2", "cuMemFree_v2", "cuMemcpyHtoD_v2",
                   "cuMemcpyDtoH_v2", "cuCtxSynchronize", "cuStreamWaitValue64_v2"):
         assert extra in names
+
+
+def test_calls_are_counted_per_entry_point_failed_ones_included(cu):
+    before, queries = cu.calls("cuStreamCreate"), cu.calls("cuEventQuery")
+    s = cu.stream()
+    assert cu.rc("cuEventQuery", None) == F.INVALID_HANDLE
+    assert cu.calls("cuStreamCreate") == before + 1 and cu.calls("cuEventQuery") == queries + 1
+    assert cu.calls("no such entry point") == 0
+    cu.stream_destroy(s)
 
 
 def test_every_driver_member_resolves_by_base_name(cu):
