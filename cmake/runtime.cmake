@@ -22,10 +22,31 @@ option(FXM_PRIVATE_RUNTIME
 # runtime's archives are named; its version script hides the rest.
 function(fxm_private_runtime target)
   cmake_parse_arguments(arg "KEEP_ARCHIVES" "EXPORTS" "" ${ARGN})
+  set(how "")
   if(FXM_STATIC_LIBSTDCXX)
+    list(APPEND how STATIC)
+  endif()
+  if(FXM_PRIVATE_RUNTIME)
+    list(APPEND how PRIVATE)
+  endif()
+  if(arg_KEEP_ARCHIVES)
+    list(APPEND how KEEP_ARCHIVES)
+  endif()
+  if(arg_EXPORTS)
+    list(APPEND how EXPORTS ${arg_EXPORTS})
+  endif()
+  fxm_link_runtime(${target} ${how})
+endfunction()
+
+# fxm_link_runtime(target [STATIC] [PRIVATE] [EXPORTS map] [KEEP_ARCHIVES]): the same, with
+# the two choices given instead of read from the options (the test doubles link _core both
+# ways from the same objects: see FXM_TEST_DOUBLES in CMakeLists.txt).
+function(fxm_link_runtime target)
+  cmake_parse_arguments(arg "STATIC;PRIVATE;KEEP_ARCHIVES" "EXPORTS" "" ${ARGN})
+  if(arg_STATIC)
     target_link_options(${target} PRIVATE -static-libstdc++ -static-libgcc)
   endif()
-  if(NOT FXM_PRIVATE_RUNTIME)
+  if(NOT arg_PRIVATE)
     return()
   endif()
   if(arg_KEEP_ARCHIVES)

@@ -2,7 +2,7 @@
 
 Tiers the test command runs apart (scripts/test.sh; docs/testing.md, "Parallel runs"):
 ``serial`` files watch state every process of the machine shares (/dev/shm names, thousands of
-descriptors, network namespaces, a second C++ build) and run alone after the parallel run;
+descriptors, network namespaces) and run alone after the parallel run;
 ``slow`` tests take minutes each (``-m "not slow"`` leaves them out of a quick local run; CI runs
 them all the same).
 """
@@ -18,10 +18,9 @@ SERIAL_FILES = {
     "test_netns.py",           # network namespaces and veth pairs of the host
     "test_netns_faults.py",    # the same, with nft rules
     "test_soak.py",            # many meshes at once, long
-    "test_runtime_symbols.py", # builds the core a second time (both cores busy)
     "test_onesided_races.py",  # crash races and a PID namespace
 }
-SLOW_FILES = {"test_soak.py", "test_runtime_symbols.py", "test_netns_faults.py"}
+SLOW_FILES = {"test_soak.py", "test_netns_faults.py"}
 
 
 def pytest_configure(config):

@@ -306,7 +306,7 @@ def test_an_op_queued_behind_a_blocked_stream_does_not_block_a_host_op_past_the_
                     except fm.MeshError as e:
                         out = type(e).__name__
                 else:
-                    release = threading.Timer(15.0, lambda: m.signal(0, 3, 1, signal_window=sig))
+                    release = threading.Timer(8.0, lambda: m.signal(0, 3, 1, signal_window=sig))
                     release.start()
                     release.join()
                 m.barrier(timeout=30)
