@@ -9,15 +9,20 @@ from ..mesh import Mesh
 from ._checks import _Reg
 from ._onesided import _OneSided
 from ._register import _Registration
+from ._windows import _WindowForms
 
 
-class Comm(_Registration, _OneSided):
+class Comm(_Registration, _OneSided, _WindowForms):
     """A communicator: FlagCX's one-sided calls over one :class:`flagcx_mesh.Mesh`.
 
     Made by :func:`comm_init_rank` / :func:`comm_init_from_env`, or ``Comm(mesh)`` to wrap
     a mesh you built (the communicator then owns it: :meth:`destroy` closes it). All
     operations are thread-safe; registrations are collective and must be made in the
     same order on every rank.
+
+    Attributes: ``rank`` (this rank, 0..nranks-1, ``flagcxCommUserRank``), ``nranks`` (the
+    number of ranks, ``flagcxCommCount``), ``mesh`` (the :class:`flagcx_mesh.Mesh` underneath,
+    read-only). Both ints are fixed at creation.
     """
 
     def __init__(self, mesh: Mesh, timeout: Optional[float] = None):
