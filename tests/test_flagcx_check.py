@@ -71,3 +71,26 @@ def test_a_hanging_builder_fails_the_check(build_dir):
                          "MESH_CHECK_STALL_RANK": "1", "CHECK_RANK_TIMEOUT": "15"}, 3, 2)
     assert rc == 1, out
     assert "FAIL: 1sock/ordered: rank(s)" in out and "(hung), killed" in out
+
+
+@needs_flagcx
+@pytest.mark.timeout(900)
+def test_the_real_build_dry_runs(tmp_path):
+    """build_real.sh --dry-run over the tree prepare_tree.sh makes: the patch applies, the patched
+    flagcx.cc, the glue, the probe adaptor and the test program compile without CUDA/NCCL."""
+    if os.path.exists(os.path.join(FLAGCX_SRC, "flagcx", "service", "flagcx_mesh_glue.cc")):
+        pytest.skip("FLAGCX_SRC is already patched: the real build takes a plain tree")
+    real = os.path.join(ROOT, "integrations", "flagcx")
+    env = dict(os.environ, PYTHON=sys.executable)
+    tree = tmp_path / "FlagCX"
+    p = subprocess.run(["bash", os.path.join(real, "real", "prepare_tree.sh"), FLAGCX_SRC, str(tree)], env=env,
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (tree / "third-party" / "json" / "single_include" / "nlohmann" / "json.hpp").is_file()
+    p = subprocess.run(["bash", os.path.join(real, "build_real.sh"), "--dry-run", str(tree), str(tmp_path / "out")],
+                       env=env, capture_output=True, text=True, timeout=800)
+    out = p.stdout + p.stderr
+    assert p.returncode == 0, out
+    assert "dry run: the patched flagcx.cc and the glue compile" in out
+    assert "programs: onesided_real, libflagcx_mesh_probe_net.so" in out
+    assert "build_real.sh: done (dry run)" in out

@@ -8,8 +8,8 @@
 #   bash integrations/flagcx/build_real.sh FLAGCX_TREE [OUTDIR]
 #   bash integrations/flagcx/build_real.sh --dry-run FLAGCX_TREE [OUTDIR]   # no CUDA/NCCL needed
 #
-# OUTDIR (default $OUT, else ./flagcx-real-out): env.txt, make.log, one run-*.txt per run,
-# summary.txt. Environment: PYTHON (python3: the one holding torch), CUDA_HOME (/usr/local/cuda),
+# OUTDIR (default $OUT, else ./flagcx-real-out): env.txt, mesh-install.log, make.log, runs.txt
+# (every rank's lines of every run), summary.txt. Environment: PYTHON (python3: the one holding torch), CUDA_HOME (/usr/local/cuda),
 # RANKS ("2 4 8"), JOBS (make -j, default nproc), FLAGCX_MESH_TIMEOUT (build deadline, 10 s here),
 # FXM_REAL_BYTES (bytes per registered buffer, 64 MiB), FXM_REAL_STEP_TIMEOUT (120 s).
 # --dry-run: applies the patch, compiles what compiles without CUDA and NCCL (the patched
@@ -141,9 +141,9 @@ build_programs() {
   say "programs: onesided_real, libflagcx_mesh_probe_net.so"
 }
 
-launch() {  # launch NAME NRANKS [DIE_RANK] (env given): every rank, its lines into run-NAME.txt
-  local name=$1 n=$2 die=${3:-} r pids=() rcs=() log=$OUTDIR/run-$1.txt
-  if [ $DRY = 1 ]; then echo "  (dry run) $n x onesided_real ${die:+(rank $die dies mid-build)} -> run-$name.txt"; return; fi
+launch() {  # launch NAME NRANKS [DIE_RANK] (env given): every rank's lines appended to runs.txt
+  local name=$1 n=$2 die=${3:-} r pids=() rcs=() log=$WORK/run-$1.txt
+  if [ $DRY = 1 ]; then echo "  (dry run) $n x onesided_real ${die:+(rank $die dies mid-build)} -> runs.txt ($name)"; return; fi
   rm -f "$WORK/uid"
   for r in $(seq 0 $((n - 1))); do
     timeout -k 5 150 "$WORK/onesided_real" "$WORK/uid" "$r" "$n" $die >"$WORK/o$r" 2>"$WORK/e$r" &
@@ -152,12 +152,19 @@ launch() {  # launch NAME NRANKS [DIE_RANK] (env given): every rank, its lines i
   for r in $(seq 0 $((n - 1))); do wait "${pids[r]}"; rcs[r]=$?; done
   { for r in $(seq 0 $((n - 1))); do cat "$WORK/o$r"; echo "rank $r: exit ${rcs[r]}"; done
     for r in $(seq 0 $((n - 1))); do sed "s/^/rank $r stderr: /" "$WORK/e$r" | tail -15; done; } >"$log"
+  { echo "==== $name ($n ranks${die:+, rank $die dies mid-build}; $(env | grep -E '^FLAGCX_(NET_ADAPTOR_PLUGIN|MESH_TIMEOUT|USE_HETERO_COMM)=' | tr '\n' ' '))"
+    cat "$log"; } >>"$OUTDIR/runs.txt"
   say "== $name: $n ranks${die:+, rank $die dies mid-build}; exits: ${rcs[*]}"
-  grep -E "OneSideRegister|dies|HUNG|Put|Get|WaitCounter|never" "$log" | grep -E "^rank (0|$die):|HUNG|never" | head -12 | tee -a "$SUMMARY"
+  if [ -n "$die" ]; then  # every survivor's registration (it must fail by the deadline)
+    grep -E "OneSideRegister #0|dies|HUNG" "$log" | cut -c1-400 | tee -a "$SUMMARY"
+  else
+    grep -E "^rank 0: .*(CommInitRank|OneSideRegister|Put|Get|WaitCounter|never)|HUNG" "$log" | cut -c1-300 | tee -a "$SUMMARY"
+  fi
 }
 
 runs() {
   local n
+  : >"$OUTDIR/runs.txt"
   export FLAGCX_USE_HETERO_COMM=1  # one host: without it FlagCX makes no heteroComm, no one-sided path
   for n in $RANKS; do
     FLAGCX_NET_ADAPTOR_PLUGIN=none launch "plain-$n" "$n"
