@@ -13,7 +13,7 @@
 # RANKS ("2 4 8"), JOBS (make -j, default nproc), FLAGCX_MESH_TIMEOUT (build deadline, 10 s here),
 # FXM_REAL_BYTES (bytes per registered buffer, 64 MiB), FXM_REAL_STEP_TIMEOUT (120 s).
 # --dry-run: applies the patch, compiles what compiles without CUDA and NCCL (the patched
-# flagcx.cc, the glue, the probe adaptor, the test program against declarations only) and
+# flagcx.cc, the glue, real/probe.cc, the test program against declarations only) and
 # prints the commands it would run.
 set -uo pipefail
 DRY=0
@@ -36,6 +36,7 @@ TREE=$(cd "$TREE" && pwd) || exit 2
 # STAGES=run in the next fit the per-call limit. Default: a scratch folder, removed at the end.
 WORK=${FXM_REAL_WORK:-$(mktemp -d /tmp/flagcx-real.XXXXXX)}
 mkdir -p "$WORK" && WORK=$(cd "$WORK" && pwd)
+[ -n "${FXM_REAL_WORK:-}" ] || trap 'rm -rf "$WORK"' EXIT
 STAGES=${STAGES:-build run}
 SUMMARY=$OUTDIR/summary.txt
 : >"$SUMMARY"
@@ -74,18 +75,22 @@ find_nccl() {  # NCCL shim: $WORK/nccl/{include,lib/libnccl.so} from the torch e
   say "NCCL: $(grep -E '#define NCCL_(MAJOR|MINOR|PATCH) ' "$inc" | awk '{printf "%s.", $3}' | sed 's/\.$//') from $d"
 }
 
-install_mesh() {  # flagcx_mesh from this repository, into a venv over the torch env (offline)
+install_mesh() {  # flagcx_mesh from this repository into $WORK/site with the torch env's build tools (offline)
+  # (--target, not a venv: a venv made from the torch env's python, itself a venv, would not see
+  # that env's scikit-build-core and pybind11)
   if [ $DRY = 1 ]; then
     MESH_HOME=$(dirname "$("$PY" -c 'import flagcx_mesh; print(flagcx_mesh.get_include())')") || die "dry run: $PY has no flagcx_mesh"
-    echo "  (dry run) $PY -m venv --system-site-packages $WORK/venv; pip install --no-index --no-build-isolation --no-deps $REPO"
-  elif [ -x "$WORK/venv/bin/python" ] && [ "${STAGES/build/}" = "$STAGES" ]; then
-    MESH_HOME=$(dirname "$("$WORK/venv/bin/python" -c 'import flagcx_mesh; print(flagcx_mesh.get_include())')")
+    echo "  (dry run) $PY -m pip install --no-index --no-build-isolation --no-deps --target $WORK/site $REPO"
+  elif [ -d "$WORK/site/flagcx_mesh" ] && [ "${STAGES/build/}" = "$STAGES" ]; then
+    MESH_HOME=$WORK/site/flagcx_mesh
   else
-    "$PY" -m venv --system-site-packages "$WORK/venv" || die "venv"
-    "$WORK/venv/bin/python" -m pip install -q --no-index --no-build-isolation --no-deps "$REPO" \
+    rm -rf "$WORK/site"
+    "$PY" -m pip install -q --no-index --no-build-isolation --no-deps --target "$WORK/site" "$REPO" \
       >"$OUTDIR/mesh-install.log" 2>&1 || { tail -30 "$OUTDIR/mesh-install.log"; die "pip install of flagcx_mesh"; }
-    MESH_HOME=$(dirname "$("$WORK/venv/bin/python" -c 'import flagcx_mesh; print(flagcx_mesh.get_include())')")
+    MESH_HOME=$(dirname "$(PYTHONPATH=$WORK/site "$PY" -c 'import flagcx_mesh; print(flagcx_mesh.get_include())')")
   fi
+  [ -f "$MESH_HOME/include/flagcx_mesh_net.h" ] && ls "$MESH_HOME"/lib/libflagcx_mesh.so >/dev/null \
+    || die "no include/flagcx_mesh_net.h or lib/libflagcx_mesh.so in $MESH_HOME"
   say "flagcx_mesh: $MESH_HOME"
 }
 
@@ -131,14 +136,13 @@ build_programs() {
       'cudaError_t cudaGetDeviceCount(int *); cudaError_t cudaSetDevice(int);' \
       'cudaError_t cudaMalloc(void **, size_t); cudaError_t cudaMemset(void *, int, size_t);' >"$WORK/cudadecl/cuda_runtime.h"
     g++ -std=c++17 -Wall -fsyntax-only -I"$WORK/cudadecl" "${FLAGCX_INC[@]}" "$HERE/real/onesided_real.cc" || die "dry run: onesided_real.cc"
+    g++ -std=c++17 -w -c "${FLAGCX_INC[@]}" "$HERE/real/probe.cc" -o "$WORK/probe.o" || die "dry run: probe.cc"
   else
-    g++ -std=c++17 -O2 -rdynamic "$HERE/real/onesided_real.cc" -o "$WORK/onesided_real" -I"$b/include" -I"$CUDA/include" \
-      -L"$b/lib" -Wl,-rpath,"$b/lib" -lflagcx -L"$CUDA/lib64" -Wl,-rpath,"$CUDA/lib64" -lcudart -ldl -lpthread \
-      || die "building onesided_real"
+    g++ -std=c++17 -O2 -w -rdynamic "$HERE/real/onesided_real.cc" "$HERE/real/probe.cc" -o "$WORK/onesided_real" \
+      "${FLAGCX_INC[@]}" -I"$CUDA/include" -L"$b/lib" -Wl,-rpath,"$b/lib" -lflagcx \
+      -L"$CUDA/lib64" -Wl,-rpath,"$CUDA/lib64" -lcudart -ldl -lpthread || die "building onesided_real"
   fi
-  g++ -std=c++17 -O2 -fPIC -shared -w "${FLAGCX_INC[@]}" "$HERE/real/probe_net.cc" -o "$WORK/libflagcx_mesh_probe_net.so" \
-    || die "building the probe net adaptor"
-  say "programs: onesided_real, libflagcx_mesh_probe_net.so"
+  say "programs: onesided_real (with real/probe.cc)"
 }
 
 launch() {  # launch NAME NRANKS [DIE_RANK] (env given): every rank's lines appended to runs.txt
@@ -152,7 +156,7 @@ launch() {  # launch NAME NRANKS [DIE_RANK] (env given): every rank's lines appe
   for r in $(seq 0 $((n - 1))); do wait "${pids[r]}"; rcs[r]=$?; done
   { for r in $(seq 0 $((n - 1))); do cat "$WORK/o$r"; echo "rank $r: exit ${rcs[r]}"; done
     for r in $(seq 0 $((n - 1))); do sed "s/^/rank $r stderr: /" "$WORK/e$r" | tail -15; done; } >"$log"
-  { echo "==== $name ($n ranks${die:+, rank $die dies mid-build}; $(env | grep -E '^FLAGCX_(NET_ADAPTOR_PLUGIN|MESH_TIMEOUT|USE_HETERO_COMM)=' | tr '\n' ' '))"
+  { echo "==== $name ($n ranks${die:+, rank $die dies mid-build}; $(env | grep -E '^(FXM_REAL_PROBE|FLAGCX_MESH_TIMEOUT|FLAGCX_USE_HETERO_COMM)=' | tr '\n' ' '))"
     cat "$log"; } >>"$OUTDIR/runs.txt"
   say "== $name: $n ranks${die:+, rank $die dies mid-build}; exits: ${rcs[*]}"
   if [ -n "$die" ]; then  # every survivor's registration (it must fail by the deadline)
@@ -167,10 +171,10 @@ runs() {
   : >"$OUTDIR/runs.txt"
   export FLAGCX_USE_HETERO_COMM=1  # one host: without it FlagCX makes no heteroComm, no one-sided path
   for n in $RANKS; do
-    FLAGCX_NET_ADAPTOR_PLUGIN=none launch "plain-$n" "$n"
-    FLAGCX_NET_ADAPTOR_PLUGIN=$WORK/libflagcx_mesh_probe_net.so launch "probe-$n" "$n"
+    FXM_REAL_PROBE=0 launch "plain-$n" "$n"
+    FXM_REAL_PROBE=1 launch "probe-$n" "$n"
   done
-  FLAGCX_NET_ADAPTOR_PLUGIN=$WORK/libflagcx_mesh_probe_net.so launch "probe-die-4" 4 2
+  FXM_REAL_PROBE=1 launch "probe-die-4" 4 2
 }
 
 step_facts
@@ -185,4 +189,3 @@ else
 fi
 [[ " $STAGES " == *" run "* ]] && runs
 say "build_real.sh: done ($([ $DRY = 1 ] && echo 'dry run' || echo "outputs in $OUTDIR"))"
-[ -n "${FXM_REAL_WORK:-}" ] || rm -rf "$WORK"

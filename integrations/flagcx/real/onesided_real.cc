@@ -8,6 +8,8 @@
 // both (the first one builds FlagCX's one-sided full mesh, through the patch's ordered builder);
 // flagcxOneSideSignalRegister; flagcxPut / flagcxGet to rank+1 with flagcxWaitCounter; and
 // flagcxCommDestroy. Each step prints one line "rank R: STEP: RESULT in T ms[: detail]".
+// With FXM_REAL_PROBE=1, probe.cc first changes FlagCX's socket adaptor so that the one-sided
+// path gets as far as the mesh build on a host without an RDMA NIC (see there).
 // With DIE_RANK, that rank exits (86) at its first bootstrap send of the mesh build (its first
 // readiness token, after the listen-handle allgather), and every other rank must see its
 // flagcxOneSideRegister fail by the build deadline (FLAGCX_MESH_TIMEOUT) instead of hanging.
@@ -30,6 +32,7 @@
 #include "flagcx.h"
 
 struct bootstrapState;
+extern "C" void flagcxMeshProbeInstall(void);  // probe.cc
 
 namespace {
 
@@ -148,6 +151,10 @@ int main(int argc, char **argv) {
   if (!shareId(argv[1], &id)) {
     printf("rank %d: no unique id in %s\n", g_rank, argv[1]);
     return 1;
+  }
+  if (getenv("FXM_REAL_PROBE") && !strcmp(getenv("FXM_REAL_PROBE"), "1")) {
+    flagcxMeshProbeInstall();
+    printf("rank %d: probe installed in FlagCX's socket adaptor (one-sided calls that move nothing)\n", g_rank);
   }
   flagcxComm_t comm = nullptr;
   beginStep("flagcxCommInitRank");
