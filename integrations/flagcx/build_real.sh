@@ -56,7 +56,8 @@ step_facts() {
     "$PY" -c 'import sys, torch; print("python", sys.version.split()[0], "torch", torch.__version__, "cuda", torch.version.cuda,
 "gpus", torch.cuda.device_count())' 2>&1
     ls /sys/class/infiniband 2>&1 | head -3; } >"$OUTDIR/env.txt" 2>&1
-  say "machine: $(head -3 "$OUTDIR/env.txt" | tail -1)"
+  say "machine: $(nvidia-smi -L 2>/dev/null | head -1 || true), $(nproc) cores"
+  [ -n "$(ls /sys/class/infiniband 2>/dev/null)" ] || say "no RDMA device (/sys/class/infiniband is empty or absent)"
 }
 
 find_nccl() {  # NCCL shim: $WORK/nccl/{include,lib/libnccl.so} from the torch env's nvidia-nccl wheel
@@ -124,7 +125,9 @@ build_flagcx() {
     make "${args[@]}" FORCE_DEFAULT_PATH=1 >>"$OUTDIR/make.log" 2>&1 \
       || { tail -40 "$OUTDIR/make.log"; die "make USE_NVIDIA=1 (see make.log)"; }
   fi
-  nm -D "$lib" | grep -q ' U flagcx_mesh_net_build_full_mesh' || die "libflagcx.so does not call flagcx_mesh_net_build_full_mesh"
+  local syms
+  syms=$(nm -D "$lib") || die "nm -D $lib"
+  grep -q ' U flagcx_mesh_net_build_full_mesh$' <<<"$syms" || die "libflagcx.so does not call flagcx_mesh_net_build_full_mesh"
   say "libflagcx.so built in $((SECONDS - t0)) s ($(du -h "$lib" | cut -f1)); links: $(ldd "$lib" | grep -oE 'lib(flagcx_mesh|nccl|cudart)[^ ]*' | sort -u | tr '\n' ' ')"
 }
 
