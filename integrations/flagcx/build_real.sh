@@ -24,6 +24,9 @@ HERE=$REPO/integrations/flagcx
 OUTDIR=${2:-${OUT:-$PWD/flagcx-real-out}}
 PY=${PYTHON:-python3}
 CUDA=${CUDA_HOME:-/usr/local/cuda}
+if [ -z "${CUDA_HOME:-}" ] && [ ! -f "$CUDA/include/cuda_runtime.h" ] && command -v nvcc >/dev/null; then
+  CUDA=$(dirname "$(dirname "$(readlink -f "$(command -v nvcc)")")")  # the toolkit of the nvcc on PATH
+fi
 RANKS=${RANKS:-2 4 8}
 JOBS=${JOBS:-$(nproc)}
 export FLAGCX_MESH_TIMEOUT=${FLAGCX_MESH_TIMEOUT:-10}
