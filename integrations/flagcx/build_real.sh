@@ -9,7 +9,8 @@
 #   bash integrations/flagcx/build_real.sh --dry-run FLAGCX_TREE [OUTDIR]   # no CUDA/NCCL needed
 #
 # OUTDIR (default $OUT, else ./flagcx-real-out): env.txt, mesh-install.log, make.log, runs.txt
-# (every rank's lines of every run), summary.txt. Environment: PYTHON (python3: the one holding torch), CUDA_HOME (/usr/local/cuda),
+# (every rank's lines of every run), summary.txt. Environment: PYTHON (python3: the one holding torch), CUDA_HOME (/usr/local/cuda, else
+# the toolkit of the nvcc on PATH),
 # RANKS ("2 4 8"), JOBS (make -j, default nproc), FLAGCX_MESH_TIMEOUT (build deadline, 10 s here),
 # FXM_REAL_BYTES (bytes per registered buffer, 64 MiB), FXM_REAL_STEP_TIMEOUT (120 s).
 # --dry-run: applies the patch, compiles what compiles without CUDA and NCCL (the patched
