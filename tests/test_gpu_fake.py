@@ -474,3 +474,40 @@ def test_a_staged_put_landing_slower_than_the_mesh_timeout_fails_it_and_keeps_th
     run_job(2, "slow_landing", "--mesh-timeout", "3",
             env=fake_env(FLAGCX_MESH_CUDA_PATH="staged",
                          FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="12000"))
+
+
+def test_compat_window_forms_and_get_on_device_buffers():
+    """flagcx.h's window/stream forms on device memory: put_signal_window from an address inside a
+    registered device buffer, wait_signals on a stream (slot = the sender's rank), then get."""
+    p = run_python("""
+        import flagcx_mesh.compat as fc, fakecuda
+        from meshutil import run_threads
+        cu = fakecuda.FakeCuda.get()
+        uid = fc.get_unique_id()
+        def rank(r):
+            c = fc.comm_init_rank(2, uid, r, timeout=30)
+            try:
+                src, dst, back = (fakecuda.DeviceBuffer(8192, cu) for _ in range(3))
+                c.one_side_register(src)
+                w = c.comm_window_register(dst)
+                b_idx = c.one_side_register(back)
+                c.signal_register(16)
+                src.write(bytes([r + 20]) * 8192)
+                c.barrier()
+                s = cu.stream()
+                addr = src.__cuda_array_interface__["data"][0] + 4096
+                c.put_signal_window(addr, 1024, fc.flagcxFloat32, 1 - r, w, 0, 0, s)
+                c.wait_signals([(1, 1 - r)], s)
+                cu.synchronize(s)
+                landed = dst.read(4096) == bytes([21 - r]) * 4096
+                c.flush(timeout=30)
+                c.barrier()
+                c.get(1 - r, 0, 0, 4096, w.index, b_idx)
+                c.flush(timeout=30)
+                c.barrier()
+                return landed, back.read(4096) == bytes([r + 20]) * 4096, c.read_signal(8 * (1 - r))
+            finally:
+                c.destroy()
+        print("GOT", run_threads(2, rank, timeout=60))
+    """, fake_env())
+    assert "GOT [(True, True, 1), (True, True, 1)]" in p.stdout, p.stdout

@@ -11,7 +11,9 @@
 // "trial T: completed|miswired|hung|failed: <first error>". With DIE_RANK,
 // that rank exits after the bootstrap's allgather of the first build, and the
 // others must fail by the deadline (through the abort hook) instead of
-// blocking in bootstrapRecv. Run it through check.sh.
+// blocking in bootstrapRecv. With MESH_CHECK_STALL_RANK=R in the environment,
+// rank R stops before its first build and never returns (a stuck builder, for
+// the test that check.sh reports a hang). Run it through check.sh.
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -104,6 +106,9 @@ int main(int argc, char **argv) {
   flagcxMeshBootstrapOpsInit(&boot, &bootCtx, state, rank, nranks);
   g_inner = boot;
   if (g_die_rank >= 0) boot.allgather = dyingAllGather;
+  const char *stall = getenv("MESH_CHECK_STALL_RANK");
+  if (stall && atoi(stall) == rank)
+    for (;;) pause();
   int bad = 0;
   for (int t = 0; t < trials; ++t) {
     flagcx_mesh_net_build_config_t config = FLAGCX_MESH_NET_BUILD_CONFIG_INITIALIZER;
