@@ -508,7 +508,7 @@ void OneSided::put(const PutArgs& in) {
   engine_->count_inline(a.peer, 1);
 }
 
-void OneSided::get(const PutArgs& a) {
+void OneSided::get(PutArgs a) {  // a copy: its own deadline is this call's
   OpWindows ow;
   validate(a, "get", true, &ow);
   std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
