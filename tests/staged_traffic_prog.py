@@ -11,7 +11,8 @@ bytes, half of them on the thread's own stream) to random peers, itself included
 of a cuMem window into its own region of every peer's user window (cudaMalloc / torch memory).
 Every op of a pair is FIFO, so each target replays the plans (seeded by source rank and thread)
 and checks every byte of its window, and each put_signal's slot. Every wait is bounded (the
-mesh timeout, the flush timeout, the launcher's --timeout): a stuck rank fails, never hangs.
+mesh timeout for each call, --round-timeout for the round, the launcher's --timeout): a stuck
+rank fails, never hangs. The longest op call is printed (a figure, to set against the mesh timeout).
 Each rank prints ``staged_traffic rank R: ... in S s; B bytes checked`` and rank 0 the totals;
 a failing rank prints ``FAIL rank R staged_traffic: why`` and exits 1, a passing one ends with
 ``OK rank R staged_traffic``.
@@ -20,6 +21,7 @@ a failing rank prints ``FAIL rank R staged_traffic: why`` and exits 1, a passing
 from __future__ import annotations
 
 import argparse
+import faulthandler
 import math
 import os
 import random
@@ -73,6 +75,7 @@ class Traffic:
         self.user = dev.buffer(n * t * self.region)
         self.dst = mesh.register_window(self.user)
         self.sig = mesh.signal_window(n * t)
+        self.longest = (0.0, "none")  # the longest op call (seconds, kind): a figure
         check_paths(mesh, self.src, "staged", "source (cuMem)")
         check_paths(mesh, self.dst, "staged", "target (user)")
         srcb = dev.window_bytes(self.src)
@@ -93,6 +96,7 @@ class Traffic:
         for peer, kind, entries, on_stream in plan(r, thread, m.nranks, self.args):
             s = stream if on_stream else None
             src_off, dst_off, size = entries[0]
+            t0 = time.monotonic()
             if kind == "put":
                 m.put(peer, self.src, thread * self.region + src_off, self.dst, base + dst_off, size, stream=s)
             elif kind == "put_signal":
@@ -101,6 +105,7 @@ class Traffic:
             else:
                 m.batch_put(peer, self.src, self.dst,
                             [(thread * self.region + so, base + do, n) for so, do, n in entries], stream=s)
+            self.longest = max(self.longest, (time.monotonic() - t0, kind))
         m.flush(timeout=self.args.mesh_timeout)
 
     def round(self) -> float:
@@ -118,8 +123,12 @@ class Traffic:
         for t in threads:
             t.start()
         for t in threads:
-            t.join(self.args.mesh_timeout * 4)
-        check(not any(t.is_alive() for t in threads), "a traffic thread is still running (hang)")
+            t.join(max(0.0, t0 + self.args.round_timeout - time.monotonic()))
+        if any(t.is_alive() for t in threads):
+            faulthandler.dump_traceback(all_threads=True)  # where it is stuck
+            if os.environ.get("STAGED_TRAFFIC_GDB"):  # and the native stacks (a diagnosis aid)
+                os.system(f"gdb -p {os.getpid()} -batch -ex 'thread apply all bt' >&2")
+            raise Fail("a traffic thread is still running (hang)")
         if errors:
             raise errors[0]
         self.mesh.flush(timeout=self.args.mesh_timeout)
@@ -170,10 +179,12 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--mesh-timeout", type=float, default=60)
+    ap.add_argument("--round-timeout", type=float, default=300,
+                    help="a thread still running after this many seconds is reported as a hang")
     args = ap.parse_args()
     dev = FakeDevice() if args.device == "fake" else TorchDevice()
     with Mesh.from_launcher(timeout=args.mesh_timeout) as mesh:
-        r = mesh.rank
+        r, traffic = mesh.rank, None
         try:
             traffic = Traffic(mesh, dev, args)
             mesh.barrier(timeout=args.mesh_timeout)
@@ -181,12 +192,13 @@ def main() -> int:
             checked = traffic.check_all()
             mesh.barrier(timeout=args.mesh_timeout)
         except Exception as e:  # noqa: BLE001
-            print(f"FAIL rank {r} {SCENARIO}: {type(e).__name__}: {e}", flush=True)
+            longest = f" (longest op call {traffic.longest[0]:.3f} s, {traffic.longest[1]})" if traffic else ""
+            print(f"FAIL rank {r} {SCENARIO}: {type(e).__name__}: {e}{longest}", flush=True)
             traceback.print_exc()
             sys.stdout.flush()
             os._exit(1)
         print(f"staged_traffic rank {r}: round of {args.threads} threads in {took:.2f} s; "
-              f"{checked} bytes checked", flush=True)
+              f"{checked} bytes checked; longest call {traffic.longest[0]:.3f} s ({traffic.longest[1]})", flush=True)
         if r == 0:
             ops, moved = totals(mesh.nranks, args)
             print(f"staged_traffic: {mesh.nranks} ranks x {args.threads} threads, {ops} ops, {moved} bytes put "
