@@ -43,7 +43,7 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, const Co
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), engine_(engine),
       conns_(conns), windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
-    pair_mu_.push_back(std::make_unique<std::mutex>());
+    pair_mu_.push_back(std::make_unique<std::timed_mutex>());
     fences_.push_back(std::make_unique<cuda::StreamFence>());
   }
 }
@@ -466,6 +466,15 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
   return false;
 }
 
+// Another thread's op to the pair may hold it as long as that op waits: this
+// one waits for it within its own deadline (taken here when it must wait).
+std::unique_lock<std::timed_mutex> OneSided::lock_pair(const PutArgs& a, const char* op) const {
+  std::unique_lock<std::timed_mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx], std::try_to_lock);
+  if (lock.owns_lock() || lock.try_lock_until(op_deadline(a).at())) return lock;
+  fail(Code::kTimeout, a.peer, 0, who() + op + " (peer " + std::to_string(a.peer) + ", ctx " + std::to_string(a.ctx) +
+                                      "): timed out waiting for another thread's op to that peer and context");
+}
+
 void OneSided::check_put(const PutArgs& a) const { check_put(a, nullptr); }
 
 void OneSided::check_put(const PutArgs& a, OpWindows* ow) const {
@@ -480,7 +489,7 @@ void OneSided::put(const PutArgs& in) {
   check_put(a, &ow);
   const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
-  std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  std::unique_lock<std::timed_mutex> lock = lock_pair(a, op);
   engine_->poll_probes();  // device ops done by now no longer hold this one up
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
@@ -502,7 +511,7 @@ void OneSided::put(const PutArgs& in) {
 void OneSided::get(PutArgs a) {  // a copy: its own deadline is this call's
   OpWindows ow;
   validate(a, "get", true, &ow);
-  std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  std::unique_lock<std::timed_mutex> lock = lock_pair(a, "get");
   engine_->poll_probes();
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone

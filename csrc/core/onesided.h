@@ -135,6 +135,8 @@ class OneSided {
   bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
                  bool* signal_done);
   PathOp path_op(const PutArgs& a, Window& local, bool is_get) const;
+  // The pair's lock (one op of a pair at a time), waited for within the op's deadline.
+  std::unique_lock<std::timed_mutex> lock_pair(const PutArgs& a, const char* op) const;
   void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, PathOp* op) const;
   bool signal_on_stream(const PutArgs& a, const PeerView& sig_view, const InFlight& f);  // true: queued
   void finish_registration(Window& w) const;
@@ -157,7 +159,7 @@ class OneSided {
   WindowTable* windows_;
   Allgather allgather_;
   std::string host_;
-  std::vector<std::unique_ptr<std::mutex>> pair_mu_;  // per (peer, ctx)
+  std::vector<std::unique_ptr<std::timed_mutex>> pair_mu_;  // per (peer, ctx): see lock_pair()
   std::vector<std::unique_ptr<cuda::StreamFence>> fences_;  // per (peer, ctx), under pair_mu_
   std::mutex register_mu_;
   std::map<std::string, int> export_owner_;  // device export -> the rank that published it (under register_mu_)
