@@ -81,13 +81,13 @@ LOCKED_PAIR_PROG = """
                 def other_thread():  # holds the pair's lock while it waits for its stream (2 s)
                     m.put(1, hwin, 0, hwin, 0, 8, stream=held_b)
                 helpers = [threading.Thread(target=release, args=(2, 2.0)),
-                           threading.Thread(target=release, args=(3, 4.0)),
+                           threading.Thread(target=release, args=(3, 4.25)),
                            threading.Thread(target=other_thread)]
                 for t in helpers:
                     t.start()
                 time.sleep(0.5)  # (sequencing: the other thread holds the pair)
                 try:
-                    m.put(1, hwin, 8, hwin, 8, 8, stream=held_a)  # the pair until 2 s, then its stream until 4 s
+                    m.put(1, hwin, 8, hwin, 8, 8, stream=held_a)  # the pair until 2 s, then its stream until 4.25 s
                     out = "returned"
                 except fm.MeshError as e:
                     out = f"{type(e).__name__}: {e}"
@@ -102,8 +102,8 @@ LOCKED_PAIR_PROG = """
 
 def test_waiting_for_another_threads_op_to_the_pair_counts_against_the_deadline():
     """Mesh timeout 3 s. Another thread's put to the same pair holds it (waiting for its stream)
-    until 2 s; this thread's put, called at 0.5 s, then waits for its own stream until 4 s. It
-    must fail with MeshTimeout at 3.5 s (when its deadline started once it had the pair, at
-    2 s, its stream wait ended at 5 s and the put returned)."""
+    until 2 s; this thread's put, called at 0.5 s, then waits for its own stream until 4.25 s.
+    It must fail with MeshTimeout at 3.5 s (when its deadline started once it had the pair, at
+    2 s, its stream wait would have ended at 5 s: the put returned)."""
     p = run_python(LOCKED_PAIR_PROG, fake_env(), timeout=150)
     assert "PUT MeshTimeout:" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
