@@ -305,6 +305,14 @@ class FakeCuda:
     def event_query(self, event: int) -> int:
         return self.rc("cuEventQuery", event)
 
+    def set_not_ready_query_delay(self, seconds: float) -> None:
+        """From now on a cuEventQuery that answers CUDA_ERROR_NOT_READY (the state when it was
+        called) takes `seconds`: a slow poll of pending work (0: none). A switch of the fake for
+        tests, not a driver call."""
+        fn = self.lib.fxmFakeSetNotReadyQueryDelay
+        fn.argtypes, fn.restype = [C.c_long], None
+        fn(int(seconds * 1e6))
+
 
 class DeviceBuffer:
     """nbytes of fake device memory (cuMemAlloc) with __cuda_array_interface__, so that it can

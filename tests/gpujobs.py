@@ -22,11 +22,12 @@ def job_env(base_extra, drop, **extra):
     return env
 
 
-def run_job(n, scenario, *args, env, device, timeout, silent=()):
+def run_job(n, scenario, *args, env, device, timeout, silent=(), prog=None):
     """Runs gpu_prog.py SCENARIO on n ranks (--device fake|torch); asserts exit 0 and an OK line
-    from every rank not in `silent`; returns the CompletedProcess."""
+    from every rank not in `silent`; returns the CompletedProcess. `prog`: a sibling program
+    of tests/ taking SCENARIO the same way (e.g. staged_traffic_prog.py) instead of gpu_prog.py."""
     cmd = [PY, "-m", "flagcx_mesh.launch", "-n", str(n), "--timeout", str(timeout), "--grace", "2",
-           "--", PY, PROG, scenario, "--device", device, *args]
+           "--", PY, os.path.join(HERE, prog) if prog else PROG, scenario, "--device", device, *args]
     try:
         p = subprocess.run(cmd, env=env, cwd=HERE, capture_output=True, text=True, timeout=timeout + 60)
     except subprocess.TimeoutExpired as e:

@@ -1,6 +1,5 @@
 #include "core/onesided.h"
 
-#include <sched.h>
 #include <sys/random.h>
 #include <unistd.h>
 
@@ -16,14 +15,6 @@
 
 namespace fxm {
 namespace {
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  __builtin_ia32_pause();
-#elif defined(__aarch64__)
-  asm volatile("yield");
-#endif
-}
 
 bool in_range(uint64_t off, uint64_t size, uint64_t limit) {
   return off <= limit && size <= limit - off;
@@ -52,7 +43,7 @@ OneSided::OneSided(int rank, int nranks, int ncontexts, Engine* engine, const Co
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), op_timeout_s_(op_timeout_s), engine_(engine),
       conns_(conns), windows_(windows), allgather_(std::move(allgather)), host_(shm::host_id()) {
   for (int s = 0; s < nranks * ncontexts; ++s) {
-    pair_mu_.push_back(std::make_unique<std::mutex>());
+    pair_mu_.push_back(std::make_unique<std::timed_mutex>());
     fences_.push_back(std::make_unique<cuda::StreamFence>());
   }
 }
@@ -475,6 +466,15 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
   return false;
 }
 
+// Another thread's op to the pair may hold it as long as that op waits: this
+// one waits for it within its own deadline (taken here when it must wait).
+std::unique_lock<std::timed_mutex> OneSided::lock_pair(const PutArgs& a, const char* op) const {
+  std::unique_lock<std::timed_mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx], std::try_to_lock);
+  if (lock.owns_lock() || lock.try_lock_until(op_deadline(a).at())) return lock;
+  fail(Code::kTimeout, a.peer, 0, who() + op + " (peer " + std::to_string(a.peer) + ", ctx " + std::to_string(a.ctx) +
+                                      "): timed out waiting for another thread's op to that peer and context");
+}
+
 void OneSided::check_put(const PutArgs& a) const { check_put(a, nullptr); }
 
 void OneSided::check_put(const PutArgs& a, OpWindows* ow) const {
@@ -489,7 +489,7 @@ void OneSided::put(const PutArgs& in) {
   check_put(a, &ow);
   const char* op = a.sig.on ? (a.size ? "put_signal" : "signal") : "put";
   if (a.sig.on && a.sig.value == 0 && !a.sig.set) a.sig.on = false;  // value 0: data only
-  std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  std::unique_lock<std::timed_mutex> lock = lock_pair(a, op);
   engine_->poll_probes();  // device ops done by now no longer hold this one up
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, op, &f.kind);  // throws when the peer is gone
@@ -508,93 +508,16 @@ void OneSided::put(const PutArgs& in) {
   engine_->count_inline(a.peer, 1);
 }
 
-void OneSided::get(const PutArgs& a) {
+void OneSided::get(PutArgs a) {  // a copy: its own deadline is this call's
   OpWindows ow;
   validate(a, "get", true, &ow);
-  std::lock_guard<std::mutex> lock(*pair_mu_[a.peer * ncontexts_ + a.ctx]);
+  std::unique_lock<std::timed_mutex> lock = lock_pair(a, "get");
   engine_->poll_probes();
   InFlight f;
   f.busy = engine_->in_flight(a.peer, a.ctx, "get", &f.kind);  // throws when the peer is gone
   bool unused = false;
   if (a.size != 0 && !move_data(a, *ow.local, ow.remote->peers[a.peer], true, f, &unused)) return;
   engine_->count_inline(a.peer, 1);
-}
-
-Window& OneSided::signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const {
-  Window& w = use(win, op, ow);
-  if (w.kind != WindowKind::kSignal || slot >= w.nslots()) {
-    fail(Code::kInvalidArgument, -1, 0, who() + op + ": window #" + std::to_string(win) + " slot " +
-                                            std::to_string(slot) + " is not a signal slot (window has " +
-                                            std::to_string(w.nslots()) + " slots)");
-  }
-  return w;
-}
-
-uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
-  OpWindows ow;
-  Window& w = signal_slot(win, slot, "read_signal", &ow);
-  return load_signal(reinterpret_cast<const uint64_t*>(w.base), slot);
-}
-
-// Spin, then yield, each for a bounded time (a PAUSE count would not do: PAUSE takes 10 to 140 cycles
-// depending on the CPU, 2000 of them 45 us on some). The signaller may need this very core (fewer
-// free cores than spinning threads), so the spin is short; the caller then sleeps on the futex.
-uint64_t OneSided::spin_for_signal(const Window& w, uint64_t slot, uint64_t expected) const {
-  constexpr auto kSpin = std::chrono::microseconds(2), kYield = std::chrono::microseconds(50);
-  const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
-  uint64_t current = load_signal(slots, slot);
-  if (signal_reached(current, expected)) return current;
-  const Clock::time_point start = Clock::now();
-  for (unsigned i = 1; !signal_reached(current, expected); ++i) {
-    cpu_relax();
-    current = load_signal(slots, slot);
-    if (i % 16 == 0 && Clock::now() - start >= kSpin) break;  // the clock every 16 loads
-  }
-  while (!signal_reached(current, expected) && Clock::now() - start < kYield) {
-    if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
-    sched_yield();
-    current = load_signal(slots, slot);
-  }
-  return current;
-}
-
-void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const {
-  OpWindows ow;  // the slots stay mapped while this waits; close() wakes it
-  Window& w = signal_slot(win, slot, "wait_signal", &ow);
-  const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
-  uint64_t current = spin_for_signal(w, slot, expected);
-  while (!signal_reached(current, expected)) {
-    uint32_t seen = __atomic_load_n(&w.notify->epoch, __ATOMIC_SEQ_CST);
-    current = load_signal(slots, slot);
-    if (signal_reached(current, expected)) break;
-    if (w.closing.load()) fail_wait_closed(w, slot);
-    if (engine_->stopped()) {
-      fail(Code::kClosed, -1, 0, who() + "wait_signal(window #" + std::to_string(win) + ", slot " +
-                                     std::to_string(slot) + "): the mesh was closed");
-    }
-    int lost = engine_->first_lost_peer();
-    if (lost >= 0 || deadline.expired()) fail_wait_signal(w, slot, expected, current, lost);
-    wait_signal_epoch(w.notify, seen, std::min<long>(10000000L, deadline.poll_ms() * 1000000L));
-    current = load_signal(slots, slot);
-  }
-}
-
-void OneSided::fail_wait_closed(const Window& w, uint64_t slot) const {
-  fail(Code::kInvalidArgument, -1, 0, who() + "wait_signal(window #" + std::to_string(w.index) + ", slot " +
-                                          std::to_string(slot) + "): the window was closed (deregistered) while waiting");
-}
-
-void OneSided::fail_wait_signal(const Window& w, uint64_t slot, uint64_t expected, uint64_t current,
-                                int lost) const {
-  std::string what = who() + "wait_signal(window #" + std::to_string(w.index) + ", slot " + std::to_string(slot) +
-                     "): expected >= " + std::to_string(expected) + ", current " + std::to_string(current);
-  int64_t last = __atomic_load_n(&w.last_src[slot], __ATOMIC_RELAXED);
-  std::string by = last < 0 ? "never signalled" : "last signalled by rank " + std::to_string(last);
-  if (lost >= 0) {
-    fail(Code::kPeerLost, lost, 0, what + ", " + by + "; peer " + std::to_string(lost) +
-                                       " was lost: " + engine_->lost_reason(lost));
-  }
-  fail(Code::kTimeout, static_cast<int>(last), 0, what + ", " + by + ": timed out");
 }
 
 }  // namespace fxm

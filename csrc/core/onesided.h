@@ -37,8 +37,11 @@ struct PutArgs {
   // op starts after the stream's earlier work and completes in its order.
   bool stream_set = false;
   void* stream = nullptr;
-  // Set by batch_put: every entry's waits end at the batch's one deadline.
+  // Set by batch_put: every entry's waits end at the batch's one deadline. Otherwise the op's
+  // first wait takes one (own_deadline, from the op timeout) and its later waits end there too.
   const Deadline* deadline = nullptr;
+  mutable Deadline own_deadline;
+  mutable bool own_deadline_set = false;
 };
 
 // The windows one op touches, entered (Window::enter) until the op is done
@@ -89,7 +92,7 @@ class OneSided {
   // Validates like put() without issuing anything (batch_put checks all first).
   void check_put(const PutArgs& a) const;
   // Reads peer's window src_win into this rank's window dst_win.
-  void get(const PutArgs& a);
+  void get(PutArgs a);
   uint64_t read_signal(uint32_t win, uint64_t slot) const;
   void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const;
   // Queues the wait on `stream` and returns; where the driver has no stream
@@ -132,13 +135,24 @@ class OneSided {
   bool move_data(const PutArgs& a, Window& local, const PeerView& v, bool is_get, const InFlight& f,
                  bool* signal_done);
   PathOp path_op(const PutArgs& a, Window& local, bool is_get) const;
+  // The pair's lock (one op of a pair at a time), waited for within the op's deadline.
+  std::unique_lock<std::timed_mutex> lock_pair(const PutArgs& a, const char* op) const;
   // pair_busy: ops to the pair are in flight (else the pair's stream fence is dropped: nothing to wait for).
   void prepare_device_op(const PutArgs& a, const Window& local, const Path& p, bool is_get, bool pair_busy,
                          PathOp* op) const;
   bool signal_on_stream(const PutArgs& a, const PeerView& sig_view, const InFlight& f);  // true: queued
   void finish_registration(Window& w) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
-  Deadline op_deadline(const PutArgs& a) const { return a.deadline ? *a.deadline : op_deadline(); }
+  // The op's one deadline (see PutArgs::deadline): taken at its first wait, so an op that never
+  // waits reads no clock.
+  Deadline op_deadline(const PutArgs& a) const {
+    if (a.deadline) return *a.deadline;
+    if (!a.own_deadline_set) {
+      a.own_deadline = op_deadline();
+      a.own_deadline_set = true;
+    }
+    return a.own_deadline;
+  }
 
   int rank_, nranks_, ncontexts_;
   double op_timeout_s_;
@@ -147,7 +161,7 @@ class OneSided {
   WindowTable* windows_;
   Allgather allgather_;
   std::string host_;
-  std::vector<std::unique_ptr<std::mutex>> pair_mu_;  // per (peer, ctx)
+  std::vector<std::unique_ptr<std::timed_mutex>> pair_mu_;  // per (peer, ctx): see lock_pair()
   std::vector<std::unique_ptr<cuda::StreamFence>> fences_;  // per (peer, ctx), under pair_mu_
   std::mutex register_mu_;
   std::map<std::string, int> export_owner_;  // device export -> the rank that published it (under register_mu_)

@@ -56,6 +56,13 @@ bool stream_memops_disabled();
 // FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS: a stream copy into device memory
 // waits that long on its stream before it runs (a slow copy).
 long copy_to_device_delay_ms();
+// FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS: the same for a stream copy out of device memory
+// (device to host or to device: a copy between two device ranges waits for both delays).
+long copy_from_device_delay_ms();
+// Set at run time by fxmFakeSetNotReadyQueryDelay(us) (default 0): a cuEventQuery that
+// answers CUDA_ERROR_NOT_READY (the state at the call) takes that long: a poll of pending
+// work is slow, one that finds the work done is not.
+long not_ready_query_delay_us();
 // The code FXM_FAKECUDA_FAIL sets for `name` (base name, no _v2), or 0.
 CUresult injected_failure(const char* name);
 // The primary context of `device` (never null), and the device of a context (-1: not ours).

@@ -27,6 +27,8 @@ struct State {
   size_t granularity = kDefaultGranularity;
   bool no_stream_memops = false;
   long copy_to_device_delay_ms = 0;
+  long copy_from_device_delay_ms = 0;
+  std::atomic<long> not_ready_query_delay_us{0};  // set at run time (fxmFakeSetNotReadyQueryDelay)
   bool environment_read = false;
   bool forked = false;  // a child forked after cuInit: its streams' threads are gone
   std::map<std::string, CUresult> failures;
@@ -87,8 +89,11 @@ CUresult read_environment(State& s) {
   long devices = env_long("FXM_FAKECUDA_DEVICES", 1);
   long gran = env_long("FXM_FAKECUDA_GRANULARITY", static_cast<long>(kDefaultGranularity));
   long delay = env_long("FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS", 0);
-  if (devices < 0 || devices > kMaxDevices || gran <= 0 || (gran & 4095) != 0 || delay < 0) return kInvalidValue;
+  long from_delay = env_long("FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS", 0);
+  if (devices < 0 || devices > kMaxDevices || gran <= 0 || (gran & 4095) != 0 || delay < 0 || from_delay < 0)
+    return kInvalidValue;
   s.copy_to_device_delay_ms = delay;
+  s.copy_from_device_delay_ms = from_delay;
   if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures)) return kInvalidValue;
   s.devices = static_cast<int>(devices);
   s.granularity = static_cast<size_t>(gran);
@@ -137,6 +142,8 @@ int device_count() { return state().devices; }
 size_t granularity() { return state().granularity; }
 bool stream_memops_disabled() { return state().no_stream_memops; }
 long copy_to_device_delay_ms() { return state().copy_to_device_delay_ms; }
+long copy_from_device_delay_ms() { return state().copy_from_device_delay_ms; }
+long not_ready_query_delay_us() { return state().not_ready_query_delay_us.load(); }
 
 CUresult injected_failure(const char* name) {
   State& s = state();
@@ -249,3 +256,6 @@ FAKE_API CUresult cuCtxSynchronize() {
   synchronize_all_streams();
   return kSuccess;
 }
+
+// A test's switch at run time (not a driver entry point): see not_ready_query_delay_us().
+FAKE_API void fxmFakeSetNotReadyQueryDelay(long us) { state().not_ready_query_delay_us.store(us < 0 ? 0 : us); }

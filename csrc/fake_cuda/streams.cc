@@ -239,7 +239,8 @@ bool end_still_there(CUdeviceptr addr, size_t n, End was) {
 }
 
 Op copy_op(CUdeviceptr dst, End dst_was, CUdeviceptr src, End src_was, size_t n) {
-  long delay_ms = dst_was == End::kDevice ? copy_to_device_delay_ms() : 0;
+  long delay_ms = (dst_was == End::kDevice ? copy_to_device_delay_ms() : 0) +
+                  (src_was == End::kDevice ? copy_from_device_delay_ms() : 0);
   return [=] {
     if (delay_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(delay_ms));
     std::shared_lock<std::shared_mutex> g(table_lock());
@@ -406,8 +407,13 @@ FAKE_API CUresult cuEventQuery(void* event) {
   FAKE_ENTER("cuEventQuery");
   EventPtr ev = find_event(event);
   if (!ev) return kInvalidHandle;
-  std::lock_guard<std::mutex> g(ev->mu);
-  return !ev->latest || ev->latest->done ? kSuccess : kNotReady;
+  {
+    std::lock_guard<std::mutex> g(ev->mu);
+    if (!ev->latest || ev->latest->done) return kSuccess;
+  }
+  // A slow poll of pending work: the answer is the state at the call, given after the delay.
+  if (long us = not_ready_query_delay_us()) std::this_thread::sleep_for(std::chrono::microseconds(us));
+  return kNotReady;
 }
 
 FAKE_API CUresult cuEventSynchronize(void* event) {
