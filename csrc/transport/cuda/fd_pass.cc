@@ -260,8 +260,9 @@ int connect_within(const std::string& name, const Deadline& d, int timeout_ms, s
     if (rc == 0 || err != EINTR) break;
   }
   if (rc == 0 && ::fcntl(s, F_SETFL, ::fcntl(s, F_GETFL) | O_NONBLOCK) == 0) return s;
+  if (rc == 0) err = errno;  // connected, but fcntl failed
   ::close(s);
-  if (rc == 0 || err == EAGAIN || err == ETIMEDOUT || err == EINTR) {
+  if (rc != 0 && (err == EAGAIN || err == ETIMEDOUT || err == EINTR)) {
     *why = "its fd server accepted no connection within " + ms_text(timeout_ms) + " (its backlog stayed full)";
   } else {
     *why = std::string("its fd server is unreachable (") + std::strerror(err) + "; another network namespace?)";

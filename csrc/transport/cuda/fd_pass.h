@@ -12,7 +12,6 @@
 // fetching side bounds its connect, send and receive by one deadline.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <thread>
