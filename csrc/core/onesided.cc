@@ -240,14 +240,14 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const
   req.win_index = w.index;
   req.kind = w.kind;
   req.local_base = w.base;
-  req.local_slots = {reinterpret_cast<uint64_t*>(w.base), w.last_src, w.notify};
-  if (w.kind != WindowKind::kSignal) req.local_slots = {};
+  if (w.kind == WindowKind::kSignal) req.local_slots = {reinterpret_cast<uint64_t*>(w.base), w.last_src, w.notify};
   req.host = host_;
   req.pid_ns = pid_namespace();
   req.forced = forced_transport();
   req.forced_cuda = forced_cuda_path();
   req.device = w.device;
   req.outbox = engine_;
+  req.fd_fetch_ms = static_cast<int>(std::clamp(op_timeout_s_ * 1000.0, 1.0, 5000.0));
   size_t s = static_cast<size_t>(peer) * ncontexts_;
   if (conns_ != nullptr && s < conns_->send.size()) req.peer_socket = conns_->send[s].get();
   PathChoice c = choose_path(req, d);

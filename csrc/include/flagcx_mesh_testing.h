@@ -58,6 +58,13 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_test_adaptor_destroy(flagcx_mes
 /* Why this thread's last call of this library failed ("" after a success). */
 FLAGCX_MESH_API const char *flagcx_mesh_test_last_error(void);
 
+/* Fetches `count` cuMem fds from a device window's fd server (the abstract
+ * unix socket `name`, without its leading NUL) as a peer's import does, within
+ * timeout_ms: the number fetched (the fds are closed again), or -1 with the
+ * reason in why (why_len bytes, NUL-terminated). */
+FLAGCX_MESH_API int flagcx_mesh_test_fetch_fds(const char *name, uint64_t token, size_t count, int timeout_ms,
+                                               char *why, size_t why_len);
+
 #ifdef __cplusplus
 }
 #endif

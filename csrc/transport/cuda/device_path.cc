@@ -80,7 +80,7 @@ std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDes
   std::string no = mappable(req, d, ForcedCudaPath::kVmm);
   if (no.empty() && d.dev.vmm.empty()) no = d.dev.why_no_vmm;
   std::vector<int> fds;
-  if (no.empty()) fds = cuda::fetch_fds(d.fd_socket, d.fd_token, d.dev.vmm.size(), 5000, &no);
+  if (no.empty()) fds = cuda::fetch_fds(d.fd_socket, d.fd_token, d.dev.vmm.size(), req.fd_fetch_ms, &no);
   if (!no.empty()) {
     *why = "cuda-vmm refused: " + no;
     return nullptr;

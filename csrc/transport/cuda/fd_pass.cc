@@ -1,21 +1,26 @@
 #include "transport/cuda/fd_pass.h"
 
+#include <fcntl.h>
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/random.h>
 #include <sys/socket.h>
+#include <sys/time.h>
 #include <sys/un.h>
 #include <unistd.h>
 
 #include <cerrno>
 #include <cstring>
 
+#include "base/clock.h"
 #include "base/status.h"
 
 namespace fxm::cuda {
 namespace {
 
-constexpr size_t kMaxFds = 250;  // SCM_RIGHTS carries at most 253 per message
+constexpr size_t kMaxFds = 250;        // SCM_RIGHTS carries at most 253 per message
+constexpr int kAcceptsPerRound = 64;   // then the connections already read get their turn
+constexpr int kAcceptBackoffMs = 10;   // after accept() failed for want of descriptors
 
 sockaddr_un abstract_addr(const std::string& name, socklen_t* len) {
   sockaddr_un a{};
@@ -40,16 +45,150 @@ std::string random_name() {
   return s;
 }
 
-bool wait_fd(int fd, short events, int timeout_ms) {
-  pollfd p{fd, events, 0};
-  return ::poll(&p, 1, timeout_ms) == 1 && (p.revents & events);
+// The answer to a valid token: the fds' count, with the fds. Never blocks
+// (the connection's send buffer is empty); a client that is gone gets nothing.
+void send_fds(int conn, const std::vector<int>& fds) {
+  uint32_t count = static_cast<uint32_t>(fds.size());
+  iovec iov{&count, sizeof(count)};
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFds));
+  msghdr msg{};
+  msg.msg_iov = &iov;
+  msg.msg_iovlen = 1;
+  if (count > 0) {
+    msg.msg_control = control.data();
+    msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
+    cmsghdr* c = CMSG_FIRSTHDR(&msg);
+    c->cmsg_level = SOL_SOCKET;
+    c->cmsg_type = SCM_RIGHTS;
+    c->cmsg_len = CMSG_LEN(sizeof(int) * count);
+    std::memcpy(CMSG_DATA(c), fds.data(), sizeof(int) * count);
+  }
+  if (::sendmsg(conn, &msg, MSG_NOSIGNAL | MSG_DONTWAIT) < 0) {}
+}
+
+bool same_user(int conn) {
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  return ::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) == 0 && cred.uid == ::getuid();
+}
+
+// One accepted connection of this user, reading its token (non-blocking).
+struct Client {
+  int fd = -1;
+  Clock::time_point deadline;
+  uint8_t token[8] = {};
+  size_t got = 0;
+};
+
+// The connections being read, oldest first. Each is closed once it sent its
+// token (answered when valid), closed its end, failed, or ran past its deadline.
+class Clients {
+ public:
+  Clients(uint64_t token, const std::vector<int>& fds) : token_(token), fds_(fds) {}
+  ~Clients() {
+    for (const Client& c : list_) ::close(c.fd);
+  }
+  Clients(const Clients&) = delete;
+  Clients& operator=(const Clients&) = delete;
+
+  void add(int fd);  // reads it at once; over kFdMaxClients the oldest is closed
+  void add_polls(std::vector<pollfd>* p) const {
+    for (const Client& c : list_) p->push_back({c.fd, POLLIN, 0});
+  }
+  void serve(const pollfd* p);  // p[i]: list_[i] as add_polls() put it
+  int poll_ms() const;          // until the earliest deadline; -1: none
+  void drop_expired();
+
+ private:
+  bool read(Client* c) const;  // true: keep reading it
+  uint64_t token_;
+  const std::vector<int>& fds_;
+  std::vector<Client> list_;
+};
+
+void Clients::add(int fd) {
+  Client c;
+  c.fd = fd;
+  c.deadline = Clock::now() + std::chrono::milliseconds(kFdClientMs);
+  if (!read(&c)) {
+    ::close(fd);
+    return;
+  }
+  if (list_.size() >= kFdMaxClients) {
+    ::close(list_.front().fd);
+    list_.erase(list_.begin());
+  }
+  list_.push_back(c);
+}
+
+bool Clients::read(Client* c) const {
+  ssize_t r = ::recv(c->fd, c->token + c->got, sizeof(c->token) - c->got, MSG_DONTWAIT);
+  if (r < 0) return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR;
+  if (r == 0) return false;
+  c->got += static_cast<size_t>(r);
+  if (c->got < sizeof(c->token)) return true;
+  uint64_t token = 0;
+  std::memcpy(&token, c->token, sizeof(token));
+  if (token == token_) send_fds(c->fd, fds_);
+  return false;
+}
+
+void Clients::serve(const pollfd* p) {
+  std::vector<Client> kept;
+  for (size_t i = 0; i < list_.size(); ++i) {
+    bool keep = !(p[i].revents & (POLLIN | POLLHUP | POLLERR)) || read(&list_[i]);
+    if (keep) {
+      kept.push_back(list_[i]);
+    } else {
+      ::close(list_[i].fd);
+    }
+  }
+  list_.swap(kept);
+}
+
+int Clients::poll_ms() const {
+  if (list_.empty()) return -1;
+  Clock::time_point first = list_.front().deadline;
+  for (const Client& c : list_) first = std::min(first, c.deadline);
+  auto left = std::chrono::duration_cast<std::chrono::milliseconds>(first - Clock::now()).count();
+  return static_cast<int>(std::max<long long>(0, left + 1));
+}
+
+void Clients::drop_expired() {
+  Clock::time_point now = Clock::now();
+  std::vector<Client> kept;
+  for (const Client& c : list_) {
+    if (c.deadline > now) {
+      kept.push_back(c);
+    } else {
+      ::close(c.fd);
+    }
+  }
+  list_.swap(kept);
+}
+
+// Takes up to kAcceptsPerRound new connections; false when accept() lacked
+// descriptors (the caller waits a little before trying again).
+bool accept_round(int listen_fd, Clients* clients) {
+  for (int i = 0; i < kAcceptsPerRound; ++i) {
+    int conn = ::accept4(listen_fd, nullptr, nullptr, SOCK_NONBLOCK | SOCK_CLOEXEC);
+    if (conn < 0) {
+      return !(errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM);
+    }
+    if (same_user(conn)) {
+      clients->add(conn);
+    } else {
+      ::close(conn);
+    }
+  }
+  return true;
 }
 
 }  // namespace
 
 FdServer::FdServer(std::vector<int> fds, uint64_t token) : fds_(std::move(fds)), token_(token) {
   if (fds_.size() > kMaxFds) fail(Code::kInvalidArgument, -1, 0, "a device window of more than 250 cuMem mappings");
-  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (listen_fd_ < 0) fail(Code::kSystem, -1, errno, "socket(AF_UNIX) to pass cuMem fds");
   name_ = random_name();
   socklen_t len = 0;
@@ -71,86 +210,142 @@ FdServer::FdServer(std::vector<int> fds, uint64_t token) : fds_(std::move(fds)),
 FdServer::~FdServer() {
   uint64_t one = 1;
   if (::write(stop_fd_, &one, sizeof(one)) < 0) {}
-  thread_.join();
+  thread_.join();  // serve() waits only in poll(), which the eventfd ends
   ::close(stop_fd_);
   ::close(listen_fd_);
 }
 
-void FdServer::serve() {
+// Polls the stop eventfd, the listener and every connection being read; the
+// only wait is poll(), bounded by the earliest connection's deadline.
+void FdServer::serve() const {
+  Clients clients(token_, fds_);
+  bool accepting = true;
   for (;;) {
-    pollfd p[2] = {{listen_fd_, POLLIN, 0}, {stop_fd_, POLLIN, 0}};
-    if (::poll(p, 2, -1) < 0 && errno != EINTR) return;
-    if (p[1].revents) return;
-    if (!(p[0].revents & POLLIN)) continue;
-    int conn = ::accept4(listen_fd_, nullptr, nullptr, SOCK_CLOEXEC);
-    if (conn < 0) continue;
-    answer(conn);
-    ::close(conn);
+    std::vector<pollfd> p = {{stop_fd_, POLLIN, 0}, {listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0}};
+    clients.add_polls(&p);
+    int wait = clients.poll_ms();
+    if (!accepting && (wait < 0 || wait > kAcceptBackoffMs)) wait = kAcceptBackoffMs;
+    int n = ::poll(p.data(), p.size(), wait);
+    if (n < 0 && errno != EINTR) return;
+    if (n > 0 && p[0].revents) return;
+    if (n > 0) clients.serve(p.data() + 2);
+    accepting = n <= 0 || !(p[1].revents & POLLIN) || accept_round(listen_fd_, &clients);
+    clients.drop_expired();
   }
 }
 
-// One request from a process of this user: 8 bytes of token within 200 ms,
-// answered by the fds and their count. Anything else is closed at once.
-void FdServer::answer(int conn) const {
-  ucred cred{};
-  socklen_t len = sizeof(cred);
-  if (::getsockopt(conn, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.uid != ::getuid()) return;
-  uint64_t token = 0;
-  if (!wait_fd(conn, POLLIN, 200) || ::recv(conn, &token, sizeof(token), MSG_WAITALL) != sizeof(token)) return;
-  if (token != token_) return;
-  uint32_t count = static_cast<uint32_t>(fds_.size());
-  iovec iov{&count, sizeof(count)};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFds));
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  if (count > 0) {
-    msg.msg_control = control.data();
-    msg.msg_controllen = CMSG_SPACE(sizeof(int) * count);
-    cmsghdr* c = CMSG_FIRSTHDR(&msg);
-    c->cmsg_level = SOL_SOCKET;
-    c->cmsg_type = SCM_RIGHTS;
-    c->cmsg_len = CMSG_LEN(sizeof(int) * count);
-    std::memcpy(CMSG_DATA(c), fds_.data(), sizeof(int) * count);
+namespace {
+
+std::string ms_text(int ms) { return std::to_string(ms) + " ms"; }
+
+// A connected socket (then non-blocking), or -1 with *why set. A unix
+// socket's connect() waits while the server's backlog is full: SO_SNDTIMEO
+// bounds that wait (a non-blocking connect would only answer EAGAIN).
+int connect_within(const std::string& name, const Deadline& d, int timeout_ms, std::string* why) {
+  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  if (s < 0) {
+    *why = std::string("no socket to reach its fd server (") + std::strerror(errno) + ")";
+    return -1;
   }
-  ::sendmsg(conn, &msg, MSG_NOSIGNAL);
+  socklen_t len = 0;
+  sockaddr_un a = abstract_addr(name, &len);
+  int rc = -1;
+  int err = ETIMEDOUT;
+  while (!d.expired()) {
+    long left_us = static_cast<long>(d.seconds_left() * 1e6) + 1;
+    timeval tv{left_us / 1000000, left_us % 1000000};
+    ::setsockopt(s, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof(tv));
+    rc = ::connect(s, reinterpret_cast<sockaddr*>(&a), len);
+    err = errno;
+    if (rc == 0 || err != EINTR) break;
+  }
+  if (rc == 0 && ::fcntl(s, F_SETFL, ::fcntl(s, F_GETFL) | O_NONBLOCK) == 0) return s;
+  if (rc == 0) err = errno;  // connected, but fcntl failed
+  ::close(s);
+  if (rc != 0 && (err == EAGAIN || err == ETIMEDOUT || err == EINTR)) {
+    *why = "its fd server accepted no connection within " + ms_text(timeout_ms) + " (its backlog stayed full)";
+  } else {
+    *why = std::string("its fd server is unreachable (") + std::strerror(err) + "; another network namespace?)";
+  }
+  return -1;
 }
+
+// Waits for `events` on s until d; false when it expired (or poll failed).
+bool wait_until(int s, short events, const Deadline& d) {
+  for (;;) {
+    pollfd p{s, events, 0};
+    int n = ::poll(&p, 1, d.poll_ms());
+    if (n > 0) return true;
+    if (n == 0 || errno != EINTR || d.expired()) return false;
+  }
+}
+
+bool send_token(int s, uint64_t token, const Deadline& d) {
+  const uint8_t* b = reinterpret_cast<const uint8_t*>(&token);
+  size_t sent = 0;
+  while (sent < sizeof(token)) {
+    if (!wait_until(s, POLLOUT, d)) return false;
+    ssize_t r = ::send(s, b + sent, sizeof(token) - sent, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (r < 0 && errno != EAGAIN && errno != EINTR) return false;
+    if (r > 0) sent += static_cast<size_t>(r);
+  }
+  return true;
+}
+
+void take_fds(msghdr* msg, std::vector<int>* fds) {
+  for (cmsghdr* c = CMSG_FIRSTHDR(msg); c != nullptr; c = CMSG_NXTHDR(msg, c)) {
+    if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
+    size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+    size_t at = fds->size();
+    fds->resize(at + n);
+    std::memcpy(fds->data() + at, CMSG_DATA(c), n * sizeof(int));
+  }
+}
+
+// The answer (count, then fds) until d; false when it did not come in time
+// (a server that closed early leaves *got short).
+bool recv_answer(int s, uint32_t* got, std::vector<int>* fds, const Deadline& d) {
+  uint8_t* b = reinterpret_cast<uint8_t*>(got);
+  size_t have = 0;
+  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFds));
+  while (have < sizeof(*got)) {
+    if (!wait_until(s, POLLIN, d)) return false;
+    iovec iov{b + have, sizeof(*got) - have};
+    msghdr msg{};
+    msg.msg_iov = &iov;
+    msg.msg_iovlen = 1;
+    msg.msg_control = control.data();
+    msg.msg_controllen = control.size();
+    ssize_t r = ::recvmsg(s, &msg, MSG_CMSG_CLOEXEC | MSG_DONTWAIT);
+    if (r == 0) return true;
+    if (r < 0 && errno != EAGAIN && errno != EINTR) return true;
+    if (r > 0) {
+      have += static_cast<size_t>(r);
+      take_fds(&msg, fds);
+    }
+  }
+  return true;
+}
+
+}  // namespace
 
 std::vector<int> fetch_fds(const std::string& name, uint64_t token, size_t count, int timeout_ms,
                            std::string* why) {
-  int s = ::socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-  socklen_t len = 0;
-  sockaddr_un a = abstract_addr(name, &len);
-  if (s < 0 || ::connect(s, reinterpret_cast<sockaddr*>(&a), len) != 0) {
-    *why = std::string("its fd socket is unreachable (") + std::strerror(errno) + "; another network namespace?)";
-    if (s >= 0) ::close(s);
-    return {};
-  }
+  Deadline d = Deadline::after_seconds(timeout_ms / 1000.0);
+  int s = connect_within(name, d, timeout_ms, why);
+  if (s < 0) return {};
   std::vector<int> fds;
   uint32_t got = 0;
-  iovec iov{&got, sizeof(got)};
-  std::vector<char> control(CMSG_SPACE(sizeof(int) * kMaxFds));
-  msghdr msg{};
-  msg.msg_iov = &iov;
-  msg.msg_iovlen = 1;
-  msg.msg_control = control.data();
-  msg.msg_controllen = control.size();
-  bool sent = ::send(s, &token, sizeof(token), MSG_NOSIGNAL) == sizeof(token);
-  if (sent && wait_fd(s, POLLIN, timeout_ms) && ::recvmsg(s, &msg, MSG_CMSG_CLOEXEC) == sizeof(got)) {
-    for (cmsghdr* c = CMSG_FIRSTHDR(&msg); c != nullptr; c = CMSG_NXTHDR(&msg, c)) {
-      if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS) continue;
-      size_t n = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
-      fds.resize(n);
-      std::memcpy(fds.data(), CMSG_DATA(c), n * sizeof(int));
-    }
-  }
+  bool in_time = send_token(s, token, d) && recv_answer(s, &got, &fds, d);
   ::close(s);
-  if (fds.size() != count || got != count) {
-    for (int fd : fds) ::close(fd);
-    *why = "its fd socket passed " + std::to_string(fds.size()) + " of " + std::to_string(count) + " cuMem fds";
-    return {};
+  if (in_time && fds.size() == count && got == count) return fds;
+  for (int fd : fds) ::close(fd);
+  if (!in_time) {
+    *why = "its fd server did not answer within " + ms_text(timeout_ms);
+  } else {
+    *why = "its fd server passed " + std::to_string(fds.size()) + " of " + std::to_string(count) + " cuMem fds";
   }
-  return fds;
+  return {};
 }
 
 }  // namespace fxm::cuda

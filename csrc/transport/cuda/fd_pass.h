@@ -4,9 +4,14 @@
 // token (published through the bootstrap) before it gets any fd. Abstract
 // sockets belong to a network namespace: a peer in another one cannot connect
 // and takes another path (describe() says so).
+//
+// Nothing a connecting process does holds the owner or another peer: the
+// server polls its listener, its stop eventfd and up to kFdMaxClients
+// connections at once, each of which must send its whole token within
+// kFdClientMs (else it is closed); over the bound the oldest is closed. The
+// fetching side bounds its connect, send and receive by one deadline.
 #pragma once
 
-#include <atomic>
 #include <cstdint>
 #include <string>
 #include <thread>
@@ -14,28 +19,31 @@
 
 namespace fxm::cuda {
 
+constexpr int kFdClientMs = 200;    // a connection's time to send its whole token
+constexpr size_t kFdMaxClients = 64;  // connections read at once; more: the oldest is closed
+
 class FdServer {
  public:
   // Serves dup()s of `fds` (not owned) to whoever sends `token`; throws Error(kSystem).
   FdServer(std::vector<int> fds, uint64_t token);
-  ~FdServer();  // stops serving
+  ~FdServer();  // stops serving at once (signals the server thread, which never blocks elsewhere)
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
   const std::string& name() const { return name_; }  // the abstract socket's name (no leading NUL)
 
  private:
-  void serve();
-  void answer(int conn) const;
+  void serve() const;
   std::vector<int> fds_;
   uint64_t token_;
   std::string name_;
-  int listen_fd_ = -1;
-  int stop_fd_ = -1;  // eventfd that ends serve()
+  int listen_fd_ = -1;  // non-blocking
+  int stop_fd_ = -1;    // eventfd that ends serve()
   std::thread thread_;
 };
 
-// Fetches `count` fds from the server `name` within `timeout_ms`. Empty with
-// *why set when it cannot (other network namespace, refused, timed out).
+// Fetches `count` fds from the server `name` within `timeout_ms` (connect,
+// token and answer together). Empty with *why set when it cannot (another
+// network namespace, refused, a server that accepted or answered nothing in time).
 std::vector<int> fetch_fds(const std::string& name, uint64_t token, size_t count, int timeout_ms,
                            std::string* why);
 
