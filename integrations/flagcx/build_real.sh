@@ -9,10 +9,12 @@
 #   bash integrations/flagcx/build_real.sh --dry-run FLAGCX_TREE [OUTDIR]   # no CUDA/NCCL needed
 #
 # OUTDIR (default $OUT, else ./flagcx-real-out): env.txt, mesh-install.log, make.log, runs.txt
-# (every rank's lines of every run), summary.txt. Environment: PYTHON (python3: the one holding torch), CUDA_HOME (/usr/local/cuda, else
-# the toolkit of the nvcc on PATH),
-# RANKS ("2 4 8"), JOBS (make -j, default nproc), FLAGCX_MESH_TIMEOUT (build deadline, 10 s here),
-# FXM_REAL_BYTES (bytes per registered buffer, 64 MiB), FXM_REAL_STEP_TIMEOUT (120 s).
+# (every rank's lines of every run), debug.txt (FlagCX's and NCCL's logs: every rank's warnings,
+# rank 0's last lines), summary.txt (which variant worked, the figures). Environment: PYTHON
+# (python3: the one holding torch), CUDA_HOME (/usr/local/cuda, else the toolkit of the nvcc on
+# PATH), RANKS ("2 4 8"), JOBS (make -j, default nproc), FLAGCX_MESH_TIMEOUT (build deadline,
+# 10 s here), FXM_REAL_BYTES (bytes per registered buffer, 64 MiB), FXM_REAL_STEP_TIMEOUT (30 s),
+# and those of real/runs.sh (the FlagCX configurations tried first, each run's bound, the budget).
 # --dry-run: applies the patch, compiles what compiles without CUDA and NCCL (the patched
 # flagcx.cc, the glue, real/probe.cc, the test program against declarations only) and
 # prints the commands it would run.
@@ -152,37 +154,7 @@ build_programs() {
   say "programs: onesided_real (with real/probe.cc)"
 }
 
-launch() {  # launch NAME NRANKS [DIE_RANK] (env given): every rank's lines appended to runs.txt
-  local name=$1 n=$2 die=${3:-} r pids=() rcs=() log=$WORK/run-$1.txt
-  if [ $DRY = 1 ]; then echo "  (dry run) $n x onesided_real ${die:+(rank $die dies mid-build)} -> runs.txt ($name)"; return; fi
-  rm -f "$WORK/uid"
-  for r in $(seq 0 $((n - 1))); do
-    timeout -k 5 150 "$WORK/onesided_real" "$WORK/uid" "$r" "$n" $die >"$WORK/o$r" 2>"$WORK/e$r" &
-    pids[r]=$!
-  done
-  for r in $(seq 0 $((n - 1))); do wait "${pids[r]}"; rcs[r]=$?; done
-  { for r in $(seq 0 $((n - 1))); do cat "$WORK/o$r"; echo "rank $r: exit ${rcs[r]}"; done
-    for r in $(seq 0 $((n - 1))); do sed "s/^/rank $r stderr: /" "$WORK/e$r" | tail -15; done; } >"$log"
-  { echo "==== $name ($n ranks${die:+, rank $die dies mid-build}; $(env | grep -E '^(FXM_REAL_PROBE|FLAGCX_MESH_TIMEOUT|FLAGCX_USE_HETERO_COMM)=' | tr '\n' ' '))"
-    cat "$log"; } >>"$OUTDIR/runs.txt"
-  say "== $name: $n ranks${die:+, rank $die dies mid-build}; exits: ${rcs[*]}"
-  if [ -n "$die" ]; then  # every survivor's registration (it must fail by the deadline)
-    grep -E "OneSideRegister #0|dies|HUNG" "$log" | cut -c1-400 | tee -a "$SUMMARY"
-  else
-    grep -E "^rank 0: .*(CommInitRank|OneSideRegister|Put|Get|WaitCounter|never)|HUNG" "$log" | cut -c1-300 | tee -a "$SUMMARY"
-  fi
-}
-
-runs() {
-  local n
-  : >"$OUTDIR/runs.txt"
-  export FLAGCX_USE_HETERO_COMM=1  # one host: without it FlagCX makes no heteroComm, no one-sided path
-  for n in $RANKS; do
-    FXM_REAL_PROBE=0 launch "plain-$n" "$n"
-    FXM_REAL_PROBE=1 launch "probe-$n" "$n"
-  done
-  FXM_REAL_PROBE=1 launch "probe-die-4" 4 2
-}
+source "$HERE/real/runs.sh"  # launch, the variants tried, runs
 
 step_facts
 find_nccl

@@ -58,11 +58,35 @@ void beginStep(const char *name) {
   alarm(t ? atoi(t) : 120);
 }
 
+// The result's name (flagcxGetErrorString at 0c721293 answers "Not implemented." for every code).
+const char *resultName(flagcxResult_t rc) {
+  static const char *const names[] = {"ok", "flagcxUnhandledDeviceError", "flagcxSystemError",
+                                      "flagcxInternalError", "flagcxInvalidArgument", "flagcxInvalidUsage",
+                                      "flagcxRemoteError", "flagcxInProgress", "flagcxUnhandledCCLError",
+                                      "flagcxNotSupported"};
+  return rc >= 0 && rc < (int)(sizeof names / sizeof names[0]) ? names[rc] : "unknown result";
+}
+
 void report(const char *step, flagcxResult_t rc, double t0, const std::string &detail = "") {
   alarm(0);
-  printf("rank %d: %s: %s (%d) in %.1f ms%s%s\n", g_rank, step, rc == flagcxSuccess ? "ok" : flagcxGetErrorString(rc),
-         (int)rc, nowMs() - t0, detail.empty() ? "" : ": ", detail.c_str());
+  printf("rank %d: %s: %s (%d) in %.1f ms%s%s\n", g_rank, step, resultName(rc), (int)rc, nowMs() - t0,
+         detail.empty() ? "" : ": ", detail.c_str());
   fflush(stdout);
+}
+
+// What FlagCX and NCCL last warned about, looked up at run time (FlagCX keeps its last WARN in
+// the exported flagcxLastError; NCCL answers ncclGetLastError(NULL)): the cause of a failure
+// even with their logging off.
+std::string lastWarnings() {
+  std::string s;
+  if (const char *f = (const char *)dlsym(RTLD_DEFAULT, "flagcxLastError"); f && *f) s += std::string("FlagCX: ") + f;
+  using NcclLast = const char *(*)(void *);
+  if (auto n = (NcclLast)dlsym(RTLD_DEFAULT, "ncclGetLastError")) {
+    const char *m = n(nullptr);
+    if (m && *m) s += std::string(s.empty() ? "" : "; ") + "NCCL: " + m;
+  }
+  for (char &c : s) c = c == '\n' ? ' ' : c;
+  return s.empty() ? "no FlagCX or NCCL warning recorded" : s;
 }
 
 bool shareId(const char *path, flagcxUniqueId *id) {
@@ -160,7 +184,8 @@ int main(int argc, char **argv) {
   beginStep("flagcxCommInitRank");
   double t0 = nowMs();
   flagcxResult_t rc = flagcxCommInitRank(&comm, nranks, &id, g_rank);
-  report("flagcxCommInitRank", rc, t0, "device " + std::to_string(g_rank % ndev) + " of " + std::to_string(ndev));
+  std::string where = "device " + std::to_string(g_rank % ndev) + " of " + std::to_string(ndev);
+  report("flagcxCommInitRank", rc, t0, rc == flagcxSuccess ? where : where + "; " + lastWarnings());
   if (rc != flagcxSuccess) return 1;
 
   void *buf[2] = {nullptr, nullptr}, *sig = nullptr;
@@ -175,8 +200,7 @@ int main(int argc, char **argv) {
     beginStep(step.c_str());
     t0 = nowMs();
     rc = flagcxOneSideRegister(comm, buf[i], bytes);
-    report(step.c_str(), rc, t0, rc == flagcxSuccess ? std::to_string(bytes) + " bytes of GPU memory"
-                                                      : std::string(flagcxGetLastError(comm)));
+    report(step.c_str(), rc, t0, rc == flagcxSuccess ? std::to_string(bytes) + " bytes of GPU memory" : lastWarnings());
     registered = rc == flagcxSuccess;
   }
   if (!registered && g_die >= 0) _exit(3);  // the build was aborted: its bootstrap is unusable, no destroy
