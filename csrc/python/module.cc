@@ -304,4 +304,5 @@ PYBIND11_MODULE(_core, m) {
   bind_wire(m);
   bind_crypto(m);
   fxm_py::bind_adaptor(m);
+  fxm_py::bind_agent(m);
 }
