@@ -171,11 +171,13 @@ std::string Agent::judge(const PeerInfo& p) const {
   return "";
 }
 
-void Agent::adopt(std::shared_ptr<Connection> c) {
+std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
   std::vector<std::shared_ptr<Connection>> old;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (closed_) return;
+    if (closed_) return "agent " + name_ + " is closing";
+    std::string why = judge(c->peer());
+    if (!why.empty()) return why;
     for (auto& k : conns_) {
       if (k->peer().name == c->peer().name && k->peer().incarnation != c->peer().incarnation) {
         superseded_[k->peer().name].insert(k->peer().incarnation);
@@ -195,6 +197,7 @@ void Agent::adopt(std::shared_ptr<Connection> c) {
     k->close("incarnation " + incarnation_hex(k->peer().incarnation) + " of agent " + k->peer().name +
              " was superseded by incarnation " + incarnation_hex(c->peer().incarnation) + " (it restarted)");
   }
+  return "";
 }
 
 std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnation& inc) const {
@@ -209,13 +212,10 @@ std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnati
   if (closed_) fail(Code::kClosed, -1, 0, who() + "connect: the agent was closed");
   hs::Ident me{name_, expect ? *expect : Incarnation{}};
   hs::Dialed got = hs::dial(to, me, incarnation_, key_, d, who());
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    std::string why = judge(got.peer);
-    if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
-  }
   auto c = std::make_shared<Connection>(this, std::move(got.fd), got.peer, true);
-  adopt(c);
+  std::string why = adopt(c);
+  if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
+  c->start();
   return c;
 }
 

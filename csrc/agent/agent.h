@@ -166,8 +166,9 @@ class Agent {
   void listen_loop();
   std::shared_ptr<Window> window_for(const RegionDesc& d, const char* op, bool* entered) const;
   RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
-  // Files an admitted connection; drops connections to older incarnations of that peer.
-  void adopt(std::shared_ptr<Connection> c);
+  // Files a connection unless judge() refuses it ("" or why not, atomically
+  // with the judgement); closes connections to older incarnations of that peer.
+  std::string adopt(const std::shared_ptr<Connection>& c);
   // "" when a peer with this identity may connect, else why not (with mu_ held).
   std::string judge(const PeerInfo& p) const;
   std::shared_ptr<Connection> find(const std::string& name, const Incarnation& inc) const;

@@ -2,8 +2,11 @@
 
 #include <unistd.h>
 
+#include <thread>
+
 #include "base/log.h"
 #include "base/status.h"
+#include "transport/cma/cma.h"
 #include "transport/tcp/tcp_path.h"
 
 namespace fxm::agent {
@@ -32,7 +35,25 @@ Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated)
   if (twin < 0) fail(Code::kSystem, -1, errno, who() + "dup of the connection's socket");
   conns_.send.emplace_back(twin);
   conns_.recv.push_back(std::move(fd));
+}
+
+void Connection::start() {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!closed_why_.empty() || engine_) return;
   engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s());
+  ready_.store(true, std::memory_order_release);
+}
+
+// The acceptor files a connection before it sends the verdict (so the table
+// and its judgement agree) and starts it right after: a call in between waits.
+Engine& Connection::engine() const {
+  Deadline d = Deadline::after_seconds(agent_->header_timeout_s_);
+  while (!ready_.load(std::memory_order_acquire)) {
+    std::string g = gone();
+    if (!g.empty() || d.expired()) fail(Code::kPeerLost, -1, 0, who() + ": " + (g.empty() ? "never started" : g));
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return *engine_;
 }
 
 Connection::~Connection() { close("the connection was closed"); }
@@ -46,17 +67,18 @@ std::string Connection::gone() const {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (!closed_why_.empty()) return closed_why_;
   }
+  if (!ready_.load(std::memory_order_acquire)) return "";
   std::string lost = engine_->lost_reason(kPeer);
-  return lost.empty() ? "" : "the peer was lost: " + lost;
+  if (!lost.empty()) return "the peer was lost: " + lost;
+  return engine_->peer_closed(kPeer) ? "agent " + peer_.name + " closed the connection" : "";
 }
 
 void Connection::close(const std::string& why) {
   {
-    std::lock_guard<std::mutex> lock(state_mu_);
-    if (!closed_why_.empty()) return;
-    closed_why_ = why;
+    std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
+    if (closed_why_.empty()) closed_why_ = why;
   }
-  if (engine_) engine_->stop();
+  if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
 Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
@@ -105,7 +127,7 @@ PeerView& Connection::view_of(const RegionDesc& remote) {
   req.pid_ns = pid_namespace();
   req.forced = forced_transport();
   req.forced_cuda = forced_cuda_path();
-  req.outbox = engine_.get();
+  req.outbox = &engine();
   req.peer_socket = conns_.recv[0].get();
   PathChoice c = choose_path(req, d);
   PeerView v;
@@ -116,6 +138,20 @@ PeerView& Connection::view_of(const RegionDesc& remote) {
   FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " over " + v.path->name() +
                    (v.why.empty() ? "" : " (" + v.why + ")"));
   return views_.emplace(remote.index, std::move(v)).first->second;
+}
+
+// A cma path was chosen while the region was registered; the peer may have
+// closed it since (it revokes the cookie), which the peer's engine cannot
+// refuse for a write it never sees: read the cookie back before each op.
+// (An op racing with the close itself can still land: see docs/agent.md.)
+void Connection::check_cookie(const RegionDesc& remote) const {
+  WindowDesc d;
+  WindowDesc::decode(remote.window, &d);
+  uint64_t now = 0;
+  int err = cma::read(d.pid, d.cookie_addr, &now, sizeof(now));
+  if (err == 0 && now == d.cookie) return;
+  fail(Code::kInvalidArgument, -1, 0, who() + ": region #" + std::to_string(remote.index) + " of agent " + peer_.name +
+                                          (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
 }
 
 std::string Connection::path_to(const RegionDesc& remote) {
@@ -135,6 +171,7 @@ bool Connection::issue(const Checked& c, bool is_read) {
   op.src_rank = 1;
   Path* p = v.path.get();
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
+  if (p->kind() == PathKind::kCma) check_cookie(*c.x->remote);
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
     if (err == 0) return false;
@@ -161,8 +198,8 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
       if (c.x->size != 0) async = issue(c, is_read) || async;
     }
     if (notification) {
-      if (is_read && async) engine_->wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
-      engine_->post_message(kPeer, kCtx, notification->data(), notification->size(),
+      if (is_read && async) engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
+      engine().post_message(kPeer, kCtx, notification->data(), notification->size(),
                             Deadline::after_seconds(agent_->timeout_s()));
     }
   } catch (const Error& e) {
@@ -176,7 +213,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
 void Connection::notify(const std::vector<uint8_t>& bytes) {
   std::lock_guard<std::mutex> lock(op_mu_);
   try {
-    engine_->post_message(kPeer, kCtx, bytes.data(), bytes.size(), Deadline::after_seconds(agent_->timeout_s()));
+    engine().post_message(kPeer, kCtx, bytes.data(), bytes.size(), Deadline::after_seconds(agent_->timeout_s()));
   } catch (const Error& e) {
     fail_call(e, "notify");
   }
@@ -185,19 +222,23 @@ void Connection::notify(const std::vector<uint8_t>& bytes) {
 void Connection::take_notifications(std::vector<Notification>* out) {
   while (true) {
     try {
-      std::vector<uint8_t> m = engine_->recv_message(kPeer, kCtx, Deadline::after_seconds(0));
+      std::vector<uint8_t> m = engine().recv_message(kPeer, kCtx, Deadline::after_seconds(0));
       out->push_back({peer_.name, peer_.incarnation, std::move(m)});
-    } catch (const Error&) {
-      return;  // none waiting (or the peer is gone: its handles say so)
+    } catch (const Error& e) {  // none waiting, or the peer closed / was lost (nothing more will come)
+      if (e.code() == Code::kPeerLost) {
+        std::lock_guard<std::mutex> lock(state_mu_);
+        if (closed_why_.empty()) closed_why_ = std::string("the peer is gone: ") + e.what();
+      }
+      return;
     }
   }
 }
 
-bool Connection::reached(uint64_t target) const { return engine_->completed() >= target; }
+bool Connection::reached(uint64_t target) const { return engine().completed() >= target; }
 
 void Connection::wait(uint64_t target, const Deadline& deadline, const std::string& call) const {
   try {
-    engine_->wait_counter(target, deadline);
+    engine().wait_counter(target, deadline);
   } catch (const Error& e) {
     fail_call(e, call);
   }
@@ -205,7 +246,7 @@ void Connection::wait(uint64_t target, const Deadline& deadline, const std::stri
 
 void Connection::flush(const Deadline& deadline) {
   try {
-    engine_->wait_counter(async_issued_.load(), deadline);
+    engine().wait_counter(async_issued_.load(), deadline);
   } catch (const Error& e) {
     if (e.code() == Code::kTimeout) throw;
   }

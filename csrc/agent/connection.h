@@ -18,8 +18,11 @@ namespace fxm::agent {
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  // Takes the socket of a finished handshake; starts its engine.
+  // Takes the socket of a finished handshake; start() starts its engine
+  // (calls before it wait up to the header timeout).
   Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated);
+  void start();
+  int fd() const { return conns_.recv[0].get(); }
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -51,8 +54,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Checked check(const Xfer& x, bool is_read, const char* call) const;
   PeerView& view_of(const RegionDesc& remote);  // with op_mu_ held
   bool issue(const Checked& c, bool is_read);   // true: issued asynchronously
+  void check_cookie(const RegionDesc& remote) const;  // cma: throws once the peer closed the region
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
+  Engine& engine() const;
 
   Agent* agent_;
   PeerInfo peer_;
@@ -64,6 +69,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;
   std::string closed_why_;
+  std::atomic<bool> stopped_{false};
+  std::atomic<bool> ready_{false};  // engine_ is set
 };
 
 }  // namespace fxm::agent

@@ -193,16 +193,23 @@ void Listener::on_proof(Incoming& in) {
       why = std::string("the admission policy failed: ") + e.what();
     }
   }
-  std::vector<uint8_t> v = hs::verdict_frame(why);
-  tcp::IoResult r = tcp::write_full(in.fd.get(), v.data(), v.size(), Deadline::after_seconds(1));
-  if (!why.empty()) return reject(in, code, why);
-  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
-  in.finished = true;
-  try {
-    a_.adopt(std::make_shared<Connection>(&a_, std::move(in.fd), peer, false));
-  } catch (const std::exception& e) {
-    FXM_WARN(-1, a_.who() + "could not start the connection from agent " + peer.name + ": " + e.what());
+  std::shared_ptr<Connection> c;
+  if (why.empty()) {
+    try {
+      c = std::make_shared<Connection>(&a_, std::move(in.fd), peer, false);
+    } catch (const std::exception& e) {
+      return reject(in, wire::Reject::kTruncated, e.what());
+    }
+    why = a_.adopt(c);  // filed before the verdict: what the peer is told is what the table holds
+    if (!why.empty()) code = wire::Reject::kStaleIncarnation;
   }
+  std::vector<uint8_t> v = hs::verdict_frame(why);
+  int fd = c ? c->fd() : in.fd.get();
+  tcp::IoResult r = tcp::write_full(fd, v.data(), v.size(), Deadline::after_seconds(1));
+  if (!why.empty()) return reject(in, code, why);
+  in.finished = true;
+  if (!r.ok()) return c->close("sending the admission failed: " + r.describe());
+  c->start();
 }
 
 void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail) {
