@@ -7,6 +7,7 @@
                            until COUNT peers said "bye"; prints "served N"
     write DIR NAME TAG     connects to NAME, batch-writes, notifies, reads back
     hold DIR NAME          connects to NAME and waits for stdin to close
+    spam DIR NAME          connects to NAME and writes 1 MiB batches until killed
 FLAGCX_MESH_TRANSPORT in the environment forces the path (tcp, cma, shm).
 """
 
@@ -106,12 +107,26 @@ def hold(d: str, name: str) -> None:
         sys.stdin.read()
 
 
+def spam(d: str, name: str) -> None:
+    with Agent(f"spammer-{os.getpid()}", SECRET) as a:
+        conn = a.connect(read_published(d, name, "meta"))
+        remote = read_published(d, name, "user")
+        local = a.register(np.full(SIZE, 1, dtype=np.uint8))
+        ops = [(local, i * (SIZE // 16), remote, i * (SIZE // 16), SIZE // 16) for i in range(16)]
+        conn.batch_write(ops).wait(30)
+        print("writing", flush=True)
+        while True:
+            conn.batch_write(ops)
+
+
 def main() -> None:
     role, d, name = sys.argv[1], sys.argv[2], sys.argv[3]
     if role == "serve":
         serve(d, name, int(sys.argv[4]))
     elif role == "write":
         write(d, name, int(sys.argv[4]))
+    elif role == "spam":
+        spam(d, name)
     elif role == "hold":
         hold(d, name)
     else:

@@ -93,6 +93,16 @@ def test_killed_initiator_does_not_stop_the_server(tmp_path):
     assert "served 2" in finish(server)
 
 
+def test_initiator_killed_mid_transfer_does_not_stop_the_server(tmp_path):
+    server = spawn("serve", tmp_path, "prefill", 1, transport="tcp")
+    spammer = spawn("spam", tmp_path, "prefill", transport="tcp")
+    assert spammer.stdout.readline().strip() == "writing"
+    spammer.send_signal(signal.SIGKILL)  # frames half sent, acks owed
+    spammer.communicate(timeout=30)
+    assert "write ok" in finish(spawn("write", tmp_path, "prefill", 5, transport="tcp"))
+    assert "served 2" in finish(server)
+
+
 def test_restart_under_the_same_name(tmp_path, monkeypatch):
     monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
     (tmp_path / "a").mkdir()
