@@ -139,3 +139,13 @@ def test_churn_one_server_many_writers(tmp_path):
         for w in writers:
             assert "write ok" in finish(w)
     assert f"served {2 * rounds * width}" in finish(server)
+
+
+def test_pd_kv_agent_example_serves_decodes_that_come_and_go():
+    example = os.path.join(HERE, os.pardir, "examples", "pd_kv_agent.py")
+    if not os.path.exists(example):
+        pytest.skip("examples/ is not beside the tests")
+    p = subprocess.run([sys.executable, example, "--decodes", "3", "--rounds", "2", "--layers", "4"],
+                       capture_output=True, text=True, timeout=150)
+    assert p.returncode == 0 and "pd_kv_agent: OK" in p.stdout, p.stdout + p.stderr
+    assert p.stdout.count("blocks ok") == 6

@@ -105,7 +105,22 @@ def test_superseded_incarnation_is_refused():
             new.connect(b.metadata(), timeout=10)
             peers = b.peers()
             assert [(p[0], p[1]) for p in peers] == [("decode", new.incarnation)]
+            end = time.monotonic() + 20  # b closed old's connection: old sees the goodbye
+            while old.connection("b") is not None and time.monotonic() < end:
+                time.sleep(0.01)
+            assert old.connection("b") is None
             with pytest.raises(InvalidArgument, match="superseded"):
                 old.connect(b.metadata(), timeout=10)
             assert wait_rejected(b, "stale incarnation") == 1
         old.close()
+
+
+def test_a_connection_keeps_its_agent_alive():
+    import gc
+
+    with Agent("b", SECRET) as b:
+        conn = Agent("short-lived", SECRET).connect(b.metadata(), timeout=10)  # no reference to the agent kept
+        gc.collect()
+        assert conn.gone() == ""
+        conn.notify(b"still here")
+        assert [n.data for n in b.notifications(timeout=10)] == [b"still here"]

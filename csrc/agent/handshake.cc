@@ -89,6 +89,52 @@ tcp::Fd open_socket(const tcp::SockAddr& to, const Deadline& deadline, const std
 
 }  // namespace
 
+namespace {
+
+// Reads the answer and its identity block, checks its header, its MAC and
+// (when `me` expects one) its incarnation; returns the acceptor's identity.
+PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<uint8_t>& my_ident, const Ident& me,
+                     const crypto::Key& key, const tcp::SockAddr& to, const Deadline& deadline, const std::string& who,
+                     uint8_t answer[wire::kAnswerSize], std::vector<uint8_t>* peer_ident) {
+  io(tcp::read_full(fd, answer, wire::kAnswerSize, deadline), who, to, "reading the answer");
+  wire::ConnHeader h;
+  wire::Reject why = check_header(answer, wire::Role::kAgentAccept, &h);
+  if (why != wire::Reject::kNone) {
+    fail_dial(Code::kProtocol, who, to, std::string("the answer is not an agent's (") + wire::reject_name(why) + ")");
+  }
+  peer_ident->resize(h.ext_len);
+  io(tcp::read_full(fd, peer_ident->data(), peer_ident->size(), deadline), who, to, "reading the answer");
+  Ident theirs;
+  if (!decode_ident(*peer_ident, &theirs)) fail_dial(Code::kProtocol, who, to, "a malformed identity in the answer");
+  wire::Mac want = mac(key, wire::Role::kAgentAccept, hello, answer, my_ident, *peer_ident);
+  if (!crypto::equal_ct(want.data(), answer + kHelloSize, want.size())) {
+    fail_dial(Code::kProtocol, who, to, "the agent there does not prove the secret (another secret, or not an agent)");
+  }
+  static const Incarnation kAny{};
+  if (me.expect != kAny && h.mesh_id != me.expect) {
+    fail_dial(Code::kInvalidArgument, who, to, "agent " + theirs.name + " there is incarnation " +
+                                                   incarnation_hex(h.mesh_id) + ", not the " +
+                                                   incarnation_hex(me.expect) + " the metadata names (it restarted)");
+  }
+  return {theirs.name, h.mesh_id, to.str()};
+}
+
+// The acceptor's verdict: "" admitted, else its reason (thrown).
+void read_verdict(int fd, const PeerInfo& peer, const tcp::SockAddr& to, const Deadline& deadline,
+                  const std::string& who) {
+  uint8_t fh[wire::kFrameHeaderSize];
+  io(tcp::read_full(fd, fh, sizeof(fh), deadline), who, to, "waiting for admission");
+  wire::FrameHeader f;
+  if (!wire::decode_frame(fh, &f) || f.type != wire::FrameType::kAdmit || f.length > kMaxVerdict) {
+    fail_dial(Code::kProtocol, who, to, "a malformed admission answer");
+  }
+  std::string reason(f.length, '\0');
+  io(tcp::read_full(fd, reason.data(), reason.size(), deadline), who, to, "waiting for admission");
+  if (!reason.empty()) fail_dial(Code::kInvalidArgument, who, to, "agent " + peer.name + " refused this agent: " + reason);
+}
+
+}  // namespace
+
 Dialed dial(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine, const crypto::Key& key,
             const Deadline& deadline, const std::string& who) {
   Dialed out;
@@ -101,38 +147,11 @@ Dialed dial(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine, c
   first.insert(first.end(), my_ident.begin(), my_ident.end());
   io(tcp::write_full(out.fd.get(), first.data(), first.size(), deadline), who, to, "sending the hello");
   uint8_t answer[wire::kAnswerSize];
-  io(tcp::read_full(out.fd.get(), answer, sizeof(answer), deadline), who, to, "reading the answer");
-  wire::ConnHeader h;
-  wire::Reject why = check_header(answer, wire::Role::kAgentAccept, &h);
-  if (why != wire::Reject::kNone) {
-    fail_dial(Code::kProtocol, who, to, std::string("the answer is not an agent's (") + wire::reject_name(why) + ")");
-  }
-  std::vector<uint8_t> peer_ident(h.ext_len);
-  io(tcp::read_full(out.fd.get(), peer_ident.data(), peer_ident.size(), deadline), who, to, "reading the answer");
-  Ident theirs;
-  if (!decode_ident(peer_ident, &theirs)) fail_dial(Code::kProtocol, who, to, "a malformed identity in the answer");
-  wire::Mac want = mac(key, wire::Role::kAgentAccept, hello, answer, my_ident, peer_ident);
-  if (!crypto::equal_ct(want.data(), answer + kHelloSize, want.size())) {
-    fail_dial(Code::kProtocol, who, to, "the agent there does not prove the secret (another secret, or not an agent)");
-  }
-  static const Incarnation kAny{};
-  if (me.expect != kAny && (h.mesh_id != me.expect || theirs.name.empty())) {
-    fail_dial(Code::kInvalidArgument, who, to, "agent " + theirs.name + " there is incarnation " +
-                                                   incarnation_hex(h.mesh_id) + ", not the " +
-                                                   incarnation_hex(me.expect) + " the metadata names (it restarted)");
-  }
+  std::vector<uint8_t> peer_ident;
+  out.peer = read_answer(out.fd.get(), hello, my_ident, me, key, to, deadline, who, answer, &peer_ident);
   wire::Mac proof = mac(key, wire::Role::kAgentConnect, hello, answer, my_ident, peer_ident);
   io(tcp::write_full(out.fd.get(), proof.data(), proof.size(), deadline), who, to, "sending the proof");
-  uint8_t fh[wire::kFrameHeaderSize];
-  io(tcp::read_full(out.fd.get(), fh, sizeof(fh), deadline), who, to, "waiting for admission");
-  wire::FrameHeader f;
-  if (!wire::decode_frame(fh, &f) || f.type != wire::FrameType::kAdmit || f.length > kMaxVerdict) {
-    fail_dial(Code::kProtocol, who, to, "a malformed admission answer");
-  }
-  std::string reason(f.length, '\0');
-  io(tcp::read_full(out.fd.get(), reason.data(), reason.size(), deadline), who, to, "waiting for admission");
-  if (!reason.empty()) fail_dial(Code::kInvalidArgument, who, to, "agent " + theirs.name + " refused this agent: " + reason);
-  out.peer = {theirs.name, h.mesh_id, to.str()};
+  read_verdict(out.fd.get(), out.peer, to, deadline, who);
   return out;
 }
 

@@ -52,6 +52,7 @@ class Listener {
   void on_hello(Incoming& in);
   void answer(Incoming& in);
   void on_proof(Incoming& in);
+  std::string judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code);
   void reject(Incoming& in, wire::Reject why, const std::string& detail = "");
   void poll_once();
 
@@ -168,31 +169,37 @@ void Listener::answer(Incoming& in) {
   in.got = 0;
 }
 
-// The peer proved the secret: judge its identity, tell it the verdict, file it.
+// "" when the peer that proved the secret may connect, else why not (*code: how it is counted).
+std::string Listener::judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code) {
+  static const Incarnation kAny{};
+  *code = wire::Reject::kStaleIncarnation;
+  if (expect != kAny && expect != a_.incarnation_) {
+    return "it expects incarnation " + incarnation_hex(expect) + " of agent " + a_.name_ + ", which is now " +
+           incarnation_hex(a_.incarnation_) + " (this agent restarted)";
+  }
+  {
+    std::lock_guard<std::mutex> lock(a_.mu_);
+    std::string why = a_.judge(peer);
+    if (!why.empty()) return why;
+  }
+  if (!a_.admit_) return "";
+  *code = wire::Reject::kPolicy;
+  try {
+    return a_.admit_(peer);
+  } catch (const std::exception& e) {
+    return std::string("the admission policy failed: ") + e.what();
+  }
+}
+
+// The peer proved the secret: judge it, file it, tell it the verdict, start it.
 void Listener::on_proof(Incoming& in) {
   wire::Mac want = hs::mac(a_.key_, wire::Role::kAgentConnect, in.hello, in.answer, in.ident, in.my_ident);
   if (!crypto::equal_ct(want.data(), in.proof, want.size())) return reject(in, wire::Reject::kBadAuth);
   hs::Ident theirs;
   hs::decode_ident(in.ident, &theirs);
   PeerInfo peer{theirs.name, in.h.mesh_id, in.from.str()};
-  static const Incarnation kAny{};
-  std::string why;
-  wire::Reject code = wire::Reject::kStaleIncarnation;
-  if (theirs.expect != kAny && theirs.expect != a_.incarnation_) {
-    why = "it expects incarnation " + incarnation_hex(theirs.expect) + " of agent " + a_.name_ + ", which is now " +
-          incarnation_hex(a_.incarnation_) + " (this agent restarted)";
-  } else {
-    std::lock_guard<std::mutex> lock(a_.mu_);
-    why = a_.judge(peer);
-  }
-  if (why.empty() && a_.admit_) {
-    code = wire::Reject::kPolicy;
-    try {
-      why = a_.admit_(peer);
-    } catch (const std::exception& e) {
-      why = std::string("the admission policy failed: ") + e.what();
-    }
-  }
+  wire::Reject code = wire::Reject::kNone;
+  std::string why = judge(peer, theirs.expect, &code);
   std::shared_ptr<Connection> c;
   if (why.empty()) {
     try {

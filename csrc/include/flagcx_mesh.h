@@ -241,7 +241,7 @@ typedef struct {
 /* secret NULL or "": FLAGCX_MESH_AGENT_SECRET; timeout_s 0: FLAGCX_MESH_TIMEOUT. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_create(flagcx_mesh_agent_t *agent, const char *name,
                                                               const char *secret, double timeout_s);
-/* Closes every connection and region; handles and connections stay valid to free. */
+/* Closes every connection and region; its handles and connections may still be freed (nothing else). */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_destroy(flagcx_mesh_agent_t agent);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_metadata(flagcx_mesh_agent_t agent, void *buf, size_t *len);
 /* Registers host memory; the region's descriptor goes to desc. */

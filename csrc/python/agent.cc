@@ -81,7 +81,8 @@ void bind_connection(py::module_& m) {
       .def_property_readonly("peer_address", [](const Connection& c) { return c.peer().address; })
       .def_property_readonly("initiated", &Connection::initiated)
       .def("gone", &Connection::gone)
-      .def("transfer", &transfer, py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none())
+      .def("transfer", &transfer, py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
+           py::keep_alive<0, 1>())  // a handle keeps its connection (and so its agent) alive
       .def("notify", [](Connection& c, const py::bytes& b) {
         std::vector<uint8_t> v = to_vec(b);
         py::gil_scoped_release release;
@@ -130,10 +131,10 @@ void bind_agent(py::module_& m) {
         std::vector<uint8_t> v = to_vec(md);
         py::gil_scoped_release release;
         return a.connect(v, timeout);
-      }, py::arg("metadata"), py::arg("timeout") = 0.0)
+      }, py::arg("metadata"), py::arg("timeout") = 0.0, py::keep_alive<0, 1>())  // a connection keeps its agent
       .def("connect_address", &Agent::connect_address, py::arg("address"), py::arg("timeout") = 0.0,
-           py::call_guard<py::gil_scoped_release>())
-      .def("connection", &Agent::connection)
+           py::call_guard<py::gil_scoped_release>(), py::keep_alive<0, 1>())
+      .def("connection", &Agent::connection, py::keep_alive<0, 1>())
       .def("peers", [](const Agent& a) {
         py::list out;
         for (const auto& p : a.peers()) out.append(py::make_tuple(p.name, fxm::agent::incarnation_hex(p.incarnation), p.address));
