@@ -82,6 +82,24 @@ def test_killed_target_fails_handles_and_others_are_served(tmp_path, monkeypatch
     assert "served 1" in finish(other)
 
 
+def test_pending_handles_fail_with_peer_lost_when_the_target_dies(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    target = spawn("serve", tmp_path, "frozen", 1, transport="tcp")
+    with Agent("decode", SECRET, timeout=30) as a:
+        conn = a.connect(wait_file(tmp_path / "frozen.meta"))
+        remote = wait_file(tmp_path / "frozen.user")
+        local = a.register(np.ones(1 << 20, dtype=np.uint8))
+        conn.write(local, remote, 4096).wait(20)
+        target.send_signal(signal.SIGSTOP)  # it reads nothing more: 64 MiB cannot all be acknowledged
+        handles = [conn.write(local, remote, 1 << 20) for _ in range(64)]
+        assert not handles[-1].done()
+        target.send_signal(signal.SIGKILL)
+        target.communicate(timeout=30)
+        with pytest.raises(PeerLost, match="frozen"):
+            handles[-1].wait(30)
+        assert handles[-1].done()
+
+
 def test_killed_initiator_does_not_stop_the_server(tmp_path):
     server = spawn("serve", tmp_path, "prefill", 1, transport="tcp")
     holder = spawn("hold", tmp_path, "prefill", transport="tcp", stdin=subprocess.PIPE)
