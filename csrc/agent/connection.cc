@@ -252,8 +252,13 @@ void Connection::flush(const Deadline& deadline) {
   }
 }
 
+// The engine's words name its pair ("rank 0: ... peer 0"): they are said of the agents here.
 void Connection::fail_call(const Error& e, const std::string& call) const {
   std::string cause = e.what();
+  if (cause.rfind("rank 0: ", 0) == 0) cause.erase(0, 8);
+  for (size_t at = cause.find("peer 0"); at != std::string::npos; at = cause.find("peer 0", at)) {
+    cause.replace(at, 6, "agent " + peer_.name);
+  }
   std::string g = gone();
   if (e.code() == Code::kClosed && !g.empty()) cause = g;
   fail(e.code() == Code::kClosed ? Code::kPeerLost : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
