@@ -8,8 +8,9 @@ import re
 import pytest
 
 CSRC = os.path.join(os.path.dirname(__file__), os.pardir, "csrc")
-# Bottom to top; "capi" is the C ABI, "testing" the test doubles, "python" the bindings.
-ORDER = ["base", "transport", "bootstrap", "core", "adaptor", "capi", "testing", "python"]
+# Bottom to top; "agent" (dynamic peers) sits beside "adaptor" (the build gives it no adaptor
+# include root), "capi" is the C ABI, "testing" the test doubles, "python" the bindings.
+ORDER = ["base", "transport", "bootstrap", "core", "adaptor", "agent", "capi", "testing", "python"]
 ALLOWED_BESIDE = {"testing": {"capi"}, "python": {"testing", "capi"}}
 
 

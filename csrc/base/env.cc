@@ -58,6 +58,11 @@ std::string cuda_path_env() {
   return s ? s : "";
 }
 
+std::string agent_secret_env() {
+  const char* s = std::getenv("FLAGCX_MESH_AGENT_SECRET");
+  return s ? s : "";
+}
+
 std::string cuda_driver_env() {
   const char* s = std::getenv("FLAGCX_MESH_CUDA_DRIVER");
   return s ? s : "";

@@ -53,6 +53,8 @@ std::string transport_env();
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_DRIVER ("" when unset), read once, when the driver is first loaded.
 std::string cuda_driver_env();
+// FLAGCX_MESH_AGENT_SECRET ("" when unset): the secret agents prove when none is given.
+std::string agent_secret_env();
 
 // The embedded launcher's variables as they are now; throws
 // Error(kInvalidArgument) naming a missing or malformed one.

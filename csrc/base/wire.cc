@@ -1,5 +1,6 @@
 #include "base/wire.h"
 
+#include <algorithm>
 #include <cstring>
 
 namespace fxm::wire {
@@ -32,7 +33,8 @@ const char* reject_name(Reject r) {
       "bad role",        "foreign mesh id",                    "wrong epoch",
       "wrong destination rank", "source rank out of range",    "context out of range",
       "nranks/contexts mismatch", "duplicate connection",      "too many pending connections",
-      "bad authentication"};
+      "bad authentication", "refused by the agent's policy",
+      "stale incarnation"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Reject::kCount));
   int i = static_cast<int>(r);
   return (i >= 0 && i < static_cast<int>(Reject::kCount)) ? names[i] : "unknown";
@@ -50,6 +52,7 @@ void encode(const ConnHeader& h, uint8_t out[kConnHeaderSize]) {
   put<uint32_t>(out, 36, h.context);
   put<uint32_t>(out, 40, h.nranks);
   put<uint32_t>(out, 44, h.ncontexts);
+  put<uint32_t>(out, 48, h.ext_len);
   put<uint32_t>(out, 60, checksum(out));
 }
 
@@ -67,6 +70,7 @@ Reject decode(const uint8_t in[kConnHeaderSize], ConnHeader* h) {
   h->context = get<uint32_t>(in, 36);
   h->nranks = get<uint32_t>(in, 40);
   h->ncontexts = get<uint32_t>(in, 44);
+  h->ext_len = get<uint32_t>(in, 48);
   return Reject::kNone;
 }
 
@@ -74,7 +78,7 @@ Reject validate(const ConnHeader& h, const Expect& e) {
   if (h.role != e.role) return Reject::kBadRole;
   if (h.mesh_id != e.mesh_id) return Reject::kForeignMesh;
   if (h.epoch != e.epoch) return Reject::kWrongEpoch;
-  if (h.nranks != e.nranks || h.ncontexts != e.ncontexts) return Reject::kBadShape;
+  if (h.nranks != e.nranks || h.ncontexts != e.ncontexts || h.ext_len != 0) return Reject::kBadShape;
   if (h.dst != e.me) return Reject::kWrongDst;
   if (h.src < 0 || static_cast<uint32_t>(h.src) >= e.nranks) return Reject::kBadSrc;
   if (h.context >= e.ncontexts) return Reject::kBadContext;
@@ -93,13 +97,22 @@ crypto::Key derive_key(const crypto::Key& secret, const MeshId& mesh_id, uint32_
 }
 
 Mac handshake_mac(const crypto::Key& key, Role prover, const uint8_t hello[kHelloSize],
-                  const uint8_t answer_head[kHelloSize]) {
-  const char* label = prover == Role::kAccept ? "flagcx_mesh accept proof" : "flagcx_mesh connect proof";
+                  const uint8_t answer_head[kHelloSize], const uint8_t* bound, size_t bound_len) {
+  const char* label = is_accept_role(prover) ? "flagcx_mesh accept proof" : "flagcx_mesh connect proof";
   return crypto::Hmac(key.data(), key.size())
       .update(label, std::strlen(label) + 1)
       .update(hello, kHelloSize)
       .update(answer_head, kHelloSize)
+      .update(bound, bound_len)
       .finish();
+}
+
+crypto::Key agent_key(const std::string& secret) {
+  static const MeshId kAgentDomain{'f', 'l', 'a', 'g', 'c', 'x', '_', 'm', 'e', 's', 'h', ' ', 'a', 'g', 'n', 't'};
+  crypto::Digest d = crypto::sha256(secret.data(), secret.size());
+  crypto::Key k;
+  std::copy(d.begin(), d.end(), k.begin());
+  return derive_key(k, kAgentDomain, 0);
 }
 
 void encode_frame(const FrameHeader& f, uint8_t out[kFrameHeaderSize]) {

@@ -22,10 +22,15 @@ constexpr size_t kFrameHeaderSize = 16;
 
 using MeshId = std::array<uint8_t, 16>;
 
-enum class Role : uint16_t { kConnect = 1, kAccept = 2 };
+// kAgent*: a connection between two agents (csrc/agent), which names no mesh
+// or rank: mesh_id carries the sender's incarnation, ext_len the length of the
+// identity block (agent name, expected peer incarnation) after the hello or
+// the answer, which both MACs cover.
+enum class Role : uint16_t { kConnect = 1, kAccept = 2, kAgentConnect = 3, kAgentAccept = 4 };
+inline bool is_accept_role(Role r) { return r == Role::kAccept || r == Role::kAgentAccept; }
 
 // Offsets: magic 0, version 4, role 6, mesh_id 8, epoch 24, src 28, dst 32,
-// context 36, nranks 40, ncontexts 44, reserved 48..59, checksum 60.
+// context 36, nranks 40, ncontexts 44, ext_len 48, reserved 52..59, checksum 60.
 struct ConnHeader {
   uint32_t magic = kConnMagic;
   uint16_t version = kVersion;
@@ -37,6 +42,7 @@ struct ConnHeader {
   uint32_t context = 0;
   uint32_t nranks = 0;
   uint32_t ncontexts = 0;
+  uint32_t ext_len = 0;  // agent roles: bytes of the identity block that follows; mesh roles: 0
 };
 
 // Why an incoming header was refused. kNone means accepted.
@@ -57,6 +63,8 @@ enum class Reject : int {
   kDuplicate,     // that (src, context) slot is already filled
   kOverflow,      // too many unidentified connections at once
   kBadAuth,       // its proof of the mesh key was wrong (a stranger, a replay, another epoch's key)
+  kPolicy,        // agents: the acceptor's policy refused that peer
+  kStaleIncarnation,  // agents: it names an incarnation that is not the current one
   kCount
 };
 const char* reject_name(Reject r);
@@ -98,8 +106,14 @@ using Mac = crypto::Digest;
 crypto::Key derive_key(const crypto::Key& secret, const MeshId& mesh_id, uint32_t epoch);
 // The MAC `prover` sends: over the hello (header + connector nonce) and the
 // first kHelloSize bytes of the answer (header + acceptor nonce).
+// `bound` (agents: both identity blocks) is covered too; the mesh binds none.
 Mac handshake_mac(const crypto::Key& key, Role prover, const uint8_t hello[kHelloSize],
-                  const uint8_t answer_head[kHelloSize]);
+                  const uint8_t answer_head[kHelloSize], const uint8_t* bound = nullptr,
+                  size_t bound_len = 0);
+// The key agents prove: derive_key over the SHA-256 of the shared secret, in
+// the agents' own domain (no mesh id, epoch 0), so a mesh's key never opens an
+// agent connection nor the reverse.
+crypto::Key agent_key(const std::string& secret);
 
 // Frames on an established connection: {magic, type, flags, length}.
 enum class FrameType : uint16_t {
@@ -111,6 +125,7 @@ enum class FrameType : uint16_t {
   kAck = 6,        // u64: one-sided ops from the receiver applied so far on this pair
   kBye = 7,        // the sender closes cleanly
   kRefused = 8,    // u64 number of the refused op on this pair (as acks count) + the reason (text)
+  kAdmit = 9,      // agents: the acceptor's verdict after the proofs ("" admitted, else why not)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
 // Set in a kRefused number: it refuses get request (number & ~kRefusedGet),

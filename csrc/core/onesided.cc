@@ -1,6 +1,5 @@
 #include "core/onesided.h"
 
-#include <sys/random.h>
 #include <unistd.h>
 
 #include <cstring>
@@ -8,6 +7,7 @@
 
 #include "base/env.h"
 #include "base/log.h"
+#include "core/window_setup.h"
 #include "transport/signal_ops.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -18,18 +18,6 @@ namespace {
 
 bool in_range(uint64_t off, uint64_t size, uint64_t limit) {
   return off <= limit && size <= limit - off;
-}
-
-// Non-zero (zero is a revoked cookie), from the kernel's random source.
-uint64_t random_cookie() {
-  uint64_t v = 0;
-  while (v == 0) {
-    if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
-      v = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ull ^
-          static_cast<uint64_t>(::getpid());
-    }
-  }
-  return v;
 }
 
 std::string range_text(uint64_t off, uint64_t size) {
@@ -171,16 +159,7 @@ void OneSided::finish_registration(Window& w) const {
 }
 
 std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
-  WindowDesc d;
-  d.kind = w.kind;
-  d.size = w.size;
-  d.addr = reinterpret_cast<uint64_t>(w.base);
-  d.pid = static_cast<int32_t>(::getpid());
-  d.host = host_;
-  d.pid_ns = pid_namespace();
-  d.shm_name = shm_name;
-  d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
-  d.cookie = *w.cookie;
+  WindowDesc d = describe_local(w, host_, shm_name);
   if (w.dev) {
     d.dev = w.dev->export_for_peers();
     if (!d.dev.vmm.empty()) {

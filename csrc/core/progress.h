@@ -81,6 +81,11 @@ class Engine : public Outbox {
 
   // "" when the peer is fine, else why it is lost.
   std::string lost_reason(int peer) const;
+  // True once the peer said goodbye on every connection (it closed its side).
+  bool peer_closed(int peer) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return bye_[peer];
+  }
   int first_lost_peer() const;
   // Sends kBye on every connection, drains queues (bounded), stops the thread.
   void stop();

@@ -325,7 +325,12 @@ void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
 
 void Engine::on_get_request(int s, const wire::GetHeader& g) {
   Window* w = windows_->find(g.src_win);
-  if (!w || !w->enter(true)) {
+  if (w && !w->enter(true)) {  // closed here since the peer looked it up: refused, not a protocol error
+    refuse(s, "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win) +
+                  ": it was deregistered here", wire::kRefusedGet | g.req_id);
+    return;
+  }
+  if (!w) {
     lose(s / ncontexts_, "protocol error: a get request for window #" + std::to_string(g.src_win) +
                              ", which is not registered here");
     return;

@@ -214,6 +214,65 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_counter(flagcx_mesh_comm_t
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_counter(flagcx_mesh_comm_t comm, uint64_t value,
                                                               double timeout_s);
 
+/* ------------------------------------------------------------------ agents */
+
+/* Dynamic peers (docs/agent.md): an agent registers memory locally and serves
+ * whichever agents connect, each proving the shared secret. Descriptors and
+ * metadata are bytes to send to peers by any channel. Calls that return bytes
+ * take buf and *len (in: its capacity); on success *len is what was written;
+ * when buf is too small they fail with FLAGCX_MESH_INVALID_ARGUMENT and set
+ * *len to the size needed. */
+typedef struct flagcx_mesh_agent *flagcx_mesh_agent_t;
+typedef struct flagcx_mesh_agent_conn *flagcx_mesh_agent_conn_t;
+typedef struct flagcx_mesh_agent_handle *flagcx_mesh_agent_handle_t;
+
+/* One transfer of a batch: size bytes at local_offset of the local region
+ * (its descriptor) and at remote_offset of the peer's region. */
+typedef struct {
+  const void *local;
+  size_t local_len;
+  uint64_t local_offset;
+  const void *remote;
+  size_t remote_len;
+  uint64_t remote_offset;
+  uint64_t size;
+} flagcx_mesh_agent_xfer_t;
+
+/* secret NULL or "": FLAGCX_MESH_AGENT_SECRET; timeout_s 0: FLAGCX_MESH_TIMEOUT. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_create(flagcx_mesh_agent_t *agent, const char *name,
+                                                              const char *secret, double timeout_s);
+/* Closes every connection and region; its handles and connections may still be freed (nothing else). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_destroy(flagcx_mesh_agent_t agent);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_metadata(flagcx_mesh_agent_t agent, void *buf, size_t *len);
+/* Registers host memory; the region's descriptor goes to desc. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_register(flagcx_mesh_agent_t agent, void *base, uint64_t size,
+                                                                void *desc, size_t *desc_len);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_deregister(flagcx_mesh_agent_t agent, const void *desc,
+                                                                  size_t desc_len, double timeout_s);
+/* Connects to the agent whose metadata this is (an open connection to it is reused). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_connect(flagcx_mesh_agent_t agent, const void *metadata,
+                                                               size_t metadata_len, double timeout_s,
+                                                               flagcx_mesh_agent_conn_t *conn);
+/* Drops this reference to the connection (the agent keeps it open). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_conn_release(flagcx_mesh_agent_conn_t conn);
+/* Writes (is_read 0) or reads nops transfers, all checked before any byte
+ * moves; the notification (NULL: none) follows the data. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_transfer(flagcx_mesh_agent_conn_t conn, int is_read,
+                                                                const flagcx_mesh_agent_xfer_t *ops, size_t nops,
+                                                                const void *notification, size_t notification_len,
+                                                                flagcx_mesh_agent_handle_t *handle);
+/* *done: 1 once the transfer completed or failed (wait says which). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_test(flagcx_mesh_agent_handle_t handle, int *done);
+/* timeout_s 0: the agent's timeout. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_wait(flagcx_mesh_agent_handle_t handle, double timeout_s);
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_free(flagcx_mesh_agent_handle_t handle);
+/* The next notification, waiting up to timeout_s (FLAGCX_MESH_TIMEOUT when
+ * none came): its bytes into buf, the sender's name (NUL-terminated,
+ * truncated to peer_cap) into peer. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, double timeout_s,
+                                                                    char *peer, size_t peer_cap, void *buf,
+                                                                    size_t *len);
+
 #ifdef __cplusplus
 }
 #endif

@@ -15,6 +15,9 @@ void bind_onesided(py::class_<fxm::Mesh>& cls);
 // NetBootstrap and net_trial: the net-adaptor builders over the test adaptor.
 void bind_adaptor(py::module_& m);
 
+// AgentCore, AgentConnection, AgentHandle (csrc/python/agent.cc).
+void bind_agent(py::module_& m);
+
 // A contiguous view of any buffer-protocol object, released on destruction.
 class ByteView {
  public:

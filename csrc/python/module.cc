@@ -151,6 +151,7 @@ fxm::wire::ConnHeader header_from_dict(const py::dict& d) {
   h.context = d["context"].cast<uint32_t>();
   h.nranks = d["nranks"].cast<uint32_t>();
   h.ncontexts = d["ncontexts"].cast<uint32_t>();
+  if (d.contains("ext_len")) h.ext_len = d["ext_len"].cast<uint32_t>();
   return h;
 }
 
@@ -254,6 +255,8 @@ void bind_wire(py::module_& m) {
   m.attr("UNIQUE_ID_SIZE") = fxm::bootstrap::kUniqueIdSize;
   m.attr("ROLE_CONNECT") = static_cast<int>(fxm::wire::Role::kConnect);
   m.attr("ROLE_ACCEPT") = static_cast<int>(fxm::wire::Role::kAccept);
+  m.attr("ROLE_AGENT_CONNECT") = static_cast<int>(fxm::wire::Role::kAgentConnect);
+  m.attr("ROLE_AGENT_ACCEPT") = static_cast<int>(fxm::wire::Role::kAgentAccept);
 }
 
 }  // namespace
@@ -304,4 +307,5 @@ PYBIND11_MODULE(_core, m) {
   bind_wire(m);
   bind_crypto(m);
   fxm_py::bind_adaptor(m);
+  fxm_py::bind_agent(m);
 }

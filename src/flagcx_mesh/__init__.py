@@ -22,11 +22,14 @@ from .errors import (
 from ._paths import get_include, get_library, get_library_dir
 from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id, release_unique_id
 from .window import SignalWindow, Window
+from .agent import Agent, AgentConnection
 
 __version__ = "0.3.0"
 
 __all__ = [
     "Mesh",
+    "Agent",
+    "AgentConnection",
     "Window",
     "SignalWindow",
     "get_unique_id",

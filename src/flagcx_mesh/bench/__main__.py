@@ -14,6 +14,8 @@
                                      counts hangs, miswirings, failures by class)
     python -m flagcx_mesh.bench stream-wait [--iters 2000] [--json PATH]
                                      (from C: a waiting CUDA stream passes how long after a signal)
+    python -m flagcx_mesh.bench agent [--region 256M] [--blocks 64K,256K,2M] [--transports cma,shm,tcp]
+                                     (agents: setup, request-shaped batches, churn; vs memcpy)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
 measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
@@ -38,6 +40,7 @@ COMMANDS = {
     "latency": ("latency", "main"),
     "soak": ("soak", "main"),
     "stream-wait": ("stream_wait", "main"),
+    "agent": ("agent", "main"),
 }
 
 

@@ -1,0 +1,319 @@
+#include "agent/agent.h"
+
+#include <netdb.h>
+#include <sys/eventfd.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+#include <thread>
+
+#include "agent/connection.h"
+#include "agent/handshake.h"
+#include "base/env.h"
+#include "base/log.h"
+#include "base/status.h"
+#include "core/window_setup.h"
+
+namespace fxm::agent {
+namespace {
+
+constexpr size_t kMaxName = 200;
+
+std::string checked_name(const std::string& name) {
+  if (name.empty() || name.size() > kMaxName) {
+    fail(Code::kInvalidArgument, -1, 0, "Agent: the name must be 1.." + std::to_string(kMaxName) +
+                                            " bytes, got " + std::to_string(name.size()));
+  }
+  return name;
+}
+
+// "host:port" or "[v6]:port", numeric or a name getaddrinfo() resolves.
+bool parse_host_port(const std::string& s, tcp::SockAddr* out) {
+  size_t colon = s.rfind(':');
+  if (colon == std::string::npos || colon == 0 || colon + 1 == s.size()) return false;
+  std::string host = s.substr(0, colon), port = s.substr(colon + 1);
+  if (host.front() == '[' && host.back() == ']') host = host.substr(1, host.size() - 2);
+  addrinfo hints{};
+  hints.ai_socktype = SOCK_STREAM;
+  addrinfo* res = nullptr;
+  if (::getaddrinfo(host.c_str(), port.c_str(), &hints, &res) != 0 || res == nullptr) return false;
+  std::memcpy(&out->ss, res->ai_addr, res->ai_addrlen);
+  out->len = static_cast<socklen_t>(res->ai_addrlen);
+  ::freeaddrinfo(res);
+  return true;
+}
+
+}  // namespace
+
+Agent::Agent(const AgentOptions& o)
+    : name_(checked_name(o.name)), header_timeout_s_(o.header_timeout_s), admit_(o.admit), host_(shm::host_id()) {
+  std::string secret = o.secret.empty() ? agent_secret_env() : o.secret;
+  if (secret.empty()) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "no secret: pass one or set FLAGCX_MESH_AGENT_SECRET "
+                                                "(every peer must prove the same)");
+  }
+  key_ = wire::agent_key(secret);
+  if (o.timeout_s != 0) check_timeout(o.timeout_s, "Agent: timeout", false);
+  timeout_s_ = o.timeout_s > 0 ? o.timeout_s : default_timeout_s();
+  if (!(header_timeout_s_ > 0)) fail(Code::kInvalidArgument, -1, 0, who() + "header_timeout must be > 0");
+  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails here, not at the first transfer
+  crypto::random_bytes(incarnation_.data(), incarnation_.size());
+  int err = 0;
+  tcp::SockAddr bind = tcp::local_address();
+  bind.set_port(0);
+  listen_fd_ = tcp::listen_on(bind, &listen_addr_, &err);
+  if (!listen_fd_) fail(Code::kSystem, -1, err, who() + "listening on " + bind.str());
+  wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+  if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the listener");
+  listener_ = std::thread([this] { listen_loop(); });
+  FXM_INFO(-1, who() + "incarnation " + incarnation_hex(incarnation_) + " listens on " + listen_addr_.str());
+}
+
+Agent::~Agent() { close(); }
+
+std::vector<uint8_t> Agent::metadata() const { return Metadata{name_, incarnation_, listen_addr_}.encode(); }
+
+AgentStats Agent::stats() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+// ------------------------------------------------------------ regions
+
+RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_name) {
+  if (closed_) fail(Code::kClosed, -1, 0, who() + "register: the agent was closed");
+  std::lock_guard<std::mutex> lock(mu_);  // one index per window, in order
+  w->index = windows_.next_index();
+  w->cookie = std::make_unique<uint64_t>(random_cookie());
+  WindowDesc d = describe_local(*w, host_, shm_name);
+  w->own.set({-1, w->index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
+  windows_.add(w);
+  return RegionDesc{name_, incarnation_, w->index, w->size, w->kind, d.encode()};
+}
+
+RegionDesc Agent::register_memory(void* base, uint64_t size) {
+  if (base == nullptr && size != 0) fail(Code::kInvalidArgument, -1, 0, who() + "register: a null buffer");
+  auto w = std::make_shared<Window>();
+  w->kind = WindowKind::kUser;
+  w->base = static_cast<uint8_t*>(base);
+  w->size = size;
+  return add_region(std::move(w), "");
+}
+
+// The segment keeps its name until deregister (peers map it when they first
+// use it); the agent unlinks it then, or at close.
+RegionDesc Agent::alloc(uint64_t size) {
+  if (size == 0) fail(Code::kInvalidArgument, -1, 0, who() + "alloc: size must be > 0");
+  auto w = std::make_shared<Window>();
+  w->kind = WindowKind::kShm;
+  w->seg = std::make_shared<shm::Segment>(shm::Segment::create_unique(size));
+  w->base = w->seg->data();
+  w->size = size;
+  std::string name = w->seg->name();
+  return add_region(std::move(w), name);
+}
+
+uint8_t* Agent::region_base(uint32_t index) const {
+  Window* w = windows_.find(index);
+  return w && w->live.load() ? w->base : nullptr;
+}
+
+std::shared_ptr<Window> Agent::window_for(const RegionDesc& d, const char* op, bool* entered) const {
+  std::string what = who() + op + ": local region #" + std::to_string(d.index);
+  if (d.agent != name_ || d.incarnation != incarnation_) {
+    fail(Code::kInvalidArgument, -1, 0, what + " is agent " + d.agent + "'s (incarnation " +
+                                            incarnation_hex(d.incarnation) + "), not this agent's");
+  }
+  std::shared_ptr<Window> w = windows_.get(d.index);
+  if (!w || !w->enter()) fail(Code::kInvalidArgument, -1, 0, what + " was deregistered");
+  *entered = true;
+  return w;
+}
+
+void Agent::deregister(const RegionDesc& region, double timeout_s) {
+  bool entered = false;
+  std::shared_ptr<Window> w = window_for(region, "deregister", &entered);
+  w->leave();
+  if (w->closing.exchange(true)) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "deregister: region #" + std::to_string(region.index) +
+                                            " is already being closed");
+  }
+  Deadline deadline = Deadline::after_seconds(timeout_s > 0 ? timeout_s : timeout_s_);
+  std::vector<std::shared_ptr<Connection>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conns = conns_;
+  }
+  try {
+    for (auto& c : conns) c->flush(deadline);  // ops in flight from (or into) its memory
+  } catch (const Error&) {
+    w->closing = false;
+    throw;
+  }
+  w->live = false;
+  if (w->cookie) *w->cookie = 0;  // no cma path can be chosen for it again
+  w->own.reset();
+  while (w->users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  if (w->seg) w->seg->unlink();
+  w->seg.reset();
+}
+
+// ------------------------------------------------------------ connections
+
+std::string Agent::judge(const PeerInfo& p) const {
+  auto it = superseded_.find(p.name);
+  if (it != superseded_.end() && it->second.count(p.incarnation)) {
+    return "incarnation " + incarnation_hex(p.incarnation) + " of agent " + p.name +
+           " was superseded by a newer one (that agent restarted)";
+  }
+  if (p.name == name_ && p.incarnation == incarnation_) return "it claims to be this agent";
+  return "";
+}
+
+std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
+  std::vector<std::shared_ptr<Connection>> old;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closed_) return "agent " + name_ + " is closing";
+    std::string why = judge(c->peer());
+    if (!why.empty()) return why;
+    for (auto& k : conns_) {
+      if (k->peer().name == c->peer().name && k->peer().incarnation != c->peer().incarnation) {
+        superseded_[k->peer().name].insert(k->peer().incarnation);
+        old.push_back(k);
+      }
+    }
+    conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
+                                [&](const std::shared_ptr<Connection>& k) {
+                                  return std::find(old.begin(), old.end(), k) != old.end();
+                                }),
+                 conns_.end());
+    conns_.push_back(c);
+    if (c->initiated()) ++stats_.connected;
+    else ++stats_.accepted;
+  }
+  for (auto& k : old) {
+    k->close("incarnation " + incarnation_hex(k->peer().incarnation) + " of agent " + k->peer().name +
+             " was superseded by incarnation " + incarnation_hex(c->peer().incarnation) + " (it restarted)");
+  }
+  return "";
+}
+
+std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnation& inc) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (const auto& c : conns_) {
+    if (c->peer().name == name && c->peer().incarnation == inc && c->gone().empty()) return c;
+  }
+  return nullptr;
+}
+
+std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d) {
+  if (closed_) fail(Code::kClosed, -1, 0, who() + "connect: the agent was closed");
+  hs::Ident me{name_, expect ? *expect : Incarnation{}};
+  hs::Dialed got = hs::dial(to, me, incarnation_, key_, d, who());
+  auto c = std::make_shared<Connection>(this, std::move(got.fd), got.peer, true);
+  std::string why = adopt(c);
+  if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
+  c->start();
+  return c;
+}
+
+std::shared_ptr<Connection> Agent::connect(const std::vector<uint8_t>& metadata, double timeout_s) {
+  Metadata m = Metadata::decode(metadata);
+  if (auto c = find(m.name, m.incarnation)) return c;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::string why = judge(PeerInfo{m.name, m.incarnation, m.address.str()});
+    if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect: " + why);
+  }
+  Deadline d = Deadline::after_seconds(timeout_s > 0 ? timeout_s : timeout_s_);
+  auto c = dial(m.address, &m.incarnation, d);
+  if (c->peer().name != m.name) {
+    c->close("not the agent the metadata names");
+    fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + m.address.str() + ": the agent there is " +
+                                            c->peer().name + ", not " + m.name);
+  }
+  return c;
+}
+
+std::shared_ptr<Connection> Agent::connect_address(const std::string& host_port, double timeout_s) {
+  tcp::SockAddr to;
+  if (!parse_host_port(host_port, &to)) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "connect: \"" + host_port + "\" is not host:port");
+  }
+  return dial(to, nullptr, Deadline::after_seconds(timeout_s > 0 ? timeout_s : timeout_s_));
+}
+
+std::shared_ptr<Connection> Agent::connection(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = conns_.rbegin(); it != conns_.rend(); ++it) {
+    if ((*it)->peer().name == name && (*it)->gone().empty()) return *it;
+  }
+  return nullptr;
+}
+
+std::vector<PeerInfo> Agent::peers() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<PeerInfo> out;
+  for (const auto& c : conns_) {
+    if (c->gone().empty()) out.push_back(c->peer());
+  }
+  return out;
+}
+
+// Connections whose peer is gone leave the table (their handles keep them).
+void Agent::prune() {
+  std::vector<std::shared_ptr<Connection>> dead;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& c : conns_) {
+      if (!c->gone().empty()) dead.push_back(c);
+    }
+    conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
+                                [](const std::shared_ptr<Connection>& c) { return !c->gone().empty(); }),
+                 conns_.end());
+  }
+  for (auto& c : dead) c->close("the peer was lost");
+}
+
+std::vector<Notification> Agent::notifications(double timeout_s) {
+  Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
+  std::vector<Notification> out;
+  while (true) {
+    std::vector<std::shared_ptr<Connection>> conns;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      conns = conns_;
+    }
+    for (auto& c : conns) c->take_notifications(&out);
+    if (!out.empty() || d.expired() || closed_) break;
+    prune();
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
+  return out;
+}
+
+void Agent::close() {
+  if (closed_.exchange(true)) return;
+  uint64_t one = 1;
+  if (wake_fd_ >= 0 && ::write(wake_fd_, &one, sizeof(one)) < 0) FXM_WARN(-1, who() + "waking the listener failed");
+  if (listener_.joinable()) listener_.join();
+  std::vector<std::shared_ptr<Connection>> conns;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    conns.swap(conns_);
+  }
+  for (auto& c : conns) c->close("this agent was closed");
+  for (auto& w : windows_.all()) {
+    w->live = false;
+    if (w->cookie) *w->cookie = 0;
+    w->own.reset();
+    if (w->seg) w->seg->unlink();
+  }
+  listen_fd_.reset();
+  if (wake_fd_ >= 0) ::close(wake_fd_);
+  wake_fd_ = -1;
+}
+
+}  // namespace fxm::agent

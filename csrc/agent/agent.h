@@ -1,0 +1,198 @@
+// An agent: one process's endpoint for dynamic peers. It registers memory
+// locally (no peer involved), listens on an ephemeral port of the chosen
+// interface, and serves whichever agents connect, each proving the shared
+// secret with the mesh's handshake (wire.h: header, nonces, HMAC proofs, here
+// in the agent roles with both names bound into the MACs).
+//
+// Each connection is one TCP socket driven by one small progress Engine of
+// its own (a 2-party pair: the peer is the engine's only peer, one context),
+// so a peer that dies fails only its own handles, and every engine lands
+// frames in the agent's one WindowTable: a region's index is the window index
+// a peer's frames name. Paths to a peer's regions (self / shm / cma / tcp,
+// path.h) are chosen per connection on first use and cached.
+//
+// Layering: csrc/agent sits beside adaptor and capi, above core; the core
+// never includes it. Thread-safe: every public call may come from any thread.
+#pragma once
+
+#include <atomic>
+#include <cstdint>
+#include <functional>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "base/clock.h"
+#include "base/wire.h"
+#include "core/window.h"
+#include "transport/tcp/socket.h"
+
+namespace fxm::agent {
+
+using Incarnation = wire::MeshId;  // random per Agent object (a restart is a new one)
+std::string incarnation_hex(const Incarnation& i);
+
+// Who is at the other end of a connection (proved by the handshake).
+struct PeerInfo {
+  std::string name;
+  Incarnation incarnation{};
+  std::string address;  // where it connected from, or where we connected to
+};
+
+// A registered region as peers address it. encode() gives the bytes an
+// application sends to peers; decode() refuses malformed bytes.
+struct RegionDesc {
+  std::string agent;
+  Incarnation incarnation{};
+  uint32_t index = 0;
+  uint64_t size = 0;
+  WindowKind kind = WindowKind::kUser;
+  std::vector<uint8_t> window;  // WindowDesc::encode() of the region
+  std::vector<uint8_t> encode() const;
+  static RegionDesc decode(const std::vector<uint8_t>& bytes);  // throws InvalidArgument
+};
+
+// What agent.metadata() carries: enough to connect and check who answers.
+struct Metadata {
+  std::string name;
+  Incarnation incarnation{};
+  tcp::SockAddr address;
+  std::vector<uint8_t> encode() const;
+  static Metadata decode(const std::vector<uint8_t>& bytes);  // throws InvalidArgument
+};
+
+struct AgentOptions {
+  std::string name;    // 1..200 bytes
+  std::string secret;  // empty: FLAGCX_MESH_AGENT_SECRET (one of them is required)
+  double timeout_s = 0;           // connect deadline and default op wait; 0: FLAGCX_MESH_TIMEOUT
+  double header_timeout_s = 5.0;  // an accepted connection's handshake must complete within it
+  // Called on the listener thread for every peer that proved the secret:
+  // "" admits it, anything else refuses it with that reason (the peer is told).
+  std::function<std::string(const PeerInfo&)> admit;
+};
+
+class Connection;
+class Agent;
+
+// One transfer of a batch: bytes [local_off, +size) of a local region and
+// [remote_off, +size) of a peer's region.
+struct Xfer {
+  const RegionDesc* local = nullptr;
+  uint64_t local_off = 0;
+  const RegionDesc* remote = nullptr;
+  uint64_t remote_off = 0;
+  uint64_t size = 0;
+};
+
+// The completion of one write / read call (all its transfers, and its
+// notification). wait() throws the call's error: PeerLost naming the peer
+// when it died, InvalidArgument when the target refused an op, Timeout.
+class Handle {
+ public:
+  Handle() = default;
+  Handle(std::shared_ptr<Connection> conn, uint64_t target, std::string call)
+      : conn_(std::move(conn)), target_(target), call_(std::move(call)) {}
+  bool done() const;  // complete, or failed (wait() then says why)
+  void wait(double timeout_s) const;  // <= 0: the agent's timeout
+  const std::string& call() const { return call_; }
+
+ private:
+  std::shared_ptr<Connection> conn_;  // null: completed when issued (synchronous paths)
+  uint64_t target_ = 0;               // the connection's async op count to reach
+  std::string call_;
+};
+
+struct Notification {
+  std::string peer;
+  Incarnation incarnation{};
+  std::vector<uint8_t> bytes;
+};
+
+// Counters of the listener (rejected by wire::Reject reason) and of connections.
+struct AgentStats {
+  std::array<uint64_t, static_cast<size_t>(wire::Reject::kCount)> rejected{};
+  uint64_t accepted = 0;
+  uint64_t connected = 0;
+  uint64_t total_rejected() const;
+};
+
+class Agent {
+ public:
+  explicit Agent(const AgentOptions& options);
+  ~Agent();
+  Agent(const Agent&) = delete;
+  Agent& operator=(const Agent&) = delete;
+
+  const std::string& name() const { return name_; }
+  const Incarnation& incarnation() const { return incarnation_; }
+  std::string address() const { return listen_addr_.str(); }
+  std::vector<uint8_t> metadata() const;
+  AgentStats stats() const;
+
+  // Local registration: user memory (host), or shared memory the agent
+  // allocates (local peers map it: the shm path). No peer is involved.
+  RegionDesc register_memory(void* base, uint64_t size);
+  RegionDesc alloc(uint64_t size);
+  uint8_t* region_base(uint32_t index) const;  // alloc()'d regions: their bytes
+  // Waits (up to timeout_s) for this agent's ops in flight from the region,
+  // then closes it: peers' later ops on it are refused.
+  void deregister(const RegionDesc& region, double timeout_s);
+
+  // Connects (deadline: timeout_s, <= 0: the agent's) to the agent that
+  // published `metadata`, or to "host:port" (whoever proves the secret there).
+  // An open connection to that same agent incarnation is reused.
+  std::shared_ptr<Connection> connect(const std::vector<uint8_t>& metadata, double timeout_s);
+  std::shared_ptr<Connection> connect_address(const std::string& host_port, double timeout_s);
+  // The open connection to agent `name` (either direction), or null.
+  std::shared_ptr<Connection> connection(const std::string& name) const;
+  std::vector<PeerInfo> peers() const;
+
+  // Notifications that arrived (in order per connection), waiting up to
+  // timeout_s for the first one (0: only those already there).
+  std::vector<Notification> notifications(double timeout_s);
+
+  void close();  // idempotent: stops the listener, closes every connection and region
+  bool closed() const { return closed_.load(); }
+  double timeout_s() const { return timeout_s_; }
+
+ private:
+  friend class Connection;
+  friend class Listener;
+  struct Pending;
+  void listen_loop();
+  std::shared_ptr<Window> window_for(const RegionDesc& d, const char* op, bool* entered) const;
+  RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
+  // Files a connection unless judge() refuses it ("" or why not, atomically
+  // with the judgement); closes connections to older incarnations of that peer.
+  std::string adopt(const std::shared_ptr<Connection>& c);
+  // "" when a peer with this identity may connect, else why not (with mu_ held).
+  std::string judge(const PeerInfo& p) const;
+  std::shared_ptr<Connection> find(const std::string& name, const Incarnation& inc) const;
+  std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d);
+  void prune();
+  std::string who() const { return "agent " + name_ + ": "; }
+
+  std::string name_;
+  Incarnation incarnation_{};
+  crypto::Key key_{};
+  double timeout_s_ = 60;
+  double header_timeout_s_ = 5;
+  std::function<std::string(const PeerInfo&)> admit_;
+  std::string host_;
+  tcp::Fd listen_fd_;
+  tcp::SockAddr listen_addr_;
+  int wake_fd_ = -1;
+  std::thread listener_;
+  WindowTable windows_;
+  mutable std::mutex mu_;  // conns_, superseded_, stats_, region bookkeeping
+  std::vector<std::shared_ptr<Connection>> conns_;
+  std::map<std::string, std::set<Incarnation>> superseded_;  // per name: incarnations replaced by a newer one
+  AgentStats stats_;
+  std::atomic<bool> closed_{false};
+};
+
+}  // namespace fxm::agent

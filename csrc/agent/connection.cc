@@ -1,0 +1,280 @@
+#include "agent/connection.h"
+
+#include <unistd.h>
+
+#include <thread>
+
+#include "base/log.h"
+#include "base/status.h"
+#include "transport/cma/cma.h"
+#include "transport/tcp/tcp_path.h"
+
+namespace fxm::agent {
+namespace {
+
+constexpr int kPeer = 0;  // the peer's index in the connection's engine (its only peer)
+constexpr int kCtx = 0;
+
+bool in_range(uint64_t off, uint64_t size, uint64_t limit) { return off <= limit && size <= limit - off; }
+
+std::string range_text(uint64_t off, uint64_t size) {
+  return "[" + std::to_string(off) + ", " + std::to_string(off) + "+" + std::to_string(size) + ")";
+}
+
+}  // namespace
+
+// One transfer, checked: the local window (entered until the call issued it) and the remote region.
+struct Connection::Checked {
+  std::shared_ptr<Window> local;
+  const Xfer* x = nullptr;
+};
+
+Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated)
+    : agent_(agent), peer_(std::move(peer)), initiated_(initiated) {
+  int twin = ::dup(fd.get());
+  if (twin < 0) fail(Code::kSystem, -1, errno, who() + "dup of the connection's socket");
+  conns_.send.emplace_back(twin);
+  conns_.recv.push_back(std::move(fd));
+}
+
+void Connection::start() {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!closed_why_.empty() || engine_) return;
+  engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s());
+  ready_.store(true, std::memory_order_release);
+}
+
+// The acceptor files a connection before it sends the verdict (so the table
+// and its judgement agree) and starts it right after: a call in between waits.
+Engine& Connection::engine() const {
+  Deadline d = Deadline::after_seconds(agent_->header_timeout_s_);
+  while (!ready_.load(std::memory_order_acquire)) {
+    std::string g = gone();
+    if (!g.empty() || d.expired()) fail(Code::kPeerLost, -1, 0, who() + ": " + (g.empty() ? "never started" : g));
+    std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return *engine_;
+}
+
+Connection::~Connection() { close("the connection was closed"); }
+
+std::string Connection::who() const {
+  return agent_->who() + "connection to agent " + peer_.name + " (incarnation " + incarnation_hex(peer_.incarnation) + ")";
+}
+
+std::string Connection::gone() const {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);
+    if (!closed_why_.empty()) return closed_why_;
+  }
+  if (!ready_.load(std::memory_order_acquire)) return "";
+  std::string lost = engine_->lost_reason(kPeer);
+  if (!lost.empty()) return "the peer was lost: " + lost;
+  return engine_->peer_closed(kPeer) ? "agent " + peer_.name + " closed the connection" : "";
+}
+
+void Connection::close(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
+    if (closed_why_.empty()) closed_why_ = why;
+  }
+  if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
+}
+
+Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
+  if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + call + ": a descriptor is missing");
+  const RegionDesc& r = *x.remote;
+  std::string what = who() + ": " + call + " of " + std::to_string(x.size) + " bytes ";
+  if (r.agent != peer_.name) {
+    fail(Code::kInvalidArgument, -1, 0, what + "to a region of agent " + r.agent + ", not of this connection's peer");
+  }
+  if (r.incarnation != peer_.incarnation) {
+    fail(Code::kInvalidArgument, -1, 0, what + "to region #" + std::to_string(r.index) + " of incarnation " +
+                                            incarnation_hex(r.incarnation) + " of agent " + r.agent +
+                                            ", which is now incarnation " + incarnation_hex(peer_.incarnation) +
+                                            " (it restarted: its old descriptors are void)");
+  }
+  if (!in_range(x.remote_off, x.size, r.size)) {
+    fail(Code::kInvalidArgument, -1, 0, what + "at remote " + range_text(x.remote_off, x.size) +
+                                            ": out of range of its region #" + std::to_string(r.index) + " (" +
+                                            std::to_string(r.size) + " bytes)");
+  }
+  Checked c;
+  c.x = &x;
+  bool entered = false;
+  c.local = agent_->window_for(*x.local, call, &entered);
+  c.local->leave();  // deregister() flushes this agent's connections before it closes a region
+  if (!in_range(x.local_off, x.size, c.local->size)) {
+    fail(Code::kInvalidArgument, -1, 0, what + "at local " + range_text(x.local_off, x.size) +
+                                            ": out of range of local region #" + std::to_string(x.local->index) +
+                                            " (" + std::to_string(c.local->size) + " bytes)");
+  }
+  (void)is_read;
+  return c;
+}
+
+PeerView& Connection::view_of(const RegionDesc& remote) {
+  auto it = views_.find(remote.index);
+  if (it != views_.end()) return it->second;
+  WindowDesc d;
+  WindowDesc::decode(remote.window, &d);  // RegionDesc::decode checked it
+  PathRequest req;
+  req.me = 1;  // never the peer: self is for a mesh rank's own copy
+  req.peer = kPeer;
+  req.win_index = remote.index;
+  req.kind = WindowKind::kUser;
+  req.host = agent_->host_;
+  req.pid_ns = pid_namespace();
+  req.forced = forced_transport();
+  req.forced_cuda = forced_cuda_path();
+  req.outbox = &engine();
+  req.peer_socket = conns_.recv[0].get();
+  PathChoice c = choose_path(req, d);
+  PeerView v;
+  v.size = d.size;
+  v.why = std::move(c.why);
+  v.path = std::move(c.path);
+  if (v.path->kind() != PathKind::kTcp) v.fallback = make_tcp_path(req, d, nullptr);
+  FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " over " + v.path->name() +
+                   (v.why.empty() ? "" : " (" + v.why + ")"));
+  return views_.emplace(remote.index, std::move(v)).first->second;
+}
+
+// A cma path was chosen while the region was registered; the peer may have
+// closed it since (it revokes the cookie), which the peer's engine cannot
+// refuse for a write it never sees: read the cookie back before each op.
+// (An op racing with the close itself can still land: see docs/agent.md.)
+void Connection::check_cookie(const RegionDesc& remote) const {
+  WindowDesc d;
+  WindowDesc::decode(remote.window, &d);
+  uint64_t now = 0;
+  int err = cma::read(d.pid, d.cookie_addr, &now, sizeof(now));
+  if (err == 0 && now == d.cookie) return;
+  fail(Code::kInvalidArgument, -1, 0, who() + ": region #" + std::to_string(remote.index) + " of agent " + peer_.name +
+                                          (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
+}
+
+std::string Connection::path_to(const RegionDesc& remote) {
+  std::lock_guard<std::mutex> lock(op_mu_);
+  return view_of(remote).path->name();
+}
+
+// A synchronous path that fails hands the op to tcp; while tcp ops are in
+// flight on this connection every op takes tcp (FIFO, as the mesh keeps it).
+bool Connection::issue(const Checked& c, bool is_read) {
+  PeerView& v = view_of(*c.x->remote);
+  PathOp op;
+  op.ctx = kCtx;
+  op.remote_off = c.x->remote_off;
+  op.local = c.local->base + c.x->local_off;
+  op.len = c.x->size;
+  op.src_rank = 1;
+  Path* p = v.path.get();
+  if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
+  if (p->kind() == PathKind::kCma) check_cookie(*c.x->remote);
+  if (p->synchronous()) {
+    int err = is_read ? p->get(op) : p->put(op);
+    if (err == 0) return false;
+    FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
+    p = &v.tcp();
+  }
+  ++async_issued_;  // before the post: its ack may come back at once
+  if (is_read) p->get(op);
+  else p->put(op);
+  return true;
+}
+
+Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification) {
+  const char* call = is_read ? "read" : "write";
+  std::string g = gone();
+  if (!g.empty()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + g);
+  std::vector<Checked> checked;
+  checked.reserve(ops.size());
+  for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
+  std::lock_guard<std::mutex> lock(op_mu_);
+  bool async = false;
+  try {
+    for (const Checked& c : checked) {
+      if (c.x->size != 0) async = issue(c, is_read) || async;
+    }
+    if (notification) {
+      if (is_read && async) engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
+      engine().post_message(kPeer, kCtx, notification->data(), notification->size(),
+                            Deadline::after_seconds(agent_->timeout_s()));
+    }
+  } catch (const Error& e) {
+    fail_call(e, call);
+  }
+  std::string desc = std::string(call) + " of " + std::to_string(ops.size()) + " transfer(s) to agent " + peer_.name;
+  if (!async) return Handle(nullptr, 0, desc);
+  return Handle(shared_from_this(), async_issued_.load(), desc);
+}
+
+void Connection::notify(const std::vector<uint8_t>& bytes) {
+  std::lock_guard<std::mutex> lock(op_mu_);
+  try {
+    engine().post_message(kPeer, kCtx, bytes.data(), bytes.size(), Deadline::after_seconds(agent_->timeout_s()));
+  } catch (const Error& e) {
+    fail_call(e, "notify");
+  }
+}
+
+void Connection::take_notifications(std::vector<Notification>* out) {
+  while (true) {
+    try {
+      std::vector<uint8_t> m = engine().recv_message(kPeer, kCtx, Deadline::after_seconds(0));
+      out->push_back({peer_.name, peer_.incarnation, std::move(m)});
+    } catch (const Error& e) {  // none waiting, or the peer closed / was lost (nothing more will come)
+      if (e.code() == Code::kPeerLost) {
+        std::lock_guard<std::mutex> lock(state_mu_);
+        if (closed_why_.empty()) closed_why_ = std::string("the peer is gone: ") + e.what();
+      }
+      return;
+    }
+  }
+}
+
+bool Connection::reached(uint64_t target) const { return engine().completed() >= target; }
+
+void Connection::wait(uint64_t target, const Deadline& deadline, const std::string& call) const {
+  try {
+    engine().wait_counter(target, deadline);
+  } catch (const Error& e) {
+    fail_call(e, call);
+  }
+}
+
+void Connection::flush(const Deadline& deadline) {
+  try {
+    engine().wait_counter(async_issued_.load(), deadline);
+  } catch (const Error& e) {
+    if (e.code() == Code::kTimeout) throw;
+  }
+}
+
+// The engine's words name its pair ("rank 0: ... peer 0"): they are said of the agents here.
+void Connection::fail_call(const Error& e, const std::string& call) const {
+  std::string cause = e.what();
+  if (cause.rfind("rank 0: ", 0) == 0) cause.erase(0, 8);
+  for (size_t at = cause.find("peer 0"); at != std::string::npos; at = cause.find("peer 0", at)) {
+    cause.replace(at, 6, "agent " + peer_.name);
+  }
+  std::string g = gone();
+  if (e.code() == Code::kClosed && !g.empty()) cause = g;
+  fail(e.code() == Code::kClosed ? Code::kPeerLost : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
+}
+
+// ------------------------------------------------------------ Handle
+
+bool Handle::done() const {
+  if (!conn_) return true;
+  return conn_->reached(target_) || !conn_->gone().empty();
+}
+
+void Handle::wait(double timeout_s) const {
+  if (!conn_) return;
+  double t = timeout_s > 0 ? timeout_s : conn_->agent_timeout();
+  conn_->wait(target_, Deadline::after_seconds(t), call_);
+}
+
+}  // namespace fxm::agent

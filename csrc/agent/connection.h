@@ -1,0 +1,76 @@
+// One authenticated connection between two agents: its socket, the progress
+// Engine that owns it (a 2-party pair: the peer is the engine's peer 0, one
+// context) and the paths to the peer's regions, chosen on first use.
+#pragma once
+
+#include <atomic>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "agent/agent.h"
+#include "base/status.h"
+#include "core/progress.h"
+
+namespace fxm::agent {
+
+class Connection : public std::enable_shared_from_this<Connection> {
+ public:
+  // Takes the socket of a finished handshake; start() starts its engine
+  // (calls before it wait up to the header timeout).
+  Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated);
+  void start();
+  int fd() const { return conns_.recv[0].get(); }
+  ~Connection();
+  Connection(const Connection&) = delete;
+  Connection& operator=(const Connection&) = delete;
+
+  const PeerInfo& peer() const { return peer_; }
+  bool initiated() const { return initiated_; }
+  // "" while usable, else why not (lost, closed, superseded by a restart).
+  std::string gone() const;
+  // Writes (is_read false) or reads a batch; all of it is checked before
+  // anything moves. The notification (when given) follows the data on this
+  // connection and reaches the target after the data landed.
+  Handle transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification);
+  // Sends a notification alone (FIFO after earlier transfers on this connection).
+  void notify(const std::vector<uint8_t>& bytes);
+  // Non-blocking: appends the notifications that arrived.
+  void take_notifications(std::vector<Notification>* out);
+  // Closes (kBye to the peer, engine stopped); `why` is what later calls say.
+  void close(const std::string& why);
+  std::string path_to(const RegionDesc& remote);  // the path name a transfer to it takes
+
+  // For Handle.
+  bool reached(uint64_t target) const;
+  void wait(uint64_t target, const Deadline& deadline, const std::string& call) const;
+  void flush(const Deadline& deadline);  // this agent's ops on it completed (errors swallowed)
+  double agent_timeout() const { return agent_->timeout_s(); }
+
+ private:
+  struct Checked;
+  Checked check(const Xfer& x, bool is_read, const char* call) const;
+  PeerView& view_of(const RegionDesc& remote);  // with op_mu_ held
+  bool issue(const Checked& c, bool is_read);   // true: issued asynchronously
+  void check_cookie(const RegionDesc& remote) const;  // cma: throws once the peer closed the region
+  [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
+  std::string who() const;
+  Engine& engine() const;
+
+  Agent* agent_;
+  PeerInfo peer_;
+  bool initiated_;
+  Connections conns_;  // send and recv: the one socket (the engine writes one, reads the other)
+  std::unique_ptr<Engine> engine_;
+  std::mutex op_mu_;   // FIFO of calls on this connection; views_
+  std::map<uint32_t, PeerView> views_;  // per remote region index
+  std::atomic<uint64_t> async_issued_{0};
+  mutable std::mutex state_mu_;
+  std::string closed_why_;
+  std::atomic<bool> stopped_{false};
+  std::atomic<bool> ready_{false};  // engine_ is set
+};
+
+}  // namespace fxm::agent

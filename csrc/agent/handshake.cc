@@ -1,0 +1,158 @@
+#include "agent/handshake.h"
+
+#include <poll.h>
+
+#include <cstring>
+
+#include "base/status.h"
+
+namespace fxm::agent::hs {
+
+using wire::kConnHeaderSize;
+using wire::kHelloSize;
+
+std::vector<uint8_t> encode_ident(const Ident& id) {
+  std::vector<uint8_t> b;
+  b.push_back(static_cast<uint8_t>(id.name.size()));
+  b.insert(b.end(), id.name.begin(), id.name.end());
+  b.insert(b.end(), id.expect.begin(), id.expect.end());
+  return b;
+}
+
+bool decode_ident(const std::vector<uint8_t>& b, Ident* out) {
+  if (b.empty() || b.size() != 1u + b[0] + out->expect.size() || b[0] == 0) return false;
+  out->name.assign(b.begin() + 1, b.begin() + 1 + b[0]);
+  std::memcpy(out->expect.data(), b.data() + 1 + b[0], out->expect.size());
+  return true;
+}
+
+wire::ConnHeader header(wire::Role role, const Incarnation& mine, uint32_t ext_len) {
+  wire::ConnHeader h;
+  h.role = role;
+  h.mesh_id = mine;
+  h.ncontexts = 1;
+  h.ext_len = ext_len;
+  return h;
+}
+
+wire::Reject check_header(const uint8_t raw[kConnHeaderSize], wire::Role want, wire::ConnHeader* h) {
+  wire::Reject why = wire::decode(raw, h);
+  if (why != wire::Reject::kNone) return why;
+  if (h->role != want) return wire::Reject::kBadRole;
+  if (h->epoch != 0 || h->src != -1 || h->dst != -1 || h->nranks != 0 || h->ncontexts != 1 ||
+      h->ext_len < 2 || h->ext_len > kMaxIdent) {
+    return wire::Reject::kBadShape;
+  }
+  return wire::Reject::kNone;
+}
+
+wire::Mac mac(const crypto::Key& key, wire::Role prover, const uint8_t hello[kHelloSize],
+              const uint8_t answer[kHelloSize], const std::vector<uint8_t>& hello_ident,
+              const std::vector<uint8_t>& answer_ident) {
+  std::vector<uint8_t> bound(hello_ident);
+  bound.insert(bound.end(), answer_ident.begin(), answer_ident.end());
+  return wire::handshake_mac(key, prover, hello, answer, bound.data(), bound.size());
+}
+
+std::vector<uint8_t> verdict_frame(const std::string& why) {
+  std::string text = why.substr(0, kMaxVerdict);
+  std::vector<uint8_t> b(wire::kFrameHeaderSize);
+  wire::encode_frame({wire::FrameType::kAdmit, 0, text.size()}, b.data());
+  b.insert(b.end(), text.begin(), text.end());
+  return b;
+}
+
+namespace {
+
+[[noreturn]] void fail_dial(Code code, const std::string& who, const tcp::SockAddr& to, const std::string& cause) {
+  fail(code, -1, 0, who + "connect to " + to.str() + ": " + cause);
+}
+
+void io(const tcp::IoResult& r, const std::string& who, const tcp::SockAddr& to, const char* doing) {
+  if (r.ok()) return;
+  Code c = r.kind == tcp::IoResult::kTimeout ? Code::kTimeout : Code::kPeerLost;
+  fail_dial(c, who, to, std::string(doing) + ": " + r.describe() +
+                            (r.kind == tcp::IoResult::kClosed ? " (a wrong secret, or refused at its listener)" : ""));
+}
+
+tcp::Fd open_socket(const tcp::SockAddr& to, const Deadline& deadline, const std::string& who) {
+  int err = 0;
+  tcp::Fd fd = tcp::connect_start(to, &err);
+  if (!fd) fail_dial(Code::kPeerLost, who, to, errno_text(err));
+  pollfd p{fd.get(), POLLOUT, 0};
+  int rc = ::poll(&p, 1, deadline.poll_ms());
+  if (rc == 0) fail_dial(Code::kTimeout, who, to, "the TCP connect did not complete before the deadline");
+  err = rc < 0 ? errno : tcp::connect_error(fd.get());
+  if (err != 0) fail_dial(Code::kPeerLost, who, to, errno_text(err) + " (is the agent there?)");
+  return fd;
+}
+
+}  // namespace
+
+namespace {
+
+// Reads the answer and its identity block, checks its header, its MAC and
+// (when `me` expects one) its incarnation; returns the acceptor's identity.
+PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<uint8_t>& my_ident, const Ident& me,
+                     const crypto::Key& key, const tcp::SockAddr& to, const Deadline& deadline, const std::string& who,
+                     uint8_t answer[wire::kAnswerSize], std::vector<uint8_t>* peer_ident) {
+  io(tcp::read_full(fd, answer, wire::kAnswerSize, deadline), who, to, "reading the answer");
+  wire::ConnHeader h;
+  wire::Reject why = check_header(answer, wire::Role::kAgentAccept, &h);
+  if (why != wire::Reject::kNone) {
+    fail_dial(Code::kProtocol, who, to, std::string("the answer is not an agent's (") + wire::reject_name(why) + ")");
+  }
+  peer_ident->resize(h.ext_len);
+  io(tcp::read_full(fd, peer_ident->data(), peer_ident->size(), deadline), who, to, "reading the answer");
+  Ident theirs;
+  if (!decode_ident(*peer_ident, &theirs)) fail_dial(Code::kProtocol, who, to, "a malformed identity in the answer");
+  wire::Mac want = mac(key, wire::Role::kAgentAccept, hello, answer, my_ident, *peer_ident);
+  if (!crypto::equal_ct(want.data(), answer + kHelloSize, want.size())) {
+    fail_dial(Code::kProtocol, who, to, "the agent there does not prove the secret (another secret, or not an agent)");
+  }
+  static const Incarnation kAny{};
+  if (me.expect != kAny && h.mesh_id != me.expect) {
+    fail_dial(Code::kInvalidArgument, who, to, "agent " + theirs.name + " there is incarnation " +
+                                                   incarnation_hex(h.mesh_id) + ", not the " +
+                                                   incarnation_hex(me.expect) + " the metadata names (it restarted)");
+  }
+  return {theirs.name, h.mesh_id, to.str()};
+}
+
+// The acceptor's verdict: "" admitted, else its reason (thrown).
+void read_verdict(int fd, const PeerInfo& peer, const tcp::SockAddr& to, const Deadline& deadline,
+                  const std::string& who) {
+  uint8_t fh[wire::kFrameHeaderSize];
+  io(tcp::read_full(fd, fh, sizeof(fh), deadline), who, to, "waiting for admission");
+  wire::FrameHeader f;
+  if (!wire::decode_frame(fh, &f) || f.type != wire::FrameType::kAdmit || f.length > kMaxVerdict) {
+    fail_dial(Code::kProtocol, who, to, "a malformed admission answer");
+  }
+  std::string reason(f.length, '\0');
+  io(tcp::read_full(fd, reason.data(), reason.size(), deadline), who, to, "waiting for admission");
+  if (!reason.empty()) fail_dial(Code::kInvalidArgument, who, to, "agent " + peer.name + " refused this agent: " + reason);
+}
+
+}  // namespace
+
+Dialed dial(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine, const crypto::Key& key,
+            const Deadline& deadline, const std::string& who) {
+  Dialed out;
+  out.fd = open_socket(to, deadline, who);
+  std::vector<uint8_t> my_ident = encode_ident(me);
+  uint8_t hello[kHelloSize];
+  wire::encode(header(wire::Role::kAgentConnect, mine, static_cast<uint32_t>(my_ident.size())), hello);
+  crypto::random_bytes(hello + kConnHeaderSize, wire::kNonceSize);
+  std::vector<uint8_t> first(hello, hello + kHelloSize);
+  first.insert(first.end(), my_ident.begin(), my_ident.end());
+  io(tcp::write_full(out.fd.get(), first.data(), first.size(), deadline), who, to, "sending the hello");
+  uint8_t answer[wire::kAnswerSize];
+  std::vector<uint8_t> peer_ident;
+  out.peer = read_answer(out.fd.get(), hello, my_ident, me, key, to, deadline, who, answer, &peer_ident);
+  wire::Mac proof = mac(key, wire::Role::kAgentConnect, hello, answer, my_ident, peer_ident);
+  io(tcp::write_full(out.fd.get(), proof.data(), proof.size(), deadline), who, to, "sending the proof");
+  read_verdict(out.fd.get(), out.peer, to, deadline, who);
+  return out;
+}
+
+}  // namespace fxm::agent::hs

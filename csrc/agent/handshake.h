@@ -1,0 +1,49 @@
+// The agents' connection handshake: the mesh's (wire.h: header, nonces,
+// HMAC-SHA256 proofs of the key both ways) in the agent roles, followed on
+// each side by an identity block (the agent's name and the incarnation it
+// expects at the other end, zeros for any) that both MACs cover, then the
+// acceptor's verdict frame (kAdmit: "" admitted, else why not).
+//   connector -> acceptor  hello + ident                 (96 + ext_len)
+//   acceptor -> connector  answer head + MAC + ident     (128 + ext_len)
+//   connector -> acceptor  proof                         (32)
+//   acceptor -> connector  kAdmit frame + reason         (16 + len)
+#pragma once
+
+#include <string>
+#include <vector>
+
+#include "agent/agent.h"
+
+namespace fxm::agent::hs {
+
+constexpr size_t kMaxIdent = 256;
+constexpr size_t kMaxVerdict = 1024;
+
+struct Ident {
+  std::string name;
+  Incarnation expect{};  // the incarnation this side expects of the other; zeros: any
+};
+std::vector<uint8_t> encode_ident(const Ident& id);
+bool decode_ident(const std::vector<uint8_t>& b, Ident* out);
+
+// An agent header: role, this agent's incarnation (in mesh_id), the length of its identity block.
+wire::ConnHeader header(wire::Role role, const Incarnation& mine, uint32_t ext_len);
+// Decodes and checks the agent shape (role, no rank fields, ext_len in range).
+wire::Reject check_header(const uint8_t raw[wire::kConnHeaderSize], wire::Role want, wire::ConnHeader* h);
+// The MAC `prover` sends, over both heads and both identity blocks.
+wire::Mac mac(const crypto::Key& key, wire::Role prover, const uint8_t hello[wire::kHelloSize],
+              const uint8_t answer[wire::kHelloSize], const std::vector<uint8_t>& hello_ident,
+              const std::vector<uint8_t>& answer_ident);
+std::vector<uint8_t> verdict_frame(const std::string& why);
+
+struct Dialed {
+  tcp::Fd fd;
+  PeerInfo peer;
+};
+// The connector's side, blocking until `deadline`: connect, hello, check the
+// answer's proof and identity (`expect`: the incarnation it must be, or
+// null), prove, read the verdict. Throws Error naming `to` and the cause.
+Dialed dial(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine, const crypto::Key& key,
+            const Deadline& deadline, const std::string& who);
+
+}  // namespace fxm::agent::hs

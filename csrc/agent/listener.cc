@@ -1,0 +1,242 @@
+// The agent's listener thread: accepts connections, runs the acceptor's side
+// of the handshake for each (hello, answer, proof, verdict) in one poll loop,
+// and files the admitted ones. Bounded like the mesh listener: each accepted
+// connection has the header deadline to complete its handshake (a silent
+// client is closed), at most kMaxPending are pending at once (beyond that the
+// oldest without a valid header goes first), and every refusal is counted by
+// its wire::Reject reason.
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cstring>
+
+#include "agent/connection.h"
+#include "agent/handshake.h"
+#include "base/log.h"
+#include "base/status.h"
+
+namespace fxm::agent {
+namespace {
+
+constexpr size_t kMaxPending = 256;
+constexpr int kAcceptBatch = 64;
+
+struct Incoming {
+  tcp::Fd fd;
+  tcp::SockAddr from;
+  Deadline deadline;
+  enum Stage { kHello, kIdent, kProof } stage = kHello;
+  uint8_t hello[wire::kHelloSize];
+  uint8_t answer[wire::kHelloSize];
+  uint8_t proof[wire::kProofSize];
+  std::vector<uint8_t> ident, my_ident;
+  size_t got = 0;
+  bool header_ok = false;
+  bool finished = false;
+  wire::ConnHeader h;
+};
+
+}  // namespace
+
+class Listener {
+ public:
+  explicit Listener(Agent& a) : a_(a) {}
+  void run();
+
+ private:
+  void accept_all();
+  void make_room();
+  void on_readable(Incoming& in);
+  bool fill(Incoming& in, uint8_t* buf, size_t want);
+  void on_hello(Incoming& in);
+  void answer(Incoming& in);
+  void on_proof(Incoming& in);
+  std::string judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code);
+  void reject(Incoming& in, wire::Reject why, const std::string& detail = "");
+  void poll_once();
+
+  Agent& a_;
+  std::vector<Incoming> in_;
+};
+
+void Listener::run() {
+  while (!a_.closed_.load()) {
+    poll_once();
+    for (Incoming& in : in_) {
+      if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
+    }
+    in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& i) { return i.finished; }), in_.end());
+  }
+}
+
+void Listener::poll_once() {
+  std::vector<pollfd> fds{{a_.wake_fd_, POLLIN, 0}, {a_.listen_fd_.get(), POLLIN, 0}};
+  for (Incoming& in : in_) fds.push_back({in.fd.get(), POLLIN, 0});
+  Deadline next = Deadline::after_seconds(0.1);
+  for (Incoming& in : in_) next = next.min(in.deadline);
+  int rc = ::poll(fds.data(), fds.size(), next.poll_ms());
+  if (rc <= 0) return;
+  size_t n = in_.size();  // accept_all() may add more
+  for (size_t k = 0; k < n; ++k) {
+    if (fds[k + 2].revents) on_readable(in_[k]);
+  }
+  if (fds[1].revents) accept_all();
+}
+
+void Listener::accept_all() {
+  for (int taken = 0; taken < kAcceptBatch; ++taken) {
+    Incoming in;
+    int err = 0;
+    in.fd = tcp::accept_one(a_.listen_fd_.get(), &in.from, &err);
+    if (!in.fd) {
+      if (err != 0 && err != ECONNABORTED && err != EINTR && err != EAGAIN) {
+        FXM_WARN(-1, a_.who() + "accept on the agent listener failed: " + errno_text(err));
+      }
+      return;
+    }
+    in.deadline = Deadline::after_seconds(a_.header_timeout_s_);
+    make_room();
+    in_.push_back(std::move(in));
+    on_readable(in_.back());
+  }
+}
+
+void Listener::make_room() {
+  size_t live = 0;
+  Incoming* victim = nullptr;
+  for (Incoming& in : in_) {
+    if (in.finished) continue;
+    ++live;
+    if (!victim || (victim->header_ok && !in.header_ok)) victim = &in;
+  }
+  if (live >= kMaxPending) reject(*victim, wire::Reject::kOverflow);
+}
+
+// Reads toward `want` bytes in buf; true once they are all there.
+bool Listener::fill(Incoming& in, uint8_t* buf, size_t want) {
+  tcp::IoResult r = tcp::read_some(in.fd.get(), buf + in.got, want - in.got);
+  in.got += r.done;
+  if (!r.ok()) {
+    reject(in, wire::Reject::kTruncated);
+    return false;
+  }
+  return in.got == want;
+}
+
+void Listener::on_readable(Incoming& in) {
+  if (in.finished) return;
+  if (in.stage == Incoming::kHello) {
+    if (!in.header_ok && in.got < wire::kConnHeaderSize) {
+      if (fill(in, in.hello, wire::kConnHeaderSize)) on_hello(in);
+      return;
+    }
+    if (fill(in, in.hello, wire::kHelloSize)) {
+      in.stage = Incoming::kIdent;
+      in.got = 0;
+    }
+    return;
+  }
+  if (in.stage == Incoming::kIdent) {
+    if (fill(in, in.ident.data(), in.ident.size())) answer(in);
+    return;
+  }
+  if (fill(in, in.proof, sizeof(in.proof))) on_proof(in);
+}
+
+void Listener::on_hello(Incoming& in) {
+  wire::Reject why = hs::check_header(in.hello, wire::Role::kAgentConnect, &in.h);
+  if (why != wire::Reject::kNone) return reject(in, why);
+  in.header_ok = true;
+  in.ident.resize(in.h.ext_len);
+}
+
+void Listener::answer(Incoming& in) {
+  hs::Ident theirs;
+  if (!hs::decode_ident(in.ident, &theirs)) return reject(in, wire::Reject::kBadShape);
+  hs::Ident me{a_.name_, in.h.mesh_id};
+  in.my_ident = hs::encode_ident(me);
+  wire::encode(hs::header(wire::Role::kAgentAccept, a_.incarnation_, static_cast<uint32_t>(in.my_ident.size())),
+               in.answer);
+  crypto::random_bytes(in.answer + wire::kConnHeaderSize, wire::kNonceSize);
+  wire::Mac m = hs::mac(a_.key_, wire::Role::kAgentAccept, in.hello, in.answer, in.ident, in.my_ident);
+  std::vector<uint8_t> out(in.answer, in.answer + wire::kHelloSize);
+  out.insert(out.end(), m.begin(), m.end());
+  out.insert(out.end(), in.my_ident.begin(), in.my_ident.end());
+  tcp::IoResult r = tcp::write_full(in.fd.get(), out.data(), out.size(), Deadline::after_seconds(1));
+  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
+  in.stage = Incoming::kProof;
+  in.got = 0;
+}
+
+// "" when the peer that proved the secret may connect, else why not (*code: how it is counted).
+std::string Listener::judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code) {
+  static const Incarnation kAny{};
+  *code = wire::Reject::kStaleIncarnation;
+  if (expect != kAny && expect != a_.incarnation_) {
+    return "it expects incarnation " + incarnation_hex(expect) + " of agent " + a_.name_ + ", which is now " +
+           incarnation_hex(a_.incarnation_) + " (this agent restarted)";
+  }
+  {
+    std::lock_guard<std::mutex> lock(a_.mu_);
+    std::string why = a_.judge(peer);
+    if (!why.empty()) return why;
+  }
+  if (!a_.admit_) return "";
+  *code = wire::Reject::kPolicy;
+  try {
+    return a_.admit_(peer);
+  } catch (const std::exception& e) {
+    return std::string("the admission policy failed: ") + e.what();
+  }
+}
+
+// The peer proved the secret: judge it, file it, tell it the verdict, start it.
+void Listener::on_proof(Incoming& in) {
+  wire::Mac want = hs::mac(a_.key_, wire::Role::kAgentConnect, in.hello, in.answer, in.ident, in.my_ident);
+  if (!crypto::equal_ct(want.data(), in.proof, want.size())) return reject(in, wire::Reject::kBadAuth);
+  hs::Ident theirs;
+  hs::decode_ident(in.ident, &theirs);
+  PeerInfo peer{theirs.name, in.h.mesh_id, in.from.str()};
+  wire::Reject code = wire::Reject::kNone;
+  std::string why = judge(peer, theirs.expect, &code);
+  std::shared_ptr<Connection> c;
+  if (why.empty()) {
+    try {
+      c = std::make_shared<Connection>(&a_, std::move(in.fd), peer, false);
+    } catch (const std::exception& e) {
+      return reject(in, wire::Reject::kTruncated, e.what());
+    }
+    why = a_.adopt(c);  // filed before the verdict: what the peer is told is what the table holds
+    if (!why.empty()) code = wire::Reject::kStaleIncarnation;
+  }
+  std::vector<uint8_t> v = hs::verdict_frame(why);
+  int fd = c ? c->fd() : in.fd.get();
+  tcp::IoResult r = tcp::write_full(fd, v.data(), v.size(), Deadline::after_seconds(1));
+  if (!why.empty()) return reject(in, code, why);
+  in.finished = true;
+  if (!r.ok()) return c->close("sending the admission failed: " + r.describe());
+  c->start();
+}
+
+void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail) {
+  {
+    std::lock_guard<std::mutex> lock(a_.mu_);
+    ++a_.stats_.rejected[static_cast<size_t>(why)];
+  }
+  FXM_INFO(-1, a_.who() + "closed a connection from " + in.from.str() + " to the agent listener: " +
+                   wire::reject_name(why) + (detail.empty() ? "" : " (" + detail + ")"));
+  in.fd.reset();
+  in.finished = true;
+}
+
+void Agent::listen_loop() {
+  Listener l(*this);
+  try {
+    l.run();
+  } catch (const std::exception& e) {
+    FXM_ERROR(-1, who() + "the listener stopped: " + e.what());
+  }
+}
+
+}  // namespace fxm::agent

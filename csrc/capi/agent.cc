@@ -1,0 +1,186 @@
+// The agents' C ABI (flagcx_mesh_agent_* in flagcx_mesh.h) over csrc/agent.
+#include <cstring>
+#include <deque>
+#include <memory>
+#include <mutex>
+
+#include "agent/agent.h"
+#include "agent/connection.h"
+#include "capi/guard.h"
+
+using fxm::Code;
+using fxm::fail;
+using fxm::capi::guard;
+using fxm::capi::require;
+
+struct flagcx_mesh_agent {
+  std::unique_ptr<fxm::agent::Agent> a;
+  std::mutex mu;  // pending
+  std::deque<fxm::agent::Notification> pending;
+};
+struct flagcx_mesh_agent_conn {
+  std::shared_ptr<fxm::agent::Connection> c;
+};
+struct flagcx_mesh_agent_handle {
+  fxm::agent::Handle h;
+};
+
+namespace {
+
+std::vector<uint8_t> bytes_of(const void* p, size_t n, const char* name) {
+  require(p, name);
+  const uint8_t* b = static_cast<const uint8_t*>(p);
+  return std::vector<uint8_t>(b, b + n);
+}
+
+// Copies v out (all of it or nothing), else fails saying the size needed (*len set to it).
+void give(const std::vector<uint8_t>& v, void* buf, size_t* len) {
+  require(len, "len");
+  size_t cap = *len;
+  *len = v.size();
+  if (buf == nullptr || cap < v.size()) {
+    fail(Code::kInvalidArgument, -1, 0, "the buffer holds " + std::to_string(cap) + " bytes; " +
+                                            std::to_string(v.size()) + " are needed (*len says so)");
+  }
+  std::memcpy(buf, v.data(), v.size());
+}
+
+}  // namespace
+
+extern "C" {
+
+flagcx_mesh_result_t flagcx_mesh_agent_create(flagcx_mesh_agent_t* agent, const char* name, const char* secret,
+                                              double timeout_s) {
+  return guard("flagcx_mesh_agent_create", [&] {
+    require(agent, "agent");
+    require(name, "name");
+    fxm::agent::AgentOptions o;
+    o.name = name;
+    o.secret = secret ? secret : "";
+    o.timeout_s = timeout_s;
+    auto w = std::make_unique<flagcx_mesh_agent>();
+    w->a = std::make_unique<fxm::agent::Agent>(o);
+    *agent = w.release();
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_destroy(flagcx_mesh_agent_t agent) {
+  return guard("flagcx_mesh_agent_destroy", [&] {
+    if (agent == nullptr) return;
+    agent->a->close();
+    delete agent;
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_metadata(flagcx_mesh_agent_t agent, void* buf, size_t* len) {
+  return guard("flagcx_mesh_agent_metadata", [&] {
+    require(agent, "agent");
+    give(agent->a->metadata(), buf, len);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_register(flagcx_mesh_agent_t agent, void* base, uint64_t size, void* desc,
+                                                size_t* desc_len) {
+  return guard("flagcx_mesh_agent_register", [&] {
+    require(agent, "agent");
+    require(desc_len, "desc_len");
+    if (desc == nullptr) fail(Code::kInvalidArgument, -1, 0, "desc is NULL");
+    fxm::agent::RegionDesc d = agent->a->register_memory(base, size);
+    std::vector<uint8_t> enc = d.encode();
+    if (*desc_len < enc.size()) {
+      *desc_len = enc.size();
+      agent->a->deregister(d, 0);  // nothing registered when it cannot be returned
+      fail(Code::kInvalidArgument, -1, 0, "desc holds too few bytes; " + std::to_string(enc.size()) + " are needed");
+    }
+    give(enc, desc, desc_len);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_deregister(flagcx_mesh_agent_t agent, const void* desc, size_t desc_len,
+                                                  double timeout_s) {
+  return guard("flagcx_mesh_agent_deregister", [&] {
+    require(agent, "agent");
+    agent->a->deregister(fxm::agent::RegionDesc::decode(bytes_of(desc, desc_len, "desc")), timeout_s);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_connect(flagcx_mesh_agent_t agent, const void* metadata, size_t metadata_len,
+                                               double timeout_s, flagcx_mesh_agent_conn_t* conn) {
+  return guard("flagcx_mesh_agent_connect", [&] {
+    require(agent, "agent");
+    require(conn, "conn");
+    auto c = agent->a->connect(bytes_of(metadata, metadata_len, "metadata"), timeout_s);
+    *conn = new flagcx_mesh_agent_conn{std::move(c)};
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_conn_release(flagcx_mesh_agent_conn_t conn) {
+  return guard("flagcx_mesh_agent_conn_release", [&] { delete conn; });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_transfer(flagcx_mesh_agent_conn_t conn, int is_read,
+                                                const flagcx_mesh_agent_xfer_t* ops, size_t nops,
+                                                const void* notification, size_t notification_len,
+                                                flagcx_mesh_agent_handle_t* handle) {
+  return guard("flagcx_mesh_agent_transfer", [&] {
+    require(conn, "conn");
+    require(handle, "handle");
+    if (nops > 0) require(ops, "ops");
+    std::vector<fxm::agent::RegionDesc> descs;
+    descs.reserve(2 * nops);
+    for (size_t i = 0; i < nops; ++i) {
+      descs.push_back(fxm::agent::RegionDesc::decode(bytes_of(ops[i].local, ops[i].local_len, "ops[i].local")));
+      descs.push_back(fxm::agent::RegionDesc::decode(bytes_of(ops[i].remote, ops[i].remote_len, "ops[i].remote")));
+    }
+    std::vector<fxm::agent::Xfer> xs;
+    for (size_t i = 0; i < nops; ++i) {
+      xs.push_back({&descs[2 * i], ops[i].local_offset, &descs[2 * i + 1], ops[i].remote_offset, ops[i].size});
+    }
+    std::vector<uint8_t> n;
+    if (notification) n = bytes_of(notification, notification_len, "notification");
+    fxm::agent::Handle h = conn->c->transfer(xs, is_read != 0, notification ? &n : nullptr);
+    *handle = new flagcx_mesh_agent_handle{std::move(h)};
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_handle_test(flagcx_mesh_agent_handle_t handle, int* done) {
+  return guard("flagcx_mesh_agent_handle_test", [&] {
+    require(handle, "handle");
+    require(done, "done");
+    *done = handle->h.done() ? 1 : 0;
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_handle_wait(flagcx_mesh_agent_handle_t handle, double timeout_s) {
+  return guard("flagcx_mesh_agent_handle_wait", [&] {
+    require(handle, "handle");
+    handle->h.wait(timeout_s);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_handle_free(flagcx_mesh_agent_handle_t handle) {
+  return guard("flagcx_mesh_agent_handle_free", [&] { delete handle; });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, double timeout_s, char* peer,
+                                                    size_t peer_cap, void* buf, size_t* len) {
+  return guard("flagcx_mesh_agent_notification", [&] {
+    require(agent, "agent");
+    require(len, "len");
+    std::lock_guard<std::mutex> lock(agent->mu);
+    if (agent->pending.empty()) {
+      for (auto& n : agent->a->notifications(timeout_s)) agent->pending.push_back(std::move(n));
+    }
+    if (agent->pending.empty()) fail(Code::kTimeout, -1, 0, "no notification within " + std::to_string(timeout_s) + " s");
+    fxm::agent::Notification& n = agent->pending.front();
+    give(n.bytes, buf, len);  // a short buffer leaves it queued
+    if (peer && peer_cap > 0) {
+      size_t k = std::min(peer_cap - 1, n.peer.size());
+      std::memcpy(peer, n.peer.data(), k);
+      peer[k] = '\0';
+    }
+    agent->pending.pop_front();
+  });
+}
+
+}  // extern "C"

@@ -1,0 +1,35 @@
+#include "core/window_setup.h"
+
+#include <sys/random.h>
+#include <unistd.h>
+
+#include "base/clock.h"
+
+namespace fxm {
+
+uint64_t random_cookie() {
+  uint64_t v = 0;
+  while (v == 0) {
+    if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) {
+      v = static_cast<uint64_t>(Clock::now().time_since_epoch().count()) * 0x9E3779B97F4A7C15ull ^
+          static_cast<uint64_t>(::getpid());
+    }
+  }
+  return v;
+}
+
+WindowDesc describe_local(const Window& w, const std::string& host, const std::string& shm_name) {
+  WindowDesc d;
+  d.kind = w.kind;
+  d.size = w.size;
+  d.addr = reinterpret_cast<uint64_t>(w.base);
+  d.pid = static_cast<int32_t>(::getpid());
+  d.host = host;
+  d.pid_ns = pid_namespace();
+  d.shm_name = shm_name;
+  d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
+  d.cookie = w.cookie ? *w.cookie : 0;
+  return d;
+}
+
+}  // namespace fxm

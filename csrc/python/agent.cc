@@ -1,0 +1,171 @@
+// Bindings of the agent (csrc/agent): AgentCore, AgentConnection,
+// AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
+// that may block releases the GIL. The admission policy from Python is a set
+// of names (a Python callback on the listener thread could deadlock a close).
+#include <pybind11/stl.h>
+
+#include "agent/agent.h"
+#include "agent/connection.h"
+#include "python/bindings.h"
+
+namespace fxm_py {
+namespace {
+
+using fxm::agent::Agent;
+using fxm::agent::Connection;
+using fxm::agent::Handle;
+using fxm::agent::RegionDesc;
+
+std::vector<uint8_t> to_vec(const py::bytes& b) {
+  std::string s = b;
+  return std::vector<uint8_t>(s.begin(), s.end());
+}
+
+py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
+
+RegionDesc region(const py::bytes& b) { return RegionDesc::decode(to_vec(b)); }
+
+py::dict region_info(const RegionDesc& d) {
+  py::dict out;
+  out["agent"] = d.agent;
+  out["incarnation"] = fxm::agent::incarnation_hex(d.incarnation);
+  out["index"] = d.index;
+  out["size"] = d.size;
+  out["kind"] = fxm::kind_name(d.kind);
+  return out;
+}
+
+std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& secret, double timeout,
+                                  double header_timeout, const py::object& allow) {
+  fxm::agent::AgentOptions o;
+  o.name = name;
+  o.secret = secret;
+  o.timeout_s = timeout;
+  o.header_timeout_s = header_timeout;
+  if (!allow.is_none()) {
+    auto names = std::make_shared<std::set<std::string>>(allow.cast<std::set<std::string>>());
+    o.admit = [names](const fxm::agent::PeerInfo& p) {
+      return names->count(p.name) ? std::string() : "agent " + p.name + " is not in this agent's allow list";
+    };
+  }
+  py::gil_scoped_release release;
+  return std::make_shared<Agent>(o);
+}
+
+Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif) {
+  std::vector<RegionDesc> descs;
+  descs.reserve(2 * ops.size());
+  std::vector<fxm::agent::Xfer> xs;
+  for (const py::handle& item : ops) {
+    py::tuple t = item.cast<py::tuple>();
+    if (t.size() != 5) throw py::value_error("a transfer is (local, local_offset, remote, remote_offset, size)");
+    descs.push_back(region(t[0].cast<py::bytes>()));
+    descs.push_back(region(t[2].cast<py::bytes>()));
+    xs.push_back({nullptr, t[1].cast<uint64_t>(), nullptr, t[3].cast<uint64_t>(), t[4].cast<uint64_t>()});
+  }
+  for (size_t i = 0; i < xs.size(); ++i) {
+    xs[i].local = &descs[2 * i];
+    xs[i].remote = &descs[2 * i + 1];
+  }
+  std::vector<uint8_t> n;
+  bool has_n = !notif.is_none();
+  if (has_n) n = to_vec(notif.cast<py::bytes>());
+  py::gil_scoped_release release;
+  return c.transfer(xs, is_read, has_n ? &n : nullptr);
+}
+
+void bind_connection(py::module_& m) {
+  py::class_<Connection, std::shared_ptr<Connection>>(m, "AgentConnection")
+      .def_property_readonly("peer_name", [](const Connection& c) { return c.peer().name; })
+      .def_property_readonly("peer_incarnation", [](const Connection& c) { return fxm::agent::incarnation_hex(c.peer().incarnation); })
+      .def_property_readonly("peer_address", [](const Connection& c) { return c.peer().address; })
+      .def_property_readonly("initiated", &Connection::initiated)
+      .def("gone", &Connection::gone)
+      .def("transfer", &transfer, py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
+           py::keep_alive<0, 1>())  // a handle keeps its connection (and so its agent) alive
+      .def("notify", [](Connection& c, const py::bytes& b) {
+        std::vector<uint8_t> v = to_vec(b);
+        py::gil_scoped_release release;
+        c.notify(v);
+      })
+      .def("path_to", [](Connection& c, const py::bytes& b) { return c.path_to(region(b)); })
+      .def("close", [](Connection& c) {
+        py::gil_scoped_release release;
+        c.close("closed by this agent");
+      });
+  py::class_<Handle>(m, "AgentHandle")
+      .def("done", &Handle::done, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &Handle::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("call", &Handle::call);
+}
+
+}  // namespace
+
+void bind_agent(py::module_& m) {
+  bind_connection(m);
+  py::class_<Agent, std::shared_ptr<Agent>>(m, "AgentCore")
+      .def(py::init(&make_agent), py::arg("name"), py::arg("secret") = "", py::arg("timeout") = 0.0,
+           py::arg("header_timeout") = 5.0, py::arg("allow") = py::none())
+      .def_property_readonly("name", &Agent::name)
+      .def_property_readonly("incarnation", [](const Agent& a) { return fxm::agent::incarnation_hex(a.incarnation()); })
+      .def_property_readonly("address", &Agent::address)
+      .def_property_readonly("timeout", &Agent::timeout_s)
+      .def("metadata", [](const Agent& a) { return to_bytes(a.metadata()); })
+      .def("register", [](Agent& a, const py::object& buffer) {
+        ByteView view(buffer, true);  // the Python Region keeps the exporter alive
+        return to_bytes(a.register_memory(view.data(), view.size()).encode());
+      })
+      .def("alloc", [](Agent& a, uint64_t size) { return to_bytes(a.alloc(size).encode()); })
+      .def("region_view", [](Agent& a, const py::bytes& b) -> py::object {
+        RegionDesc d = region(b);
+        uint8_t* base = a.region_base(d.index);
+        if (!base || d.agent != a.name() || d.incarnation != a.incarnation()) return py::none();
+        return py::memoryview::from_memory(base, static_cast<py::ssize_t>(d.size));
+      })
+      .def("deregister", [](Agent& a, const py::bytes& b, double timeout) {
+        RegionDesc d = region(b);
+        py::gil_scoped_release release;
+        a.deregister(d, timeout);
+      }, py::arg("region"), py::arg("timeout") = 0.0)
+      .def("connect", [](Agent& a, const py::bytes& md, double timeout) {
+        std::vector<uint8_t> v = to_vec(md);
+        py::gil_scoped_release release;
+        return a.connect(v, timeout);
+      }, py::arg("metadata"), py::arg("timeout") = 0.0, py::keep_alive<0, 1>())  // a connection keeps its agent
+      .def("connect_address", &Agent::connect_address, py::arg("address"), py::arg("timeout") = 0.0,
+           py::call_guard<py::gil_scoped_release>(), py::keep_alive<0, 1>())
+      .def("connection", &Agent::connection, py::keep_alive<0, 1>())
+      .def("peers", [](const Agent& a) {
+        py::list out;
+        for (const auto& p : a.peers()) out.append(py::make_tuple(p.name, fxm::agent::incarnation_hex(p.incarnation), p.address));
+        return out;
+      })
+      .def("notifications", [](Agent& a, double timeout) {
+        std::vector<fxm::agent::Notification> got;
+        {
+          py::gil_scoped_release release;
+          got = a.notifications(timeout);
+        }
+        py::list out;
+        for (const auto& n : got) out.append(py::make_tuple(n.peer, fxm::agent::incarnation_hex(n.incarnation), to_bytes(n.bytes)));
+        return out;
+      }, py::arg("timeout") = 0.0)
+      .def("stats", [](const Agent& a) {
+        fxm::agent::AgentStats s = a.stats();
+        py::dict rejected;
+        for (size_t i = 0; i < s.rejected.size(); ++i) {
+          if (s.rejected[i]) rejected[fxm::wire::reject_name(static_cast<fxm::wire::Reject>(i))] = s.rejected[i];
+        }
+        py::dict out;
+        out["accepted"] = s.accepted;
+        out["connected"] = s.connected;
+        out["rejected"] = rejected;
+        return out;
+      })
+      .def("close", &Agent::close, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("closed", &Agent::closed);
+  m.def("region_info", [](const py::bytes& b) { return region_info(region(b)); },
+        "The fields of a region descriptor (InvalidArgument when malformed).");
+}
+
+}  // namespace fxm_py

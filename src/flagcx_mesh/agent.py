@@ -1,0 +1,251 @@
+"""Dynamic peers: an :class:`Agent` registers memory once and serves whichever
+agents connect (prefill/decode disaggregation, the NIXL / Mooncake model).
+
+Each process makes one agent with a name and a shared secret; it listens on an
+ephemeral port of the chosen interface (``FLAGCX_MESH_IFNAME``). Registration
+is local (``register`` / ``alloc``) and returns a :class:`Region` whose
+``descriptor`` bytes peers use to address it. ``agent.metadata()`` is sent to
+peers by any channel; ``peer.connect(metadata)`` opens an authenticated
+connection (both sides prove the secret). Writes and reads return a
+:class:`Handle`; a notification sent with a transfer reaches the target after
+the data landed, where ``agent.notifications(timeout)`` returns it. See
+docs/agent.md.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence, Union
+
+from . import _core
+from .errors import InvalidArgument
+from .mesh import _byte_view
+
+__all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "region_info"]
+
+Desc = Union[bytes, "Region"]
+
+
+def _desc(d: Desc) -> bytes:
+    if isinstance(d, Region):
+        return d.descriptor
+    if isinstance(d, (bytes, bytearray, memoryview)):
+        return bytes(d)
+    raise InvalidArgument(f"a region descriptor must be a Region or bytes, not {type(d).__name__}")
+
+
+def region_info(descriptor: bytes) -> dict:
+    """The fields of a descriptor: agent, incarnation, index, size, kind."""
+    return _core.region_info(_desc(descriptor))
+
+
+class Region:
+    """A region registered with an agent. ``descriptor`` (bytes) is what peers
+    address it by; ``view`` is the memory of an ``alloc()``'d region."""
+
+    def __init__(self, agent: "Agent", descriptor: bytes, keepalive=None):
+        self._agent = agent
+        self.descriptor = descriptor
+        self._keepalive = keepalive
+        info = _core.region_info(descriptor)
+        self.index: int = info["index"]
+        self.size: int = info["size"]
+        self.kind: str = info["kind"]
+
+    @property
+    def view(self) -> Optional[memoryview]:
+        return self._agent._core.region_view(self.descriptor)
+
+    def deregister(self, timeout: float = 0.0) -> None:
+        self._agent.deregister(self, timeout)
+
+    def __bytes__(self) -> bytes:
+        return self.descriptor
+
+    def __repr__(self) -> str:
+        return f"Region(agent={self._agent.name!r}, index={self.index}, size={self.size}, kind={self.kind})"
+
+
+class Handle:
+    """The completion of one write/read call. ``done()`` polls; ``wait(timeout)``
+    raises the call's error (PeerLost naming the peer, InvalidArgument when the
+    target refused, MeshTimeout)."""
+
+    def __init__(self, core):
+        self._core = core
+
+    def done(self) -> bool:
+        return self._core.done()
+
+    def wait(self, timeout: float = 0.0) -> None:
+        self._core.wait(timeout)
+
+    @property
+    def call(self) -> str:
+        return self._core.call
+
+
+class Notification(tuple):
+    """(peer name, peer incarnation, bytes)."""
+
+    __slots__ = ()
+
+    def __new__(cls, peer: str, incarnation: str, data: bytes):
+        return super().__new__(cls, (peer, incarnation, data))
+
+    peer = property(lambda self: self[0])
+    incarnation = property(lambda self: self[1])
+    data = property(lambda self: self[2])
+
+
+Op = Sequence  # (local, local_offset, remote, remote_offset, size)
+
+
+class AgentConnection:
+    """An authenticated connection to one peer agent (either side may transfer)."""
+
+    def __init__(self, core):
+        self._core = core
+
+    @property
+    def peer_name(self) -> str:
+        return self._core.peer_name
+
+    @property
+    def peer_incarnation(self) -> str:
+        return self._core.peer_incarnation
+
+    def write(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
+              notification: Optional[bytes] = None) -> Handle:
+        """Copies ``size`` bytes of ``local`` (at ``local_offset``) into the peer's
+        ``remote`` region (at ``remote_offset``)."""
+        return self.batch_write([(local, local_offset, remote, remote_offset, size)], notification)
+
+    def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
+             notification: Optional[bytes] = None) -> Handle:
+        """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
+        return self.batch_read([(local, local_offset, remote, remote_offset, size)], notification)
+
+    def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None) -> Handle:
+        """Every op (local, local_offset, remote, remote_offset, size) is checked
+        before any byte moves; the notification follows the data."""
+        return Handle(self._core.transfer(self._ops(ops), False, notification))
+
+    def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None) -> Handle:
+        return Handle(self._core.transfer(self._ops(ops), True, notification))
+
+    def notify(self, data: bytes) -> None:
+        """A notification alone, after the transfers already issued on this connection."""
+        self._core.notify(bytes(data))
+
+    def path_to(self, remote: Desc) -> str:
+        """The path transfers to ``remote`` take: self, shm, cma or tcp."""
+        return self._core.path_to(_desc(remote))
+
+    def gone(self) -> str:
+        """"" while usable, else why not."""
+        return self._core.gone()
+
+    def close(self) -> None:
+        self._core.close()
+
+    @staticmethod
+    def _ops(ops: Iterable[Op]) -> list:
+        out = []
+        for op in ops:
+            if len(op) != 5:
+                raise InvalidArgument("a transfer is (local, local_offset, remote, remote_offset, size)")
+            l, lo, r, ro, n = op
+            for name, v in (("local_offset", lo), ("remote_offset", ro), ("size", n)):
+                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                    raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+            out.append((_desc(l), lo, _desc(r), ro, n))
+        return out
+
+
+class Agent:
+    """One process's endpoint for dynamic peers.
+
+    ``name``: how peers know it (1..200 bytes). ``secret``: what every peer must
+    prove (default: ``FLAGCX_MESH_AGENT_SECRET``). ``timeout``: connect deadline
+    and default wait (default ``FLAGCX_MESH_TIMEOUT``). ``allow``: names admitted
+    (default: any agent that proves the secret).
+    """
+
+    def __init__(self, name: str, secret: Union[str, bytes, None] = None, *, timeout: float = 0.0,
+                 header_timeout: float = 5.0, allow: Optional[Iterable[str]] = None):
+        if isinstance(secret, bytes):
+            secret = secret.decode("latin-1")
+        self._core = _core.AgentCore(name, secret or "", timeout, header_timeout,
+                                     None if allow is None else set(allow))
+        self._regions: dict[int, Region] = {}
+
+    name = property(lambda self: self._core.name)
+    incarnation = property(lambda self: self._core.incarnation)
+    address = property(lambda self: self._core.address)
+
+    def metadata(self) -> bytes:
+        """Bytes a peer passes to ``connect``."""
+        return self._core.metadata()
+
+    def register(self, buffer) -> Region:
+        """Registers a writable, C-contiguous host buffer (numpy, bytearray, torch
+        CPU tensor); it must stay alive until deregistered. No peer is involved."""
+        if hasattr(buffer, "__cuda_array_interface__") or (hasattr(buffer, "is_cuda") and buffer.is_cuda):
+            raise InvalidArgument(f"agent {self.name}: register: device memory is not supported by the agent yet")
+        view = _byte_view(buffer, f"agent {self.name}: register")
+        r = Region(self, self._core.register(view), keepalive=(view, buffer))
+        self._regions[r.index] = r
+        return r
+
+    def alloc(self, nbytes: int) -> Region:
+        """Allocates zero-filled shared memory (local peers reach it over shm)."""
+        r = Region(self, self._core.alloc(int(nbytes)))
+        self._regions[r.index] = r
+        return r
+
+    def deregister(self, region: Desc, timeout: float = 0.0) -> None:
+        """Waits for this agent's transfers in flight, then closes the region:
+        peers' later transfers to it are refused."""
+        d = _desc(region)
+        self._core.deregister(d, timeout)
+        self._regions.pop(_core.region_info(d)["index"], None)
+
+    def connect(self, peer: Union[bytes, str], timeout: float = 0.0) -> AgentConnection:
+        """Connects to the agent whose ``metadata()`` this is, or to "host:port"."""
+        if isinstance(peer, str):
+            return AgentConnection(self._core.connect_address(peer, timeout))
+        return AgentConnection(self._core.connect(bytes(peer), timeout))
+
+    def connection(self, name: str) -> Optional[AgentConnection]:
+        """The open connection to agent ``name`` (either direction), or None."""
+        c = self._core.connection(name)
+        return None if c is None else AgentConnection(c)
+
+    def peers(self) -> list:
+        """(name, incarnation, address) of every open connection."""
+        return self._core.peers()
+
+    def notifications(self, timeout: float = 0.0) -> list:
+        """Notifications that arrived, waiting up to ``timeout`` for the first."""
+        return [Notification(*n) for n in self._core.notifications(timeout)]
+
+    def stats(self) -> dict:
+        """accepted, connected, rejected (by reason) at the listener."""
+        return self._core.stats()
+
+    def close(self) -> None:
+        self._core.close()
+        self._regions.clear()
+
+    @property
+    def closed(self) -> bool:
+        return self._core.closed
+
+    def __enter__(self) -> "Agent":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"Agent(name={self.name!r}, incarnation={self.incarnation}, address={self.address})"

@@ -1,0 +1,138 @@
+"""Agent scenario programs for tests/test_agent*.py, one process per role.
+
+    serve DIR NAME COUNT   registers a user region and a shm region, writes
+                           DIR/NAME.meta, NAME.user, NAME.shm, then answers
+                           notifications "check <region> <off> <len> <seed>"
+                           (checks the bytes landed before it, answers "ok"/"bad")
+                           until COUNT peers said "bye"; prints "served N"
+    write DIR NAME TAG     connects to NAME, batch-writes, notifies, reads back
+    hold DIR NAME          connects to NAME and waits for stdin to close
+    spam DIR NAME          connects to NAME and writes 1 MiB batches until killed
+FLAGCX_MESH_TRANSPORT in the environment forces the path (tcp, cma, shm).
+"""
+
+import os
+import sys
+import time
+
+import numpy as np
+
+import flagcx_mesh
+from flagcx_mesh.agent import Agent
+
+SECRET = "agent-test-secret"
+SIZE = 1 << 20
+
+
+def pattern(seed: int, n: int) -> np.ndarray:
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed) % 251).astype(np.uint8)
+
+
+def publish(d: str, name: str, what: str, data: bytes) -> None:
+    tmp = os.path.join(d, f"{name}.{what}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(d, f"{name}.{what}"))
+
+
+def read_published(d: str, name: str, what: str, timeout: float = 30.0) -> bytes:
+    path = os.path.join(d, f"{name}.{what}")
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise SystemExit(f"{path} never appeared")
+        time.sleep(0.01)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def serve(d: str, name: str, count: int) -> None:
+    buf = np.zeros(SIZE, dtype=np.uint8)
+    with Agent(name, SECRET) as a:
+        user = a.register(buf)
+        shm = a.alloc(SIZE)
+        views = {"user": memoryview(buf), "shm": shm.view}
+        publish(d, name, "user", user.descriptor)
+        publish(d, name, "shm", shm.descriptor)
+        publish(d, name, "meta", a.metadata())
+        served = byes = 0
+        end = time.monotonic() + 120
+        while byes < count and time.monotonic() < end:
+            for n in a.notifications(timeout=0.5):
+                words = n.data.decode().split()
+                if words[0] == "bye":
+                    byes += 1
+                if words[0] != "check":
+                    continue
+                region, off, ln, seed = words[1], int(words[2]), int(words[3]), int(words[4])
+                got = np.frombuffer(views[region], dtype=np.uint8)[off:off + ln]
+                ok = np.array_equal(got, pattern(seed, ln))
+                conn = a.connection(n.peer)
+                try:
+                    if conn is not None:
+                        conn.notify(b"ok" if ok else b"bad")
+                except flagcx_mesh.PeerLost:
+                    pass  # that peer left without waiting for the answer
+                served += 1
+        print(f"served {served}", flush=True)
+
+
+def write(d: str, name: str, tag: int) -> None:
+    with Agent(f"writer-{tag}-{os.getpid()}", SECRET) as a:
+        conn = a.connect(read_published(d, name, "meta"))
+        for region in ("user", "shm"):
+            remote = read_published(d, name, region)
+            src = np.zeros(SIZE, dtype=np.uint8)
+            local = a.register(src)
+            off, ln = (tag * 4096) % (SIZE // 2), 3 * 1000
+            src[:ln] = pattern(tag, ln)
+            ops = [(local, i * 1000, remote, off + i * 1000, 1000) for i in range(3)]
+            h = conn.batch_write(ops, notification=f"check {region} {off} {ln} {tag}".encode())
+            h.wait(30)
+            answer = a.notifications(timeout=30)
+            assert answer and answer[0].data == b"ok", answer
+            back = np.zeros(ln, dtype=np.uint8)
+            local_back = a.register(back)
+            conn.read(local_back, remote, ln, remote_offset=off).wait(30)
+            assert np.array_equal(back, pattern(tag, ln)), "read back differs"
+            print(f"{region} over {conn.path_to(remote)}", flush=True)
+        conn.notify(b"bye")
+        print("write ok", flush=True)
+
+
+def hold(d: str, name: str) -> None:
+    with Agent(f"holder-{os.getpid()}", SECRET) as a:
+        a.connect(read_published(d, name, "meta"))
+        print("connected", flush=True)
+        sys.stdin.read()
+
+
+def spam(d: str, name: str) -> None:
+    with Agent(f"spammer-{os.getpid()}", SECRET) as a:
+        conn = a.connect(read_published(d, name, "meta"))
+        remote = read_published(d, name, "user")
+        local = a.register(np.full(SIZE, 1, dtype=np.uint8))
+        ops = [(local, i * (SIZE // 16), remote, i * (SIZE // 16), SIZE // 16) for i in range(16)]
+        conn.batch_write(ops).wait(30)
+        print("writing", flush=True)
+        while True:
+            conn.batch_write(ops)
+
+
+def main() -> None:
+    role, d, name = sys.argv[1], sys.argv[2], sys.argv[3]
+    if role == "serve":
+        serve(d, name, int(sys.argv[4]))
+    elif role == "write":
+        write(d, name, int(sys.argv[4]))
+    elif role == "spam":
+        spam(d, name)
+    elif role == "hold":
+        hold(d, name)
+    else:
+        raise SystemExit(f"unknown role {role}")
+
+
+if __name__ == "__main__":
+    flagcx_mesh  # imported for its error types in tracebacks
+    main()

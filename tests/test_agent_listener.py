@@ -1,0 +1,126 @@
+"""The agent listener and handshake: a wrong secret, garbage, silent clients and
+floods are closed and counted (bounded as the mesh listener bounds them), the
+admission policy refuses with a reason the peer sees, connect has a deadline,
+and an incarnation superseded by a restart under the same name is refused."""
+
+import socket
+import time
+
+import pytest
+
+from flagcx_mesh import InvalidArgument, MeshTimeout, PeerLost, ProtocolError
+from flagcx_mesh.agent import Agent
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = "listener-secret"
+
+
+def host_port(agent):
+    host, port = agent.address.rsplit(":", 1)
+    return host.strip("[]"), int(port)
+
+
+def wait_rejected(agent, reason, at_least=1, limit=20.0):
+    """Polls the listener's counters until `reason` reaches `at_least` (bounded, not timed)."""
+    end = time.monotonic() + limit
+    while True:
+        got = agent.stats()["rejected"].get(reason, 0)
+        if got >= at_least or time.monotonic() > end:
+            return got
+        time.sleep(0.02)
+
+
+def test_wrong_secret_is_refused_both_ways():
+    with Agent("b", SECRET) as b, Agent("a", "another secret") as a:
+        with pytest.raises(ProtocolError, match="does not prove the secret"):
+            a.connect(b.metadata(), timeout=10)
+        assert wait_rejected(b, "truncated header") >= 1 or wait_rejected(b, "bad authentication") >= 1
+        assert b.peers() == [] and a.peers() == []
+
+
+def test_garbage_silent_and_mesh_headers_are_counted():
+    with Agent("b", SECRET, header_timeout=0.5) as b:
+        garbage = socket.create_connection(host_port(b))
+        garbage.sendall(b"GET / HTTP/1.0\r\n" * 8)
+        silent = socket.create_connection(host_port(b))
+        assert wait_rejected(b, "bad magic") == 1
+        assert wait_rejected(b, "silent (no header before deadline)") == 1
+        garbage.close()
+        silent.close()
+        with Agent("a", SECRET) as a:  # the listener still admits a real peer
+            conn = a.connect(b.metadata(), timeout=10)
+            assert conn.peer_name == "b"
+
+
+def test_flood_of_idle_connections_is_bounded():
+    with Agent("b", SECRET, header_timeout=30) as b:
+        idle = [socket.create_connection(host_port(b)) for _ in range(300)]
+        assert wait_rejected(b, "too many pending connections", at_least=300 - 256) >= 300 - 256
+        with Agent("a", SECRET) as a:
+            assert a.connect(b.metadata(), timeout=10).peer_name == "b"
+        for s in idle:
+            s.close()
+
+
+def test_admission_policy_refusal_reaches_the_peer():
+    with Agent("b", SECRET, allow=["decode-1"]) as b, Agent("a", SECRET) as a, Agent("decode-1", SECRET) as d:
+        with pytest.raises(InvalidArgument, match="refused this agent: agent a is not in this agent's allow list"):
+            a.connect(b.metadata(), timeout=10)
+        assert wait_rejected(b, "refused by the agent's policy") == 1
+        assert d.connect(b.metadata(), timeout=10).peer_name == "b"
+        assert [p[0] for p in b.peers()] == ["decode-1"]
+
+
+def test_connect_has_a_deadline():
+    mute = socket.socket()
+    mute.bind(("127.0.0.1", 0))
+    mute.listen(8)  # the kernel completes the TCP handshake; nobody ever answers
+    with Agent("a", SECRET) as a:
+        with pytest.raises(MeshTimeout, match="reading the answer"):
+            a.connect(f"127.0.0.1:{mute.getsockname()[1]}", timeout=0.5)
+    port = mute.getsockname()[1]
+    mute.close()
+    with Agent("a", SECRET) as a:
+        with pytest.raises(PeerLost):
+            a.connect(f"127.0.0.1:{port}", timeout=5)
+        with pytest.raises(InvalidArgument):
+            a.connect(b"not metadata")
+        with pytest.raises(InvalidArgument, match="host:port"):
+            a.connect("nonsense")
+
+
+def test_connect_by_address_learns_the_peer():
+    with Agent("b", SECRET) as b, Agent("a", SECRET) as a:
+        conn = a.connect(b.address, timeout=10)
+        assert conn.peer_name == "b" and conn.peer_incarnation == b.incarnation
+        assert a.connect(b.metadata()) is not None  # reuses that connection's incarnation
+        assert [p[0] for p in a.peers()] == ["b"]
+
+
+def test_superseded_incarnation_is_refused():
+    with Agent("b", SECRET) as b:
+        old = Agent("decode", SECRET)
+        old.connect(b.metadata(), timeout=10)
+        with Agent("decode", SECRET) as new:  # the same name again: a restart
+            new.connect(b.metadata(), timeout=10)
+            peers = b.peers()
+            assert [(p[0], p[1]) for p in peers] == [("decode", new.incarnation)]
+            end = time.monotonic() + 20  # b closed old's connection: old sees the goodbye
+            while old.connection("b") is not None and time.monotonic() < end:
+                time.sleep(0.01)
+            assert old.connection("b") is None
+            with pytest.raises(InvalidArgument, match="superseded"):
+                old.connect(b.metadata(), timeout=10)
+            assert wait_rejected(b, "stale incarnation") == 1
+        old.close()
+
+
+def test_a_connection_keeps_its_agent_alive():
+    import gc
+
+    with Agent("b", SECRET) as b:
+        conn = Agent("short-lived", SECRET).connect(b.metadata(), timeout=10)  # no reference to the agent kept
+        gc.collect()
+        assert conn.gone() == ""
+        conn.notify(b"still here")
+        assert [n.data for n in b.notifications(timeout=10)] == [b"still here"]
