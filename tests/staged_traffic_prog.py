@@ -62,7 +62,7 @@ def plan(src: int, thread: int, nranks: int, args) -> list:
         for _ in range(count):
             size = entry_size(rng, args.max_size)
             entries.append((rng.randrange(0, region - size + 1), rng.randrange(0, region - size + 1), size))
-        ops.append((rng.randrange(nranks), kind, entries, rng.random() < 0.5))
+        ops.append((rng.randrange(nranks), kind, entries, rng.random() < args.on_stream))
     return ops
 
 
@@ -178,6 +178,7 @@ def main() -> int:
     ap.add_argument("--ops", type=int, default=100, help="ops per thread")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--on-stream", type=float, default=0.5, help="the share of ops issued on a stream")
     ap.add_argument("--mesh-timeout", type=float, default=60)
     ap.add_argument("--round-timeout", type=float, default=300,
                     help="a thread still running after this many seconds is reported as a hang")
