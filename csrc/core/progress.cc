@@ -352,14 +352,18 @@ void Engine::write_pending() {
   }
 }
 
+// Items leave the queue under mu_ but die after it is released: an owned
+// payload's deleter may call the CUDA driver (a staging buffer unregistered),
+// which can wait for a host function that needs mu_ (Engine::completed).
 bool Engine::write_some(int s) {
   std::lock_guard<std::mutex> writer(*write_mu_[s]);
   while (true) {
     OutItem* it;
+    std::deque<OutItem> dropped;  // declared before the lock: destroyed after it is released
     {
       std::lock_guard<std::mutex> lock(mu_);
       if (!lost_[s / ncontexts_].empty() || bye_[s / ncontexts_]) {  // nothing more goes to a lost/closed peer
-        out_[s].clear();
+        dropped.swap(out_[s]);
         queued_msg_[s] = 0;
         answer_bytes_[s] = 0;
         cv_.notify_all();
@@ -370,10 +374,12 @@ bool Engine::write_some(int s) {
     ssize_t w = send_item(s, *it);
     if (w < 0) return false;
     if (it->sent < it->total()) return true;  // the socket is full: wait for POLLOUT
+    OutItem done;
     std::lock_guard<std::mutex> lock(mu_);
     queued_msg_[s] -= it->msg_bytes;
     answer_bytes_[s] -= it->answer_bytes;
     bool notify = stopping_ || it->msg_bytes > 0 || out_[s].size() == 1;
+    done = std::move(out_[s].front());
     out_[s].pop_front();
     if (notify) cv_.notify_all();
   }

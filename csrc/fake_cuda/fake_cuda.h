@@ -59,6 +59,8 @@ long copy_to_device_delay_ms();
 // FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS: the same for a stream copy out of device memory
 // (device to host or to device: a copy between two device ranges waits for both delays).
 long copy_from_device_delay_ms();
+// FXM_FAKECUDA_HOST_UNREGISTER_US_PER_MIB (default 100): what unpinning costs in cuMemHostUnregister.
+long host_unregister_us_per_mib();
 // Set at run time by fxmFakeSetNotReadyQueryDelay(us) (default 0): a cuEventQuery that
 // answers CUDA_ERROR_NOT_READY (the state at the call) takes that long: a poll of pending
 // work is slow, one that finds the work done is not.

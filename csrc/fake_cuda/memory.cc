@@ -6,7 +6,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstring>
+#include <chrono>
 #include <mutex>
+#include <thread>
 
 #include "table.h"
 
@@ -239,6 +241,17 @@ FAKE_API CUresult cuMemHostRegister_v2(void* p, size_t n, unsigned flags) {
 
 FAKE_API CUresult cuMemHostUnregister(void* p) {
   FAKE_ENTER("cuMemHostUnregister");  // needs no context on the H200
+  size_t n = 0;
+  {
+    std::shared_lock<std::shared_mutex> g(table_lock());
+    auto it = table().host.find(reinterpret_cast<uintptr_t>(p));
+    if (it == table().host.end()) return kHostNotRegistered;
+    n = it->second.size;
+  }
+  // Unpinning takes time (FXM_FAKECUDA_HOST_UNREGISTER_US_PER_MIB), and the driver waits for
+  // running host functions.
+  std::this_thread::sleep_for(std::chrono::microseconds((n >> 20) * host_unregister_us_per_mib()));
+  wait_host_functions_idle();
   std::unique_lock<std::shared_mutex> g(table_lock());
   if (table().host.erase(reinterpret_cast<uintptr_t>(p)) == 0) return kHostNotRegistered;
   return kSuccess;

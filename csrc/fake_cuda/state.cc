@@ -28,6 +28,7 @@ struct State {
   bool no_stream_memops = false;
   long copy_to_device_delay_ms = 0;
   long copy_from_device_delay_ms = 0;
+  long host_unregister_us_per_mib = 100;
   std::atomic<long> not_ready_query_delay_us{0};  // set at run time (fxmFakeSetNotReadyQueryDelay)
   bool environment_read = false;
   bool forked = false;  // a child forked after cuInit: its streams' threads are gone
@@ -90,8 +91,11 @@ CUresult read_environment(State& s) {
   long gran = env_long("FXM_FAKECUDA_GRANULARITY", static_cast<long>(kDefaultGranularity));
   long delay = env_long("FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS", 0);
   long from_delay = env_long("FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS", 0);
-  if (devices < 0 || devices > kMaxDevices || gran <= 0 || (gran & 4095) != 0 || delay < 0 || from_delay < 0)
+  long unregister_us = env_long("FXM_FAKECUDA_HOST_UNREGISTER_US_PER_MIB", 100);
+  if (devices < 0 || devices > kMaxDevices || gran <= 0 || (gran & 4095) != 0 || delay < 0 || from_delay < 0 ||
+      unregister_us < 0)
     return kInvalidValue;
+  s.host_unregister_us_per_mib = unregister_us;
   s.copy_to_device_delay_ms = delay;
   s.copy_from_device_delay_ms = from_delay;
   if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures)) return kInvalidValue;
@@ -143,6 +147,7 @@ size_t granularity() { return state().granularity; }
 bool stream_memops_disabled() { return state().no_stream_memops; }
 long copy_to_device_delay_ms() { return state().copy_to_device_delay_ms; }
 long copy_from_device_delay_ms() { return state().copy_from_device_delay_ms; }
+long host_unregister_us_per_mib() { return state().host_unregister_us_per_mib; }
 long not_ready_query_delay_us() { return state().not_ready_query_delay_us.load(); }
 
 CUresult injected_failure(const char* name) {

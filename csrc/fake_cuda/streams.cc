@@ -254,6 +254,40 @@ Op copy_op(CUdeviceptr dst, End dst_was, CUdeviceptr src, End src_was, size_t n)
 
 }  // namespace
 
+struct HostFunctions {
+  std::mutex mu;
+  std::condition_variable cv;
+  int running = 0;  // queued or running
+};
+HostFunctions& host_functions() {
+  static HostFunctions* h = new HostFunctions();  // never destroyed: stream threads use it at exit
+  return *h;
+}
+thread_local bool in_host_function = false;
+
+void host_function_queued() {
+  HostFunctions& h = host_functions();
+  std::lock_guard<std::mutex> g(h.mu);
+  ++h.running;
+}
+
+void run_host_function(void (*fn)(void*), void* data) {
+  HostFunctions& h = host_functions();
+  in_host_function = true;
+  fn(data);
+  in_host_function = false;
+  std::lock_guard<std::mutex> g(h.mu);
+  if (--h.running == 0) h.cv.notify_all();
+}
+
+void wait_host_functions_idle() {
+  if (in_host_function) return;
+  HostFunctions& h = host_functions();
+  std::unique_lock<std::mutex> g(h.mu);
+  // Bounded, unlike the driver's: a host function dropped at process exit must not hang it.
+  h.cv.wait_for(g, std::chrono::seconds(60), [&] { return h.running == 0; });
+}
+
 void synchronize_all_streams() {
   std::vector<StreamPtr> all;
   {
@@ -328,8 +362,9 @@ FAKE_API CUresult cuLaunchHostFunc(void* handle, void (*fn)(void*), void* data) 
   FAKE_ENTER("cuLaunchHostFunc");
   if (!fn) return kInvalidValue;
   FAKE_STREAM(s, handle);
+  host_function_queued();
   enqueue(s, [fn, data] {
-    fn(data);
+    run_host_function(fn, data);
     return kSuccess;
   });
   return kSuccess;

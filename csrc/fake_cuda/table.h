@@ -72,5 +72,10 @@ bool read_memfd_name(long pid, int fd, long* owner, unsigned long long* id, int*
 // Maps fd at `at` (nullptr: anywhere) PROT_NONE, and an alias read-write; false on failure.
 bool map_views(int fd, size_t mapped, void* at, char** base, char** alias);
 void unmap_views(const Range& r);
+// Waits until every host function queued (cuLaunchHostFunc) has run, as the driver's
+// cuMemHostUnregister waits for its callback thread (seen on an H200: it spun while a host
+// function waited for a lock the caller held); at once when called from a host function
+// (which may make no driver call).
+void wait_host_functions_idle();
 
 }  // namespace fakecuda
