@@ -94,3 +94,26 @@ def test_the_real_build_dry_runs(tmp_path):
     assert "dry run: the patched flagcx.cc and the glue compile" in out
     assert "programs: onesided_real (with real/probe.cc)" in out
     assert "build_real.sh: done (dry run)" in out
+
+
+def test_a_plain_tree_inside_another_repository_is_prepared(tmp_path):
+    """prepare_tree.sh over a plain FlagCX tree that lies in some other repository's work tree (and
+    was prepared before: its json headers are in place) copies that tree, keeping its headers; it
+    must not take the enclosing repository for FlagCX's and look for 0c721293 in it."""
+    repo = tmp_path / "project"
+    src = repo / "flagcx-src"
+    (src / "flagcx").mkdir(parents=True)
+    (src / "flagcx" / "flagcx.cc").write_text("// FlagCX\n")
+    json_h = src / "third-party" / "json" / "single_include" / "nlohmann" / "json.hpp"
+    json_h.parent.mkdir(parents=True)
+    json_h.write_text("// the tree's own json header\n")
+    env = {k: v for k, v in os.environ.items() if not k.startswith("GIT_") and k != "FLAGCX_JSON_INCLUDE"}
+    subprocess.run(["git", "init", "-q", str(repo)], env=env, check=True, timeout=60)
+    dest = tmp_path / "prepared"
+    prepare = os.path.join(ROOT, "integrations", "flagcx", "real", "prepare_tree.sh")
+    p = subprocess.run(["bash", prepare, str(src), str(dest)], env=dict(env, PYTHON=sys.executable),
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert (dest / "flagcx" / "flagcx.cc").read_text() == "// FlagCX\n"
+    kept = dest / "third-party" / "json" / "single_include" / "nlohmann" / "json.hpp"
+    assert kept.read_text() == "// the tree's own json header\n"

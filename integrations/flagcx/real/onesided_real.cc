@@ -117,7 +117,15 @@ flagcxResult_t waitCounterBounded(flagcxComm_t comm, uint64_t target, double sec
   return *returned ? (flagcxResult_t)done->load() : flagcxInProgress;
 }
 
-// One op (put or get) of `bytes` to/from rank+1, then its completion; GB/s when it completed.
+// What a bounded wait says: a bandwidth only when flagcxWaitCounter returned success (the op's
+// bytes are confirmed); a failed or unfinished wait confirms none, and says so.
+std::string waitDetail(flagcxResult_t rc, bool returned, size_t bytes, double ms) {
+  if (!returned) return "no completion within 10 s, no bytes confirmed";
+  if (rc != flagcxSuccess) return "the op failed, no bytes confirmed";
+  return std::to_string(bytes / ms / 1e6) + " GB/s";
+}
+
+// One op (put or get) of `bytes` to/from rank+1, then its completion; GB/s only when it succeeded.
 bool oneOp(flagcxComm_t comm, bool put, size_t bytes, int nranks) {
   int peer = (g_rank + 1) % nranks;
   uint64_t before = 0;
@@ -129,9 +137,7 @@ bool oneOp(flagcxComm_t comm, bool put, size_t bytes, int nranks) {
   if (rc != flagcxSuccess) return true;
   bool returned = false;
   rc = waitCounterBounded(comm, before + 1, 10.0, &returned);
-  double ms = nowMs() - t0;
-  std::string detail = returned ? std::to_string(bytes / ms / 1e6) + " GB/s" : "no completion within 10 s";
-  report("flagcxWaitCounter", rc, t0, detail);
+  report("flagcxWaitCounter", rc, t0, waitDetail(rc, returned, bytes, nowMs() - t0));
   return returned;
 }
 
