@@ -9,7 +9,7 @@
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
-#      $FXM_TEST_JOBS pytest-xdist workers (default 2), then the `serial` files alone
+#      $FXM_TEST_JOBS pytest-xdist workers (default 3: many tests wait on timeouts and child processes, so 3 beat 2 on 2 cores), then the `serial` files alone
 #      (tests/conftest.py; `slow` tests are run too)
 #   3. with FLAGCX_SRC (a FlagCX 0c721293 tree): integrations/flagcx/check/check.sh 8 20; without it
 #      the stage says plainly that it did not run
@@ -62,7 +62,7 @@ main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no te
     local rc=$?
     [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$1")
 }
-JOBS=${FXM_TEST_JOBS:-2}
+JOBS=${FXM_TEST_JOBS:-3}
 step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
 step "pytest (main suite, the serial files alone)"
