@@ -15,6 +15,7 @@
 #include "agent/handshake.h"
 #include "base/log.h"
 #include "base/status.h"
+#include "core/pending_bound.h"
 
 namespace fxm::agent {
 namespace {
@@ -103,14 +104,7 @@ void Listener::accept_all() {
 }
 
 void Listener::make_room() {
-  size_t live = 0;
-  Incoming* victim = nullptr;
-  for (Incoming& in : in_) {
-    if (in.finished) continue;
-    ++live;
-    if (!victim || (victim->header_ok && !in.header_ok)) victim = &in;
-  }
-  if (live >= kMaxPending) reject(*victim, wire::Reject::kOverflow);
+  if (Incoming* victim = pending_victim(in_, kMaxPending)) reject(*victim, wire::Reject::kOverflow);
 }
 
 // Reads toward `want` bytes in buf; true once they are all there.

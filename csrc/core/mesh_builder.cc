@@ -9,6 +9,7 @@
 
 #include "base/log.h"
 #include "base/status.h"
+#include "core/pending_bound.h"
 
 namespace fxm {
 
@@ -246,19 +247,12 @@ void Builder::accept_all() {
   }
 }
 
-// Beyond the bound of connections that did not prove the key yet, closes the
-// oldest without a valid header (else the oldest): a flood of idle or garbage
-// connections cannot crowd out a peer that is halfway through its handshake.
-// Marks only (poll_once indexes in_ while it dispatches).
+// Beyond the bound of connections that did not prove the key yet, closes one
+// (core/pending_bound.h). Marks only (poll_once indexes in_ while it dispatches).
 void Builder::make_room() {
-  size_t live = 0;
-  Incoming* victim = nullptr;
-  for (Incoming& in : in_) {
-    if (in.finished) continue;
-    ++live;
-    if (!victim || (victim->header_ok && !in.header_ok)) victim = &in;
+  if (Incoming* victim = pending_victim(in_, static_cast<size_t>(4 * total_ + 256))) {
+    reject(*victim, wire::Reject::kOverflow);
   }
-  if (live >= static_cast<size_t>(4 * total_ + 256)) reject(*victim, wire::Reject::kOverflow);
 }
 
 void Builder::on_incoming(Incoming& in) {
