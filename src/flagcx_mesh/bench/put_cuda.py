@@ -128,20 +128,6 @@ def small_put_latency(mesh, torch, src, dst, iters: int) -> Optional[List[float]
     return out
 
 
-def local_copy_blocking(torch, size: int) -> float:
-    """GB/s of a local D2D copy waited for each time (copy_ then synchronize)."""
-    a = torch.ones(size, dtype=torch.uint8, device="cuda")
-    b = torch.zeros(size, dtype=torch.uint8, device="cuda")
-    b.copy_(a)
-    torch.cuda.synchronize()
-    reps = _reps(size, "local")
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        b.copy_(a)
-        torch.cuda.synchronize()
-    return reps * size / (time.perf_counter() - t0) / 1e9
-
-
 def local_copy_latency(torch, iters: int) -> List[float]:
     """Microseconds of an 8-byte local D2D copy_ + synchronize, per sample."""
     a = torch.ones(8, dtype=torch.uint8, device="cuda")
@@ -156,7 +142,9 @@ def local_copy_latency(torch, iters: int) -> List[float]:
     return out
 
 
-def local_copy(torch, size: int) -> float:
+def local_copy(torch, size: int, blocking: bool = False) -> float:
+    """GB/s of local D2D copies: pipelined (one synchronize at the end), or each waited for
+    (`blocking`: copy_ then synchronize every time, what a blocking put+flush is set against)."""
     a = torch.ones(size, dtype=torch.uint8, device="cuda")
     b = torch.zeros(size, dtype=torch.uint8, device="cuda")
     b.copy_(a)
@@ -165,6 +153,8 @@ def local_copy(torch, size: int) -> float:
     t0 = time.perf_counter()
     for _ in range(reps):
         b.copy_(a)
+        if blocking:
+            torch.cuda.synchronize()
     torch.cuda.synchronize()
     return reps * size / (time.perf_counter() - t0) / 1e9
 
@@ -238,7 +228,7 @@ def rank_entry(argv: List[str]) -> int:
         if mesh.rank == 0:
             out["stream_wait_us"] = lat
             out["local_d2d_gbs"] = {str(s): local_copy(torch, s) for s in args.sizes}
-            out["local_d2d_blocking_gbs"] = {str(s): local_copy_blocking(torch, s) for s in args.sizes}
+            out["local_d2d_blocking_gbs"] = {str(s): local_copy(torch, s, blocking=True) for s in args.sizes}
             out["local_copy8_us"] = local_copy_latency(torch, args.iters)
             out["pinned_round_gbs"] = {str(s): pinned_round(torch, s) for s in args.sizes}
             out["gpu"] = torch.cuda.get_device_name(0)
