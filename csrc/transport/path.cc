@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "base/bytes.h"
 #include "base/env.h"
 #include "base/status.h"
 #include "transport/cma/cma_path.h"
@@ -94,103 +95,64 @@ PathChoice choose_path(const PathRequest& req, const WindowDesc& d) {
 
 // ------------------------------------------------------------ WindowDesc
 
-namespace {
-
-template <typename T>
-void put(std::vector<uint8_t>& b, T v) {
-  const uint8_t* p = reinterpret_cast<const uint8_t*>(&v);
-  b.insert(b.end(), p, p + sizeof(T));
-}
-
-void put_str(std::vector<uint8_t>& b, const std::string& s) {
-  put<uint32_t>(b, static_cast<uint32_t>(s.size()));
-  b.insert(b.end(), s.begin(), s.end());
-}
-
-struct Reader {
-  const std::vector<uint8_t>& b;
-  size_t off = 0;
-  bool ok = true;
-  template <typename T>
-  T get() {
-    T v{};
-    if (off + sizeof(T) > b.size()) {
-      ok = false;
-      return v;
-    }
-    std::memcpy(&v, b.data() + off, sizeof(T));
-    off += sizeof(T);
-    return v;
-  }
-  std::string str() {
-    uint32_t n = get<uint32_t>();
-    if (!ok || n > 4096 || off + n > b.size()) {
-      ok = false;
-      return {};
-    }
-    std::string s(b.begin() + off, b.begin() + off + n);
-    off += n;
-    return s;
-  }
-};
-
-}  // namespace
+// Strings of a description (host ids, names, reasons) are at most this long.
+constexpr size_t kMaxDescString = 4096;
 
 std::vector<uint8_t> WindowDesc::encode() const {
-  std::vector<uint8_t> b;
-  put<uint32_t>(b, static_cast<uint32_t>(kind));
-  put<uint64_t>(b, size);
-  put<uint64_t>(b, addr);
-  put<int32_t>(b, pid);
-  put_str(b, host);
-  put_str(b, pid_ns);
-  put_str(b, shm_name);
-  put<uint64_t>(b, cookie_addr);
-  put<uint64_t>(b, cookie);
-  put<int32_t>(b, dev.ordinal);
-  put<uint8_t>(b, dev.ipc ? 1 : 0);
-  b.insert(b.end(), dev.ipc_handle.reserved, dev.ipc_handle.reserved + cuda::kIpcHandleSize);
-  put<uint64_t>(b, dev.ipc_offset);
-  put<uint32_t>(b, static_cast<uint32_t>(dev.vmm.size()));
+  bytes::Writer w;
+  w.put<uint32_t>(static_cast<uint32_t>(kind));
+  w.put<uint64_t>(size);
+  w.put<uint64_t>(addr);
+  w.put<int32_t>(pid);
+  w.str(host);
+  w.str(pid_ns);
+  w.str(shm_name);
+  w.put<uint64_t>(cookie_addr);
+  w.put<uint64_t>(cookie);
+  w.put<int32_t>(dev.ordinal);
+  w.put<uint8_t>(dev.ipc ? 1 : 0);
+  w.raw(dev.ipc_handle.reserved, cuda::kIpcHandleSize);
+  w.put<uint64_t>(dev.ipc_offset);
+  w.put<uint32_t>(static_cast<uint32_t>(dev.vmm.size()));
   for (const cuda::VmmMapping& m : dev.vmm) {
-    put<int64_t>(b, m.offset);
-    put<uint64_t>(b, m.size);
+    w.put<int64_t>(m.offset);
+    w.put<uint64_t>(m.size);
   }
-  put_str(b, dev.why_no_ipc);
-  put_str(b, dev.why_no_vmm);
-  put_str(b, fd_socket);
-  put<uint64_t>(b, fd_token);
-  return b;
+  w.str(dev.why_no_ipc);
+  w.str(dev.why_no_vmm);
+  w.str(fd_socket);
+  w.put<uint64_t>(fd_token);
+  return std::move(w.b);
 }
 
 bool WindowDesc::decode(const std::vector<uint8_t>& b, WindowDesc* out) {
-  Reader r{b};
+  bytes::Reader r{b};
   uint32_t kind = r.get<uint32_t>();
   out->size = r.get<uint64_t>();
   out->addr = r.get<uint64_t>();
   out->pid = r.get<int32_t>();
-  out->host = r.str();
-  out->pid_ns = r.str();
-  out->shm_name = r.str();
+  out->host = r.str(kMaxDescString);
+  out->pid_ns = r.str(kMaxDescString);
+  out->shm_name = r.str(kMaxDescString);
   out->cookie_addr = r.get<uint64_t>();
   out->cookie = r.get<uint64_t>();
   out->dev.ordinal = r.get<int32_t>();
   out->dev.ipc = r.get<uint8_t>() != 0;
-  for (size_t i = 0; i < cuda::kIpcHandleSize; ++i) out->dev.ipc_handle.reserved[i] = static_cast<char>(r.get<uint8_t>());
+  r.raw(out->dev.ipc_handle.reserved, cuda::kIpcHandleSize);
   out->dev.ipc_offset = r.get<uint64_t>();
   uint32_t nmaps = r.get<uint32_t>();
   if (nmaps > 250) return false;
-  for (uint32_t i = 0; r.ok && i < nmaps; ++i) {
+  for (uint32_t i = 0; r.ok() && i < nmaps; ++i) {
     int64_t off = r.get<int64_t>();
     out->dev.vmm.push_back({off, r.get<uint64_t>()});
   }
-  out->dev.why_no_ipc = r.str();
-  out->dev.why_no_vmm = r.str();
-  out->fd_socket = r.str();
+  out->dev.why_no_ipc = r.str(kMaxDescString);
+  out->dev.why_no_vmm = r.str(kMaxDescString);
+  out->fd_socket = r.str(kMaxDescString);
   out->fd_token = r.get<uint64_t>();
   if (kind < 1 || kind > 4) return false;
   out->kind = static_cast<WindowKind>(kind);
-  return r.ok && r.off == b.size();
+  return r.at_end();
 }
 
 }  // namespace fxm
