@@ -14,11 +14,19 @@ from test_gpu_fake import fake_env, run_python
 
 pytestmark = pytest.mark.timeout(180)
 
-TWO_WAITS_PROG = """
+# Both programs: two ranks as threads; release() sets a signal slot of rank 0 after a while,
+# which lets the stream waits queued on it pass.
+PRELUDE = """
     import threading, time, flagcx_mesh as fm, fakecuda
     from meshutil import run_threads
     cu = fakecuda.FakeCuda.get()
     uid = fm.get_unique_id()
+    def release(m, sig, slot, after):
+        time.sleep(after)  # (sequencing)
+        m.signal(0, slot, 1, signal_window=sig)
+"""
+
+TWO_WAITS_PROG = PRELUDE + """
     def rank(r):
         with fm.Mesh(2, uid, r, timeout=3) as m:
             sig = m.signal_window(4)
@@ -31,11 +39,8 @@ TWO_WAITS_PROG = """
                 m.wait_signal(3, 1, window=sig, stream=held)
                 m.put(1, dwin, 0, dwin, 0, 4096, stream=held)  # the pair is busy on cuda-self until slot 3
                 m.wait_signal(2, 1, window=sig, stream=own)  # the host put's stream, until slot 2
-                def release(slot, after):
-                    time.sleep(after)  # (sequencing)
-                    m.signal(0, slot, 1, signal_window=sig)
-                helpers = [threading.Thread(target=release, args=(3, 2.0)),
-                           threading.Thread(target=release, args=(2, 4.0))]
+                helpers = [threading.Thread(target=release, args=(m, sig, 3, 2.0)),
+                           threading.Thread(target=release, args=(m, sig, 2, 4.0))]
                 for t in helpers:
                     t.start()
                 try:
@@ -60,11 +65,7 @@ def test_an_op_that_waits_twice_fails_at_one_op_timeout():
     assert "PUT MeshTimeout:" in p.stdout and "stream" in p.stdout, p.stdout[-3000:] + p.stderr[-3000:]
 
 
-LOCKED_PAIR_PROG = """
-    import threading, time, flagcx_mesh as fm, fakecuda
-    from meshutil import run_threads
-    cu = fakecuda.FakeCuda.get()
-    uid = fm.get_unique_id()
+LOCKED_PAIR_PROG = PRELUDE + """
     def rank(r):
         with fm.Mesh(2, uid, r, timeout=3) as m:
             sig = m.signal_window(4)
@@ -75,13 +76,10 @@ LOCKED_PAIR_PROG = """
                 held_b, held_a = cu.stream(), cu.stream()
                 m.wait_signal(2, 1, window=sig, stream=held_b)  # thread B's stream, until slot 2
                 m.wait_signal(3, 1, window=sig, stream=held_a)  # this thread's stream, until slot 3
-                def release(slot, after):
-                    time.sleep(after)  # (sequencing)
-                    m.signal(0, slot, 1, signal_window=sig)
                 def other_thread():  # holds the pair's lock while it waits for its stream (2 s)
                     m.put(1, hwin, 0, hwin, 0, 8, stream=held_b)
-                helpers = [threading.Thread(target=release, args=(2, 2.0)),
-                           threading.Thread(target=release, args=(3, 4.25)),
+                helpers = [threading.Thread(target=release, args=(m, sig, 2, 2.0)),
+                           threading.Thread(target=release, args=(m, sig, 3, 4.25)),
                            threading.Thread(target=other_thread)]
                 for t in helpers:
                     t.start()
