@@ -21,7 +21,7 @@ PYTHON=${PYTHON:-python3}
 "$venv/bin/pip" install -q --disable-pip-version-check pytest pytest-timeout numpy scikit-build-core pybind11 \
     || exit 1
 "$venv/bin/pip" install -q --disable-pip-version-check --no-deps --no-build-isolation --force-reinstall \
-    -C cmake.define.FXM_SANITIZE="$kind" -C build-dir="build/san-$kind" \
+    -C cmake.define.FXM_SANITIZE="$kind" -C cmake.define.CMAKE_UNITY_BUILD=OFF -C build-dir="build/san-$kind" \
     -C cmake.define.FXM_TEST_DOUBLES=ON -C cmake.define.FXM_TEST_DOUBLES_DIR="$PWD/build/san-$kind/test-doubles" -C install.strip=false -C cmake.build-type=RelWithDebInfo . || exit 1
 export FXM_TEST_DOUBLES_DIR=$PWD/build/san-$kind/test-doubles  # the instrumented ones
 lib=$(${CC:-cc} -print-file-name="$runtime")

@@ -18,11 +18,9 @@
 namespace fxm::agent {
 namespace {
 
-constexpr size_t kMaxName = 200;
-
 std::string checked_name(const std::string& name) {
-  if (name.empty() || name.size() > kMaxName) {
-    fail(Code::kInvalidArgument, -1, 0, "Agent: the name must be 1.." + std::to_string(kMaxName) +
+  if (name.empty() || name.size() > kMaxAgentName) {
+    fail(Code::kInvalidArgument, -1, 0, "Agent: the name must be 1.." + std::to_string(kMaxAgentName) +
                                             " bytes, got " + std::to_string(name.size()));
   }
   return name;

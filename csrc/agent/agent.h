@@ -34,6 +34,7 @@
 namespace fxm::agent {
 
 using Incarnation = wire::MeshId;  // random per Agent object (a restart is a new one)
+constexpr size_t kMaxAgentName = 200;  // bytes of an agent's name
 std::string incarnation_hex(const Incarnation& i);
 
 // Who is at the other end of a connection (proved by the handshake).

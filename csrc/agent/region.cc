@@ -12,7 +12,6 @@ namespace {
 
 constexpr uint32_t kRegionMagic = 0x52415846;    // "FXAR"
 constexpr uint32_t kMetadataMagic = 0x4d415846;  // "FXAM"
-constexpr size_t kMaxName = 200;
 
 // Fails the decode of `what` with the reader's first problem, if any.
 void check(const bytes::Reader& r, const char* what) {
@@ -48,7 +47,7 @@ RegionDesc RegionDesc::decode(const std::vector<uint8_t>& b) {
   check(r, "region descriptor");
   if (magic != kRegionMagic) fail(Code::kInvalidArgument, -1, 0, "region descriptor: not a region descriptor (bad magic)");
   RegionDesc d;
-  d.agent = r.str(kMaxName);
+  d.agent = r.str(kMaxAgentName);
   r.raw(d.incarnation.data(), d.incarnation.size());
   d.index = r.get<uint32_t>();
   d.size = r.get<uint64_t>();
@@ -82,7 +81,7 @@ Metadata Metadata::decode(const std::vector<uint8_t>& b) {
   check(r, "agent metadata");
   if (magic != kMetadataMagic) fail(Code::kInvalidArgument, -1, 0, "agent metadata: not agent metadata (bad magic)");
   Metadata m;
-  m.name = r.str(kMaxName);
+  m.name = r.str(kMaxAgentName);
   r.raw(m.incarnation.data(), m.incarnation.size());
   uint8_t a[tcp::kWireAddrSize];
   r.raw(a, sizeof(a));

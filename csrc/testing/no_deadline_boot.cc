@@ -10,7 +10,7 @@ constexpr double kLong = 3600.0;  // "no deadline" for the calls that pass throu
 constexpr double kSlice = 0.05;   // recv polls the inner bootstrap this often
 constexpr int kAbortedRc = FLAGCX_MESH_SYSTEM;
 
-NoDeadlineBoot* self(void* ctx) { return static_cast<NoDeadlineBoot*>(ctx); }
+NoDeadlineBoot* boot_of(void* ctx) { return static_cast<NoDeadlineBoot*>(ctx); }
 
 }  // namespace
 
@@ -26,17 +26,17 @@ NoDeadlineBoot::NoDeadlineBoot(const flagcx_mesh_bootstrap_ops_t& inner, bool ab
 }
 
 int NoDeadlineBoot::allgather(void* ctx, void* data, size_t bytes, double) {
-  NoDeadlineBoot* b = self(ctx);
+  NoDeadlineBoot* b = boot_of(ctx);
   return b->inner_.allgather(b->inner_.ctx, data, bytes, kLong);
 }
 
 int NoDeadlineBoot::send(void* ctx, int peer, int tag, const void* data, size_t size, double) {
-  NoDeadlineBoot* b = self(ctx);
+  NoDeadlineBoot* b = boot_of(ctx);
   return b->inner_.send(b->inner_.ctx, peer, tag, data, size, kLong);
 }
 
 int NoDeadlineBoot::recv(void* ctx, int peer, int tag, void* data, size_t size, double) {
-  NoDeadlineBoot* b = self(ctx);
+  NoDeadlineBoot* b = boot_of(ctx);
   while (!b->aborted_.load()) {
     int rc = b->inner_.recv(b->inner_.ctx, peer, tag, data, size, kSlice);
     if (rc == FLAGCX_MESH_TIMEOUT) continue;
@@ -47,7 +47,7 @@ int NoDeadlineBoot::recv(void* ctx, int peer, int tag, void* data, size_t size, 
 }
 
 int NoDeadlineBoot::abort(void* ctx) {
-  self(ctx)->aborted_.store(true);
+  boot_of(ctx)->aborted_.store(true);
   return 0;
 }
 
