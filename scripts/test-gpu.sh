@@ -28,7 +28,7 @@ step install "$py" -m pip install -q --no-deps --no-build-isolation -C cmake.def
 step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py
 step staged-traffic-4 env FLAGCX_MESH_CUDA_PATH=staged "$py" -m flagcx_mesh.launch -n 4 --timeout 900 -- \
   "$py" tests/staged_traffic_prog.py staged_traffic --device torch --max-size 8388608 --ops 200 --round-timeout 600
-step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json"
+step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json" --plot "$logs/bench-put-cuda.png"
 step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 exit $status

@@ -1,7 +1,7 @@
 """Put bandwidth and put_signal latency per transport, against the limits.
 
     python -m flagcx_mesh.bench put [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp]
-                                    [--batch 2000] [--batch-size 4K] [--json PATH]
+                                    [--batch 2000] [--batch-size 4K] [--json PATH] [--plot PNG]
     python -m flagcx_mesh.bench put --device cuda [...]   (GPU windows: see put_cuda.py)
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...] [--json PATH]
 
@@ -30,6 +30,7 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
+from ._plot import save_plot
 from ._ranks import run_ranks, save_json
 from ._sizes import parse_size, size_name
 
@@ -45,6 +46,7 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     p.add_argument("--batch", type=int, default=2000, help="entries per batch_put (0: skip)")
     p.add_argument("--batch-size", default="4K", help="bytes per batch entry")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="a plot of the bandwidth table (needs matplotlib)")
     if rank:
         p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -273,4 +275,14 @@ def main(argv: List[str]) -> int:
         return 1
     _report(data, args)
     save_json(data, args.json)
+    plot(data, args)
     return 0
+
+
+def plot(data: dict, args) -> bool:
+    """--plot: every transport beside the memcpy and raw-socket references."""
+    series = {t: data[t]["bandwidth_gbs"] for t in args.transports}
+    series["ref: memcpy"] = data["memcpy_gbs"]
+    series["ref: raw socket"] = data["socket_gbs"]
+    return save_plot(args.plot, "flagcx_mesh put bandwidth, 2 ranks on one host (flush included)",
+                     [("host memory", series)])

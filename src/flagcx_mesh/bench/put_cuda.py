@@ -1,7 +1,7 @@
 """GPU put bandwidth per path and stream-wait latency, against local copies in the same run.
 
     python -m flagcx_mesh.bench put --device cuda [--sizes 4K,1M,16M,64M,256M]
-                                    [--paths cuda-vmm,cuda-ipc,staged] [--iters 200] [--json PATH]
+                                    [--paths cuda-vmm,cuda-ipc,staged] [--iters 200] [--json PATH] [--plot PNG]
 
 Two local ranks on one GPU (needs torch with CUDA). For each path (forced with
 FLAGCX_MESH_CUDA_PATH) rank 0 puts ``size`` bytes into rank 1's device window
@@ -33,6 +33,7 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
+from ._plot import save_plot
 from ._ranks import run_ranks, save_json
 from ._sizes import parse_size, size_name
 
@@ -46,6 +47,7 @@ def parse(argv: List[str], rank: bool = False) -> argparse.Namespace:
     p.add_argument("--paths", default="cuda-vmm,cuda-ipc,staged")
     p.add_argument("--iters", type=int, default=200, help="stream-wait latency samples")
     p.add_argument("--json", metavar="PATH")
+    p.add_argument("--plot", metavar="PNG", help="a plot of the bandwidth tables (needs matplotlib)")
     if rank:
         p.add_argument("--out", required=True)
     a = p.parse_args(argv)
@@ -271,4 +273,16 @@ def main(argv: List[str]) -> int:
         return 1
     report(data, args)
     save_json(data, args.json)
+    plot(data, args)
     return 0
+
+
+def plot(data: dict, args) -> bool:
+    """--plot: pipelined puts (with the local copy and pinned round trip) and blocking puts."""
+    piped = {p: row["gbs"] for p, row in data["paths"].items()}
+    piped["ref: local D2D"] = data["local_d2d_gbs"]
+    piped["ref: pinned D2H+H2D"] = data["pinned_round_gbs"]
+    blocking = {p: row["gbs_blocking"] for p, row in data["paths"].items()}
+    blocking["ref: blocking local D2D"] = data["local_d2d_blocking_gbs"]
+    return save_plot(args.plot, f"flagcx_mesh GPU put bandwidth, 2 ranks on one {data['gpu']}",
+                     [("pipelined puts, then one flush", piped), ("blocking: each put + flush", blocking)])
