@@ -304,18 +304,18 @@ class P2pConn:
         engine = self._engine
         what = f"batch_write_sync(session {self.session})"
         engine._check_live(what)
-        entries = self._entries(what, src_vas, dst_vas, sizes)
-        if not entries:
+        ops, count = self._ops(what, src_vas, dst_vas, sizes)
+        if not ops:
             return
-        ops = self._ops(what, entries)
         wait = timeout if timeout is not None else (engine._timeout or 0.0)
         try:
             self._agent_conn.batch_write(ops).wait(wait)
         except Exception as e:  # noqa: BLE001
-            _translate(None, e, f"p2p engine {engine.name}: {what} of {len(entries)} range(s) "
+            _translate(None, e, f"p2p engine {engine.name}: {what} of {count} range(s) "
                                 f"to agent {self.peer_name}")
 
-    def _entries(self, what: str, src_vas, dst_vas, sizes) -> List[Tuple[int, int, int, int]]:
+    def _ops(self, what: str, src_vas, dst_vas, sizes) -> Tuple[list, int]:
+        """The agent ops of a batch and its number of non-empty entries; every entry checked."""
         try:
             src, dst, nbytes = list(src_vas), list(dst_vas), list(sizes)
         except TypeError as e:
@@ -323,34 +323,45 @@ class P2pConn:
         if not len(src) == len(dst) == len(nbytes):
             self._engine._fail(Result.InvalidArgument, what, f"argument lengths do not match (src_vas {len(src)}, "
                                f"dst_vas {len(dst)}, sizes {len(nbytes)})")
-        out = []
-        for i, (s, d, n) in enumerate(zip(src, dst, nbytes)):
-            s, d, n = _as_int(s), _as_int(d), _as_int(n)
-            for name, v in (("src_va", s), ("dst_va", d), ("size", n)):
-                if not _is_int(v) or not 0 <= v < _U64:
-                    self._engine._fail(Result.InvalidArgument, what, f"entry {i}: {name} {v!r} is not an "
-                                       "integer in [0, 2^64)")
-            if n:
-                out.append((i, s, d, n))
-        return out
+        local, ops, count = self._engine._local, [], 0
+        for i, s, d, n in zip(range(len(src)), src, dst, nbytes):
+            if not (type(s) is int and type(d) is int and type(n) is int and 0 <= s < _U64 and 0 <= d < _U64
+                    and 0 <= n < _U64):
+                s, d, n = self._checked_ints(what, i, s, d, n)
+            if n == 0:
+                continue  # skipped whatever its addresses, as FlagCX skips an all-empty batch
+            count += 1
+            a, b = local.locate(s, n), self._remote.locate(d, n)
+            if a is not None and b is not None:
+                ops.append((a[0], a[1], b[0], b[1], n))
+            else:
+                ops += self._split_entry(what, i, s, d, n)
+        return ops, count
 
-    def _ops(self, what: str, entries) -> list:
+    def _checked_ints(self, what: str, i: int, *values) -> Tuple[int, int, int]:
+        out = []
+        for name, v in zip(("src_va", "dst_va", "size"), values):
+            v = _as_int(v)
+            if not _is_int(v) or not 0 <= v < _U64:
+                self._engine._fail(Result.InvalidArgument, what, f"entry {i}: {name} {v!r} is not an integer "
+                                   "in [0, 2^64)")
+            out.append(v)
+        return tuple(out)
+
+    def _split_entry(self, what: str, i: int, s: int, d: int, n: int) -> list:
+        """An entry across adjacent registrations, or one outside them (refused)."""
         local = self._engine._local
-        ops = []
-        for i, s, d, n in entries:
-            with self._engine._lock:
-                src = local.pieces(s, n)
-            if src is None:
-                self._engine._fail(Result.InvalidArgument, what, f"entry {i}: src_va [{s:#x}, +{n}) is not "
-                                   f"inside memory registered with this engine ({len(local)} registration(s)); "
-                                   "nothing was written")
-            dst = self._remote.pieces(d, n) or self._refreshed(what).pieces(d, n)
-            if dst is None:
-                self._engine._fail(Result.InvalidArgument, what, f"entry {i}: dst_va [{d:#x}, +{n}) is not "
-                                   f"inside memory agent {self.peer_name} registered ({len(self._remote)} "
-                                   "range(s) known); nothing was written")
-            ops += table.pair_pieces(src, dst)
-        return ops
+        src = local.pieces(s, n)
+        if src is None:
+            self._engine._fail(Result.InvalidArgument, what, f"entry {i}: src_va [{s:#x}, +{n}) is not "
+                               f"inside memory registered with this engine ({len(local)} registration(s)); "
+                               "nothing was written")
+        dst = self._remote.pieces(d, n) or self._refreshed(what).pieces(d, n)
+        if dst is None:
+            self._engine._fail(Result.InvalidArgument, what, f"entry {i}: dst_va [{d:#x}, +{n}) is not "
+                               f"inside memory agent {self.peer_name} registered ({len(self._remote)} "
+                               "range(s) known); nothing was written")
+        return table.pair_pieces(src, dst)
 
     def _refreshed(self, what: str) -> table.AddressTable:
         """The peer's table asked for again (once per miss: it may have registered since)."""

@@ -51,22 +51,24 @@ Piece = Tuple[Span, int, int]  # (span, offset in it, length)
 
 
 class AddressTable:
-    """Registered ranges sorted by base; they never overlap (``add`` refuses an overlap)."""
+    """Registered ranges sorted by base; they never overlap (the owner refuses an overlap before
+    ``add``). Readers need no lock: ``add`` replaces the sorted lists in one assignment."""
 
     def __init__(self, spans: Sequence[Span] = ()):
-        self._spans: List[Span] = sorted(spans, key=lambda s: s.base)
-        self._bases: List[int] = [s.base for s in self._spans]
+        ordered = sorted(spans, key=lambda s: s.base)
+        self._state: Tuple[List[int], List[Span]] = ([s.base for s in ordered], ordered)
 
     def __len__(self) -> int:
-        return len(self._spans)
+        return len(self._state[1])
 
     def spans(self) -> List[Span]:
-        return list(self._spans)
+        return list(self._state[1])
 
     def overlapping(self, base: int, size: int) -> Optional[Span]:
         """The first registered range sharing a byte with [base, base + size), or None."""
-        i = bisect.bisect_right(self._bases, base) - 1
-        for s in self._spans[max(i, 0):]:
+        bases, spans = self._state
+        i = bisect.bisect_right(bases, base) - 1
+        for s in spans[max(i, 0):]:
             if s.base >= base + size:
                 return None
             if s.end > base:
@@ -74,21 +76,32 @@ class AddressTable:
         return None
 
     def add(self, span: Span) -> None:
-        i = bisect.bisect_right(self._bases, span.base)
-        self._spans.insert(i, span)
-        self._bases.insert(i, span.base)
+        bases, spans = self._state
+        i = bisect.bisect_right(bases, span.base)
+        self._state = (bases[:i] + [span.base] + bases[i:], spans[:i] + [span] + spans[i:])
+
+    def locate(self, addr: int, size: int) -> Optional[Tuple[bytes, int]]:
+        """(descriptor, offset) when [addr, addr + size) lies in one range (size > 0), else None."""
+        bases, spans = self._state
+        i = bisect.bisect_right(bases, addr) - 1
+        if i >= 0:
+            s = spans[i]
+            if addr + size <= s.base + s.size:
+                return s.descriptor, addr - s.base
+        return None
 
     def pieces(self, addr: int, size: int) -> Optional[List[Piece]]:
         """(span, offset, length) covering [addr, addr + size) in address order, or None."""
-        i = bisect.bisect_right(self._bases, addr) - 1
+        bases, spans = self._state
+        i = bisect.bisect_right(bases, addr) - 1
         if i < 0:
             return None
         out: List[Piece] = []
         at, end = addr, addr + size
         while at < end:
-            if i >= len(self._spans):
+            if i >= len(spans):
                 return None
-            s = self._spans[i]
+            s = spans[i]
             if not s.base <= at < s.end:
                 return None
             n = min(end, s.end) - at
