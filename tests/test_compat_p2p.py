@@ -254,6 +254,25 @@ def test_destroyed_engine_and_destroyed_peer(pair):
     target.destroy()  # idempotent
 
 
+def test_a_process_that_never_destroys_its_engine_exits_cleanly():
+    """Regression: the dispatcher thread came back from the agent's wait while the interpreter
+    finalized (slow finalization: here a __del__ that sleeps; torch's teardown did it too) and
+    the process aborted ("terminate called without an active exception", exit 134)."""
+    code = textwrap.dedent("""
+        import time
+        from flagcx_mesh.compat import p2p
+        engine = p2p.engine_create(secret="s")
+        class SlowTeardown:
+            def __del__(self):
+                time.sleep(3 * 0.2)
+        slow = SlowTeardown()
+        print("leaving with the engine alive")
+    """)
+    for _ in range(2):
+        p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0 and "terminate" not in p.stderr, (p.returncode, p.stdout, p.stderr)
+
+
 def test_library_methods_check_their_handles():
     lib = p2p.P2pLibrary(secret=SECRET)
     refused(Result.InvalidArgument, "not an engine", lib.flagcxP2pGetRpcPort, object())

@@ -11,10 +11,12 @@ See docs/compat.md, "The P2P engine form".
 
 from __future__ import annotations
 
+import atexit
 import os
 import socket
 import threading
 import time
+import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import errors
@@ -28,6 +30,17 @@ from ._p2p_memory import resolve
 _U64 = 1 << 64
 _POLL_S = 0.2  # the dispatcher's wait per round (a destroy waits at most this for it)
 NOT_SERVING = "its engine has not started its RPC server (flagcxP2pStartRpcServer / start_rpc_server)"
+
+
+# Engines not destroyed yet. At exit they are destroyed before the interpreter finalizes: a
+# dispatcher thread coming back from the agent's wait during finalization would abort the process.
+_LIVE: "weakref.WeakSet[P2pEngine]" = weakref.WeakSet()
+
+
+@atexit.register
+def _destroy_live_engines() -> None:
+    for engine in list(_LIVE):
+        engine.destroy()
 
 
 def default_name() -> str:
@@ -69,6 +82,7 @@ class P2pEngine:
         self.ignored_messages = 0  # notifications that were no control message of this engine
         self._dispatcher = threading.Thread(target=self._dispatch, name=f"p2p-{self.name}", daemon=True)
         self._dispatcher.start()
+        _LIVE.add(self)
 
     # -- identity, server -----------------------------------------------------------
     @property
