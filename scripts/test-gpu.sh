@@ -3,7 +3,8 @@
 #   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
 # Installs the package from this tree (and builds the test doubles into build/test-doubles, outside
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
-# fake-driver tests, 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait` and the PD example on the GPU; every
+# fake-driver tests, 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
+# the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py) and the PD example on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -30,5 +31,6 @@ step staged-traffic-4 env FLAGCX_MESH_CUDA_PATH=staged "$py" -m flagcx_mesh.laun
   "$py" tests/staged_traffic_prog.py staged_traffic --device torch --max-size 8388608 --ops 200 --round-timeout 600
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json" --plot "$logs/bench-put-cuda.png"
 step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
+step p2p-cuda "$py" tests/p2p_prog.py pair --device cuda --timeout 120
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 exit $status

@@ -13,6 +13,7 @@
 #include "base/status.h"
 #include "base/wire.h"
 #include "python/bindings.h"
+#include "transport/cuda/device_memory.h"
 #include "transport/cuda/driver.h"
 
 namespace py = pybind11;
@@ -295,6 +296,8 @@ PYBIND11_MODULE(_core, m) {
   }, "End the root of an unused unique id made by this process; True when it was ended.");
   m.def("cuda_driver_error", [] { return fxm::cuda::driver() != nullptr ? std::string() : fxm::cuda::driver_error(); },
         "Why no CUDA driver could be loaded (\"\" when one is).");
+  m.def("device_of", [](uintptr_t addr) { return fxm::cuda::device_of(reinterpret_cast<const void*>(addr)); },
+        py::arg("addr"), "The CUDA device of the device memory at addr; -1 for host memory or without a CUDA driver.");
   m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },
