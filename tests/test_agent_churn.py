@@ -29,6 +29,15 @@ def make_cache(agent, gen, nblocks):
     return cache, agent.register(cache)
 
 
+def stop(proc):
+    """SIGSTOP, returning once the process is stopped (its engine acknowledges nothing more)."""
+    proc.send_signal(signal.SIGSTOP)
+    end = time.monotonic() + 10
+    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
+        assert time.monotonic() < end, "the victim did not stop"
+        time.sleep(0.001)
+
+
 def sockets_and_threads():
     fds = os.listdir("/proc/self/fd")
     socks = 0
@@ -122,7 +131,7 @@ def test_prefill_serves_eight_decodes_in_churn(tmp_path, monkeypatch):
                 late = time.monotonic() - start > 0.3 * SECONDS
                 if killed is None and n.peer == VICTIM and late:
                     killed = decodes[VICTIM]
-                    killed.send_signal(signal.SIGSTOP)  # it acknowledges nothing more
+                    stop(killed)
                     p.victim_handle = p.answer(n)
                     if p.victim_handle is None:
                         killed.send_signal(signal.SIGCONT)
