@@ -2,14 +2,14 @@
 memcpy of the same bytes and beside Mooncake TE and NIXL, all measured in the same run.
 
     python -m flagcx_mesh.bench agent [--region 256M] [--blocks 64K,256K,2M] [--count 256]
-                                      [--transports cma,shm,tcp] [--churn 50] [--connects 50]
+                                      [--transports cma,shm,tcp] [--churn 50] [--connects 50] [--setups 3]
                                       [--peers mooncake,nixl | none] [--json PATH]
 
 Two endpoints in this process for each (FLAGCX_MESH_TRANSPORT forced per path for flagcx_mesh;
 cma and shm work within one process as between two). Figures:
 
-  setup     start, register of a --region host buffer, connect, first 4 KiB write (ms); for
-            flagcx_mesh also the median and 90th percentile of --connects connects of a fresh
+  setup     start, register of a --region host buffer, connect, first 4 KiB write (ms), each
+            the median of --setups runs; for flagcx_mesh also the median and 90th percentile of --connects connects of a fresh
             agent (ms)
   request   --count blocks of each --blocks size (wrapping within --region) written pipelined
             (one batch, one wait) and blocking (a wait per block), GB/s, beside memcpy
@@ -43,6 +43,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--transports", default="cma,shm,tcp")
     p.add_argument("--churn", type=int, default=50)
     p.add_argument("--connects", type=int, default=50)
+    p.add_argument("--setups", type=int, default=3, help="set-up runs; each figure is their median")
     p.add_argument("--peers", default="mooncake,nixl", help="comma-separated, or none")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
@@ -150,7 +151,10 @@ def _fmt(v: Optional[float], unit: str, digits: int = 2) -> str:
 def _measure(tool, args, label: str, blocks: List[int], region: int) -> Dict:
     """setup, request per block size and churn of one tool, printed as they come."""
     fig: Dict = {"version": tool.version}
-    s = tool.setup(region, args.connects) if isinstance(tool, Flagcx) else tool.setup(region)
+    runs = []
+    for k in range(max(1, args.setups)):
+        runs.append(tool.setup(region, args.connects if k == 0 else 0) if isinstance(tool, Flagcx) else tool.setup(region))
+    s = {key: (None if runs[0][key] is None else statistics.median(r[key] for r in runs if key in r)) for key in runs[0]}
     fig["setup"] = s
     extra = ""
     if "connect_median_ms" in s:

@@ -12,6 +12,7 @@ cannot run when it cannot (a missing package, a shared library it needs, a backe
 
 from __future__ import annotations
 
+import os
 import time
 from importlib import metadata
 from typing import Dict, List, Tuple
@@ -46,6 +47,7 @@ class Mooncake:
     how = "tcp transport, P2PHANDSHAKE, host memory"
 
     def __init__(self, np):
+        os.environ.setdefault("GLOG_minloglevel", "2")  # its per-call INFO lines would bury the figures
         from mooncake.engine import TransferEngine  # noqa: F401 (raises what is missing)
 
         self.np, self.TE = np, TransferEngine
@@ -135,6 +137,7 @@ class Nixl:
     how = "UCX backend, DRAM, metadata exchanged in process"
 
     def __init__(self, np):
+        os.environ.setdefault("NIXL_LOG_LEVEL", "WARN")
         from nixl._api import nixl_agent, nixl_agent_config  # noqa: F401 (raises what is missing)
 
         self.np, self.make, self.config = np, nixl_agent, nixl_agent_config
