@@ -9,8 +9,8 @@ Two endpoints in this process for each (FLAGCX_MESH_TRANSPORT forced per path fo
 cma and shm work within one process as between two). Figures:
 
   setup     start, register of a --region host buffer, connect, first 4 KiB write (ms), each
-            the median of --setups runs; for flagcx_mesh also the median and 90th percentile of --connects connects of a fresh
-            agent (ms)
+            the median of --setups runs; for flagcx_mesh also the median and 90th percentile of
+            --connects connects of a fresh agent and the median of their first 4 KiB write (ms)
   request   --count blocks of each --blocks size (wrapping within --region) written pipelined
             (one batch, one wait) and blocking (a wait per block), GB/s, beside memcpy
   churn     a fresh initiator: start, connect, one 4 KiB write, close; per second
@@ -86,18 +86,24 @@ class Flagcx:
         conn.write(src, remote, 4096).wait(30)
         first = _ms(t0)
         init.close()
-        times = []
+        times, firsts = [], []
         for i in range(connects):
             with Agent(f"bench-connect-{i}", SECRET) as a:
+                mine = a.register(np.ones(4096, np.uint8))
                 t0 = time.perf_counter()
-                a.connect(target.metadata())
+                c = a.connect(target.metadata())
                 times.append(_ms(t0))
+                t0 = time.perf_counter()
+                c.write(mine, remote, 4096).wait(30)
+                firsts.append(_ms(t0))
+            target.notifications(0)  # prunes the connections of the agents that left
         target.close()
         out = {"agent_start_ms": start, "register_ms": reg, "connect_ms": con, "first_write_ms": first}
         if times:
             times.sort()
             out["connect_median_ms"] = statistics.median(times)
             out["connect_p90_ms"] = times[min(len(times) - 1, int(0.9 * len(times)))]
+            out["first_write_median_ms"] = statistics.median(firsts)
         return out
 
     def request(self, block: int, count: int, limit: int, reps: int) -> Dict[str, float]:
@@ -158,7 +164,8 @@ def _measure(tool, args, label: str, blocks: List[int], region: int) -> Dict:
     fig["setup"] = s
     extra = ""
     if "connect_median_ms" in s:
-        extra = f" (median of {args.connects}: {s['connect_median_ms']:.2f} ms, p90 {s['connect_p90_ms']:.2f} ms)"
+        extra = (f" (fresh agents, median of {args.connects}: connect {s['connect_median_ms']:.2f} ms, p90 "
+                 f"{s['connect_p90_ms']:.2f} ms, first write {s['first_write_median_ms']:.2f} ms)")
     print(f"[{label}] start {s['agent_start_ms']:.2f} ms, register {args.region} {s['register_ms']:.3f} ms, "
           f"connect {_fmt(s['connect_ms'], 'ms')}{extra}, first write {s['first_write_ms']:.2f} ms", flush=True)
     for b in blocks:
