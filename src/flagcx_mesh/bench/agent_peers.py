@@ -47,7 +47,6 @@ class Mooncake:
     how = "tcp transport, P2PHANDSHAKE, host memory"
 
     def __init__(self, np):
-        os.environ.setdefault("GLOG_minloglevel", "2")  # its per-call INFO lines would bury the figures
         from mooncake.engine import TransferEngine  # noqa: F401 (raises what is missing)
 
         self.np, self.TE = np, TransferEngine
