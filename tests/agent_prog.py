@@ -8,6 +8,13 @@
     write DIR NAME TAG     connects to NAME, batch-writes, notifies, reads back
     hold DIR NAME          connects to NAME and waits for stdin to close
     spam DIR NAME          connects to NAME and writes 1 MiB batches until killed
+    decode DIR NAME ME SECONDS
+                           for SECONDS, stays of 1-4 requests under the name ME (each stay a new
+                           agent: a new incarnation): connects to NAME, asks for blocks
+                           ("req <id> <count>" + its region descriptor), checks every block the
+                           answer ("done <id> <gen> <b,b,...> " + the cache's descriptor) names,
+                           reads one cache block back and checks it, says "bye", leaves; appends
+                           "connect" and "ok <written> <read>" lines to DIR/ME.<pid>.log
 FLAGCX_MESH_TRANSPORT in the environment forces the path (tcp, cma, shm).
 """
 
@@ -18,6 +25,7 @@ import time
 import numpy as np
 
 import flagcx_mesh
+import flagcx_mesh.agent
 from flagcx_mesh.agent import Agent
 
 SECRET = "agent-test-secret"
@@ -119,6 +127,54 @@ def spam(d: str, name: str) -> None:
             conn.batch_write(ops)
 
 
+BLOCK = 64 << 10
+REQ_BLOCKS = 16
+
+
+def block_pattern(gen: int, block: int) -> np.ndarray:
+    """Cache block `block` of cache generation `gen` (the prefill fills its cache with these)."""
+    return pattern(gen * 100003 + block, BLOCK)
+
+
+def decode_stay(a: Agent, meta: bytes, rng, log) -> None:
+    buf = np.zeros(REQ_BLOCKS * BLOCK, dtype=np.uint8)
+    mine = a.register(buf)
+    back = np.zeros(BLOCK, dtype=np.uint8)
+    local_back = a.register(back)
+    conn = a.connect(meta)
+    log.write("connect\n")
+    for req in range(int(rng.integers(1, 5))):
+        count = int(rng.integers(1, REQ_BLOCKS + 1))
+        conn.notify(f"req {req} {count} ".encode() + mine.descriptor)
+        answer = a.notifications(timeout=30)
+        assert len(answer) == 1 and answer[0].data.startswith(f"done {req} ".encode()), answer
+        _, _, gen, blocks, cache = answer[0].data.split(b" ", 4)
+        blocks = [int(b) for b in blocks.split(b",")]
+        for i, b in enumerate(blocks):
+            assert np.array_equal(buf[i * BLOCK:(i + 1) * BLOCK], block_pattern(int(gen), b)), f"block {b} differs"
+        read = 0
+        b = int(rng.integers(0, flagcx_mesh.agent.region_info(cache)["size"] // BLOCK))
+        try:
+            conn.read(local_back, cache, BLOCK, remote_offset=b * BLOCK).wait(30)
+            assert np.array_equal(back, block_pattern(int(gen), b)), f"cache block {b} read back differs"
+            read = BLOCK
+        except flagcx_mesh.InvalidArgument as e:  # the prefill re-registered its cache meanwhile
+            assert "deregistered" in str(e), e
+        log.write(f"ok {len(blocks) * BLOCK} {read}\n")
+    conn.notify(b"bye")
+
+
+def decode(d: str, name: str, me: str, seconds: float) -> None:
+    meta = read_published(d, name, "meta")
+    rng = np.random.default_rng(os.getpid())
+    end = time.monotonic() + seconds
+    with open(os.path.join(d, f"{me}.{os.getpid()}.log"), "w", buffering=1) as log:
+        while time.monotonic() < end:
+            with Agent(me, SECRET) as a:
+                decode_stay(a, meta, rng, log)
+    print("decode done", flush=True)
+
+
 def main() -> None:
     role, d, name = sys.argv[1], sys.argv[2], sys.argv[3]
     if role == "serve":
@@ -127,6 +183,8 @@ def main() -> None:
         write(d, name, int(sys.argv[4]))
     elif role == "spam":
         spam(d, name)
+    elif role == "decode":
+        decode(d, name, sys.argv[4], float(sys.argv[5]))
     elif role == "hold":
         hold(d, name)
     else:

@@ -167,3 +167,31 @@ def test_pd_kv_agent_example_serves_decodes_that_come_and_go():
                        capture_output=True, text=True, timeout=150)
     assert p.returncode == 0 and "pd_kv_agent: OK" in p.stdout, p.stdout + p.stderr
     assert p.stdout.count("blocks ok") == 6
+
+
+def test_a_transfer_acknowledged_while_its_peer_is_superseded_completes(tmp_path, monkeypatch):
+    """The old incarnation acknowledges a write just after a new one under its name connected:
+    the handle completes (the old connection reads what it sent before it is closed)."""
+    import threading
+
+    from test_agent_churn import stop
+
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    old = spawn("serve", tmp_path, "decode", 1, transport="tcp")
+    try:
+        with Agent("prefill", SECRET, timeout=20) as p:
+            conn = p.connect(wait_file(tmp_path / "decode.meta"))
+            local = p.register(np.ones(1 << 20, dtype=np.uint8))
+            remote = wait_file(tmp_path / "decode.user")
+            conn.write(local, remote, 4096).wait(20)
+            stop(old)  # it acknowledges nothing until it goes on
+            h = conn.write(local, remote, 4096)
+            assert not h.done()
+            threading.Timer(0.05, old.send_signal, (signal.SIGCONT,)).start()
+            with Agent("decode", SECRET, timeout=20) as new:  # the new incarnation, while the old one is stopped
+                new.connect(p.metadata())
+                h.wait(20)
+                assert p.connection("decode").peer_incarnation == new.incarnation
+    finally:
+        old.kill()
+        old.communicate(timeout=30)

@@ -18,6 +18,8 @@
 namespace fxm::agent {
 namespace {
 
+constexpr double kSupersededDrainS = 0.25;  // an old incarnation still alive costs the listener this once
+
 std::string checked_name(const std::string& name) {
   if (name.empty() || name.size() > kMaxAgentName) {
     fail(Code::kInvalidArgument, -1, 0, "Agent: the name must be 1.." + std::to_string(kMaxAgentName) +
@@ -192,6 +194,10 @@ std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
     else ++stats_.accepted;
   }
   for (auto& k : old) {
+    // The old incarnation left (or died) before the new one connected: what it sent
+    // before (acks of transfers it received) is in the socket; let its engine read
+    // it, or its completed transfers would fail as superseded.
+    k->await_peer_end(Deadline::after_seconds(kSupersededDrainS));
     k->close("incarnation " + incarnation_hex(k->peer().incarnation) + " of agent " + k->peer().name +
              " was superseded by incarnation " + incarnation_hex(c->peer().incarnation) + " (it restarted)");
   }

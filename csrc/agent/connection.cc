@@ -81,6 +81,11 @@ void Connection::close(const std::string& why) {
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
+void Connection::await_peer_end(const Deadline& deadline) const {
+  if (!ready_.load(std::memory_order_acquire)) return;
+  while (gone().empty() && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+}
+
 Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
   if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + call + ": a descriptor is missing");
   const RegionDesc& r = *x.remote;

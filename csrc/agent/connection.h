@@ -41,6 +41,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void take_notifications(std::vector<Notification>* out);
   // Closes (kBye to the peer, engine stopped); `why` is what later calls say.
   void close(const std::string& why);
+  // Waits, until `deadline`, for the end of what the peer sent (its goodbye or
+  // its socket's close), so the acks it sent before leaving are taken in.
+  void await_peer_end(const Deadline& deadline) const;
   std::string path_to(const RegionDesc& remote);  // the path name a transfer to it takes
 
   // For Handle.

@@ -15,12 +15,14 @@
     python -m flagcx_mesh.bench stream-wait [--iters 2000] [--json PATH]
                                      (from C: a waiting CUDA stream passes how long after a signal)
     python -m flagcx_mesh.bench agent [--region 256M] [--blocks 64K,256K,2M] [--transports cma,shm,tcp]
-                                     (agents: setup, request-shaped batches, churn; vs memcpy)
+                                     [--peers mooncake,nixl | none]
+                                     (agents: setup, request-shaped batches, churn; vs memcpy, and vs
+                                     Mooncake TE and NIXL in the same run where they are installed)
     python -m flagcx_mesh.bench p2p [--blocks 4K,64K,1M] [--count 64] [--layers 4] [--transports cma,tcp]
                                      (the P2P engine form's batch_write_sync vs the agent's batch, same run)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
-measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put).
+measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put, Mooncake TE, NIXL).
 """
 
 from __future__ import annotations

@@ -1,27 +1,34 @@
-"""Agents (dynamic peers): set-up costs, request-shaped transfers and churn, per path,
-beside memcpy of the same bytes measured in the same run.
+"""Agents (dynamic peers): set-up costs, request-shaped transfers and churn, per path, beside
+memcpy of the same bytes and beside Mooncake TE and NIXL, all measured in the same run.
 
-    python -m flagcx_mesh.bench agent [--region 256M] [--blocks 64K,256K,2M] [--count 64]
-                                      [--transports cma,shm,tcp] [--churn 50] [--json PATH]
+    python -m flagcx_mesh.bench agent [--region 256M] [--blocks 64K,256K,2M] [--count 256]
+                                      [--transports cma,shm,tcp] [--churn 50] [--connects 50] [--setups 3]
+                                      [--peers mooncake,nixl | none] [--json PATH]
 
-Two agents in this process (FLAGCX_MESH_TRANSPORT forced per path; cma and shm work within one
-process as between two). Figures:
+Two endpoints in this process for each (FLAGCX_MESH_TRANSPORT forced per path for flagcx_mesh;
+cma and shm work within one process as between two). Figures:
 
-  setup     agent start, register of a --region host buffer, connect, first write (ms)
-  request   --count blocks of each --blocks size written as one batch: pipelined (one handle
-            for the batch) and blocking (a wait per block), GB/s, and their ratio to memcpy
-  churn     connect + one write + close of a fresh initiator agent, connections per second
+  setup     start, register of a --region host buffer, connect, first 4 KiB write (ms), each
+            the median of --setups runs; for flagcx_mesh also the median and 90th percentile of
+            --connects connects of a fresh agent and the median of their first 4 KiB write (ms)
+  request   --count blocks of each --blocks size (wrapping within --region) written pipelined
+            (one batch, one wait) and blocking (a wait per block), GB/s, beside memcpy
+  churn     a fresh initiator: start, connect, one 4 KiB write, close; per second
 
-Mooncake TE and NIXL are not measured here: neither is installed with this package.
+Each peer in --peers (agent_peers.py) runs the same figures, and the ratio flagcx_mesh / peer is
+printed against the flagcx_mesh path the peer's own transport matches. A peer that cannot run
+(not installed, a library or backend missing) is reported with its reason, never left out.
 """
 
 from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import time
 from typing import Dict, List, Optional
 
+from . import agent_peers
 from ._ranks import save_json
 from ._sizes import parse_size, size_name
 
@@ -32,9 +39,12 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench agent")
     p.add_argument("--region", default="256M")
     p.add_argument("--blocks", default="64K,256K,2M")
-    p.add_argument("--count", type=int, default=64)
+    p.add_argument("--count", type=int, default=256)
     p.add_argument("--transports", default="cma,shm,tcp")
     p.add_argument("--churn", type=int, default=50)
+    p.add_argument("--connects", type=int, default=50)
+    p.add_argument("--setups", type=int, default=3, help="set-up runs; each figure is their median")
+    p.add_argument("--peers", default="mooncake,nixl", help="comma-separated, or none")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
 
@@ -43,92 +53,181 @@ def _ms(t0: float) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def _setup(np, Agent, region: int) -> Dict[str, float]:
-    t0 = time.perf_counter()
-    target = Agent("bench-target", SECRET)
-    start = _ms(t0)
-    buf = np.zeros(region, np.uint8)
-    t0 = time.perf_counter()
-    remote = target.register(buf)
-    reg = _ms(t0)
-    init = Agent("bench-init", SECRET)
-    src = init.register(np.ones(region, np.uint8))
-    t0 = time.perf_counter()
-    conn = init.connect(target.metadata())
-    con = _ms(t0)
-    t0 = time.perf_counter()
-    conn.write(src, remote, 4096).wait(30)
-    first = _ms(t0)
-    init.close()
-    target.close()
-    return {"agent_start_ms": start, "register_ms": reg, "connect_ms": con, "first_write_ms": first}
+def _reps(block: int, count: int) -> int:
+    return max(1, (256 << 20) // (block * count))
 
 
-def _request(np, Agent, block: int, count: int) -> Dict[str, float]:
-    with Agent("bench-target", SECRET) as t, Agent("bench-init", SECRET) as a:
-        srcbuf = np.ones(block * count, np.uint8)
-        if os.environ.get("FLAGCX_MESH_TRANSPORT") == "shm":  # shm reaches memory the agent allocated
-            remote = t.alloc(block * count)
-            dst = np.frombuffer(remote.view, np.uint8)
-        else:
-            dst = np.zeros(block * count, np.uint8)
-            remote = t.register(dst)
-        local = a.register(srcbuf)
-        conn = a.connect(t.metadata())
-        ops = [(local, i * block, remote, (count - 1 - i) * block, block) for i in range(count)]
-        conn.batch_write(ops).wait(60)  # paths chosen, pages touched
-        reps = max(1, (256 << 20) // (block * count))
+class Flagcx:
+    """flagcx_mesh's agents, on the path FLAGCX_MESH_TRANSPORT forces."""
+
+    name = "flagcx_mesh"
+
+    def __init__(self, np):
+        from .. import __version__
+        from ..agent import Agent
+
+        self.np, self.Agent, self.version = np, Agent, f"flagcx_mesh {__version__}"
+
+    def setup(self, region: int, connects: int) -> Dict[str, float]:
+        np, Agent = self.np, self.Agent
         t0 = time.perf_counter()
-        for _ in range(reps):
-            conn.batch_write(ops).wait(60)
-        pipe = time.perf_counter() - t0
+        target = Agent("bench-target", SECRET)
+        start = _ms(t0)
+        buf = np.zeros(region, np.uint8)
         t0 = time.perf_counter()
-        for _ in range(reps):
-            for op in ops:
-                conn.batch_write([op]).wait(60)
-        blocking = time.perf_counter() - t0
+        remote = target.register(buf)
+        reg = _ms(t0)
+        init = Agent("bench-init", SECRET)
+        src = init.register(np.ones(region, np.uint8))
         t0 = time.perf_counter()
-        for _ in range(reps):
-            dst[:] = srcbuf
-        mem = time.perf_counter() - t0
-        total = block * count * reps / 1e9
-        return {"path": conn.path_to(remote), "pipelined_GBps": total / pipe, "blocking_GBps": total / blocking,
-                "memcpy_GBps": total / mem}
+        conn = init.connect(target.metadata())
+        con = _ms(t0)
+        t0 = time.perf_counter()
+        conn.write(src, remote, 4096).wait(30)
+        first = _ms(t0)
+        init.close()
+        times, firsts = [], []
+        for i in range(connects):
+            with Agent(f"bench-connect-{i}", SECRET) as a:
+                mine = a.register(np.ones(4096, np.uint8))
+                t0 = time.perf_counter()
+                c = a.connect(target.metadata())
+                times.append(_ms(t0))
+                t0 = time.perf_counter()
+                c.write(mine, remote, 4096).wait(30)
+                firsts.append(_ms(t0))
+            target.notifications(0)  # prunes the connections of the agents that left
+        target.close()
+        out = {"agent_start_ms": start, "register_ms": reg, "connect_ms": con, "first_write_ms": first}
+        if times:
+            times.sort()
+            out["connect_median_ms"] = statistics.median(times)
+            out["connect_p90_ms"] = times[min(len(times) - 1, int(0.9 * len(times)))]
+            out["first_write_median_ms"] = statistics.median(firsts)
+        return out
+
+    def request(self, block: int, count: int, limit: int, reps: int) -> Dict[str, float]:
+        np, Agent = self.np, self.Agent
+        size, offs = agent_peers.layout(block, count, limit)
+        with Agent("bench-target", SECRET) as t, Agent("bench-init", SECRET) as a:
+            srcbuf = np.ones(size, np.uint8)
+            if os.environ.get("FLAGCX_MESH_TRANSPORT") == "shm":  # shm reaches memory the agent allocated
+                remote = t.alloc(size)
+                dst = np.frombuffer(remote.view, np.uint8)
+            else:
+                dst = np.zeros(size, np.uint8)
+                remote = t.register(dst)
+            local = a.register(srcbuf)
+            conn = a.connect(t.metadata())
+            ops = [(local, s, remote, d, block) for s, d in offs]
+            conn.batch_write(ops).wait(60)  # paths chosen, pages touched
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                conn.batch_write(ops).wait(60)
+            pipe = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                for op in ops:
+                    conn.batch_write([op]).wait(60)
+            blocking = time.perf_counter() - t0
+            t0 = time.perf_counter()
+            for _ in range(reps * block * count // size):
+                dst[:] = srcbuf
+            mem = time.perf_counter() - t0
+            total = block * count * reps / 1e9
+            return {"path": conn.path_to(remote), "pipelined_GBps": total / pipe, "blocking_GBps": total / blocking,
+                    "memcpy_GBps": size * (reps * block * count // size) / 1e9 / mem}
+
+    def churn(self, n: int) -> float:
+        np, Agent = self.np, self.Agent
+        with Agent("bench-target", SECRET) as t:
+            remote = t.register(np.zeros(4096, np.uint8))
+            md = t.metadata()
+            t0 = time.perf_counter()
+            for i in range(n):
+                with Agent(f"churn-{i}", SECRET) as a:
+                    a.connect(md).write(a.register(np.ones(4096, np.uint8)), remote, 4096).wait(30)
+            return n / (time.perf_counter() - t0)
 
 
-def _churn(np, Agent, n: int) -> float:
-    with Agent("bench-target", SECRET) as t:
-        remote = t.register(np.zeros(4096, np.uint8))
-        md = t.metadata()
-        t0 = time.perf_counter()
-        for i in range(n):
-            with Agent(f"churn-{i}", SECRET) as a:
-                a.connect(md).write(a.register(np.ones(4096, np.uint8)), remote, 4096).wait(30)
-        return n / (time.perf_counter() - t0)
+def _fmt(v: Optional[float], unit: str, digits: int = 2) -> str:
+    return "n/a" if v is None else f"{v:.{digits}f} {unit}"
+
+
+def _measure(tool, args, label: str, blocks: List[int], region: int) -> Dict:
+    """setup, request per block size and churn of one tool, printed as they come."""
+    fig: Dict = {"version": tool.version}
+    runs = []
+    for k in range(max(1, args.setups)):
+        runs.append(tool.setup(region, args.connects if k == 0 else 0) if isinstance(tool, Flagcx) else tool.setup(region))
+    s = {key: (None if runs[0][key] is None else statistics.median(r[key] for r in runs if key in r)) for key in runs[0]}
+    fig["setup"] = s
+    extra = ""
+    if "connect_median_ms" in s:
+        extra = (f" (fresh agents, median of {args.connects}: connect {s['connect_median_ms']:.2f} ms, p90 "
+                 f"{s['connect_p90_ms']:.2f} ms, first write {s['first_write_median_ms']:.2f} ms)")
+    print(f"[{label}] start {s['agent_start_ms']:.2f} ms, register {args.region} {s['register_ms']:.3f} ms, "
+          f"connect {_fmt(s['connect_ms'], 'ms')}{extra}, first write {s['first_write_ms']:.2f} ms", flush=True)
+    for b in blocks:
+        r = tool.request(b, args.count, region, _reps(b, args.count))
+        fig[f"request_{size_name(b)}"] = r
+        mem = f", memcpy {r['memcpy_GBps']:.2f} GB/s" if "memcpy_GBps" in r else ""
+        print(f"[{label}] {args.count} x {size_name(b)} over {r['path']}: pipelined {r['pipelined_GBps']:.2f} GB/s, "
+              f"blocking {r['blocking_GBps']:.2f} GB/s{mem}", flush=True)
+    if args.churn:
+        fig["churn_per_s"] = tool.churn(args.churn)
+        print(f"[{label}] churn: {fig['churn_per_s']:.0f} start+connect+write+close per second", flush=True)
+    return fig
+
+
+def _compare(ours: Dict, peer: Dict, blocks: List[int], label: str) -> Dict[str, Optional[float]]:
+    """flagcx_mesh / peer for every figure (times inverted: above 1 means flagcx_mesh is faster)."""
+    out: Dict[str, Optional[float]] = {}
+    so, sp = ours["setup"], peer["setup"]
+    for key in ("agent_start_ms", "register_ms"):
+        out[key] = sp[key] / so[key] if so[key] else None
+    ours_cw = (so["connect_ms"] or 0) + so["first_write_ms"]
+    peer_cw = (sp["connect_ms"] or 0) + sp["first_write_ms"]
+    out["connect_first_write"] = peer_cw / ours_cw
+    for b in blocks:
+        k = f"request_{size_name(b)}"
+        for mode in ("pipelined_GBps", "blocking_GBps"):
+            out[f"{k}_{mode}"] = ours[k][mode] / peer[k][mode]
+    if "churn_per_s" in ours and "churn_per_s" in peer:
+        out["churn_per_s"] = ours["churn_per_s"] / peer["churn_per_s"]
+    parts = [f"{k} {'n/a' if v is None else f'{v:.2f}'}" for k, v in out.items()]
+    print(f"[{label}] flagcx_mesh / peer (above 1: flagcx_mesh better): " + ", ".join(parts), flush=True)
+    return out
 
 
 def main(argv: Optional[List[str]] = None) -> int:
     args = _parse(list(argv or []))
     import numpy as np
 
-    from ..agent import Agent
-
-    out: Dict[str, Dict] = {}
+    region = parse_size(args.region)
+    blocks = [parse_size(x) for x in args.blocks.split(",") if x]
+    out: Dict[str, Dict] = {"flagcx_mesh": {}, "peers": {}}
+    ours = Flagcx(np)
+    print(f"versions: {ours.version}", flush=True)
     for transport in [t for t in args.transports.split(",") if t]:
         os.environ["FLAGCX_MESH_TRANSPORT"] = transport
-        fig: Dict = {"setup": _setup(np, Agent, parse_size(args.region))}
-        s = fig["setup"]
-        print(f"[{transport}] start {s['agent_start_ms']:.2f} ms, register {args.region} {s['register_ms']:.3f} ms, "
-              f"connect {s['connect_ms']:.2f} ms, first write {s['first_write_ms']:.2f} ms")
-        for b in [parse_size(x) for x in args.blocks.split(",") if x]:
-            r = _request(np, Agent, b, args.count)
-            fig[f"request_{size_name(b)}"] = r
-            print(f"[{transport}] {args.count} x {size_name(b)} over {r['path']}: pipelined {r['pipelined_GBps']:.2f} GB/s, "
-                  f"blocking {r['blocking_GBps']:.2f} GB/s, memcpy {r['memcpy_GBps']:.2f} GB/s "
-                  f"(pipelined/memcpy {r['pipelined_GBps'] / r['memcpy_GBps']:.2f})")
-        if args.churn:
-            fig["churn_per_s"] = _churn(np, Agent, args.churn)
-            print(f"[{transport}] churn: {fig['churn_per_s']:.0f} connect+write+close per second")
-        out[transport] = fig
+        out["flagcx_mesh"][transport] = _measure(ours, args, transport, blocks, region)
+    os.environ.pop("FLAGCX_MESH_TRANSPORT", None)
+    names = [] if args.peers.strip() == "none" else [p for p in args.peers.split(",") if p]
+    for name in names:
+        try:
+            peer = agent_peers.load(name, np)
+            print(f"[{name}] running {peer.version} ({peer.how})", flush=True)
+            fig = _measure(peer, args, name, blocks, region)
+        except Exception as e:  # reported, not hidden: the run goes on with the other peers
+            why = f"{type(e).__name__}: {e}"
+            print(f"[{name}] NOT RUN: {why}", flush=True)
+            out["peers"][name] = {"error": why}
+            continue
+        like = peer.like if peer.like in out["flagcx_mesh"] else next(iter(out["flagcx_mesh"]), None)
+        if like is not None:
+            fig["ratio_vs"] = like
+            fig["ratio"] = _compare(out["flagcx_mesh"][like], fig, blocks, f"{name} vs flagcx_mesh {like}")
+        out["peers"][name] = fig
     save_json(out, args.json)
     return 0
