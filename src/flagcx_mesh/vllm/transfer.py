@@ -23,10 +23,12 @@ drain results, so the engine's step never waits on the network.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
@@ -81,6 +83,14 @@ class _Fetch:
     cancelled: bool = False
 
 
+def _close_at_exit(ref) -> None:
+    """An engine that exits without shutting its connector down must not leave the thread
+    inside the agent while the interpreter finalizes."""
+    x = ref()
+    if x is not None:
+        x.close()
+
+
 class KVTransfer:
     """See the module's docstring. ``kv_caches``: ``{layer name: tensor}`` with blocks on
     ``block_dim``; ``num_blocks``: blocks per layer; ``name``: this worker's agent name;
@@ -119,6 +129,7 @@ class KVTransfer:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
         self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
 
     # ---- the public side: commands in, results out -------------------------------------
 
@@ -158,9 +169,12 @@ class KVTransfer:
         return bool(self._held or self._fetches or not self._commands.empty())
 
     def close(self) -> None:
+        """Stops the thread and closes the agent (peers' pending handles fail with PeerLost)."""
         self._stop.set()
-        self._thread.join(timeout=30)
-        self.agent.close()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        if not self.agent.closed:
+            self.agent.close()
 
     # ---- the thread ---------------------------------------------------------------------
 
