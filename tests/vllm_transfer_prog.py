@@ -46,6 +46,7 @@ def parse(argv=None):
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--blocks", type=int, default=64)
     p.add_argument("--requests", type=int, default=6)
+    p.add_argument("--blocks-per-request", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--head-size", type=int, default=16)
     p.add_argument("--block-size", type=int, default=16)
@@ -81,10 +82,13 @@ def read_published(d, name, timeout=30.0) -> bytes:
 
 
 def request_blocks(args):
-    """Request i holds blocks of its own: 1 + i % 4 of them, from the top of the cache down."""
+    """Request i holds blocks of its own: --blocks-per-request + i % 4 of them, from the top
+    of the cache down."""
     out, nxt = {}, args.blocks - 1
     for i in range(args.requests):
-        n = 1 + i % 4
+        n = args.blocks_per_request + i % 4
+        if nxt + 1 < n:
+            raise SystemExit(f"{args.blocks} blocks are too few for {args.requests} requests")
         out[f"req-{i}"] = [nxt - k for k in range(n)]
         nxt -= n
     return out
@@ -92,8 +96,9 @@ def request_blocks(args):
 
 def prefill(args) -> int:
     kv, bdim = caches(args)
+    reqs = request_blocks(args)
     for li, t in enumerate(kv.values()):
-        for b in range(args.blocks):
+        for b in sorted({b for blocks in reqs.values() for b in blocks}):
             fill_block(t, b, bdim, f"{li}/{b}")
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -107,7 +112,6 @@ def prefill(args) -> int:
             os._exit(9)
 
         x._start_push = start_then_die
-    reqs = request_blocks(args)
     for r, blocks in reqs.items():
         x.hold(r, blocks)
     publish(args.dir, "requests.json", json.dumps(reqs).encode())
@@ -126,8 +130,10 @@ def decode(args) -> int:
     kv, bdim = caches(args)
     x = transfer.KVTransfer(args.name or "decode-tp0", kv, args.blocks, block_dim=bdim,
                             fetch_timeout=args.fetch_timeout)
-    md = read_published(args.dir, "prefill.meta")
-    reqs = json.loads(read_published(args.dir, "requests.json"))
+    if args.die_after_want:
+        x._on_answer = lambda *a: None  # it dies before it takes any answer
+    md = read_published(args.dir, "prefill.meta", args.timeout)
+    reqs = json.loads(read_published(args.dir, "requests.json", args.timeout))
     plan, nxt = {}, 0
     for i, (r, remote) in enumerate(sorted(reqs.items())):
         take = len(remote) if i % 2 == 0 else max(1, len(remote) - 1)  # odd ones: a local prefix hit
@@ -173,7 +179,8 @@ def both(args) -> int:
     os.environ.setdefault("FLAGCX_MESH_AGENT_SECRET", os.urandom(16).hex())
     d = args.dir or tempfile.mkdtemp(prefix="vllm-transfer-")
     common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-              if k in ("device", "layout", "layers", "blocks", "requests", "heads", "head_size", "block_size")]
+              if k in ("device", "layout", "layers", "blocks", "requests", "blocks_per_request", "heads", "head_size",
+                       "block_size")]
     child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--dir", d, *common])
     args.dir = d
     rc = prefill(args)
