@@ -18,7 +18,7 @@
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
 #   6. .venv-vllm: vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
 #      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
-#      tests/test_vllm_connector.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
+#      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
 # FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -100,9 +100,9 @@ if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     t0=$SECONDS
     if INSTALL_TIMEOUT=1800 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
         echo "($dir ready in $((SECONDS - t0)) s)"
-        step "pytest under vLLM (tests/test_vllm_connector.py)"
+        step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
         FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
-            tests/test_vllm_connector.py || failed+=("vLLM tests")
+            tests/test_vllm_connector.py tests/test_vllm_proxy.py || failed+=("vLLM tests")
     else
         failed+=("installing $VLLM_PIN")
     fi
