@@ -66,6 +66,10 @@ def tp_rank_of_this_worker(vllm_config) -> int:
 
 
 class FlagcxMeshConnector(KVConnectorBase_V1):
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return False  # the agents hold the KV buffers registered; sleep mode would free them
+
     def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
         super().__init__(vllm_config, role, kv_cache_config)
         cfg = vllm_config.kv_transfer_config

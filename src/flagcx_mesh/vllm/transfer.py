@@ -125,7 +125,8 @@ class KVTransfer:
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
-        self._layout_sent: Set[Tuple[str, str]] = set()
+        self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each prefill got it on
+        self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
         self._thread.start()
@@ -198,6 +199,9 @@ class KVTransfer:
         now = time.monotonic()
         self._check_held(now)
         self._check_fetches(now)
+        if now > self._next_prune:
+            self._prune_layouts()
+            self._next_prune = now + 1.0
 
     def _on_notification(self, peer: str, incarnation: str, data: bytes) -> None:
         try:
@@ -243,6 +247,13 @@ class KVTransfer:
         for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
             del self._peer_layouts[key]
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
+
+    def _prune_layouts(self) -> None:
+        """Forgets the layouts of decodes whose connection closed (they send it again)."""
+        for key in list(self._peer_layouts):
+            conn = self.agent.connection(key[0])
+            if conn is None or conn.peer_incarnation != key[1]:
+                del self._peer_layouts[key]
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = str(f["req"])
@@ -377,9 +388,11 @@ class KVTransfer:
             conn = self.agent.connect(md, timeout=self.connect_timeout)
             f.conn, f.peer = conn, conn.peer_name
             key = (conn.peer_name, conn.peer_incarnation)
-            if key not in self._layout_sent:
+            told = self._layout_sent.get(key)
+            if told is None or told.gone():  # a new connection: the prefill forgot the old one's layout
                 conn.notify(self._layout_msg)
-                self._layout_sent = {k for k in self._layout_sent if k[0] != key[0]} | {key}
+                self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
+                self._layout_sent[key] = conn
             conn.notify(protocol.encode("W", req=remote_req, tag=tag, src=f.src, dst=local))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
