@@ -49,18 +49,22 @@ def released_after(out: str) -> dict:
 def test_one_prefill_two_decodes_tp2_aborts_and_a_decode_that_never_comes(tmp_path):
     """TP 2 on both sides. req-0..5 go to two decodes (req-2 aborted by decode A while its
     fetch is under way, req-3 before its blocks were allocated); req-6 is taken by nobody and
-    released at the hold timeout; req-7 is aborted on the prefill before it ran."""
+    released at the hold timeout; req-7 is aborted on the prefill before it ran; req-5 shares
+    req-4's first block, which decode B then has in its prefix cache."""
     hold = 8
     pre = spawn("prefill", "--dir", tmp_path, "--requests", 8, "--abort", 7, "--wait-for", "decA,decB",
-                "--hold-timeout", hold, "--tp", 2)
+                "--hold-timeout", hold, "--tp", 2, "--shared-prefix", "4,5")
     dec_a = spawn("decode", "--dir", tmp_path, "--name", "decA", "--take", "0,1,2,3", "--abort-mid", 2,
                   "--abort-early", 3, "--tp", 2)
-    dec_b = spawn("decode", "--dir", tmp_path, "--name", "decB", "--take", "4,5", "--tp", 2)
+    dec_b = spawn("decode", "--dir", tmp_path, "--name", "decB", "--take", "4,5", "--tp", 2, "--one-by-one")
     out_a, out_b, out_p = finish(dec_a), finish(dec_b), finish(pre)
     for r, n in (("d-0", 8), ("d-1", 12)):  # 2 ranks x 2 layers x the prompt's blocks
         assert f"loaded {r}: {n} blocks ok" in out_a, out_a
     assert "aborted d-2" in out_a and "aborted d-3" in out_a, out_a
-    assert "loaded d-4: 8 blocks ok" in out_b and "loaded d-5: 12 blocks ok" in out_b, out_b
+    # req-5 (16 + 35 tokens) starts with req-4's first block: decode B has it in its prefix
+    # cache once d-4 ran, fetches only the other 3 of req-5's 4 blocks, and all 4 hold the right bytes
+    assert "fetching d-4: 2 of 2 blocks" in out_b and "fetching d-5: 3 of 4 blocks" in out_b, out_b
+    assert "loaded d-4: 8 blocks ok" in out_b and "loaded d-5: 16 blocks ok" in out_b, out_b
     for out in (out_a, out_b):
         assert "load errors: 0 blocks" in out and "decode: free blocks 95 of 95" in out, out
     rel = released_after(out_p)

@@ -3,9 +3,9 @@ FlagcxMeshConnector loaded by vLLM's factory (kv_connector_module_path), one wor
 connector per tensor-parallel rank with KV caches as CPU tensors in vLLM's layout, and a
 stand-in for the model step that writes deterministic KV into every block a prefill computes.
 
-The block contents depend on the prompt, the rank, the layer and the block's position in the
-request (not on block ids, which differ between prefill and decode), so a decode can check every
-byte it received (``check``).
+The block contents depend on the prompt's tokens up to the block's end, the rank, the layer and
+the block's position in the request (not on block ids, which differ between prefill and
+decode), so a decode can check every byte it received (``check``).
 """
 
 import hashlib
@@ -17,6 +17,8 @@ from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig
 from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
 from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -47,7 +49,9 @@ def prompt_of(i: int, length: int) -> list:
 
 
 def seed(prompt, rank, layer, pos) -> str:
-    key = hashlib.blake2b(bytes(prompt), digest_size=8).hexdigest()
+    """A block's KV depends on the tokens up to its end (as a model's does), so prompts that
+    share a prefix share those blocks' contents (and prefix-cache hits hold the right bytes)."""
+    key = hashlib.blake2b(bytes(prompt[:(pos + 1) * BLOCK]), digest_size=8).hexdigest()
     return f"{key}/{rank}/{layer}/{pos}"
 
 
@@ -76,7 +80,10 @@ class Engine:
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)])
         self.sched = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
-                               block_size=BLOCK, log_stats=False)
+                               block_size=BLOCK, hash_block_size=BLOCK, log_stats=False)
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)  # as EngineCore makes it
         self.writes = role == "kv_producer" if writes is None else writes
         self.workers, self.caches = [], []
         for rank in range(tp):
@@ -107,7 +114,7 @@ class Engine:
         sp = SamplingParams(max_tokens=max_tokens,
                             extra_args=None if params is None else {"kv_transfer_params": dict(params)})
         self.sched.add_request(Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
-                                       pooling_params=None))
+                                       pooling_params=None, block_hasher=self.block_hasher))
 
     def abort(self, req_id):
         self.sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)

@@ -4,16 +4,18 @@ directory: a decode publishes DIR/<name>.ready, the prefill publishes each finis
 prompt and kv_transfer_params as DIR/req-<i>.json.
 
     prefill --dir D --requests N [--abort 7] [--wait-for a,b] [--hold-timeout S] [--tp T] [--die-on-push]
+            [--shared-prefix A,B]   (request B's prompt starts with request A's first block)
         adds N requests (do_remote_decode) once the decodes named are ready, aborts those in
         --abort before they run, publishes the others when they finish, steps until every block
         is released; prints "offered req-i", "released req-i after S s" and
         "prefill: free blocks F of F" (exit 0) or what is wrong (exit 1)
     decode --dir D --name X --take 0,1 [--abort-mid 2] [--abort-early 3] [--expect loaded|recomputed]
-           [--die-after-want] [--tp T]
-        adds the requests taken with their kv_transfer_params; --abort-early ones are aborted
+           [--die-after-want] [--tp T] [--one-by-one]
+        adds the requests taken with their kv_transfer_params (--one-by-one: each once the one
+        before ran, so a later one can hit an earlier one's blocks in the prefix cache); --abort-early ones are aborted
         before their blocks are allocated, --abort-mid ones right after the fetch was scheduled;
         checks every byte of every block of the others when they first run; prints
-        "loaded d-i: B blocks ok", "recomputed d-i", "aborted d-i", "load errors: N blocks" and
+        "fetching d-i: F of R blocks", "loaded d-i: B blocks ok", "recomputed d-i", "aborted d-i", "load errors: N blocks" and
         "decode: free blocks F of F"
     --die-on-push     prefill: exits (status 9) right after issuing the first layer of a push
     --die-after-want  decode: takes no answer and exits (status 9) once it asked for its blocks
@@ -43,6 +45,8 @@ def parse():
     p.add_argument("--fetch-timeout", type=float, default=30.0)
     p.add_argument("--tp", type=int, default=1)
     p.add_argument("--take", default="")
+    p.add_argument("--shared-prefix", default="")
+    p.add_argument("--one-by-one", action="store_true")
     p.add_argument("--abort-mid", default="")
     p.add_argument("--abort-early", default="")
     p.add_argument("--expect", default="loaded")
@@ -72,6 +76,15 @@ def wait_file(path, deadline):
         return json.load(f)
 
 
+def prompt_for(i, a):
+    """Request i's prompt; with --shared-prefix A,B request B starts with A's first block."""
+    own = prompt_of(i, 20 + (i * 13) % 50)
+    pairs = ints(a.shared_prefix)
+    if len(pairs) == 2 and i == pairs[1]:
+        return prompt_of(pairs[0], 16) + own
+    return own
+
+
 def die_on_first_push(engine):
     for w in engine.workers:
         x = w._transfer
@@ -95,7 +108,7 @@ def prefill(a) -> int:
         wait_file(os.path.join(a.dir, f"{name}.ready"), deadline)
     aborted = {f"req-{i}" for i in ints(a.abort)}
     for i in range(a.requests):
-        e.add(f"req-{i}", prompt_of(i, 20 + (i * 13) % 50), params={"do_remote_decode": True})
+        e.add(f"req-{i}", prompt_for(i, a), params={"do_remote_decode": True})
     for r in aborted:
         e.abort(r)
     offered, problems = {}, []
@@ -133,9 +146,17 @@ def decode(a) -> int:
     publish(a.dir, f"{a.name}.ready", {})
     mid = {f"d-{i}" for i in ints(a.abort_mid)}
     early = {f"d-{i}" for i in ints(a.abort_early)}
-    for i in ints(a.take):
-        got = wait_file(os.path.join(a.dir, f"req-{i}.json"), deadline)
-        e.add(f"d-{i}", got["prompt"], max_tokens=2, params=got["params"])
+    todo = [f"d-{i}" for i in ints(a.take)]
+
+    def add_next():
+        r = todo.pop(0)
+        got = wait_file(os.path.join(a.dir, f"req-{r[2:]}.json"), deadline)
+        e.add(r, got["prompt"], max_tokens=2, params=got["params"])
+
+    while todo and not a.one_by_one:
+        add_next()
+    if todo:
+        add_next()
     for r in early:
         e.abort(r)
         print(f"aborted {r}", flush=True)
@@ -145,6 +166,8 @@ def decode(a) -> int:
     def on_scheduled(engine, out):
         meta = out.kv_connector_metadata
         asked.extend(meta.to_fetch)
+        for r, f in meta.to_fetch.items():
+            print(f"fetching {r}: {len(f['local'])} of {len(f['remote_blocks'])} blocks", flush=True)
         for r in mid & set(meta.to_fetch):
             engine.abort(r)
             print(f"aborted {r}", flush=True)
@@ -166,6 +189,8 @@ def decode(a) -> int:
     finished = set()
     while (not expected <= finished or not e.idle()) and time.monotonic() < deadline:
         finished |= set(e.step(on_scheduled))
+        if todo and len(results) == len(ints(a.take)) - len(todo):  # the previous one ran
+            add_next()
         if a.die_after_want and asked:
             time.sleep(0.5)
             print("decode: dying after asking", flush=True)
