@@ -4,7 +4,8 @@
 # Installs the package from this tree (and builds the test doubles into build/test-doubles, outside
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
 # fake-driver tests, 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
-# the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py) and the PD example on the GPU; every
+# the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py), the PD example and the vLLM connector's
+# transfer part on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -33,4 +34,10 @@ step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/b
 step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
 step p2p-cuda "$py" tests/p2p_prog.py pair --device cuda --timeout 120
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
+# the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
+# prefill and a decode process on this GPU, every block checked (needs the agent's device memory)
+step vllm-transfer-cuda timeout 300 "$py" tests/vllm_transfer_prog.py --device cuda --layers 8 --blocks 512 \
+  --requests 24 --blocks-per-request 16 --heads 8 --head-size 128 --block-size 16
+step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --device cuda --layout legacy \
+  --layers 4 --blocks 128 --requests 8
 exit $status

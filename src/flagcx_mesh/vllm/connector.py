@@ -1,0 +1,191 @@
+"""FlagcxMeshConnector: a vLLM 0.33 KV connector (``KVConnectorBase_V1``) whose prefill pushes
+KV blocks into the decode's KV cache over flagcx_mesh agents (docs/vllm.md).
+
+The scheduler side is scheduler.py; the worker side here drives one
+:class:`flagcx_mesh.vllm.transfer.KVTransfer` per worker. Settings, in
+``kv_connector_extra_config``:
+
+- ``secret``: what every agent proves (default: ``FLAGCX_MESH_AGENT_SECRET``; one is required),
+- ``hold_timeout``: seconds a prefill keeps a finished request's blocks for a decode (120),
+- ``fetch_timeout``: seconds a decode waits for its blocks before reporting a load error (120),
+- ``connect_timeout``: seconds to reach a prefill's agent (10),
+- ``agent_name``: the prefix of the agents' names (``vllm``; a worker's agent is
+  ``<prefix>-<engine_id>-tp<rank>``).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from typing import Any, Optional
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
+    KVConnectorMetadata,
+    KVConnectorRole,
+)
+
+from . import protocol
+from .scheduler import SchedulerSide
+from .transfer import KVTransfer
+
+log = logging.getLogger("flagcx_mesh.vllm")
+
+__all__ = ["FlagcxMeshConnector", "FlagcxMeshConnectorMetadata", "FlagcxMeshHandshake"]
+
+
+class FlagcxMeshConnectorMetadata(KVConnectorMetadata):
+    """What the scheduler tells the workers each step: blocks to hold for a decode
+    (prefill), blocks to fetch, fetches to cancel, prefills to release (decode)."""
+
+    def __init__(self):
+        self.to_hold: dict = {}      # request id -> block ids
+        self.to_fetch: dict = {}     # request id -> {local, remote_req, remote_blocks, agents}
+        self.to_cancel: set = set()  # request ids
+        self.to_release: list = []   # (agents, remote request id)
+
+
+@dataclass
+class FlagcxMeshHandshake(KVConnectorHandshakeMetadata):
+    """A worker's agent, handed to the scheduler at start (``get_handshake_metadata``)."""
+
+    agent_metadata: bytes
+    tp_rank: int
+    tp_size: int
+
+
+def tp_rank_of_this_worker(vllm_config) -> int:
+    """This worker's tensor-parallel rank (0 when tensor parallelism is off)."""
+    if vllm_config.parallel_config.tensor_parallel_size == 1:
+        return 0
+    from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
+
+    return get_tensor_model_parallel_rank()
+
+
+class FlagcxMeshConnector(KVConnectorBase_V1):
+    @classmethod
+    def supports_sleep_mode(cls, kv_transfer_config) -> bool:
+        return False  # the agents hold the KV buffers registered; sleep mode would free them
+
+    def __init__(self, vllm_config, role: KVConnectorRole, kv_cache_config=None):
+        super().__init__(vllm_config, role, kv_cache_config)
+        cfg = vllm_config.kv_transfer_config
+        self.engine_id = str(cfg.engine_id)
+        self._extra = cfg.kv_connector_extra_config or {}
+        self._scheduler: Optional[SchedulerSide] = None
+        self._transfer: Optional[KVTransfer] = None
+        self._load_errors: set = set()
+        self._unfetchable: dict = {}  # request id -> local block ids it can never receive
+        if role == KVConnectorRole.SCHEDULER:
+            self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata)
+        else:
+            self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+            self.tp_rank = tp_rank_of_this_worker(vllm_config)
+            self._secret = self._extra.get("secret") or os.environ.get("FLAGCX_MESH_AGENT_SECRET")
+            if not self._secret:
+                raise ValueError("FlagcxMeshConnector: set FLAGCX_MESH_AGENT_SECRET (or "
+                                 "kv_connector_extra_config.secret) to the same secret on prefill and decode")
+
+    def _setting(self, key: str, default: float) -> float:
+        return float(self._extra.get(key, default))
+
+    # ---- worker side --------------------------------------------------------------------
+
+    def register_kv_caches(self, kv_caches: dict) -> None:
+        if self._transfer is not None:
+            return
+        prefix = str(self._extra.get("agent_name", "vllm"))
+        self._transfer = KVTransfer(
+            f"{prefix}-{self.engine_id}-tp{self.tp_rank}", kv_caches, self._kv_cache_config.num_blocks,
+            secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
+            fetch_timeout=self._setting("fetch_timeout", 120),
+            connect_timeout=self._setting("connect_timeout", 10))
+        log.info("FlagcxMeshConnector: agent %s registered %d layers", self._transfer.name, len(kv_caches))
+
+    def get_handshake_metadata(self) -> Optional[FlagcxMeshHandshake]:
+        if self._transfer is None:
+            return None
+        return FlagcxMeshHandshake(self._transfer.metadata, self.tp_rank, self.tp_size)
+
+    def start_load_kv(self, forward_context, **kwargs: Any) -> None:
+        meta = self._get_connector_metadata()
+        t = self._transfer
+        assert isinstance(meta, FlagcxMeshConnectorMetadata) and t is not None
+        for req_id, blocks in meta.to_hold.items():
+            t.hold(req_id, blocks)
+        for req_id, f in meta.to_fetch.items():
+            agents = f["agents"]
+            if len(agents) != self.tp_size:
+                log.error("FlagcxMeshConnector: %s was prefilled with tensor parallelism %d, this engine "
+                          "runs %d; only equal sizes are supported", req_id, len(agents), self.tp_size)
+                self._unfetchable[req_id] = list(f["local"])
+                continue
+            t.fetch(req_id, protocol.unb64(agents[self.tp_rank]), f["remote_req"], f["remote_blocks"], f["local"])
+        for req_id in meta.to_cancel:
+            t.cancel(req_id)
+        for agents, remote_req in meta.to_release:
+            if len(agents) == self.tp_size:
+                t.release(protocol.unb64(agents[self.tp_rank]), remote_req)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return  # loads complete between steps (the request waits in WAITING_FOR_REMOTE_KVS)
+
+    def save_kv_layer(self, layer_name: str, kv_layer, attn_metadata, **kwargs: Any) -> None:
+        return  # the prefill pushes finished requests; nothing is saved during the forward
+
+    def wait_for_save(self) -> None:
+        return
+
+    def get_finished(self, finished_req_ids: set):
+        if self._transfer is None:
+            return None, None
+        done = self._transfer.poll()
+        recving = set(done.recving)
+        for req_id, blocks in done.failed.items():
+            self._load_errors.update(blocks)
+        for req_id, blocks in self._unfetchable.items():
+            self._load_errors.update(blocks)
+            recving.add(req_id)
+        self._unfetchable.clear()
+        return (done.sending or None), (recving or None)
+
+    def get_block_ids_with_load_errors(self) -> set:
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def shutdown(self) -> None:
+        if self._transfer is not None:
+            self._transfer.close()
+            self._transfer = None
+
+    # ---- scheduler side -----------------------------------------------------------------
+
+    def set_xfer_handshake_metadata(self, metadata: dict) -> None:
+        assert self._scheduler is not None
+        self._scheduler.set_agents(metadata)
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int):
+        assert self._scheduler is not None
+        return self._scheduler.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        assert self._scheduler is not None
+        self._scheduler.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output) -> KVConnectorMetadata:
+        assert self._scheduler is not None
+        return self._scheduler.build_connector_meta(scheduler_output)
+
+    def request_finished(self, request, block_ids):
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def update_connector_output(self, connector_output) -> None:
+        if self._scheduler is not None:
+            self._scheduler.update_connector_output(connector_output)
+
+    def has_pending_push_work(self) -> bool:
+        return self._scheduler is not None and self._scheduler.has_pending_push_work()

@@ -1,0 +1,153 @@
+"""Where each KV block of each layer lies in memory, and the agent writes that move blocks.
+
+vLLM hands a connector one tensor per attention layer (``register_kv_caches``), all viewing
+one or a few raw buffers. vLLM 0.33 puts the blocks on dim 0 (``[num_blocks, num_kv_heads,
+block_size, 2 * head_size]`` for FlashAttention; a cross-layer layout interleaves layers
+between blocks, so a layer's view is strided); older layouts put them on dim 1 (``[2,
+num_blocks, ...]``). Nothing here assumes one of them: a block of a layer is the elements whose
+block index is ``b``, and it is cut into the fewest contiguous runs its strides allow (a dense
+block is one run; the ``[2, num_blocks, ...]`` layout gives two, K and V). Each raw buffer is
+registered with the agent once, as bytes, and runs are addressed by byte offsets into it.
+
+No vLLM import: torch tensors (CPU, or CUDA once the agent registers device memory) only.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from math import prod
+from typing import Dict, List, Sequence, Tuple
+
+MAX_RUNS_PER_BLOCK = 4096  # a layout cut finer than this would make one op per few bytes
+
+
+class LayoutError(ValueError):
+    """A KV cache layout this module cannot address, or two that do not match."""
+
+
+@dataclass(frozen=True)
+class LayerGeometry:
+    """One layer's blocks: in region ``region``, block ``b``'s runs start at
+    ``runs[j] + b * block_stride`` and are ``run_bytes`` long (byte offsets)."""
+
+    name: str
+    region: int
+    block_stride: int
+    run_bytes: int
+    runs: Tuple[int, ...]
+    block_shape: Tuple[int, ...]
+    element_size: int
+    num_blocks: int
+
+    @property
+    def block_bytes(self) -> int:
+        return self.run_bytes * len(self.runs)
+
+    def to_wire(self) -> list:
+        return [self.name, self.region, self.block_stride, self.run_bytes, list(self.runs),
+                list(self.block_shape), self.element_size, self.num_blocks]
+
+    @classmethod
+    def from_wire(cls, w: Sequence) -> "LayerGeometry":
+        name, region, stride, run, runs, shape, esize, nblocks = w
+        return cls(str(name), int(region), int(stride), int(run), tuple(int(r) for r in runs),
+                   tuple(int(s) for s in shape), int(esize), int(nblocks))
+
+    def check_matches(self, peer: "LayerGeometry") -> None:
+        """Raises LayoutError unless the peer's blocks of this layer hold the same bytes in
+        the same order (same block shape, element size and runs)."""
+        mine = (self.block_shape, self.element_size, self.run_bytes, len(self.runs))
+        theirs = (peer.block_shape, peer.element_size, peer.run_bytes, len(peer.runs))
+        if mine != theirs:
+            raise LayoutError(f"layer {self.name}: block (shape, element size, run bytes, runs) "
+                              f"{mine} here, {theirs} at the peer")
+
+
+def layer_geometry(name: str, tensor, num_blocks: int, region: int, base: int, block_dim: int = 0) -> LayerGeometry:
+    """The geometry of one layer's tensor. ``base``: the byte offset of the tensor's storage
+    start within the registered region. ``block_dim``: the dim that indexes blocks; its size
+    may be a multiple of ``num_blocks`` (vLLM's kernel blocks split a manager block)."""
+    shape, stride = list(tensor.shape), list(tensor.stride())
+    if not 0 <= block_dim < len(shape):
+        raise LayoutError(f"layer {name}: block dim {block_dim} out of range for shape {tuple(shape)}")
+    n = shape[block_dim]
+    if num_blocks <= 0 or n % num_blocks:
+        raise LayoutError(f"layer {name}: dim {block_dim} has {n} entries, not a multiple of {num_blocks} blocks")
+    ratio = n // num_blocks
+    block_step = stride[block_dim] * ratio
+    inner = [(ratio, stride[block_dim])] + [(s, st) for d, (s, st) in enumerate(zip(shape, stride)) if d != block_dim]
+    inner = [(s, st) for s, st in inner if s != 1]
+    run, k = 1, len(inner)
+    while k > 0 and inner[k - 1][1] == run:  # the contiguous suffix of the block
+        run *= inner[k - 1][0]
+        k -= 1
+    outer = inner[:k]
+    count = prod(s for s, _ in outer)
+    if count > MAX_RUNS_PER_BLOCK:
+        raise LayoutError(f"layer {name}: a block is {count} runs of {run} elements (limit {MAX_RUNS_PER_BLOCK})")
+    esize = tensor.element_size()
+    start = base + tensor.storage_offset() * esize
+    runs = tuple(start + esize * sum(i * st for i, (_, st) in zip(idx, outer))
+                 for idx in itertools.product(*(range(s) for s, _ in outer)))
+    block_shape = tuple([ratio] + [s for d, s in enumerate(shape) if d != block_dim])
+    return LayerGeometry(name, region, block_step * esize, run * esize, runs, block_shape, esize, num_blocks)
+
+
+def storage_bytes(tensor):
+    """A flat uint8 tensor over the whole storage ``tensor`` views (same device), and that
+    storage's identity (its data pointer)."""
+    import torch
+
+    st = tensor.untyped_storage()
+    flat = torch.empty(0, dtype=torch.uint8, device=tensor.device)
+    flat.set_(st, 0, (st.nbytes(),), (1,))
+    return flat, st.data_ptr()
+
+
+def describe_layers(kv_caches: Dict[str, object], num_blocks: int, block_dim: int = 0):
+    """(flat storages to register, [LayerGeometry]) for ``{layer name: tensor}``: each storage
+    once, however many layers view it."""
+    storages: List[object] = []
+    index_of: Dict[int, int] = {}
+    layers: List[LayerGeometry] = []
+    for name, t in kv_caches.items():
+        flat, key = storage_bytes(t)
+        if key not in index_of:
+            index_of[key] = len(storages)
+            storages.append(flat)
+        layers.append(layer_geometry(name, t, num_blocks, index_of[key], 0, block_dim))
+    return storages, layers
+
+
+def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> List[int]:
+    out = [int(b) for b in ids]
+    bad = [b for b in out if not 0 <= b < num_blocks]
+    if bad:
+        raise LayoutError(f"{what}: block ids {bad[:4]} out of range (0..{num_blocks - 1})")
+    return out
+
+
+def write_ops(src: LayerGeometry, src_region, dst: LayerGeometry, dst_region,
+              src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list:
+    """Agent batch ops ``(local, local_off, remote, remote_off, size)`` that copy the source
+    blocks of one layer onto the destination blocks, pairwise; runs of consecutive block ids
+    on both sides merge into one op where blocks are dense on both sides."""
+    src.check_matches(dst)
+    if len(src_blocks) != len(dst_blocks):
+        raise LayoutError(f"layer {src.name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+    sb = check_block_ids(src_blocks, src.num_blocks, f"layer {src.name} (source)")
+    db = check_block_ids(dst_blocks, dst.num_blocks, f"layer {dst.name} (destination)")
+    dense = len(src.runs) == 1 and len(dst.runs) == 1 and \
+        src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
+    ops = []
+    i = 0
+    while i < len(sb):
+        n = 1
+        while dense and i + n < len(sb) and sb[i + n] == sb[i] + n and db[i + n] == db[i] + n:
+            n += 1
+        for rs, rd in zip(src.runs, dst.runs):
+            ops.append((src_region, rs + sb[i] * src.block_stride, dst_region, rd + db[i] * dst.block_stride,
+                        src.run_bytes * n))
+        i += n
+    return ops

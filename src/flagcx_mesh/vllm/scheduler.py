@@ -1,0 +1,135 @@
+"""The scheduler side of FlagcxMeshConnector (vLLM 0.33): which requests a prefill holds for a
+decode, which a decode fetches, and the metadata that tells the workers.
+
+Prefill (``kv_transfer_params`` with ``do_remote_decode``): ``request_finished`` keeps the
+request's blocks (delay free) and answers the parameters a decode needs: this engine's worker
+agents (their metadata, one per tensor-parallel rank, learned from the workers' handshake
+metadata at start), the request id and its block ids. Decode (``do_remote_prefill``): the
+prompt's tokens beyond the local prefix-cache hit are "matched" and loaded asynchronously;
+``update_state_after_alloc`` records the blocks allocated for them, and the next
+``build_connector_meta`` tells the workers to fetch.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Dict, List, Optional, Tuple
+
+from vllm.v1.request import RequestStatus
+
+from . import protocol
+
+log = logging.getLogger("flagcx_mesh.vllm")
+
+TRANSFER_NAME = "flagcx_mesh-push"
+
+
+class SchedulerSide:
+    def __init__(self, vllm_config, engine_id: str, metadata_cls):
+        self.engine_id = engine_id
+        self.block_size = vllm_config.cache_config.block_size
+        self.tp_size = vllm_config.parallel_config.tensor_parallel_size
+        self._metadata_cls = metadata_cls
+        self.agents: Dict[int, bytes] = {}  # tp rank -> worker agent metadata
+        self._to_hold: Dict[str, List[int]] = {}
+        self._to_fetch: Dict[str, dict] = {}
+        self._to_cancel: set = set()
+        self._to_release: List[Tuple[List[str], str]] = []
+        self._fetching: set = set()  # decode requests whose fetch went to the workers
+        self._held: set = set()  # prefill requests whose blocks the workers hold
+
+    # ---- set-up -------------------------------------------------------------------------
+
+    def set_agents(self, by_rank: Dict[int, Any]) -> None:
+        for rank, hs in by_rank.items():
+            self.agents[int(rank)] = bytes(hs.agent_metadata)
+
+    def _agent_list(self) -> Optional[List[str]]:
+        if sorted(self.agents) != list(range(self.tp_size)):
+            return None
+        return [protocol.b64(self.agents[r]) for r in range(self.tp_size)]
+
+    # ---- decode side --------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_prefill"):
+            count = len(request.prompt_token_ids or ()) - num_computed_tokens
+            if count > 0:
+                return count, True
+        return 0, False
+
+    def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
+        params = request.kv_transfer_params
+        if not params or not params.get("do_remote_prefill"):
+            return
+        params["do_remote_prefill"] = False  # a second call (after the load) is not a new fetch
+        remote = self._remote(params)
+        if remote is None:
+            return
+        agents, remote_req, remote_blocks = remote
+        if num_external_tokens <= 0:  # everything was in the local prefix cache
+            self._to_release.append((agents, remote_req))
+            return
+        local = list(blocks.get_unhashed_block_ids())
+        self._to_fetch[request.request_id] = dict(local=local, remote_req=remote_req,
+                                                  remote_blocks=remote_blocks, agents=agents)
+        self._fetching.add(request.request_id)
+
+    @staticmethod
+    def _remote(params: dict) -> Optional[Tuple[List[str], str, List[int]]]:
+        try:
+            return (list(params["remote_agents"]), str(params["remote_request_id"]),
+                    [int(b) for b in params["remote_block_ids"]])
+        except (KeyError, TypeError, ValueError) as e:
+            log.error("kv_transfer_params without a usable prefill (%s): %s", e, params)
+            return None
+
+    # ---- both ---------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output):
+        meta = self._metadata_cls()
+        meta.to_hold, self._to_hold = self._to_hold, {}
+        meta.to_fetch, self._to_fetch = self._to_fetch, {}
+        meta.to_cancel, self._to_cancel = self._to_cancel, set()
+        meta.to_release, self._to_release = self._to_release, []
+        return meta
+
+    def request_finished(self, request, block_ids: List[int]) -> Tuple[bool, Optional[dict]]:
+        params = request.kv_transfer_params
+        if not params:
+            return False, None
+        req_id = request.request_id
+        if params.get("do_remote_prefill"):  # a decode request that ended before its blocks came
+            remote = self._remote(params)
+            if remote is not None:
+                self._to_release.append(remote[:2])
+            return False, None
+        if req_id in self._fetching:
+            self._fetching.discard(req_id)
+            if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+                self._to_cancel.add(req_id)  # vLLM keeps its blocks until the workers report it
+            return False, None
+        if not params.get("do_remote_decode"):
+            return False, None
+        if request.status not in (RequestStatus.FINISHED_LENGTH_CAPPED, RequestStatus.FINISHED_STOPPED):
+            return False, None  # aborted or failed: nothing for a decode to take
+        agents = self._agent_list()
+        if agents is None or not block_ids:
+            if agents is None:
+                log.error("FlagcxMeshConnector: the workers' agents are not known (tp ranks %s of %d);"
+                          " %s is not offered to a decode", sorted(self.agents), self.tp_size, req_id)
+            return False, None
+        self._to_hold[req_id] = list(block_ids)
+        self._held.add(req_id)
+        return True, dict(
+            do_remote_prefill=True, do_remote_decode=False, remote_request_id=req_id,
+            remote_block_ids=list(block_ids), remote_engine_id=self.engine_id, remote_agents=agents,
+            tp_size=self.tp_size, block_size=self.block_size, transfer=TRANSFER_NAME)
+
+    def update_connector_output(self, output) -> None:
+        for req_id in output.finished_sending or ():
+            self._held.discard(req_id)
+
+    def has_pending_push_work(self) -> bool:
+        return bool(self._held or self._to_hold or self._to_fetch or self._to_cancel or self._to_release)

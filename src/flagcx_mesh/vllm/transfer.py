@@ -1,0 +1,449 @@
+"""The transfer part of the vLLM connector: KV blocks pushed from a prefill into a decode's
+registered KV cache over one :class:`flagcx_mesh.Agent` per worker. No vLLM import: it runs
+with torch tensors alone (CPU; CUDA once the agent registers device memory).
+
+One :class:`KVTransfer` per worker (per tensor-parallel rank) registers every layer's KV cache
+once and serves both roles:
+
+- prefill: :meth:`hold` a finished request's blocks; a decode that asks for them (a ``W``
+  message, protocol.py) gets them pushed into its blocks, one batched write per layer, the
+  last one carrying the ``D`` notification. The blocks are released (reported in
+  ``poll().sending``) when the decode acknowledges them, when it cancels, or after
+  ``hold_timeout`` when no decode came. A push that fails (the decode died) keeps the blocks
+  held, so a decode that restarts and asks again is served.
+- decode: :meth:`fetch` connects to the prefill's agent (its metadata came in the request's
+  ``kv_transfer_params``), sends its layout once per connection and a ``W`` naming its own
+  block ids, and reports the request in ``poll().recving`` when ``D`` arrives, or in
+  ``poll().failed`` (with its block ids) when the prefill refused, died, or nothing came
+  within ``fetch_timeout``.
+
+Every agent call runs on one background thread; the public methods only queue commands and
+drain results, so the engine's step never waits on the network.
+"""
+
+from __future__ import annotations
+
+import atexit
+import logging
+import queue
+import threading
+import time
+import weakref
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Dict, List, Optional, Sequence, Set, Tuple
+
+from ..agent import Agent
+from ..errors import InvalidArgument, MeshError
+from . import protocol
+from .layout import LayerGeometry, LayoutError, describe_layers, write_ops
+
+log = logging.getLogger("flagcx_mesh.vllm")
+
+FORGET_AFTER = 4096  # how many served / expired request ids a prefill remembers
+
+
+@dataclass
+class Finished:
+    """What completed since the last poll: requests whose blocks a prefill released
+    (``sending``), requests a decode finished receiving, successfully or not (``recving``),
+    and of those the ones that failed, with their local block ids (``failed``)."""
+
+    sending: Set[str] = field(default_factory=set)
+    recving: Set[str] = field(default_factory=set)
+    failed: Dict[str, List[int]] = field(default_factory=dict)
+
+
+@dataclass
+class _Push:
+    peer: str
+    tag: str
+    handles: list
+    started: float
+
+
+@dataclass
+class _Held:
+    blocks: List[int]
+    deadline: float
+    pushes: List[_Push] = field(default_factory=list)
+    release_when_idle: bool = False
+
+
+@dataclass
+class _Fetch:
+    tag: str
+    peer_metadata: bytes
+    remote_req: str
+    src: List[int]
+    dst: List[int]
+    deadline: float
+    conn: object = None
+    peer: str = ""
+    cancelled: bool = False
+
+
+def _close_at_exit(ref) -> None:
+    """An engine that exits without shutting its connector down must not leave the thread
+    inside the agent while the interpreter finalizes."""
+    x = ref()
+    if x is not None:
+        x.close()
+
+
+class KVTransfer:
+    """See the module's docstring. ``kv_caches``: ``{layer name: tensor}`` with blocks on
+    ``block_dim``; ``num_blocks``: blocks per layer; ``name``: this worker's agent name;
+    ``secret``: what both ends prove (default ``FLAGCX_MESH_AGENT_SECRET``)."""
+
+    def __init__(self, name: str, kv_caches: dict, num_blocks: int, *, secret=None, block_dim: int = 0,
+                 hold_timeout: float = 120.0, fetch_timeout: float = 120.0, connect_timeout: float = 10.0,
+                 poll_interval: float = 0.005):
+        storages, self.layers = describe_layers(kv_caches, num_blocks, block_dim)
+        self.num_blocks = num_blocks
+        self.hold_timeout, self.fetch_timeout = float(hold_timeout), float(fetch_timeout)
+        self.connect_timeout, self._interval = float(connect_timeout), float(poll_interval)
+        self.agent = Agent(name, secret, timeout=connect_timeout)
+        try:
+            self._storages = storages
+            self._regions = [self.agent.register(s) for s in storages]
+        except BaseException:
+            self.agent.close()
+            raise
+        self.name = self.agent.name
+        self.metadata: bytes = self.agent.metadata()
+        self._layout_msg = protocol.encode(
+            "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
+            layers=[g.to_wire() for g in self.layers])
+        self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._lock = threading.Lock()
+        self._done = Finished()
+        # prefill side
+        self._held: Dict[str, _Held] = {}
+        self._early: Dict[str, List[Tuple[str, dict, float]]] = {}
+        self._gone: "OrderedDict[str, str]" = OrderedDict()
+        self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
+        # decode side
+        self._fetches: Dict[str, _Fetch] = {}
+        self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each prefill got it on
+        self._next_prune = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
+        self._thread.start()
+        atexit.register(_close_at_exit, weakref.ref(self))
+
+    # ---- the public side: commands in, results out -------------------------------------
+
+    def hold(self, req_id: str, block_ids: Sequence[int]) -> None:
+        """Prefill: keep ``req_id``'s blocks for a decode until it took them, cancelled, or
+        ``hold_timeout`` passed; the request then appears in ``poll().sending``."""
+        self._commands.put(("hold", str(req_id), [int(b) for b in block_ids]))
+
+    def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str,
+              remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> None:
+        """Decode: ask the prefill agent ``peer_metadata`` to push its request
+        ``remote_req_id`` into ``local_block_ids`` (the last ``len(local_block_ids)`` of
+        ``remote_block_ids``: blocks this decode already had from its prefix cache are not
+        sent); ``req_id`` then appears in ``poll().recving`` (and ``failed`` on failure)."""
+        local = [int(b) for b in local_block_ids]
+        remote = [int(b) for b in remote_block_ids]
+        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local))
+
+    def cancel(self, req_id: str) -> None:
+        """Decode: the request was aborted. The prefill is told to release its blocks; the
+        request is still reported in ``recving`` once no byte can land in its blocks any more."""
+        self._commands.put(("cancel", str(req_id)))
+
+    def release(self, peer_metadata: bytes, remote_req_id: str) -> None:
+        """Decode: a request that will never be fetched (aborted before its blocks were
+        allocated); the prefill releases its blocks now instead of at its timeout."""
+        self._commands.put(("release", bytes(peer_metadata), str(remote_req_id)))
+
+    def poll(self) -> Finished:
+        """What completed since the last poll (see :class:`Finished`)."""
+        with self._lock:
+            out, self._done = self._done, Finished()
+        return out
+
+    def busy(self) -> bool:
+        """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
+        return bool(self._held or self._fetches or not self._commands.empty())
+
+    def close(self) -> None:
+        """Stops the thread and closes the agent (peers' pending handles fail with PeerLost)."""
+        self._stop.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=30)
+        if not self.agent.closed:
+            self.agent.close()
+
+    # ---- the thread ---------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._step()
+            except Exception:  # one bad event must not stop the transfers of every other request
+                log.exception("%s: KV transfer step failed", self.name)
+                time.sleep(self._interval)
+
+    def _step(self) -> None:
+        while True:
+            try:
+                cmd = self._commands.get_nowait()
+            except queue.Empty:
+                break
+            getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+        for n in self.agent.notifications(timeout=self._interval):
+            self._on_notification(n.peer, n.incarnation, n.data)
+        now = time.monotonic()
+        self._check_held(now)
+        self._check_fetches(now)
+        if now > self._next_prune:
+            self._prune_layouts()
+            self._next_prune = now + 1.0
+
+    def _on_notification(self, peer: str, incarnation: str, data: bytes) -> None:
+        try:
+            kind, f = protocol.decode(data)
+        except protocol.ProtocolViolation as e:
+            log.warning("%s: ignored a notification from %s: %s", self.name, peer, e)
+            return
+        try:
+            if kind == "L":
+                self._on_layout(peer, incarnation, f)
+            elif kind == "W":
+                self._on_want(peer, incarnation, f, time.monotonic())
+            elif kind in "AC":
+                self._on_release(str(f["req"]), "served" if kind == "A" else "cancelled")
+            elif kind in "DF":
+                self._on_answer(peer, str(f["tag"]), kind == "D", str(f.get("why", "")))
+        except (KeyError, TypeError, ValueError) as e:
+            log.warning("%s: ignored a malformed %s message from %s: %s", self.name, kind, peer, e)
+
+    def _finish(self, *, sending: Optional[str] = None, recving: Optional[str] = None,
+                failed: Optional[List[int]] = None) -> None:
+        with self._lock:
+            if sending is not None:
+                self._done.sending.add(sending)
+            if recving is not None:
+                self._done.recving.add(recving)
+                if failed is not None:
+                    self._done.failed[recving] = list(failed)
+
+    # ---- prefill side -------------------------------------------------------------------
+
+    def _cmd_hold(self, req: str, blocks: List[int]) -> None:
+        if req in self._gone:  # the decode cancelled before the prefill's worker heard of it
+            self._finish(sending=req)
+            return
+        self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout)
+        for peer, f, _ in self._early.pop(req, []):
+            self._start_push(req, peer, f)
+
+    def _on_layout(self, peer: str, incarnation: str, f: dict) -> None:
+        regions = [protocol.unb64(r) for r in f["regions"]]
+        layers = {g.name: g for g in (LayerGeometry.from_wire(w) for w in f["layers"])}
+        for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
+            del self._peer_layouts[key]
+        self._peer_layouts[(peer, incarnation)] = (regions, layers)
+
+    def _prune_layouts(self) -> None:
+        """Forgets the layouts of decodes whose connection closed (they send it again)."""
+        for key in list(self._peer_layouts):
+            conn = self.agent.connection(key[0])
+            if conn is None or conn.peer_incarnation != key[1]:
+                del self._peer_layouts[key]
+
+    def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
+        req = str(f["req"])
+        if req in self._held:
+            self._start_push(req, peer, f, incarnation)
+        elif req in self._gone:
+            self._refuse(peer, f, f"request {req} is no longer held here ({self._gone[req]})")
+        else:  # the scheduler's word that it finished may come after the decode's request
+            self._early.setdefault(req, []).append((peer, dict(f, _inc=incarnation), now + self.hold_timeout))
+
+    def _refuse(self, peer: str, f: dict, why: str) -> None:
+        log.warning("%s: cannot serve %s: %s", self.name, peer, why)
+        conn = self.agent.connection(peer)
+        if conn is not None:
+            try:
+                conn.notify(protocol.encode("F", tag=str(f.get("tag", "")), why=why))
+            except MeshError:
+                pass
+
+    def _start_push(self, req: str, peer: str, f: dict, incarnation: Optional[str] = None) -> None:
+        held = self._held[req]
+        incarnation = incarnation or f.get("_inc", "")
+        conn = self.agent.connection(peer)
+        if conn is None or conn.peer_incarnation != incarnation:
+            return  # that decode is gone; its successor will ask again
+        layout = self._peer_layouts.get((peer, incarnation))
+        if layout is None:
+            return self._refuse(peer, f, "no layout was received on this connection")
+        try:
+            layer_ops = self._push_ops(held.blocks, [int(b) for b in f["dst"]], layout)
+        except LayoutError as e:
+            return self._refuse(peer, f, str(e))
+        tag = str(f["tag"])
+        done = protocol.encode("D", tag=tag)
+        handles = []
+        try:
+            for i, ops in enumerate(layer_ops):  # one batch per layer, the notification last
+                last = i == len(layer_ops) - 1
+                handles.append(conn.batch_write(ops, notification=done if last else None))
+            if not layer_ops:
+                conn.notify(done)
+        except MeshError as e:
+            log.warning("%s: push of %s to %s failed: %s", self.name, req, peer, e)
+            if isinstance(e, InvalidArgument):
+                self._refuse(peer, f, str(e))
+            return
+        held.pushes.append(_Push(peer, tag, handles, time.monotonic()))
+
+    def _push_ops(self, held_blocks: List[int], dst: List[int], layout) -> List[list]:
+        regions, peer_layers = layout
+        if len(dst) > len(held_blocks):
+            raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
+        src = held_blocks[len(held_blocks) - len(dst):]
+        out = []
+        for g in self.layers:
+            pg = peer_layers.get(g.name)
+            if pg is None:
+                raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
+            if not 0 <= pg.region < len(regions):
+                raise LayoutError(f"layer {g.name}: region {pg.region} not described")
+            ops = write_ops(g, self._regions[g.region], pg, regions[pg.region], src, dst)
+            if ops:
+                out.append(ops)
+        return out
+
+    def _on_release(self, req: str, why: str) -> None:
+        held = self._held.get(req)
+        if held is None:
+            self._early.pop(req, None)
+            self._remember_gone(req, why)
+            return
+        if why == "served" or not self._active(held):
+            self._release(req, why)
+        else:
+            held.release_when_idle = True
+
+    def _release(self, req: str, why: str) -> None:
+        self._held.pop(req, None)
+        self._remember_gone(req, why)
+        log.debug("%s: released %s (%s)", self.name, req, why)
+        self._finish(sending=req)
+
+    def _remember_gone(self, req: str, why: str) -> None:
+        self._gone[req] = why
+        while len(self._gone) > FORGET_AFTER:
+            self._gone.popitem(last=False)
+
+    def _active(self, held: _Held) -> bool:
+        """Drops the pushes that completed (or failed); True while one is in flight."""
+        still = []
+        for p in held.pushes:
+            if not all(h.done() for h in p.handles):
+                still.append(p)
+                continue
+            try:
+                for h in p.handles:
+                    h.wait(1.0)
+            except MeshError as e:  # the decode died or refused: keep the blocks for another try
+                log.warning("%s: push to %s failed: %s", self.name, p.peer, e)
+        held.pushes = still
+        return bool(still)
+
+    def _check_held(self, now: float) -> None:
+        for req, held in list(self._held.items()):
+            active = self._active(held)
+            if held.release_when_idle and not active:
+                self._release(req, "cancelled")
+            elif now > held.deadline and not active:
+                log.warning("%s: no decode took %s within %.0f s; releasing its blocks",
+                            self.name, req, self.hold_timeout)
+                self._release(req, "expired")
+        for req, waiting in list(self._early.items()):
+            late = [w for w in waiting if now > w[2]]
+            for peer, f, _ in late:
+                self._refuse(peer, f, f"request {req} is not known here")
+            waiting[:] = [w for w in waiting if now <= w[2]]
+            if not waiting:
+                del self._early[req]
+
+    # ---- decode side --------------------------------------------------------------------
+
+    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int]) -> None:
+        f = _Fetch(tag, md, remote_req, remote[len(remote) - len(local):] if local else [], local,
+                   time.monotonic() + self.fetch_timeout)
+        if len(local) > len(remote):
+            return self._fail(f, f"{len(local)} blocks to receive, the prefill holds {len(remote)}")
+        if not local:
+            self._finish(recving=tag)
+            return
+        self._fetches[tag] = f
+        try:
+            conn = self.agent.connect(md, timeout=self.connect_timeout)
+            f.conn, f.peer = conn, conn.peer_name
+            key = (conn.peer_name, conn.peer_incarnation)
+            told = self._layout_sent.get(key)
+            if told is None or told.gone():  # a new connection: the prefill forgot the old one's layout
+                conn.notify(self._layout_msg)
+                self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
+                self._layout_sent[key] = conn
+            conn.notify(protocol.encode("W", req=remote_req, tag=tag, src=f.src, dst=local))
+        except MeshError as e:
+            self._fail(f, f"cannot reach the prefill: {e}")
+
+    def _cmd_cancel(self, tag: str) -> None:
+        f = self._fetches.get(tag)
+        if f is None:
+            return
+        f.cancelled = True
+        self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
+
+    def _cmd_release(self, md: bytes, remote_req: str) -> None:
+        try:
+            conn = self.agent.connect(md, timeout=self.connect_timeout)
+        except MeshError as e:
+            log.warning("%s: cannot tell the prefill to release %s: %s", self.name, remote_req, e)
+            return
+        self._send_quietly(conn, protocol.encode("C", req=remote_req))
+
+    @staticmethod
+    def _send_quietly(conn, msg: bytes) -> None:
+        if conn is None:
+            return
+        try:
+            conn.notify(msg)
+        except MeshError:
+            pass
+
+    def _on_answer(self, peer: str, tag: str, ok: bool, why: str) -> None:
+        f = self._fetches.get(tag)
+        if f is None or f.peer != peer:
+            log.warning("%s: an answer for %s from %s, which is not awaited from it", self.name, tag, peer)
+            return
+        if ok:
+            del self._fetches[tag]
+            self._send_quietly(f.conn, protocol.encode("A", req=f.remote_req))
+            self._finish(recving=tag)
+        else:
+            self._fail(f, f"the prefill refused: {why}")
+
+    def _fail(self, f: _Fetch, why: str) -> None:
+        self._fetches.pop(f.tag, None)
+        if not f.cancelled:
+            log.warning("%s: receiving %s failed: %s", self.name, f.tag, why)
+        self._finish(recving=f.tag, failed=None if f.cancelled else f.dst)
+
+    def _check_fetches(self, now: float) -> None:
+        for f in list(self._fetches.values()):
+            gone = f.conn.gone() if f.conn is not None else "not connected"
+            if gone:
+                self._fail(f, f"the connection to the prefill is gone: {gone}")
+            elif now > f.deadline:
+                self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
+                self._fail(f, f"no answer within {self.fetch_timeout:.0f} s")

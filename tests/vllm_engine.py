@@ -1,0 +1,203 @@
+"""A vLLM 0.33 engine on a CPU for the connector's tests: vLLM's real Scheduler with
+FlagcxMeshConnector loaded by vLLM's factory (kv_connector_module_path), one worker-role
+connector per tensor-parallel rank with KV caches as CPU tensors in vLLM's layout, and a
+stand-in for the model step that writes deterministic KV into every block a prefill computes.
+
+The block contents depend on the prompt's tokens up to the block's end, the rank, the layer and
+the block's position in the request (not on block ids, which differ between prefill and
+decode), so a decode can check every byte it received (``check``).
+"""
+
+import hashlib
+import json
+import os
+
+import torch
+from vllm.config import CacheConfig, DeviceConfig, KVTransferConfig, ModelConfig, SchedulerConfig, VllmConfig
+from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.sampling_params import SamplingParams
+from vllm.utils.hashing import get_hash_fn_by_name
+from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
+from vllm.v1.core.sched.scheduler import Scheduler
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+from vllm.v1.request import Request, RequestStatus
+from vllm.v1.structured_output import StructuredOutputManager
+
+import flagcx_mesh.vllm.connector as fxm_connector
+from vllm_kv import block_matches, fill_block, make_kv_caches
+
+BLOCK = 16
+HEADS, HEAD_SIZE = 2, 16
+TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+              "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
+              "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
+
+
+def model_dir(d):
+    path = os.path.join(d, "tiny-llama")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(TINY_LLAMA, f)
+    return path
+
+
+def prompt_of(i: int, length: int) -> list:
+    return [(i * 31 + k * 7) % 250 + 1 for k in range(length)]
+
+
+def seed(prompt, rank, layer, pos) -> str:
+    """A block's KV depends on the tokens up to its end (as a model's does), so prompts that
+    share a prefix share those blocks' contents (and prefix-cache hits hold the right bytes)."""
+    key = hashlib.blake2b(bytes(prompt[:(pos + 1) * BLOCK]), digest_size=8).hexdigest()
+    return f"{key}/{rank}/{layer}/{pos}"
+
+
+class Engine:
+    """One engine: ``role`` kv_producer / kv_consumer / kv_both; ``writes``: whether the
+    model stand-in writes KV (a prefill's does, a decode's does not, so that nothing but the
+    connector fills its blocks)."""
+
+    def __init__(self, workdir, role, engine_id, *, tp=1, num_blocks=96, layers=2, writes=None,
+                 extra=None, failure_policy="recompute"):
+        mc = ModelConfig(model=model_dir(workdir), tokenizer=None, skip_tokenizer_init=True, dtype="float16",
+                         max_model_len=256, seed=0)
+        sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=256,
+                             is_encoder_decoder=False)
+        cc = CacheConfig(block_size=BLOCK, gpu_memory_utilization=0.9, cache_dtype="auto")
+        cc.num_gpu_blocks = num_blocks
+        kvt = KVTransferConfig(kv_connector="FlagcxMeshConnector", kv_connector_module_path="flagcx_mesh.vllm",
+                               kv_role=role, engine_id=engine_id, kv_buffer_device="cpu",
+                               kv_load_failure_policy=failure_policy, kv_connector_extra_config=dict(extra or {}))
+        self.config = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
+                                 device_config=DeviceConfig("cpu"))
+        self.config.parallel_config.tensor_parallel_size = tp
+        self.tp = tp
+        self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
+                                             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)])
+        self.sched = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
+                               block_size=BLOCK, hash_block_size=BLOCK, log_stats=False)
+        hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
+        init_none_hash(hash_fn)
+        self.block_hasher = get_request_block_hasher(BLOCK, hash_fn)  # as EngineCore makes it
+        self.writes = role == "kv_producer" if writes is None else writes
+        self.workers, self.caches = [], []
+        for rank in range(tp):
+            fxm_connector.tp_rank_of_this_worker = lambda cfg, r=rank: r
+            w = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
+            kv, _ = make_kv_caches(self.layer_names, num_blocks, HEADS, BLOCK, HEAD_SIZE)
+            w.register_kv_caches(kv)
+            self.workers.append(w)
+            self.caches.append(kv)
+        self.sched.connector.set_xfer_handshake_metadata(
+            {r: w.get_handshake_metadata() for r, w in enumerate(self.workers)})
+        self.initial_free = self.free_blocks()
+        self.prompts = {}
+        self._pending = {"sending": {}, "recving": {}}
+        self.first_scheduled = {}  # request id -> tokens scheduled the first time it ran
+        self.invalid_blocks = set()
+        self.released = set()  # requests whose blocks the workers released (finished sending)
+
+    @property
+    def connector(self):
+        return self.sched.connector
+
+    def free_blocks(self) -> int:
+        return self.sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+    def add(self, req_id, prompt, max_tokens=1, params=None):
+        self.prompts[req_id] = list(prompt)
+        sp = SamplingParams(max_tokens=max_tokens,
+                            extra_args=None if params is None else {"kv_transfer_params": dict(params)})
+        self.sched.add_request(Request(request_id=req_id, prompt_token_ids=list(prompt), sampling_params=sp,
+                                       pooling_params=None, block_hasher=self.block_hasher))
+
+    def abort(self, req_id):
+        self.sched.finish_requests(req_id, RequestStatus.FINISHED_ABORTED)
+
+    def status(self, req_id):
+        r = self.sched.requests.get(req_id)
+        return None if r is None else r.status
+
+    def block_ids(self, req_id):
+        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
+
+    def _write_kv(self, req_id, start, count):
+        """The model step: every block holding a position in [start, start+count) of the prompt."""
+        prompt, ids = self.prompts[req_id], self.block_ids(req_id)
+        end = min(start + count, len(prompt))
+        for pos in range(start // BLOCK, (end + BLOCK - 1) // BLOCK):
+            for rank, kv in enumerate(self.caches):
+                for li, t in enumerate(kv.values()):
+                    fill_block(t, ids[pos], 0, seed(prompt, rank, li, pos))
+
+    def check(self, req_id):
+        """(blocks checked, [(rank, layer, position)] that differ) for a received request."""
+        prompt, ids = self.prompts[req_id], self.block_ids(req_id)
+        bad, n = [], 0
+        for pos in range((len(prompt) + BLOCK - 1) // BLOCK):
+            for rank, kv in enumerate(self.caches):
+                for li, t in enumerate(kv.values()):
+                    n += 1
+                    if not block_matches(t, ids[pos], 0, seed(prompt, rank, li, pos)):
+                        bad.append((rank, li, pos))
+        return n, bad
+
+    def _aggregate(self, kind, per_rank):
+        """A request is done when every rank reported it (as vLLM's output aggregator does)."""
+        done = set()
+        counts = self._pending[kind]
+        for ids in per_rank:
+            for r in ids or ():
+                counts[r] = counts.get(r, 0) + 1
+                if counts[r] == self.tp:
+                    done.add(r)
+                    del counts[r]
+        return done
+
+    def step(self, on_scheduled=None):
+        """One engine step; returns {request id: kv_transfer_params} of requests that finished.
+        ``on_scheduled(engine, scheduler_output)`` runs after scheduling, before the workers."""
+        out = self.sched.schedule()
+        if on_scheduled is not None:
+            on_scheduled(self, out)
+        for req_id, n in out.num_scheduled_tokens.items():
+            self.first_scheduled.setdefault(req_id, n)
+            if self.writes:
+                self._write_kv(req_id, self.sched.requests[req_id].num_computed_tokens - n, n)
+        sending, recving, invalid = [], [], set()
+        for w in self.workers:
+            w.bind_connector_metadata(out.kv_connector_metadata)
+            w.start_load_kv(None)
+            w.wait_for_save()
+            res = w.get_transfer_results(out.finished_req_ids)
+            sending.append(res.finished_sending)
+            recving.append(res.finished_recving)
+            invalid |= w.get_block_ids_with_load_errors()
+            w.clear_connector_metadata()
+        self.invalid_blocks |= invalid
+        released = self._aggregate("sending", sending)
+        self.released |= released
+        kco = KVConnectorOutput(finished_sending=released or None,
+                                finished_recving=self._aggregate("recving", recving) or None,
+                                invalid_block_ids=invalid)
+        req_ids = list(out.num_scheduled_tokens)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=[[7] for _ in req_ids], kv_connector_output=kco)
+        finished = {}
+        for eco in self.sched.update_from_output(out, mro).values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    finished[o.request_id] = o.kv_transfer_params
+        return finished
+
+    def idle(self) -> bool:
+        return not self.sched.has_requests()
+
+    def shutdown(self):
+        for w in self.workers:
+            w.shutdown()
