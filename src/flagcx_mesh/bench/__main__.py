@@ -20,6 +20,9 @@
                                      Mooncake TE and NIXL in the same run where they are installed)
     python -m flagcx_mesh.bench p2p [--blocks 4K,64K,1M] [--count 64] [--layers 4] [--transports cma,tcp]
                                      (the P2P engine form's batch_write_sync vs the agent's batch, same run)
+    python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
+                                     (one request's KV through the vLLM connector's transfer part, 8B-model
+                                     shape, vs a contiguous agent write of the same bytes, same run)
 
 No benchmark asserts a speed: each prints figures and ratios against a peer
 measured in the same run (gloo init, memcpy, raw loopback sockets, MPI_Put, Mooncake TE, NIXL).
@@ -46,6 +49,7 @@ COMMANDS = {
     "stream-wait": ("stream_wait", "main"),
     "agent": ("agent", "main"),
     "p2p": ("p2p", "main"),
+    "kv": ("kv", "main"),
 }
 
 

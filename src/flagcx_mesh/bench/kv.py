@@ -1,0 +1,212 @@
+"""One request's KV, prefill -> decode, through the vLLM connector's transfer part, beside a
+contiguous agent write of the same bytes on the same path, measured in the same run.
+
+    python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
+                                   [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
+                                   [--reps 5] [--json PATH]
+
+The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
+tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
+the prefill (flagcx_mesh.vllm.transfer.KVTransfer holding a request's blocks); a child process
+is the decode, which fetches them into blocks of its own. Block ids are shuffled on both sides
+(nothing merges: one 64 KiB op per block and layer, as in a long-running engine). Time: from
+the decode's fetch to its completion (data landed and notified), median of --reps requests.
+The reference: the same bytes as one contiguous write per layer between two plain agents of
+the same processes (registered buffers of the same size), over the same forced path, median of
+--reps; the ratio is KV / contiguous. Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
+tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Dict, List
+
+from ._ranks import save_json
+
+SECRET = "bench-kv"
+
+
+def _parse(argv: List[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench kv")
+    p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    p.add_argument("--tokens", default="2048,8192")
+    p.add_argument("--paths", default="")
+    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--head-size", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=16)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
+    p.add_argument("--dir", help=argparse.SUPPRESS)
+    a = p.parse_args(argv)
+    a.tokens = [int(t) for t in a.tokens.split(",") if t]
+    a.paths = [x for x in a.paths.split(",") if x] or (["cma", "tcp"] if a.device == "cpu"
+                                                       else ["cuda-ipc", "cuda-vmm", "staged"])
+    return a
+
+
+def _blocks(args) -> int:
+    return max(args.tokens) // args.block_size
+
+
+def _caches(torch, args) -> Dict[str, object]:
+    n = _blocks(args)
+    return {f"model.layers.{i}.self_attn.attn":
+            torch.zeros(n, args.heads, args.block_size, 2 * args.head_size, dtype=torch.bfloat16, device=args.device)
+            for i in range(args.layers)}
+
+
+def _layer_bytes(args) -> int:
+    return _blocks(args) * args.heads * args.block_size * 2 * args.head_size * 2
+
+
+def _publish(d: str, name: str, data: bytes) -> None:
+    with open(os.path.join(d, name + ".tmp"), "wb") as f:
+        f.write(data)
+    os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
+
+
+def _read(d: str, name: str, timeout: float = 120.0) -> bytes:
+    path, end = os.path.join(d, name), time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise SystemExit(f"bench kv: {path} never appeared (the other process failed?)")
+        time.sleep(0.005)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def _plain_pair_region(torch, args, agent):
+    """A contiguous buffer as large as one layer's cache, registered with a plain agent."""
+    buf = torch.ones(_layer_bytes(args), dtype=torch.uint8, device=args.device)
+    return buf, agent.register(buf)
+
+
+def decode(args) -> int:
+    """The child: fetches each request the prefill announces; times each fetch."""
+    import torch
+
+    from ..agent import Agent
+    from ..vllm.transfer import KVTransfer
+
+    x = KVTransfer("bench-kv-decode", _caches(torch, args), _blocks(args), secret=SECRET)
+    plain = Agent("bench-kv-plain-decode", SECRET)
+    _buf, region = _plain_pair_region(torch, args, plain)
+    _publish(args.dir, "decode.json", json.dumps({"plain": plain.metadata().hex(),
+                                                  "region": region.descriptor.hex()}).encode())
+    md = _read(args.dir, "prefill.meta")
+    times: Dict[str, float] = {}
+    rng = random.Random(1)
+    for i in range(10 ** 6):
+        ask = json.loads(_read(args.dir, f"ask-{i}"))
+        if ask.get("stop"):
+            break
+        local = rng.sample(range(_blocks(args)), len(ask["blocks"]))
+        t0 = time.perf_counter()
+        x.fetch(ask["req"], md, ask["req"], ask["blocks"], local)
+        while True:
+            done = x.poll()
+            if done.failed:
+                raise SystemExit(f"bench kv: request {ask['req']} failed: {done.failed}")
+            if ask["req"] in done.recving:
+                break
+            time.sleep(0.0002)
+        times[ask["req"]] = time.perf_counter() - t0
+        _publish(args.dir, f"took-{i}", json.dumps(times[ask["req"]]).encode())
+    x.close()
+    plain.close()
+    return 0
+
+
+def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
+    blocks = rng.sample(range(_blocks(args)), tokens // args.block_size)
+    req = f"req-{i}"
+    x.hold(req, blocks)
+    _publish(d, f"ask-{i}", json.dumps({"req": req, "blocks": blocks}).encode())
+    return json.loads(_read(d, f"took-{i}"))
+
+
+def _contiguous(args, conn, local, remote, tokens: int) -> float:
+    """The same bytes as one write per layer (a layer's share each), issued at once, then waited."""
+    per_layer = tokens // args.block_size * args.heads * args.block_size * 2 * args.head_size * 2
+    t0 = time.perf_counter()
+    handles = [conn.write(local, remote, per_layer) for _ in range(args.layers)]
+    for h in handles:
+        h.wait(120)
+    return time.perf_counter() - t0
+
+
+def _measure_path(args, path: str) -> Dict[str, object]:
+    import torch
+
+    from ..agent import Agent
+    from ..vllm.transfer import KVTransfer
+
+    var = "FLAGCX_MESH_TRANSPORT" if args.device == "cpu" else "FLAGCX_MESH_CUDA_PATH"
+    os.environ[var] = path
+    d = tempfile.mkdtemp(prefix="bench-kv-")
+    child = subprocess.Popen([sys.executable, "-m", "flagcx_mesh.bench", "kv", "--role", "decode", "--dir", d,
+                              "--device", args.device, f"--tokens={max(args.tokens)}", f"--layers={args.layers}",
+                              f"--heads={args.heads}", f"--head-size={args.head_size}",
+                              f"--block-size={args.block_size}"])
+    x = KVTransfer("bench-kv-prefill", _caches(torch, args), _blocks(args), secret=SECRET)
+    plain = Agent("bench-kv-plain-prefill", SECRET)
+    try:
+        _publish(d, "prefill.meta", x.metadata)
+        peer = json.loads(_read(d, "decode.json"))
+        _buf, local = _plain_pair_region(torch, args, plain)
+        conn = plain.connect(bytes.fromhex(peer["plain"]))
+        remote = bytes.fromhex(peer["region"])
+        row: Dict[str, object] = {"path": conn.path_to(remote), "tokens": {}}
+        rng, i = random.Random(0), 0
+        for tokens in args.tokens:
+            kv, ref = [], []
+            for _ in range(args.reps):
+                kv.append(_request(args, d, x, i, tokens, rng))
+                i += 1
+                ref.append(_contiguous(args, conn, local, remote, tokens))
+            nbytes = tokens * args.layers * args.heads * 2 * args.head_size * 2
+            k, r = statistics.median(kv), statistics.median(ref)
+            row["tokens"][str(tokens)] = {"bytes": nbytes, "kv_ms": k * 1e3, "kv_gbs": nbytes / k / 1e9,
+                                          "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9}
+        _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
+        if child.wait(timeout=120) != 0:
+            raise SystemExit(f"bench kv: the decode process failed (exit {child.returncode})")
+        return row
+    finally:
+        if child.poll() is None:
+            child.kill()
+        x.close()
+        plain.close()
+
+
+def _report(data: dict, args) -> None:
+    print(f"one request's KV, prefill -> decode ({args.layers} layers, {args.heads} KV heads, head size "
+          f"{args.head_size}, bf16, blocks of {args.block_size} tokens; {args.device}; median of {args.reps})")
+    print(f"  {'path':>9}{'taken':>10}{'tokens':>8}{'MiB':>8}{'KV ms':>9}{'KV GB/s':>9}"
+          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}")
+    for path, row in data["paths"].items():
+        for tokens, f in row["tokens"].items():
+            print(f"  {path:>9}{row['path']:>10}{tokens:>8}{f['bytes'] / 2**20:>8.0f}{f['kv_ms']:>9.2f}"
+                  f"{f['kv_gbs']:>9.2f}{f['contiguous_ms']:>11.2f}{f['contiguous_gbs']:>13.2f}"
+                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}")
+
+
+def main(argv: List[str]) -> int:
+    args = _parse(argv)
+    if args.role == "decode":
+        return decode(args)
+    data = {"device": args.device, "paths": {p: _measure_path(args, p) for p in args.paths}}
+    _report(data, args)
+    save_json(data, args.json)
+    return 0
