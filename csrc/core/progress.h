@@ -60,9 +60,8 @@ class Engine : public Outbox {
   // was lost or closed its mesh.
   bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
-  void post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
-                              uint64_t dst_off,
-                      const SignalSpec& sig) override;
+  void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
+                       uint64_t dst_off, const SignalSpec& sig) override;
 
   // Two-sided messages. The message is copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
@@ -107,6 +106,11 @@ class Engine : public Outbox {
   bool send_direct(int s, OutItem& item);
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
+  // With mu_ held: the front item of slot s waits for staged bytes not copied yet (no POLLOUT then).
+  bool waiting_for_staging(int s) const;
+  // A staged put whose copy out of device memory failed mid-frame: the frame cannot be
+  // completed, so the connection is shut and the peer lost (it sees the frame cut short).
+  void give_up_frame(int s, const OutItem& item);
   void wake();
   void run();
   void poll_once();
@@ -123,10 +127,13 @@ class Engine : public Outbox {
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
   void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
-  // Copies the first n staged bytes to the device window: "" or why they did not land.
+  // Queues the copy up of the n bytes in the buffer being filled and makes the
+  // next buffer ready (waiting for its earlier copy): "" or why they did not land.
   std::string land_on_device(Window& w, InConn& in, uint64_t n);
+  // Waits until every copy up of the put is done: "" or why not.
+  std::string wait_landed(Window& w, InConn& in);
   uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
-  static constexpr uint64_t kStageChunkBytes = 8ull << 20;  // pinned memory a staged put holds
+  static constexpr size_t kLandingBuffers = 4;  // pinned buffers a staged put lands through
   std::string answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
   // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
   void refuse(int s, const std::string& why, uint64_t number = 0);

@@ -40,22 +40,25 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
   if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
 }
 
-// A put to a device window lands in a staging buffer first (pinned host
-// memory of at most kStageChunkBytes, reused as its bytes arrive); one that
-// cannot be had refuses the put.
+// A put to a device window lands in a ring of staging buffers (pinned host
+// memory of staged_chunk_bytes() each, at most kLandingBuffers of them,
+// reused as its bytes arrive); where they cannot be had the put is refused.
 void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what) {
-  uint64_t chunk = std::min(payload, kStageChunkBytes);
+  uint64_t chunk = std::min(payload, cuda::staged_chunk_bytes());
+  uint64_t count = std::min<uint64_t>(kLandingBuffers, (payload + chunk - 1) / chunk);
   try {
-    in.stage = cuda::staging_buffer(chunk, w.device);
+    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, w.device), nullptr});
   } catch (const Error& e) {
+    in.release_stage();
     in.refused = what + ": " + e.what();
     return;
   } catch (const std::bad_alloc&) {
-    in.refused = what + ": allocating its staging buffer failed (out of memory)";
+    in.release_stage();
+    in.refused = what + ": allocating its staging buffers failed (out of memory)";
     return;
   }
   in.staged = chunk;
-  in.dst = in.stage.get();
+  in.dst = in.stage[0].buf.get();
   in.device_dst = &w;
 }
 
@@ -90,8 +93,8 @@ uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
   return it == gets_.end() ? nullptr : it->second.dst + at;
 }
 
-// A full staging buffer is copied down before it takes the next bytes; a copy
-// that fails refuses the put (the rest is discarded).
+// A full staging buffer is copied up while the next one takes the bytes that
+// follow; a copy that fails refuses the put (the rest is discarded).
 uint8_t* Engine::staging_spot(InConn& in, size_t* want) {
   uint64_t filled = in.total - in.remaining - in.landed;
   if (filled == in.staged) {
@@ -102,11 +105,10 @@ uint8_t* Engine::staging_spot(InConn& in, size_t* want) {
       in.dst = nullptr;
       return nullptr;
     }
-    in.landed += filled;
     filled = 0;
   }
   *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
-  return in.stage.get() + filled;
+  return in.stage[in.filling].buf.get() + filled;
 }
 
 // A message's buffer doubles as its bytes arrive, from 64 KiB up to its
@@ -190,7 +192,10 @@ void Engine::on_payload_done(int s, InConn& in) {
 void Engine::on_put_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string refused = in.refused;
-  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in, in.total - in.landed);
+  if (refused.empty() && in.device_dst != nullptr) {  // the data is on the device before the signal and the ack
+    refused = land_on_device(*in.device_dst, in, in.total - in.landed);
+    if (refused.empty()) refused = wait_landed(*in.device_dst, in);
+  }
   if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
     Window* w = windows_->find(in.put.sig_win);
     if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
@@ -212,15 +217,40 @@ void Engine::on_put_done(int s, InConn& in) {
 }
 
 // The bytes of a staged put, copied from host memory into the device window
-// before its signal is applied and before it is acknowledged.
+// on the library's stream; all of them are done before its signal is applied
+// and before it is acknowledged (wait_landed).
 std::string Engine::land_on_device(Window& w, InConn& in, uint64_t n) {
+  std::string doing = "landing a staged put in device window #" + std::to_string(w.index);
   try {
-    cuda::copy_and_wait(w.device, w.base + in.put.dst_off + in.landed, in.stage.get(), n,
-                        Deadline::after_seconds(timeout_s_),
-                        "landing a staged put in device window #" + std::to_string(w.index));
+    if (n > 0) {
+      InConn::Landing& full = in.stage[in.filling];
+      full.copied = cuda::copy_async(w.device, w.base + in.put.dst_off + in.landed, full.buf.get(), n, doing);
+      in.landed += n;
+      in.filling = (in.filling + 1) % in.stage.size();
+    }
+    InConn::Landing& next = in.stage[in.filling];
+    if (next.copied) {  // its earlier copy up still reads it
+      cuda::wait_event(w.device, next.copied, Deadline::after_seconds(timeout_s_), doing);
+      next.copied.reset();
+    }
+    return "";
+  } catch (const Error& e) {  // a copy still pending keeps its buffer (InConn::release_stage)
+    FXM_WARN(rank_, e.what());
+    return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
+  }
+}
+
+std::string Engine::wait_landed(Window& w, InConn& in) {
+  Deadline deadline = Deadline::after_seconds(timeout_s_);
+  try {
+    for (size_t k = 1; k <= in.stage.size(); ++k) {  // oldest first
+      InConn::Landing& l = in.stage[(in.filling + k) % in.stage.size()];
+      if (!l.copied) continue;
+      cuda::wait_event(w.device, l.copied, deadline, "landing a staged put in device window #" + std::to_string(w.index));
+      l.copied.reset();
+    }
     return "";
   } catch (const Error& e) {
-    if (e.code() == Code::kTimeout) new cuda::HostBuffer(in.stage);  // the copy may still read it
     FXM_WARN(rank_, e.what());
     return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
   }

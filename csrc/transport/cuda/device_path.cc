@@ -4,6 +4,7 @@
 
 #include "base/status.h"
 #include "transport/cuda/fd_pass.h"
+#include "transport/cuda/staged_payload.h"
 #include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 #include "transport/self/own_windows.h"
@@ -142,13 +143,33 @@ void copy_keeping_buffer(const PathOp& op, void* dst, const void* src, const cud
 
 }  // namespace
 
+// Cut in chunks (staged_payload.h): the frame is posted once the first chunk
+// is on the host, and the engine sends each chunk while the next is copied
+// down. The call returns once every chunk is on the host.
 int StagedPath::put(const PathOp& op) {
   wait_for_stream(op, "a staged put");
-  if (op.local_device < 0) return TcpPath::put(op);
-  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
-  copy_keeping_buffer(op, bytes.get(), op.local, bytes, "staging a put's bytes to the host");
+  if (op.local_device < 0 || op.len == 0) return TcpPath::put(op);
+  auto payload = std::make_shared<cuda::StagedPayload>(outbox_, peer_, op.len, op.local_device, op.deadline);
   static const SignalSpec kNone;
-  outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
+  bool posted = false;
+  for (uint64_t i = 0; i < payload->chunks(); ++i) {
+    uint64_t at = i * payload->chunk();
+    uint8_t* dst = nullptr;
+    try {
+      dst = payload->slot_for(i, op.deadline);
+      cuda::copy_and_wait(op.local_device, dst, op.local + at, payload->chunk_len(i), op.deadline,
+                          "staging a put's bytes to the host");
+    } catch (const Error& e) {
+      if (dst != nullptr && e.code() == Code::kTimeout) payload->keep_slot(i);  // the copy may still write it
+      if (posted) payload->give_up(e.what());  // the frame started: the engine cannot complete it
+      throw;
+    }
+    payload->publish(at + payload->chunk_len(i));
+    if (!posted) {
+      outbox_->post_put_staged(peer_, op.ctx, payload, win_, op.remote_off, op.sig ? *op.sig : kNone);
+      posted = true;
+    }
+  }
   return 0;
 }
 
