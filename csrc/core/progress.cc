@@ -115,6 +115,7 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
   uint64_t off = it.sent > hs ? it.sent - hs : 0;
   if (it.staged) {
+    if (it.staged->copies_pending()) it.staged->poll_copies();  // a get answer's chunks coming down
     n = staged_iov(*it.staged, off, iov, n, kMaxIov);
   } else if (it.len > 0) {
     iov[n++] = {const_cast<uint8_t*>(it.data) + off, it.len - off};
@@ -349,9 +350,12 @@ void Engine::poll_once() {
   std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
   std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
   int total = nranks_ * ncontexts_;
+  int timeout_ms = 100;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int s = 0; s < total; ++s) {
+      // A get answer waiting for its copies down is polled each millisecond (write_pending).
+      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) timeout_ms = 1;
       if (!out_[s].empty() && !waiting_for_staging(s)) {  // else the filler's wake() resumes it
         fds.push_back({conns_->send[s].get(), POLLOUT, 0});
         owner.push_back(s);
@@ -362,7 +366,7 @@ void Engine::poll_once() {
       }
     }
   }
-  ::poll(fds.data(), fds.size(), 100);
+  ::poll(fds.data(), fds.size(), timeout_ms);
   for (size_t k = 1; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
     if (owner[k] >= total) read_guarded(owner[k] - total);

@@ -138,6 +138,7 @@ class Engine : public Outbox {
   // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
   void refuse(int s, const std::string& why, uint64_t number = 0);
   void answer_get(int s, Window& w, const wire::GetHeader& g);
+  void answer_from_device(int s, Window& w, const wire::GetHeader& g, const std::string& what);
   void on_refused(int s, InConn& in);
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
   void fail_if_refused(int lo, int hi, const char* doing);

@@ -333,6 +333,10 @@ std::string Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vecto
 // copy cannot be allocated, a refusal of the request completes the get.
 void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
   std::string what = "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win);
+  if (w.kind == WindowKind::kDevice && g.size > 0) {
+    answer_from_device(s, w, g, what);
+    return;
+  }
   OutItem it;
   try {
     uint64_t id = g.req_id;
@@ -350,6 +354,34 @@ void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
     return;
   }
   it.answer_bytes = g.size;
+  enqueue(s, std::move(it), Count::kNone);
+}
+
+// A get from a device window: its chunks are copied down at once, on the
+// stream that lands staged puts (so after those landed before it and before
+// those after it), and each is sent as soon as it is down (staged_payload.h).
+void Engine::answer_from_device(int s, Window& w, const wire::GetHeader& g, const std::string& what) {
+  std::shared_ptr<cuda::StagedPayload> p;
+  try {
+    Deadline deadline = Deadline::after_seconds(timeout_s_);
+    p = std::make_shared<cuda::StagedPayload>(this, s / ncontexts_, g.size, w.device, deadline, false);
+    p->copy_all(w.device, w.base + g.src_off, deadline);
+  } catch (const std::exception& e) {  // Error or bad_alloc: nothing was sent
+    p.reset();  // before the refusal: its buffers go back (copies still running keep theirs)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      answer_bytes_[s] -= g.size;  // the credit taken for it
+    }
+    std::string why = what + ": staging its answer failed: " + e.what();
+    FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(s / ncontexts_));
+    refuse(s, why, wire::kRefusedGet | g.req_id);
+    return;
+  }
+  uint64_t id = g.req_id;
+  OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, g.size, 0, 0};
+  it.answer_bytes = g.size;
+  p->set_waker([this] { wake(); });
+  it.staged = std::move(p);
   enqueue(s, std::move(it), Count::kNone);
 }
 

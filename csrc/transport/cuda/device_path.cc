@@ -151,25 +151,9 @@ int StagedPath::put(const PathOp& op) {
   if (op.local_device < 0 || op.len == 0) return TcpPath::put(op);
   auto payload = std::make_shared<cuda::StagedPayload>(outbox_, peer_, op.len, op.local_device, op.deadline);
   static const SignalSpec kNone;
-  bool posted = false;
-  for (uint64_t i = 0; i < payload->chunks(); ++i) {
-    uint64_t at = i * payload->chunk();
-    uint8_t* dst = nullptr;
-    try {
-      dst = payload->slot_for(i, op.deadline);
-      cuda::copy_and_wait(op.local_device, dst, op.local + at, payload->chunk_len(i), op.deadline,
-                          "staging a put's bytes to the host");
-    } catch (const Error& e) {
-      if (dst != nullptr && e.code() == Code::kTimeout) payload->keep_slot(i);  // the copy may still write it
-      if (posted) payload->give_up(e.what());  // the frame started: the engine cannot complete it
-      throw;
-    }
-    payload->publish(at + payload->chunk_len(i));
-    if (!posted) {
-      outbox_->post_put_staged(peer_, op.ctx, payload, win_, op.remote_off, op.sig ? *op.sig : kNone);
-      posted = true;
-    }
-  }
+  payload->fill(op.local_device, op.local, op.deadline, [&] {
+    outbox_->post_put_staged(peer_, op.ctx, payload, win_, op.remote_off, op.sig ? *op.sig : kNone);
+  });
   return 0;
 }
 

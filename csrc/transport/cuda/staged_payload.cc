@@ -7,6 +7,9 @@
 
 #include "base/env.h"
 #include "base/status.h"
+#include "transport/cuda/device_memory.h"
+#include "transport/cuda/driver.h"
+#include "transport/cuda/streams.h"
 
 namespace fxm::cuda {
 namespace {
@@ -72,27 +75,30 @@ uint64_t staged_bytes_peak() {
   return b.peak;
 }
 
-StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline)
+StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline,
+                             bool bounded)
     : outbox_(outbox), peer_(peer), len_(len), chunk_(staged_chunk_bytes()) {
   uint64_t limit = staged_inflight_bytes();
-  uint64_t slots = std::max<uint64_t>(1, std::min(chunks(), limit / chunk_));
+  uint64_t slots = std::max<uint64_t>(1, bounded ? std::min(chunks(), limit / chunk_) : chunks());
   bool one = chunks() <= 1;  // the whole op fits one chunk: a buffer of its size
   uint64_t want = one ? std::max<uint64_t>(len_, 1) : slots * chunk_;
   Budget& b = budget();
   {
     std::unique_lock<std::mutex> lock(b.mu);
     uint64_t& held = b.held[{outbox_, peer_}];
-    while (held > 0 && held + want > limit) {
+    while (bounded && held > 0 && held + want > limit) {
       if (deadline.expired()) {
         fail(Code::kTimeout, peer_, 0, to_peer(peer_) + ": timed out waiting for " + std::to_string(held) +
                                            " bytes of earlier staged puts to be sent (is the peer receiving?)");
       }
       b.cv.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
     }
-    held += want;
-    b.peak = std::max(b.peak, held);
+    if (bounded) {
+      held += want;
+      b.peak = std::max(b.peak, held);
+    }
   }
-  held_ = want;
+  held_ = bounded ? want : 0;
   try {
     for (uint64_t k = 0; k < slots; ++k) ring_.push_back(staging_buffer(one ? want : chunk_, ordinal));
   } catch (...) {
@@ -105,6 +111,10 @@ StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ord
 }
 
 StagedPayload::~StagedPayload() {
+  for (size_t k = 0; k < events_.size(); ++k) {
+    if (!event_done(events_[k])) keep_slot(k);  // a copy down may still write it
+  }
+  events_.clear();
   ring_.clear();  // back to the pool (the caller holds no engine lock: see Engine::write_some)
   Budget& b = budget();
   std::lock_guard<std::mutex> lock(b.mu);
@@ -126,6 +136,58 @@ uint8_t* StagedPayload::slot_for(uint64_t i, const Deadline& deadline) {
   }
   if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
   return ring_[i % slots].get();
+}
+
+void StagedPayload::fill(int ordinal, const uint8_t* src, const Deadline& deadline,
+                         const std::function<void()>& posted) {
+  bool started = !posted;
+  for (uint64_t i = 0; i < chunks(); ++i) {
+    uint64_t at = i * chunk_;
+    uint8_t* dst = nullptr;
+    try {
+      dst = slot_for(i, deadline);
+      copy_and_wait(ordinal, dst, src + at, chunk_len(i), deadline, "staging bytes from the device to the host");
+    } catch (const Error& e) {
+      if (dst != nullptr && e.code() == Code::kTimeout) keep_slot(i);  // the copy may still write it
+      if (started) give_up(e.what());
+      throw;
+    }
+    publish(at + chunk_len(i));
+    if (!started) {
+      posted();
+      started = true;
+    }
+  }
+}
+
+void StagedPayload::copy_all(int ordinal, const uint8_t* src, const Deadline& deadline) {
+  copies_by_ = deadline;
+  copies_on_ = ordinal;
+  for (uint64_t i = 0; i < chunks(); ++i) {
+    uint64_t at = i * chunk_;
+    events_.push_back(copy_async(ordinal, ring_[i].get(), src + at, chunk_len(i),
+                                 "staging a get's answer from the device to the host"));
+  }
+}
+
+bool StagedPayload::poll_copies() {
+  size_t before = events_done_;
+  if (events_done_ < events_.size()) use_device(copies_on_);
+  while (events_done_ < events_.size() && !failed()) {
+    CUresult r = driver()->cuEventQuery(events_[events_done_].get());
+    if (r == kErrNotReady) {
+      if (copies_by_.expired()) give_up("its copy from the device did not complete before the deadline");
+      break;
+    }
+    if (r != kSuccess) {
+      give_up("its copy from the device failed: " + result_text(r));
+      break;
+    }
+    ++events_done_;
+  }
+  if (events_done_ == before) return false;
+  ready_.store(std::min(len_, events_done_ * chunk_), std::memory_order_release);
+  return true;
 }
 
 void StagedPayload::publish(uint64_t ready) {

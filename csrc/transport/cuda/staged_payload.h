@@ -41,7 +41,9 @@ class StagedPayload {
  public:
   // Takes the ring from the budget of (outbox, peer): waits until it fits, up
   // to `deadline` (then Error(kTimeout) naming the peer). ordinal: the device copied from.
-  StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline);
+  // `bounded` false: no budget is taken (get answers, bounded by the engine's get credits).
+  StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline,
+                bool bounded = true);
   ~StagedPayload();  // gives the ring and its budget back
   StagedPayload(const StagedPayload&) = delete;
   StagedPayload& operator=(const StagedPayload&) = delete;
@@ -59,6 +61,21 @@ class StagedPayload {
   void give_up(const std::string& why);  // no more bytes come: the engine gives up the frame
   void keep_slot(uint64_t i);         // a copy into chunk i may still run: never given back
   void set_waker(std::function<void()> w) { waker_ = std::move(w); }
+  // Copies the payload down from device memory at `src`, chunk after chunk, each
+  // published once it landed; `posted` (if any) runs after the first chunk (it
+  // posts the frame). A failed copy (Error, the deadline) throws; once the frame
+  // was posted the payload is given up first (the engine cannot complete it).
+  void fill(int ordinal, const uint8_t* src, const Deadline& deadline, const std::function<void()>& posted);
+
+  // Get answers (bounded false): queues the copies down of every chunk at once
+  // on the landing stream (after the copies up of puts landed before, ahead of
+  // later ones: the answer is the window as of the request), to be published
+  // by poll_copies() as they complete; Error when a copy cannot be queued.
+  void copy_all(int ordinal, const uint8_t* src, const Deadline& deadline);
+  // Engine: publishes the chunks whose copies completed (true when some did);
+  // a failed copy or one past the deadline gives the payload up.
+  bool poll_copies();
+  bool copies_pending() const { return !events_.empty() && ready() < len_ && !failed(); }
 
   // Engine (the writer).
   uint64_t ready() const { return ready_.load(std::memory_order_acquire); }
@@ -78,6 +95,10 @@ class StagedPayload {
   std::atomic<uint64_t> ready_{0};
   std::atomic<bool> failed_{false};
   std::function<void()> waker_;
+  std::vector<std::shared_ptr<void>> events_;  // copy_all(): one per chunk
+  size_t events_done_ = 0;
+  int copies_on_ = -1;  // the device of copy_all()
+  Deadline copies_by_ = Deadline::never();
   mutable std::mutex mu_;
   std::condition_variable cv_;
   uint64_t sent_ = 0;
