@@ -187,7 +187,7 @@ void Engine::give_up_frame(int s, const OutItem& item) {
 }
 
 void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
-                      uint64_t len) {
+                      uint64_t len, int dst_device) {
   wire::GetHeader g;
   g.src_win = src_win;
   g.src_off = src_off;
@@ -198,7 +198,7 @@ void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uin
     wait_get_credit(lock, peer, s, len);
     get_bytes_[s] += len;
     g.req_id = next_req_++;
-    gets_[g.req_id] = {peer, ctx, dst, len};
+    gets_[g.req_id] = {peer, ctx, dst, len, dst_device};
   }
   enqueue(s, {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
 }

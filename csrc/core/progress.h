@@ -44,7 +44,8 @@ class Engine : public Outbox {
   // bytes must stay valid until the op completes (see completed()).
   void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
                 uint64_t dst_off, const SignalSpec& sig) override;
-  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len) override;
+  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len,
+                int dst_device = -1) override;
   void issued(int peer, int ctx, PathKind kind) override;
   void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) override;
   // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
@@ -127,11 +128,16 @@ class Engine : public Outbox {
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
   void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
+  // The ring a payload of n bytes to device memory at `at` lands through: "" or why it cannot be had.
+  std::string take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device);
   // Queues the copy up of the n bytes in the buffer being filled and makes the
   // next buffer ready (waiting for its earlier copy): "" or why they did not land.
-  std::string land_on_device(Window& w, InConn& in, uint64_t n);
-  // Waits until every copy up of the put is done: "" or why not.
-  std::string wait_landed(Window& w, InConn& in);
+  std::string land_on_device(InConn& in, uint64_t n);
+  // Waits until every copy up of the payload is done: "" or why not.
+  std::string wait_landed(InConn& in);
+  static std::string landing_what(const InConn& in);  // what its copies up are, for errors
+  bool get_pending(uint64_t req_id) const;  // takes mu_
+  void land_get_answer(int s, InConn& in);
   uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
   static constexpr size_t kLandingBuffers = 4;  // pinned buffers a staged put lands through
   std::string answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
@@ -180,6 +186,7 @@ class Engine : public Outbox {
     int peer, ctx;
     uint8_t* dst;
     uint64_t len;
+    int device;  // >= 0: dst is device memory, landed through the staging ring
   };
   std::map<uint64_t, PendingGet> gets_;
   // Get credits, per (peer, ctx). A target copies each answer when it reads the request, so

@@ -40,8 +40,8 @@ struct Engine::InConn {
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
   // A put into a device window lands in a ring of pinned staging buffers of
-  // `staged` bytes each (see stage_put): a full one is copied up to device_dst
-  // at dst_off + landed on the library's stream while the next one fills; a
+  // `staged` bytes each (see take_landing_ring): a full one is copied up to
+  // device_at + landed on the landing stream while the next one fills; a
   // buffer is refilled only once its copy is done, and the put is applied
   // only once every copy is.
   struct Landing {
@@ -52,7 +52,8 @@ struct Engine::InConn {
   size_t filling = 0;   // the buffer the next bytes go to
   uint64_t staged = 0;  // bytes per buffer
   uint64_t landed = 0;  // bytes handed to copies up
-  Window* device_dst = nullptr;
+  uint8_t* device_at = nullptr;  // a staged put's or get answer's destination in device memory
+  int device = -1;
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
@@ -72,7 +73,7 @@ struct Engine::InConn {
     got = 0;
     need = wire::kFrameHeaderSize;
     dst = nullptr;
-    device_dst = nullptr;
+    device_at = nullptr;
     landed = 0;
     release_stage();
     if (entered) entered->leave();

@@ -40,31 +40,38 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
   if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
 }
 
-// A put to a device window lands in a ring of staging buffers (pinned host
-// memory of staged_chunk_bytes() each, at most kLandingBuffers of them,
-// reused as its bytes arrive); where they cannot be had the put is refused.
+// A put to a device window lands in a ring of staging buffers; where they
+// cannot be had the put is refused.
 void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what) {
-  uint64_t chunk = std::min(payload, cuda::staged_chunk_bytes());
-  uint64_t count = std::min<uint64_t>(kLandingBuffers, (payload + chunk - 1) / chunk);
+  std::string failed = take_landing_ring(in, payload, w.base + in.put.dst_off, w.device);
+  if (!failed.empty()) in.refused = what + ": " + failed;
+}
+
+// Pinned host memory of staged_chunk_bytes() a buffer, at most kLandingBuffers
+// of them, reused as the payload's bytes arrive.
+std::string Engine::take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device) {
   try {
-    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, w.device), nullptr});
+    uint64_t chunk = std::min(n, cuda::staged_chunk_bytes());
+    uint64_t count = std::min<uint64_t>(kLandingBuffers, (n + chunk - 1) / chunk);
+    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr});
+    in.staged = chunk;
   } catch (const Error& e) {
     in.release_stage();
-    in.refused = what + ": " + e.what();
-    return;
+    return e.what();
   } catch (const std::bad_alloc&) {
     in.release_stage();
-    in.refused = what + ": allocating its staging buffers failed (out of memory)";
-    return;
+    return "allocating its staging buffers failed (out of memory)";
   }
-  in.staged = chunk;
   in.dst = in.stage[0].buf.get();
-  in.device_dst = &w;
+  in.device_at = at;
+  in.device = device;
+  return "";
 }
 
 void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
   std::memcpy(&in.req_id, in.buf, 8);
   std::string bad;
+  PendingGet get{};
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = gets_.find(in.req_id);
@@ -72,7 +79,13 @@ void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
       bad = "an answer to get #" + std::to_string(in.req_id) + ", which was not asked of it on this context";
     } else if (it->second.len != payload) {
       bad = "a " + std::to_string(payload) + "-byte answer to a get of " + std::to_string(it->second.len) + " bytes";
+    } else {
+      get = it->second;
     }
+  }
+  if (bad.empty() && get.device >= 0 && payload > 0) {  // into device memory: through the landing ring
+    std::string failed = take_landing_ring(in, payload, get.dst, get.device);
+    if (!failed.empty()) in.refused = "a get of " + std::to_string(payload) + " bytes: " + failed;
   }
   if (bad.empty()) return;  // landing_spot() finds the buffer, as long as the get is pending
   lose(s / ncontexts_, "protocol error: " + bad);
@@ -86,8 +99,9 @@ uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
     *want = static_cast<size_t>(std::min<uint64_t>(*want, in.msg.size() - at));
     return in.msg.data() + at;
   }
-  if (in.device_dst != nullptr) return staging_spot(in, want);
+  if (in.device_at != nullptr) return staging_spot(in, want);
   if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + at : nullptr;
+  if (!in.refused.empty()) return nullptr;  // its landing ring could not be had: discarded
   std::lock_guard<std::mutex> lock(mu_);
   auto it = gets_.find(in.req_id);  // gone once its peer was lost: discard
   return it == gets_.end() ? nullptr : it->second.dst + at;
@@ -97,11 +111,16 @@ uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
 // follow; a copy that fails refuses the put (the rest is discarded).
 uint8_t* Engine::staging_spot(InConn& in, size_t* want) {
   uint64_t filled = in.total - in.remaining - in.landed;
+  if (filled == in.staged && in.f.type == FrameType::kGetResp && !get_pending(in.req_id)) {
+    in.device_at = nullptr;  // the get failed meanwhile (its peer lost): nothing more lands
+    in.dst = nullptr;
+    return nullptr;
+  }
   if (filled == in.staged) {
-    std::string failed = land_on_device(*in.device_dst, in, filled);
+    std::string failed = land_on_device(in, filled);
     if (!failed.empty()) {
       in.refused = failed;
-      in.device_dst = nullptr;
+      in.device_at = nullptr;
       in.dst = nullptr;
       return nullptr;
     }
@@ -174,6 +193,7 @@ void Engine::on_payload_done(int s, InConn& in) {
   } else if (in.f.type == FrameType::kPut) {
     on_put_done(s, in);
   } else if (in.f.type == FrameType::kGetResp) {
+    if (in.device_at != nullptr || !in.refused.empty()) land_get_answer(s, in);
     bool pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -192,9 +212,9 @@ void Engine::on_payload_done(int s, InConn& in) {
 void Engine::on_put_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string refused = in.refused;
-  if (refused.empty() && in.device_dst != nullptr) {  // the data is on the device before the signal and the ack
-    refused = land_on_device(*in.device_dst, in, in.total - in.landed);
-    if (refused.empty()) refused = wait_landed(*in.device_dst, in);
+  if (refused.empty() && in.device_at != nullptr) {  // the data is on the device before the signal and the ack
+    refused = land_on_device(in, in.total - in.landed);
+    if (refused.empty()) refused = wait_landed(in);
   }
   if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
     Window* w = windows_->find(in.put.sig_win);
@@ -216,44 +236,79 @@ void Engine::on_put_done(int s, InConn& in) {
   if (!refused.empty()) refuse(s, refused);
 }
 
-// The bytes of a staged put, copied from host memory into the device window
-// on the library's stream; all of them are done before its signal is applied
-// and before it is acknowledged (wait_landed).
-std::string Engine::land_on_device(Window& w, InConn& in, uint64_t n) {
-  std::string doing = "landing a staged put in device window #" + std::to_string(w.index);
+// The bytes of a staged put (or get answer), copied from host memory into
+// device memory on the landing stream; all of them are done before its signal
+// is applied and before it is acknowledged (or the get completes): wait_landed.
+std::string Engine::land_on_device(InConn& in, uint64_t n) {
   try {
     if (n > 0) {
       InConn::Landing& full = in.stage[in.filling];
-      full.copied = cuda::copy_async(w.device, w.base + in.put.dst_off + in.landed, full.buf.get(), n, doing);
+      full.copied = cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));
       in.landed += n;
       in.filling = (in.filling + 1) % in.stage.size();
     }
     InConn::Landing& next = in.stage[in.filling];
     if (next.copied) {  // its earlier copy up still reads it
-      cuda::wait_event(w.device, next.copied, Deadline::after_seconds(timeout_s_), doing);
+      cuda::wait_event(in.device, next.copied, Deadline::after_seconds(timeout_s_), landing_what(in));
       next.copied.reset();
     }
     return "";
   } catch (const Error& e) {  // a copy still pending keeps its buffer (InConn::release_stage)
     FXM_WARN(rank_, e.what());
-    return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
+    return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
+           " bytes: " + e.what();
   }
 }
 
-std::string Engine::wait_landed(Window& w, InConn& in) {
+std::string Engine::wait_landed(InConn& in) {
   Deadline deadline = Deadline::after_seconds(timeout_s_);
   try {
     for (size_t k = 1; k <= in.stage.size(); ++k) {  // oldest first
       InConn::Landing& l = in.stage[(in.filling + k) % in.stage.size()];
       if (!l.copied) continue;
-      cuda::wait_event(w.device, l.copied, deadline, "landing a staged put in device window #" + std::to_string(w.index));
+      cuda::wait_event(in.device, l.copied, deadline, landing_what(in));
       l.copied.reset();
     }
     return "";
   } catch (const Error& e) {
     FXM_WARN(rank_, e.what());
-    return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
+    return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
+           " bytes: " + e.what();
   }
+}
+
+std::string Engine::landing_what(const InConn& in) {
+  if (in.f.type == FrameType::kPut) {
+    return "landing a staged put in device window #" + std::to_string(in.put.dst_win);
+  }
+  return "landing a staged get's answer on device " + std::to_string(in.device);
+}
+
+bool Engine::get_pending(uint64_t req_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gets_.count(req_id) != 0;
+}
+
+// The last bytes of a get answer into device memory go up, and all its copies
+// complete, before the get does; a landing that failed fails the get (its
+// initiator's flush names it). The last copy is queued only while the get is
+// pending (lose() takes landing_mu_): once a get failed, nothing more is queued.
+void Engine::land_get_answer(int s, InConn& in) {
+  std::string failed;
+  if (in.device_at != nullptr) {
+    {
+      std::lock_guard<std::mutex> landing(landing_mu_);  // the progress thread: read_some released it
+      if (!get_pending(in.req_id)) return;
+      failed = land_on_device(in, in.total - in.landed);
+    }
+    if (failed.empty()) failed = wait_landed(in);
+  }
+  if (failed.empty() && in.refused.empty()) return;
+  std::string why = who() + (failed.empty() ? in.refused : failed);
+  std::lock_guard<std::mutex> lock(mu_);
+  int peer = s / ncontexts_;
+  if (refused_[peer].empty()) refused_[peer] = why;
+  else if (refused_[peer].find(" (and more)") == std::string::npos) refused_[peer] += " (and more)";
 }
 
 void Engine::refuse(int s, const std::string& why, uint64_t number) {

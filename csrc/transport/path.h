@@ -96,8 +96,9 @@ class Outbox {
   virtual ~Outbox() = default;
   virtual void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
                         uint64_t dst_off, const SignalSpec& sig) = 0;
+  // dst_device >= 0: dst is memory of that device, landed through pinned staging.
   virtual void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
-                        uint64_t len) = 0;
+                        uint64_t len, int dst_device = -1) = 0;
   // Asynchronous paths that complete ops themselves (a copy on a device
   // stream): count an op to (peer, ctx) as issued on `kind`, and report its
   // completion later, in issue order per pair ("" or why it failed; the
