@@ -128,7 +128,7 @@ ssize_t Engine::send_item(int s, OutItem& it) {
     ssize_t w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w >= 0) {
       it.sent += static_cast<uint64_t>(w);
-      if (it.staged && it.sent > hs) it.staged->sent_to(it.sent - hs);  // frees ring slots for the filler
+      if (it.staged && it.sent >= hs) it.staged->sent_to(it.sent - hs);  // frees ring slots for the filler
       return w;
     }
     if (errno == EINTR) continue;
@@ -174,9 +174,7 @@ void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
 
 bool Engine::waiting_for_staging(int s) const {
   if (out_[s].empty() || !out_[s].front().staged) return false;
-  const OutItem& it = out_[s].front();
-  uint64_t ready = it.staged->ready();
-  return !it.staged->failed() && ready < it.len && it.sent >= it.head.size() + ready;
+  return out_[s].front().staged->waiting_for_bytes();
 }
 
 void Engine::give_up_frame(int s, const OutItem& item) {

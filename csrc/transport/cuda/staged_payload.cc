@@ -228,7 +228,15 @@ void StagedPayload::sent_to(uint64_t off) {
   std::lock_guard<std::mutex> lock(mu_);
   bool freed = off / chunk_ != sent_ / chunk_;  // a chunk boundary passed: its slot is free
   sent_ = off;
+  head_sent_ = true;
   if (freed) cv_.notify_all();
+}
+
+bool StagedPayload::waiting_for_bytes() const {
+  uint64_t ready = this->ready();
+  if (failed() || ready >= len_) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return head_sent_ && sent_ >= ready;
 }
 
 void StagedPayload::cancel(const std::string& why) {

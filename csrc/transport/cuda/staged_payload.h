@@ -83,7 +83,9 @@ class StagedPayload {
   std::string failure() const;
   // The ready bytes from payload offset `off`, contiguous: *n of them (0: none ready yet).
   const uint8_t* bytes_at(uint64_t off, uint64_t* n) const;
-  void sent_to(uint64_t off);            // bytes below `off` went out
+  void sent_to(uint64_t off);            // the frame's header and the bytes below `off` went out
+  // Every ready byte went out and more are to come (then the writer waits for publish()).
+  bool waiting_for_bytes() const;
   void cancel(const std::string& why);  // the frame will not be sent (its peer was lost)
 
  private:
@@ -102,6 +104,7 @@ class StagedPayload {
   mutable std::mutex mu_;
   std::condition_variable cv_;
   uint64_t sent_ = 0;
+  bool head_sent_ = false;  // the frame's header went out (sent_to was called)
   std::string failure_, canceled_;
 };
 

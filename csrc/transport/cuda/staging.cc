@@ -28,9 +28,10 @@ Pool& pool() {
 }
 
 // Staged ops cut in chunks hold many buffers of one size at once (a ring per
-// put in flight, a few per put landing): those sizes keep up to a quarter of kKeepBytes.
+// put in flight, a few per op landing, a get answer's chunks): those sizes keep
+// up to half of kKeepBytes.
 size_t keep_per_size(uint64_t bytes) {
-  return std::max<size_t>(kKeepPerSize, static_cast<size_t>(kKeepBytes / 4 / bytes));
+  return std::max<size_t>(kKeepPerSize, static_cast<size_t>(kKeepBytes / 2 / bytes));
 }
 
 uint64_t size_class(uint64_t n) {
