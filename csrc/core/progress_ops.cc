@@ -359,33 +359,10 @@ bool Engine::take_answer_credit(int s, uint64_t size) {
   return true;
 }
 
-// Appends the bytes a get asks for to `head` (device windows: copied down);
-// "" or why they could not be read (then `head` carries zeros).
-std::string Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head) {
-  if (w.kind != WindowKind::kDevice) {
-    head->insert(head->end(), w.base + g.src_off, w.base + g.src_off + g.size);
-    return "";
-  }
-  size_t at = head->size();
-  head->resize(at + g.size);
-  cuda::HostBuffer copy;  // the copy lands here, not in `head`: after a timeout it may still write
-  try {
-    copy = cuda::staging_buffer(g.size, w.device);
-    cuda::copy_and_wait(w.device, copy.get(), w.base + g.src_off, g.size, Deadline::after_seconds(timeout_s_),
-                        "answering a get from device window #" + std::to_string(w.index));
-    std::memcpy(head->data() + at, copy.get(), g.size);
-    return "";
-  } catch (const Error& e) {
-    if (e.code() == Code::kTimeout) new cuda::HostBuffer(copy);  // deliberately kept
-    FXM_WARN(rank_, e.what());
-    std::fill(head->begin() + static_cast<std::ptrdiff_t>(at), head->end(), 0);
-    return e.what();
-  }
-}
-
 // The answer is the window's bytes as of the request's place in the pair's
-// FIFO: copied now, before any later frame of the pair is applied. Where that
-// copy cannot be allocated, a refusal of the request completes the get.
+// FIFO: copied now, before any later frame of the pair is applied (a device
+// window's: queued now, see answer_from_device). Where that copy cannot be
+// allocated, a refusal of the request completes the get.
 void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
   std::string what = "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win);
   if (w.kind == WindowKind::kDevice && g.size > 0) {
@@ -396,8 +373,7 @@ void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
   try {
     uint64_t id = g.req_id;
     it.head = frame(FrameType::kGetResp, &id, g.size);
-    std::string failed = answer_bytes(w, g, &it.head);
-    if (!failed.empty()) refuse(s, what + ": " + failed);  // the initiator's flush fails naming it; the answer is zeros
+    it.head.insert(it.head.end(), w.base + g.src_off, w.base + g.src_off + g.size);  // host memory (or no byte)
   } catch (const std::bad_alloc&) {
     {
       std::lock_guard<std::mutex> lock(mu_);
