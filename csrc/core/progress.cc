@@ -348,12 +348,12 @@ void Engine::poll_once() {
   std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
   std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
   int total = nranks_ * ncontexts_;
-  int timeout_ms = 100;
+  bool copies = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int s = 0; s < total; ++s) {
-      // A get answer waiting for its copies down is polled each millisecond (write_pending).
-      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) timeout_ms = 1;
+      // A get answer waiting for its copies down is polled by write_pending (see copies_timeout_ms).
+      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) copies = true;
       if (!out_[s].empty() && !waiting_for_staging(s)) {  // else the filler's wake() resumes it
         fds.push_back({conns_->send[s].get(), POLLOUT, 0});
         owner.push_back(s);
@@ -364,7 +364,9 @@ void Engine::poll_once() {
       }
     }
   }
+  int timeout_ms = copies_timeout_ms(copies);
   ::poll(fds.data(), fds.size(), timeout_ms);
+  if (timeout_ms == 0) std::this_thread::yield();
   for (size_t k = 1; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
     if (owner[k] >= total) read_guarded(owner[k] - total);
@@ -377,6 +379,19 @@ void Engine::poll_once() {
   }
   send_acks();
   write_pending();
+}
+
+// Copies down of a get answer take tens of microseconds a chunk on a GPU: the
+// first 2 ms of a wait for them poll without sleeping (yielding), later ones
+// each millisecond; with none pending the poll sleeps up to 100 ms.
+int Engine::copies_timeout_ms(bool copies) {
+  auto now = std::chrono::steady_clock::now();
+  if (!copies) {
+    copies_since_ = {};
+    return 100;
+  }
+  if (copies_since_ == std::chrono::steady_clock::time_point{}) copies_since_ = now;
+  return now - copies_since_ < std::chrono::milliseconds(2) ? 0 : 1;
 }
 
 void Engine::write_pending() {

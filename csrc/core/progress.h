@@ -117,6 +117,8 @@ class Engine : public Outbox {
   void poll_once();
   bool write_some(int s);
   void write_pending();  // writes what it can of every non-empty queue
+  int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
+  std::chrono::steady_clock::time_point copies_since_{};  // progress thread: when that wait began
   void read_some(int s);
   bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
   void on_header(int s, InConn& in);
