@@ -15,6 +15,8 @@ Scenarios:
                bytes (the signal never comes before the data landed).
   peer_death   rank 1 dies while rank 0 keeps multi-chunk puts going: rank 0 fails with
                PeerLost naming peer 1 within the mesh timeout, no hang.
+  cut_short    rank 0's multi-chunk put_signal times out in its copies down after its frame
+               started: the frame is cut short, rank 1 loses rank 0 and never applies the signal.
   backpressure rank 0 makes many multi-chunk puts to rank 1, whose copies up are slow; the
                staging its puts held never passed FLAGCX_MESH_STAGED_INFLIGHT_BYTES
                (mesh.stats()["staged_bytes_peak"]) and every byte landed.
@@ -29,7 +31,7 @@ import sys
 import time
 import traceback
 
-from flagcx_mesh import Mesh, PeerLost
+from flagcx_mesh import Mesh, MeshTimeout, PeerLost
 
 from gpu_prog import Fail, FakeDevice, check, check_paths, pattern
 
@@ -128,6 +130,38 @@ def peer_death(mesh: Mesh, dev, args) -> None:
     os._exit(0)  # the mesh's goodbye to a dead peer is not part of the test
 
 
+def cut_short(mesh: Mesh, dev, args) -> None:
+    """Copies down of 1 s a chunk and a mesh timeout of 3 s: rank 0's put_signal of 6 chunks
+    is posted after its first chunk and times out during its third, its frame half sent. Rank 0
+    lives on for LINGER s after that, so rank 1 must see the frame cut short (not the exit)."""
+    linger = 6.0
+    n = 6 * CHUNK
+    win = mesh.alloc_window(n, device=0)
+    sig = mesh.signal_window(1)
+    mesh.barrier(timeout=60)
+    if mesh.rank == 0:
+        t0 = time.monotonic()
+        try:
+            mesh.put_signal(1, win, 0, win, 0, n, 0, 1, signal_window=sig)
+            raise Fail("a put_signal past its deadline returned")
+        except MeshTimeout as e:
+            print(f"cut_short: rank 0's put_signal failed after {time.monotonic() - t0:.1f} s: {e}", flush=True)
+        time.sleep(linger)
+    else:
+        t0 = time.monotonic()
+        try:
+            mesh.wait_signal(0, 1, timeout=30, window=sig)
+            raise Fail("the signal of a put cut short was applied")
+        except PeerLost as e:
+            check("peer 0" in str(e) or e.peer == 0, f"PeerLost should name peer 0: {e}")
+            check(mesh.read_signal(0, window=sig) == 0, "the signal of a put cut short was applied")
+            took = time.monotonic() - t0
+            check(took < args.mesh_timeout + linger / 2, f"rank 0 was lost only after {took:.1f} s (its exit?)")
+            print(f"cut_short: rank 1 lost rank 0 after {took:.1f} s, signal not applied: {e}", flush=True)
+    print(f"OK rank {mesh.rank} cut_short", flush=True)
+    os._exit(0)  # the mesh is broken between them: its goodbye is not part of the test
+
+
 def backpressure(mesh: Mesh, dev, args) -> None:
     n, count = 16 * CHUNK + 1, 10
     win = mesh.alloc_window(count * n, device=0)
@@ -149,7 +183,7 @@ def backpressure(mesh: Mesh, dev, args) -> None:
 
 
 SCENARIOS = {"integrity": integrity, "signal_fifo": signal_fifo, "peer_death": peer_death,
-             "backpressure": backpressure}
+             "backpressure": backpressure, "cut_short": cut_short}
 
 
 def main() -> int:

@@ -57,3 +57,14 @@ def test_many_large_puts_outstanding_hold_no_more_staging_than_the_bound():
     p = run("backpressure", FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="3")
     m = re.search(r"held at most (\d+) B of staging \(bound (\d+)\)", p.stdout)
     assert m and 0 < int(m.group(1)) <= int(m.group(2)) == INFLIGHT, p.stdout[-3000:]
+
+
+def test_a_put_whose_copy_down_fails_after_its_frame_started_is_cut_short_and_never_signalled():
+    """Copies down of 1 s a chunk, a mesh timeout of 3 s: rank 0's 6-chunk put_signal fails with
+    MeshTimeout in its third chunk, after its frame started. Its connection is shut, so rank 1
+    loses rank 0 at once (not when rank 0 exits, 6 s later) and never applies the signal."""
+    env = fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_STAGED_CHUNK_BYTES=str(CHUNK),
+                   FLAGCX_MESH_STAGED_INFLIGHT_BYTES=str(INFLIGHT), FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS="1000")
+    p = gpujobs.run_job(2, "cut_short", "--mesh-timeout", "3", env=env, device="fake", timeout=JOB_TIMEOUT,
+                        prog="staged_pipeline_prog.py")
+    assert "rank 1 lost rank 0 after" in p.stdout and "signal not applied" in p.stdout, p.stdout[-3000:]
