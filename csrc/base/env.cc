@@ -68,6 +68,16 @@ std::string cuda_driver_env() {
   return s ? s : "";
 }
 
+std::string staged_chunk_env() {
+  const char* s = std::getenv("FLAGCX_MESH_STAGED_CHUNK_BYTES");
+  return s ? s : "";
+}
+
+std::string staged_inflight_env() {
+  const char* s = std::getenv("FLAGCX_MESH_STAGED_INFLIGHT_BYTES");
+  return s ? s : "";
+}
+
 namespace {
 
 const char* launcher_var(const char* name) {

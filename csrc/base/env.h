@@ -10,6 +10,9 @@
 //   FLAGCX_MESH_CUDA_PATH  auto | cuda-vmm | cuda-ipc | staged: forces the
 //                        path to device windows (cuda_path_env())
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
+//   FLAGCX_MESH_STAGED_CHUNK_BYTES, FLAGCX_MESH_STAGED_INFLIGHT_BYTES  how the
+//                        staged path cuts its ops and how much staging its puts
+//                        to one peer hold (transport/cuda/staged_payload.h)
 //   FLAGCX_MESH_RANK, FLAGCX_MESH_NRANKS, FLAGCX_MESH_UNIQUE_ID (hex): set by
 //                        python -m flagcx_mesh.launch, read by the C ABI's
 //                        flagcx_mesh_comm_init_from_env (launcher_env())
@@ -53,6 +56,10 @@ std::string transport_env();
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_DRIVER ("" when unset), read once, when the driver is first loaded.
 std::string cuda_driver_env();
+// FLAGCX_MESH_STAGED_CHUNK_BYTES / FLAGCX_MESH_STAGED_INFLIGHT_BYTES ("" when
+// unset), read once, at the first staged op (checked by staged_payload.cc).
+std::string staged_chunk_env();
+std::string staged_inflight_env();
 // FLAGCX_MESH_AGENT_SECRET ("" when unset): the secret agents prove when none is given.
 std::string agent_secret_env();
 

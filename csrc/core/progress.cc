@@ -91,15 +91,36 @@ bool Engine::send_direct(int s, OutItem& item) {
   return false;
 }
 
+namespace {
+
+// The iovecs of a staged payload's ready bytes from offset `off`, after the n already in iov.
+int staged_iov(const cuda::StagedPayload& p, uint64_t off, iovec* iov, int n, int max) {
+  while (n < max && off < p.len()) {
+    uint64_t got = 0;
+    const uint8_t* at = p.bytes_at(off, &got);
+    if (got == 0) break;
+    iov[n++] = {const_cast<uint8_t*>(at), got};
+    off += got;
+  }
+  return n;
+}
+
+}  // namespace
+
 ssize_t Engine::send_item(int s, OutItem& it) {
-  iovec iov[2];
+  constexpr int kMaxIov = 8;
+  iovec iov[kMaxIov];
   int n = 0;
   uint64_t hs = it.head.size();
   if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
-  if (it.len > 0) {
-    uint64_t off = it.sent > hs ? it.sent - hs : 0;
+  uint64_t off = it.sent > hs ? it.sent - hs : 0;
+  if (it.staged) {
+    if (it.staged->copies_pending()) it.staged->poll_copies();  // a get answer's chunks coming down
+    n = staged_iov(*it.staged, off, iov, n, kMaxIov);
+  } else if (it.len > 0) {
     iov[n++] = {const_cast<uint8_t*>(it.data) + off, it.len - off};
   }
+  if (n == 0) return 0;  // staged bytes not copied yet
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = n;
@@ -107,6 +128,7 @@ ssize_t Engine::send_item(int s, OutItem& it) {
     ssize_t w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
     if (w >= 0) {
       it.sent += static_cast<uint64_t>(w);
+      if (it.staged && it.sent >= hs) it.staged->sent_to(it.sent - hs);  // frees ring slots for the filler
       return w;
     }
     if (errno == EINTR) continue;
@@ -140,16 +162,30 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
-void Engine::post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
-                            uint64_t dst_off, const SignalSpec& sig) {
+void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
+                             uint64_t dst_off, const SignalSpec& sig) {
   wire::PutHeader h = put_header(dst_win, dst_off, sig);
-  OutItem it{frame(FrameType::kPut, &h, len), bytes.get(), len, 0, 0};
-  it.owned = std::move(bytes);  // sent from where it is, freed with the item
+  uint64_t len = payload->len();
+  OutItem it{frame(FrameType::kPut, &h, len), nullptr, len, 0, 0};
+  payload->set_waker([this] { wake(); });  // each chunk copied: the progress thread sends it
+  it.staged = std::move(payload);           // sent from its ring, freed with the item
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
+bool Engine::waiting_for_staging(int s) const {
+  if (out_[s].empty() || !out_[s].front().staged) return false;
+  return out_[s].front().staged->waiting_for_bytes();
+}
+
+void Engine::give_up_frame(int s, const OutItem& item) {
+  int peer = s / ncontexts_;
+  lose(peer, "a staged put of " + std::to_string(item.len) + " bytes could not be copied out of device memory (" +
+                 item.staged->failure() + ") after its frame started: the connection was shut");
+  ::shutdown(conns_->send[s].get(), SHUT_WR);  // the peer sees the frame cut short, never a partial put applied
+}
+
 void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
-                      uint64_t len) {
+                      uint64_t len, int dst_device) {
   wire::GetHeader g;
   g.src_win = src_win;
   g.src_off = src_off;
@@ -160,7 +196,7 @@ void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uin
     wait_get_credit(lock, peer, s, len);
     get_bytes_[s] += len;
     g.req_id = next_req_++;
-    gets_[g.req_id] = {peer, ctx, dst, len};
+    gets_[g.req_id] = {peer, ctx, dst, len, dst_device};
   }
   enqueue(s, {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
 }
@@ -312,10 +348,13 @@ void Engine::poll_once() {
   std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
   std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
   int total = nranks_ * ncontexts_;
+  bool copies = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int s = 0; s < total; ++s) {
-      if (!out_[s].empty()) {
+      // A get answer waiting for its copies down is polled by write_pending (see copies_timeout_ms).
+      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) copies = true;
+      if (!out_[s].empty() && !waiting_for_staging(s)) {  // else the filler's wake() resumes it
         fds.push_back({conns_->send[s].get(), POLLOUT, 0});
         owner.push_back(s);
       }
@@ -325,7 +364,9 @@ void Engine::poll_once() {
       }
     }
   }
-  ::poll(fds.data(), fds.size(), 100);
+  int timeout_ms = copies_timeout_ms(copies);
+  ::poll(fds.data(), fds.size(), timeout_ms);
+  if (timeout_ms == 0) std::this_thread::yield();
   for (size_t k = 1; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
     if (owner[k] >= total) read_guarded(owner[k] - total);
@@ -338,6 +379,19 @@ void Engine::poll_once() {
   }
   send_acks();
   write_pending();
+}
+
+// Copies down of a get answer take tens of microseconds a chunk on a GPU: the
+// first 2 ms of a wait for them poll without sleeping (yielding), later ones
+// each millisecond; with none pending the poll sleeps up to 100 ms.
+int Engine::copies_timeout_ms(bool copies) {
+  auto now = std::chrono::steady_clock::now();
+  if (!copies) {
+    copies_since_ = {};
+    return 100;
+  }
+  if (copies_since_ == std::chrono::steady_clock::time_point{}) copies_since_ = now;
+  return now - copies_since_ < std::chrono::milliseconds(2) ? 0 : 1;
 }
 
 void Engine::write_pending() {
@@ -358,18 +412,28 @@ void Engine::write_pending() {
 bool Engine::write_some(int s) {
   std::lock_guard<std::mutex> writer(*write_mu_[s]);
   while (true) {
-    OutItem* it;
+    OutItem* it = nullptr;
     std::deque<OutItem> dropped;  // declared before the lock: destroyed after it is released
+    std::string gone_why;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (!lost_[s / ncontexts_].empty() || bye_[s / ncontexts_]) {  // nothing more goes to a lost/closed peer
+      int peer = s / ncontexts_;
+      if (!lost_[peer].empty() || bye_[peer]) {  // nothing more goes to a lost/closed peer
         dropped.swap(out_[s]);
         queued_msg_[s] = 0;
         answer_bytes_[s] = 0;
+        gone_why = lost_[peer].empty() ? "it closed its mesh" : lost_[peer];
         cv_.notify_all();
       }
-      if (out_[s].empty()) return true;
-      it = &out_[s].front();
+      if (!out_[s].empty()) it = &out_[s].front();
+    }
+    for (OutItem& gone : dropped) {  // a filler waiting for ring slots fails now, naming the peer
+      if (gone.staged) gone.staged->cancel("its connection is gone: " + gone_why);
+    }
+    if (it == nullptr) return true;
+    if (it->staged && it->staged->failed()) {
+      give_up_frame(s, *it);
+      continue;  // the next pass drops the queue
     }
     ssize_t w = send_item(s, *it);
     if (w < 0) return false;

@@ -44,7 +44,8 @@ class Engine : public Outbox {
   // bytes must stay valid until the op completes (see completed()).
   void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
                 uint64_t dst_off, const SignalSpec& sig) override;
-  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len) override;
+  void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len,
+                int dst_device = -1) override;
   void issued(int peer, int ctx, PathKind kind) override;
   void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) override;
   // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
@@ -60,9 +61,8 @@ class Engine : public Outbox {
   // was lost or closed its mesh.
   bool in_flight(int peer, int ctx, const char* op, PathKind* kind) const;
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
-  void post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
-                              uint64_t dst_off,
-                      const SignalSpec& sig) override;
+  void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
+                       uint64_t dst_off, const SignalSpec& sig) override;
 
   // Two-sided messages. The message is copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
@@ -107,11 +107,18 @@ class Engine : public Outbox {
   bool send_direct(int s, OutItem& item);
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
+  // With mu_ held: the front item of slot s waits for staged bytes not copied yet (no POLLOUT then).
+  bool waiting_for_staging(int s) const;
+  // A staged put whose copy out of device memory failed mid-frame: the frame cannot be
+  // completed, so the connection is shut and the peer lost (it sees the frame cut short).
+  void give_up_frame(int s, const OutItem& item);
   void wake();
   void run();
   void poll_once();
   bool write_some(int s);
   void write_pending();  // writes what it can of every non-empty queue
+  int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
+  std::chrono::steady_clock::time_point copies_since_{};  // progress thread: when that wait began
   void read_some(int s);
   bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
   void on_header(int s, InConn& in);
@@ -123,14 +130,22 @@ class Engine : public Outbox {
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);
   void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
-  // Copies the first n staged bytes to the device window: "" or why they did not land.
-  std::string land_on_device(Window& w, InConn& in, uint64_t n);
+  // The ring a payload of n bytes to device memory at `at` lands through: "" or why it cannot be had.
+  std::string take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device);
+  // Queues the copy up of the n bytes in the buffer being filled and makes the
+  // next buffer ready (waiting for its earlier copy): "" or why they did not land.
+  std::string land_on_device(InConn& in, uint64_t n);
+  // Waits until every copy up of the payload is done: "" or why not.
+  std::string wait_landed(InConn& in);
+  static std::string landing_what(const InConn& in);  // what its copies up are, for errors
+  bool get_pending(uint64_t req_id) const;  // takes mu_
+  void land_get_answer(int s, InConn& in);
   uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
-  static constexpr uint64_t kStageChunkBytes = 8ull << 20;  // pinned memory a staged put holds
-  std::string answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head);
+  static constexpr size_t kLandingBuffers = 4;  // pinned buffers a staged put lands through
   // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
   void refuse(int s, const std::string& why, uint64_t number = 0);
   void answer_get(int s, Window& w, const wire::GetHeader& g);
+  void answer_from_device(int s, Window& w, const wire::GetHeader& g, const std::string& what);
   void on_refused(int s, InConn& in);
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
   void fail_if_refused(int lo, int hi, const char* doing);
@@ -172,6 +187,7 @@ class Engine : public Outbox {
     int peer, ctx;
     uint8_t* dst;
     uint64_t len;
+    int device;  // >= 0: dst is device memory, landed through the staging ring
   };
   std::map<uint64_t, PendingGet> gets_;
   // Get credits, per (peer, ctx). A target copies each answer when it reads the request, so

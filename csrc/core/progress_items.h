@@ -8,6 +8,8 @@
 #include <vector>
 
 #include "core/progress.h"
+#include "transport/cuda/staged_payload.h"
+#include "transport/cuda/streams.h"
 
 namespace fxm {
 
@@ -18,7 +20,8 @@ struct Engine::OutItem {
   uint64_t sent = 0;
   uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
   uint64_t answer_bytes = 0;  // get answer bytes it carries (get credits)
-  std::shared_ptr<uint8_t> owned;  // the payload `data` points into, when the item owns it
+  // A staged put's payload (data is then unused): only its ready bytes are sent.
+  std::shared_ptr<cuda::StagedPayload> staged;
   uint64_t total() const { return head.size() + len; }
 };
 
@@ -36,26 +39,43 @@ struct Engine::InConn {
   wire::PutHeader put;
   uint64_t req_id = 0;
   uint8_t* dst = nullptr;  // payload destination; nullptr: discard
-  // A put into a device window lands in `stage` first (a pinned staging buffer
-  // of `staged` bytes, at most kStageChunkBytes), copied into device_dst at
-  // dst_off + landed each time it fills, and at the end.
-  std::shared_ptr<uint8_t> stage;
-  uint64_t staged = 0;
-  uint64_t landed = 0;
-  Window* device_dst = nullptr;
+  // A put into a device window lands in a ring of pinned staging buffers of
+  // `staged` bytes each (see take_landing_ring): a full one is copied up to
+  // device_at + landed on the landing stream while the next one fills; a
+  // buffer is refilled only once its copy is done, and the put is applied
+  // only once every copy is.
+  struct Landing {
+    std::shared_ptr<uint8_t> buf;
+    std::shared_ptr<void> copied;  // the event after its copy up (empty: none pending)
+  };
+  std::vector<Landing> stage;
+  size_t filling = 0;   // the buffer the next bytes go to
+  uint64_t staged = 0;  // bytes per buffer
+  uint64_t landed = 0;  // bytes handed to copies up
+  uint8_t* device_at = nullptr;  // a staged put's or get answer's destination in device memory
+  int device = -1;
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
   bool closed = false;
+  // The buffers go back to the staging pool, except those a copy up may still
+  // read (a put cut short or timed out): those are deliberately kept.
+  void release_stage() {
+    for (Landing& l : stage) {
+      if (l.copied && !cuda::event_done(l.copied)) new std::shared_ptr<uint8_t>(l.buf);
+    }
+    stage.clear();
+    filling = 0;
+  }
   void reset() {
     st = kHeader;
     got = 0;
     need = wire::kFrameHeaderSize;
     dst = nullptr;
-    device_dst = nullptr;
+    device_at = nullptr;
     landed = 0;
-    stage.reset();  // back to the staging pool
+    release_stage();
     if (entered) entered->leave();
     entered = nullptr;
     refused.clear();

@@ -40,28 +40,38 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
   if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
 }
 
-// A put to a device window lands in a staging buffer first (pinned host
-// memory of at most kStageChunkBytes, reused as its bytes arrive); one that
-// cannot be had refuses the put.
+// A put to a device window lands in a ring of staging buffers; where they
+// cannot be had the put is refused.
 void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what) {
-  uint64_t chunk = std::min(payload, kStageChunkBytes);
+  std::string failed = take_landing_ring(in, payload, w.base + in.put.dst_off, w.device);
+  if (!failed.empty()) in.refused = what + ": " + failed;
+}
+
+// Pinned host memory of staged_chunk_bytes() a buffer, at most kLandingBuffers
+// of them, reused as the payload's bytes arrive.
+std::string Engine::take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device) {
   try {
-    in.stage = cuda::staging_buffer(chunk, w.device);
+    uint64_t chunk = std::min(n, cuda::staged_chunk_bytes());
+    uint64_t count = std::min<uint64_t>(kLandingBuffers, (n + chunk - 1) / chunk);
+    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr});
+    in.staged = chunk;
   } catch (const Error& e) {
-    in.refused = what + ": " + e.what();
-    return;
+    in.release_stage();
+    return e.what();
   } catch (const std::bad_alloc&) {
-    in.refused = what + ": allocating its staging buffer failed (out of memory)";
-    return;
+    in.release_stage();
+    return "allocating its staging buffers failed (out of memory)";
   }
-  in.staged = chunk;
-  in.dst = in.stage.get();
-  in.device_dst = &w;
+  in.dst = in.stage[0].buf.get();
+  in.device_at = at;
+  in.device = device;
+  return "";
 }
 
 void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
   std::memcpy(&in.req_id, in.buf, 8);
   std::string bad;
+  PendingGet get{};
   {
     std::lock_guard<std::mutex> lock(mu_);
     auto it = gets_.find(in.req_id);
@@ -69,7 +79,13 @@ void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
       bad = "an answer to get #" + std::to_string(in.req_id) + ", which was not asked of it on this context";
     } else if (it->second.len != payload) {
       bad = "a " + std::to_string(payload) + "-byte answer to a get of " + std::to_string(it->second.len) + " bytes";
+    } else {
+      get = it->second;
     }
+  }
+  if (bad.empty() && get.device >= 0 && payload > 0) {  // into device memory: through the landing ring
+    std::string failed = take_landing_ring(in, payload, get.dst, get.device);
+    if (!failed.empty()) in.refused = "a get of " + std::to_string(payload) + " bytes: " + failed;
   }
   if (bad.empty()) return;  // landing_spot() finds the buffer, as long as the get is pending
   lose(s / ncontexts_, "protocol error: " + bad);
@@ -83,30 +99,35 @@ uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
     *want = static_cast<size_t>(std::min<uint64_t>(*want, in.msg.size() - at));
     return in.msg.data() + at;
   }
-  if (in.device_dst != nullptr) return staging_spot(in, want);
+  if (in.device_at != nullptr) return staging_spot(in, want);
   if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + at : nullptr;
+  if (!in.refused.empty()) return nullptr;  // its landing ring could not be had: discarded
   std::lock_guard<std::mutex> lock(mu_);
   auto it = gets_.find(in.req_id);  // gone once its peer was lost: discard
   return it == gets_.end() ? nullptr : it->second.dst + at;
 }
 
-// A full staging buffer is copied down before it takes the next bytes; a copy
-// that fails refuses the put (the rest is discarded).
+// A full staging buffer is copied up while the next one takes the bytes that
+// follow; a copy that fails refuses the put (the rest is discarded).
 uint8_t* Engine::staging_spot(InConn& in, size_t* want) {
   uint64_t filled = in.total - in.remaining - in.landed;
+  if (filled == in.staged && in.f.type == FrameType::kGetResp && !get_pending(in.req_id)) {
+    in.device_at = nullptr;  // the get failed meanwhile (its peer lost): nothing more lands
+    in.dst = nullptr;
+    return nullptr;
+  }
   if (filled == in.staged) {
-    std::string failed = land_on_device(*in.device_dst, in, filled);
+    std::string failed = land_on_device(in, filled);
     if (!failed.empty()) {
       in.refused = failed;
-      in.device_dst = nullptr;
+      in.device_at = nullptr;
       in.dst = nullptr;
       return nullptr;
     }
-    in.landed += filled;
     filled = 0;
   }
   *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
-  return in.stage.get() + filled;
+  return in.stage[in.filling].buf.get() + filled;
 }
 
 // A message's buffer doubles as its bytes arrive, from 64 KiB up to its
@@ -172,6 +193,7 @@ void Engine::on_payload_done(int s, InConn& in) {
   } else if (in.f.type == FrameType::kPut) {
     on_put_done(s, in);
   } else if (in.f.type == FrameType::kGetResp) {
+    if (in.device_at != nullptr || !in.refused.empty()) land_get_answer(s, in);
     bool pending;
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -190,7 +212,10 @@ void Engine::on_payload_done(int s, InConn& in) {
 void Engine::on_put_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   std::string refused = in.refused;
-  if (refused.empty() && in.device_dst != nullptr) refused = land_on_device(*in.device_dst, in, in.total - in.landed);
+  if (refused.empty() && in.device_at != nullptr) {  // the data is on the device before the signal and the ack
+    refused = land_on_device(in, in.total - in.landed);
+    if (refused.empty()) refused = wait_landed(in);
+  }
   if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
     Window* w = windows_->find(in.put.sig_win);
     if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
@@ -211,19 +236,79 @@ void Engine::on_put_done(int s, InConn& in) {
   if (!refused.empty()) refuse(s, refused);
 }
 
-// The bytes of a staged put, copied from host memory into the device window
-// before its signal is applied and before it is acknowledged.
-std::string Engine::land_on_device(Window& w, InConn& in, uint64_t n) {
+// The bytes of a staged put (or get answer), copied from host memory into
+// device memory on the landing stream; all of them are done before its signal
+// is applied and before it is acknowledged (or the get completes): wait_landed.
+std::string Engine::land_on_device(InConn& in, uint64_t n) {
   try {
-    cuda::copy_and_wait(w.device, w.base + in.put.dst_off + in.landed, in.stage.get(), n,
-                        Deadline::after_seconds(timeout_s_),
-                        "landing a staged put in device window #" + std::to_string(w.index));
+    if (n > 0) {
+      InConn::Landing& full = in.stage[in.filling];
+      full.copied = cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));
+      in.landed += n;
+      in.filling = (in.filling + 1) % in.stage.size();
+    }
+    InConn::Landing& next = in.stage[in.filling];
+    if (next.copied) {  // its earlier copy up still reads it
+      cuda::wait_event(in.device, next.copied, Deadline::after_seconds(timeout_s_), landing_what(in));
+      next.copied.reset();
+    }
+    return "";
+  } catch (const Error& e) {  // a copy still pending keeps its buffer (InConn::release_stage)
+    FXM_WARN(rank_, e.what());
+    return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
+           " bytes: " + e.what();
+  }
+}
+
+std::string Engine::wait_landed(InConn& in) {
+  Deadline deadline = Deadline::after_seconds(timeout_s_);
+  try {
+    for (size_t k = 1; k <= in.stage.size(); ++k) {  // oldest first
+      InConn::Landing& l = in.stage[(in.filling + k) % in.stage.size()];
+      if (!l.copied) continue;
+      cuda::wait_event(in.device, l.copied, deadline, landing_what(in));
+      l.copied.reset();
+    }
     return "";
   } catch (const Error& e) {
-    if (e.code() == Code::kTimeout) new cuda::HostBuffer(in.stage);  // the copy may still read it
     FXM_WARN(rank_, e.what());
-    return std::string("a put of ") + std::to_string(in.total) + " bytes: " + e.what();
+    return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
+           " bytes: " + e.what();
   }
+}
+
+std::string Engine::landing_what(const InConn& in) {
+  if (in.f.type == FrameType::kPut) {
+    return "landing a staged put in device window #" + std::to_string(in.put.dst_win);
+  }
+  return "landing a staged get's answer on device " + std::to_string(in.device);
+}
+
+bool Engine::get_pending(uint64_t req_id) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return gets_.count(req_id) != 0;
+}
+
+// The last bytes of a get answer into device memory go up, and all its copies
+// complete, before the get does; a landing that failed fails the get (its
+// initiator's flush names it). The last copy is queued only while the get is
+// pending (lose() takes landing_mu_): once a get failed, nothing more is queued.
+void Engine::land_get_answer(int s, InConn& in) {
+  std::string failed;
+  if (in.device_at != nullptr) {
+    {
+      std::lock_guard<std::mutex> landing(landing_mu_);  // the progress thread: read_some released it
+      if (!get_pending(in.req_id)) return;
+      failed = land_on_device(in, in.total - in.landed);
+    }
+    if (failed.empty()) failed = wait_landed(in);
+  }
+  if (failed.empty() && in.refused.empty()) return;
+  std::string why = who() + (failed.empty() ? in.refused : failed);
+  std::lock_guard<std::mutex> lock(mu_);
+  int peer = s / ncontexts_;
+  if (refused_[peer].empty()) refused_[peer] = why;
+  else if (refused_[peer].find(" (and more)") == std::string::npos) refused_[peer] += " (and more)";
 }
 
 void Engine::refuse(int s, const std::string& why, uint64_t number) {
@@ -274,41 +359,21 @@ bool Engine::take_answer_credit(int s, uint64_t size) {
   return true;
 }
 
-// Appends the bytes a get asks for to `head` (device windows: copied down);
-// "" or why they could not be read (then `head` carries zeros).
-std::string Engine::answer_bytes(Window& w, const wire::GetHeader& g, std::vector<uint8_t>* head) {
-  if (w.kind != WindowKind::kDevice) {
-    head->insert(head->end(), w.base + g.src_off, w.base + g.src_off + g.size);
-    return "";
-  }
-  size_t at = head->size();
-  head->resize(at + g.size);
-  cuda::HostBuffer copy;  // the copy lands here, not in `head`: after a timeout it may still write
-  try {
-    copy = cuda::staging_buffer(g.size, w.device);
-    cuda::copy_and_wait(w.device, copy.get(), w.base + g.src_off, g.size, Deadline::after_seconds(timeout_s_),
-                        "answering a get from device window #" + std::to_string(w.index));
-    std::memcpy(head->data() + at, copy.get(), g.size);
-    return "";
-  } catch (const Error& e) {
-    if (e.code() == Code::kTimeout) new cuda::HostBuffer(copy);  // deliberately kept
-    FXM_WARN(rank_, e.what());
-    std::fill(head->begin() + static_cast<std::ptrdiff_t>(at), head->end(), 0);
-    return e.what();
-  }
-}
-
 // The answer is the window's bytes as of the request's place in the pair's
-// FIFO: copied now, before any later frame of the pair is applied. Where that
-// copy cannot be allocated, a refusal of the request completes the get.
+// FIFO: copied now, before any later frame of the pair is applied (a device
+// window's: queued now, see answer_from_device). Where that copy cannot be
+// allocated, a refusal of the request completes the get.
 void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
   std::string what = "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win);
+  if (w.kind == WindowKind::kDevice && g.size > 0) {
+    answer_from_device(s, w, g, what);
+    return;
+  }
   OutItem it;
   try {
     uint64_t id = g.req_id;
     it.head = frame(FrameType::kGetResp, &id, g.size);
-    std::string failed = answer_bytes(w, g, &it.head);
-    if (!failed.empty()) refuse(s, what + ": " + failed);  // the initiator's flush fails naming it; the answer is zeros
+    it.head.insert(it.head.end(), w.base + g.src_off, w.base + g.src_off + g.size);  // host memory (or no byte)
   } catch (const std::bad_alloc&) {
     {
       std::lock_guard<std::mutex> lock(mu_);
@@ -320,6 +385,34 @@ void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
     return;
   }
   it.answer_bytes = g.size;
+  enqueue(s, std::move(it), Count::kNone);
+}
+
+// A get from a device window: its chunks are copied down at once, on the
+// stream that lands staged puts (so after those landed before it and before
+// those after it), and each is sent as soon as it is down (staged_payload.h).
+void Engine::answer_from_device(int s, Window& w, const wire::GetHeader& g, const std::string& what) {
+  std::shared_ptr<cuda::StagedPayload> p;
+  try {
+    Deadline deadline = Deadline::after_seconds(timeout_s_);
+    p = std::make_shared<cuda::StagedPayload>(this, s / ncontexts_, g.size, w.device, deadline, false);
+    p->copy_all(w.device, w.base + g.src_off, deadline);
+  } catch (const std::exception& e) {  // Error or bad_alloc: nothing was sent
+    p.reset();  // before the refusal: its buffers go back (copies still running keep theirs)
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      answer_bytes_[s] -= g.size;  // the credit taken for it
+    }
+    std::string why = what + ": staging its answer failed: " + e.what();
+    FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(s / ncontexts_));
+    refuse(s, why, wire::kRefusedGet | g.req_id);
+    return;
+  }
+  uint64_t id = g.req_id;
+  OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, g.size, 0, 0};
+  it.answer_bytes = g.size;
+  p->set_waker([this] { wake(); });
+  it.staged = std::move(p);
   enqueue(s, std::move(it), Count::kNone);
 }
 

@@ -15,6 +15,7 @@
 #include "python/bindings.h"
 #include "transport/cuda/device_memory.h"
 #include "transport/cuda/driver.h"
+#include "transport/cuda/staged_payload.h"
 
 namespace py = pybind11;
 using fxm::Mesh;
@@ -80,6 +81,8 @@ py::dict stats(const Mesh& m) {
   d["rejected"] = rejected;
   d["rejected_total"] = s.total_rejected();
   d["connect_retries"] = s.connect_retries;
+  // The most staging the staged puts of this process held for one peer at once (docs/gpu.md).
+  d["staged_bytes_peak"] = fxm::cuda::staged_bytes_peak();
   return d;
 }
 

@@ -84,6 +84,10 @@ class CompletionProbe {
   virtual std::string error() const { return ""; }
 };
 
+namespace cuda {
+class StagedPayload;
+}
+
 // Frames and completions of asynchronous paths, implemented by the core's
 // progress engine. post_* count the op as issued to (peer, ctx); it completes
 // when the target acknowledges it (or answers the get).
@@ -92,8 +96,9 @@ class Outbox {
   virtual ~Outbox() = default;
   virtual void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
                         uint64_t dst_off, const SignalSpec& sig) = 0;
+  // dst_device >= 0: dst is memory of that device, landed through pinned staging.
   virtual void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
-                        uint64_t len) = 0;
+                        uint64_t len, int dst_device = -1) = 0;
   // Asynchronous paths that complete ops themselves (a copy on a device
   // stream): count an op to (peer, ctx) as issued on `kind`, and report its
   // completion later, in issue order per pair ("" or why it failed; the
@@ -102,10 +107,10 @@ class Outbox {
   virtual void completed(int peer, int ctx, const std::string& error) = 0;
   // Counts an op as issued; it completes when `probe` says so (polled in issue order per pair).
   virtual void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) = 0;
-  // A put whose payload the outbox owns (bytes staged out of device memory).
-  virtual void post_put_owned(int peer, int ctx, std::shared_ptr<uint8_t> bytes, uint64_t len, uint32_t dst_win,
-                              uint64_t dst_off,
-                              const SignalSpec& sig) = 0;
+  // A put whose payload is staged out of device memory while it is sent: the
+  // outbox sends only the bytes the payload says are ready (staged_payload.h).
+  virtual void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
+                               uint64_t dst_off, const SignalSpec& sig) = 0;
   // Waits until the ops issued to (peer, ctx) completed (throws on loss or expiry).
   virtual void wait_idle(int peer, int ctx, const Deadline& deadline) = 0;
 };

@@ -2,8 +2,10 @@
 
 #include <unistd.h>
 
+#include "base/env.h"
 #include "base/status.h"
 #include "transport/cuda/fd_pass.h"
+#include "transport/cuda/staged_payload.h"
 #include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 #include "transport/self/own_windows.h"
@@ -128,45 +130,41 @@ void wait_for_stream(const PathOp& op, const char* doing) {
   cuda::wait_for_stream(ordinal, op.stream, op.deadline, std::string(doing) + ": waiting for its stream");
 }
 
-// A copy within the op's deadline; after a timeout the copy may still touch
-// `buffer`, so it is never given back.
-void copy_keeping_buffer(const PathOp& op, void* dst, const void* src, const cuda::HostBuffer& buffer,
-                         const char* doing) {
-  try {
-    cuda::copy_and_wait(op.local_device, dst, src, op.len, op.deadline, doing);
-  } catch (const Error& e) {
-    if (e.code() == Code::kTimeout) new cuda::HostBuffer(buffer);  // deliberately kept
-    throw;
-  }
-}
-
 }  // namespace
 
+// Cut in chunks (staged_payload.h): the frame is posted once the first chunk
+// is on the host, and the engine sends each chunk while the next is copied
+// down. The call returns once every chunk is on the host.
 int StagedPath::put(const PathOp& op) {
   wait_for_stream(op, "a staged put");
-  if (op.local_device < 0) return TcpPath::put(op);
-  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
-  copy_keeping_buffer(op, bytes.get(), op.local, bytes, "staging a put's bytes to the host");
+  if (op.local_device < 0 || op.len == 0) return TcpPath::put(op);
+  auto payload = std::make_shared<cuda::StagedPayload>(outbox_, peer_, op.len, op.local_device, op.deadline);
   static const SignalSpec kNone;
-  outbox_->post_put_owned(peer_, op.ctx, std::move(bytes), op.len, win_, op.remote_off, op.sig ? *op.sig : kNone);
+  payload->fill(op.local_device, op.local, op.deadline, [&] {
+    outbox_->post_put_staged(peer_, op.ctx, payload, win_, op.remote_off, op.sig ? *op.sig : kNone);
+  });
   return 0;
 }
 
-// A get into device memory lands in host memory first, then is copied up:
-// the call returns once the bytes are in place.
+// A get into device memory: the engine lands the answer through its ring of
+// pinned buffers, each copied up while the next fills (progress_ops.cc); the
+// call returns once every byte is in place.
 int StagedPath::get(const PathOp& op) {
   wait_for_stream(op, "a staged get");
-  if (op.local_device < 0) return TcpPath::get(op);
-  // Given back only once the answer landed: after a timeout it may still come.
-  cuda::HostBuffer bytes = cuda::staging_buffer(op.len, op.local_device);
-  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, bytes.get(), op.len);
+  if (op.local_device < 0 || op.len == 0) return TcpPath::get(op);
+  outbox_->post_get(peer_, op.ctx, win_, op.remote_off, op.local, op.len, op.local_device);
   try {
     outbox_->wait_idle(peer_, op.ctx, op.deadline);
   } catch (...) {
-    new cuda::HostBuffer(bytes);  // deliberately kept
+    // Copies up queued before the get failed may still run: let them end first, so none
+    // writes after the call returned (bounded; nothing more is queued for a failed get).
+    try {
+      cuda::wait_for_stream(op.local_device, cuda::landing_stream(op.local_device),
+                            Deadline::after_seconds(env_config().timeout_s), "a failed staged get's copies up");
+    } catch (const Error&) {  // the get's own error is the one to raise
+    }
     throw;
   }
-  copy_keeping_buffer(op, op.local, bytes.get(), bytes, "copying a staged get's bytes to the device");
   return 0;
 }
 

@@ -1,5 +1,6 @@
 #include "transport/cuda/staging.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -24,6 +25,13 @@ struct Pool {
 Pool& pool() {
   static Pool* p = new Pool();  // never destroyed: buffers may come back during exit
   return *p;
+}
+
+// Staged ops cut in chunks hold many buffers of one size at once (a ring per
+// put in flight, a few per op landing, a get answer's chunks): those sizes keep
+// up to half of kKeepBytes.
+size_t keep_per_size(uint64_t bytes) {
+  return std::max<size_t>(kKeepPerSize, static_cast<size_t>(kKeepBytes / 2 / bytes));
 }
 
 uint64_t size_class(uint64_t n) {
@@ -51,7 +59,7 @@ void give_back(uint64_t bytes, uint8_t* p) {
   {
     std::lock_guard<std::mutex> lock(pl.mu);
     std::vector<uint8_t*>& v = pl.free[bytes];
-    if (v.size() < kKeepPerSize && pl.kept + bytes <= kKeepBytes) {
+    if (v.size() < keep_per_size(bytes) && pl.kept + bytes <= kKeepBytes) {
       v.push_back(p);
       pl.kept += bytes;
       return;

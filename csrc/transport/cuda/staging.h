@@ -1,8 +1,9 @@
 // Host buffers for staged device bytes: page-locked (registered with the CUDA
 // driver once, then reused), so copies to and from the device run at pinned
 // speed and no op pays for fresh pages. Buffers come in power-of-two sizes
-// from 64 KiB; a released buffer goes back to the pool (up to 4 per size and
-// 512 MiB in all are kept, the rest freed).
+// from 64 KiB; a released buffer goes back to the pool (up to 512 MiB in all,
+// and per size up to 4 or half of that, whichever is more, are kept; the
+// rest freed).
 #pragma once
 
 #include <cstdint>

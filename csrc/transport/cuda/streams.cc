@@ -56,7 +56,11 @@ bool event_done(const SharedEvent& e) {
 
 void wait_for_stream(int ordinal, CUstream s, const Deadline& deadline, const std::string& doing) {
   use_device(ordinal);
-  SharedEvent e = record_event(ordinal, s);
+  wait_event(ordinal, record_event(ordinal, s), deadline, doing);
+}
+
+void wait_event(int ordinal, const SharedEvent& e, const Deadline& deadline, const std::string& doing) {
+  use_device(ordinal);
   for (Backoff pace;; pace.pause()) {
     CUresult r = driver()->cuEventQuery(e.get());
     if (r == kSuccess) return;
@@ -125,9 +129,10 @@ std::unique_ptr<CompletionProbe> event_probe(int ordinal, SharedEvent recorded) 
   return std::make_unique<EventProbe>(ordinal, std::move(recorded));
 }
 
-CUstream library_stream(int ordinal) {
-  static std::mutex mu;
-  static std::map<int, CUstream> streams;
+namespace {
+
+// One non-blocking stream per device in `streams`, made at first use.
+CUstream stream_of(std::map<int, CUstream>& streams, std::mutex& mu, int ordinal) {
   std::lock_guard<std::mutex> lock(mu);
   auto it = streams.find(ordinal);
   if (it != streams.end()) return it->second;
@@ -140,6 +145,21 @@ CUstream library_stream(int ordinal) {
   return s;
 }
 
+}  // namespace
+
+CUstream library_stream(int ordinal) {
+  static std::mutex mu;
+  static std::map<int, CUstream> streams;
+  return stream_of(streams, mu, ordinal);
+}
+
+// Copies up run beside the staging copies down of library_stream (another copy engine on a GPU).
+CUstream landing_stream(int ordinal) {
+  static std::mutex mu;
+  static std::map<int, CUstream> streams;
+  return stream_of(streams, mu, ordinal);
+}
+
 void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const Deadline& deadline,
                    const std::string& doing) {
   const Driver& d = need_driver(doing);
@@ -147,6 +167,14 @@ void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const De
   CUstream s = library_stream(ordinal);
   check(d.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s), doing);
   wait_for_stream(ordinal, s, deadline, doing + " (waiting for the copy)");
+}
+
+SharedEvent copy_async(int ordinal, void* dst, const void* src, uint64_t n, const std::string& doing) {
+  const Driver& d = need_driver(doing);
+  use_device(ordinal);
+  CUstream s = landing_stream(ordinal);
+  check(d.cuMemcpyAsync(reinterpret_cast<CUdeviceptr>(dst), reinterpret_cast<CUdeviceptr>(src), n, s), doing);
+  return record_event(ordinal, s);
 }
 
 namespace {

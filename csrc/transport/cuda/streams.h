@@ -65,6 +65,16 @@ CUstream library_stream(int ordinal);
 void copy_and_wait(int ordinal, void* dst, const void* src, uint64_t n, const Deadline& deadline,
                    const std::string& doing);
 
+// The library's stream on `ordinal` for copies up of staged bytes (copy_async), beside library_stream.
+CUstream landing_stream(int ordinal);
+
+// Queues a copy of n bytes on landing_stream() and returns an event
+// recorded after it (the caller keeps both buffers alive until it is done).
+SharedEvent copy_async(int ordinal, void* dst, const void* src, uint64_t n, const std::string& doing);
+// Waits on the host until the work before `e` is done, at most until
+// `deadline` (then Error(kTimeout) "<doing>: ..."); a failed copy throws its error.
+void wait_event(int ordinal, const SharedEvent& e, const Deadline& deadline, const std::string& doing);
+
 // After the work queued on `s` so far: applies `sig` to `slots` (when given)
 // and reports the op to (peer, ctx) completed through `outbox`. The op must
 // have been counted with outbox->issued() before.

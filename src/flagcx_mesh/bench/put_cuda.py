@@ -11,6 +11,9 @@ cuda-ipc and staged ones torch tensors. In the same run rank 0 measures a
 local device-to-device copy (torch ``copy_``) and, for staged, a pinned
 device-to-host plus host-to-device copy, and prints the ratios.
 
+Gets: rank 0 gets ``size`` bytes from rank 1's source window into its own target window
+repeatedly, then flushes (the "get" column, with its ratio to the same reference).
+
 Blocking: each put is followed by its flush (a connector that waits per
 request), beside a blocking local copy of the same size (``copy_`` then
 ``torch.cuda.synchronize()``), and the ratio; then the latency of an 8-byte
@@ -87,6 +90,25 @@ def put_bandwidth(mesh, torch, src, dst, size: int, path: str, stream) -> Option
     t0 = time.perf_counter()
     for _ in range(reps):
         mesh.put(1, src, 0, dst, 0, size, stream=stream)
+    mesh.flush(1, timeout=300)
+    dt = time.perf_counter() - t0
+    mesh.barrier()
+    return reps * size / dt / 1e9
+
+
+def get_bandwidth(mesh, torch, src, dst, size: int, path: str) -> Optional[float]:
+    """GB/s of gets by rank 0 from rank 1's source window into its own target window, then a flush."""
+    mesh.barrier()
+    if mesh.rank != 0:
+        mesh.barrier()
+        return None
+    torch.cuda.synchronize()
+    mesh.get(1, src, 0, dst, 0, size)  # warm-up
+    mesh.flush(1, timeout=120)
+    reps = _reps(size, path)
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        mesh.get(1, src, 0, dst, 0, size)
     mesh.flush(1, timeout=300)
     dt = time.perf_counter() - t0
     mesh.barrier()
@@ -221,6 +243,7 @@ def rank_entry(argv: List[str]) -> int:
                    "gbs": {str(s): put_bandwidth(mesh, torch, src, dst, s, path, None) for s in args.sizes},
                    "gbs_stream": {str(s): put_bandwidth(mesh, torch, src, dst, s, path, side) for s in args.sizes},
                    "gbs_blocking": {str(s): blocking_put(mesh, torch, src, dst, s, path) for s in args.sizes},
+                   "gbs_get": {str(s): get_bandwidth(mesh, torch, src, dst, s, path) for s in args.sizes},
                    "put8_us": small_put_latency(mesh, torch, src, dst, args.iters)}
             out["paths"][path] = row
             src.close()
@@ -255,12 +278,14 @@ def report(data: dict, args) -> None:
         why = f" ({row['why']})" if row["why"] else ""
         print(f"  {path}: path taken {row['path']}{why}")
         print(f"  {'size':>9}{'put':>9}{'on stream':>11}{peer:>16}{'ratio':>8}"
-              f"{'blocking':>10}{'blocking D2D':>14}{'ratio':>8}")
+              f"{'blocking':>10}{'blocking D2D':>14}{'ratio':>8}{'get':>9}{'ratio':>8}")
         for s in args.sizes:
             k = str(s)
             blk = row["gbs_blocking"][k]
+            get = row.get("gbs_get", {}).get(k) or 0.0
             print(f"  {size_name(s):>9}{row['gbs'][k]:>9.1f}{row['gbs_stream'][k]:>11.1f}{ref[k]:>16.1f}"
-                  f"{row['gbs'][k] / ref[k]:>8.2f}{blk:>10.1f}{blocking_ref[k]:>14.1f}{blk / blocking_ref[k]:>8.2f}")
+                  f"{row['gbs'][k] / ref[k]:>8.2f}{blk:>10.1f}{blocking_ref[k]:>14.1f}{blk / blocking_ref[k]:>8.2f}"
+                  f"{get:>9.1f}{get / ref[k]:>8.2f}")
         print(f"  8-byte put + flush: {_quantiles(row['put8_us'])}")
     print(f"8-byte local copy_ + synchronize: {_quantiles(data['local_copy8_us'])}")
     print(f"stream wait: a waiting stream passes {_quantiles(data['stream_wait_us'])} after a host-side signal")

@@ -1,0 +1,248 @@
+#include "transport/cuda/staged_payload.h"
+
+#include <algorithm>
+#include <cstdlib>
+#include <map>
+#include <utility>
+
+#include "base/env.h"
+#include "base/status.h"
+#include "transport/cuda/device_memory.h"
+#include "transport/cuda/driver.h"
+#include "transport/cuda/streams.h"
+
+namespace fxm::cuda {
+namespace {
+
+constexpr uint64_t kDefaultChunk = 4ull << 20;
+constexpr uint64_t kDefaultInflight = 64ull << 20;
+
+// A byte count from the environment: `dflt` when unset, else a whole number >= lo.
+uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo) {
+  if (text.empty()) return dflt;
+  char* end = nullptr;
+  unsigned long long v = std::strtoull(text.c_str(), &end, 10);
+  if (*end != '\0' || v < lo || v > (1ull << 40)) {
+    fail(Code::kInvalidArgument, -1, 0, std::string(name) + "=" + text + ": want a byte count of at least " +
+                                            std::to_string(lo));
+  }
+  return v;
+}
+
+struct Budget {
+  std::mutex mu;
+  std::condition_variable cv;
+  std::map<std::pair<const void*, int>, uint64_t> held;  // by (outbox, peer)
+  uint64_t peak = 0;
+};
+Budget& budget() {
+  static Budget* b = new Budget();  // never destroyed: payloads may die during exit
+  return *b;
+}
+
+std::string to_peer(int peer) { return "a staged put to peer " + std::to_string(peer); }
+
+}  // namespace
+
+uint64_t staged_chunk_bytes() {
+  static const uint64_t v = [] {
+    uint64_t c = bytes_from(staged_chunk_env(), "FLAGCX_MESH_STAGED_CHUNK_BYTES", kDefaultChunk, 64 << 10);
+    if ((c & (c - 1)) != 0) {
+      fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_STAGED_CHUNK_BYTES=" + std::to_string(c) +
+                                              ": want a power of two (the staging pool's sizes)");
+    }
+    return c;
+  }();
+  return v;
+}
+
+uint64_t staged_inflight_bytes() {
+  static const uint64_t v =
+      bytes_from(staged_inflight_env(), "FLAGCX_MESH_STAGED_INFLIGHT_BYTES", kDefaultInflight, staged_chunk_bytes());
+  return v;
+}
+
+uint64_t staged_bytes_held(const void* outbox, int peer) {
+  Budget& b = budget();
+  std::lock_guard<std::mutex> lock(b.mu);
+  auto it = b.held.find({outbox, peer});
+  return it == b.held.end() ? 0 : it->second;
+}
+
+uint64_t staged_bytes_peak() {
+  Budget& b = budget();
+  std::lock_guard<std::mutex> lock(b.mu);
+  return b.peak;
+}
+
+StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline,
+                             bool bounded)
+    : outbox_(outbox), peer_(peer), len_(len), chunk_(staged_chunk_bytes()) {
+  uint64_t limit = staged_inflight_bytes();
+  uint64_t slots = std::max<uint64_t>(1, bounded ? std::min(chunks(), limit / chunk_) : chunks());
+  bool one = chunks() <= 1;  // the whole op fits one chunk: a buffer of its size
+  uint64_t want = one ? std::max<uint64_t>(len_, 1) : slots * chunk_;
+  Budget& b = budget();
+  {
+    std::unique_lock<std::mutex> lock(b.mu);
+    uint64_t& held = b.held[{outbox_, peer_}];
+    while (bounded && held > 0 && held + want > limit) {
+      if (deadline.expired()) {
+        fail(Code::kTimeout, peer_, 0, to_peer(peer_) + ": timed out waiting for " + std::to_string(held) +
+                                           " bytes of earlier staged puts to be sent (is the peer receiving?)");
+      }
+      b.cv.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+    }
+    if (bounded) {
+      held += want;
+      b.peak = std::max(b.peak, held);
+    }
+  }
+  held_ = bounded ? want : 0;
+  try {
+    for (uint64_t k = 0; k < slots; ++k) ring_.push_back(staging_buffer(one ? want : chunk_, ordinal));
+  } catch (...) {
+    ring_.clear();
+    std::lock_guard<std::mutex> lock(b.mu);
+    b.held[{outbox_, peer_}] -= held_;
+    b.cv.notify_all();
+    throw;
+  }
+}
+
+StagedPayload::~StagedPayload() {
+  for (size_t k = 0; k < events_.size(); ++k) {
+    if (!event_done(events_[k])) keep_slot(k);  // a copy down may still write it
+  }
+  events_.clear();
+  ring_.clear();  // back to the pool (the caller holds no engine lock: see Engine::write_some)
+  Budget& b = budget();
+  std::lock_guard<std::mutex> lock(b.mu);
+  b.held[{outbox_, peer_}] -= held_;
+  b.cv.notify_all();
+}
+
+uint8_t* StagedPayload::slot_for(uint64_t i, const Deadline& deadline) {
+  uint64_t slots = ring_.size();
+  uint64_t free_at = i >= slots ? (i - slots + 1) * chunk_ : 0;  // the chunk before it in its slot was sent
+  std::unique_lock<std::mutex> lock(mu_);
+  while (sent_ < free_at) {
+    if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
+    if (deadline.expired()) {
+      fail(Code::kTimeout, peer_, 0, to_peer(peer_) + ": timed out with " + std::to_string(sent_) + " of " +
+                                         std::to_string(len_) + " bytes sent (is the peer receiving?)");
+    }
+    cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  }
+  if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
+  return ring_[i % slots].get();
+}
+
+void StagedPayload::fill(int ordinal, const uint8_t* src, const Deadline& deadline,
+                         const std::function<void()>& posted) {
+  bool started = !posted;
+  for (uint64_t i = 0; i < chunks(); ++i) {
+    uint64_t at = i * chunk_;
+    uint8_t* dst = nullptr;
+    try {
+      dst = slot_for(i, deadline);
+      copy_and_wait(ordinal, dst, src + at, chunk_len(i), deadline, "staging bytes from the device to the host");
+    } catch (const Error& e) {
+      if (dst != nullptr && e.code() == Code::kTimeout) keep_slot(i);  // the copy may still write it
+      if (started) give_up(e.what());
+      throw;
+    }
+    publish(at + chunk_len(i));
+    if (!started) {
+      posted();
+      started = true;
+    }
+  }
+}
+
+void StagedPayload::copy_all(int ordinal, const uint8_t* src, const Deadline& deadline) {
+  copies_by_ = deadline;
+  copies_on_ = ordinal;
+  for (uint64_t i = 0; i < chunks(); ++i) {
+    uint64_t at = i * chunk_;
+    events_.push_back(copy_async(ordinal, ring_[i].get(), src + at, chunk_len(i),
+                                 "staging a get's answer from the device to the host"));
+  }
+}
+
+bool StagedPayload::poll_copies() {
+  size_t before = events_done_;
+  if (events_done_ < events_.size()) use_device(copies_on_);
+  while (events_done_ < events_.size() && !failed()) {
+    CUresult r = driver()->cuEventQuery(events_[events_done_].get());
+    if (r == kErrNotReady) {
+      if (copies_by_.expired()) give_up("its copy from the device did not complete before the deadline");
+      break;
+    }
+    if (r != kSuccess) {
+      give_up("its copy from the device failed: " + result_text(r));
+      break;
+    }
+    ++events_done_;
+  }
+  if (events_done_ == before) return false;
+  ready_.store(std::min(len_, events_done_ * chunk_), std::memory_order_release);
+  return true;
+}
+
+void StagedPayload::publish(uint64_t ready) {
+  ready_.store(ready, std::memory_order_release);
+  if (waker_) waker_();
+}
+
+void StagedPayload::give_up(const std::string& why) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    failure_ = why;
+  }
+  failed_.store(true, std::memory_order_release);
+  if (waker_) waker_();
+}
+
+std::string StagedPayload::failure() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return failure_;
+}
+
+void StagedPayload::keep_slot(uint64_t i) {
+  new HostBuffer(ring_[i % ring_.size()]);  // deliberately kept: a copy may still write it
+}
+
+const uint8_t* StagedPayload::bytes_at(uint64_t off, uint64_t* n) const {
+  uint64_t ready = this->ready();
+  if (off >= ready) {
+    *n = 0;
+    return nullptr;
+  }
+  uint64_t in_chunk = off % chunk_;
+  *n = std::min(chunk_ - in_chunk, ready - off);
+  return ring_[(off / chunk_) % ring_.size()].get() + in_chunk;
+}
+
+void StagedPayload::sent_to(uint64_t off) {
+  std::lock_guard<std::mutex> lock(mu_);
+  bool freed = off / chunk_ != sent_ / chunk_;  // a chunk boundary passed: its slot is free
+  sent_ = off;
+  head_sent_ = true;
+  if (freed) cv_.notify_all();
+}
+
+bool StagedPayload::waiting_for_bytes() const {
+  uint64_t ready = this->ready();
+  if (failed() || ready >= len_) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return head_sent_ && sent_ >= ready;
+}
+
+void StagedPayload::cancel(const std::string& why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  canceled_ = why;
+  cv_.notify_all();
+}
+
+}  // namespace fxm::cuda
