@@ -396,6 +396,11 @@ void Engine::answer_from_device(int s, Window& w, const wire::GetHeader& g, cons
   try {
     Deadline deadline = Deadline::after_seconds(timeout_s_);
     p = std::make_shared<cuda::StagedPayload>(this, s / ncontexts_, g.size, w.device, deadline, false);
+    // The copies down outlive this call: the window stays entered (its memory
+    // cannot be deregistered) until they completed and the payload went.
+    if (!w.enter(true)) fail(Code::kInvalidArgument, -1, 0, "it was deregistered here");
+    Window* source = &w;  // windows live as long as their table (window.h)
+    p->hold_source([source] { source->leave(); });
     p->copy_all(w.device, w.base + g.src_off, deadline);
   } catch (const std::exception& e) {  // Error or bad_alloc: nothing was sent
     p.reset();  // before the refusal: its buffers go back (copies still running keep theirs)

@@ -111,9 +111,14 @@ StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ord
 }
 
 StagedPayload::~StagedPayload() {
+  bool copying = false;
   for (size_t k = 0; k < events_.size(); ++k) {
-    if (!event_done(events_[k])) keep_slot(k);  // a copy down may still write it
+    if (!event_done(events_[k])) {
+      keep_slot(k);  // a copy down may still write it
+      copying = true;
+    }
   }
+  if (release_source_ && !copying) release_source_();  // else its source stays held: a copy may still read it
   events_.clear();
   ring_.clear();  // back to the pool (the caller holds no engine lock: see Engine::write_some)
   Budget& b = budget();

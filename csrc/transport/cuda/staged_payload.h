@@ -72,6 +72,10 @@ class StagedPayload {
   // later ones: the answer is the window as of the request), to be published
   // by poll_copies() as they complete; Error when a copy cannot be queued.
   void copy_all(int ordinal, const uint8_t* src, const Deadline& deadline);
+  // What keeps copy_all()'s source alive (the engine: leaving the window the
+  // answer is read from), run when the payload goes once every copy completed;
+  // never run while a copy may still read the source (the source stays held).
+  void hold_source(std::function<void()> release) { release_source_ = std::move(release); }
   // Engine: publishes the chunks whose copies completed (true when some did);
   // a failed copy or one past the deadline gives the payload up.
   bool poll_copies();
@@ -97,6 +101,7 @@ class StagedPayload {
   std::atomic<uint64_t> ready_{0};
   std::atomic<bool> failed_{false};
   std::function<void()> waker_;
+  std::function<void()> release_source_;
   std::vector<std::shared_ptr<void>> events_;  // copy_all(): one per chunk
   size_t events_done_ = 0;
   int copies_on_ = -1;  // the device of copy_all()
