@@ -44,6 +44,13 @@ bool parse_host_port(const std::string& s, tcp::SockAddr* out) {
   return true;
 }
 
+// A closed device region's exports: no peer fetches its cuMem fds any more
+// (peers that mapped it keep their mapping until their connection closes).
+void drop_exports(Window& w) {
+  w.fd_server.reset();
+  if (w.dev) w.dev->drop_fds();
+}
+
 }  // namespace
 
 Agent::Agent(const AgentOptions& o)
@@ -57,7 +64,8 @@ Agent::Agent(const AgentOptions& o)
   if (o.timeout_s != 0) check_timeout(o.timeout_s, "Agent: timeout", false);
   timeout_s_ = o.timeout_s > 0 ? o.timeout_s : default_timeout_s();
   if (!(header_timeout_s_ > 0)) fail(Code::kInvalidArgument, -1, 0, who() + "header_timeout must be > 0");
-  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails here, not at the first transfer
+  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT (or _CUDA_PATH) fails here, not at the first transfer
+  forced_cuda_path();
   crypto::random_bytes(incarnation_.data(), incarnation_.size());
   int err = 0;
   tcp::SockAddr bind = tcp::local_address();
@@ -87,6 +95,7 @@ RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_n
   w->index = windows_.next_index();
   w->cookie = std::make_unique<uint64_t>(random_cookie());
   WindowDesc d = describe_local(*w, host_, shm_name);
+  if (w->dev) export_device(*w, &d);
   w->own.set({-1, w->index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
   windows_.add(w);
   return RegionDesc{name_, incarnation_, w->index, w->size, w->kind, d.encode()};
@@ -98,6 +107,17 @@ RegionDesc Agent::register_memory(void* base, uint64_t size) {
   w->kind = WindowKind::kUser;
   w->base = static_cast<uint8_t*>(base);
   w->size = size;
+  return add_region(std::move(w), "");
+}
+
+RegionDesc Agent::register_device(void* base, uint64_t size) {
+  if (base == nullptr) fail(Code::kInvalidArgument, -1, 0, who() + "register: a null device pointer");
+  std::shared_ptr<Window> w;
+  try {
+    w = wrap_device_window(base, size);
+  } catch (const Error& e) {
+    fail(e.code(), -1, e.sys_errno(), who() + "register: " + e.what());
+  }
   return add_region(std::move(w), "");
 }
 
@@ -116,7 +136,7 @@ RegionDesc Agent::alloc(uint64_t size) {
 
 uint8_t* Agent::region_base(uint32_t index) const {
   Window* w = windows_.find(index);
-  return w && w->live.load() ? w->base : nullptr;
+  return w && w->live.load() && w->kind != WindowKind::kDevice ? w->base : nullptr;
 }
 
 std::shared_ptr<Window> Agent::window_for(const RegionDesc& d, const char* op, bool* entered) const {
@@ -157,6 +177,7 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   while (w->users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
   if (w->seg) w->seg->unlink();
   w->seg.reset();
+  drop_exports(*w);
 }
 
 // ------------------------------------------------------------ connections
@@ -310,6 +331,7 @@ void Agent::close() {
     if (w->cookie) *w->cookie = 0;
     w->own.reset();
     if (w->seg) w->seg->unlink();
+    drop_exports(*w);
   }
   listen_fd_.reset();
   if (wake_fd_ >= 0) ::close(wake_fd_);

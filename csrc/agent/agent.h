@@ -9,7 +9,8 @@
 // so a peer that dies fails only its own handles, and every engine lands
 // frames in the agent's one WindowTable: a region's index is the window index
 // a peer's frames name. Paths to a peer's regions (self / shm / cma / tcp,
-// path.h) are chosen per connection on first use and cached.
+// and for device memory cuda-self / cuda-vmm / cuda-ipc / staged, path.h)
+// are chosen per connection on first use and cached.
 //
 // Layering: csrc/agent sits beside adaptor and capi, above core; the core
 // never includes it. Thread-safe: every public call may come from any thread.
@@ -136,8 +137,14 @@ class Agent {
   // Local registration: user memory (host), or shared memory the agent
   // allocates (local peers map it: the shm path). No peer is involved.
   RegionDesc register_memory(void* base, uint64_t size);
+  // CUDA device memory [base, base + size) of one allocation: its exports
+  // (legacy IPC handle, cuMem fds served to peers with the published token)
+  // are made here and kept until deregister; peers on this host map it
+  // (cuda-vmm / cuda-ipc), this process copies directly (cuda-self), others
+  // go through host memory (staged). See docs/agent.md.
+  RegionDesc register_device(void* base, uint64_t size);
   RegionDesc alloc(uint64_t size);
-  uint8_t* region_base(uint32_t index) const;  // alloc()'d regions: their bytes
+  uint8_t* region_base(uint32_t index) const;  // host regions: their bytes (device regions: null)
   // Waits (up to timeout_s) for this agent's ops in flight from the region,
   // then closes it: peers' later ops on it are refused.
   void deregister(const RegionDesc& region, double timeout_s);

@@ -88,7 +88,12 @@ void bind_connection(py::module_& m) {
         py::gil_scoped_release release;
         c.notify(v);
       })
-      .def("path_to", [](Connection& c, const py::bytes& b) { return c.path_to(region(b)); })
+      .def("path_to", [](Connection& c, const py::bytes& b, const py::object& local) {
+        RegionDesc r = region(b);
+        if (local.is_none()) return c.path_to(r, nullptr);
+        RegionDesc l = region(local.cast<py::bytes>());
+        return c.path_to(r, &l);
+      }, py::arg("remote"), py::arg("local") = py::none())
       .def("close", [](Connection& c) {
         py::gil_scoped_release release;
         c.close("closed by this agent");
@@ -115,6 +120,9 @@ void bind_agent(py::module_& m) {
         ByteView view(buffer, true);  // the Python Region keeps the exporter alive
         return to_bytes(a.register_memory(view.data(), view.size()).encode());
       })
+      .def("register_device", [](Agent& a, uint64_t ptr, uint64_t nbytes) {
+        return to_bytes(a.register_device(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), nbytes).encode());
+      }, py::arg("ptr"), py::arg("nbytes"))
       .def("alloc", [](Agent& a, uint64_t size) { return to_bytes(a.alloc(size).encode()); })
       .def("region_view", [](Agent& a, const py::bytes& b) -> py::object {
         RegionDesc d = region(b);
