@@ -15,6 +15,7 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     pending DIR NAME     (stdin-driven) issues device writes, then expects PeerLost once the
                          test killed the target
     self                 two agents in this process: every pair takes cuda-self
+    pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
 Each role prints "<role> ok" when it passed; any failure exits non-zero.
 """
 
@@ -84,14 +85,10 @@ class FakeDevice:
 
 
 class TorchBuf:
+    """A CUDA tensor (registered as itself: register() below)."""
+
     def __init__(self, t):
         self.t = t
-
-    def __dlpack__(self, *a, **k):  # noqa: D105 - registered as DLPack, like any CUDA array
-        return self.t.__dlpack__(*a, **k)
-
-    def __dlpack_device__(self):
-        return self.t.__dlpack_device__()
 
     def write(self, off: int, data: bytes) -> None:
         import torch
@@ -137,7 +134,9 @@ class HostBuf:
 
 
 def register(agent: Agent, buf):
-    return agent.register(buf.a if isinstance(buf, HostBuf) else buf)
+    if isinstance(buf, HostBuf):
+        return agent.register(buf.a)
+    return agent.register(buf.t if isinstance(buf, TorchBuf) else buf)
 
 
 # ---------------------------------------------------------------- files
@@ -350,17 +349,44 @@ def self_pair(args, dev) -> None:
     print("self ok", flush=True)
 
 
+def run_pair(args, dev) -> None:
+    """For scripts/test-gpu.sh: each role of --roles in its own process against a fresh serve
+    process (self: alone), every process bounded by a deadline."""
+    import subprocess
+    import tempfile
+
+    def role_cmd(role, d):
+        return [sys.executable, os.path.abspath(__file__), role, d, "owner", "--device", args.device,
+                "--timeout", str(args.timeout)]
+
+    for role in args.roles.split(","):
+        with tempfile.TemporaryDirectory() as d:
+            procs = [] if role == "self" else [("serve", subprocess.Popen(role_cmd("serve", d)))]
+            procs.append((role, subprocess.Popen(role_cmd(role, d))))
+            for name, p in reversed(procs):
+                try:
+                    rc = p.wait(timeout=args.timeout * 6)
+                except subprocess.TimeoutExpired:
+                    for _, q in procs:
+                        q.kill()
+                    raise SystemExit(f"FAILED: {role}: {name} hung")
+                check(rc == 0, f"{role}: {name} exited {rc}")
+        print(f"pair {role} passed", flush=True)
+    print("pair ok", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["serve", "client", "bad", "pending", "self"])
+    p.add_argument("role", choices=["serve", "client", "bad", "pending", "self", "pair"])
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
     p.add_argument("--expect", default="")
     p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--roles", default="client,bad,self", help="pair: the roles to run")
     args = p.parse_args()
-    dev = make_device(args.device)
-    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "self": self_pair}
+    dev = None if args.role == "pair" else make_device(args.device)
+    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "self": self_pair, "pair": run_pair}
     roles[args.role](args, dev)
 
 
