@@ -83,6 +83,10 @@ class FakeDevice:
         buf.write(0, bytes(n))
         return buf
 
+    def exports(self) -> int:
+        """cuMem fds this process exported so far."""
+        return self.cu.calls("cuMemExportToShareableHandle")
+
 
 class TorchBuf:
     """A CUDA tensor (registered as itself: register() below)."""
@@ -116,6 +120,9 @@ class TorchDevice:
         import torch
 
         return TorchBuf(torch.zeros(n, dtype=torch.uint8, device="cuda"))
+
+    def exports(self):
+        return None  # the real driver counts nothing for us
 
 
 def make_device(name: str):
@@ -171,12 +178,14 @@ def serve(args, dev) -> None:
             took = time.perf_counter() - t0
             print(f"registered {k} ({regions[k].kind}, {SIZE} bytes) in {took * 1e6:.0f} us", flush=True)
             publish(args.dir, args.name, k, regions[k].descriptor)
+        print(f"exports after registration: {dev.exports()}", flush=True)
         publish(args.dir, args.name, "meta", a.metadata())
         served, end = 0, time.monotonic() + args.timeout * 4
         while time.monotonic() < end:
             for n in a.notifications(timeout=0.5):
                 words = n.data.decode().split()
                 if words[0] == "bye":
+                    print(f"exports at the end: {dev.exports()}", flush=True)
                     print(f"served {served}", flush=True)
                     print("serve ok", flush=True)
                     return

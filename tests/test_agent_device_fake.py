@@ -81,6 +81,17 @@ def test_every_device_path_writes_and_reads_the_right_bytes_both_ways(tmp_path, 
     assert "served 5" in served
 
 
+@pytest.mark.parametrize("forced, fetched", [("auto", 1), ("cuda-vmm", 1), ("staged", 0), ("cuda-ipc", 0)])
+def test_a_cuMem_region_exports_its_fds_only_when_a_peer_fetches_them(tmp_path, forced, fetched):
+    """Registration exports no cuMem fd; a peer taking cuda-vmm makes the one mapping's fd once
+    (its reads and writes from host and device memory share it); a peer that never takes
+    cuda-vmm makes none."""
+    env = fake_env() if forced == "auto" else fake_env(FLAGCX_MESH_CUDA_PATH=forced)
+    _, served = pair(tmp_path, "client", env)
+    assert "exports after registration: 0" in served, served
+    assert f"exports at the end: {fetched}" in served, served
+
+
 def test_a_fallback_says_why_the_better_path_was_refused(tmp_path):
     got, _ = pair(tmp_path, "client", fake_env(FLAGCX_MESH_CUDA_PATH="cuda-vmm", FLAGCX_MESH_LOG="info"),
                   "--expect", "dev:ipc=staged")

@@ -1,5 +1,6 @@
 #include "agent/agent.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -42,13 +43,6 @@ bool parse_host_port(const std::string& s, tcp::SockAddr* out) {
   out->len = static_cast<socklen_t>(res->ai_addrlen);
   ::freeaddrinfo(res);
   return true;
-}
-
-// A closed device region's exports: no peer fetches its cuMem fds any more
-// (peers that mapped it keep their mapping until their connection closes).
-void drop_exports(Window& w) {
-  w.fd_server.reset();
-  if (w.dev) w.dev->drop_fds();
 }
 
 }  // namespace
@@ -95,7 +89,7 @@ RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_n
   w->index = windows_.next_index();
   w->cookie = std::make_unique<uint64_t>(random_cookie());
   WindowDesc d = describe_local(*w, host_, shm_name);
-  if (w->dev) export_device(*w, &d);
+  if (w->dev) describe_device(w, &d);
   w->own.set({-1, w->index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
   windows_.add(w);
   return RegionDesc{name_, incarnation_, w->index, w->size, w->kind, d.encode()};
@@ -178,6 +172,57 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   if (w->seg) w->seg->unlink();
   w->seg.reset();
   drop_exports(*w);
+}
+
+// The exports go in the descriptor except the cuMem fds: those are made on a
+// peer's first fetch (lookup_fds), so a registration costs a few driver
+// queries and no export a peer may never use.
+void Agent::describe_device(const std::shared_ptr<Window>& w, WindowDesc* d) {
+  d->dev = w->dev->export_for_peers(false);
+  if (d->dev.vmm.empty()) return;
+  std::lock_guard<std::mutex> lock(exports_mu_);
+  try {
+    if (!fd_server_) {
+      fd_server_ = std::make_unique<cuda::FdServer>([this](uint64_t t, std::vector<int>* fds) { return lookup_fds(t, fds); });
+    }
+  } catch (const Error& e) {
+    d->dev.vmm.clear();
+    d->dev.why_no_vmm = std::string("no fd server: ") + e.what();
+    return;
+  }
+  d->fd_token = random_cookie();
+  d->fd_socket = fd_server_->name();
+  exports_[d->fd_token] = w;
+}
+
+bool Agent::lookup_fds(uint64_t token, std::vector<int>* out) {
+  std::lock_guard<std::mutex> lock(exports_mu_);
+  auto it = exports_.find(token);
+  if (it == exports_.end()) return false;
+  std::shared_ptr<Window> w = it->second.lock();
+  if (!w || !w->live.load()) return false;
+  std::string why;
+  std::vector<int> fds = w->dev->export_fds(&why);
+  if (fds.empty()) FXM_WARN(-1, who() + "region #" + std::to_string(w->index) + ": " + why + " (its peers take another path)");
+  for (int fd : fds) {
+    int twin = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (twin >= 0) out->push_back(twin);
+  }
+  return true;
+}
+
+// A closed device region's exports: no peer fetches its cuMem fds any more
+// (peers that mapped it keep their mapping until their connection closes).
+void Agent::drop_exports(const Window& w) {
+  if (!w.dev) return;
+  {
+    std::lock_guard<std::mutex> lock(exports_mu_);
+    for (auto it = exports_.begin(); it != exports_.end();) {
+      auto held = it->second.lock();
+      it = !held || held.get() == &w ? exports_.erase(it) : std::next(it);
+    }
+  }
+  w.dev->drop_fds();
 }
 
 // ------------------------------------------------------------ connections
@@ -326,6 +371,12 @@ void Agent::close() {
     conns.swap(conns_);
   }
   for (auto& c : conns) c->close("this agent was closed");
+  std::unique_ptr<cuda::FdServer> server;
+  {
+    std::lock_guard<std::mutex> lock(exports_mu_);  // its thread takes this lock: stopped outside it
+    server.swap(fd_server_);
+  }
+  server.reset();
   for (auto& w : windows_.all()) {
     w->live = false;
     if (w->cookie) *w->cookie = 0;

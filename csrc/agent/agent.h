@@ -137,11 +137,12 @@ class Agent {
   // Local registration: user memory (host), or shared memory the agent
   // allocates (local peers map it: the shm path). No peer is involved.
   RegionDesc register_memory(void* base, uint64_t size);
-  // CUDA device memory [base, base + size) of one allocation: its exports
-  // (legacy IPC handle, cuMem fds served to peers with the published token)
-  // are made here and kept until deregister; peers on this host map it
-  // (cuda-vmm / cuda-ipc), this process copies directly (cuda-self), others
-  // go through host memory (staged). See docs/agent.md.
+  // CUDA device memory [base, base + size) of one allocation. The descriptor
+  // carries its legacy IPC handle and its cuMem mappings' layout; the
+  // mappings' fds are made when a peer first asks the agent's fd server for
+  // them (with the region's token) and kept until deregister. Peers on this
+  // host map it (cuda-vmm / cuda-ipc), this process copies directly
+  // (cuda-self), others go through host memory (staged). See docs/agent.md.
   RegionDesc register_device(void* base, uint64_t size);
   RegionDesc alloc(uint64_t size);
   uint8_t* region_base(uint32_t index) const;  // host regions: their bytes (device regions: null)
@@ -172,6 +173,9 @@ class Agent {
   struct Pending;
   void listen_loop();
   std::shared_ptr<Window> window_for(const RegionDesc& d, const char* op, bool* entered) const;
+  void describe_device(const std::shared_ptr<Window>& w, WindowDesc* d);
+  bool lookup_fds(uint64_t token, std::vector<int>* fds);  // the fd server's answer to a token
+  void drop_exports(const Window& w);
   RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
   // Files a connection unless judge() refuses it ("" or why not, atomically
   // with the judgement); closes connections to older incarnations of that peer.
@@ -200,6 +204,11 @@ class Agent {
   std::map<std::string, std::set<Incarnation>> superseded_;  // per name: incarnations replaced by a newer one
   AgentStats stats_;
   std::atomic<bool> closed_{false};
+  // Device regions' cuMem fds, served on one abstract socket to the peers that
+  // send a region's token; the server starts with the first such region.
+  std::mutex exports_mu_;
+  std::map<uint64_t, std::weak_ptr<Window>> exports_;  // token -> region
+  std::unique_ptr<cuda::FdServer> fd_server_;
 };
 
 }  // namespace fxm::agent
