@@ -12,6 +12,7 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
                          them; --expect L:R=PATH,... names the path each pair must take
     bad DIR NAME         bad input (ranges, another agent's descriptor, garbage, a deregistered
                          region) is refused and nothing is written
+    stream DIR NAME      writes and reads from device memory ordered on a busy stream
     pending DIR NAME     (stdin-driven) issues device writes, then expects PeerLost once the
                          test killed the target
     self                 two agents in this process: every pair takes cuda-self
@@ -87,6 +88,19 @@ class FakeDevice:
         """cuMem fds this process exported so far."""
         return self.cu.calls("cuMemExportToShareableHandle")
 
+    def stream(self):
+        return self.cu.stream()
+
+    def delay(self, s, seconds: float) -> None:
+        """The stream does nothing else for `seconds` (a host function that sleeps)."""
+        self.cu.launch_host_func(s, lambda: time.sleep(seconds))
+
+    def copy_async(self, dst, dst_off: int, src, src_off: int, n: int, s) -> None:
+        self.cu.memcpy_async(dst.ptr + dst_off, src.ptr + src_off, n, s)
+
+    def sync(self, s) -> None:
+        self.cu.synchronize(s)
+
 
 class TorchBuf:
     """A CUDA tensor (registered as itself: register() below)."""
@@ -123,6 +137,26 @@ class TorchDevice:
 
     def exports(self):
         return None  # the real driver counts nothing for us
+
+    def stream(self):
+        import torch
+
+        return torch.cuda.Stream()
+
+    def delay(self, s, seconds: float) -> None:
+        import torch
+
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(int(seconds * 2e9))  # GPU cycles: about `seconds` or more
+
+    def copy_async(self, dst, dst_off: int, src, src_off: int, n: int, s) -> None:
+        import torch
+
+        with torch.cuda.stream(s):
+            dst.t[dst_off:dst_off + n].copy_(src.t[src_off:src_off + n], non_blocking=True)
+
+    def sync(self, s) -> None:
+        s.synchronize()
 
 
 def make_device(name: str):
@@ -327,6 +361,36 @@ def pending(args, dev) -> None:
     print("pending ok", flush=True)
 
 
+def stream_role(args, dev) -> None:
+    """Writes and reads ordered on a busy stream: a write copies what the stream put in its
+    source first, a read lands after the stream cleared its destination."""
+    with Agent(args.name + "-stream", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        n = 200_003
+        src, zeros, lbuf = dev.buffer("ipc", n), dev.buffer("ipc", n), dev.buffer("ipc", n)
+        local = register(a, lbuf)
+        s = dev.stream()
+        paths = []
+        for seed, (rk, remote) in enumerate(remotes.items(), start=70):
+            paths.append(f"dev:{rk}={conn.path_to(remote, local)}")
+            src.write(0, pattern(seed, n))
+            lbuf.write(0, bytes(n))
+            dev.delay(s, 0.3)  # a write not ordered on the stream copies zeros
+            dev.copy_async(lbuf, 0, src, 0, n, s)
+            conn.write(local, remote, n, stream=s, notification=f"check {rk} 0 {n} {seed}".encode()).wait(args.timeout)
+            reply = answer(a, args.timeout)
+            check(reply == "ok", f"a write on a stream to {rk}: {reply}")
+            lbuf.write(0, pattern(seed + 100, n))
+            dev.delay(s, 0.3)  # a read not ordered on the stream is wiped by the clearing copy
+            dev.copy_async(lbuf, 0, zeros, 0, n, s)
+            conn.read(local, remote, n, stream=s).wait(args.timeout)
+            dev.sync(s)
+            check(lbuf.read(0, n) == pattern(seed, n), f"a read on a stream from {rk}: wrong bytes")
+        print("paths " + " ".join(paths), flush=True)
+        conn.notify(b"bye")
+    print("stream ok", flush=True)
+
+
 def self_pair(args, dev) -> None:
     """Two agents in this process: device and host regions of one reached from the other."""
     with Agent("owner", SECRET, timeout=args.timeout) as owner, Agent("user", SECRET, timeout=args.timeout) as user:
@@ -386,16 +450,17 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["serve", "client", "bad", "pending", "self", "pair"])
+    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair"])
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
     p.add_argument("--expect", default="")
     p.add_argument("--timeout", type=float, default=30.0)
-    p.add_argument("--roles", default="client,bad,self", help="pair: the roles to run")
+    p.add_argument("--roles", default="client,bad,stream,self", help="pair: the roles to run")
     args = p.parse_args()
     dev = None if args.role == "pair" else make_device(args.device)
-    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "self": self_pair, "pair": run_pair}
+    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+             "pair": run_pair}
     roles[args.role](args, dev)
 
 

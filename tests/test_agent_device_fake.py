@@ -1,8 +1,9 @@
 """Agents with device memory on the fake CUDA driver (no GPU needed): every device path
 (cuda-self, cuda-ipc, cuda-vmm, staged) writes and reads device->device, host->device and
-device->host with the bytes checked, bad input is refused with nothing written, a deregistered
-device region is refused, and a target killed with device writes pending fails their handles
-with PeerLost. Every role is a process of tests/agent_device_prog.py (a process that ever
+device->host with the bytes checked, cuMem fds are exported only when a peer fetches them,
+writes and reads on a stream wait for its earlier work, bad input is refused with nothing
+written, a deregistered device region is refused, and a target killed with device writes
+pending fails their handles with PeerLost. Every role is a process of tests/agent_device_prog.py (a process that ever
 loaded no driver keeps that answer: nothing here loads the fake into the pytest process).
 The same roles run with CUDA tensors on a real GPU from scripts/test-gpu.sh.
 """
@@ -90,6 +91,19 @@ def test_a_cuMem_region_exports_its_fds_only_when_a_peer_fetches_them(tmp_path, 
     _, served = pair(tmp_path, "client", env)
     assert "exports after registration: 0" in served, served
     assert f"exports at the end: {fetched}" in served, served
+
+
+@pytest.mark.parametrize("forced", ["auto", "staged"])
+def test_writes_and_reads_on_a_busy_stream_wait_for_its_earlier_work(tmp_path, forced):
+    """The stream sleeps, then fills the write's source (or clears the read's destination):
+    a write not ordered on it copies zeros, a read not ordered on it is wiped. auto: cuda-ipc,
+    cuda-vmm and staged (to a host region); staged: every region."""
+    env = fake_env() if forced == "auto" else fake_env(FLAGCX_MESH_CUDA_PATH=forced)
+    got, served = pair(tmp_path, "stream", env)
+    want = {"auto": "dev:ipc=cuda-ipc dev:vmm=cuda-vmm dev:host=staged",
+            "staged": "dev:ipc=staged dev:vmm=staged dev:host=staged"}[forced]
+    assert "paths " + want in got, got
+    assert "served 3" in served
 
 
 def test_a_fallback_says_why_the_better_path_was_refused(tmp_path):

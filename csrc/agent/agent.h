@@ -89,6 +89,14 @@ struct Xfer {
   uint64_t size = 0;
 };
 
+// The CUDA stream a transfer is ordered on: set, it starts after the work
+// queued on `stream` so far (0: the legacy default stream), as the mesh's
+// stream ops do (docs/agent.md, "Streams").
+struct StreamArg {
+  bool set = false;
+  void* stream = nullptr;
+};
+
 // The completion of one write / read call (all its transfers, and its
 // notification). wait() throws the call's error: PeerLost naming the peer
 // when it died, InvalidArgument when the target refused an op, Timeout.

@@ -184,7 +184,7 @@ std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* loca
 // A synchronous path that fails hands the op to tcp; while tcp ops are in
 // flight on this connection every op takes tcp (FIFO, as the mesh keeps it).
 // Device memory on either side takes a device path or staged.
-Connection::Issued Connection::issue(const Checked& c, bool is_read) {
+Connection::Issued Connection::issue(const Checked& c, bool is_read, const StreamArg& stream) {
   int device = c.local->kind == WindowKind::kDevice ? c.local->device : -1;
   PeerView& v = view_of(*c.x->remote, device);
   PathOp op;
@@ -196,8 +196,9 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read) {
   op.local_device = device;
   Path* p = v.path.get();
   bool device_op = device >= 0 || is_device_path(p->kind()) || p->kind() == PathKind::kStaged;
-  if (device_op) op.deadline = Deadline::after_seconds(agent_->timeout_s());
+  if (device_op || stream.set) op.deadline = Deadline::after_seconds(agent_->timeout_s());
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
+  order_on(stream, p, device, &op);
   if (p->kind() == PathKind::kCma || is_device_path(p->kind())) check_cookie(*c.x->remote, is_device_path(p->kind()));
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
@@ -206,6 +207,25 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read) {
     p = &v.tcp();
   }
   return post(p, v, op, is_read);
+}
+
+// A device path copies on the op's stream (or the connection's), after the
+// connection's earlier device copies; staged waits for the stream itself; a
+// host path starts once the stream's earlier work is done.
+void Connection::order_on(const StreamArg& stream, Path* p, int device, PathOp* op) {
+  bool device_path = is_device_path(p->kind());
+  if (device_path) {
+    if (reached(async_issued_.load())) fence_.forget();  // nothing in flight: no wait across streams
+    op->fence = &fence_;
+  }
+  if (!stream.set) return;
+  if (device_path || p->kind() == PathKind::kStaged) {
+    op->stream_set = true;
+    op->stream = stream.stream;
+    return;
+  }
+  int ordinal = device >= 0 ? device : cuda::current_device();
+  cuda::wait_for_stream(ordinal, stream.stream, op->deadline, who() + ": waiting for the transfer's stream");
 }
 
 // An asynchronous op; a device path whose copy cannot be issued hands it to its fallback.
@@ -223,7 +243,8 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
   return is_device_path(p->kind()) ? Issued::kDevice : Issued::kEngine;
 }
 
-Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification) {
+Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
+                            StreamArg stream) {
   const char* call = is_read ? "read" : "write";
   std::string g = gone();
   if (!g.empty()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + g);
@@ -235,7 +256,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   try {
     for (const Checked& c : checked) {
       if (c.x->size == 0) continue;
-      Issued how = issue(c, is_read);
+      Issued how = issue(c, is_read, stream);
       async = async || how != Issued::kDone;
       on_device = on_device || how == Issued::kDevice;
     }

@@ -14,6 +14,7 @@
 #include "agent/agent.h"
 #include "base/status.h"
 #include "core/progress.h"
+#include "transport/cuda/streams.h"
 
 namespace fxm::agent {
 
@@ -35,7 +36,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Writes (is_read false) or reads a batch; all of it is checked before
   // anything moves. The notification (when given) follows the data on this
   // connection and reaches the target after the data landed.
-  Handle transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification);
+  Handle transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
+                  StreamArg stream = {});
   // Sends a notification alone (FIFO after earlier transfers on this connection).
   void notify(const std::vector<uint8_t>& bytes);
   // Non-blocking: appends the notifications that arrived.
@@ -57,7 +59,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
   enum class Issued { kDone, kEngine, kDevice };  // done at once; in flight on the engine / on a device stream
-  Issued issue(const Checked& c, bool is_read);
+  Issued issue(const Checked& c, bool is_read, const StreamArg& stream);
+  void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
   // cma and device paths: throws once the peer closed the region (device paths
   // pass when the cookie cannot be read here at all).
@@ -73,6 +76,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::unique_ptr<Engine> engine_;
   std::mutex op_mu_;   // FIFO of calls on this connection; views_
   std::map<std::pair<uint32_t, int>, PeerView> views_;  // per (remote region index, local device or -1)
+  cuda::StreamFence fence_;  // device copies of this connection in issue order across streams (under op_mu_)
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;
   std::string closed_why_;

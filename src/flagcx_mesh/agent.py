@@ -117,23 +117,25 @@ class AgentConnection:
         return self._core.peer_incarnation
 
     def write(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-              notification: Optional[bytes] = None) -> Handle:
+              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of ``local`` (at ``local_offset``) into the peer's
-        ``remote`` region (at ``remote_offset``)."""
-        return self.batch_write([(local, local_offset, remote, remote_offset, size)], notification)
+        ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
+        a handle, 0: the legacy default stream): the copy starts after the work
+        queued on it so far."""
+        return self.batch_write([(local, local_offset, remote, remote_offset, size)], notification, stream)
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-             notification: Optional[bytes] = None) -> Handle:
+             notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self.batch_read([(local, local_offset, remote, remote_offset, size)], notification)
+        return self.batch_read([(local, local_offset, remote, remote_offset, size)], notification, stream)
 
-    def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None) -> Handle:
+    def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return Handle(self._core.transfer(self._ops(ops), False, notification))
+        return Handle(self._core.transfer(self._ops(ops), False, notification, _cuda.stream_handle(stream)))
 
-    def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None) -> Handle:
-        return Handle(self._core.transfer(self._ops(ops), True, notification))
+    def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
+        return Handle(self._core.transfer(self._ops(ops), True, notification, _cuda.stream_handle(stream)))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
