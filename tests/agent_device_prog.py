@@ -402,6 +402,7 @@ def self_pair(args, dev) -> None:
         obufs = {k: dev.buffer(k, SIZE) for k in dev.kinds}
         obufs["host"] = HostBuf(SIZE)
         remotes = {k: register(owner, b) for k, b in obufs.items()}
+        check(remotes["ipc"].kind == "device" and remotes["ipc"].view is None, "a device region has no host view")
         conn = user.connect(owner.metadata())
         lbufs = {"host": HostBuf(SIZE), "dev": dev.buffer("ipc", SIZE)}
         seed, paths = 40, []
