@@ -1,5 +1,6 @@
 #include "agent/agent.h"
 
+#include <fcntl.h>
 #include <netdb.h>
 #include <sys/eventfd.h>
 #include <unistd.h>
@@ -57,7 +58,8 @@ Agent::Agent(const AgentOptions& o)
   if (o.timeout_s != 0) check_timeout(o.timeout_s, "Agent: timeout", false);
   timeout_s_ = o.timeout_s > 0 ? o.timeout_s : default_timeout_s();
   if (!(header_timeout_s_ > 0)) fail(Code::kInvalidArgument, -1, 0, who() + "header_timeout must be > 0");
-  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT fails here, not at the first transfer
+  forced_transport();  // a bad FLAGCX_MESH_TRANSPORT (or _CUDA_PATH) fails here, not at the first transfer
+  forced_cuda_path();
   crypto::random_bytes(incarnation_.data(), incarnation_.size());
   int err = 0;
   tcp::SockAddr bind = tcp::local_address();
@@ -87,6 +89,7 @@ RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_n
   w->index = windows_.next_index();
   w->cookie = std::make_unique<uint64_t>(random_cookie());
   WindowDesc d = describe_local(*w, host_, shm_name);
+  if (w->dev) describe_device(w, &d);
   w->own.set({-1, w->index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
   windows_.add(w);
   return RegionDesc{name_, incarnation_, w->index, w->size, w->kind, d.encode()};
@@ -98,6 +101,17 @@ RegionDesc Agent::register_memory(void* base, uint64_t size) {
   w->kind = WindowKind::kUser;
   w->base = static_cast<uint8_t*>(base);
   w->size = size;
+  return add_region(std::move(w), "");
+}
+
+RegionDesc Agent::register_device(void* base, uint64_t size) {
+  if (base == nullptr) fail(Code::kInvalidArgument, -1, 0, who() + "register: a null device pointer");
+  std::shared_ptr<Window> w;
+  try {
+    w = wrap_device_window(base, size);
+  } catch (const Error& e) {
+    fail(e.code(), -1, e.sys_errno(), who() + "register: " + e.what());
+  }
   return add_region(std::move(w), "");
 }
 
@@ -116,7 +130,7 @@ RegionDesc Agent::alloc(uint64_t size) {
 
 uint8_t* Agent::region_base(uint32_t index) const {
   Window* w = windows_.find(index);
-  return w && w->live.load() ? w->base : nullptr;
+  return w && w->live.load() && w->kind != WindowKind::kDevice ? w->base : nullptr;
 }
 
 std::shared_ptr<Window> Agent::window_for(const RegionDesc& d, const char* op, bool* entered) const {
@@ -157,6 +171,58 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   while (w->users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
   if (w->seg) w->seg->unlink();
   w->seg.reset();
+  drop_exports(*w);
+}
+
+// The exports go in the descriptor except the cuMem fds: those are made on a
+// peer's first fetch (lookup_fds), so a registration costs a few driver
+// queries and no export a peer may never use.
+void Agent::describe_device(const std::shared_ptr<Window>& w, WindowDesc* d) {
+  d->dev = w->dev->export_for_peers(false);
+  if (d->dev.vmm.empty()) return;
+  std::lock_guard<std::mutex> lock(exports_mu_);
+  try {
+    if (!fd_server_) {
+      fd_server_ = std::make_unique<cuda::FdServer>([this](uint64_t t, std::vector<int>* fds) { return lookup_fds(t, fds); });
+    }
+  } catch (const Error& e) {
+    d->dev.vmm.clear();
+    d->dev.why_no_vmm = std::string("no fd server: ") + e.what();
+    return;
+  }
+  d->fd_token = random_cookie();
+  d->fd_socket = fd_server_->name();
+  exports_[d->fd_token] = w;
+}
+
+bool Agent::lookup_fds(uint64_t token, std::vector<int>* out) {
+  std::lock_guard<std::mutex> lock(exports_mu_);
+  auto it = exports_.find(token);
+  if (it == exports_.end()) return false;
+  std::shared_ptr<Window> w = it->second.lock();
+  if (!w || !w->live.load()) return false;
+  std::string why;
+  std::vector<int> fds = w->dev->export_fds(&why);
+  if (fds.empty()) FXM_WARN(-1, who() + "region #" + std::to_string(w->index) + ": " + why + " (its peers take another path)");
+  for (int fd : fds) {
+    int twin = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+    if (twin >= 0) out->push_back(twin);
+  }
+  return true;
+}
+
+// A closed device region's exports: no peer fetches its cuMem fds any more
+// (peers that mapped it keep their mapping until their connection closes).
+void Agent::drop_exports(const Window& w) {
+  if (!w.dev) return;
+  {
+    std::lock_guard<std::mutex> lock(exports_mu_);
+    for (auto it = exports_.begin(); it != exports_.end();) {
+      auto held = it->second.lock();
+      it = !held || held.get() == &w ? exports_.erase(it) : std::next(it);
+    }
+  }
+  w.dev->drop_fds();
 }
 
 // ------------------------------------------------------------ connections
@@ -309,11 +375,18 @@ void Agent::close() {
     conns.swap(conns_);
   }
   for (auto& c : conns) c->close("this agent was closed");
+  std::unique_ptr<cuda::FdServer> server;
+  {
+    std::lock_guard<std::mutex> lock(exports_mu_);  // its thread takes this lock: stopped outside it
+    server.swap(fd_server_);
+  }
+  server.reset();
   for (auto& w : windows_.all()) {
     w->live = false;
     if (w->cookie) *w->cookie = 0;
     w->own.reset();
     if (w->seg) w->seg->unlink();
+    drop_exports(*w);
   }
   listen_fd_.reset();
   if (wake_fd_ >= 0) ::close(wake_fd_);

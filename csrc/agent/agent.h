@@ -9,7 +9,8 @@
 // so a peer that dies fails only its own handles, and every engine lands
 // frames in the agent's one WindowTable: a region's index is the window index
 // a peer's frames name. Paths to a peer's regions (self / shm / cma / tcp,
-// path.h) are chosen per connection on first use and cached.
+// and for device memory cuda-self / cuda-vmm / cuda-ipc / staged, path.h)
+// are chosen per connection on first use and cached.
 //
 // Layering: csrc/agent sits beside adaptor and capi, above core; the core
 // never includes it. Thread-safe: every public call may come from any thread.
@@ -89,6 +90,14 @@ struct Xfer {
   uint64_t size = 0;
 };
 
+// The CUDA stream a transfer is ordered on: set, it starts after the work
+// queued on `stream` so far (0: the legacy default stream), as the mesh's
+// stream ops do (docs/agent.md, "Streams").
+struct StreamArg {
+  bool set = false;
+  void* stream = nullptr;
+};
+
 // The completion of one write / read call (all its transfers, and its
 // notification). wait() throws the call's error: PeerLost naming the peer
 // when it died, InvalidArgument when the target refused an op, Timeout.
@@ -137,8 +146,15 @@ class Agent {
   // Local registration: user memory (host), or shared memory the agent
   // allocates (local peers map it: the shm path). No peer is involved.
   RegionDesc register_memory(void* base, uint64_t size);
+  // CUDA device memory [base, base + size) of one allocation. The descriptor
+  // carries its legacy IPC handle and its cuMem mappings' layout; the
+  // mappings' fds are made when a peer first asks the agent's fd server for
+  // them (with the region's token) and kept until deregister. Peers on this
+  // host map it (cuda-vmm / cuda-ipc), this process copies directly
+  // (cuda-self), others go through host memory (staged). See docs/agent.md.
+  RegionDesc register_device(void* base, uint64_t size);
   RegionDesc alloc(uint64_t size);
-  uint8_t* region_base(uint32_t index) const;  // alloc()'d regions: their bytes
+  uint8_t* region_base(uint32_t index) const;  // host regions: their bytes (device regions: null)
   // Waits (up to timeout_s) for this agent's ops in flight from the region,
   // then closes it: peers' later ops on it are refused.
   void deregister(const RegionDesc& region, double timeout_s);
@@ -166,6 +182,9 @@ class Agent {
   struct Pending;
   void listen_loop();
   std::shared_ptr<Window> window_for(const RegionDesc& d, const char* op, bool* entered) const;
+  void describe_device(const std::shared_ptr<Window>& w, WindowDesc* d);
+  bool lookup_fds(uint64_t token, std::vector<int>* fds);  // the fd server's answer to a token
+  void drop_exports(const Window& w);
   RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
   // Files a connection unless judge() refuses it ("" or why not, atomically
   // with the judgement); closes connections to older incarnations of that peer.
@@ -194,6 +213,11 @@ class Agent {
   std::map<std::string, std::set<Incarnation>> superseded_;  // per name: incarnations replaced by a newer one
   AgentStats stats_;
   std::atomic<bool> closed_{false};
+  // Device regions' cuMem fds, served on one abstract socket to the peers that
+  // send a region's token; the server starts with the first such region.
+  std::mutex exports_mu_;
+  std::map<uint64_t, std::weak_ptr<Window>> exports_;  // token -> region
+  std::unique_ptr<cuda::FdServer> fd_server_;
 };
 
 }  // namespace fxm::agent

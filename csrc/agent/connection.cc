@@ -2,11 +2,14 @@
 
 #include <unistd.h>
 
+#include <algorithm>
+#include <cerrno>
 #include <thread>
 
 #include "base/log.h"
 #include "base/status.h"
 #include "transport/cma/cma.h"
+#include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
 
 namespace fxm::agent {
@@ -118,8 +121,9 @@ Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* c
   return c;
 }
 
-PeerView& Connection::view_of(const RegionDesc& remote) {
-  auto it = views_.find(remote.index);
+PeerView& Connection::view_of(const RegionDesc& remote, int device) {
+  auto key = std::make_pair(remote.index, device);
+  auto it = views_.find(key);
   if (it != views_.end()) return it->second;
   WindowDesc d;
   WindowDesc::decode(remote.window, &d);  // RegionDesc::decode checked it
@@ -127,69 +131,125 @@ PeerView& Connection::view_of(const RegionDesc& remote) {
   req.me = 1;  // never the peer: self is for a mesh rank's own copy
   req.peer = kPeer;
   req.win_index = remote.index;
-  req.kind = WindowKind::kUser;
+  req.kind = device >= 0 ? WindowKind::kDevice : WindowKind::kUser;
+  req.device = device;
   req.host = agent_->host_;
   req.pid_ns = pid_namespace();
   req.forced = forced_transport();
   req.forced_cuda = forced_cuda_path();
   req.outbox = &engine();
   req.peer_socket = conns_.recv[0].get();
+  req.peer_is_agent = true;
+  req.fd_fetch_ms = static_cast<int>(std::clamp(agent_->timeout_s() * 1000.0, 1.0, 5000.0));
   PathChoice c = choose_path(req, d);
   PeerView v;
   v.size = d.size;
   v.why = std::move(c.why);
   v.path = std::move(c.path);
-  if (v.path->kind() != PathKind::kTcp) v.fallback = make_tcp_path(req, d, nullptr);
-  FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " over " + v.path->name() +
-                   (v.why.empty() ? "" : " (" + v.why + ")"));
-  return views_.emplace(remote.index, std::move(v)).first->second;
+  bool dev = device >= 0 || d.kind == WindowKind::kDevice;  // the fallback of a device path is staged, as the mesh's
+  if (v.path->kind() != PathKind::kTcp && v.path->kind() != PathKind::kStaged) {
+    v.fallback = dev ? make_staged_path(req, d, nullptr) : make_tcp_path(req, d, nullptr);
+  }
+  FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " (" + kind_name(d.kind) + ") from " +
+                   (device >= 0 ? "device " + std::to_string(device) : std::string("host memory")) + " over " +
+                   v.path->name() + (v.why.empty() ? "" : " (" + v.why + ")"));
+  return views_.emplace(key, std::move(v)).first->second;
 }
 
 // A cma path was chosen while the region was registered; the peer may have
 // closed it since (it revokes the cookie), which the peer's engine cannot
-// refuse for a write it never sees: read the cookie back before each op.
+// refuse for a write it never sees: read the cookie back before each op. A
+// device path maps the peer's memory here, likewise unseen by its engine; on
+// a host where this process may not read the peer's (ptrace rules) it cannot
+// tell, and the op goes ahead (docs/agent.md).
 // (An op racing with the close itself can still land: see docs/agent.md.)
-void Connection::check_cookie(const RegionDesc& remote) const {
+void Connection::check_cookie(const RegionDesc& remote, bool device) const {
   WindowDesc d;
   WindowDesc::decode(remote.window, &d);
   uint64_t now = 0;
   int err = cma::read(d.pid, d.cookie_addr, &now, sizeof(now));
   if (err == 0 && now == d.cookie) return;
-  fail(Code::kInvalidArgument, -1, 0, who() + ": region #" + std::to_string(remote.index) + " of agent " + peer_.name +
+  if (device && (err == EPERM || err == ENOSYS)) return;
+  fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name +
                                           (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
 }
 
-std::string Connection::path_to(const RegionDesc& remote) {
+std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* local) {
+  int device = -1;
+  if (local) {
+    bool entered = false;
+    std::shared_ptr<Window> w = agent_->window_for(*local, "path_to", &entered);
+    w->leave();
+    if (w->kind == WindowKind::kDevice) device = w->device;
+  }
   std::lock_guard<std::mutex> lock(op_mu_);
-  return view_of(remote).path->name();
+  return view_of(remote, device).path->name();
 }
 
 // A synchronous path that fails hands the op to tcp; while tcp ops are in
 // flight on this connection every op takes tcp (FIFO, as the mesh keeps it).
-bool Connection::issue(const Checked& c, bool is_read) {
-  PeerView& v = view_of(*c.x->remote);
+// Device memory on either side takes a device path or staged.
+Connection::Issued Connection::issue(const Checked& c, bool is_read, const StreamArg& stream) {
+  int device = c.local->kind == WindowKind::kDevice ? c.local->device : -1;
+  PeerView& v = view_of(*c.x->remote, device);
   PathOp op;
   op.ctx = kCtx;
   op.remote_off = c.x->remote_off;
   op.local = c.local->base + c.x->local_off;
   op.len = c.x->size;
   op.src_rank = 1;
+  op.local_device = device;
   Path* p = v.path.get();
+  bool device_op = device >= 0 || is_device_path(p->kind()) || p->kind() == PathKind::kStaged;
+  if (device_op || stream.set) op.deadline = Deadline::after_seconds(agent_->timeout_s());
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
-  if (p->kind() == PathKind::kCma) check_cookie(*c.x->remote);
+  order_on(stream, p, device, &op);
+  if (p->kind() == PathKind::kCma || is_device_path(p->kind())) check_cookie(*c.x->remote, is_device_path(p->kind()));
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
-    if (err == 0) return false;
+    if (err == 0) return Issued::kDone;
     FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
     p = &v.tcp();
   }
-  ++async_issued_;  // before the post: its ack may come back at once
-  if (is_read) p->get(op);
-  else p->put(op);
-  return true;
+  return post(p, v, op, is_read);
 }
 
-Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification) {
+// A device path copies on the op's stream (or the connection's), after the
+// connection's earlier device copies; staged waits for the stream itself; a
+// host path starts once the stream's earlier work is done.
+void Connection::order_on(const StreamArg& stream, Path* p, int device, PathOp* op) {
+  bool device_path = is_device_path(p->kind());
+  if (device_path) {
+    if (reached(async_issued_.load())) fence_.forget();  // nothing in flight: no wait across streams
+    op->fence = &fence_;
+  }
+  if (!stream.set) return;
+  if (device_path || p->kind() == PathKind::kStaged) {
+    op->stream_set = true;
+    op->stream = stream.stream;
+    return;
+  }
+  int ordinal = device >= 0 ? device : cuda::current_device();
+  cuda::wait_for_stream(ordinal, stream.stream, op->deadline, who() + ": waiting for the transfer's stream");
+}
+
+// An asynchronous op; a device path whose copy cannot be issued hands it to its fallback.
+Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool is_read) {
+  ++async_issued_;  // before the post: its ack may come back at once
+  try {
+    if (is_read) p->get(op);
+    else p->put(op);
+  } catch (const Error& e) {
+    --async_issued_;  // nothing was counted: the copy was never issued
+    if (!is_device_path(p->kind())) throw;
+    FXM_WARN(-1, who() + ": " + p->name() + " failed (" + e.what() + "); this op goes over " + v.tcp().name());
+    return post(&v.tcp(), v, op, is_read);
+  }
+  return is_device_path(p->kind()) ? Issued::kDevice : Issued::kEngine;
+}
+
+Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
+                            StreamArg stream) {
   const char* call = is_read ? "read" : "write";
   std::string g = gone();
   if (!g.empty()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + g);
@@ -197,13 +257,18 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
   std::lock_guard<std::mutex> lock(op_mu_);
-  bool async = false;
+  bool async = false, on_device = false;
   try {
     for (const Checked& c : checked) {
-      if (c.x->size != 0) async = issue(c, is_read) || async;
+      if (c.x->size == 0) continue;
+      Issued how = issue(c, is_read, stream);
+      async = async || how != Issued::kDone;
+      on_device = on_device || how == Issued::kDevice;
     }
-    if (notification) {
-      if (is_read && async) engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
+    if (notification) {  // after the data: what the socket does not order (reads, device copies) completes first
+      if ((is_read || on_device) && async) {
+        engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
+      }
       engine().post_message(kPeer, kCtx, notification->data(), notification->size(),
                             Deadline::after_seconds(agent_->timeout_s()));
     }

@@ -5,6 +5,7 @@
 
 #include <atomic>
 #include <map>
+#include <utility>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -13,6 +14,7 @@
 #include "agent/agent.h"
 #include "base/status.h"
 #include "core/progress.h"
+#include "transport/cuda/streams.h"
 
 namespace fxm::agent {
 
@@ -34,7 +36,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Writes (is_read false) or reads a batch; all of it is checked before
   // anything moves. The notification (when given) follows the data on this
   // connection and reaches the target after the data landed.
-  Handle transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification);
+  Handle transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
+                  StreamArg stream = {});
   // Sends a notification alone (FIFO after earlier transfers on this connection).
   void notify(const std::vector<uint8_t>& bytes);
   // Non-blocking: appends the notifications that arrived.
@@ -44,7 +47,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // Waits, until `deadline`, for the end of what the peer sent (its goodbye or
   // its socket's close), so the acks it sent before leaving are taken in.
   void await_peer_end(const Deadline& deadline) const;
-  std::string path_to(const RegionDesc& remote);  // the path name a transfer to it takes
+  // The path name a transfer to `remote` takes from `local` (null: from host memory).
+  std::string path_to(const RegionDesc& remote, const RegionDesc* local);
 
   // For Handle.
   bool reached(uint64_t target) const;
@@ -55,9 +59,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   struct Checked;
   Checked check(const Xfer& x, bool is_read, const char* call) const;
-  PeerView& view_of(const RegionDesc& remote);  // with op_mu_ held
-  bool issue(const Checked& c, bool is_read);   // true: issued asynchronously
-  void check_cookie(const RegionDesc& remote) const;  // cma: throws once the peer closed the region
+  // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
+  PeerView& view_of(const RegionDesc& remote, int device);
+  enum class Issued { kDone, kEngine, kDevice };  // done at once; in flight on the engine / on a device stream
+  Issued issue(const Checked& c, bool is_read, const StreamArg& stream);
+  void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);
+  Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
+  // cma and device paths: throws once the peer closed the region (device paths
+  // pass when the cookie cannot be read here at all).
+  void check_cookie(const RegionDesc& remote, bool device) const;
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
   Engine& engine() const;
@@ -68,7 +78,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connections conns_;  // send and recv: the one socket (the engine writes one, reads the other)
   std::unique_ptr<Engine> engine_;
   std::mutex op_mu_;   // FIFO of calls on this connection; views_
-  std::map<uint32_t, PeerView> views_;  // per remote region index
+  std::map<std::pair<uint32_t, int>, PeerView> views_;  // per (remote region index, local device or -1)
+  cuda::StreamFence fence_;  // device copies of this connection in issue order across streams (under op_mu_)
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;
   std::string closed_why_;

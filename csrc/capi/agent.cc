@@ -79,13 +79,16 @@ flagcx_mesh_result_t flagcx_mesh_agent_metadata(flagcx_mesh_agent_t agent, void*
   });
 }
 
-flagcx_mesh_result_t flagcx_mesh_agent_register(flagcx_mesh_agent_t agent, void* base, uint64_t size, void* desc,
-                                                size_t* desc_len) {
-  return guard("flagcx_mesh_agent_register", [&] {
+namespace {
+
+// Registers host (device false) or CUDA device memory; the descriptor goes to desc.
+flagcx_mesh_result_t register_region(const char* call, flagcx_mesh_agent_t agent, void* base, uint64_t size,
+                                     bool device, void* desc, size_t* desc_len) {
+  return guard(call, [&] {
     require(agent, "agent");
     require(desc_len, "desc_len");
     if (desc == nullptr) fail(Code::kInvalidArgument, -1, 0, "desc is NULL");
-    fxm::agent::RegionDesc d = agent->a->register_memory(base, size);
+    fxm::agent::RegionDesc d = device ? agent->a->register_device(base, size) : agent->a->register_memory(base, size);
     std::vector<uint8_t> enc = d.encode();
     if (*desc_len < enc.size()) {
       *desc_len = enc.size();
@@ -94,6 +97,18 @@ flagcx_mesh_result_t flagcx_mesh_agent_register(flagcx_mesh_agent_t agent, void*
     }
     give(enc, desc, desc_len);
   });
+}
+
+}  // namespace
+
+flagcx_mesh_result_t flagcx_mesh_agent_register(flagcx_mesh_agent_t agent, void* base, uint64_t size, void* desc,
+                                                size_t* desc_len) {
+  return register_region("flagcx_mesh_agent_register", agent, base, size, false, desc, desc_len);
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_register_device(flagcx_mesh_agent_t agent, void* base, uint64_t size,
+                                                       void* desc, size_t* desc_len) {
+  return register_region("flagcx_mesh_agent_register_device", agent, base, size, true, desc, desc_len);
 }
 
 flagcx_mesh_result_t flagcx_mesh_agent_deregister(flagcx_mesh_agent_t agent, const void* desc, size_t desc_len,

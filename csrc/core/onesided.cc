@@ -160,14 +160,7 @@ void OneSided::finish_registration(Window& w) const {
 
 std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d = describe_local(w, host_, shm_name);
-  if (w.dev) {
-    d.dev = w.dev->export_for_peers();
-    if (!d.dev.vmm.empty()) {
-      d.fd_token = random_cookie();
-      w.fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d.fd_token);
-      d.fd_socket = w.fd_server->name();
-    }
-  }
+  if (w.dev) export_device(w, &d);
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();

@@ -7,20 +7,14 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "core/onesided.h"
+#include "core/window_setup.h"
 #include "transport/cuda/device_path.h"
 
 namespace fxm {
 
 uint32_t OneSided::register_device(void* base, uint64_t size) {
-  return register_collective(bootstrap::CallKind::kRegisterDeviceWindow, [&](uint32_t, std::string*) {
-    auto w = std::make_shared<Window>();
-    w->kind = WindowKind::kDevice;
-    w->dev = cuda::DeviceMemory::wrap(base, size);
-    w->device = w->dev->ordinal();
-    w->base = w->dev->base();
-    w->size = size;
-    return w;
-  });
+  return register_collective(bootstrap::CallKind::kRegisterDeviceWindow,
+                             [&](uint32_t, std::string*) { return wrap_device_window(base, size); });
 }
 
 uint32_t OneSided::alloc_device(uint64_t size, int device) {

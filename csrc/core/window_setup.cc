@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "transport/cuda/fd_pass.h"
 
 namespace fxm {
 
@@ -30,6 +31,24 @@ WindowDesc describe_local(const Window& w, const std::string& host, const std::s
   d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
   d.cookie = w.cookie ? *w.cookie : 0;
   return d;
+}
+
+std::shared_ptr<Window> wrap_device_window(void* base, uint64_t size) {
+  auto w = std::make_shared<Window>();
+  w->kind = WindowKind::kDevice;
+  w->dev = cuda::DeviceMemory::wrap(base, size);
+  w->device = w->dev->ordinal();
+  w->base = w->dev->base();
+  w->size = size;
+  return w;
+}
+
+void export_device(Window& w, WindowDesc* d) {
+  d->dev = w.dev->export_for_peers();
+  if (d->dev.vmm.empty()) return;
+  d->fd_token = random_cookie();
+  w.fd_server = std::make_unique<cuda::FdServer>(w.dev->fds(), d->fd_token);
+  d->fd_socket = w.fd_server->name();
 }
 
 }  // namespace fxm

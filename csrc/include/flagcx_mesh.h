@@ -247,6 +247,11 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_metadata(flagcx_mesh_agen
 /* Registers host memory; the region's descriptor goes to desc. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_register(flagcx_mesh_agent_t agent, void *base, uint64_t size,
                                                                 void *desc, size_t *desc_len);
+/* Registers CUDA device memory [base, base + size) of one allocation (a cudaMalloc or
+ * cuMem pointer); peers reach it over cuda-self, cuda-vmm, cuda-ipc or staged
+ * (docs/agent.md). INVALID_ARGUMENT when it is not device memory or no driver loads. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_register_device(flagcx_mesh_agent_t agent, void *base,
+                                                                       uint64_t size, void *desc, size_t *desc_len);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_deregister(flagcx_mesh_agent_t agent, const void *desc,
                                                                   size_t desc_len, double timeout_s);
 /* Connects to the agent whose metadata this is (an open connection to it is reused). */

@@ -4,6 +4,8 @@
 // of names (a Python callback on the listener thread could deadlock a close).
 #include <pybind11/stl.h>
 
+#include <optional>
+
 #include "agent/agent.h"
 #include "agent/connection.h"
 #include "python/bindings.h"
@@ -52,7 +54,8 @@ std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& se
   return std::make_shared<Agent>(o);
 }
 
-Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif) {
+Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif,
+                const std::optional<uint64_t>& stream) {
   std::vector<RegionDesc> descs;
   descs.reserve(2 * ops.size());
   std::vector<fxm::agent::Xfer> xs;
@@ -70,8 +73,11 @@ Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::obje
   std::vector<uint8_t> n;
   bool has_n = !notif.is_none();
   if (has_n) n = to_vec(notif.cast<py::bytes>());
+  fxm::agent::StreamArg on;
+  on.set = stream.has_value();
+  on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
   py::gil_scoped_release release;
-  return c.transfer(xs, is_read, has_n ? &n : nullptr);
+  return c.transfer(xs, is_read, has_n ? &n : nullptr, on);
 }
 
 void bind_connection(py::module_& m) {
@@ -82,13 +88,19 @@ void bind_connection(py::module_& m) {
       .def_property_readonly("initiated", &Connection::initiated)
       .def("gone", &Connection::gone)
       .def("transfer", &transfer, py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
+           py::arg("stream") = py::none(),
            py::keep_alive<0, 1>())  // a handle keeps its connection (and so its agent) alive
       .def("notify", [](Connection& c, const py::bytes& b) {
         std::vector<uint8_t> v = to_vec(b);
         py::gil_scoped_release release;
         c.notify(v);
       })
-      .def("path_to", [](Connection& c, const py::bytes& b) { return c.path_to(region(b)); })
+      .def("path_to", [](Connection& c, const py::bytes& b, const py::object& local) {
+        RegionDesc r = region(b);
+        if (local.is_none()) return c.path_to(r, nullptr);
+        RegionDesc l = region(local.cast<py::bytes>());
+        return c.path_to(r, &l);
+      }, py::arg("remote"), py::arg("local") = py::none())
       .def("close", [](Connection& c) {
         py::gil_scoped_release release;
         c.close("closed by this agent");
@@ -115,6 +127,9 @@ void bind_agent(py::module_& m) {
         ByteView view(buffer, true);  // the Python Region keeps the exporter alive
         return to_bytes(a.register_memory(view.data(), view.size()).encode());
       })
+      .def("register_device", [](Agent& a, uint64_t ptr, uint64_t nbytes) {
+        return to_bytes(a.register_device(reinterpret_cast<void*>(static_cast<uintptr_t>(ptr)), nbytes).encode());
+      }, py::arg("ptr"), py::arg("nbytes"))
       .def("alloc", [](Agent& a, uint64_t size) { return to_bytes(a.alloc(size).encode()); })
       .def("region_view", [](Agent& a, const py::bytes& b) -> py::object {
         RegionDesc d = region(b);

@@ -187,6 +187,7 @@ struct PathRequest {
   int device = -1;  // this rank's copy: its CUDA device (-1: host memory)
   Outbox* outbox = nullptr;
   int peer_socket = -1;  // this rank's mesh connection to the peer (tells which process is the peer's)
+  bool peer_is_agent = false;  // the peer's windows carry rank -1 in this process's table (own_windows.h)
   int fd_fetch_ms = 5000;  // cuda-vmm: fetching the peer's cuMem fds, all of it (the mesh timeout, 5 s at most)
 };
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 from typing import Iterable, Optional, Sequence, Union
 
 from . import _core
+from . import cuda as _cuda
 from .errors import InvalidArgument
 from .mesh import _byte_view
 
@@ -40,7 +41,8 @@ def region_info(descriptor: bytes) -> dict:
 
 class Region:
     """A region registered with an agent. ``descriptor`` (bytes) is what peers
-    address it by; ``view`` is the memory of an ``alloc()``'d region."""
+    address it by; ``view`` is the memory of a host region (None for device memory);
+    ``kind`` is "user", "shm" or "device"."""
 
     def __init__(self, agent: "Agent", descriptor: bytes, keepalive=None):
         self._agent = agent
@@ -115,31 +117,36 @@ class AgentConnection:
         return self._core.peer_incarnation
 
     def write(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-              notification: Optional[bytes] = None) -> Handle:
+              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of ``local`` (at ``local_offset``) into the peer's
-        ``remote`` region (at ``remote_offset``)."""
-        return self.batch_write([(local, local_offset, remote, remote_offset, size)], notification)
+        ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
+        a handle, 0: the legacy default stream): the copy starts after the work
+        queued on it so far."""
+        return self.batch_write([(local, local_offset, remote, remote_offset, size)], notification, stream)
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-             notification: Optional[bytes] = None) -> Handle:
+             notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self.batch_read([(local, local_offset, remote, remote_offset, size)], notification)
+        return self.batch_read([(local, local_offset, remote, remote_offset, size)], notification, stream)
 
-    def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None) -> Handle:
+    def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return Handle(self._core.transfer(self._ops(ops), False, notification))
+        return Handle(self._core.transfer(self._ops(ops), False, notification, _cuda.stream_handle(stream)))
 
-    def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None) -> Handle:
-        return Handle(self._core.transfer(self._ops(ops), True, notification))
+    def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
+        return Handle(self._core.transfer(self._ops(ops), True, notification, _cuda.stream_handle(stream)))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
         self._core.notify(bytes(data))
 
-    def path_to(self, remote: Desc) -> str:
-        """The path transfers to ``remote`` take: self, shm, cma or tcp."""
-        return self._core.path_to(_desc(remote))
+    def path_to(self, remote: Desc, local: Optional[Desc] = None) -> str:
+        """The path transfers to ``remote`` take from ``local`` (default: from host
+        memory): self, shm, cma or tcp; with device memory on either side cuda-self,
+        cuda-vmm, cuda-ipc or staged. Chosen on first use; why a better one was not
+        taken is logged (FLAGCX_MESH_LOG=info)."""
+        return self._core.path_to(_desc(remote), None if local is None else _desc(local))
 
     def gone(self) -> str:
         """"" while usable, else why not."""
@@ -188,11 +195,21 @@ class Agent:
         return self._core.metadata()
 
     def register(self, buffer) -> Region:
-        """Registers a writable, C-contiguous host buffer (numpy, bytearray, torch
-        CPU tensor); it must stay alive until deregistered. No peer is involved."""
-        if hasattr(buffer, "__cuda_array_interface__") or (hasattr(buffer, "is_cuda") and buffer.is_cuda):
-            raise InvalidArgument(f"agent {self.name}: register: device memory is not supported by the agent yet")
-        view = _byte_view(buffer, f"agent {self.name}: register")
+        """Registers a writable, contiguous buffer: host memory (numpy, bytearray,
+        torch CPU tensor, anything with the buffer protocol) or CUDA memory (a torch
+        CUDA tensor, anything with ``__cuda_array_interface__`` or DLPack on a CUDA
+        device), as ``Mesh.register_window`` takes them. It must stay alive and
+        unmoved until deregistered. No peer is involved."""
+        what = f"agent {self.name}: register"
+        try:
+            dev = _cuda.device_buffer(buffer, what)
+        except ValueError as e:
+            raise InvalidArgument(str(e)) from None
+        if dev is not None:
+            r = Region(self, self._core.register_device(dev.ptr, dev.nbytes), keepalive=(None, dev.keepalive))
+            self._regions[r.index] = r
+            return r
+        view = _byte_view(buffer, what)
         r = Region(self, self._core.register(view), keepalive=(view, buffer))
         self._regions[r.index] = r
         return r

@@ -181,11 +181,17 @@ DeviceMemory::~DeviceMemory() {
 }
 
 void DeviceMemory::drop_fds() {
+  std::lock_guard<std::mutex> lock(fds_mu_);
   for (int fd : fds_) ::close(fd);
   fds_.clear();
 }
 
-DeviceExport DeviceMemory::export_for_peers() {
+std::vector<int> DeviceMemory::fds() const {
+  std::lock_guard<std::mutex> lock(fds_mu_);
+  return fds_;
+}
+
+DeviceExport DeviceMemory::export_for_peers(bool with_fds) {
   const Driver& d = need_driver("exporting a device window");
   use_device(ordinal_);
   DeviceExport e;
@@ -202,43 +208,72 @@ DeviceExport DeviceMemory::export_for_peers() {
     e.ipc = true;
     e.ipc_offset = reinterpret_cast<CUdeviceptr>(base_) - range;
   }
-  export_vmm(&e);
+  describe_vmm(&e);
+  if (with_fds && !e.vmm.empty()) {
+    std::string why;
+    if (export_fds(&why).empty()) {
+      e.vmm.clear();
+      e.why_no_vmm = why;
+    }
+  }
   return e;
 }
 
-// Each cuMem mapping the window touches, exported as a POSIX fd of its own
-// (an expandable-segments tensor spans several).
-void DeviceMemory::export_vmm(DeviceExport* e) {
+// Each cuMem mapping the window touches (an expandable-segments tensor spans
+// several): its place, asked of the driver; export_fds() makes their fds.
+void DeviceMemory::describe_vmm(DeviceExport* e) {
   const Driver& d = *driver();
   uint64_t types = 0;  // 4 or 8 bytes written, depending on the driver: zeroed, read little-endian
   if (attr(d, &types, kPtrAllowedHandleTypes, base_) != kSuccess || (types & kHandlePosixFd) == 0) {
     e->why_no_vmm = "not a cuMem allocation with a POSIX fd handle";
     return;
   }
-  drop_fds();
   for (uint8_t* a = base_; a < base_ + size_ || a == base_;) {
     CUdeviceptr mbase = 0;
     size_t msize = 0;
-    CUmemGenericAllocationHandle h = 0;
-    int fd = -1;
     CUresult r = attr(d, &mbase, kPtrMappingBaseAddr, a);
     if (r == kSuccess) r = attr(d, &msize, kPtrMappingSize, a);
-    if (r == kSuccess) r = d.cuMemRetainAllocationHandle(&h, a);
+    if (r != kSuccess || msize == 0) {
+      e->vmm.clear();
+      e->why_no_vmm = "the cuMem mapping at " + hex(a) + " is unknown: " + result_text(r);
+      return;
+    }
+    e->vmm.push_back({static_cast<int64_t>(mbase - reinterpret_cast<CUdeviceptr>(base_)), msize});
+    a = reinterpret_cast<uint8_t*>(mbase + msize);
+    if (size_ == 0) break;
+    if (e->vmm.size() > 250) {  // what one fd message carries
+      e->vmm.clear();
+      e->why_no_vmm = "more than 250 cuMem mappings";
+      return;
+    }
+  }
+  layout_ = e->vmm;
+}
+
+// One POSIX fd per mapping described, made at the first call and kept until drop_fds().
+std::vector<int> DeviceMemory::export_fds(std::string* why) {
+  std::lock_guard<std::mutex> lock(fds_mu_);
+  if (!fds_.empty() || layout_.empty()) return fds_;
+  const Driver& d = need_driver("exporting a device window's cuMem mappings");
+  use_device(ordinal_);
+  for (const VmmMapping& m : layout_) {
+    uint8_t* a = base_ + m.offset;
+    CUmemGenericAllocationHandle h = 0;
+    int fd = -1;
+    CUresult r = d.cuMemRetainAllocationHandle(&h, a);
     if (r == kSuccess) {
       r = d.cuMemExportToShareableHandle(&fd, h, kHandlePosixFd, 0);
       d.cuMemRelease(h);
     }
-    if (r != kSuccess || msize == 0) {
-      e->vmm.clear();
-      drop_fds();
-      e->why_no_vmm = "exporting its cuMem mapping at " + hex(a) + ": " + result_text(r);
-      return;
+    if (r != kSuccess) {
+      for (int f : fds_) ::close(f);
+      fds_.clear();
+      *why = "exporting its cuMem mapping at " + hex(a) + ": " + result_text(r);
+      return {};
     }
     fds_.push_back(fd);
-    e->vmm.push_back({static_cast<int64_t>(mbase - reinterpret_cast<CUdeviceptr>(base_)), msize});
-    a = reinterpret_cast<uint8_t*>(mbase + msize);
-    if (size_ == 0) break;
   }
+  return fds_;
 }
 
 // ------------------------------------------------------------ PeerMapping

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <vector>
 
@@ -56,20 +57,28 @@ class DeviceMemory {
   uint8_t* base() const { return base_; }
   uint64_t size() const { return size_; }
   int ordinal() const { return ordinal_; }
-  // Exports for peers; the cuMem fds are kept here until drop_fds().
-  DeviceExport export_for_peers();
-  const std::vector<int>& fds() const { return fds_; }
+  // Exports for peers: the legacy IPC handle and the cuMem mappings' layout;
+  // with_fds: their fds too (else export_fds() makes them when first asked).
+  // A refusal of the driver is said in why_no_ipc / why_no_vmm.
+  DeviceExport export_for_peers(bool with_fds = true);
+  // The fds of the mappings export_for_peers() described, made at the first
+  // call and kept here until drop_fds(); empty with *why set when the driver
+  // refuses. Thread-safe (an fd server's thread may ask).
+  std::vector<int> export_fds(std::string* why);
+  std::vector<int> fds() const;
   void drop_fds();
 
  private:
   DeviceMemory() = default;
-  void export_vmm(DeviceExport* e);
+  void describe_vmm(DeviceExport* e);
   uint8_t* base_ = nullptr;
   uint64_t size_ = 0;
   int ordinal_ = -1;
   bool owned_ = false;
   CUmemGenericAllocationHandle handle_ = 0;  // owned allocations
   uint64_t reserved_ = 0;                    // owned: reserved address range
+  std::vector<VmmMapping> layout_;  // the cuMem mappings described for peers
+  mutable std::mutex fds_mu_;
   std::vector<int> fds_;
 };
 

@@ -68,8 +68,9 @@ std::string mappable(const PathRequest& req, const WindowDesc& d, ForcedCudaPath
 // (a peer may claim this process's pid with any address).
 std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
   if (d.pid != static_cast<int32_t>(::getpid()) || !same_host(req, d) || cuda::driver() == nullptr) return nullptr;
-  if (!is_own_window({req.peer, req.win_index, d.cookie, d.addr, d.size})) {
-    *why = "cuda-self refused: rank " + std::to_string(req.peer) + " names this process but no window #" +
+  if (!is_own_window({req.peer_is_agent ? -1 : req.peer, req.win_index, d.cookie, d.addr, d.size})) {
+    *why = "cuda-self refused: " + std::string(req.peer_is_agent ? "the peer agent" : "rank " + std::to_string(req.peer)) +
+           " names this process but no window #" +
            std::to_string(req.win_index) + " of it at that address and size is registered here";
     return nullptr;
   }

@@ -84,7 +84,7 @@ struct Client {
 // token (answered when valid), closed its end, failed, or ran past its deadline.
 class Clients {
  public:
-  Clients(uint64_t token, const std::vector<int>& fds) : token_(token), fds_(fds) {}
+  explicit Clients(const FdLookup& lookup) : lookup_(lookup) {}
   ~Clients() {
     for (const Client& c : list_) ::close(c.fd);
   }
@@ -101,8 +101,7 @@ class Clients {
 
  private:
   bool read(Client* c) const;  // true: keep reading it
-  uint64_t token_;
-  const std::vector<int>& fds_;
+  const FdLookup& lookup_;
   std::vector<Client> list_;
 };
 
@@ -129,7 +128,9 @@ bool Clients::read(Client* c) const {
   if (c->got < sizeof(c->token)) return true;
   uint64_t token = 0;
   std::memcpy(&token, c->token, sizeof(token));
-  if (token == token_) send_fds(c->fd, fds_);
+  std::vector<int> fds;
+  if (lookup_(token, &fds) && fds.size() <= kMaxFds) send_fds(c->fd, fds);
+  for (int fd : fds) ::close(fd);
   return false;
 }
 
@@ -186,8 +187,27 @@ bool accept_round(int listen_fd, Clients* clients) {
 
 }  // namespace
 
-FdServer::FdServer(std::vector<int> fds, uint64_t token) : fds_(std::move(fds)), token_(token) {
-  if (fds_.size() > kMaxFds) fail(Code::kInvalidArgument, -1, 0, "a device window of more than 250 cuMem mappings");
+namespace {
+
+// Answers dup()s of `fds` to `token` (a descriptor that cannot be duplicated is
+// left out: the peer then counts them short).
+FdLookup fixed_fds(std::vector<int> fds, uint64_t token) {
+  if (fds.size() > kMaxFds) fail(Code::kInvalidArgument, -1, 0, "a device window of more than 250 cuMem mappings");
+  return [fds = std::move(fds), token](uint64_t asked, std::vector<int>* out) {
+    if (asked != token) return false;
+    for (int fd : fds) {
+      int twin = ::fcntl(fd, F_DUPFD_CLOEXEC, 0);
+      if (twin >= 0) out->push_back(twin);
+    }
+    return true;
+  };
+}
+
+}  // namespace
+
+FdServer::FdServer(std::vector<int> fds, uint64_t token) : FdServer(fixed_fds(std::move(fds), token)) {}
+
+FdServer::FdServer(FdLookup lookup) : lookup_(std::move(lookup)) {
   listen_fd_ = ::socket(AF_UNIX, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
   if (listen_fd_ < 0) fail(Code::kSystem, -1, errno, "socket(AF_UNIX) to pass cuMem fds");
   name_ = random_name();
@@ -218,7 +238,7 @@ FdServer::~FdServer() {
 // Polls the stop eventfd, the listener and every connection being read; the
 // only wait is poll(), bounded by the earliest connection's deadline.
 void FdServer::serve() const {
-  Clients clients(token_, fds_);
+  Clients clients(lookup_);
   bool accepting = true;
   for (;;) {
     std::vector<pollfd> p = {{stop_fd_, POLLIN, 0}, {listen_fd_, static_cast<short>(accepting ? POLLIN : 0), 0}};

@@ -13,6 +13,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -22,10 +23,17 @@ namespace fxm::cuda {
 constexpr int kFdClientMs = 200;    // a connection's time to send its whole token
 constexpr size_t kFdMaxClients = 64;  // connections read at once; more: the oldest is closed
 
+// The fds to pass to whoever sent `token` (false: none, the connection is
+// closed): descriptors of its own, which the server closes once sent. Called
+// on the server's thread.
+using FdLookup = std::function<bool(uint64_t token, std::vector<int>* fds)>;
+
 class FdServer {
  public:
   // Serves dup()s of `fds` (not owned) to whoever sends `token`; throws Error(kSystem).
   FdServer(std::vector<int> fds, uint64_t token);
+  // Serves what `lookup` answers for each token (the fds of many windows, made on demand).
+  explicit FdServer(FdLookup lookup);
   ~FdServer();  // stops serving at once (signals the server thread, which never blocks elsewhere)
   FdServer(const FdServer&) = delete;
   FdServer& operator=(const FdServer&) = delete;
@@ -33,8 +41,7 @@ class FdServer {
 
  private:
   void serve() const;
-  std::vector<int> fds_;
-  uint64_t token_;
+  FdLookup lookup_;
   std::string name_;
   int listen_fd_ = -1;  // non-blocking
   int stop_fd_ = -1;    // eventfd that ends serve()

@@ -1,0 +1,474 @@
+"""Agent device-memory scenarios for tests/test_agent_device_fake.py (the fake CUDA driver) and
+scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process per role.
+
+    serve DIR NAME       registers device regions ("ipc": a cudaMalloc buffer, "vmm": a cuMem
+                         buffer with a POSIX fd handle, fake driver only) and a host region
+                         ("host"), writes DIR/NAME.meta and DIR/NAME.<region>, then answers
+                         notifications until "bye": "check R OFF LEN SEED" (the bytes of region
+                         R are pattern(SEED), SEED -1: zeros; answers "ok" or "bad ..."),
+                         "dereg R" (deregisters it; answers "ok"); prints "served N"
+    client DIR NAME      every (local, remote) pair with device memory on one side at least:
+                         writes, has the target check the bytes, reads them back and checks
+                         them; --expect L:R=PATH,... names the path each pair must take
+    bad DIR NAME         bad input (ranges, another agent's descriptor, garbage, a deregistered
+                         region) is refused and nothing is written
+    stream DIR NAME      writes and reads from device memory ordered on a busy stream
+    pending DIR NAME     (stdin-driven) issues device writes, then expects PeerLost once the
+                         test killed the target
+    self                 two agents in this process: every pair takes cuda-self
+    pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
+Each role prints "<role> ok" when it passed; any failure exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+import numpy as np
+
+import flagcx_mesh
+from flagcx_mesh.agent import Agent
+
+SECRET = "agent-device-test-secret"
+SIZE = 1 << 20
+DEVICE_REGIONS = ("ipc", "vmm")
+
+
+def pattern(seed: int, n: int) -> bytes:
+    if seed < 0:
+        return bytes(n)
+    return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed) % 251).astype(np.uint8).tobytes()
+
+
+def check(cond, msg) -> None:
+    if not cond:
+        raise SystemExit(f"FAILED: {msg}")
+
+
+# ---------------------------------------------------------------- devices
+
+class FakeBuf:
+    def __init__(self, cu, ptr: int, nbytes: int):
+        self.cu, self.ptr, self.nbytes = cu, ptr, nbytes
+
+    @property
+    def __cuda_array_interface__(self):
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def write(self, off: int, data: bytes) -> None:
+        self.cu.write(self.ptr + off, data)
+
+    def read(self, off: int, n: int) -> bytes:
+        return self.cu.read(self.ptr + off, n)
+
+
+class FakeDevice:
+    """Device buffers of the fake driver: cuMemAlloc (legacy IPC) and cuMem (POSIX fd)."""
+
+    def __init__(self):
+        import fakecuda
+
+        self.cu = fakecuda.FakeCuda.get()
+        self.kinds = DEVICE_REGIONS
+
+    def buffer(self, kind: str, n: int) -> FakeBuf:
+        if kind == "vmm":
+            g = self.cu.granularity()
+            size = (n + g - 1) // g * g
+            buf = FakeBuf(self.cu, self.cu.map(self.cu.mem_create(size), size), n)
+        else:
+            buf = FakeBuf(self.cu, self.cu.alloc(n), n)
+        buf.write(0, bytes(n))
+        return buf
+
+    def exports(self) -> int:
+        """cuMem fds this process exported so far."""
+        return self.cu.calls("cuMemExportToShareableHandle")
+
+    def stream(self):
+        return self.cu.stream()
+
+    def delay(self, s, seconds: float) -> None:
+        """The stream does nothing else for `seconds` (a host function that sleeps)."""
+        self.cu.launch_host_func(s, lambda: time.sleep(seconds))
+
+    def copy_async(self, dst, dst_off: int, src, src_off: int, n: int, s) -> None:
+        self.cu.memcpy_async(dst.ptr + dst_off, src.ptr + src_off, n, s)
+
+    def sync(self, s) -> None:
+        self.cu.synchronize(s)
+
+
+class TorchBuf:
+    """A CUDA tensor (registered as itself: register() below)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def write(self, off: int, data: bytes) -> None:
+        import torch
+
+        self.t[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
+        torch.cuda.synchronize()
+
+    def read(self, off: int, n: int) -> bytes:
+        import torch
+
+        torch.cuda.synchronize()
+        return self.t[off:off + n].cpu().numpy().tobytes()
+
+
+class TorchDevice:
+    """CUDA tensors (the caching allocator: cudaMalloc, or cuMem with expandable segments)."""
+
+    def __init__(self):
+        import torch
+
+        check(torch.cuda.is_available(), "torch sees no CUDA device")
+        self.kinds = ("ipc",)
+
+    def buffer(self, kind: str, n: int) -> TorchBuf:
+        import torch
+
+        return TorchBuf(torch.zeros(n, dtype=torch.uint8, device="cuda"))
+
+    def exports(self):
+        return None  # the real driver counts nothing for us
+
+    def stream(self):
+        import torch
+
+        return torch.cuda.Stream()
+
+    def delay(self, s, seconds: float) -> None:
+        import torch
+
+        with torch.cuda.stream(s):
+            torch.cuda._sleep(int(seconds * 2e9))  # GPU cycles: about `seconds` or more
+
+    def copy_async(self, dst, dst_off: int, src, src_off: int, n: int, s) -> None:
+        import torch
+
+        with torch.cuda.stream(s):
+            dst.t[dst_off:dst_off + n].copy_(src.t[src_off:src_off + n], non_blocking=True)
+
+    def sync(self, s) -> None:
+        s.synchronize()
+
+
+def make_device(name: str):
+    return FakeDevice() if name == "fake" else TorchDevice()
+
+
+class HostBuf:
+    def __init__(self, n: int):
+        self.a = np.zeros(n, dtype=np.uint8)
+
+    def write(self, off: int, data: bytes) -> None:
+        self.a[off:off + len(data)] = np.frombuffer(data, dtype=np.uint8)
+
+    def read(self, off: int, n: int) -> bytes:
+        return self.a[off:off + n].tobytes()
+
+
+def register(agent: Agent, buf):
+    if isinstance(buf, HostBuf):
+        return agent.register(buf.a)
+    return agent.register(buf.t if isinstance(buf, TorchBuf) else buf)
+
+
+# ---------------------------------------------------------------- files
+
+def publish(d: str, name: str, what: str, data: bytes) -> None:
+    tmp = os.path.join(d, f"{name}.{what}.tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(d, f"{name}.{what}"))
+
+
+def read_published(d: str, name: str, what: str, timeout: float = 60.0) -> bytes:
+    path = os.path.join(d, f"{name}.{what}")
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        check(time.monotonic() < end, f"{path} never appeared")
+        time.sleep(0.01)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+# ---------------------------------------------------------------- roles
+
+def serve(args, dev) -> None:
+    with Agent(args.name, SECRET, timeout=args.timeout) as a:
+        bufs = {k: dev.buffer(k, SIZE) for k in dev.kinds}
+        bufs["host"] = HostBuf(SIZE)
+        regions = {}
+        for k, b in bufs.items():
+            t0 = time.perf_counter()
+            regions[k] = register(a, b)
+            took = time.perf_counter() - t0
+            print(f"registered {k} ({regions[k].kind}, {SIZE} bytes) in {took * 1e6:.0f} us", flush=True)
+            publish(args.dir, args.name, k, regions[k].descriptor)
+        print(f"exports after registration: {dev.exports()}", flush=True)
+        publish(args.dir, args.name, "meta", a.metadata())
+        served, end = 0, time.monotonic() + args.timeout * 4
+        while time.monotonic() < end:
+            for n in a.notifications(timeout=0.5):
+                words = n.data.decode().split()
+                if words[0] == "bye":
+                    print(f"exports at the end: {dev.exports()}", flush=True)
+                    print(f"served {served}", flush=True)
+                    print("serve ok", flush=True)
+                    return
+                if words[0] == "check":
+                    r, off, ln, seed = words[1], int(words[2]), int(words[3]), int(words[4])
+                    got = bufs[r].read(off, ln)
+                    want = pattern(seed, ln)
+                    bad = [i for i in range(ln) if got[i] != want[i]][:3] if got != want else []
+                    answer = "ok" if not bad else f"bad {r} at {[off + i for i in bad]}"
+                elif words[0] == "dereg":
+                    a.deregister(regions[words[1]])
+                    answer = "ok"
+                else:
+                    answer = f"bad request {words[0]}"
+                served += 1
+                try:
+                    a.connection(n.peer).notify(answer.encode())
+                except (flagcx_mesh.PeerLost, AttributeError):
+                    pass  # that peer left
+        raise SystemExit("FAILED: serve: no bye within its time")
+
+
+def answer(a: Agent, timeout: float) -> str:
+    got = a.notifications(timeout=timeout)
+    check(len(got) == 1, f"one answer expected, got {got}")
+    return got[0].data.decode()
+
+
+def ask(a: Agent, conn, text: str, timeout: float) -> None:
+    conn.notify(text.encode())
+    reply = answer(a, timeout)
+    check(reply == "ok", f"{text}: {reply}")
+
+
+def connect(args, a: Agent):
+    conn = a.connect(read_published(args.dir, args.name, "meta"), timeout=args.timeout)
+    # the regions were published before the metadata: the device's kinds are those there
+    kinds = [k for k in ("ipc", "vmm", "host") if os.path.exists(os.path.join(args.dir, f"{args.name}.{k}"))]
+    return conn, {k: read_published(args.dir, args.name, k) for k in kinds}
+
+
+def round_trip(a: Agent, conn, local, lbuf, rname: str, remote, seed: int, timeout: float) -> None:
+    """Writes pattern(seed) from lbuf at one offset to remote at another, has the target check
+    it, reads it back into lbuf elsewhere and checks it (the read's destination zeroed first)."""
+    n, loff, roff, back = 300_007, 1_000, 4_321, 500_000
+    lbuf.write(loff, pattern(seed, n))
+    conn.write(local, remote, n, local_offset=loff, remote_offset=roff,
+               notification=f"check {rname} {roff} {n} {seed}".encode()).wait(timeout)
+    reply = answer(a, timeout)
+    check(reply == "ok", f"write to {rname}: {reply}")
+    lbuf.write(back, bytes(n))
+    conn.read(local, remote, n, local_offset=back, remote_offset=roff).wait(timeout)
+    check(lbuf.read(back, n) == pattern(seed, n), f"read back from {rname}: wrong bytes")
+
+
+def parse_expect(text: str) -> dict:
+    return dict(item.split("=", 1) for item in text.split(",") if item)
+
+
+def client(args, dev) -> None:
+    expect = parse_expect(args.expect)
+    with Agent(args.name + "-client", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        local_bufs = {"host": HostBuf(SIZE), "dev": dev.buffer("ipc", SIZE)}
+        locals_ = {k: register(a, b) for k, b in local_bufs.items()}
+        seed, paths = 1, []
+        for lk, local in locals_.items():
+            for rk, remote in remotes.items():
+                if lk == "host" and rk == "host":
+                    continue  # host memory on both sides: tests/test_agent.py
+                path = conn.path_to(remote, local)
+                paths.append(f"{lk}:{rk}={path}")
+                want = expect.get(f"{lk}:{rk}")
+                check(want is None or path == want, f"{lk} -> {rk}: path {path}, expected {want}")
+                round_trip(a, conn, local, local_bufs[lk], rk, remote, seed, args.timeout)
+                seed += 1
+        print("paths " + " ".join(paths), flush=True)
+        conn.notify(b"bye")
+    print("client ok", flush=True)
+
+
+def refused(what: str, fn) -> str:
+    try:
+        fn()
+    except flagcx_mesh.InvalidArgument as e:
+        return str(e)
+    raise SystemExit(f"FAILED: {what} was not refused")
+
+
+def bad(args, dev) -> None:
+    with Agent(args.name + "-bad", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        lbuf.write(0, pattern(7, SIZE))
+        local = a.register(lbuf)
+        remote = remotes["ipc"]
+        msgs = [
+            refused("a write past the remote end", lambda: conn.write(local, remote, 16, remote_offset=SIZE - 8)),
+            refused("a write past the local end", lambda: conn.write(local, remote, 16, local_offset=SIZE - 8)),
+            refused("a batch with one bad entry", lambda: conn.batch_write(
+                [(local, 0, remote, 0, 4096), (local, 0, remote, SIZE, 1)])),
+            refused("this agent's own region as the remote", lambda: conn.write(local, local, 16)),
+            refused("garbage bytes as the remote", lambda: conn.write(local, b"\x00" * 40, 16)),
+        ]
+        check("out of range" in msgs[0] and "out of range" in msgs[1], msgs[:2])
+        ask(a, conn, f"check ipc 0 {SIZE} -1", args.timeout)  # nothing of it was written
+        conn.write(local, remote, 4096).wait(args.timeout)  # the region works
+        ask(a, conn, "dereg ipc", args.timeout)
+        # a device path tells a deregistered region by reading its cookie as cma does: where this
+        # process may not read the target's memory (ptrace rules) it cannot tell (docs/agent.md)
+        if conn.path_to(remotes["host"]) == "cma" or conn.path_to(remote, local) == "staged":
+            try:
+                conn.write(local, remote, 8192, remote_offset=8192).wait(args.timeout)
+                raise SystemExit("FAILED: a write to a deregistered device region went through")
+            except flagcx_mesh.InvalidArgument as e:
+                msgs.append(str(e))
+            ask(a, conn, "check ipc 8192 8192 -1", args.timeout)  # nothing landed after the close
+        else:
+            print("no cma to the target here: a write to a deregistered region is not checked", flush=True)
+        print("refusals: " + " | ".join(m.splitlines()[0] for m in msgs), flush=True)
+        conn.notify(b"bye")
+    print("bad ok", flush=True)
+
+
+def pending(args, dev) -> None:
+    with Agent(args.name + "-pending", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        local = a.register(lbuf)
+        remote = remotes["ipc"]
+        conn.write(local, remote, 4096).wait(args.timeout)
+        print("ready", flush=True)
+        sys.stdin.readline()  # the target is stopped now
+        handles = [conn.write(local, remote, SIZE) for _ in range(64)]
+        check(not handles[-1].done(), "64 MiB to a stopped target completed")
+        print("issued", flush=True)
+        sys.stdin.readline()  # the target was killed
+        try:
+            handles[-1].wait(args.timeout)
+            raise SystemExit("FAILED: a write to a killed target completed")
+        except flagcx_mesh.PeerLost as e:
+            check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
+        check(handles[-1].done(), "a failed handle is not done")
+    print("pending ok", flush=True)
+
+
+def stream_role(args, dev) -> None:
+    """Writes and reads ordered on a busy stream: a write copies what the stream put in its
+    source first, a read lands after the stream cleared its destination."""
+    with Agent(args.name + "-stream", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        n = 200_003
+        src, zeros, lbuf = dev.buffer("ipc", n), dev.buffer("ipc", n), dev.buffer("ipc", n)
+        local = register(a, lbuf)
+        s = dev.stream()
+        paths = []
+        for seed, (rk, remote) in enumerate(remotes.items(), start=70):
+            paths.append(f"dev:{rk}={conn.path_to(remote, local)}")
+            src.write(0, pattern(seed, n))
+            lbuf.write(0, bytes(n))
+            dev.delay(s, 0.3)  # a write not ordered on the stream copies zeros
+            dev.copy_async(lbuf, 0, src, 0, n, s)
+            conn.write(local, remote, n, stream=s, notification=f"check {rk} 0 {n} {seed}".encode()).wait(args.timeout)
+            reply = answer(a, args.timeout)
+            check(reply == "ok", f"a write on a stream to {rk}: {reply}")
+            lbuf.write(0, pattern(seed + 100, n))
+            dev.delay(s, 0.3)  # a read not ordered on the stream is wiped by the clearing copy
+            dev.copy_async(lbuf, 0, zeros, 0, n, s)
+            conn.read(local, remote, n, stream=s).wait(args.timeout)
+            dev.sync(s)
+            check(lbuf.read(0, n) == pattern(seed, n), f"a read on a stream from {rk}: wrong bytes")
+        print("paths " + " ".join(paths), flush=True)
+        conn.notify(b"bye")
+    print("stream ok", flush=True)
+
+
+def self_pair(args, dev) -> None:
+    """Two agents in this process: device and host regions of one reached from the other."""
+    with Agent("owner", SECRET, timeout=args.timeout) as owner, Agent("user", SECRET, timeout=args.timeout) as user:
+        obufs = {k: dev.buffer(k, SIZE) for k in dev.kinds}
+        obufs["host"] = HostBuf(SIZE)
+        remotes = {k: register(owner, b) for k, b in obufs.items()}
+        check(remotes["ipc"].kind == "device" and remotes["ipc"].view is None, "a device region has no host view")
+        conn = user.connect(owner.metadata())
+        lbufs = {"host": HostBuf(SIZE), "dev": dev.buffer("ipc", SIZE)}
+        seed, paths = 40, []
+        for lk, lb in lbufs.items():
+            local = register(user, lb)
+            for rk, remote in remotes.items():
+                if lk == "host" and rk == "host":
+                    continue
+                path = conn.path_to(remote, local)
+                paths.append(f"{lk}:{rk}={path}")
+                check(path == "cuda-self", f"{lk} -> {rk}: {path}, expected cuda-self")
+                n, roff = 65_537, 123
+                lb.write(0, pattern(seed, n))
+                conn.write(local, remote, n, remote_offset=roff).wait(args.timeout)
+                check(obufs[rk].read(roff, n) == pattern(seed, n), f"{lk} -> {rk}: wrong bytes")
+                lb.write(0, bytes(n))
+                conn.read(local, remote, n, remote_offset=roff).wait(args.timeout)
+                check(lb.read(0, n) == pattern(seed, n), f"{lk} <- {rk}: wrong bytes")
+                seed += 1
+        owner.deregister(remotes["ipc"])
+        refused("a write to a deregistered region", lambda: conn.write(user.register(lbufs["host"].a), remotes["ipc"], 8).wait())
+        print("paths " + " ".join(paths), flush=True)
+    print("self ok", flush=True)
+
+
+def run_pair(args, dev) -> None:
+    """For scripts/test-gpu.sh: each role of --roles in its own process against a fresh serve
+    process (self: alone), every process bounded by a deadline."""
+    import subprocess
+    import tempfile
+
+    def role_cmd(role, d):
+        return [sys.executable, os.path.abspath(__file__), role, d, "owner", "--device", args.device,
+                "--timeout", str(args.timeout)]
+
+    for role in args.roles.split(","):
+        with tempfile.TemporaryDirectory() as d:
+            procs = [] if role == "self" else [("serve", subprocess.Popen(role_cmd("serve", d)))]
+            procs.append((role, subprocess.Popen(role_cmd(role, d))))
+            for name, p in reversed(procs):
+                try:
+                    rc = p.wait(timeout=args.timeout * 6)
+                except subprocess.TimeoutExpired:
+                    for _, q in procs:
+                        q.kill()
+                    raise SystemExit(f"FAILED: {role}: {name} hung")
+                check(rc == 0, f"{role}: {name} exited {rc}")
+        print(f"pair {role} passed", flush=True)
+    print("pair ok", flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair"])
+    p.add_argument("dir", nargs="?", default="")
+    p.add_argument("name", nargs="?", default="owner")
+    p.add_argument("--device", choices=["fake", "torch"], default="fake")
+    p.add_argument("--expect", default="")
+    p.add_argument("--timeout", type=float, default=30.0)
+    p.add_argument("--roles", default="client,bad,stream,self", help="pair: the roles to run")
+    args = p.parse_args()
+    dev = None if args.role == "pair" else make_device(args.device)
+    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+             "pair": run_pair}
+    roles[args.role](args, dev)
+
+
+if __name__ == "__main__":
+    main()
