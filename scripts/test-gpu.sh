@@ -41,4 +41,14 @@ step vllm-transfer-cuda timeout 300 "$py" tests/vllm_transfer_prog.py --device c
   --requests 24 --blocks-per-request 16 --heads 8 --head-size 128 --block-size 16
 step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --device cuda --layout legacy \
   --layers 4 --blocks 128 --requests 8
+# one request's KV (8B-model shape) through the connector's transfer part, beside a contiguous
+# agent write of the same bytes, on every device path and on host memory
+step bench-kv-cuda "$py" -m flagcx_mesh.bench kv --device cuda --json "$logs/bench-kv-cuda.json"
+step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/bench-kv-host.json"
+# the staged path's other half of its goal (raw loopback TCP), and its chunk size either side of the default
+step bench-put-host "$py" -m flagcx_mesh.bench put --sizes 1M,16M,64M,256M --batch 0 --json "$logs/bench-put-host.json"
+for chunk in 1048576 16777216; do
+  step "bench-put-staged-chunk-$chunk" env FLAGCX_MESH_STAGED_CHUNK_BYTES=$chunk "$py" -m flagcx_mesh.bench put \
+    --device cuda --paths staged --sizes 1M,16M,64M,256M --json "$logs/bench-put-staged-chunk-$chunk.json"
+done
 exit $status

@@ -20,6 +20,7 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
     assert set(data["paths"]) == {"cma", "tcp"}
     for path, row in data["paths"].items():
         assert row["path"] == path  # the forced path was the one taken
+        assert row["register_256MiB_ms"] > 0 and row["connect_ms"] > 0
         for tokens in ("64", "128"):
             f = row["tokens"][tokens]
             assert f["bytes"] == int(tokens) * 3 * 2 * 2 * 16 * 2  # tokens x layers x heads x (K, V) x head x bf16

@@ -146,6 +146,18 @@ def _contiguous(args, conn, local, remote, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def _register_time(torch, args, agent, reps: int = 5) -> float:
+    """Median ms of registering (then deregistering) a 256 MiB buffer on --device."""
+    buf = torch.zeros(256 << 20, dtype=torch.uint8, device=args.device)
+    times = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        r = agent.register(buf)
+        times.append((time.perf_counter() - t0) * 1e3)
+        agent.deregister(r)
+    return statistics.median(times)
+
+
 def _measure_path(args, path: str) -> Dict[str, object]:
     import torch
 
@@ -165,9 +177,12 @@ def _measure_path(args, path: str) -> Dict[str, object]:
         _publish(d, "prefill.meta", x.metadata)
         peer = json.loads(_read(d, "decode.json"))
         _buf, local = _plain_pair_region(torch, args, plain)
+        t0 = time.perf_counter()
         conn = plain.connect(bytes.fromhex(peer["plain"]))
+        connect_ms = (time.perf_counter() - t0) * 1e3
         remote = bytes.fromhex(peer["region"])
-        row: Dict[str, object] = {"path": conn.path_to(remote), "tokens": {}}
+        row: Dict[str, object] = {"path": conn.path_to(remote), "connect_ms": connect_ms,
+                                  "register_256MiB_ms": _register_time(torch, args, plain), "tokens": {}}
         rng, i = random.Random(0), 0
         for tokens in args.tokens:
             kv, ref = [], []
@@ -195,6 +210,9 @@ def _report(data: dict, args) -> None:
           f"{args.head_size}, bf16, blocks of {args.block_size} tokens; {args.device}; median of {args.reps})")
     print(f"  {'path':>9}{'taken':>10}{'tokens':>8}{'MiB':>8}{'KV ms':>9}{'KV GB/s':>9}"
           f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}")
+    for path, row in data["paths"].items():
+        print(f"  {path}: register 256 MiB {row['register_256MiB_ms']:.3f} ms (median of 5), "
+              f"connect {row['connect_ms']:.2f} ms")
     for path, row in data["paths"].items():
         for tokens, f in row["tokens"].items():
             print(f"  {path:>9}{row['path']:>10}{tokens:>8}{f['bytes'] / 2**20:>8.0f}{f['kv_ms']:>9.2f}"
