@@ -16,6 +16,8 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     pending DIR NAME     (stdin-driven) issues device writes, then expects PeerLost once the
                          test killed the target
     self                 two agents in this process: every pair takes cuda-self
+    dereg-owner DIR NAME a device region deregistered and freed while a staged read's answer is
+    dereg-reader DIR NAME  copied down from it (slowed): the reader still gets the right bytes
     pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
 Each role prints "<role> ok" when it passed; any failure exits non-zero.
 """
@@ -428,6 +430,46 @@ def self_pair(args, dev) -> None:
     print("self ok", flush=True)
 
 
+DEREG_BYTES = 8 << 20
+
+
+def dereg_owner(args, dev) -> None:
+    """Owns a device region that a dereg-reader reads over staged, the copies from the device
+    slowed by the fake driver (FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS); once the answer's copies
+    down are queued it deregisters the region and frees its memory at once, as an application
+    may once deregister returned. The deregistration must wait for those copies."""
+    with Agent(args.name, SECRET, timeout=args.timeout) as a:
+        src = dev.buffer("ipc", DEREG_BYTES)
+        src.write(0, pattern(7, DEREG_BYTES))
+        region = register(a, src)
+        queued = dev.cu.calls("cuMemcpyAsync")
+        publish(args.dir, args.name, "ipc", region.descriptor)
+        publish(args.dir, args.name, "meta", a.metadata())
+        end = time.monotonic() + args.timeout
+        while dev.cu.calls("cuMemcpyAsync") < queued + 2:  # the answer's two 4 MiB chunks
+            check(time.monotonic() < end, "the reader's get never reached this agent")
+            time.sleep(0.001)
+        a.deregister(region, timeout=args.timeout)
+        dev.cu.free(src.ptr)
+        got = a.notifications(timeout=args.timeout)
+        check([n.data for n in got] == [b"bye"], f"the reader's goodbye expected, got {got}")
+    print("dereg-owner ok", flush=True)
+
+
+def dereg_reader(args, dev) -> None:
+    """Reads the dereg-owner's device region into host memory and checks every byte."""
+    with Agent(args.name + "-reader", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        dst = HostBuf(DEREG_BYTES)
+        local = register(a, dst)
+        path = conn.path_to(remotes["ipc"], local)
+        check(path == "staged", f"the read must take staged (FLAGCX_MESH_CUDA_PATH), not {path}")
+        conn.read(local, remotes["ipc"], DEREG_BYTES).wait(args.timeout)
+        check(dst.read(0, DEREG_BYTES) == pattern(7, DEREG_BYTES), "the read got the wrong bytes")
+        conn.notify(b"bye")
+    print("dereg-reader ok", flush=True)
+
+
 def run_pair(args, dev) -> None:
     """For scripts/test-gpu.sh: each role of --roles in its own process against a fresh serve
     process (self: alone), every process bounded by a deadline."""
@@ -456,7 +498,7 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair"])
+    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner", "dereg-reader"])
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
@@ -466,7 +508,8 @@ def main() -> None:
     args = p.parse_args()
     dev = None if args.role == "pair" else make_device(args.device)
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
-             "pair": run_pair}
+             "pair": run_pair,
+             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader}
     roles[args.role](args, dev)
 
 

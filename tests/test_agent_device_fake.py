@@ -177,3 +177,15 @@ print("capi ok")
     p = subprocess.run([sys.executable, "-c", code], env=fake_env(), cwd=HERE, capture_output=True, text=True,
                        timeout=ROLE_TIMEOUT)
     assert p.returncode == 0 and "capi ok" in p.stdout, p.stdout + p.stderr
+
+
+def test_a_region_deregistered_while_a_staged_read_copies_from_it_waits_for_those_copies(tmp_path):
+    # The answer's copies down are queued at once and slowed to 1 s each; the owner deregisters and
+    # frees the memory as soon as they are queued. Before the fix the window was left when the get
+    # was queued, deregister returned at once, and the copies read freed memory: wrong bytes arrived.
+    env = fake_env(FLAGCX_MESH_CUDA_PATH="staged", FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS="1000")
+    owner = spawn("dereg-owner", tmp_path, "owner", env=env)
+    try:
+        finish(spawn("dereg-reader", tmp_path, "owner", env=env), "dereg-reader")
+    finally:
+        finish(owner, "dereg-owner")
