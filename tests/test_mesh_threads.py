@@ -92,7 +92,7 @@ def test_build_exchange_collectives(n, contexts):
             assert abs(t["total"] - parts) < 0.01 + 0.01 * t["total"], t
             assert t["total"] < BUILD_TIMEOUT
             s = m.stats()
-            assert set(s) == {"rejected", "rejected_total", "connect_retries"}
+            assert set(s) == {"rejected", "rejected_total", "connect_retries", "staged_bytes_peak"}
             assert s["rejected"] == {} and s["rejected_total"] == 0, s  # nothing foreign here
             assert isinstance(s["connect_retries"], int) and s["connect_retries"] >= 0
     finally:
