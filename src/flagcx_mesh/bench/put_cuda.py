@@ -78,60 +78,42 @@ def _windows(mesh, torch, path: str, nbytes: int):
         os.environ.pop("FLAGCX_MESH_CUDA_PATH", None)
 
 
-def put_bandwidth(mesh, torch, src, dst, size: int, path: str, stream) -> Optional[float]:
+def _bandwidth(mesh, torch, size: int, path: str, op, blocking: bool = False) -> Optional[float]:
+    """GB/s of rank 0 calling op() (one transfer of `size` bytes to or from rank 1) repeatedly
+    after a warm-up: then one flush, or (blocking) a flush after each call. Others return None."""
     mesh.barrier()
     if mesh.rank != 0:
         mesh.barrier()
         return None
     torch.cuda.synchronize()
-    mesh.put(1, src, 0, dst, 0, size, stream=stream)  # warm-up
+    op()  # warm-up
     mesh.flush(1, timeout=120)
     reps = _reps(size, path)
     t0 = time.perf_counter()
     for _ in range(reps):
-        mesh.put(1, src, 0, dst, 0, size, stream=stream)
-    mesh.flush(1, timeout=300)
+        op()
+        if blocking:
+            mesh.flush(1, timeout=120)
+    if not blocking:
+        mesh.flush(1, timeout=300)
     dt = time.perf_counter() - t0
     mesh.barrier()
     return reps * size / dt / 1e9
+
+
+def put_bandwidth(mesh, torch, src, dst, size: int, path: str, stream) -> Optional[float]:
+    """GB/s of puts by rank 0 into rank 1's target window (on `stream` unless None), then a flush."""
+    return _bandwidth(mesh, torch, size, path, lambda: mesh.put(1, src, 0, dst, 0, size, stream=stream))
 
 
 def get_bandwidth(mesh, torch, src, dst, size: int, path: str) -> Optional[float]:
     """GB/s of gets by rank 0 from rank 1's source window into its own target window, then a flush."""
-    mesh.barrier()
-    if mesh.rank != 0:
-        mesh.barrier()
-        return None
-    torch.cuda.synchronize()
-    mesh.get(1, src, 0, dst, 0, size)  # warm-up
-    mesh.flush(1, timeout=120)
-    reps = _reps(size, path)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mesh.get(1, src, 0, dst, 0, size)
-    mesh.flush(1, timeout=300)
-    dt = time.perf_counter() - t0
-    mesh.barrier()
-    return reps * size / dt / 1e9
+    return _bandwidth(mesh, torch, size, path, lambda: mesh.get(1, src, 0, dst, 0, size))
 
 
 def blocking_put(mesh, torch, src, dst, size: int, path: str) -> Optional[float]:
     """GB/s of put + flush, one op at a time (each waits for the last)."""
-    mesh.barrier()
-    if mesh.rank != 0:
-        mesh.barrier()
-        return None
-    torch.cuda.synchronize()
-    mesh.put(1, src, 0, dst, 0, size)  # warm-up
-    mesh.flush(1, timeout=120)
-    reps = _reps(size, path)
-    t0 = time.perf_counter()
-    for _ in range(reps):
-        mesh.put(1, src, 0, dst, 0, size)
-        mesh.flush(1, timeout=120)
-    dt = time.perf_counter() - t0
-    mesh.barrier()
-    return reps * size / dt / 1e9
+    return _bandwidth(mesh, torch, size, path, lambda: mesh.put(1, src, 0, dst, 0, size), blocking=True)
 
 
 def small_put_latency(mesh, torch, src, dst, iters: int) -> Optional[List[float]]:
