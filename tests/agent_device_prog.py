@@ -33,9 +33,12 @@ import numpy as np
 
 import flagcx_mesh
 from flagcx_mesh.agent import Agent
+from gpu_prog import FakeBuf, TorchBuf  # device buffers shared with the Mesh device tests
+from meshutil import publish, read_published
 
 SECRET = "agent-device-test-secret"
 SIZE = 1 << 20
+FILE_TIMEOUT = 60.0  # seconds a role waits for a file another one publishes
 DEVICE_REGIONS = ("ipc", "vmm")
 
 
@@ -51,21 +54,6 @@ def check(cond, msg) -> None:
 
 
 # ---------------------------------------------------------------- devices
-
-class FakeBuf:
-    def __init__(self, cu, ptr: int, nbytes: int):
-        self.cu, self.ptr, self.nbytes = cu, ptr, nbytes
-
-    @property
-    def __cuda_array_interface__(self):
-        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
-
-    def write(self, off: int, data: bytes) -> None:
-        self.cu.write(self.ptr + off, data)
-
-    def read(self, off: int, n: int) -> bytes:
-        return self.cu.read(self.ptr + off, n)
-
 
 class FakeDevice:
     """Device buffers of the fake driver: cuMemAlloc (legacy IPC) and cuMem (POSIX fd)."""
@@ -102,25 +90,6 @@ class FakeDevice:
 
     def sync(self, s) -> None:
         self.cu.synchronize(s)
-
-
-class TorchBuf:
-    """A CUDA tensor (registered as itself: register() below)."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def write(self, off: int, data: bytes) -> None:
-        import torch
-
-        self.t[off:off + len(data)].copy_(torch.frombuffer(bytearray(data), dtype=torch.uint8))
-        torch.cuda.synchronize()
-
-    def read(self, off: int, n: int) -> bytes:
-        import torch
-
-        torch.cuda.synchronize()
-        return self.t[off:off + n].cpu().numpy().tobytes()
 
 
 class TorchDevice:
@@ -182,25 +151,6 @@ def register(agent: Agent, buf):
     return agent.register(buf.t if isinstance(buf, TorchBuf) else buf)
 
 
-# ---------------------------------------------------------------- files
-
-def publish(d: str, name: str, what: str, data: bytes) -> None:
-    tmp = os.path.join(d, f"{name}.{what}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, os.path.join(d, f"{name}.{what}"))
-
-
-def read_published(d: str, name: str, what: str, timeout: float = 60.0) -> bytes:
-    path = os.path.join(d, f"{name}.{what}")
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        check(time.monotonic() < end, f"{path} never appeared")
-        time.sleep(0.01)
-    with open(path, "rb") as f:
-        return f.read()
-
-
 # ---------------------------------------------------------------- roles
 
 def serve(args, dev) -> None:
@@ -213,9 +163,9 @@ def serve(args, dev) -> None:
             regions[k] = register(a, b)
             took = time.perf_counter() - t0
             print(f"registered {k} ({regions[k].kind}, {SIZE} bytes) in {took * 1e6:.0f} us", flush=True)
-            publish(args.dir, args.name, k, regions[k].descriptor)
+            publish(args.dir, f"{args.name}.{k}", regions[k].descriptor)
         print(f"exports after registration: {dev.exports()}", flush=True)
-        publish(args.dir, args.name, "meta", a.metadata())
+        publish(args.dir, f"{args.name}.meta", a.metadata())
         served, end = 0, time.monotonic() + args.timeout * 4
         while time.monotonic() < end:
             for n in a.notifications(timeout=0.5):
@@ -257,10 +207,10 @@ def ask(a: Agent, conn, text: str, timeout: float) -> None:
 
 
 def connect(args, a: Agent):
-    conn = a.connect(read_published(args.dir, args.name, "meta"), timeout=args.timeout)
+    conn = a.connect(read_published(args.dir, f"{args.name}.meta", FILE_TIMEOUT), timeout=args.timeout)
     # the regions were published before the metadata: the device's kinds are those there
     kinds = [k for k in ("ipc", "vmm", "host") if os.path.exists(os.path.join(args.dir, f"{args.name}.{k}"))]
-    return conn, {k: read_published(args.dir, args.name, k) for k in kinds}
+    return conn, {k: read_published(args.dir, f"{args.name}.{k}", FILE_TIMEOUT) for k in kinds}
 
 
 def round_trip(a: Agent, conn, local, lbuf, rname: str, remote, seed: int, timeout: float) -> None:
@@ -443,8 +393,8 @@ def dereg_owner(args, dev) -> None:
         src.write(0, pattern(7, DEREG_BYTES))
         region = register(a, src)
         queued = dev.cu.calls("cuMemcpyAsync")
-        publish(args.dir, args.name, "ipc", region.descriptor)
-        publish(args.dir, args.name, "meta", a.metadata())
+        publish(args.dir, f"{args.name}.ipc", region.descriptor)
+        publish(args.dir, f"{args.name}.meta", a.metadata())
         end = time.monotonic() + args.timeout
         while dev.cu.calls("cuMemcpyAsync") < queued + 2:  # the answer's two 4 MiB chunks
             check(time.monotonic() < end, "the reader's get never reached this agent")

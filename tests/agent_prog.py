@@ -27,6 +27,7 @@ import numpy as np
 import flagcx_mesh
 import flagcx_mesh.agent
 from flagcx_mesh.agent import Agent
+from meshutil import publish, read_published
 
 SECRET = "agent-test-secret"
 SIZE = 1 << 20
@@ -36,33 +37,15 @@ def pattern(seed: int, n: int) -> np.ndarray:
     return ((np.arange(n, dtype=np.uint64) * 2654435761 + seed) % 251).astype(np.uint8)
 
 
-def publish(d: str, name: str, what: str, data: bytes) -> None:
-    tmp = os.path.join(d, f"{name}.{what}.tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, os.path.join(d, f"{name}.{what}"))
-
-
-def read_published(d: str, name: str, what: str, timeout: float = 30.0) -> bytes:
-    path = os.path.join(d, f"{name}.{what}")
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.01)
-    with open(path, "rb") as f:
-        return f.read()
-
-
 def serve(d: str, name: str, count: int) -> None:
     buf = np.zeros(SIZE, dtype=np.uint8)
     with Agent(name, SECRET) as a:
         user = a.register(buf)
         shm = a.alloc(SIZE)
         views = {"user": memoryview(buf), "shm": shm.view}
-        publish(d, name, "user", user.descriptor)
-        publish(d, name, "shm", shm.descriptor)
-        publish(d, name, "meta", a.metadata())
+        publish(d, f"{name}.user", user.descriptor)
+        publish(d, f"{name}.shm", shm.descriptor)
+        publish(d, f"{name}.meta", a.metadata())
         served = byes = 0
         end = time.monotonic() + 120
         while byes < count and time.monotonic() < end:
@@ -87,9 +70,9 @@ def serve(d: str, name: str, count: int) -> None:
 
 def write(d: str, name: str, tag: int) -> None:
     with Agent(f"writer-{tag}-{os.getpid()}", SECRET) as a:
-        conn = a.connect(read_published(d, name, "meta"))
+        conn = a.connect(read_published(d, f"{name}.meta"))
         for region in ("user", "shm"):
-            remote = read_published(d, name, region)
+            remote = read_published(d, f"{name}.{region}")
             src = np.zeros(SIZE, dtype=np.uint8)
             local = a.register(src)
             off, ln = (tag * 4096) % (SIZE // 2), 3 * 1000
@@ -110,15 +93,15 @@ def write(d: str, name: str, tag: int) -> None:
 
 def hold(d: str, name: str) -> None:
     with Agent(f"holder-{os.getpid()}", SECRET) as a:
-        a.connect(read_published(d, name, "meta"))
+        a.connect(read_published(d, f"{name}.meta"))
         print("connected", flush=True)
         sys.stdin.read()
 
 
 def spam(d: str, name: str) -> None:
     with Agent(f"spammer-{os.getpid()}", SECRET) as a:
-        conn = a.connect(read_published(d, name, "meta"))
-        remote = read_published(d, name, "user")
+        conn = a.connect(read_published(d, f"{name}.meta"))
+        remote = read_published(d, f"{name}.user")
         local = a.register(np.full(SIZE, 1, dtype=np.uint8))
         ops = [(local, i * (SIZE // 16), remote, i * (SIZE // 16), SIZE // 16) for i in range(16)]
         conn.batch_write(ops).wait(30)
@@ -165,7 +148,7 @@ def decode_stay(a: Agent, meta: bytes, rng, log) -> None:
 
 
 def decode(d: str, name: str, me: str, seconds: float) -> None:
-    meta = read_published(d, name, "meta")
+    meta = read_published(d, f"{name}.meta")
     rng = np.random.default_rng(os.getpid())
     end = time.monotonic() + seconds
     with open(os.path.join(d, f"{me}.{os.getpid()}.log"), "w", buffering=1) as log:

@@ -1,10 +1,13 @@
-"""Helpers shared by the flagcx_mesh tests: ranks as threads, listening ports, fd counts."""
+"""Helpers shared by the flagcx_mesh tests: ranks as threads, listening ports, fd counts, test
+programs in processes of their own and the files they exchange (standard library only: the
+vLLM venv's tests use it too)."""
 
 from __future__ import annotations
 
 import os
 import resource
 import socket
+import subprocess
 import sys
 import threading
 import time
@@ -172,3 +175,59 @@ def thread_meshes(n: int = 2, contexts: int = 1) -> List[Any]:
 def close_all(meshes) -> None:
     for m in meshes:
         m.close()
+
+
+# ----------------------------------------------------------------------------- test programs
+
+OUTPUT_TAIL = 4000  # characters of each stream a failure message carries
+
+
+def spawn_prog(prog: str, *args, env: Optional[Dict[str, str]] = None, merge: bool = False,
+               stdin=None, cwd: Optional[str] = None) -> subprocess.Popen:
+    """python PROG ARGS... (each argument str()-ed) with text stdout and stderr piped (stderr
+    into stdout with merge=True); finish_prog() waits for it."""
+    return subprocess.Popen([PY, prog, *map(str, args)], env=env, cwd=cwd, stdin=stdin, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT if merge else subprocess.PIPE)
+
+
+def finish_prog(p: subprocess.Popen, rc: int = 0, timeout: float = 90.0, what: Any = None,
+                ok: Optional[str] = None) -> Tuple[str, str]:
+    """(stdout, stderr) of p once it exited (stderr "" when merged). Fails the test if p runs
+    past `timeout` (then killed), exits other than `rc`, or (ok given) prints no `ok` on stdout;
+    the message names `what` (default: the program's arguments) with the end of its output."""
+    import pytest
+
+    what = p.args[2:] if what is None else what
+    try:
+        out, err = p.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        out, err = p.communicate()
+        pytest.fail(f"{what} did not finish in {timeout} s:\n{_tails(out, err)}")
+    assert p.returncode == rc, f"{what} exited {p.returncode}, not {rc}:\n{_tails(out, err)}"
+    assert ok is None or ok in out, f"{what} printed no {ok!r}:\n{_tails(out, err)}"
+    return out, err or ""
+
+
+def _tails(out: str, err: Optional[str]) -> str:
+    return out[-OUTPUT_TAIL:] + (f"\n{err[-OUTPUT_TAIL:]}" if err else "")
+
+
+def publish(d: str, name: str, data: bytes) -> None:
+    """Writes file d/name whole (a temporary file renamed), so a reader never sees part of it."""
+    tmp = os.path.join(d, name + ".tmp")
+    with open(tmp, "wb") as f:
+        f.write(data)
+    os.replace(tmp, os.path.join(d, name))
+
+
+def read_published(d: str, name: str, timeout: float = 30.0) -> bytes:
+    """The bytes of d/name (see publish()) once it exists; a test program that waited `timeout`
+    seconds for it in vain exits (SystemExit) naming it."""
+    path, end = os.path.join(d, name), time.monotonic() + timeout
+    while not os.path.exists(path):
+        if time.monotonic() > end:
+            raise SystemExit(f"FAILED: {path} never appeared")
+        time.sleep(0.01)
+    with open(path, "rb") as f:
+        return f.read()

@@ -13,6 +13,7 @@ import pytest
 
 from flagcx_mesh import InvalidArgument, MeshTimeout, PeerLost
 from flagcx_mesh.agent import Agent
+from meshutil import finish_prog, spawn_prog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "agent_prog.py")
@@ -22,20 +23,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def spawn(*args, transport="auto", stdin=None):
-    env = dict(os.environ, FLAGCX_MESH_TRANSPORT=transport)
-    return subprocess.Popen([sys.executable, PROG, *map(str, args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, stdin=stdin, text=True)
+    return spawn_prog(PROG, *args, env=dict(os.environ, FLAGCX_MESH_TRANSPORT=transport), stdin=stdin)
 
 
 def finish(p, timeout=90):
-    try:
-        out, err = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        pytest.fail(f"{p.args} did not finish:\n{out}\n{err}")
-    assert p.returncode == 0, f"{p.args} exited {p.returncode}:\n{out}\n{err}"
-    return out
+    return finish_prog(p, timeout=timeout)[0]
 
 
 def wait_file(path, timeout=30):

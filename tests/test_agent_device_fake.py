@@ -19,6 +19,7 @@ import pytest
 
 import fakecuda
 import gpujobs
+from meshutil import finish_prog, spawn_prog
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -33,18 +34,11 @@ def fake_env(**extra):
 
 
 def spawn(role, *args, env, stdin=None):
-    return subprocess.Popen([sys.executable, PROG, role, *map(str, args), "--timeout", "20"], env=env, cwd=HERE,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, stdin=stdin, text=True)
+    return spawn_prog(PROG, role, *args, "--timeout", 20, env=env, stdin=stdin, cwd=HERE)
 
 
 def finish(p, role):
-    try:
-        out, err = p.communicate(timeout=ROLE_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, err = p.communicate()
-        pytest.fail(f"{role} hung\n{out}\n{err[-4000:]}")
-    assert p.returncode == 0 and f"{role} ok" in out, f"{role}: exit {p.returncode}\n{out}\n{err[-4000:]}"
+    out, err = finish_prog(p, timeout=ROLE_TIMEOUT, what=role, ok=f"{role} ok")
     return out + err
 
 

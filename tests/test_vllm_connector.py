@@ -9,10 +9,10 @@ FXM_REQUIRE_VLLM=1, which turns the skip into a failure.
 import importlib.util
 import os
 import re
-import subprocess
-import sys
 
 import pytest
+
+from meshutil import finish_prog, spawn_prog
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("FXM_REQUIRE_VLLM") == "1":
@@ -27,19 +27,11 @@ pytestmark = pytest.mark.timeout(300)
 
 def spawn(*args):
     env = dict(os.environ, FLAGCX_MESH_AGENT_SECRET="vllm-connector-test")
-    return subprocess.Popen([sys.executable, PROG, *map(str, args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return spawn_prog(PROG, *args, env=env, merge=True)
 
 
 def finish(p, rc=0, timeout=240):
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"{p.args[2:]} did not finish:\n{out[-4000:]}")
-    assert p.returncode == rc, f"{p.args[2:]} exited {p.returncode}, not {rc}:\n{out[-4000:]}"
-    return out
+    return finish_prog(p, rc, timeout)[0]
 
 
 def released_after(out: str) -> dict:

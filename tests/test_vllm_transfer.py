@@ -22,6 +22,7 @@ from flagcx_mesh.vllm.transfer import KVTransfer  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from vllm_kv import block_matches, fill_block, make_kv_caches  # noqa: E402
+from meshutil import finish_prog, spawn_prog  # noqa: E402
 
 PROG = os.path.join(HERE, "vllm_transfer_prog.py")
 SECRET = "vllm-transfer-test"
@@ -30,20 +31,11 @@ pytestmark = pytest.mark.timeout(180)
 
 
 def spawn(*args):
-    env = dict(os.environ, FLAGCX_MESH_AGENT_SECRET=SECRET)
-    return subprocess.Popen([sys.executable, PROG, *map(str, args)], env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+    return spawn_prog(PROG, *args, env=dict(os.environ, FLAGCX_MESH_AGENT_SECRET=SECRET), merge=True)
 
 
 def finish(p, rc=0, timeout=120):
-    try:
-        out, _ = p.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        p.kill()
-        out, _ = p.communicate()
-        pytest.fail(f"{p.args[2:]} did not finish:\n{out}")
-    assert p.returncode == rc, f"{p.args[2:]} exited {p.returncode}, not {rc}:\n{out}"
-    return out
+    return finish_prog(p, rc, timeout)[0]
 
 
 # ---- geometry and ops -------------------------------------------------------------------

@@ -31,6 +31,7 @@ import torch
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 
+from meshutil import publish, read_published  # noqa: E402
 from vllm_kv import block_matches, fill_block, make_kv_caches  # noqa: E402
 
 from flagcx_mesh.vllm import transfer  # noqa: E402
@@ -62,23 +63,6 @@ def parse(argv=None):
 def caches(args):
     return make_kv_caches(range(args.layers), args.blocks, args.heads, args.block_size, args.head_size,
                           device=args.device, layout=args.layout)
-
-
-def publish(d, name, data: bytes):
-    tmp = os.path.join(d, name + ".tmp")
-    with open(tmp, "wb") as f:
-        f.write(data)
-    os.replace(tmp, os.path.join(d, name))
-
-
-def read_published(d, name, timeout=30.0) -> bytes:
-    path, end = os.path.join(d, name), time.monotonic() + timeout
-    while not os.path.exists(path):
-        if time.monotonic() > end:
-            raise SystemExit(f"{path} never appeared")
-        time.sleep(0.01)
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def request_blocks(args):
