@@ -99,6 +99,18 @@ def die_on_first_push(engine):
         x._start_push = start_then_die
 
 
+def shut_down(e, role, problems) -> int:
+    """Checks every block is free again, prints the count and each problem, shuts the engine
+    down; the exit status (1 with any problem)."""
+    if e.free_blocks() != e.initial_free:
+        problems.append(f"free blocks {e.free_blocks()} of {e.initial_free}")
+    print(f"{role}: free blocks {e.free_blocks()} of {e.initial_free}", flush=True)
+    e.shutdown()
+    for p in problems:
+        print("PROBLEM:", p, flush=True)
+    return 1 if problems else 0
+
+
 def prefill(a) -> int:
     deadline = time.monotonic() + a.timeout
     e = Engine(a.dir, "kv_producer", "prefill", tp=a.tp, extra={"hold_timeout": a.hold_timeout})
@@ -131,13 +143,7 @@ def prefill(a) -> int:
             problems.append(f"aborted {r} is still held")
     if not e.idle():
         problems.append("blocks are still held at the deadline")
-    if e.free_blocks() != e.initial_free:
-        problems.append(f"free blocks {e.free_blocks()} of {e.initial_free}")
-    print(f"prefill: free blocks {e.free_blocks()} of {e.initial_free}", flush=True)
-    e.shutdown()
-    for p in problems:
-        print("PROBLEM:", p, flush=True)
-    return 1 if problems else 0
+    return shut_down(e, "prefill", problems)
 
 
 def decode(a) -> int:
@@ -202,13 +208,7 @@ def decode(a) -> int:
     print(f"load errors: {len(e.invalid_blocks)} blocks", flush=True)
     if not e.idle():
         problems.append("requests or transfers are still pending at the deadline")
-    if e.free_blocks() != e.initial_free:
-        problems.append(f"free blocks {e.free_blocks()} of {e.initial_free}")
-    print(f"decode: free blocks {e.free_blocks()} of {e.initial_free}", flush=True)
-    e.shutdown()
-    for p in problems:
-        print("PROBLEM:", p, flush=True)
-    return 1 if problems else 0
+    return shut_down(e, "decode", problems)
 
 
 if __name__ == "__main__":
