@@ -266,7 +266,7 @@ def bad(args, dev) -> None:
         conn, remotes = connect(args, a)
         lbuf = dev.buffer("ipc", SIZE)
         lbuf.write(0, pattern(7, SIZE))
-        local = a.register(lbuf)
+        local = register(a, lbuf)
         remote = remotes["ipc"]
         msgs = [
             refused("a write past the remote end", lambda: conn.write(local, remote, 16, remote_offset=SIZE - 8)),
@@ -300,7 +300,7 @@ def pending(args, dev) -> None:
     with Agent(args.name + "-pending", SECRET, timeout=args.timeout) as a:
         conn, remotes = connect(args, a)
         lbuf = dev.buffer("ipc", SIZE)
-        local = a.register(lbuf)
+        local = register(a, lbuf)
         remote = remotes["ipc"]
         conn.write(local, remote, 4096).wait(args.timeout)
         print("ready", flush=True)

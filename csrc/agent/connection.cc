@@ -158,8 +158,8 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
 
 // A cma path was chosen while the region was registered; the peer may have
 // closed it since (it revokes the cookie), which the peer's engine cannot
-// refuse for a write it never sees: read the cookie back before each op. A
-// device path maps the peer's memory here, likewise unseen by its engine; on
+// refuse for a write it never sees: read the cookie back before the first op
+// to it of each call (a batch names few regions many times). A device path maps the peer's memory here, likewise unseen by its engine; on
 // a host where this process may not read the peer's (ptrace rules) it cannot
 // tell, and the op goes ahead (docs/agent.md).
 // (An op racing with the close itself can still land: see docs/agent.md.)
@@ -204,7 +204,11 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (device_op || stream.set) op.deadline = Deadline::after_seconds(agent_->timeout_s());
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
   order_on(stream, p, device, &op);
-  if (p->kind() == PathKind::kCma || is_device_path(p->kind())) check_cookie(*c.x->remote, is_device_path(p->kind()));
+  bool checked = cookie_checked_ == c.x->remote->index;  // once per region and call (a batch names few)
+  if (!checked && (p->kind() == PathKind::kCma || is_device_path(p->kind()))) {
+    check_cookie(*c.x->remote, is_device_path(p->kind()));
+    cookie_checked_ = c.x->remote->index;
+  }
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
     if (err == 0) return Issued::kDone;
@@ -257,6 +261,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
   std::lock_guard<std::mutex> lock(op_mu_);
+  cookie_checked_ = UINT32_MAX;
   bool async = false, on_device = false;
   try {
     for (const Checked& c : checked) {

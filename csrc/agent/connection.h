@@ -68,6 +68,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // cma and device paths: throws once the peer closed the region (device paths
   // pass when the cookie cannot be read here at all).
   void check_cookie(const RegionDesc& remote, bool device) const;
+  uint32_t cookie_checked_ = UINT32_MAX;  // the remote region whose cookie this call read back (op_mu_)
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
   Engine& engine() const;

@@ -2,6 +2,8 @@
 // AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
 // that may block releases the GIL. The admission policy from Python is a set
 // of names (a Python callback on the listener thread could deadlock a close).
+#include <deque>
+#include <unordered_map>
 #include <pybind11/stl.h>
 
 #include <optional>
@@ -56,19 +58,22 @@ std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& se
 
 Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif,
                 const std::optional<uint64_t>& stream) {
-  std::vector<RegionDesc> descs;
-  descs.reserve(2 * ops.size());
+  // Each distinct descriptor is decoded once per call (a batch names a few regions many times:
+  // one KV layer is thousands of blocks of two regions); deque: the pointers stay valid.
+  std::deque<RegionDesc> descs;
+  std::unordered_map<PyObject*, const RegionDesc*> decoded;  // by bytes object (alive in `ops`)
+  auto desc_of = [&](const py::handle& h) {
+    auto it = decoded.find(h.ptr());
+    if (it != decoded.end()) return it->second;
+    descs.push_back(region(h.cast<py::bytes>()));
+    return decoded[h.ptr()] = &descs.back();
+  };
   std::vector<fxm::agent::Xfer> xs;
+  xs.reserve(ops.size());
   for (const py::handle& item : ops) {
     py::tuple t = item.cast<py::tuple>();
     if (t.size() != 5) throw py::value_error("a transfer is (local, local_offset, remote, remote_offset, size)");
-    descs.push_back(region(t[0].cast<py::bytes>()));
-    descs.push_back(region(t[2].cast<py::bytes>()));
-    xs.push_back({nullptr, t[1].cast<uint64_t>(), nullptr, t[3].cast<uint64_t>(), t[4].cast<uint64_t>()});
-  }
-  for (size_t i = 0; i < xs.size(); ++i) {
-    xs[i].local = &descs[2 * i];
-    xs[i].remote = &descs[2 * i + 1];
+    xs.push_back({desc_of(t[0]), t[1].cast<uint64_t>(), desc_of(t[2]), t[3].cast<uint64_t>(), t[4].cast<uint64_t>()});
   }
   std::vector<uint8_t> n;
   bool has_n = !notif.is_none();
