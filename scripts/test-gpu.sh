@@ -37,8 +37,14 @@ step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles c
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)
-step vllm-transfer-cuda timeout 300 "$py" tests/vllm_transfer_prog.py --device cuda --layers 8 --blocks 512 \
-  --requests 24 --blocks-per-request 16 --heads 8 --head-size 128 --block-size 16
+# every device path: cuda-ipc (torch's cudaMalloc memory), staged, and cuda-vmm (torch's expandable
+# segments are cuMem memory); each run fails unless every push took the path named
+vllm_kv=(--device cuda --layers 8 --blocks 512 --requests 24 --blocks-per-request 16 --heads 8 --head-size 128 --block-size 16)
+step vllm-transfer-cuda timeout 300 "$py" tests/vllm_transfer_prog.py "${vllm_kv[@]}" --expect-path cuda-ipc
+step vllm-transfer-cuda-staged env FLAGCX_MESH_CUDA_PATH=staged timeout 300 "$py" tests/vllm_transfer_prog.py \
+  "${vllm_kv[@]}" --expect-path staged
+step vllm-transfer-cuda-vmm env FLAGCX_MESH_CUDA_PATH=cuda-vmm PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+  timeout 300 "$py" tests/vllm_transfer_prog.py "${vllm_kv[@]}" --expect-path cuda-vmm
 step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --device cuda --layout legacy \
   --layers 4 --blocks 128 --requests 8
 # one request's KV (8B-model shape) through the connector's transfer part, beside a contiguous

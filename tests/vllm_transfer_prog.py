@@ -57,6 +57,7 @@ def parse(argv=None):
     p.add_argument("--die-on-push", action="store_true")
     p.add_argument("--die-after-want", action="store_true")
     p.add_argument("--timeout", type=float, default=90.0)
+    p.add_argument("--expect-path", default="", help="prefill: fail unless every push took this path")
     return p.parse_args(argv)
 
 
@@ -102,12 +103,28 @@ def prefill(args) -> int:
     publish(args.dir, "prefill.meta", x.metadata)
     expect = len(reqs) if args.expect < 0 else args.expect
     released, end = set(), time.monotonic() + args.timeout
+    paths = set()
     while len(released) < expect and time.monotonic() < end:
         released |= x.poll().sending
+        paths = paths or pushed_paths(x)  # while the decode is connected
         time.sleep(0.01)
     print(f"released {len(released)}", flush=True)
+    print(f"paths {' '.join(sorted(paths))}", flush=True)
     x.close()
+    if args.expect_path and paths != {args.expect_path}:
+        print(f"FAILED: the pushes took {sorted(paths)}, expected {args.expect_path}", flush=True)
+        return 5
     return 0 if len(released) >= expect else 1
+
+
+def pushed_paths(x) -> set:
+    """The paths the prefill's pushes took: each local region to each of the decodes' regions."""
+    out = set()
+    for (peer, _inc), (regions, _layers) in list(x._peer_layouts.items()):
+        conn = x.agent.connection(peer)
+        if conn is not None:
+            out |= {conn.path_to(r, local) for r in regions for local in x._regions}
+    return out
 
 
 def decode(args) -> int:
