@@ -18,6 +18,14 @@ void check(const bytes::Reader& r, const char* what) {
   if (!r.ok()) fail(Code::kInvalidArgument, -1, 0, std::string(what) + ": " + r.error);
 }
 
+// Reads the leading magic of `what`: a short buffer, or another magic (then
+// "<what>: <wrong> (bad magic)"), fails the decode.
+void expect_magic(bytes::Reader& r, uint32_t magic, const char* what, const char* wrong) {
+  uint32_t got = r.get<uint32_t>();
+  check(r, what);
+  if (got != magic) fail(Code::kInvalidArgument, -1, 0, std::string(what) + ": " + wrong + " (bad magic)");
+}
+
 }  // namespace
 
 std::string incarnation_hex(const Incarnation& i) { return wire::mesh_id_hex(i).substr(0, 12); }
@@ -43,9 +51,7 @@ std::vector<uint8_t> RegionDesc::encode() const {
 
 RegionDesc RegionDesc::decode(const std::vector<uint8_t>& b) {
   bytes::Reader r{b};
-  uint32_t magic = r.get<uint32_t>();
-  check(r, "region descriptor");
-  if (magic != kRegionMagic) fail(Code::kInvalidArgument, -1, 0, "region descriptor: not a region descriptor (bad magic)");
+  expect_magic(r, kRegionMagic, "region descriptor", "not a region descriptor");
   RegionDesc d;
   d.agent = r.str(kMaxAgentName);
   r.raw(d.incarnation.data(), d.incarnation.size());
@@ -77,9 +83,7 @@ std::vector<uint8_t> Metadata::encode() const {
 
 Metadata Metadata::decode(const std::vector<uint8_t>& b) {
   bytes::Reader r{b};
-  uint32_t magic = r.get<uint32_t>();
-  check(r, "agent metadata");
-  if (magic != kMetadataMagic) fail(Code::kInvalidArgument, -1, 0, "agent metadata: not agent metadata (bad magic)");
+  expect_magic(r, kMetadataMagic, "agent metadata", "not agent metadata");
   Metadata m;
   m.name = r.str(kMaxAgentName);
   r.raw(m.incarnation.data(), m.incarnation.size());
