@@ -311,6 +311,7 @@ def test_an_op_queued_behind_a_blocked_stream_does_not_block_a_host_op_past_the_
                     release.join()
                 m.barrier(timeout=30)
                 m.flush(timeout=30)
+                m.barrier(timeout=30)  # rank 1 closes only once rank 0's ops to it completed
                 return out
         print("HOST PUT", run_threads(2, rank, timeout=90)[0])
     """, fake_env(), timeout=120)
