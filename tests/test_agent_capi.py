@@ -114,3 +114,22 @@ def test_create_refuses_bad_input(lib):
     a = ctypes.c_void_p()
     assert lib.flagcx_mesh_agent_create(ctypes.byref(a), b"", SECRET, 0.0) == INVALID and "name" in err(lib)
     assert lib.flagcx_mesh_agent_create(None, b"x", SECRET, 0.0) == INVALID and "agent is NULL" in err(lib)
+
+
+def test_stream_transfers_and_a_stream_wait_through_the_c_abi():
+    """flagcx_mesh_agent_transfer_on_stream and flagcx_mesh_agent_stream_wait_notification on the
+    fake CUDA driver, in a process of their own (tests/agent_capi_stream_prog.py): writes and reads
+    after a busy stream's work, the stream's later work after the notification, a timeout that
+    releases the stream and says so."""
+    import os
+    import subprocess
+    import sys
+
+    import fakecuda
+    import gpujobs
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = gpujobs.job_env(fakecuda.env(), ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_TRANSPORT", "FXM_FAKECUDA_FAIL"))
+    p = subprocess.run([sys.executable, os.path.join(here, "agent_capi_stream_prog.py")], env=env, cwd=here,
+                       capture_output=True, text=True, timeout=50)
+    assert p.returncode == 0 and "capi stream ok" in p.stdout, p.stdout + p.stderr

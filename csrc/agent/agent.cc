@@ -11,6 +11,7 @@
 
 #include "agent/connection.h"
 #include "agent/handshake.h"
+#include "agent/stream_wait.h"
 #include "base/env.h"
 #include "base/log.h"
 #include "base/status.h"
@@ -68,6 +69,7 @@ Agent::Agent(const AgentOptions& o)
   if (!listen_fd_) fail(Code::kSystem, -1, err, who() + "listening on " + bind.str());
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the listener");
+  inbox_ = std::make_unique<NotificationInbox>(this);
   listener_ = std::thread([this] { listen_loop(); });
   FXM_INFO(-1, who() + "incarnation " + incarnation_hex(incarnation_) + " listens on " + listen_addr_.str());
 }
@@ -347,25 +349,21 @@ void Agent::prune() {
   for (auto& c : dead) c->close("the peer was lost");
 }
 
-std::vector<Notification> Agent::notifications(double timeout_s) {
-  Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
-  std::vector<Notification> out;
-  while (true) {
-    std::vector<std::shared_ptr<Connection>> conns;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      conns = conns_;
-    }
-    for (auto& c : conns) c->take_notifications(&out);
-    if (!out.empty() || d.expired() || closed_) break;
-    prune();
-    std::this_thread::sleep_for(std::chrono::microseconds(200));
+std::vector<Notification> Agent::notifications(double timeout_s) { return inbox_->take(timeout_s); }
+
+NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
+                                                 void* stream, double timeout_s) {
+  if (closed_) fail(Code::kClosed, -1, 0, who() + "stream_wait_notification: the agent was closed");
+  if (!peer.empty() && peer.size() > kMaxAgentName) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "stream_wait_notification: a peer name is 1.." +
+                                            std::to_string(kMaxAgentName) + " bytes");
   }
-  return out;
+  return inbox_->stream_wait(bytes, peer, stream, timeout_s);
 }
 
 void Agent::close() {
   if (closed_.exchange(true)) return;
+  inbox_->close();  // every stream wait released (before the connections close: it was the agent, not a peer)
   uint64_t one = 1;
   if (wake_fd_ >= 0 && ::write(wake_fd_, &one, sizeof(one)) < 0) FXM_WARN(-1, who() + "waking the listener failed");
   if (listener_.joinable()) listener_.join();

@@ -79,6 +79,8 @@ struct AgentOptions {
 
 class Connection;
 class Agent;
+class NotificationInbox;
+class NotificationWait;
 
 // One transfer of a batch: bytes [local_off, +size) of a local region and
 // [remote_off, +size) of a peer's region.
@@ -170,7 +172,16 @@ class Agent {
 
   // Notifications that arrived (in order per connection), waiting up to
   // timeout_s for the first one (0: only those already there).
+  // (A notification that a pending stream wait matches goes to that wait instead.)
   std::vector<Notification> notifications(double timeout_s);
+  // Queues on `stream` (of the current device; 0: the legacy default stream) a
+  // wait that holds the stream's later work until a notification of exactly
+  // `bytes` (from agent `peer`, "" : any) arrived; one already here and unread
+  // releases it at once. Released too, with the wait's error set, after
+  // timeout_s (<= 0: the agent's timeout), when that peer is gone, or at close.
+  // See docs/agent.md, "Stream waits on notifications".
+  NotificationWait stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
+                                            void* stream, double timeout_s);
 
   void close();  // idempotent: stops the listener, closes every connection and region
   bool closed() const { return closed_.load(); }
@@ -179,6 +190,7 @@ class Agent {
  private:
   friend class Connection;
   friend class Listener;
+  friend class NotificationInbox;
   struct Pending;
   void listen_loop();
   std::shared_ptr<Window> window_for(const RegionDesc& d, const char* op, bool* entered) const;
@@ -218,6 +230,7 @@ class Agent {
   std::mutex exports_mu_;
   std::map<uint64_t, std::weak_ptr<Window>> exports_;  // token -> region
   std::unique_ptr<cuda::FdServer> fd_server_;
+  std::unique_ptr<NotificationInbox> inbox_;  // notifications not yet read, and the stream waits on them
 };
 
 }  // namespace fxm::agent

@@ -3,9 +3,11 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 
 #include "agent/agent.h"
 #include "agent/connection.h"
+#include "agent/stream_wait.h"
 #include "capi/guard.h"
 
 using fxm::Code;
@@ -21,8 +23,9 @@ struct flagcx_mesh_agent {
 struct flagcx_mesh_agent_conn {
   std::shared_ptr<fxm::agent::Connection> c;
 };
-struct flagcx_mesh_agent_handle {
+struct flagcx_mesh_agent_handle {  // a transfer's completion, or a stream wait on a notification
   fxm::agent::Handle h;
+  std::optional<fxm::agent::NotificationWait> stream_wait;
 };
 
 namespace {
@@ -133,11 +136,12 @@ flagcx_mesh_result_t flagcx_mesh_agent_conn_release(flagcx_mesh_agent_conn_t con
   return guard("flagcx_mesh_agent_conn_release", [&] { delete conn; });
 }
 
-flagcx_mesh_result_t flagcx_mesh_agent_transfer(flagcx_mesh_agent_conn_t conn, int is_read,
-                                                const flagcx_mesh_agent_xfer_t* ops, size_t nops,
-                                                const void* notification, size_t notification_len,
-                                                flagcx_mesh_agent_handle_t* handle) {
-  return guard("flagcx_mesh_agent_transfer", [&] {
+namespace {
+
+flagcx_mesh_result_t transfer(const char* call, flagcx_mesh_agent_conn_t conn, int is_read,
+                              const flagcx_mesh_agent_xfer_t* ops, size_t nops, const void* notification,
+                              size_t notification_len, fxm::agent::StreamArg stream, flagcx_mesh_agent_handle_t* handle) {
+  return guard(call, [&] {
     require(conn, "conn");
     require(handle, "handle");
     if (nops > 0) require(ops, "ops");
@@ -153,8 +157,37 @@ flagcx_mesh_result_t flagcx_mesh_agent_transfer(flagcx_mesh_agent_conn_t conn, i
     }
     std::vector<uint8_t> n;
     if (notification) n = bytes_of(notification, notification_len, "notification");
-    fxm::agent::Handle h = conn->c->transfer(xs, is_read != 0, notification ? &n : nullptr);
-    *handle = new flagcx_mesh_agent_handle{std::move(h)};
+    fxm::agent::Handle h = conn->c->transfer(xs, is_read != 0, notification ? &n : nullptr, stream);
+    *handle = new flagcx_mesh_agent_handle{std::move(h), std::nullopt};
+  });
+}
+
+}  // namespace
+
+flagcx_mesh_result_t flagcx_mesh_agent_transfer(flagcx_mesh_agent_conn_t conn, int is_read,
+                                                const flagcx_mesh_agent_xfer_t* ops, size_t nops,
+                                                const void* notification, size_t notification_len,
+                                                flagcx_mesh_agent_handle_t* handle) {
+  return transfer("flagcx_mesh_agent_transfer", conn, is_read, ops, nops, notification, notification_len, {}, handle);
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_transfer_on_stream(flagcx_mesh_agent_conn_t conn, int is_read,
+                                                          const flagcx_mesh_agent_xfer_t* ops, size_t nops,
+                                                          const void* notification, size_t notification_len,
+                                                          void* stream, flagcx_mesh_agent_handle_t* handle) {
+  return transfer("flagcx_mesh_agent_transfer_on_stream", conn, is_read, ops, nops, notification, notification_len,
+                  {true, stream}, handle);
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_stream_wait_notification(flagcx_mesh_agent_t agent, const void* data,
+                                                                size_t len, const char* peer, void* stream,
+                                                                double timeout_s, flagcx_mesh_agent_handle_t* handle) {
+  return guard("flagcx_mesh_agent_stream_wait_notification", [&] {
+    require(agent, "agent");
+    require(handle, "handle");
+    std::vector<uint8_t> bytes = len > 0 ? bytes_of(data, len, "data") : std::vector<uint8_t>();
+    auto w = agent->a->stream_wait_notification(bytes, peer ? peer : "", stream, timeout_s);
+    *handle = new flagcx_mesh_agent_handle{fxm::agent::Handle(), std::move(w)};
   });
 }
 
@@ -162,14 +195,15 @@ flagcx_mesh_result_t flagcx_mesh_agent_handle_test(flagcx_mesh_agent_handle_t ha
   return guard("flagcx_mesh_agent_handle_test", [&] {
     require(handle, "handle");
     require(done, "done");
-    *done = handle->h.done() ? 1 : 0;
+    *done = (handle->stream_wait ? handle->stream_wait->done() : handle->h.done()) ? 1 : 0;
   });
 }
 
 flagcx_mesh_result_t flagcx_mesh_agent_handle_wait(flagcx_mesh_agent_handle_t handle, double timeout_s) {
   return guard("flagcx_mesh_agent_handle_wait", [&] {
     require(handle, "handle");
-    handle->h.wait(timeout_s);
+    if (handle->stream_wait) handle->stream_wait->wait(timeout_s);
+    else handle->h.wait(timeout_s);
   });
 }
 

@@ -128,21 +128,24 @@ void OneSided::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expec
   Window& w = signal_slot(win, slot, "wait_signal", &ow);
   int ordinal = cuda::current_device();  // a context for this thread (it may never have used CUDA)
   std::string why;
-  {
-    std::lock_guard<std::mutex> lock(w.host_reg_mu);
-    if (!w.host_reg) w.host_reg = std::make_unique<cuda::HostRegistration>(w.base, w.size);
-    uint64_t* at = reinterpret_cast<uint64_t*>(w.base) + slot;
-    if (cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, &why)) {
-      w.stream_waits.push_back(cuda::record_event(ordinal, stream));  // the slots stay mapped until it passed
-      return;
-    }
-  }
+  if (queue_stream_wait(w, slot, expected, stream, ordinal, &why)) return;
   static std::once_flag logged;
   std::call_once(logged, [&] {
     FXM_WARN(rank_, "wait_signal with a stream waits on the host: the driver has no stream memory operations (" +
                         why + ")");
   });
   wait_signal(win, slot, expected, deadline);
+}
+
+cuda::SharedEvent queue_stream_wait(Window& w, uint64_t slot, uint64_t expected, void* stream, int ordinal,
+                                    std::string* why) {
+  std::lock_guard<std::mutex> lock(w.host_reg_mu);
+  if (!w.host_reg) w.host_reg = std::make_unique<cuda::HostRegistration>(w.base, w.size);
+  uint64_t* at = reinterpret_cast<uint64_t*>(w.base) + slot;
+  if (!cuda::stream_wait_geq(stream, w.host_reg->device_address(at), expected, why)) return nullptr;
+  cuda::SharedEvent passed = cuda::record_event(ordinal, stream);
+  w.stream_waits.push_back(passed);  // the slots stay mapped until it passed
+  return passed;
 }
 
 // Waits (until `deadline`) for the stream waits queued on a signal window; false

@@ -84,6 +84,15 @@ struct Window {
   std::string describe() const;  // per-peer paths and reasons
 };
 
+// Queues on `stream` (of device `ordinal`) a wait until slot `slot` of the signal
+// window w has reached `expected` (cuStreamWaitValue64 GEQ), registering w's slots
+// for the device at its first stream wait. Returns the event recorded after the
+// wait (also kept in w.stream_waits), or null when the driver has no stream memory
+// operations (*why says so; nothing was queued). The mesh's wait_signal(stream=)
+// and the agent's stream waits on notifications both queue theirs here.
+cuda::SharedEvent queue_stream_wait(Window& w, uint64_t slot, uint64_t expected, void* stream, int ordinal,
+                                    std::string* why);
+
 // Waits until `deadline` for the stream waits queued on w; false when some are still pending.
 bool stream_waits_passed(Window& w, const Deadline& deadline);
 

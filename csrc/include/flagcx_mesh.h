@@ -266,9 +266,32 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_transfer(flagcx_mesh_agen
                                                                 const flagcx_mesh_agent_xfer_t *ops, size_t nops,
                                                                 const void *notification, size_t notification_len,
                                                                 flagcx_mesh_agent_handle_t *handle);
-/* *done: 1 once the transfer completed or failed (wait says which). */
+/* flagcx_mesh_agent_transfer ordered on a CUDA stream (a CUstream / cudaStream_t;
+ * NULL: the legacy default stream): it starts after the work queued on the
+ * stream so far, as conn.write(stream=...) does (docs/agent.md, "Streams"). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_transfer_on_stream(flagcx_mesh_agent_conn_t conn, int is_read,
+                                                                          const flagcx_mesh_agent_xfer_t *ops, size_t nops,
+                                                                          const void *notification,
+                                                                          size_t notification_len, void *stream,
+                                                                          flagcx_mesh_agent_handle_t *handle);
+/* Queues on stream (of the current device; NULL: the legacy default stream) a
+ * wait: its later work runs once a notification of exactly these len bytes
+ * arrived (from agent peer; NULL or "": any) and returns at once; the wait
+ * consumes that notification. One already arrived and unread releases it at
+ * once. Released too after timeout_s (0: the agent's timeout), when that peer
+ * is gone, or when the agent is destroyed: the stream always proceeds, and
+ * flagcx_mesh_agent_handle_wait on *handle returns the cause (TIMEOUT,
+ * PEER_LOST, CLOSED; flagcx_mesh_last_error names the peer). See docs/agent.md,
+ * "Stream waits on notifications". */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_stream_wait_notification(flagcx_mesh_agent_t agent,
+                                                                                const void *data, size_t len,
+                                                                                const char *peer, void *stream,
+                                                                                double timeout_s,
+                                                                                flagcx_mesh_agent_handle_t *handle);
+/* *done: 1 once the transfer completed or failed (wait says which); for a
+ * stream wait, once it was released. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_test(flagcx_mesh_agent_handle_t handle, int *done);
-/* timeout_s 0: the agent's timeout. */
+/* timeout_s 0: the agent's timeout (a stream wait: until it is released, which its own timeout bounds). */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_wait(flagcx_mesh_agent_handle_t handle, double timeout_s);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_free(flagcx_mesh_agent_handle_t handle);
 /* The next notification, waiting up to timeout_s (FLAGCX_MESH_TIMEOUT when

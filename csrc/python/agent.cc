@@ -10,6 +10,7 @@
 
 #include "agent/agent.h"
 #include "agent/connection.h"
+#include "agent/stream_wait.h"
 #include "python/bindings.h"
 
 namespace fxm_py {
@@ -114,6 +115,12 @@ void bind_connection(py::module_& m) {
       .def("done", &Handle::done, py::call_guard<py::gil_scoped_release>())
       .def("wait", &Handle::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("call", &Handle::call);
+  using fxm::agent::NotificationWait;
+  py::class_<NotificationWait>(m, "AgentNotificationWait")
+      .def("done", &NotificationWait::done, py::call_guard<py::gil_scoped_release>())
+      .def("wait", &NotificationWait::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("error", &NotificationWait::error)
+      .def_property_readonly("sender", &NotificationWait::sender);
 }
 
 }  // namespace
@@ -170,6 +177,12 @@ void bind_agent(py::module_& m) {
         for (const auto& n : got) out.append(py::make_tuple(n.peer, fxm::agent::incarnation_hex(n.incarnation), to_bytes(n.bytes)));
         return out;
       }, py::arg("timeout") = 0.0)
+      .def("stream_wait_notification", [](Agent& a, const py::bytes& data, uint64_t stream, const std::string& peer,
+                                          double timeout) {
+        std::vector<uint8_t> v = to_vec(data);
+        py::gil_scoped_release release;
+        return a.stream_wait_notification(v, peer, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), timeout);
+      }, py::arg("data"), py::arg("stream"), py::arg("peer") = "", py::arg("timeout") = 0.0)
       .def("stats", [](const Agent& a) {
         fxm::agent::AgentStats s = a.stats();
         py::dict rejected;

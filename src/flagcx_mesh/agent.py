@@ -21,7 +21,7 @@ from . import cuda as _cuda
 from .errors import InvalidArgument
 from .mesh import _byte_view
 
-__all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "region_info"]
+__all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "NotificationWait", "region_info"]
 
 Desc = Union[bytes, "Region"]
 
@@ -84,6 +84,38 @@ class Handle:
     @property
     def call(self) -> str:
         return self._core.call
+
+
+class NotificationWait:
+    """A stream wait on a notification (``Agent.stream_wait_notification``).
+    ``done()``: released (the stream goes on), by its notification or by a
+    failure; ``wait(timeout)`` waits on the host until then (0: until it is
+    released, which its own timeout bounds) and raises the failure:
+    ``MeshTimeout`` when the notification did not arrive in time, ``PeerLost``
+    naming the peer when it went first, ``MeshClosed`` when the agent closed.
+    ``error``: that failure's message ("" while pending or once matched);
+    ``sender``: the peer whose notification released it."""
+
+    def __init__(self, core):
+        self._core = core
+
+    def done(self) -> bool:
+        return self._core.done()
+
+    def wait(self, timeout: float = 0.0) -> None:
+        self._core.wait(timeout)
+
+    @property
+    def error(self) -> str:
+        return self._core.error
+
+    @property
+    def sender(self) -> str:
+        return self._core.sender
+
+    def __repr__(self) -> str:
+        state = "pending" if not self.done() else (f"failed: {self.error}" if self.error else f"from {self.sender}")
+        return f"NotificationWait({state})"
 
 
 class Notification(tuple):
@@ -245,6 +277,21 @@ class Agent:
     def notifications(self, timeout: float = 0.0) -> list:
         """Notifications that arrived, waiting up to ``timeout`` for the first."""
         return [Notification(*n) for n in self._core.notifications(timeout)]
+
+    def stream_wait_notification(self, data: bytes, stream, peer: Optional[str] = None,
+                                 timeout: float = 0.0) -> NotificationWait:
+        """Queues on ``stream`` (a torch.cuda.Stream, a stream handle, 0: the legacy
+        default stream) a wait: the stream's later work runs once a notification of
+        exactly ``data`` arrived (from agent ``peer``, default: any). It consumes
+        that notification (``notifications()`` does not return it); one that
+        arrived and is unread releases it at once. It is released as well, the
+        stream going on, after ``timeout`` (0: the agent's timeout), when ``peer``
+        is gone, or when the agent closes: the returned wait's ``wait()`` raises
+        why. See docs/agent.md, "Stream waits on notifications"."""
+        handle = _cuda.stream_handle(stream)
+        if handle is None:
+            raise InvalidArgument("stream_wait_notification needs a stream (0: the legacy default stream)")
+        return NotificationWait(self._core.stream_wait_notification(bytes(data), handle, peer or "", timeout))
 
     def stats(self) -> dict:
         """accepted, connected, rejected (by reason) at the listener."""

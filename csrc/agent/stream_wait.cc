@@ -1,0 +1,288 @@
+#include "agent/stream_wait.h"
+
+#include <algorithm>
+#include <cstdlib>
+
+#include "agent/connection.h"
+#include "base/log.h"
+#include "core/window.h"
+#include "transport/cuda/device_memory.h"
+
+namespace fxm::agent {
+namespace {
+
+constexpr uint64_t kSlotsPerBlock = 512;  // one 4 KiB page of 8-byte slots
+constexpr double kCloseWaitS = 5.0;       // close waits this long for streams still on a slot
+constexpr auto kPollPace = std::chrono::microseconds(200);
+
+// The bytes as the user wrote them when printable, else in hex (at most 64 bytes shown).
+std::string shown(const std::vector<uint8_t>& b) {
+  bool text = std::all_of(b.begin(), b.end(), [](uint8_t c) { return c >= 0x20 && c < 0x7f; });
+  size_t n = std::min<size_t>(b.size(), 64);
+  std::string out;
+  static const char* hex = "0123456789abcdef";
+  for (size_t i = 0; i < n; ++i) {
+    if (text) out += static_cast<char>(b[i]);
+    else out += {hex[b[i] >> 4], hex[b[i] & 15]};
+  }
+  if (n < b.size()) out += "...";
+  return text ? "\"" + out + "\"" : "0x" + out;
+}
+
+std::string what_wait(const WaitState& w) {
+  return "stream wait on notification " + shown(w.bytes) + (w.peer.empty() ? "" : " from agent " + w.peer);
+}
+
+}  // namespace
+
+// A signal window of kSlotsPerBlock slots (host memory the device maps at the
+// first stream wait); per slot the wait that holds it and the event after it.
+struct NotificationInbox::SlotBlock {
+  std::shared_ptr<Window> win = std::make_shared<Window>();
+  std::vector<std::shared_ptr<WaitState>> owner = std::vector<std::shared_ptr<WaitState>>(kSlotsPerBlock);
+  std::vector<cuda::SharedEvent> passed = std::vector<cuda::SharedEvent>(kSlotsPerBlock);
+  std::vector<uint64_t> values = std::vector<uint64_t>(kSlotsPerBlock, 0);  // the last value each slot was given
+  bool keep = false;  // a stream may still read it: never unmapped nor freed
+  SlotBlock() {
+    void* mem = nullptr;
+    if (::posix_memalign(&mem, 4096, kSlotsPerBlock * 8) != 0) fail(Code::kSystem, -1, ENOMEM, "slots for stream waits");
+    std::fill_n(static_cast<uint64_t*>(mem), kSlotsPerBlock, 0);
+    win->kind = WindowKind::kSignal;
+    win->base = static_cast<uint8_t*>(mem);
+    win->size = kSlotsPerBlock * 8;
+  }
+  ~SlotBlock() {
+    if (keep) {
+      new std::shared_ptr<Window>(win);  // mapped and registered for good: a stream may still read it
+      return;
+    }
+    uint8_t* mem = win->base;
+    win.reset();  // unregisters the slots
+    std::free(mem);
+  }
+  bool free_at(size_t i) const {
+    return !owner[i] || (owner[i]->released && (!passed[i] || cuda::event_done(passed[i])));
+  }
+};
+
+NotificationInbox::NotificationInbox(Agent* agent) : agent_(agent), sync_(std::make_shared<WaitSync>()) {}
+
+NotificationInbox::~NotificationInbox() { close(); }
+
+std::string NotificationInbox::who() const { return "agent " + agent_->name() + ": "; }
+
+uint64_t* NotificationInbox::take_slot(uint64_t* value, SlotBlock** block, uint64_t* index) {
+  for (auto& b : blocks_) {
+    for (size_t i = 0; i < kSlotsPerBlock; ++i) {
+      if (!b->free_at(i)) continue;
+      b->owner[i].reset();
+      b->passed[i].reset();
+      *value = ++b->values[i];  // above what the slot holds: the wait holds until released
+      *block = b.get();
+      *index = i;
+      return reinterpret_cast<uint64_t*>(b->win->base) + i;
+    }
+  }
+  blocks_.push_back(std::make_unique<SlotBlock>());
+  return take_slot(value, block, index);
+}
+
+void NotificationInbox::release(WaitState& w, Code code, const std::string& error) {
+  if (w.slot != nullptr) __atomic_store_n(w.slot, w.value, __ATOMIC_RELEASE);  // the stream goes on
+  w.released = true;
+  w.code = code;
+  w.error = error;
+  w.bound.reset();
+  if (code != Code::kOk) FXM_WARN(-1, error);
+  sync_->cv.notify_all();
+}
+
+bool NotificationInbox::match(const Notification& n) {
+  for (auto it = pending_.begin(); it != pending_.end(); ++it) {
+    WaitState& w = **it;
+    if (w.bytes != n.bytes || (!w.peer.empty() && w.peer != n.peer)) continue;
+    w.sender = n.peer;
+    release(w, Code::kOk, "");
+    pending_.erase(it);
+    return true;
+  }
+  return false;
+}
+
+// `gone`: what each connection said before it was drained (a notification it
+// delivered before it went still counts).
+void NotificationInbox::check_failures(const std::vector<std::shared_ptr<Connection>>& conns,
+                                       const std::vector<std::string>& gone) {
+  for (auto it = pending_.begin(); it != pending_.end();) {
+    WaitState& w = **it;
+    if (!w.peer.empty() && !w.bound) {  // the first connection of that peer the wait sees
+      for (size_t i = 0; i < conns.size(); ++i) {
+        if (conns[i]->peer().name == w.peer && gone[i].empty()) w.bound = conns[i];
+      }
+    }
+    std::string lost;
+    for (size_t i = 0; w.bound && i < conns.size(); ++i) {
+      if (conns[i] == w.bound) lost = gone[i];
+    }
+    if (!lost.empty()) {
+      release(w, Code::kPeerLost, who() + what_wait(w) + ": agent " + w.peer + " is gone before sending it (" + lost +
+                                      "); the stream was released");
+    } else if (w.deadline.expired()) {
+      release(w, Code::kTimeout, who() + what_wait(w) + ": it did not arrive within the wait's timeout; the stream "
+                                                         "was released");
+    } else {
+      ++it;
+      continue;
+    }
+    it = pending_.erase(it);
+  }
+}
+
+void NotificationInbox::poll() {
+  std::vector<std::shared_ptr<Connection>> conns;
+  {
+    std::lock_guard<std::mutex> lock(agent_->mu_);
+    conns = agent_->conns_;
+  }
+  for (const auto& w : pending_) {
+    if (w->bound && std::find(conns.begin(), conns.end(), w->bound) == conns.end()) conns.push_back(w->bound);
+  }
+  std::vector<std::string> gone;
+  for (const auto& c : conns) gone.push_back(c->gone());
+  for (auto it = inbox_.begin(); !pending_.empty() && it != inbox_.end();) {  // unread ones first, in order
+    it = match(*it) ? inbox_.erase(it) : std::next(it);
+  }
+  std::vector<Notification> got;
+  for (const auto& c : conns) c->take_notifications(&got);
+  for (Notification& n : got) {
+    if (!match(n)) inbox_.push_back(std::move(n));
+  }
+  check_failures(conns, gone);
+}
+
+void NotificationInbox::watch() {
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  while (!closing_) {
+    if (pending_.empty()) {
+      sync_->cv.wait(lock);
+      continue;
+    }
+    poll();
+    lock.unlock();
+    std::this_thread::sleep_for(kPollPace);
+    lock.lock();
+  }
+}
+
+NotificationWait NotificationInbox::stream_wait(const std::vector<uint8_t>& bytes, const std::string& peer,
+                                                void* stream, double timeout_s) {
+  auto w = std::make_shared<WaitState>();
+  w->sync = sync_;
+  w->bytes = bytes;
+  w->peer = peer;
+  w->deadline = Deadline::after_seconds(timeout_s > 0 ? timeout_s : agent_->timeout_s());
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  if (closing_) fail(Code::kClosed, -1, 0, who() + "stream_wait_notification: the agent was closed");
+  pending_.push_back(w);
+  poll();  // one that arrived and is unread releases it now: nothing is queued
+  if (w->released) return NotificationWait(w);
+  SlotBlock* block = nullptr;
+  uint64_t index = 0;
+  uint64_t* slot = take_slot(&w->value, &block, &index);
+  std::string why;
+  cuda::SharedEvent passed;
+  try {
+    passed = queue_stream_wait(*block->win, index, w->value, stream, cuda::current_device(), &why);
+  } catch (const Error& e) {
+    pending_.erase(std::find(pending_.begin(), pending_.end(), w));
+    fail(e.code(), -1, e.sys_errno(), who() + what_wait(*w) + ": " + e.what());
+  }
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+  sync_->cv.notify_all();
+  if (passed) {
+    w->slot = slot;
+    block->owner[index] = w;
+    block->passed[index] = std::move(passed);
+    return NotificationWait(w);
+  }
+  static std::once_flag logged;
+  std::call_once(logged, [&] {
+    FXM_WARN(-1, who() + "stream waits on notifications wait on the host: the driver has no stream memory "
+                         "operations (" + why + ")");
+  });
+  sync_->cv.wait(lock, [&] { return w->released; });  // bounded by the wait's timeout
+  return NotificationWait(w);
+}
+
+std::vector<Notification> NotificationInbox::take(double timeout_s) {
+  Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
+  while (true) {
+    {
+      std::lock_guard<std::mutex> lock(sync_->mu);
+      poll();
+      if (!inbox_.empty()) {
+        std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
+        inbox_.clear();
+        return out;
+      }
+    }
+    if (d.expired() || agent_->closed()) return {};
+    agent_->prune();
+    std::this_thread::sleep_for(kPollPace);
+  }
+}
+
+void NotificationInbox::close() {
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (closing_) return;
+    closing_ = true;
+    for (auto& w : pending_) {
+      release(*w, Code::kClosed, who() + what_wait(*w) + ": the agent was closed with the wait pending; the stream "
+                                                          "was released");
+    }
+    pending_.clear();
+    sync_->cv.notify_all();
+  }
+  if (watcher_.joinable()) watcher_.join();
+  Deadline d = Deadline::after_seconds(kCloseWaitS);
+  for (auto& b : blocks_) {
+    if (stream_waits_passed(*b->win, d)) continue;
+    b->keep = true;
+    FXM_ERROR(-1, who() + "close: a stream has not passed its wait on a notification slot after " +
+                      std::to_string(kCloseWaitS) + " s (its earlier work is still running?): the slots stay mapped");
+  }
+}
+
+// ------------------------------------------------------------ NotificationWait
+
+bool NotificationWait::done() const {
+  std::lock_guard<std::mutex> lock(s_->sync->mu);
+  return s_->released;
+}
+
+void NotificationWait::wait(double timeout_s) const {
+  std::unique_lock<std::mutex> lock(s_->sync->mu);
+  auto released = [&] { return s_->released; };
+  if (timeout_s > 0) {
+    auto until = std::chrono::duration<double>(timeout_s);
+    if (!s_->sync->cv.wait_for(lock, until, released)) {
+      fail(Code::kTimeout, -1, 0, what_wait(*s_) + ": still pending after " + std::to_string(timeout_s) + " s");
+    }
+  } else {
+    s_->sync->cv.wait(lock, released);
+  }
+  if (s_->code != Code::kOk) fail(s_->code, -1, 0, s_->error);
+}
+
+std::string NotificationWait::error() const {
+  std::lock_guard<std::mutex> lock(s_->sync->mu);
+  return s_->error;
+}
+
+std::string NotificationWait::sender() const {
+  std::lock_guard<std::mutex> lock(s_->sync->mu);
+  return s_->sender;
+}
+
+}  // namespace fxm::agent

@@ -1,0 +1,97 @@
+// Stream waits on notifications (docs/agent.md, "Stream waits on notifications").
+//
+// A wait is a slot of a host-shared signal window (core/window.h) and the
+// mesh's cuStreamWaitValue64 on it (queue_stream_wait): later work on the
+// stream runs once the slot reached the wait's value. The agent's one
+// notification inbox matches arriving notifications against pending waits
+// (exact bytes, optionally from one peer, oldest wait first) and releases a
+// wait by storing its value in the slot. A wait is released also when its
+// timeout passes, when the peer it waits for is lost or closes, or when the
+// agent closes: the stream always proceeds, and the wait's error says why.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent/agent.h"
+#include "base/status.h"
+
+namespace fxm::agent {
+
+// What one stream wait is at: pending, released by its notification, or released by a failure.
+struct WaitSync {
+  std::mutex mu;                // the inbox's state and every wait's
+  std::condition_variable cv;   // a wait was released
+};
+
+struct WaitState {
+  std::shared_ptr<WaitSync> sync;
+  std::vector<uint8_t> bytes;
+  std::string peer;  // "" : from any peer
+  Deadline deadline;
+  std::shared_ptr<Connection> bound;  // the peer's connection the wait follows (peer set)
+  uint64_t* slot = nullptr;           // null: no stream wait queued (host fallback, or matched at once)
+  uint64_t value = 0;                 // what releases the slot
+  bool released = false;
+  Code code = Code::kOk;
+  std::string error;   // "" once released by its notification
+  std::string sender;  // who sent the matching notification
+};
+
+// The user's view of a wait (Python NotificationWait, C flagcx_mesh_agent_handle_t).
+class NotificationWait {
+ public:
+  explicit NotificationWait(std::shared_ptr<WaitState> s) : s_(std::move(s)) {}
+  bool done() const;
+  // Waits on the host until the wait was released (timeout_s <= 0: until then,
+  // which its own timeout bounds), then throws its failure, if any.
+  void wait(double timeout_s) const;
+  std::string error() const;   // "" while pending or once matched
+  std::string sender() const;  // the peer whose notification released it ("" until then)
+
+ private:
+  std::shared_ptr<WaitState> s_;
+};
+
+// The agent's notifications: drained from its connections (by notifications()
+// and, while stream waits are pending, by a watcher thread), matched against
+// pending waits first, the rest kept for notifications() in arrival order.
+class NotificationInbox {
+ public:
+  explicit NotificationInbox(Agent* agent);
+  ~NotificationInbox();
+  // Queues the wait on `stream` (of the current device) and returns at once.
+  NotificationWait stream_wait(const std::vector<uint8_t>& bytes, const std::string& peer, void* stream,
+                               double timeout_s);
+  // What arrived and no wait consumed, waiting up to timeout_s for the first.
+  std::vector<Notification> take(double timeout_s);
+  // Releases every pending wait (kClosed) and stops the watcher; the slots stay
+  // mapped while a stream still sits on one (bounded wait, then they are kept).
+  void close();
+
+ private:
+  struct SlotBlock;
+  void poll();  // with the lock held: drain, match, release what failed
+  bool match(const Notification& n);
+  void check_failures(const std::vector<std::shared_ptr<Connection>>& conns, const std::vector<std::string>& gone);
+  void release(WaitState& w, Code code, const std::string& error);
+  uint64_t* take_slot(uint64_t* value, SlotBlock** block, uint64_t* index);
+  void watch();
+  std::string who() const;
+
+  Agent* agent_;
+  std::shared_ptr<WaitSync> sync_;
+  std::deque<Notification> inbox_;
+  std::deque<std::shared_ptr<WaitState>> pending_;  // oldest first
+  std::vector<std::unique_ptr<SlotBlock>> blocks_;
+  std::thread watcher_;
+  bool closing_ = false;
+};
+
+}  // namespace fxm::agent
