@@ -12,7 +12,10 @@ ping-pong (initiator put_signal -> target wait_signal returns -> answer).
 In the same run it measures the limits: single-thread memcpy (numpy copy)
 for shared memory, and raw loopback TCP throughput between the two rank
 processes (sendall / recv_into on the same interface, completion ack) for TCP,
-and prints the ratios. With ``--batch N`` (default 2000) it also issues N puts of
+and prints the ratios. The TCP reference is measured twice: on one socket, and on
+``--streams N`` sockets at once (one sending thread per socket, each size split
+evenly over them; default ``min(4, cores)``), which is what several connections
+per pair can reach at best; the table prints tcp against both. With ``--batch N`` (default 2000) it also issues N puts of
 ``--batch-size`` bytes three ways (a loop of put, batch_put of a list, batch_put of a
 uint64 array) and prints their bandwidth side by side. ``put-mpi`` (under mpiexec, with mpi4py) measures
 MPI_Put (passive target: Lock, Put x N, Flush) next to flagcx_mesh.
@@ -45,6 +48,8 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     p.add_argument("--latency-iters", type=int, default=2000)
     p.add_argument("--batch", type=int, default=2000, help="entries per batch_put (0: skip)")
     p.add_argument("--batch-size", default="4K", help="bytes per batch entry")
+    p.add_argument("--streams", type=int, default=default_streams(),
+                   help="sockets of the multi-stream raw TCP reference (default: min(4, cores))")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="a plot of the bandwidth table (needs matplotlib)")
     if rank:
@@ -53,10 +58,16 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     a.transports = [t for t in a.transports.split(",") if t]
     a.batch_size = parse_size(a.batch_size)
+    if a.streams < 1:
+        p.error("--streams must be at least 1")
     bad = [t for t in a.transports if t not in TRANSPORT_ENV]
     if bad:
         p.error(f"unknown transport(s) {bad}; choose from {sorted(TRANSPORT_ENV)}")
     return a
+
+
+def default_streams() -> int:
+    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _reps(size: int) -> int:
@@ -165,6 +176,54 @@ def _socket_pair(mesh):
     return socket.create_connection((host, port))
 
 
+def _socket_pairs(mesh, n: int):
+    """n TCP connections rank 0 -> rank 1 on the mesh's interface."""
+    return [_socket_pair(mesh) for _ in range(n)]
+
+
+def _receive_all(sock, total: int, chunk: int) -> None:
+    buf = bytearray(min(max(chunk, 1), 4 << 20))
+    view, left = memoryview(buf), total
+    while left:
+        left -= sock.recv_into(view[:min(len(buf), left)])
+
+
+def streams_bandwidth(mesh, socks, size: int) -> Optional[float]:
+    """GB/s of `size`-byte transfers rank 0 -> rank 1 split evenly over `socks`, one thread per
+    socket on each side (sendall / recv_into release the GIL), each socket ended by a 1-byte ack."""
+    import threading
+
+    reps, n = _reps(size), len(socks)
+    parts = [size // n + (1 if i < size % n else 0) for i in range(n)]
+    mesh.barrier()
+    if mesh.rank == 1:
+        def drain(i):
+            _receive_all(socks[i], reps * parts[i], parts[i])
+            socks[i].sendall(b"k")
+        threads = [threading.Thread(target=drain, args=(i,)) for i in range(n)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        return None
+    payload = memoryview(np.ones(size, np.uint8))
+    offsets = [sum(parts[:i]) for i in range(n)]
+
+    def pump(i):
+        piece = payload[offsets[i]:offsets[i] + parts[i]]
+        for _ in range(reps):
+            if parts[i]:
+                socks[i].sendall(piece)
+        socks[i].recv(1)
+    threads = [threading.Thread(target=pump, args=(i,)) for i in range(n)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return reps * size / (time.perf_counter() - t0) / 1e9
+
+
 def socket_bandwidth(mesh, sock, size: int) -> Optional[float]:
     """GB/s of `size`-byte sendall()s rank 0 -> rank 1, ended by a 1-byte ack."""
     reps = _reps(size)
@@ -231,6 +290,13 @@ def rank_entry(argv: List[str]) -> int:
         with _socket_pair(mesh) as sock:
             out["socket_gbs"] = {str(s): socket_bandwidth(mesh, sock, s) for s in args.sizes}
             out["socket_latency_us"] = socket_latency(mesh, sock, args.latency_iters // 4)
+        socks = _socket_pairs(mesh, args.streams)
+        try:
+            out["streams"] = args.streams
+            out["streams_gbs"] = {str(s): streams_bandwidth(mesh, socks, s) for s in args.sizes}
+        finally:
+            for sk in socks:
+                sk.close()
         if mesh.rank == 0:
             out["memcpy_gbs"] = {str(s): memcpy_bandwidth(s) for s in args.sizes}
             with open(args.out, "w") as f:
@@ -242,15 +308,19 @@ def rank_entry(argv: List[str]) -> int:
 def _report(data: dict, args) -> None:
     ts = args.transports
     print("put bandwidth, rank 0 -> rank 1 on this host (GB/s, flush included)")
-    head = f"  {'size':>8}" + "".join(f"{t:>9}" for t in ts) + f"{'memcpy':>9}{'socket':>9}"
-    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket")]
+    n = data["streams"]
+    sx = f"socket x{n}"
+    print(f"  (socket: one raw TCP connection; {sx}: {n} connections at once, one thread each)")
+    head = f"  {'size':>8}" + "".join(f"{t:>9}" for t in ts) + f"{'memcpy':>9}{'socket':>9}{sx:>11}"
+    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket"), ("tcp", "streams")]
     ratios = [(a, b) for a, b in ratios if a in ts]
-    print(head + "".join(f"{a + '/' + b:>13}" for a, b in ratios))
+    label = {"streams": sx}
+    print(head + "".join(f"{a + '/' + label.get(b, b):>15}" for a, b in ratios))
     for s in args.sizes:
         k = str(s)
         line = f"  {size_name(s):>8}" + "".join(f"{data[t]['bandwidth_gbs'][k]:>9.2f}" for t in ts)
-        line += f"{data['memcpy_gbs'][k]:>9.2f}{data['socket_gbs'][k]:>9.2f}"
-        line += "".join(f"{data[a]['bandwidth_gbs'][k] / data[b + '_gbs'][k]:>13.2f}" for a, b in ratios)
+        line += f"{data['memcpy_gbs'][k]:>9.2f}{data['socket_gbs'][k]:>9.2f}{data['streams_gbs'][k]:>11.2f}"
+        line += "".join(f"{data[a]['bandwidth_gbs'][k] / data[b + '_gbs'][k]:>15.2f}" for a, b in ratios)
         print(line)
     print("put_signal latency, 8 bytes, one way (median of a ping-pong, us): " +
           ", ".join(f"{t} {data[t]['latency_us']:.1f}" for t in ts) +
@@ -284,5 +354,7 @@ def plot(data: dict, args) -> bool:
     series = {t: data[t]["bandwidth_gbs"] for t in args.transports}
     series["ref: memcpy"] = data["memcpy_gbs"]
     series["ref: raw socket"] = data["socket_gbs"]
+    if "streams_gbs" in data:
+        series[f"ref: raw socket x{data['streams']}"] = data["streams_gbs"]
     return save_plot(args.plot, "flagcx_mesh put bandwidth, 2 ranks on one host (flush included)",
                      [("host memory", series)])
