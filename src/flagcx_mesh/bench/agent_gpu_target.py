@@ -112,7 +112,7 @@ def _make(args):
     def factory():
         return mem.buffer(args.size, args.kind)
 
-    if args.tool == "flagcx":
+    if args.tool == "flagcx_mesh":
         return FlagcxTarget(factory)
     if args.tool == "mooncake":
         return MooncakeTarget(factory, args.mooncake_protocol)
