@@ -18,6 +18,9 @@
                                      [--peers mooncake,nixl | none]
                                      (agents: setup, request-shaped batches, churn; vs memcpy, and vs
                                      Mooncake TE and NIXL in the same run where they are installed)
+    python -m flagcx_mesh.bench agent --device cuda [--memory torch|driver] [--paths cuda-ipc,cuda-vmm,staged]
+                                     [--peers mooncake,nixl | none]   (GPU memory, the target in a child
+                                     process; vs Mooncake TE, NIXL and the mesh's own puts, same run)
     python -m flagcx_mesh.bench p2p [--blocks 4K,64K,1M] [--count 64] [--layers 4] [--transports cma,tcp]
                                      (the P2P engine form's batch_write_sync vs the agent's batch, same run)
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
@@ -48,6 +51,7 @@ COMMANDS = {
     "soak": ("soak", "main"),
     "stream-wait": ("stream_wait", "main"),
     "agent": ("agent", "main"),
+    "agent-gpu-target": ("agent_gpu_target", "main"),
     "p2p": ("p2p", "main"),
     "kv": ("kv", "main"),
 }

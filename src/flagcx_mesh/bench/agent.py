@@ -1,6 +1,7 @@
 """Agents (dynamic peers): set-up costs, request-shaped transfers and churn, per path, beside
 memcpy of the same bytes and beside Mooncake TE and NIXL, all measured in the same run.
 
+    python -m flagcx_mesh.bench agent --device cuda ...   (GPU memory, two processes: agent_gpu.py)
     python -m flagcx_mesh.bench agent [--region 256M] [--blocks 64K,256K,2M] [--count 256]
                                       [--transports cma,shm,tcp] [--churn 50] [--connects 50] [--setups 3]
                                       [--peers mooncake,nixl | none] [--json PATH]
@@ -45,6 +46,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--connects", type=int, default=50)
     p.add_argument("--setups", type=int, default=3, help="set-up runs; each figure is their median")
     p.add_argument("--peers", default="mooncake,nixl", help="comma-separated, or none")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                   help="cuda: GPU memory between two processes (agent_gpu.py)")
     p.add_argument("--json", metavar="PATH")
     return p.parse_args(argv)
 
@@ -200,7 +203,16 @@ def _compare(ours: Dict, peer: Dict, blocks: List[int], label: str) -> Dict[str,
     return out
 
 
+def _wants_cuda(argv: List[str]) -> bool:
+    return any(a in ("--device=cuda",) or (a == "--device" and argv[i + 1:i + 2] == ["cuda"])
+               for i, a in enumerate(argv))
+
+
 def main(argv: Optional[List[str]] = None) -> int:
+    if _wants_cuda(list(argv or [])):
+        from . import agent_gpu
+
+        return agent_gpu.main(list(argv or []))
     args = _parse(list(argv or []))
     import numpy as np
 

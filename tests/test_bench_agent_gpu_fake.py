@@ -1,0 +1,49 @@
+"""`python -m flagcx_mesh.bench agent --device cuda` on the fake CUDA driver: the target in a child
+process, every device path measured, the bytes checked at the target, a peer that cannot run
+reported with its reason (docs/benchmarks.md, "Agents on GPU memory")."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+import fakecuda
+
+pytestmark = pytest.mark.timeout(240)
+
+SMALL = ["--device", "cuda", "--memory", "driver", "--region", "1M", "--blocks", "64K",
+         "--count", "8", "--bytes", "1M", "--setups", "1", "--connects", "2", "--timeout", "60"]
+
+
+def bench(tmp_path, *args):
+    env = dict(os.environ, **fakecuda.env(granularity=64 << 10))
+    out = tmp_path / "a.json"
+    p = subprocess.run([sys.executable, "-m", "flagcx_mesh.bench", "agent", *SMALL, *args, "--json", str(out)],
+                       capture_output=True, text=True, timeout=220, env=env, cwd=str(tmp_path))
+    return p, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_every_device_path_moves_and_verifies_its_bytes(tmp_path):
+    p, fig = bench(tmp_path, "--peers", "none")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert set(fig["flagcx_mesh"]) == {"cuda-ipc", "cuda-vmm", "staged"}
+    for path, f in fig["flagcx_mesh"].items():
+        assert f["verify"] == "ok", (path, f)
+        req = f["request"]["64 KiB"]
+        assert req["path"] == path, (path, req)  # the path forced is the path taken
+        assert req["pipelined_GBps"] > 0 and req["blocking_GBps"] > 0
+        assert f["setup"]["register_ms"] > 0 and f["setup"]["connect_median_ms"] > 0
+        assert f"[{path}] bytes at the target: ok" in p.stdout
+    assert fig["mesh_put"]["error"].startswith("not run")  # said, not left out
+    assert fig["goals"]["cuda-vmm"]["register_goal_over_ms"] > 0
+
+
+def test_a_peer_that_cannot_run_is_reported_not_left_out(tmp_path):
+    p, fig = bench(tmp_path, "--peers", "nixl", "--paths", "cuda-ipc")
+    assert fig is not None, p.stdout + p.stderr
+    nixl = fig["peers"]["nixl"]
+    if "error" not in nixl:
+        pytest.skip("NIXL runs on this machine's (fake) driver: nothing to report")
+    assert nixl["error"] and "[nixl] NOT RUN:" in p.stdout
