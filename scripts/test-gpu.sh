@@ -55,6 +55,9 @@ step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --d
 # agent write of the same bytes, on every device path and on host memory
 step bench-kv-cuda "$py" -m flagcx_mesh.bench kv --device cuda --json "$logs/bench-kv-cuda.json"
 step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/bench-kv-host.json"
+# agents on GPU memory per device path, beside Mooncake TE and NIXL where their CUDA wheels are
+# importable (PYTHONPATH); a peer that is not is printed NOT RUN with its reason
+step bench-agent-cuda "$py" -m flagcx_mesh.bench agent --device cuda --bytes 1G --json "$logs/bench-agent-cuda.json"
 # the staged path's other half of its goal (raw loopback TCP), and its chunk size either side of the default
 step bench-put-host "$py" -m flagcx_mesh.bench put --sizes 1M,16M,64M,256M --batch 0 --json "$logs/bench-put-host.json"
 for chunk in 1048576 16777216; do
