@@ -67,10 +67,8 @@ class Region:
         return f"Region(agent={self._agent.name!r}, index={self.index}, size={self.size}, kind={self.kind})"
 
 
-class Handle:
-    """The completion of one write/read call. ``done()`` polls; ``wait(timeout)``
-    raises the call's error (PeerLost naming the peer, InvalidArgument when the
-    target refused, MeshTimeout)."""
+class _Completion:
+    """What a core handle offers: ``done()`` polls, ``wait(timeout)`` raises its error."""
 
     def __init__(self, core):
         self._core = core
@@ -81,12 +79,18 @@ class Handle:
     def wait(self, timeout: float = 0.0) -> None:
         self._core.wait(timeout)
 
+
+class Handle(_Completion):
+    """The completion of one write/read call. ``done()`` polls; ``wait(timeout)``
+    raises the call's error (PeerLost naming the peer, InvalidArgument when the
+    target refused, MeshTimeout)."""
+
     @property
     def call(self) -> str:
         return self._core.call
 
 
-class NotificationWait:
+class NotificationWait(_Completion):
     """A stream wait on a notification (``Agent.stream_wait_notification``).
     ``done()``: released (the stream goes on), by its notification or by a
     failure; ``wait(timeout)`` waits on the host until then (0: until it is
@@ -95,15 +99,6 @@ class NotificationWait:
     naming the peer when it went first, ``MeshClosed`` when the agent closed.
     ``error``: that failure's message ("" while pending or once matched);
     ``sender``: the peer whose notification released it."""
-
-    def __init__(self, core):
-        self._core = core
-
-    def done(self) -> bool:
-        return self._core.done()
-
-    def wait(self, timeout: float = 0.0) -> None:
-        self._core.wait(timeout)
 
     @property
     def error(self) -> str:

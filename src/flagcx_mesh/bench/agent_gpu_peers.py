@@ -18,20 +18,12 @@ from __future__ import annotations
 
 import os
 import time
-from importlib import metadata
 from typing import Callable, List, Tuple
+
+from .agent_peers import _version
 
 SECRET = "bench-agent-gpu"
 XFER_TIMEOUT = 60.0  # seconds a NIXL transfer may stay in PROC
-
-
-def _version(*dists: str) -> str:
-    for d in dists:
-        try:
-            return f"{d} {metadata.version(d)}"
-        except metadata.PackageNotFoundError:
-            continue
-    return "unknown version"
 
 
 # ---------------------------------------------------------------- shared with the target process
