@@ -5,7 +5,7 @@
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
 # fake-driver tests, 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
 # the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py), agents with CUDA tensors between two
-# processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), the PD example and the vLLM connector's transfer part on the GPU; every
+# processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), batched device copies (tests/agent_batch_prog.py all), the PD example and the vLLM connector's transfer part on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -27,7 +27,7 @@ step() {  # step NAME CMD...: runs CMD, logs to NAME.log, remembers a failure
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; } >"$logs/machine.txt" 2>&1
 step install "$py" -m pip install -q --no-deps --no-build-isolation -C cmake.define.FXM_TEST_DOUBLES=ON .
-step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py tests/test_agent_device_fake.py tests/test_agent_stream_wait_fake.py
+step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py tests/test_agent_device_fake.py tests/test_agent_stream_wait_fake.py tests/test_agent_batch_fake.py
 step staged-traffic-4 env FLAGCX_MESH_CUDA_PATH=staged "$py" -m flagcx_mesh.launch -n 4 --timeout 900 -- \
   "$py" tests/staged_traffic_prog.py staged_traffic --device torch --max-size 8388608 --ops 200 --round-timeout 600
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json" --plot "$logs/bench-put-cuda.png"
@@ -38,6 +38,7 @@ step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles c
 # stream, killed peer, closed agent) in its own bounded process; a copy queued behind the wait must land only
 # once the wait was released, and each release's cause and time are printed ("<scenario> ok" per scenario)
 step agent-stream-wait "$py" tests/agent_stream_wait_prog.py all "$logs" --device torch --timeout 30
+step agent-batch "$py" tests/agent_batch_prog.py all --device torch --timeout 30
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)
@@ -58,6 +59,8 @@ step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/benc
 # agents on GPU memory per device path, beside Mooncake TE and NIXL where their CUDA wheels are
 # importable (PYTHONPATH); a peer that is not is printed NOT RUN with its reason
 step bench-agent-cuda "$py" -m flagcx_mesh.bench agent --device cuda --bytes 1G --json "$logs/bench-agent-cuda.json"
+step bench-agent-cuda-batch-off env FLAGCX_MESH_CUDA_BATCH_COPY=off "$py" -m flagcx_mesh.bench agent --device cuda \
+  --bytes 1G --paths cuda-ipc,cuda-vmm --peers none --mesh-put off --json "$logs/bench-agent-cuda-batch-off.json"
 # the staged path's other half of its goal (raw loopback TCP), and its chunk size either side of the default
 step bench-put-host "$py" -m flagcx_mesh.bench put --sizes 1M,16M,64M,256M --batch 0 --json "$logs/bench-put-host.json"
 for chunk in 1048576 16777216; do

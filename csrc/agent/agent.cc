@@ -136,13 +136,13 @@ uint8_t* Agent::region_base(uint32_t index) const {
 }
 
 std::shared_ptr<Window> Agent::window_for(const RegionDesc& d, const char* op, bool* entered) const {
-  std::string what = who() + op + ": local region #" + std::to_string(d.index);
+  auto what = [&] { return who() + op + ": local region #" + std::to_string(d.index); };  // on failure only
   if (d.agent != name_ || d.incarnation != incarnation_) {
-    fail(Code::kInvalidArgument, -1, 0, what + " is agent " + d.agent + "'s (incarnation " +
+    fail(Code::kInvalidArgument, -1, 0, what() + " is agent " + d.agent + "'s (incarnation " +
                                             incarnation_hex(d.incarnation) + "), not this agent's");
   }
   std::shared_ptr<Window> w = windows_.get(d.index);
-  if (!w || !w->enter()) fail(Code::kInvalidArgument, -1, 0, what + " was deregistered");
+  if (!w || !w->enter()) fail(Code::kInvalidArgument, -1, 0, what() + " was deregistered");
   *entered = true;
   return w;
 }

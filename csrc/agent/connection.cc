@@ -9,6 +9,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "transport/cma/cma.h"
+#include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
 
@@ -30,6 +31,15 @@ std::string range_text(uint64_t off, uint64_t size) {
 struct Connection::Checked {
   std::shared_ptr<Window> local;
   const Xfer* x = nullptr;
+};
+
+// The device copies of one call that wait to be issued together (copy_batch.h),
+// and their ops, for the fallback of any the driver refuses.
+struct Connection::Batch {
+  Batch(Outbox* outbox, bool is_read) : copies(outbox, kPeer, kCtx), is_read(is_read) {}
+  cuda::CopyBatch copies;
+  bool is_read;
+  std::vector<std::pair<PeerView*, PathOp>> ops;
 };
 
 Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated)
@@ -92,18 +102,18 @@ void Connection::await_peer_end(const Deadline& deadline) const {
 Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
   if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + call + ": a descriptor is missing");
   const RegionDesc& r = *x.remote;
-  std::string what = who() + ": " + call + " of " + std::to_string(x.size) + " bytes ";
+  auto what = [&] { return who() + ": " + call + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
   if (r.agent != peer_.name) {
-    fail(Code::kInvalidArgument, -1, 0, what + "to a region of agent " + r.agent + ", not of this connection's peer");
+    fail(Code::kInvalidArgument, -1, 0, what() + "to a region of agent " + r.agent + ", not of this connection's peer");
   }
   if (r.incarnation != peer_.incarnation) {
-    fail(Code::kInvalidArgument, -1, 0, what + "to region #" + std::to_string(r.index) + " of incarnation " +
+    fail(Code::kInvalidArgument, -1, 0, what() + "to region #" + std::to_string(r.index) + " of incarnation " +
                                             incarnation_hex(r.incarnation) + " of agent " + r.agent +
                                             ", which is now incarnation " + incarnation_hex(peer_.incarnation) +
                                             " (it restarted: its old descriptors are void)");
   }
   if (!in_range(x.remote_off, x.size, r.size)) {
-    fail(Code::kInvalidArgument, -1, 0, what + "at remote " + range_text(x.remote_off, x.size) +
+    fail(Code::kInvalidArgument, -1, 0, what() + "at remote " + range_text(x.remote_off, x.size) +
                                             ": out of range of its region #" + std::to_string(r.index) + " (" +
                                             std::to_string(r.size) + " bytes)");
   }
@@ -113,7 +123,7 @@ Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* c
   c.local = agent_->window_for(*x.local, call, &entered);
   c.local->leave();  // deregister() flushes this agent's connections before it closes a region
   if (!in_range(x.local_off, x.size, c.local->size)) {
-    fail(Code::kInvalidArgument, -1, 0, what + "at local " + range_text(x.local_off, x.size) +
+    fail(Code::kInvalidArgument, -1, 0, what() + "at local " + range_text(x.local_off, x.size) +
                                             ": out of range of local region #" + std::to_string(x.local->index) +
                                             " (" + std::to_string(c.local->size) + " bytes)");
   }
@@ -189,9 +199,10 @@ std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* loca
 // A synchronous path that fails hands the op to tcp; while tcp ops are in
 // flight on this connection every op takes tcp (FIFO, as the mesh keeps it).
 // Device memory on either side takes a device path or staged.
-Connection::Issued Connection::issue(const Checked& c, bool is_read, const StreamArg& stream) {
+Connection::Issued Connection::issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch) {
   int device = c.local->kind == WindowKind::kDevice ? c.local->device : -1;
   PeerView& v = view_of(*c.x->remote, device);
+  if (!is_device_path(v.path->kind())) issue_batch(batch);  // what came before is issued first
   PathOp op;
   op.ctx = kCtx;
   op.remote_off = c.x->remote_off;
@@ -215,7 +226,42 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
     p = &v.tcp();
   }
+  Queued q = p->queue(op, is_read, &batch->copies);
+  if (q == Queued::kBatchFirst) {
+    issue_batch(batch);
+    q = p->queue(op, is_read, &batch->copies);
+  }
+  if (q == Queued::kYes) {
+    batch->ops.emplace_back(&v, op);
+    return Issued::kDevice;
+  }
+  issue_batch(batch);
   return post(p, v, op, is_read);
+}
+
+// Counted before they are issued (their acks may come at once); a copy the
+// driver refuses, and those after it, go over the fallback one by one.
+void Connection::issue_batch(Batch* b) {
+  size_t n = b->copies.size();
+  if (n == 0) return;
+  async_issued_ += n;
+  std::string error;
+  size_t issued = 0;
+  try {
+    issued = b->copies.issue(&error);
+  } catch (const Error&) {  // the driver failed outside a copy (an event): nothing is counted
+    async_issued_ -= n;
+    b->copies.clear();
+    b->ops.clear();
+    throw;
+  }
+  if (issued < n) {
+    async_issued_ -= n - issued;
+    FXM_WARN(-1, who() + ": " + error + "; " + std::to_string(n - issued) + " op(s) go over " +
+                     b->ops[issued].first->tcp().name());
+    for (size_t i = issued; i < n; ++i) post(&b->ops[i].first->tcp(), *b->ops[i].first, b->ops[i].second, b->is_read);
+  }
+  b->ops.clear();
 }
 
 // A device path copies on the op's stream (or the connection's), after the
@@ -252,6 +298,29 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
   return is_device_path(p->kind()) ? Issued::kDevice : Issued::kEngine;
 }
 
+// The ops in order; device copies in batches. An op that fails to issue
+// fails the call; the copies queued before it are issued first (as they
+// would have been one at a time).
+void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
+                           bool* on_device) {
+  Batch batch(&engine(), is_read);
+  try {
+    for (const Checked& c : checked) {
+      if (c.x->size == 0) continue;
+      Issued how = issue(c, is_read, stream, &batch);
+      *async = *async || how != Issued::kDone;
+      *on_device = *on_device || how == Issued::kDevice;
+    }
+    issue_batch(&batch);
+  } catch (const Error&) {
+    try {
+      issue_batch(&batch);
+    } catch (const Error&) {  // the first error is the call's
+    }
+    throw;
+  }
+}
+
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
                             StreamArg stream) {
   const char* call = is_read ? "read" : "write";
@@ -264,12 +333,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   cookie_checked_ = UINT32_MAX;
   bool async = false, on_device = false;
   try {
-    for (const Checked& c : checked) {
-      if (c.x->size == 0) continue;
-      Issued how = issue(c, is_read, stream);
-      async = async || how != Issued::kDone;
-      on_device = on_device || how == Issued::kDevice;
-    }
+    issue_all(checked, is_read, stream, &async, &on_device);
     if (notification) {  // after the data: what the socket does not order (reads, device copies) completes first
       if ((is_read || on_device) && async) {
         engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));

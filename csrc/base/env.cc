@@ -58,6 +58,11 @@ std::string cuda_path_env() {
   return s ? s : "";
 }
 
+std::string cuda_batch_copy_env() {
+  const char* s = std::getenv("FLAGCX_MESH_CUDA_BATCH_COPY");
+  return s ? s : "";
+}
+
 std::string agent_secret_env() {
   const char* s = std::getenv("FLAGCX_MESH_AGENT_SECRET");
   return s ? s : "";

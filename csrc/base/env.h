@@ -10,6 +10,8 @@
 //   FLAGCX_MESH_CUDA_PATH  auto | cuda-vmm | cuda-ipc | staged: forces the
 //                        path to device windows (cuda_path_env())
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
+//   FLAGCX_MESH_CUDA_BATCH_COPY  auto | off: whether an agent's batch of device
+//                        copies is issued with cuMemcpyBatchAsync (cuda_batch_copy_env())
 //   FLAGCX_MESH_STAGED_CHUNK_BYTES, FLAGCX_MESH_STAGED_INFLIGHT_BYTES  how the
 //                        staged path cuts its ops and how much staging its puts
 //                        to one peer hold (transport/cuda/staged_payload.h)
@@ -54,6 +56,8 @@ double build_timeout_s(double seconds, const char* what);
 std::string transport_env();
 // FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.
 std::string cuda_path_env();
+// FLAGCX_MESH_CUDA_BATCH_COPY as it is now ("" when unset; transport/cuda/copy_batch.h checks it).
+std::string cuda_batch_copy_env();
 // FLAGCX_MESH_CUDA_DRIVER ("" when unset), read once, when the driver is first loaded.
 std::string cuda_driver_env();
 // FLAGCX_MESH_STAGED_CHUNK_BYTES / FLAGCX_MESH_STAGED_INFLIGHT_BYTES ("" when

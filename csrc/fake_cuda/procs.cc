@@ -37,6 +37,7 @@ void cuMemRetainAllocationHandle();
 void cuMemExportToShareableHandle();
 void cuMemImportFromShareableHandle();
 void cuMemcpyAsync();
+void cuMemcpyBatchAsync_v2();
 void cuMemHostRegister_v2();
 void cuMemHostUnregister();
 void cuMemHostGetDevicePointer_v2();
@@ -94,6 +95,7 @@ const Proc kProcs[] = {
     {"cuMemExportToShareableHandle", reinterpret_cast<void*>(&cuMemExportToShareableHandle)},
     {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&cuMemImportFromShareableHandle)},
     {"cuMemcpyAsync", reinterpret_cast<void*>(&cuMemcpyAsync)},
+    {"cuMemcpyBatchAsync", reinterpret_cast<void*>(&cuMemcpyBatchAsync_v2)},
     {"cuMemHostRegister", reinterpret_cast<void*>(&cuMemHostRegister_v2)},
     {"cuMemHostUnregister", reinterpret_cast<void*>(&cuMemHostUnregister)},
     {"cuMemHostGetDevicePointer", reinterpret_cast<void*>(&cuMemHostGetDevicePointer_v2)},

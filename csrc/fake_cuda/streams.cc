@@ -358,6 +358,42 @@ FAKE_API CUresult cuMemcpyAsync(CUdeviceptr dst, CUdeviceptr src, size_t n, void
   return kSuccess;
 }
 
+// CUDA 13.0's cuMemcpyBatchAsync. The driver does not order the copies of one
+// call: the fake runs them last to first, so a caller that relies on their
+// order gets the wrong bytes. Attributes as the driver checks them: at least
+// one, the first from copy 0, a valid source access order; no legacy stream.
+struct FakeMemcpyAttributes {
+  int src_access_order;
+  int src_hint[2];
+  int dst_hint[2];
+  unsigned flags;
+};
+
+FAKE_API CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                        FakeMemcpyAttributes* attrs, size_t* attr_idxs, size_t num_attrs,
+                                        void* handle) {
+  FAKE_ENTER("cuMemcpyBatchAsync");
+  if (!dsts || !srcs || !sizes || count == 0 || !attrs || !attr_idxs || num_attrs == 0 || attr_idxs[0] != 0) {
+    return kInvalidValue;
+  }
+  for (size_t a = 0; a < num_attrs; ++a) {
+    if (attrs[a].src_access_order < 1 || attrs[a].src_access_order > 3) return kInvalidValue;
+  }
+  if (is_null_stream(handle)) return kInvalidValue;
+  FAKE_STREAM(s, handle);
+  std::vector<Op> ops;
+  {
+    std::shared_lock<std::shared_mutex> g(table_lock());
+    for (size_t i = count; i-- > 0;) {
+      std::vector<Span> d, sp;
+      if (resolve(dsts[i], sizes[i], &d) != kSuccess || resolve(srcs[i], sizes[i], &sp) != kSuccess) return kInvalidValue;
+      if (sizes[i]) ops.push_back(copy_op(dsts[i], end_of(dsts[i], sizes[i]), srcs[i], end_of(srcs[i], sizes[i]), sizes[i]));
+    }
+  }
+  for (Op& op : ops) enqueue(s, std::move(op));
+  return kSuccess;
+}
+
 FAKE_API CUresult cuLaunchHostFunc(void* handle, void (*fn)(void*), void* data) {
   FAKE_ENTER("cuLaunchHostFunc");
   if (!fn) return kInvalidValue;

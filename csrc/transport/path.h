@@ -117,7 +117,11 @@ class Outbox {
 
 namespace cuda {
 class StreamFence;
+class CopyBatch;
 }
+
+// Whether a path queued an op into a batch of one call's ops (queue()).
+enum class Queued { kNo, kYes, kBatchFirst };  // not batched / queued / issue the batch, then ask again
 
 // The signal slots of a signal window mapped in this process.
 struct SignalSlots {
@@ -167,6 +171,13 @@ class Path {
   virtual int put(const PathOp& op) = 0;
   virtual int get(const PathOp& op) = 0;
   virtual void signal(const PathOp& op, int src_rank) { (void)op; (void)src_rank; }
+  // Paths that issue one call's plain ops together (device paths,
+  // copy_batch.h): queues a put (get: is_get) into `batch`, which the caller
+  // issues. kNo: not this op (a signal, a wait, host memory): put/get it alone.
+  virtual Queued queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) {
+    (void)op; (void)is_get; (void)batch;
+    return Queued::kNo;
+  }
   // The window was closed: drop what the path maps (it then serves no op).
   virtual void release() {}
   // The peer's signal slots mapped here (self / shm signal windows), else empty.

@@ -4,6 +4,7 @@
 
 #include "base/env.h"
 #include "base/status.h"
+#include "transport/cuda/copy_batch.h"
 #include "transport/cuda/fd_pass.h"
 #include "transport/cuda/staged_payload.h"
 #include "transport/cuda/staging.h"
@@ -12,10 +13,14 @@
 
 namespace fxm {
 
+cuda::CUstream DevicePath::stream_for(const PathOp& op) const {
+  return op.stream_set ? op.stream : op.fence ? op.fence->own_stream(ordinal_) : cuda::library_stream(ordinal_);
+}
+
 int DevicePath::copy(const PathOp& op, void* dst, const void* src) {
   const cuda::Driver& d = cuda::need_driver("a device put/get");
   cuda::use_device(ordinal_);
-  cuda::CUstream s = op.stream_set ? op.stream : op.fence ? op.fence->own_stream(ordinal_) : cuda::library_stream(ordinal_);
+  cuda::CUstream s = stream_for(op);
   if (op.fence) op.fence->before(s);
   cuda::CUresult r = d.cuMemcpyAsync(reinterpret_cast<cuda::CUdeviceptr>(dst), reinterpret_cast<cuda::CUdeviceptr>(src),
                                      op.len, s);
@@ -35,6 +40,18 @@ int DevicePath::copy(const PathOp& op, void* dst, const void* src) {
     outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, std::move(after)));
   }
   return 0;
+}
+
+// Device memory on both sides only: a host buffer (pageable or not) keeps cuMemcpyAsync.
+Queued DevicePath::queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) {
+  if (op.sig != nullptr || op.wait_here || op.local_device < 0 || !remote_on_device_ || remote_ == nullptr) {
+    return Queued::kNo;
+  }
+  cuda::use_device(ordinal_);
+  auto local = reinterpret_cast<cuda::CUdeviceptr>(op.local);
+  auto remote = reinterpret_cast<cuda::CUdeviceptr>(remote_ + op.remote_off);
+  cuda::BatchedCopy c{is_get ? local : remote, is_get ? remote : local, op.len, kind_};
+  return batch->add(ordinal_, stream_for(op), op.fence, c) ? Queued::kYes : Queued::kBatchFirst;
 }
 
 namespace {
@@ -76,7 +93,7 @@ std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDe
   }
   int ordinal = d.kind == WindowKind::kDevice ? d.dev.ordinal : req.device;
   return std::make_unique<DevicePath>(PathKind::kCudaSelf, req.peer, ordinal, reinterpret_cast<uint8_t*>(d.addr),
-                                      nullptr, req.outbox);
+                                      nullptr, req.outbox, d.kind == WindowKind::kDevice);
 }
 
 std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDesc& d, std::string* why) {

@@ -19,15 +19,18 @@ namespace fxm {
 
 class DevicePath : public Path {
  public:
+  // remote_on_device: `remote` is device memory (cuda-self may reach a host window of this process).
   DevicePath(PathKind kind, int peer, int ordinal, uint8_t* remote, std::unique_ptr<cuda::PeerMapping> m,
-             Outbox* outbox)
-      : kind_(kind), peer_(peer), ordinal_(ordinal), remote_(remote), mapping_(std::move(m)), outbox_(outbox) {}
+             Outbox* outbox, bool remote_on_device = true)
+      : kind_(kind), peer_(peer), ordinal_(ordinal), remote_(remote), mapping_(std::move(m)), outbox_(outbox),
+        remote_on_device_(remote_on_device) {}
   PathKind kind() const override { return kind_; }
   bool synchronous() const override { return false; }  // completes when its stream gets there
   bool synchronous_for(const PathOp& op) const override { return op.wait_here; }
   bool carries_signal() const override { return true; }  // from the stream, with op.sig_slots
   int put(const PathOp& op) override { return copy(op, remote_ + op.remote_off, op.local); }
   int get(const PathOp& op) override { return copy(op, op.local, remote_ + op.remote_off); }
+  Queued queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) override;
   void release() override {
     mapping_.reset();
     remote_ = nullptr;
@@ -35,12 +38,14 @@ class DevicePath : public Path {
 
  private:
   int copy(const PathOp& op, void* dst, const void* src);
+  cuda::CUstream stream_for(const PathOp& op) const;
   PathKind kind_;
   int peer_;
   int ordinal_;
   uint8_t* remote_;
   std::unique_ptr<cuda::PeerMapping> mapping_;
   Outbox* outbox_;
+  bool remote_on_device_;
 };
 
 class StagedPath : public TcpPath {

@@ -27,6 +27,18 @@ bool resolve(GetProcAddress gpa, const char* name, void** out, std::string* erro
   return false;
 }
 
+// The entry points a driver may lack, each in the ABI of the driver's own version.
+void resolve_optional(GetProcAddress gpa, Driver& d) {
+  int version = 0;
+  if (d.cuDriverGetVersion(&version) != kSuccess || version < 12080) return;
+  void* fn = nullptr;
+  int status = 0;
+  int abi = version >= 13000 ? 13000 : 12080;
+  if (gpa("cuMemcpyBatchAsync", &fn, abi, 0, &status) != kSuccess || fn == nullptr) return;
+  if (abi == 13000) d.cuMemcpyBatchAsync13 = reinterpret_cast<MemcpyBatch13>(fn);
+  else d.cuMemcpyBatchAsync12 = reinterpret_cast<MemcpyBatch12>(fn);
+}
+
 #define FXM_CU_ENTRY(name) {#name, reinterpret_cast<void**>(&d.name)}
 
 bool resolve_all(void* lib, Driver& d, std::string* error) {
@@ -57,6 +69,7 @@ bool resolve_all(void* lib, Driver& d, std::string* error) {
   for (const Entry& e : entries) {
     if (!resolve(gpa, e.name, e.slot, error)) return false;
   }
+  resolve_optional(gpa, d);
   return true;
 }
 

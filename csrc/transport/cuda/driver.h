@@ -81,6 +81,19 @@ struct MemAccessDesc {  // CUmemAccessDesc
 struct IpcMemHandle {
   char reserved[kIpcHandleSize];
 };
+constexpr int kSrcAccessOrderStream = 1;  // CU_MEMCPY_SRC_ACCESS_ORDER_STREAM
+struct MemcpyAttributes {  // CUmemcpyAttributes
+  int src_access_order;
+  MemLocation src_hint;
+  MemLocation dst_hint;
+  unsigned flags;
+};
+// cuMemcpyBatchAsync as of CUDA 13.0, and as of 12.8 (with a failIdx out-parameter).
+using MemcpyBatch13 = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                   MemcpyAttributes* attrs, size_t* attr_idxs, size_t num_attrs, CUstream s);
+using MemcpyBatch12 = CUresult (*)(CUdeviceptr* dsts, CUdeviceptr* srcs, size_t* sizes, size_t count,
+                                   MemcpyAttributes* attrs, size_t* attr_idxs, size_t num_attrs, size_t* fail_idx,
+                                   CUstream s);
 
 // The entry points flagcx_mesh uses, with the driver's own signatures.
 struct Driver {
@@ -129,6 +142,10 @@ struct Driver {
   CUresult (*cuEventQuery)(CUevent e);
   CUresult (*cuEventSynchronize)(CUevent e);
   CUresult (*cuEventDestroy)(CUevent e);
+  // Optional (null where the driver lacks it): many copies in one call, CUDA 12.8 and later;
+  // at most one of the two is set, in the ABI of the driver's version.
+  MemcpyBatch13 cuMemcpyBatchAsync13;
+  MemcpyBatch12 cuMemcpyBatchAsync12;
 };
 
 // The loaded driver, or nullptr (then driver_error() says why).

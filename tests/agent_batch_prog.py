@@ -1,0 +1,208 @@
+"""Batched device copies of one agent call (transport/cuda/copy_batch.h), two agents in this
+process (cuda-self), for tests/test_agent_batch_fake.py (the fake CUDA driver, which runs the
+copies of one cuMemcpyBatchAsync last to first) and scripts/test-gpu.sh (--device torch).
+
+    batched   64 device->device writes of 4 KiB to reversed offsets land; on the fake: one
+              cuMemcpyBatchAsync, no cuMemcpyAsync, one event; a host-memory op in the middle
+              of a batch splits it (two batch calls, one cuMemcpyAsync)
+    overlap   ops of one call that touch each other's bytes keep their order: a later write
+              to the same bytes wins (write after write), a write that reads what an earlier
+              one wrote sees it (read after write), one that overwrites what an earlier one
+              reads does not change what that one read (write after read), a later read into
+              the same local bytes wins
+    stream    a batch on a busy stream copies only after the stream's earlier work
+    off       (FLAGCX_MESH_CUDA_BATCH_COPY=off) one cuMemcpyAsync per op, one event, same bytes
+    refused   (the fake's cuMemcpyBatchAsync fails) the copies go one at a time, same bytes,
+              and later batches do not call it again
+Each prints "<scenario> ok" when it passed; any failure exits non-zero.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+
+from flagcx_mesh.agent import Agent
+from agent_device_prog import HostBuf, check, make_device, pattern, register
+
+SECRET = "agent-batch-secret"
+BLOCK = 4096
+SIZE = 1 << 20
+
+
+class Calls:
+    """Driver calls made since the last look (fake driver only; None on a real one)."""
+
+    NAMES = ("cuMemcpyBatchAsync", "cuMemcpyAsync", "cuEventRecord")
+
+    def __init__(self, dev):
+        self.cu = getattr(dev, "cu", None)
+        self.last = self.now()
+
+    def now(self):
+        return None if self.cu is None else {n: self.cu.calls(n) for n in self.NAMES}
+
+    def since(self):
+        now = self.now()
+        if now is None:
+            return None
+        d = {n: now[n] - self.last[n] for n in self.NAMES}
+        self.last = now
+        return d
+
+
+def expect_calls(calls: Calls, what: str, **want) -> None:
+    got = calls.since()
+    if got is None:
+        return  # a real driver: the bytes are what is checked
+    check(all(got[k] == v for k, v in want.items()), f"{what}: driver calls {got}, expected {want}")
+
+
+class Pair:
+    """Two agents, a connection, an owner's device region and the user's device and host regions."""
+
+    def __init__(self, args, dev):
+        self.dev, self.timeout = dev, args.timeout
+        self.owner = Agent("owner", SECRET, timeout=args.timeout)
+        self.user = Agent("user", SECRET, timeout=args.timeout)
+        self.rbuf, self.lbuf, self.hbuf = dev.buffer("ipc", SIZE), dev.buffer("ipc", SIZE), HostBuf(SIZE)
+        self.remote = register(self.owner, self.rbuf)
+        self.local = register(self.user, self.lbuf)
+        self.host = register(self.user, self.hbuf)
+        self.conn = self.user.connect(self.owner.metadata())
+        path = self.conn.path_to(self.remote, self.local)
+        check(path == "cuda-self", f"the path is {path}, expected cuda-self")
+
+    def close(self):
+        self.user.close()
+        self.owner.close()
+
+    def write(self, ops, **kw):
+        self.conn.batch_write(ops, **kw).wait(self.timeout)
+
+    def block(self, buf, i: int) -> bytes:
+        return buf.read(i * BLOCK, BLOCK)
+
+
+def fill(buf, seed: int) -> bytes:
+    data = pattern(seed, SIZE)
+    buf.write(0, data)
+    return data
+
+
+def blk(data: bytes, i: int) -> bytes:
+    return data[i * BLOCK:(i + 1) * BLOCK]
+
+
+def reversed_writes(p: Pair, n: int, seed: int, what: str) -> None:
+    src = fill(p.lbuf, seed)
+    p.rbuf.write(0, bytes(n * BLOCK))
+    p.write([(p.local, i * BLOCK, p.remote, (n - 1 - i) * BLOCK, BLOCK) for i in range(n)])
+    for i in range(n):
+        check(p.block(p.rbuf, n - 1 - i) == blk(src, i), f"{what}: block {i} did not land at {n - 1 - i}")
+
+
+def batched(args, dev) -> None:
+    p = Pair(args, dev)
+    calls = Calls(dev)
+    reversed_writes(p, 64, 1, "64 writes")
+    expect_calls(calls, "one call of 64 device writes", cuMemcpyBatchAsync=1, cuMemcpyAsync=0, cuEventRecord=1)
+    src, hsrc = fill(p.lbuf, 2), pattern(3, SIZE)
+    p.hbuf.write(0, hsrc)
+    ops = [(p.local, 0, p.remote, 0, BLOCK), (p.local, BLOCK, p.remote, BLOCK, BLOCK),
+           (p.host, 0, p.remote, 2 * BLOCK, BLOCK),  # host memory: a cuMemcpyAsync of its own
+           (p.local, 3 * BLOCK, p.remote, 3 * BLOCK, BLOCK), (p.local, 4 * BLOCK, p.remote, 4 * BLOCK, BLOCK)]
+    calls.since()
+    p.write(ops)
+    expect_calls(calls, "a host op between device ops", cuMemcpyBatchAsync=2, cuMemcpyAsync=1)
+    want = [blk(src, 0), blk(src, 1), blk(hsrc, 0), blk(src, 3), blk(src, 4)]
+    check([p.block(p.rbuf, i) for i in range(5)] == want, "a batch split by a host op: wrong bytes")
+    p.close()
+    print("batched ok", flush=True)
+
+
+def overlap(args, dev) -> None:
+    p = Pair(args, dev)
+    calls = Calls(dev)
+    src = fill(p.lbuf, 4)
+    p.rbuf.write(0, bytes(SIZE))
+    # write after write: ops 0 and 2 write remote block 0; op 2's bytes must stay
+    p.write([(p.local, 0, p.remote, 0, BLOCK), (p.local, BLOCK, p.remote, BLOCK, BLOCK),
+             (p.local, 2 * BLOCK, p.remote, 0, BLOCK), (p.local, 3 * BLOCK, p.remote, 2 * BLOCK, BLOCK)])
+    check(p.block(p.rbuf, 0) == blk(src, 2), "write after write in one call: the earlier write won")
+    check(p.block(p.rbuf, 1) == blk(src, 1) and p.block(p.rbuf, 2) == blk(src, 3), "write after write: wrong bytes")
+    expect_calls(calls, "two runs of two writes", cuMemcpyBatchAsync=2, cuMemcpyAsync=0, cuEventRecord=1)
+    # the same memory registered with both agents: a write's source can be an earlier one's destination
+    shared = register(p.owner, p.lbuf)
+    x = fill(p.lbuf, 5)
+    p.write([(p.local, 0, shared, 4 * BLOCK, BLOCK),            # X4 = X0
+             (p.local, 4 * BLOCK, shared, 5 * BLOCK, BLOCK),    # X5 = X4, after the write above: X0
+             (p.local, 6 * BLOCK, shared, 7 * BLOCK, BLOCK)])   # X7 = X6
+    check(p.block(p.lbuf, 5) == blk(x, 0), "read after write in one call: the later op copied the old bytes")
+    check(p.block(p.lbuf, 7) == blk(x, 6), "read after write: wrong bytes in block 7")
+    x = fill(p.lbuf, 6)
+    p.write([(p.local, 4 * BLOCK, shared, 5 * BLOCK, BLOCK),    # X5 = X4 (the old X4)
+             (p.local, 0, shared, 4 * BLOCK, BLOCK)])           # then X4 = X0
+    check(p.block(p.lbuf, 5) == blk(x, 4), "write after read in one call: the earlier op read the new bytes")
+    check(p.block(p.lbuf, 4) == blk(x, 0), "write after read: wrong bytes in block 4")
+    # read after read into the same local bytes: the later read wins
+    r = fill(p.rbuf, 7)
+    p.lbuf.write(0, bytes(SIZE))
+    p.conn.batch_read([(p.local, 0, p.remote, BLOCK, BLOCK), (p.local, 0, p.remote, 3 * BLOCK, BLOCK)]).wait(args.timeout)
+    check(p.block(p.lbuf, 0) == blk(r, 3), "two reads into the same bytes in one call: the earlier read won")
+    p.close()
+    print("overlap ok", flush=True)
+
+
+def stream(args, dev) -> None:
+    p = Pair(args, dev)
+    s = dev.stream()
+    src = pattern(8, SIZE)
+    fill(p.lbuf, 9)
+    stage = dev.buffer("ipc", SIZE)
+    stage.write(0, src)
+    p.rbuf.write(0, bytes(SIZE))
+    dev.delay(s, 0.3)
+    dev.copy_async(p.lbuf, 0, stage, 0, 16 * BLOCK, s)  # what the batch must copy is put there by the stream
+    p.write([(p.local, i * BLOCK, p.remote, (15 - i) * BLOCK, BLOCK) for i in range(16)], stream=s)
+    for i in range(16):
+        check(p.block(p.rbuf, 15 - i) == blk(src, i), f"a batch on a stream copied block {i} before the stream's work")
+    p.close()
+    print("stream ok", flush=True)
+
+
+def off(args, dev) -> None:
+    check(os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "off", "run with FLAGCX_MESH_CUDA_BATCH_COPY=off")
+    p = Pair(args, dev)
+    calls = Calls(dev)
+    reversed_writes(p, 32, 10, "32 writes, batch copies off")
+    expect_calls(calls, "batch copies off", cuMemcpyBatchAsync=0, cuMemcpyAsync=32, cuEventRecord=1)
+    p.close()
+    print("off ok", flush=True)
+
+
+def refused(args, dev) -> None:
+    p = Pair(args, dev)
+    calls = Calls(dev)
+    reversed_writes(p, 32, 11, "32 writes, the batch call refused")
+    expect_calls(calls, "a refused batch call", cuMemcpyBatchAsync=1, cuMemcpyAsync=32, cuEventRecord=1)
+    reversed_writes(p, 32, 12, "32 more writes")
+    expect_calls(calls, "after a refused batch call", cuMemcpyBatchAsync=0, cuMemcpyAsync=32)
+    p.close()
+    print("refused ok", flush=True)
+
+
+def main() -> None:
+    roles = {"batched": batched, "overlap": overlap, "stream": stream, "off": off, "refused": refused}
+    ap = argparse.ArgumentParser()
+    ap.add_argument("scenario", choices=[*roles, "all"])
+    ap.add_argument("--device", choices=["fake", "torch"], default="fake")
+    ap.add_argument("--timeout", type=float, default=30.0)
+    args = ap.parse_args()
+    dev = make_device(args.device)
+    for name in (["batched", "overlap", "stream"] if args.scenario == "all" else [args.scenario]):
+        roles[name](args, dev)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,45 @@
+"""An agent call's device copies issued together (transport/cuda/copy_batch.h) on the fake CUDA
+driver, whose cuMemcpyBatchAsync runs the copies of one call last to first: one batch call and
+one event for a call of plain device writes; ops that touch each other's bytes keep their order
+(write after write, read after write, write after read, two reads into the same bytes); a batch
+on a busy stream waits for it; FLAGCX_MESH_CUDA_BATCH_COPY=off and a refused batch call copy one
+op at a time with the same bytes. Each scenario is a process of tests/agent_batch_prog.py; the
+same scenarios run with CUDA tensors on a real GPU from scripts/test-gpu.sh."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+import fakecuda
+import gpujobs
+from meshutil import finish_prog, spawn_prog
+
+pytestmark = pytest.mark.timeout(120)
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROG = os.path.join(HERE, "agent_batch_prog.py")
+
+
+def run(scenario, **extra):
+    env = gpujobs.job_env(fakecuda.env(granularity=64 << 10),
+                          ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_CUDA_BATCH_COPY", "FXM_FAKECUDA_FAIL"), **extra)
+    p = spawn_prog(PROG, scenario, "--timeout", 20, env=env, cwd=HERE)
+    out, err = finish_prog(p, timeout=90, what=scenario, ok=f"{scenario} ok")
+    return out + err
+
+
+@pytest.mark.parametrize("scenario", ["batched", "overlap", "stream"])
+def test_one_call_of_device_copies(scenario):
+    run(scenario)
+
+
+def test_batch_copies_off_copy_one_op_at_a_time():
+    run("off", FLAGCX_MESH_CUDA_BATCH_COPY="off")
+
+
+def test_a_refused_batch_call_falls_back_to_one_copy_per_op_and_says_so():
+    out = run("refused", FXM_FAKECUDA_FAIL="cuMemcpyBatchAsync=801")
+    assert "cuMemcpyBatchAsync of 32 device copies failed" in out and "one at a time" in out, out
+    assert out.count("cuMemcpyBatchAsync of") == 1, out  # said once
