@@ -34,7 +34,13 @@ VLLM_PIN=vllm==0.33.0     # the vLLM the connector (flagcx_mesh.vllm) is built f
 VLLM_VENV=${FXM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-vllm-0.33.0}
 failed=()
 
-step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+# Each step line shows the CPU (user + sys) this script's finished children used so far (a job
+# in the background counts once it was waited for), so each stage's share can be read off.
+cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet)
+    times > build/.times 2>/dev/null || return 0
+    awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
+                   printf ", CPU so far %.0f s", n }' build/.times; }
+step() { printf '\n== %s (%s' "$1" "$(date +%T)"; cpu_so_far; printf ')\n'; }
 die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
 make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
