@@ -37,7 +37,7 @@ failed=()
 # Each step line shows the CPU (user + sys) this script's finished children used so far (a job
 # in the background counts once it was waited for), so each stage's share can be read off.
 cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet)
-    times > build/.times 2>/dev/null || return 0
+    [ -d build ] && times > build/.times || return 0
     awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
                    printf ", CPU so far %.0f s", n }' build/.times; }
 step() { printf '\n== %s (%s' "$1" "$(date +%T)"; cpu_so_far; printf ')\n'; }
@@ -56,7 +56,7 @@ mkdir -p build
 toml_list() {  # toml_list TABLE.KEY...: a list of pyproject.toml, one item a line (nothing without tomllib)
     "$PYTHON" -c 'import sys, tomllib; d = tomllib.load(open("pyproject.toml", "rb"))
 for k in sys.argv[1].split("."): d = d[k]
-print(*d, sep="\n")' "$1" 2>/dev/null
+print(*d, sep="\n")' "$1" 2>/dev/null | sed '/^$/d'
 }
 # torch (the largest install) goes into the main venv while the wheel compiles, and so do the
 # test extras' own dependencies (where this Python has no tomllib, the install after the build
@@ -79,7 +79,7 @@ mapfile -t BUILD_REQS < <(toml_list build-system.requires)
 { [ -x "$BUILD_VENV/bin/python" ] || "$PYTHON" -m venv "$BUILD_VENV"; } \
     && timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}" \
     && mapfile -t MORE_REQS < <("$BUILD_VENV/bin/python" -c 'from scikit_build_core.build import get_requires_for_build_wheel as g
-print(*g(), sep="\n")') \
+print(*g(), sep="\n")' | sed '/^$/d') \
     && { [ ${#MORE_REQS[@]} -eq 0 ] || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${MORE_REQS[@]}"; } \
     || die "installing the build requirements into $BUILD_VENV failed"
 BUILD_ENV=() CACHE_FLAGS=()
