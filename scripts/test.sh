@@ -141,7 +141,8 @@ step "pytest (main suite, the serial files alone)"
 # Without arguments, the serial files by name (tests/conftest.py's SERIAL_FILES): pytest then
 # collects those alone, not the whole suite (~6 s of CPU) to keep them.
 SERIAL=()
-[ $# -gt 0 ] || mapfile -t SERIAL < <(cd tests && "$VENV/bin/python" -c 'import conftest; print(*sorted(conftest.SERIAL_FILES), sep="\n")' | sed 's|^|tests/|')
+[ $# -gt 0 ] || mapfile -t SERIAL < <("$VENV/bin/python" -c 'import sys; sys.path.insert(0, "tests"); import conftest
+print(*sorted("tests/" + f for f in conftest.SERIAL_FILES), sep="\n")')
 main_suite "main suite (serial files)" -m serial "${SERIAL[@]}" "$@"
 
 step "FlagCX check: integrations/flagcx/check/check.sh 8 20"
