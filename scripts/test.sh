@@ -43,10 +43,22 @@ cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no c
 step() { printf '\n== %s (%s' "$1" "$(date +%T)"; cpu_so_far; printf ')\n'; }
 die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
+have_pins() {  # have_pins PYTHON NAME[==VERSION]...: each one installed there (at that version)
+    "$1" -c 'import sys, importlib.metadata as m
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    if m.version(name) != (want or m.version(name)): sys.exit(1)' "${@:2}" 2>/dev/null
+}
 make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
-    local dir=$1; shift    # (INSTALL_TIMEOUT: seconds the packages may take, default 900)
+    local dir=$1; shift    # (INSTALL_TIMEOUT: seconds the packages may take, default 900;
+    # REUSE_PINS=1: a venv that already holds each package at its pin is not handed to pip, whose
+    # check of vLLM's whole dependency tree took ~17 s of CPU and 20-40 s on 2 cores)
     [ -x "$dir/bin/python" ] || { mkdir -p "$(dirname "$dir")" && "$PYTHON" -m venv "$dir"; } || return 1
-    timeout "${INSTALL_TIMEOUT:-900}" "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
+    if [ "${REUSE_PINS:-0}" = 1 ] && have_pins "$dir/bin/python" "$@"; then
+        echo "($dir already holds $*)"
+    else
+        timeout "${INSTALL_TIMEOUT:-900}" "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
+    fi
     timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEEL"
 }
 
@@ -171,7 +183,7 @@ if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     dir=$VLLM_VENV
     step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
     t0=$SECONDS
-    if INSTALL_TIMEOUT=1800 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
+    if INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
         echo "($dir ready in $((SECONDS - t0)) s)"
         step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
         FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
