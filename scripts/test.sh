@@ -6,6 +6,7 @@
 # Stages (each bounded by a timeout; a hang fails the run):
 #   1. build the flagcx_mesh wheel once (.whl/), and in the same build the test doubles, which
 #      the wheel does not hold (build/test-doubles: tests/testdoubles.py finds them)
+#      (in .venv-build, through ccache: ~/.cache/flagcx_mesh/ccache, FXM_CCACHE=0 builds without it)
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
@@ -20,7 +21,7 @@
 #   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
 #      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
-# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6.
+# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
