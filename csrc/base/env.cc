@@ -4,6 +4,10 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <string>
+
+#include <unistd.h>
 
 #include "base/status.h"
 
@@ -51,6 +55,23 @@ void require_valid_env() {
 std::string transport_env() {
   const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
   return s ? s : "";
+}
+
+int default_tcp_lanes() {
+  long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  return static_cast<int>(std::min<long>(4, std::max<long>(1, cores / 2)));
+}
+
+int tcp_lanes() {
+  const char* s = std::getenv("FLAGCX_MESH_TCP_LANES");
+  if (s == nullptr || *s == '\0') return default_tcp_lanes();
+  char* end = nullptr;
+  long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 1 || v > kMaxTcpLanes) {
+    fail(Code::kInvalidArgument, -1, 0, std::string("FLAGCX_MESH_TCP_LANES=") + s + ": not a whole number from 1 to " +
+                                            std::to_string(kMaxTcpLanes));
+  }
+  return static_cast<int>(v);
 }
 
 std::string cuda_path_env() {

@@ -83,6 +83,19 @@ struct Engine::InConn {
   }
 };
 
+inline wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {
+  wire::PutHeader h;
+  h.dst_win = dst_win;
+  h.dst_off = dst_off;
+  if (sig.on) {
+    h.flags = wire::kPutHasSignal | (sig.set ? wire::kPutSignalSet : 0);
+    h.sig_win = sig.win;
+    h.sig_slot = sig.slot;
+    h.sig_val = sig.value;
+  }
+  return h;
+}
+
 template <typename T>
 inline std::vector<uint8_t> frame(wire::FrameType type, const T* op, uint64_t payload) {
   size_t oplen = op ? sizeof(T) : 0;

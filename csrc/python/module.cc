@@ -127,6 +127,7 @@ void bind_mesh(py::module_& m) {
       .def_property_readonly("rank", &Mesh::rank)
       .def_property_readonly("nranks", &Mesh::nranks)
       .def_property_readonly("contexts", &Mesh::contexts)
+      .def_property_readonly("tcp_lanes", &Mesh::tcp_lanes)
       .def_property_readonly("mesh_id", &Mesh::mesh_id_hex)
       .def_property_readonly("closed", &Mesh::closed)
       .def("describe", &Mesh::describe)

@@ -254,6 +254,11 @@ class Mesh:
         return self._core.contexts
 
     @property
+    def tcp_lanes(self) -> int:
+        """TCP connections per (peer, context): the smallest ``FLAGCX_MESH_TCP_LANES`` of all ranks."""
+        return self._core.tcp_lanes
+
+    @property
     def mesh_id(self) -> str:
         """The random 128-bit id of this mesh, as hex."""
         return self._core.mesh_id
