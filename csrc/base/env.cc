@@ -62,7 +62,7 @@ int default_tcp_lanes() {
   return static_cast<int>(std::min<long>(4, std::max<long>(1, cores / 2)));
 }
 
-int tcp_lanes() {
+int tcp_lanes_env() {
   const char* s = std::getenv("FLAGCX_MESH_TCP_LANES");
   if (s == nullptr || *s == '\0') return default_tcp_lanes();
   char* end = nullptr;

@@ -57,7 +57,7 @@ std::string transport_env();
 // FLAGCX_MESH_TCP_LANES as it is now: the tcp connections this rank offers per (peer, context),
 // 1..kMaxTcpLanes; unset or empty: default_tcp_lanes(). Throws InvalidArgument on another value.
 constexpr int kMaxTcpLanes = 16;
-int tcp_lanes();
+int tcp_lanes_env();
 // min(4, max(1, cores / 2)): 1 on 2 cores (one connection per pair, as before lanes), 4 from 8 cores.
 int default_tcp_lanes();
 // FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.

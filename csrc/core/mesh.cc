@@ -1,5 +1,6 @@
 #include "core/mesh.h"
 
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 
@@ -122,7 +123,7 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
 std::vector<tcp::SockAddr> Mesh::rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline) {
   boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline, epoch_);
   // The address, then the lanes this rank offers (the mesh uses the smallest offer).
-  uint32_t offer = static_cast<uint32_t>(tcp_lanes());
+  uint32_t offer = static_cast<uint32_t>(tcp_lanes_env());
   std::vector<uint8_t> mine(tcp::kWireAddrSize + sizeof(offer));
   tcp::addr_to_wire(listen_addr_, mine.data());
   std::memcpy(mine.data() + tcp::kWireAddrSize, &offer, sizeof(offer));
@@ -402,12 +403,29 @@ void Mesh::keep_for_streams() {
   kept_engine_ = engine_.get();
 }
 
+std::vector<int> Mesh::tcp_lane_ports(int peer, int ctx) const {
+  check_peer(peer, ctx, "tcp_lane_ports");
+  std::vector<int> ports;
+  for (int lane = 0; lane < lanes_; ++lane) {
+    size_t c = static_cast<size_t>(lane * nranks_ * contexts_ + peer * contexts_ + ctx);
+    sockaddr_storage a{};
+    socklen_t n = sizeof(a);
+    int port = -1;
+    if (c < conns_.send.size() && ::getsockname(conns_.send[c].get(), reinterpret_cast<sockaddr*>(&a), &n) == 0) {
+      port = ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&a)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+    }
+    ports.push_back(port);
+  }
+  return ports;
+}
+
 std::string Mesh::describe() const {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
-                "Mesh(rank %d of %d, contexts %d, mesh id %s, %s, built in %.1f ms, "
+                "Mesh(rank %d of %d, contexts %d, tcp lanes %d, mesh id %s, %s, built in %.1f ms, "
                 "%llu foreign connections rejected, %llu connect retries%s)",
-                rank_, nranks_, contexts_, mesh_id_hex().substr(0, 8).c_str(),
+                rank_, nranks_, contexts_, lanes_, mesh_id_hex().substr(0, 8).c_str(),
                 tcp::local_address_reason().c_str(), times_.total * 1e3,
                 static_cast<unsigned long long>(stats_.total_rejected()),
                 static_cast<unsigned long long>(stats_.connect_retries), closed_ ? ", closed" : "");

@@ -52,6 +52,9 @@ class Mesh {
   int nranks() const { return nranks_; }
   int contexts() const { return contexts_; }
   int tcp_lanes() const { return lanes_; }  // connections per (peer, context) (FLAGCX_MESH_TCP_LANES)
+  // Diagnostics (tests pick one lane's socket by it): the local port of this rank's send
+  // connection to (peer, ctx) on each lane, lane 0 first.
+  std::vector<int> tcp_lane_ports(int peer, int ctx) const;
   const PhaseTimes& times() const { return times_; }
   const BuildStats& stats() const { return stats_; }
   std::string mesh_id_hex() const { return wire::mesh_id_hex(mesh_id_); }
