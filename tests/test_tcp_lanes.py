@@ -171,25 +171,29 @@ def test_a_later_small_put_to_the_same_bytes_wins_and_the_signal_sees_both(lanes
 
 
 def test_stripes_that_overtake_their_first_part_wait_for_it(lanes4):
-    """A 24 MiB message on lane 0 holds back the first part of the striped put_signal queued
-    after it, so its stripes (lanes 1-3) arrive first; the put still lands after the message
-    (which the target receives afterwards, whole) and its signal sees all its bytes."""
-    size, msg_len = 6 * MIB + 3, 24 * MIB
+    """A 24 MiB message on lane 0 holds back a small put B (into the last quarter of the
+    window) and the first part of the striped put_signal of A over the whole window queued
+    after it, so A's stripes (lanes 1-3) arrive first. They must wait for B: the waiter sees A
+    everywhere (stripes landed on arrival would be overwritten by the earlier B), and the
+    message arrives whole."""
+    size, msg_len, small = 6 * MIB + 3, 24 * MIB, 4096
+    at = size - 2 * small
 
     def body(r):
         m = lanes4[r]
         dst = m.register_window(np.zeros(size, np.uint8))
         m.signal_window(2)
-        src = m.register_window(pattern(size, 20))
+        a, b = (m.register_window(pattern(size, seed)) for seed in (20, 21))
         m.barrier(timeout=30)
         for i in range(1, 4):
             if r == 0:
                 m.send(1, pattern(msg_len, i).tobytes())
-                m.put_signal(1, src, 0, dst, 0, size, 0, 1)
+                m.put(1, b, at, dst, at, small)
+                m.put_signal(1, a, 0, dst, 0, size, 0, 1)
                 m.flush(timeout=OP_TIMEOUT)
             else:
                 m.wait_signal(0, i, timeout=OP_TIMEOUT)
-                assert np.array_equal(np.frombuffer(dst.buffer, np.uint8), pattern(size, 20))
+                assert np.array_equal(np.frombuffer(dst.buffer, np.uint8), pattern(size, 20)), i
                 assert m.recv(0, timeout=OP_TIMEOUT) == pattern(msg_len, i).tobytes()
                 np.frombuffer(dst.buffer, np.uint8)[:] = 0
             m.barrier(timeout=30)
