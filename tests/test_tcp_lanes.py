@@ -253,6 +253,22 @@ def test_a_lane_killed_mid_op_fails_both_sides_with_peer_lost_naming_the_peer(la
     run_threads(2, body, timeout=60)
 
 
+def test_the_default_fits_the_cores(monkeypatch):
+    """Unset: min(4, max(1, cores / 2)) lanes (this suite's fd limit is far above the cap)."""
+    import resource
+    monkeypatch.delenv("FLAGCX_MESH_TCP_LANES", raising=False)
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    cores = os.sysconf("SC_NPROCESSORS_ONLN")
+    want = min(4, max(1, cores // 2))
+    assert soft == resource.RLIM_INFINITY or soft // 2 // 4 >= want
+    meshes = thread_meshes(2)
+    try:
+        assert [m.tcp_lanes for m in meshes] == [want, want]
+    finally:
+        close_all(meshes)
+
+
 def test_a_value_out_of_range_fails_the_build_naming_the_variable(monkeypatch):
     monkeypatch.setenv("FLAGCX_MESH_TCP_LANES", "17")
     uid = flagcx_mesh.get_unique_id()

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <string>
 
+#include <sys/resource.h>
 #include <unistd.h>
 
 #include "base/status.h"
@@ -57,14 +58,20 @@ std::string transport_env() {
   return s ? s : "";
 }
 
-int default_tcp_lanes() {
+int default_tcp_lanes(uint64_t sockets_per_lane) {
   long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
-  return static_cast<int>(std::min<long>(4, std::max<long>(1, cores / 2)));
+  uint64_t lanes = static_cast<uint64_t>(std::min<long>(4, std::max<long>(1, cores / 2)));
+  rlimit fds{};
+  if (sockets_per_lane > 0 && ::getrlimit(RLIMIT_NOFILE, &fds) == 0 && fds.rlim_cur != RLIM_INFINITY) {
+    uint64_t fit = static_cast<uint64_t>(fds.rlim_cur) / 2 / sockets_per_lane;  // half the fds at most
+    lanes = std::max<uint64_t>(1, std::min(lanes, fit));
+  }
+  return static_cast<int>(lanes);
 }
 
-int tcp_lanes_env() {
+int tcp_lanes_env(uint64_t sockets_per_lane) {
   const char* s = std::getenv("FLAGCX_MESH_TCP_LANES");
-  if (s == nullptr || *s == '\0') return default_tcp_lanes();
+  if (s == nullptr || *s == '\0') return default_tcp_lanes(sockets_per_lane);
   char* end = nullptr;
   long v = std::strtol(s, &end, 10);
   if (*end != '\0' || v < 1 || v > kMaxTcpLanes) {

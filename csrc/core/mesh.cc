@@ -123,7 +123,8 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
 std::vector<tcp::SockAddr> Mesh::rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline) {
   boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline, epoch_);
   // The address, then the lanes this rank offers (the mesh uses the smallest offer).
-  uint32_t offer = static_cast<uint32_t>(tcp_lanes_env());
+  // Per lane this rank holds a send and a receive connection per (peer, context).
+  uint32_t offer = static_cast<uint32_t>(tcp_lanes_env(2ull * nranks_ * contexts_));
   std::vector<uint8_t> mine(tcp::kWireAddrSize + sizeof(offer));
   tcp::addr_to_wire(listen_addr_, mine.data());
   std::memcpy(mine.data() + tcp::kWireAddrSize, &offer, sizeof(offer));
