@@ -24,7 +24,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
                uint64_t max_unreceived, double timeout_s)
     : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
-      stripe_seq_(total_), stripes_admitted_(total_), lane_seq_(total_ * lanes_), stripes_landed_(total_),
+      stripe_seq_(total_), stripes_admitted_(total_), stripes_landed_(total_), lane_seq_(total_ * lanes_),
       lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows),
       out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
@@ -39,7 +39,15 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
   }
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the progress thread");
-  thread_ = std::thread([this] { run(); });
+  try {
+    start_lane_workers();
+    thread_ = std::thread([this] { run(); });
+  } catch (...) {
+    stopping_ = true;
+    join_lane_workers();
+    ::close(wake_fd_);
+    throw;
+  }
 }
 
 Engine::~Engine() {
@@ -70,12 +78,12 @@ void Engine::enqueue(int s, OutItem&& item, Count counted) {
   if (idle && send_direct(s, item)) return;
   // The progress thread queues only from poll_once(), whose write_pending() sends it before the next
   // poll: waking itself through the eventfd would cost a write and an extra pass for nothing.
-  if (std::this_thread::get_id() != progress_tid_.load()) wake();
+  if (!owns_conn(s)) wake_conn(s);
 }
 
 bool Engine::send_direct(int s, OutItem& item) {
   std::unique_lock<std::mutex> writer(*write_mu_[s], std::try_to_lock);
-  if (!writer.owns_lock() || std::this_thread::get_id() == progress_tid_.load()) {
+  if (!writer.owns_lock() || owns_conn(s)) {
     std::lock_guard<std::mutex> lock(mu_);
     out_[s].push_back(std::move(item));
     return false;
@@ -298,6 +306,7 @@ void Engine::lose(int peer, const std::string& why) {
   }
   if (!stopping_) FXM_WARN(rank_, "peer " + std::to_string(peer) + " lost: " + why);
   cv_.notify_all();
+  wake_lanes();  // their queues to that peer are dropped (write_some)
 }
 
 // The thread never ends before stop(): what a peer's frames throw fails that
@@ -334,7 +343,7 @@ void Engine::write_guarded(int s) {
 void Engine::poll_once() {
   std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
   std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
-  int total = total_ * lanes_;
+  int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
   bool copies = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -364,6 +373,7 @@ void Engine::poll_once() {
     ssize_t n = ::read(wake_fd_, &v, sizeof(v));
     (void)n;
   }
+  finish_landed_stripes();
   send_acks();
   write_pending();
 }
@@ -382,7 +392,7 @@ int Engine::copies_timeout_ms(bool copies) {
 }
 
 void Engine::write_pending() {
-  int total = total_ * lanes_;
+  int total = total_;  // lane 0
   for (int s = 0; s < total; ++s) {
     bool pending;
     {
@@ -464,6 +474,7 @@ void Engine::stop() {
   }
   wake();
   thread_.join();
+  join_lane_workers();
   cv_.notify_all();
 }
 

@@ -120,7 +120,22 @@ class Engine : public Outbox {
   void on_stripe_done(int c, InConn& in);
   bool striped_put_waits(int s, InConn& in);  // lane 0's part landed: true while stripes are missing
   void finish_striped(int s);
-  bool lane_readable(int c) const;  // with mu_ held: polled for reading now
+  void finish_landed_stripes();  // progress thread: applies the held puts whose stripes all landed
+  bool lane_readable(int c) const;  // with mu_ held, by c's thread: polled for reading now
+  // Lane workers: with lanes_ > 1, worker k - 1 is the only thread that writes and reads the
+  // connections of lane k (of every slot), so the kernel copies of the lanes run side by side;
+  // the progress thread keeps lane 0 and applies striped puts (their signal, their ack).
+  struct LaneWorker;
+  std::vector<std::unique_ptr<LaneWorker>> lane_workers_;
+  void start_lane_workers();  // before the progress thread starts; throws, with none left running
+  void join_lane_workers();   // stopping_ is set
+  void run_lane(LaneWorker& w);
+  void poll_lane(LaneWorker& w);
+  void wake_lane(int lane);  // lane 0: the progress thread
+  void wake_lanes();         // every lane worker (not the progress thread)
+  void wake_conn(int c) { wake_lane(lane_of(c)); }
+  bool owns_conn(int c) const;  // the calling thread is connection c's thread
+  uint8_t* discard_for(int c, size_t* size);  // the sink for dropped payload bytes of connection c's thread
   enum class Count { kNone, kPut, kGet };  // what an item counts as (puts are acked, gets answered)
   void enqueue(int s, OutItem&& item, Count counted);
   // Writes an item straight from the calling thread when its queue is empty
@@ -190,12 +205,15 @@ class Engine : public Outbox {
   int rank_, nranks_, ncontexts_;
   int total_;  // slots: nranks_ * ncontexts_
   int lanes_;  // connections per slot (Connections holds lanes_ * total_ of each kind)
-  std::vector<uint64_t> stripe_seq_;      // per slot (initiator): striped puts queued
-  std::vector<uint64_t> stripes_admitted_;  // per slot (target): striped puts whose lane-0 part was read
-  std::vector<uint64_t> lane_seq_;        // per connection (target): the number of the last stripe read on it
-  std::vector<int> stripes_landed_;       // per slot (target): stripes of the current striped put landed
-  std::vector<bool> lane0_held_;          // per slot (target): lane 0 waits for stripes
-  std::vector<std::string> stripe_refused_;  // per slot (target): why a stripe of the current put was dropped
+  std::vector<uint64_t> stripe_seq_;      // per slot (initiator, under mu_): striped puts queued
+  // Per slot (target). Striped puts whose lane-0 part was read: the progress thread adds, lane
+  // workers read (a stripe numbered above it waits). Stripes landed, over all lanes and puts:
+  // workers add, the progress thread reads (put n is whole once it reaches n * (lanes_ - 1)).
+  std::vector<std::atomic<uint64_t>> stripes_admitted_, stripes_landed_;
+  std::vector<uint64_t> lane_seq_;        // per connection (target, its thread): the last stripe read on it
+  std::vector<bool> lane0_held_;          // per slot (target, progress thread): lane 0 waits for stripes
+  std::vector<int> held_;                 // progress thread: the slots whose lane 0 waits
+  std::vector<std::string> stripe_refused_;  // per slot (target, under mu_): why a stripe of the current put was dropped
   Connections* conns_;
   WindowTable* windows_;
   int wake_fd_ = -1;

@@ -2,8 +2,12 @@
 // thread, connections, counters) and progress_ops.cc (one-sided frames).
 #pragma once
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -80,6 +84,18 @@ struct Engine::InConn {
     entered = nullptr;
     refused.clear();
     std::vector<uint8_t>().swap(msg);
+  }
+};
+
+// The thread of lane `lane` (>= 1): polls `wake_fd` and that lane's connections of every slot.
+struct Engine::LaneWorker {
+  int lane = 0;
+  int wake_fd = -1;
+  std::thread thread;
+  std::atomic<std::thread::id> tid{};  // the thread's id, once it runs (read by any thread)
+  std::vector<uint8_t> discard = std::vector<uint8_t>(1 << 16);  // its sink for dropped payloads (never read)
+  ~LaneWorker() {
+    if (wake_fd >= 0) ::close(wake_fd);
   }
 };
 

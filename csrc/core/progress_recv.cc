@@ -33,7 +33,9 @@ void Engine::read_some(int s) {
   int fd = conns_->recv[s].get();
   size_t budget = 8u << 20;  // then let other connections have a turn
   while (budget > 0 && !in.closed) {
-    if (s < total_ ? lane0_held_[s] : in.st == InConn::kPayload && lane_seq_[s] > stripes_admitted_[base_slot(s)]) {
+    if (s < total_ ? lane0_held_[s]
+                   : in.st == InConn::kPayload &&
+                         lane_seq_[s] > stripes_admitted_[base_slot(s)].load(std::memory_order_acquire)) {
       return;  // waits for the other lanes (progress_lanes.cc)
     }
     uint8_t* where;
@@ -45,8 +47,9 @@ void Engine::read_some(int s) {
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
       where = landing_spot(in, &want);
       if (!where) {
-        where = discard_.data();
-        want = std::min(want, discard_.size());
+        size_t sink = 0;
+        where = discard_for(s, &sink);
+        want = std::min(want, sink);
       }
     } else {
       where = in.buf + in.got;
