@@ -313,3 +313,50 @@ def test_mismatched_offers_take_the_smallest(tmp_path):
     assert p.returncode == 0, out[-4000:]
     lines = sorted(ln[ln.index("LANES"):] for ln in out.splitlines() if "LANES" in ln)
     assert lines == ["LANES rank 0: 2 2", "LANES rank 1: 2 2"], out[-4000:]
+
+
+LANES_PROG = os.path.join(HERE, "lanes_prog.py")
+
+
+def run_pair(tmp_path, *flags, lanes=4, env_extra=None, timeout=90):
+    """tests/lanes_prog.py as two processes (not under the launcher, which would stop the
+    survivor when one dies); returns their RESULT dicts (None for a rank that printed none)
+    and outputs."""
+    import json
+    from meshutil import finish_prog, spawn_prog, subprocess_env
+
+    env = subprocess_env(dict(FLAGCX_MESH_TRANSPORT="tcp", FLAGCX_MESH_TCP_LANES=str(lanes), **(env_extra or {})))
+    uid = tmp_path / "uid"
+    procs = [spawn_prog(LANES_PROG, "--rank", r, "--uid-file", uid, "--lanes", lanes, *flags,
+                        *(["--make-uid"] if r == 0 else []), env=env, cwd=HERE) for r in (0, 1)]
+    results, outs = [], []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            out, err = p.communicate()
+            pytest.fail(f"rank did not finish in {timeout} s (a hang):\n{out[-3000:]}\n{err[-3000:]}")
+        lines = [ln for ln in out.splitlines() if ln.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else None)
+        outs.append((p.returncode, out[-3000:] + err[-3000:]))
+    return results, outs
+
+
+@pytest.mark.parametrize("victim", ["initiator", "target"])
+def test_a_peer_killed_mid_striped_put_fails_the_other_with_peer_lost_naming_it(tmp_path, victim):
+    """Rank 0 queues 8 striped puts of 32 MiB (the last a put_signal) over 4 lanes; the
+    initiator is SIGKILLed right after queuing them, or the target once their first bytes
+    landed. The survivor's wait (rank 1's wait_signal, rank 0's flush) fails with PeerLost
+    naming the dead rank within its timeout, and rank 1 never sees the signal of puts cut short."""
+    flag = "--die-after-queue" if victim == "initiator" else "--die-on-bytes"
+    results, outs = run_pair(tmp_path, flag, "--size", 32 * MIB, "--op-timeout", OP_TIMEOUT)
+    dead, alive = (0, 1) if victim == "initiator" else (1, 0)
+    assert outs[dead][0] == -9, outs[dead]
+    r = results[alive]
+    assert r is not None, outs[alive]
+    assert not r["ok"] and r["type"] == "PeerLost", r
+    assert r["peer"] == dead and f"peer {dead}" in r["message"], r
+    if alive == 1:
+        assert r["signal"] == 0, r
