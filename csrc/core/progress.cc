@@ -306,6 +306,15 @@ void Engine::lose(int peer, const std::string& why) {
   }
   if (!stopping_) FXM_WARN(rank_, "peer " + std::to_string(peer) + " lost: " + why);
   cv_.notify_all();
+  if (lanes_ > 1) {
+    // One lane's failure is seen here only: the peer's other lanes may wait for this rank's
+    // lane 0 (a stripe for its first part, or the reverse), which sends nothing more now. Its
+    // reads of every connection from this rank then end (its frames sent so far first), and it
+    // loses this rank in turn rather than waiting out its timeout.
+    for (int c = base_slot(slot(peer, 0)); c < total_ * lanes_; c += total_) {
+      for (int ctx = 0; ctx < ncontexts_; ++ctx) ::shutdown(conns_->send[c + ctx].get(), SHUT_WR);
+    }
+  }
   wake_lanes();  // their queues to that peer are dropped (write_some)
 }
 

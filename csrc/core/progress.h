@@ -122,6 +122,9 @@ class Engine : public Outbox {
   void finish_striped(int s);
   void finish_landed_stripes();  // progress thread: applies the held puts whose stripes all landed
   bool lane_readable(int c) const;  // with mu_ held, by c's thread: polled for reading now
+  // A lane whose stripe waits for lane 0 is polled for its peer's close only: when the rest of
+  // that stripe is not in its buffer, it can never complete, and the peer is lost now.
+  void on_waiting_close(int c);
   // Lane workers: with lanes_ > 1, worker k - 1 is the only thread that writes and reads the
   // connections of lane k (of every slot), so the kernel copies of the lanes run side by side;
   // the progress thread keeps lane 0 and applies striped puts (their signal, their ack).

@@ -63,6 +63,7 @@ struct Engine::InConn {
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
   bool closed = false;
+  bool hup = false;  // a lane whose stripe waits for lane 0 saw its peer's close (progress_lanes.cc)
   // The buffers go back to the staging pool, except those a copy up may still
   // read (a put cut short or timed out): those are deliberately kept.
   void release_stage() {

@@ -20,6 +20,8 @@
 // completes half.
 #include <poll.h>
 #include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/socket.h>
 
 #include <cerrno>
 #include <chrono>
@@ -218,6 +220,21 @@ uint8_t* Engine::discard_for(int c, size_t* size) {
   return sink.data();
 }
 
+void Engine::on_waiting_close(int c) {
+  InConn& in = *in_[c];
+  if (in.st != InConn::kPayload || lane_seq_[c] <= stripes_admitted_[base_slot(c)].load(std::memory_order_acquire)) {
+    return;  // admitted meanwhile: read_some() reads on, and sees the close after the stripe
+  }
+  in.hup = true;  // reported at every poll from now on: not polled for it again
+  int buffered = 0;
+  if (::ioctl(conns_->recv[c].get(), FIONREAD, &buffered) != 0) buffered = 0;
+  if (static_cast<uint64_t>(buffered) >= in.remaining) return;  // the stripe is whole: read once admitted
+  in.closed = true;
+  lose(peer_of(c), "its connection" + conn_name(c) + " closed before its goodbye, " +
+                       std::to_string(in.remaining - static_cast<uint64_t>(buffered)) +
+                       " bytes short of the stripe it was sending");
+}
+
 // Like run(): a worker never ends before stop(); what a peer's frames throw fails that peer.
 void Engine::run_lane(LaneWorker& w) {
   w.tid.store(std::this_thread::get_id());
@@ -245,13 +262,17 @@ void Engine::poll_lane(LaneWorker& w) {
       if (lane_readable(c)) {  // else closed, or its stripe waits for lane 0
         fds.push_back({conns_->recv[c].get(), POLLIN, 0});
         owner.push_back(-2 - c);
+      } else if (!in_[c]->closed && !in_[c]->hup) {  // waits: a close is still seen (on_waiting_close)
+        fds.push_back({conns_->recv[c].get(), POLLRDHUP, 0});
+        owner.push_back(-2 - c);
       }
     }
   }
   ::poll(fds.data(), fds.size(), 100);
   for (size_t k = 1; k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
-    if (owner[k] <= -2) read_guarded(-2 - owner[k]);
+    if (owner[k] <= -2 && fds[k].events == POLLRDHUP) on_waiting_close(-2 - owner[k]);
+    else if (owner[k] <= -2) read_guarded(-2 - owner[k]);
     else write_guarded(owner[k]);
   }
   if (fds[0].revents) {
