@@ -116,6 +116,13 @@ def main() -> int:
                 if not np.array_equal(back, pattern(a.size, a.count)):
                     raise AssertionError("the get back differs")
             m.barrier(timeout=a.op_timeout)
+            # Neither leaves before the other is past the barrier: rank 0 hosts the bootstrap root,
+            # and over a lossy link its exit could reset rank 1's barrier reply still in flight.
+            if a.rank == 1:
+                m.signal(0, 1, 1)
+                m.flush(timeout=a.op_timeout)  # rank 0 applied it
+            else:
+                m.wait_signal(1, a.count + 1, timeout=a.op_timeout)
             out.update(ok=True, lanes=m.tcp_lanes)
     except MeshError as e:
         out.update(ok=False, type=type(e).__name__, peer=getattr(e, "peer", None), message=str(e))
