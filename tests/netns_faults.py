@@ -99,27 +99,60 @@ def one_build(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: floa
                 cmd.append("--make-uid")
             procs.append(subprocess.Popen(cmd, env=subprocess_env({"FLAGCX_MESH_IFNAME": ifname}), text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        while not os.path.exists(uid_file) and time.monotonic() - t0 < 20:
-            time.sleep(0.005)
-        if blackhole > 0:  # the root is up and rank 0 is in the build: the link dies for a while
-            set_drop(hosts, 100)
-            time.sleep(blackhole)
-            set_drop(hosts, loss)
-        results = []
-        for p in procs:
-            try:
-                out, err = p.communicate(timeout=timeout + 30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-                out, err = p.communicate()
-                results.append({"ok": False, "hung": True, "message": err[-500:]})
-                continue
-            lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
-            res = json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "message": err[-500:]}
-            results.append(res)
+        # the root is up and rank 0 is in the build: the link dies for a while
+        return _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, 0.0, timeout + 30)
+
+
+def _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, settle, bound) -> List[dict]:
+    """Once the uid file exists (and `settle` s more), every packet dropped for `blackhole` s,
+    then `loss` % again; then every process's RESULT (one killed at `bound` s says "hung")."""
+    while not os.path.exists(uid_file) and time.monotonic() - t0 < 20:
+        time.sleep(0.005)
+    if blackhole > 0:
+        time.sleep(settle)
+        set_drop(hosts, 100)
+        time.sleep(blackhole)
+        set_drop(hosts, loss)
+    results = []
+    for p in procs:
+        try:
+            out, err = p.communicate(timeout=bound)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            out, err = p.communicate()
+            results.append({"ok": False, "hung": True, "message": err[-500:]})
+            continue
+        lines = [l for l in out.splitlines() if l.startswith("RESULT ")]
+        results.append(json.loads(lines[-1][len("RESULT "):]) if lines else {"ok": False, "message": err[-500:]})
     for res in results:
         res["wall"] = time.monotonic() - t0
     return results
+
+
+LANES_PROG = os.path.join(HERE, "lanes_prog.py")
+
+
+def one_transfer(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: float, lanes: int = 4,
+                 size: int = 4 << 20, count: int = 3) -> List[dict]:
+    """Rank 0 on A, rank 1 on B (tests/lanes_prog.py): `count` striped put_signals of `size`
+    bytes over `lanes` tcp lanes, each checked byte for byte, then a get back; `loss` % of the
+    packets dropped all along, and (blackhole > 0) every packet dropped for that long once
+    both processes run. Returns both ranks' RESULT (plus "wall")."""
+    set_drop(hosts, loss)
+    with tempfile.TemporaryDirectory() as tmp:
+        uid_file = os.path.join(tmp, "uid")
+        procs, t0 = [], time.monotonic()
+        for rank, (ns, ifname, _) in enumerate((hosts["A"], hosts["B"])):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, LANES_PROG, "--rank", str(rank), "--uid-file", uid_file,
+                   "--lanes", str(lanes), "--size", str(size), "--count", str(count), "--timeout", str(timeout),
+                   "--op-timeout", str(timeout)]
+            if rank == 0:
+                cmd.append("--make-uid")
+            env = subprocess_env({"FLAGCX_MESH_IFNAME": ifname, "FLAGCX_MESH_TRANSPORT": "tcp",
+                                  "FLAGCX_MESH_TCP_LANES": str(lanes)})
+            procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        # after 0.5 s the build is done or nearly: the link dies under the transfer
+        return _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, 0.5, 3 * timeout + 30)
 
 
 def verdict(results: List[dict], timeout: float) -> str:

@@ -52,6 +52,21 @@ def test_a_short_run_prints_figures_for_every_path(tmp_path):
     assert re.search(r"^host: shm run: \d+ CPUs, load average [0-9.]+ before it, tcp run: ", p.stdout, re.M), p.stdout
 
 
+def test_the_table_keeps_its_columns_with_a_p99_of_seconds(capsys):
+    """A loaded host gave a p99 of 15351.81 us: the figure ran into the slash ("99.89 /15351.81")."""
+    import argparse
+    from flagcx_mesh.bench import latency as lat
+
+    f = {"min_us": 5.0, "median_us": 99.89, "p99_us": 15351.81}
+    run = {"results": {t: dict(f) for t in ("put_signal", "socket", "put_flush", "socket_ack")},
+           "cpus": 2, "load_before": 7.9, "data_path": "tcp", "signal_path": "tcp"}
+    lat._report({"tcp": run}, argparse.Namespace(iters=200, warmup=20))
+    out = capsys.readouterr().out
+    number = r"\s+[0-9.]+ /\s+[0-9.]+"
+    for test in ("put_signal 8 B one way", "put_flush 4 KiB blocking"):
+        assert re.search(rf"^\s+tcp\s+{test}{number}{number}\s+[0-9.]+x /\s*[0-9.]+x$", out, re.M), out
+
+
 def test_bad_arguments_are_refused(tmp_path):
     p = subprocess.run([PY, "-m", "flagcx_mesh.bench", "latency", "--transports", "cma"], env=subprocess_env(),
                        cwd=REPO_ROOT, capture_output=True, text=True, timeout=60)

@@ -194,8 +194,9 @@ import select
 def forge_all(mesh, peer, data):
     # forge() for more bytes than a socket buffer takes: writes as the connection drains
     port = share_ports(mesh)[peer]
-    fd = [fd for fd, _, p in sockets() if p == port]
-    assert len(fd) == 1, (port, sockets())
+    lane0 = mesh.tcp_lane_ports(peer, 0)[0]  # with tcp lanes: lane 0, which carries every frame but stripes
+    fd = [fd for fd, local, p in sockets() if p == port and local == lane0]
+    assert len(fd) == 1, (port, lane0, sockets())
     view = memoryview(data)
     while view:
         select.select([], [fd[0]], [], 30)

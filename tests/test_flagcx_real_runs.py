@@ -100,3 +100,68 @@ def test_no_configuration_passing_is_said(tmp_path):
     s = run_stage(tmp_path, FXM_REAL_VARIANTS="baseline")["summary.txt"]
     assert "variants: none passed flagcxCommInitRank on 2 ranks" in s
     assert "== probe-4" not in s
+
+
+# The perf stage's stand-ins: an mpiexec that starts its 2 ranks with PMI_RANK set, and FlagCX's
+# test_one_side_register that skips (as it does without IB) only in the environment the runs'
+# configuration sets per rank, and hangs with FLAGCX_VMM_ENABLE=0 (to show the bound).
+FAKE_MPIEXEC = r"""#!/bin/bash
+[ "$1" = -launcher ] && [ "$2" = fork ] && [ "$3" = -n ] || { echo "fake mpiexec: unexpected $*"; exit 9; }
+n=$4; shift 4
+for r in $(seq 0 $((n - 1))); do PMI_RANK=$r "$@" & done
+wait
+"""
+FAKE_PERF = r"""#!/bin/bash
+r=$PMI_RANK
+echo "flagcx log of rank $r" >"$FLAGCX_DEBUG_FILE"
+[ "${FLAGCX_VMM_ENABLE:-1}" = 0 ] && exec sleep 60
+if [ "${FLAGCX_HOSTID:-}" != "fxmhost$r" ] || [ "${FLAGCX_CLUSTER_SPLIT_LIST:-}" != 2 ]; then
+  echo "WARN Duplicate GPU detected" >>"$FLAGCX_DEBUG_FILE"
+  echo "[rank $r] FATAL: flagcxCommInitRank (comm1) failed (err=3)"; exit 1
+fi
+[ "$r" = 0 ] && echo "[test] comm1=0x1  comm2=0x2 args $*"
+[ "$r" = 0 ] && echo "[SKIP] flagcxCommWindowRegister returned NotSupported; set FLAGCX_USE_HETERO_COMM=1 and ensure IB net adaptor."
+exit 0
+"""
+
+
+@pytest.mark.timeout(150)
+def test_the_perf_stage_runs_flagcx_own_program_under_mpi_bounded(tmp_path):
+    tree, work = work_folder(tmp_path)
+    mpi = tmp_path / "mpi"
+    for d in ("include", "lib", "bin"):
+        (mpi / d).mkdir(parents=True)
+    (mpi / "include" / "mpi.h").write_text("")
+    (mpi / "lib" / "libmpi.so").write_text("")
+    (mpi / "bin" / "mpiexec").write_text(FAKE_MPIEXEC)
+    (work / "perf" / "bin").mkdir(parents=True)
+    (work / "perf" / "bin" / "perf_one_side_register").write_text(FAKE_PERF)
+    for f in (mpi / "bin" / "mpiexec", work / "perf" / "bin" / "perf_one_side_register"):
+        f.chmod(0o755)
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHON=sys.executable, STAGES="perf", FXM_REAL_WORK=str(work), FXM_MPI_HOME=str(mpi),
+               FXM_PERF_BOUND="3")
+    p = subprocess.run(["bash", BUILD_REAL, str(tree), str(out)], env=env, capture_output=True, text=True,
+                       timeout=120)
+    assert p.returncode == 0, p.stdout + p.stderr
+    s = (out / "summary.txt").read_text()
+    assert "perf: perf_one_side_register as before" in s
+    assert "== perf-vmm: exit 0" in s
+    assert "[SKIP] flagcxCommWindowRegister returned NotSupported" in s  # ranks had @R expanded
+    assert "== perf-cudamalloc: exit 124 (killed at the 3 s bound)" in s
+    perf = (out / "perf.txt").read_text()
+    assert "args -b 1K -e 4M -f 4 -w 2 -n 5 -R 2" in perf
+    assert "rank 1 flagcx: " not in perf.split("==== perf-cudamalloc")[0]  # no warning on the good run
+    assert "FLAGCX_VMM_ENABLE=0" in perf
+
+
+@pytest.mark.timeout(60)
+def test_the_perf_stage_without_mpi_says_so(tmp_path):
+    tree, work = work_folder(tmp_path)
+    out = tmp_path / "out"
+    env = {k: v for k, v in os.environ.items() if k not in ("FXM_MPI_HOME", "FXM_MPI_WHEEL")}
+    env.update(PYTHON=sys.executable, STAGES="perf", FXM_REAL_WORK=str(work))
+    p = subprocess.run(["bash", BUILD_REAL, str(tree), str(out)], env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "perf: skipped: no MPI (set FXM_MPI_HOME, or FXM_MPI_WHEEL to an mpich wheel)" in (out / "summary.txt").read_text()

@@ -38,6 +38,14 @@ def _nofile():
     raise_nofile_limit()
 
 
+@pytest.fixture(autouse=True)
+def _one_lane(monkeypatch):
+    # The forged headers carry the contexts the test asks for; with tcp lanes the mesh's wire
+    # contexts are contexts x lanes, so each one-thing-wrong header would also be a contexts
+    # mismatch (the default is 4 lanes from 8 cores).
+    monkeypatch.setenv("FLAGCX_MESH_TCP_LANES", "1")
+
+
 # ----------------------------------------------------------------------------- foreign clients
 
 class Foreign:

@@ -1,6 +1,7 @@
 """Two "hosts" (network namespaces and a veth pair) through a bad link made with nft: 30 %
 of the packets dropped, and a 2 s blackhole once rank 0's root is up. The mesh builds, or
-fails within its deadline on every rank naming a peer. Needs root, `ip netns` and `nft`;
+fails within its deadline on every rank naming a peer; and striped puts over 4 tcp lanes
+land whole (or fail naming a peer) through 10 % loss and a blackhole. Needs root, `ip netns` and `nft`;
 skipped (with the reason) where one is missing, unless FXM_REQUIRE_NFT=1 makes that a
 failure. The script mode with figures: python tests/netns_faults.py --trials 20."""
 
@@ -41,3 +42,24 @@ def check(results):
                          ids=["loss30", "blackhole2s", "loss30+blackhole2s"])
 def test_mesh_builds_or_names_the_peer_through_a_bad_link(hosts, loss, blackhole):
     check(netns_faults.one_build(hosts, loss, blackhole, DEADLINE))
+
+
+def check_transfer(results):
+    """Both ranks checked every byte of every striped put and the get back; or, where the
+    link kept the mesh from building, each failed naming a peer (a Mismatch never passes)."""
+    assert not any(r.get("hung") for r in results), results
+    assert not any(r.get("type") == "Mismatch" for r in results), results
+    if all(r["ok"] for r in results):
+        assert [r["lanes"] for r in results] == [4, 4], results
+        return
+    for r in results:
+        assert r["ok"] or (r.get("peer") is not None and r["peer"] >= 0) or "peer " in r.get("message", ""), results
+
+
+@pytest.mark.parametrize("loss, blackhole", [(10, 0.0), (10, 2.0)], ids=["loss10", "loss10+blackhole2s"])
+def test_striped_puts_over_four_lanes_land_whole_through_a_bad_link(hosts, loss, blackhole):
+    """tests/lanes_prog.py between the two hosts: 3 put_signals of 4 MiB striped over 4 lanes,
+    each checked byte for byte by the target, then a get back, with 10 % of the packets dropped
+    (each lane loses and retransmits on its own, so stripes arrive in any order against lane 0),
+    and a 2 s blackhole under the transfer."""
+    check_transfer(netns_faults.one_transfer(hosts, loss, blackhole, DEADLINE, lanes=4))

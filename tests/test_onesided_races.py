@@ -322,8 +322,9 @@ def forge(mesh, peer, data):
     # collective (share_ports); the calling rank writes raw frames on its connection to `peer`
     # (context 0), bypassing its engine
     port = share_ports(mesh)[peer]
-    fd = [fd for fd, _, p in sockets() if p == port]
-    assert len(fd) == 1, (port, sockets())
+    lane0 = mesh.tcp_lane_ports(peer, 0)[0]  # with tcp lanes: lane 0, which carries every frame but stripes
+    fd = [fd for fd, local, p in sockets() if p == port and local == lane0]
+    assert len(fd) == 1, (port, lane0, sockets())
     os.write(fd[0], data)
 
 def unread():

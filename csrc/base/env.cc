@@ -4,6 +4,11 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <algorithm>
+#include <string>
+
+#include <sys/resource.h>
+#include <unistd.h>
 
 #include "base/status.h"
 
@@ -51,6 +56,29 @@ void require_valid_env() {
 std::string transport_env() {
   const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
   return s ? s : "";
+}
+
+int default_tcp_lanes(uint64_t sockets_per_lane) {
+  long cores = ::sysconf(_SC_NPROCESSORS_ONLN);
+  uint64_t lanes = static_cast<uint64_t>(std::min<long>(4, std::max<long>(1, cores / 2)));
+  rlimit fds{};
+  if (sockets_per_lane > 0 && ::getrlimit(RLIMIT_NOFILE, &fds) == 0 && fds.rlim_cur != RLIM_INFINITY) {
+    uint64_t fit = static_cast<uint64_t>(fds.rlim_cur) / 2 / sockets_per_lane;  // half the fds at most
+    lanes = std::max<uint64_t>(1, std::min(lanes, fit));
+  }
+  return static_cast<int>(lanes);
+}
+
+int tcp_lanes_env(uint64_t sockets_per_lane) {
+  const char* s = std::getenv("FLAGCX_MESH_TCP_LANES");
+  if (s == nullptr || *s == '\0') return default_tcp_lanes(sockets_per_lane);
+  char* end = nullptr;
+  long v = std::strtol(s, &end, 10);
+  if (*end != '\0' || v < 1 || v > kMaxTcpLanes) {
+    fail(Code::kInvalidArgument, -1, 0, std::string("FLAGCX_MESH_TCP_LANES=") + s + ": not a whole number from 1 to " +
+                                            std::to_string(kMaxTcpLanes));
+  }
+  return static_cast<int>(v);
 }
 
 std::string cuda_path_env() {

@@ -20,6 +20,7 @@
 //                        flagcx_mesh_comm_init_from_env (launcher_env())
 #pragma once
 
+#include <cstdint>
 #include <string>
 
 namespace fxm {
@@ -54,6 +55,14 @@ double build_timeout_s(double seconds, const char* what);
 // FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
 // later in the same process may use another value (tests and benchmarks do).
 std::string transport_env();
+// FLAGCX_MESH_TCP_LANES as it is now: the tcp connections this rank offers per (peer, context),
+// 1..kMaxTcpLanes; unset or empty: default_tcp_lanes(). Throws InvalidArgument on another value.
+constexpr int kMaxTcpLanes = 16;
+int tcp_lanes_env(uint64_t sockets_per_lane);
+// min(4, max(1, cores / 2)): 1 on 2 cores (one connection per pair, as before lanes), 4 from 8
+// cores; and at most what keeps the mesh's sockets (sockets_per_lane on each lane) within half
+// of RLIMIT_NOFILE, never below 1.
+int default_tcp_lanes(uint64_t sockets_per_lane);
 // FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_BATCH_COPY as it is now ("" when unset; transport/cuda/copy_batch.h checks it).

@@ -126,6 +126,7 @@ enum class FrameType : uint16_t {
   kBye = 7,        // the sender closes cleanly
   kRefused = 8,    // u64 number of the refused op on this pair (as acks count) + the reason (text)
   kAdmit = 9,      // agents: the acceptor's verdict after the proofs ("" admitted, else why not)
+  kStripe = 10,    // PutHeader + data on a lane > 0: one part of a striped put (sig_slot: its number)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
 // Set in a kRefused number: it refuses get request (number & ~kRefusedGet),
@@ -144,6 +145,9 @@ struct PutHeader {
 };
 constexpr uint32_t kPutHasSignal = 1;
 constexpr uint32_t kPutSignalSet = 2;
+// A striped put's part on lane 0 (pad: how many kStripe parts on the other lanes). The target
+// applies it (signal, ack) only once every part landed, and reads nothing after it on lane 0 before.
+constexpr uint32_t kPutStriped = 4;
 
 // After a kGetReq frame header (32 bytes).
 struct GetHeader {

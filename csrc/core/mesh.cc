@@ -1,8 +1,10 @@
 #include "core/mesh.h"
 
+#include <netinet/in.h>
 #include <poll.h>
 #include <sys/socket.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -103,10 +105,11 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
   std::vector<tcp::SockAddr> peers = rendezvous(id, deadline);
   times_.rendezvous = lap();
   phase("rendezvous");
-  BuildPlan plan{rank_, nranks_, contexts_, mesh_id_, epoch_, key_, std::move(peers), listener.get(),
+  // Each lane is one more connection of the same handshake: wire context ctx + lane * contexts.
+  BuildPlan plan{rank_, nranks_, contexts_ * lanes_, mesh_id_, epoch_, key_, std::move(peers), listener.get(),
                  boot_->fd(), [&] { boot_->raise_pending(deadline); }, deadline,
                  opt.header_timeout_s, opt.max_inflight};
-  conns_ = build_mesh(plan, &stats_);
+  conns_ = lanes_in_engine_order(build_mesh(plan, &stats_));
   listener.reset();  // no connection is accepted after the build
   times_.connect = lap();
   phase("connect");
@@ -119,22 +122,49 @@ void Mesh::build(const bootstrap::UniqueId& id, const MeshOptions& opt, const De
 
 std::vector<tcp::SockAddr> Mesh::rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline) {
   boot_ = std::make_unique<bootstrap::Client>(id, rank_, nranks_, deadline, epoch_);
-  std::vector<uint8_t> mine(tcp::kWireAddrSize);
+  // The address, then the lanes this rank offers (the mesh uses the smallest offer).
+  // Per lane this rank holds a send and a receive connection per (peer, context).
+  uint32_t offer = static_cast<uint32_t>(tcp_lanes_env(2ull * nranks_ * contexts_));
+  std::vector<uint8_t> mine(tcp::kWireAddrSize + sizeof(offer));
   tcp::addr_to_wire(listen_addr_, mine.data());
+  std::memcpy(mine.data() + tcp::kWireAddrSize, &offer, sizeof(offer));
   bootstrap::Parts parts = boot_->allgather(mine, deadline, {bootstrap::CallKind::kBuildAddresses, 0});
   std::vector<tcp::SockAddr> peers(nranks_);
+  lanes_ = kMaxTcpLanes;
   for (int r = 0; r < nranks_; ++r) {
-    if (parts[r].size() != tcp::kWireAddrSize || !tcp::addr_from_wire(parts[r].data(), &peers[r])) {
+    uint32_t lanes = 0;
+    if (parts[r].size() == mine.size()) std::memcpy(&lanes, parts[r].data() + tcp::kWireAddrSize, sizeof(lanes));
+    if (parts[r].size() != mine.size() || !tcp::addr_from_wire(parts[r].data(), &peers[r]) || lanes < 1 ||
+        lanes > static_cast<uint32_t>(kMaxTcpLanes)) {
       fail(Code::kProtocol, r, 0, who() + "rank " + std::to_string(r) + " published a malformed address");
     }
+    lanes_ = std::min(lanes_, static_cast<int>(lanes));
   }
   return peers;
 }
 
+Connections Mesh::lanes_in_engine_order(Connections built) const {
+  int wire_contexts = contexts_ * lanes_, total = nranks_ * contexts_;
+  Connections c;
+  c.send.resize(built.send.size());
+  c.recv.resize(built.recv.size());
+  for (int peer = 0; peer < nranks_; ++peer) {
+    for (int w = 0; w < wire_contexts; ++w) {
+      int lane = w / contexts_, ctx = w % contexts_;
+      int at = lane * total + peer * contexts_ + ctx, from = peer * wire_contexts + w;
+      c.send[at] = std::move(built.send[from]);
+      c.recv[at] = std::move(built.recv[from]);
+    }
+  }
+  return c;
+}
+
+// Every connection, lanes included, proves its (source, destination, wire context) once more.
 void Mesh::wiring_check(const Deadline& deadline) {
-  int total = nranks_ * contexts_;
+  int total = nranks_ * contexts_ * lanes_;
+  auto wire_ctx = [&](int s) { return (s / (nranks_ * contexts_)) * contexts_ + s % contexts_; };
   for (int s = 0; s < total; ++s) {
-    int peer = s / contexts_, ctx = s % contexts_;
+    int peer = (s % (nranks_ * contexts_)) / contexts_, ctx = wire_ctx(s);
     std::vector<uint8_t> msg(wire::kFrameHeaderSize);
     wire::encode_frame({wire::FrameType::kWireCheck, 0, kWireCheckSize}, msg.data());
     std::vector<uint8_t> p = wire_check_payload(mesh_id_, rank_, peer, ctx, epoch_);
@@ -143,7 +173,7 @@ void Mesh::wiring_check(const Deadline& deadline) {
     if (!r.ok()) fail_build_io(r, peer, ctx, "sending the wiring check", deadline);
   }
   for (int s = 0; s < total; ++s) {
-    int peer = s / contexts_, ctx = s % contexts_;
+    int peer = (s % (nranks_ * contexts_)) / contexts_, ctx = wire_ctx(s);
     uint8_t buf[wire::kFrameHeaderSize + kWireCheckSize];
     wait_readable(conns_.recv[s].get(), peer, deadline, "waiting for the wiring check");
     tcp::IoResult r = tcp::read_full(conns_.recv[s].get(), buf, sizeof(buf), deadline);
@@ -374,12 +404,29 @@ void Mesh::keep_for_streams() {
   kept_engine_ = engine_.get();
 }
 
+std::vector<int> Mesh::tcp_lane_ports(int peer, int ctx) const {
+  check_peer(peer, ctx, "tcp_lane_ports");
+  std::vector<int> ports;
+  for (int lane = 0; lane < lanes_; ++lane) {
+    size_t c = static_cast<size_t>(lane * nranks_ * contexts_ + peer * contexts_ + ctx);
+    sockaddr_storage a{};
+    socklen_t n = sizeof(a);
+    int port = -1;
+    if (c < conns_.send.size() && ::getsockname(conns_.send[c].get(), reinterpret_cast<sockaddr*>(&a), &n) == 0) {
+      port = ntohs(a.ss_family == AF_INET6 ? reinterpret_cast<sockaddr_in6*>(&a)->sin6_port
+                                           : reinterpret_cast<sockaddr_in*>(&a)->sin_port);
+    }
+    ports.push_back(port);
+  }
+  return ports;
+}
+
 std::string Mesh::describe() const {
   char buf[512];
   std::snprintf(buf, sizeof(buf),
-                "Mesh(rank %d of %d, contexts %d, mesh id %s, %s, built in %.1f ms, "
+                "Mesh(rank %d of %d, contexts %d, tcp lanes %d, mesh id %s, %s, built in %.1f ms, "
                 "%llu foreign connections rejected, %llu connect retries%s)",
-                rank_, nranks_, contexts_, mesh_id_hex().substr(0, 8).c_str(),
+                rank_, nranks_, contexts_, lanes_, mesh_id_hex().substr(0, 8).c_str(),
                 tcp::local_address_reason().c_str(), times_.total * 1e3,
                 static_cast<unsigned long long>(stats_.total_rejected()),
                 static_cast<unsigned long long>(stats_.connect_retries), closed_ ? ", closed" : "");

@@ -51,6 +51,10 @@ class Mesh {
   int rank() const { return rank_; }
   int nranks() const { return nranks_; }
   int contexts() const { return contexts_; }
+  int tcp_lanes() const { return lanes_; }  // connections per (peer, context) (FLAGCX_MESH_TCP_LANES)
+  // Diagnostics (tests pick one lane's socket by it): the local port of this rank's send
+  // connection to (peer, ctx) on each lane, lane 0 first.
+  std::vector<int> tcp_lane_ports(int peer, int ctx) const;
   const PhaseTimes& times() const { return times_; }
   const BuildStats& stats() const { return stats_; }
   std::string mesh_id_hex() const { return wire::mesh_id_hex(mesh_id_); }
@@ -100,6 +104,9 @@ class Mesh {
   void build(const bootstrap::UniqueId& id, const MeshOptions& opt, const Deadline& deadline);
   std::vector<tcp::SockAddr> rendezvous(const bootstrap::UniqueId& id, const Deadline& deadline);
   void wiring_check(const Deadline& deadline);
+  // The builder's connections (peer-major, ncontexts * lanes_ wire contexts) in the engine's
+  // order: connection lane * (nranks * contexts) + peer * contexts + ctx (lane 0 first).
+  Connections lanes_in_engine_order(Connections built) const;
   void wait_readable(int fd, int peer, const Deadline& deadline, const char* doing);
   void check_peer(int peer, int ctx, const char* op) const;
   void check_open(const char* op) const;
@@ -112,6 +119,7 @@ class Mesh {
   int nranks_;
   int rank_;
   int contexts_;
+  int lanes_ = 1;  // tcp connections per (peer, context): the smallest FLAGCX_MESH_TCP_LANES of all ranks
   uint32_t epoch_ = 0;
   wire::MeshId mesh_id_{};
   crypto::Key key_{};  // this epoch's key (wire::derive_key): proves every connection

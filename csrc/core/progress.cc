@@ -22,21 +22,32 @@ using wire::FrameType;
 
 Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
                uint64_t max_unreceived, double timeout_s)
-    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), conns_(conns), windows_(windows),
-      out_(nranks * ncontexts), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
+    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
+      lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
+      stripe_seq_(total_), stripes_admitted_(total_), stripes_landed_(total_), lane_seq_(total_ * lanes_),
+      lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows),
+      out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
       in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks),
       queued_msg_(nranks * ncontexts), get_bytes_(nranks * ncontexts), answer_bytes_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
-      lost_(nranks), bye_conn_(nranks * ncontexts), bye_count_(nranks), bye_(nranks), issued_(nranks),
+      lost_(nranks), bye_conn_(nranks * ncontexts * lanes_), bye_count_(nranks), bye_(nranks), issued_(nranks),
       done_(nranks) {
-  for (int s = 0; s < nranks * ncontexts; ++s) {
+  for (int s = 0; s < total_ * lanes_; ++s) {
     in_.push_back(std::make_unique<InConn>());
     write_mu_.push_back(std::make_unique<std::mutex>());
   }
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the progress thread");
-  thread_ = std::thread([this] { run(); });
+  try {
+    start_lane_workers();
+    thread_ = std::thread([this] { run(); });
+  } catch (...) {
+    stopping_ = true;
+    join_lane_workers();
+    ::close(wake_fd_);
+    throw;
+  }
 }
 
 Engine::~Engine() {
@@ -67,12 +78,12 @@ void Engine::enqueue(int s, OutItem&& item, Count counted) {
   if (idle && send_direct(s, item)) return;
   // The progress thread queues only from poll_once(), whose write_pending() sends it before the next
   // poll: waking itself through the eventfd would cost a write and an extra pass for nothing.
-  if (std::this_thread::get_id() != progress_tid_.load()) wake();
+  if (!owns_conn(s)) wake_conn(s);
 }
 
 bool Engine::send_direct(int s, OutItem& item) {
   std::unique_lock<std::mutex> writer(*write_mu_[s], std::try_to_lock);
-  if (!writer.owns_lock() || std::this_thread::get_id() == progress_tid_.load()) {
+  if (!writer.owns_lock() || owns_conn(s)) {
     std::lock_guard<std::mutex> lock(mu_);
     out_[s].push_back(std::move(item));
     return false;
@@ -133,30 +144,14 @@ ssize_t Engine::send_item(int s, OutItem& it) {
     }
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-    lose(s / ncontexts_, "writing to its connection failed: " + errno_text(errno));
+    lose(peer_of(s), "writing to its connection" + conn_name(s) + " failed: " + errno_text(errno));
     return -1;
   }
 }
 
-namespace {
-
-wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {
-  wire::PutHeader h;
-  h.dst_win = dst_win;
-  h.dst_off = dst_off;
-  if (sig.on) {
-    h.flags = wire::kPutHasSignal | (sig.set ? wire::kPutSignalSet : 0);
-    h.sig_win = sig.win;
-    h.sig_slot = sig.slot;
-    h.sig_val = sig.value;
-  }
-  return h;
-}
-
-}  // namespace
-
 void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
-                      uint64_t dst_off, const SignalSpec& sig) {
+                      uint64_t dst_off, const SignalSpec& sig, bool may_stripe) {
+  if (may_stripe && lanes_ > 1 && len >= kStripeMinBytes) return post_striped(peer, ctx, src, len, dst_win, dst_off, sig);
   wire::PutHeader h = put_header(dst_win, dst_off, sig);
   OutItem it{frame(FrameType::kPut, &h, len), src, len, 0, 0};
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
@@ -311,6 +306,16 @@ void Engine::lose(int peer, const std::string& why) {
   }
   if (!stopping_) FXM_WARN(rank_, "peer " + std::to_string(peer) + " lost: " + why);
   cv_.notify_all();
+  if (lanes_ > 1) {
+    // One lane's failure is seen here only: the peer's other lanes may wait for this rank's
+    // lane 0 (a stripe for its first part, or the reverse), which sends nothing more now. Its
+    // reads of every connection from this rank then end (its frames sent so far first), and it
+    // loses this rank in turn rather than waiting out its timeout.
+    for (int c = base_slot(slot(peer, 0)); c < total_ * lanes_; c += total_) {
+      for (int ctx = 0; ctx < ncontexts_; ++ctx) ::shutdown(conns_->send[c + ctx].get(), SHUT_WR);
+    }
+  }
+  wake_lanes();  // their queues to that peer are dropped (write_some)
 }
 
 // The thread never ends before stop(): what a peer's frames throw fails that
@@ -332,7 +337,7 @@ void Engine::read_guarded(int s) {
     read_some(s);
   } catch (const std::exception& e) {
     in_[s]->closed = true;  // its frame is half read: nothing more can be read from it
-    lose(s / ncontexts_, std::string("handling its frames failed: ") + e.what());
+    lose(peer_of(s), std::string("handling its frames") + conn_name(s) + " failed: " + e.what());
   }
 }
 
@@ -340,14 +345,14 @@ void Engine::write_guarded(int s) {
   try {
     write_some(s);
   } catch (const std::exception& e) {
-    lose(s / ncontexts_, std::string("writing its frames failed: ") + e.what());
+    lose(peer_of(s), std::string("writing its frames") + conn_name(s) + " failed: " + e.what());
   }
 }
 
 void Engine::poll_once() {
   std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
   std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
-  int total = nranks_ * ncontexts_;
+  int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
   bool copies = false;
   {
     std::lock_guard<std::mutex> lock(mu_);
@@ -358,7 +363,7 @@ void Engine::poll_once() {
         fds.push_back({conns_->send[s].get(), POLLOUT, 0});
         owner.push_back(s);
       }
-      if (!in_[s]->closed && mailbox_bytes_[s] < max_unreceived_) {  // else paused: see recv_message
+      if (lane_readable(s)) {  // else paused (recv_message) or waiting for another lane
         fds.push_back({conns_->recv[s].get(), POLLIN, 0});
         owner.push_back(total + s);
       }
@@ -377,6 +382,7 @@ void Engine::poll_once() {
     ssize_t n = ::read(wake_fd_, &v, sizeof(v));
     (void)n;
   }
+  finish_landed_stripes();
   send_acks();
   write_pending();
 }
@@ -395,7 +401,7 @@ int Engine::copies_timeout_ms(bool copies) {
 }
 
 void Engine::write_pending() {
-  int total = nranks_ * ncontexts_;
+  int total = total_;  // lane 0
   for (int s = 0; s < total; ++s) {
     bool pending;
     {
@@ -417,11 +423,10 @@ bool Engine::write_some(int s) {
     std::string gone_why;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      int peer = s / ncontexts_;
+      int peer = peer_of(s);
       if (!lost_[peer].empty() || bye_[peer]) {  // nothing more goes to a lost/closed peer
         dropped.swap(out_[s]);
-        queued_msg_[s] = 0;
-        answer_bytes_[s] = 0;
+        if (s < total_) queued_msg_[s] = answer_bytes_[s] = 0;
         gone_why = lost_[peer].empty() ? "it closed its mesh" : lost_[peer];
         cv_.notify_all();
       }
@@ -440,8 +445,8 @@ bool Engine::write_some(int s) {
     if (it->sent < it->total()) return true;  // the socket is full: wait for POLLOUT
     OutItem done;
     std::lock_guard<std::mutex> lock(mu_);
-    queued_msg_[s] -= it->msg_bytes;
-    answer_bytes_[s] -= it->answer_bytes;
+    queued_msg_[base_slot(s)] -= it->msg_bytes;  // lanes > 0 carry neither
+    answer_bytes_[base_slot(s)] -= it->answer_bytes;
     bool notify = stopping_ || it->msg_bytes > 0 || out_[s].size() == 1;
     done = std::move(out_[s].front());
     out_[s].pop_front();
@@ -462,7 +467,7 @@ void Engine::send_acks() {
 
 void Engine::stop() {
   if (!thread_.joinable()) return;
-  int total = nranks_ * ncontexts_;
+  int total = total_ * lanes_;  // a goodbye on every lane too: its close is then clean
   for (int s = 0; s < total; ++s) {
     enqueue(s, {frame<wire::PutHeader>(FrameType::kBye, nullptr, 0), nullptr, 0, 0, 0}, Count::kNone);
   }
@@ -470,7 +475,7 @@ void Engine::stop() {
     std::unique_lock<std::mutex> lock(mu_);
     cv_.wait_for(lock, std::chrono::seconds(1), [&] {
       for (int s = 0; s < total; ++s) {
-        if (!out_[s].empty() && lost_[s / ncontexts_].empty() && !bye_[s / ncontexts_]) return false;
+        if (!out_[s].empty() && lost_[peer_of(s)].empty() && !bye_[peer_of(s)]) return false;
       }
       return true;
     });
@@ -478,6 +483,7 @@ void Engine::stop() {
   }
   wake();
   thread_.join();
+  join_lane_workers();
   cv_.notify_all();
 }
 

@@ -43,7 +43,10 @@ class Engine : public Outbox {
   // One-sided ops over TCP (the caller validated every argument). The source
   // bytes must stay valid until the op completes (see completed()).
   void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
-                uint64_t dst_off, const SignalSpec& sig) override;
+                uint64_t dst_off, const SignalSpec& sig, bool may_stripe = false) override;
+  // Puts of at least this many bytes are striped over the lanes (when there are several).
+  static constexpr uint64_t kStripeMinBytes = 1ull << 20;
+  int lanes() const { return lanes_; }
   void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len,
                 int dst_device = -1) override;
   void issued(int peer, int ctx, PathKind kind) override;
@@ -100,6 +103,42 @@ class Engine : public Outbox {
   struct InConn;
   struct Inbound;
   int slot(int peer, int ctx) const { return peer * ncontexts_ + ctx; }
+  // Connection c: lane c / total_ of slot c % total_ (c == slot on lane 0).
+  int base_slot(int c) const { return c % total_; }
+  int peer_of(int c) const { return base_slot(c) / ncontexts_; }
+  int lane_of(int c) const { return c / total_; }
+  std::string conn_name(int c) const;  // "" on lane 0, else " (tcp lane k)"
+  // Lanes (progress_lanes.cc). A put of kStripeMinBytes or more to a host window is split
+  // over every lane: its first part, with its signal, on lane 0 (kPut + kPutStriped) and one
+  // kStripe part on each other lane, all queued at once so parts and puts keep one order.
+  void post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win, uint64_t dst_off,
+                    const SignalSpec& sig);
+  // Target: a lane-0 striped put counts as admitted; a stripe waits (its lane is not read) until
+  // the lane-0 part of its put was read, and lane 0 reads nothing more until every stripe landed.
+  bool on_striped_header(int s, InConn& in);  // false: protocol error (the peer was lost)
+  void on_stripe_header(int c, InConn& in, uint64_t payload);
+  void on_stripe_done(int c, InConn& in);
+  bool striped_put_waits(int s, InConn& in);  // lane 0's part landed: true while stripes are missing
+  void finish_striped(int s);
+  void finish_landed_stripes();  // progress thread: applies the held puts whose stripes all landed
+  bool lane_readable(int c) const;  // with mu_ held, by c's thread: polled for reading now
+  // A lane whose stripe waits for lane 0 is polled for its peer's close only: when the rest of
+  // that stripe is not in its buffer, it can never complete, and the peer is lost now.
+  void on_waiting_close(int c);
+  // Lane workers: with lanes_ > 1, worker k - 1 is the only thread that writes and reads the
+  // connections of lane k (of every slot), so the kernel copies of the lanes run side by side;
+  // the progress thread keeps lane 0 and applies striped puts (their signal, their ack).
+  struct LaneWorker;
+  std::vector<std::unique_ptr<LaneWorker>> lane_workers_;
+  void start_lane_workers();  // before the progress thread starts; throws, with none left running
+  void join_lane_workers();   // stopping_ is set
+  void run_lane(LaneWorker& w);
+  void poll_lane(LaneWorker& w);
+  void wake_lane(int lane);  // lane 0: the progress thread
+  void wake_lanes();         // every lane worker (not the progress thread)
+  void wake_conn(int c) { wake_lane(lane_of(c)); }
+  bool owns_conn(int c) const;  // the calling thread is connection c's thread
+  uint8_t* discard_for(int c, size_t* size);  // the sink for dropped payload bytes of connection c's thread
   enum class Count { kNone, kPut, kGet };  // what an item counts as (puts are acked, gets answered)
   void enqueue(int s, OutItem&& item, Count counted);
   // Writes an item straight from the calling thread when its queue is empty
@@ -167,6 +206,17 @@ class Engine : public Outbox {
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
 
   int rank_, nranks_, ncontexts_;
+  int total_;  // slots: nranks_ * ncontexts_
+  int lanes_;  // connections per slot (Connections holds lanes_ * total_ of each kind)
+  std::vector<uint64_t> stripe_seq_;      // per slot (initiator, under mu_): striped puts queued
+  // Per slot (target). Striped puts whose lane-0 part was read: the progress thread adds, lane
+  // workers read (a stripe numbered above it waits). Stripes landed, over all lanes and puts:
+  // workers add, the progress thread reads (put n is whole once it reaches n * (lanes_ - 1)).
+  std::vector<std::atomic<uint64_t>> stripes_admitted_, stripes_landed_;
+  std::vector<uint64_t> lane_seq_;        // per connection (target, its thread): the last stripe read on it
+  std::vector<bool> lane0_held_;          // per slot (target, progress thread): lane 0 waits for stripes
+  std::vector<int> held_;                 // progress thread: the slots whose lane 0 waits
+  std::vector<std::string> stripe_refused_;  // per slot (target, under mu_): why a stripe of the current put was dropped
   Connections* conns_;
   WindowTable* windows_;
   int wake_fd_ = -1;

@@ -2,8 +2,12 @@
 // thread, connections, counters) and progress_ops.cc (one-sided frames).
 #pragma once
 
+#include <unistd.h>
+
+#include <atomic>
 #include <cstring>
 #include <memory>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -59,6 +63,7 @@ struct Engine::InConn {
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
   bool closed = false;
+  bool hup = false;  // a lane whose stripe waits for lane 0 saw its peer's close (progress_lanes.cc)
   // The buffers go back to the staging pool, except those a copy up may still
   // read (a put cut short or timed out): those are deliberately kept.
   void release_stage() {
@@ -82,6 +87,31 @@ struct Engine::InConn {
     std::vector<uint8_t>().swap(msg);
   }
 };
+
+// The thread of lane `lane` (>= 1): polls `wake_fd` and that lane's connections of every slot.
+struct Engine::LaneWorker {
+  int lane = 0;
+  int wake_fd = -1;
+  std::thread thread;
+  std::atomic<std::thread::id> tid{};  // the thread's id, once it runs (read by any thread)
+  std::vector<uint8_t> discard = std::vector<uint8_t>(1 << 16);  // its sink for dropped payloads (never read)
+  ~LaneWorker() {
+    if (wake_fd >= 0) ::close(wake_fd);
+  }
+};
+
+inline wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {
+  wire::PutHeader h;
+  h.dst_win = dst_win;
+  h.dst_off = dst_off;
+  if (sig.on) {
+    h.flags = wire::kPutHasSignal | (sig.set ? wire::kPutSignalSet : 0);
+    h.sig_win = sig.win;
+    h.sig_slot = sig.slot;
+    h.sig_val = sig.value;
+  }
+  return h;
+}
 
 template <typename T>
 inline std::vector<uint8_t> frame(wire::FrameType type, const T* op, uint64_t payload) {

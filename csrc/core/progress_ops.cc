@@ -37,7 +37,7 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
       in.dst = w->base + in.put.dst_off;
     }
   }
-  if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(s / ncontexts_));
+  if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(peer_of(s)));
 }
 
 // A put to a device window lands in a ring of staging buffers; where they
@@ -190,7 +190,10 @@ void Engine::on_payload_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   if (in.f.type == FrameType::kMessage) {
     on_message_done(s, in);
+  } else if (in.f.type == FrameType::kStripe) {
+    return on_stripe_done(s, in);  // resets it
   } else if (in.f.type == FrameType::kPut) {
+    if ((in.put.flags & wire::kPutStriped) && striped_put_waits(s, in)) return;  // kept until its stripes land
     on_put_done(s, in);
   } else if (in.f.type == FrameType::kGetResp) {
     if (in.device_at != nullptr || !in.refused.empty()) land_get_answer(s, in);

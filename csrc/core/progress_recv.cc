@@ -16,7 +16,8 @@ namespace {
 
 size_t op_header_size(FrameType t) {
   switch (t) {
-    case FrameType::kPut: return sizeof(wire::PutHeader);
+    case FrameType::kPut:
+    case FrameType::kStripe: return sizeof(wire::PutHeader);
     case FrameType::kGetReq: return sizeof(wire::GetHeader);
     case FrameType::kGetResp:
     case FrameType::kAck:
@@ -32,6 +33,11 @@ void Engine::read_some(int s) {
   int fd = conns_->recv[s].get();
   size_t budget = 8u << 20;  // then let other connections have a turn
   while (budget > 0 && !in.closed) {
+    if (s < total_ ? lane0_held_[s]
+                   : in.st == InConn::kPayload &&
+                         lane_seq_[s] > stripes_admitted_[base_slot(s)].load(std::memory_order_acquire)) {
+      return;  // waits for the other lanes (progress_lanes.cc)
+    }
     uint8_t* where;
     size_t want;
     std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
@@ -41,8 +47,9 @@ void Engine::read_some(int s) {
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
       where = landing_spot(in, &want);
       if (!where) {
-        where = discard_.data();
-        want = std::min(want, discard_.size());
+        size_t sink = 0;
+        where = discard_for(s, &sink);
+        want = std::min(want, sink);
       }
     } else {
       where = in.buf + in.got;
@@ -52,7 +59,7 @@ void Engine::read_some(int s) {
     if (landing.owns_lock()) landing.unlock();
     if (!r.ok()) {
       in.closed = true;
-      int peer = s / ncontexts_;
+      int peer = peer_of(s);
       bool clean;
       {
         std::lock_guard<std::mutex> lock(mu_);
@@ -60,7 +67,7 @@ void Engine::read_some(int s) {
       }
       // Without its goodbye: a close that gave up on unsent frames (1 s) looks the same as an end.
       if (!clean) {
-        lose(peer, "its connection closed before its goodbye (" + r.describe() +
+        lose(peer, "its connection" + conn_name(s) + " closed before its goodbye (" + r.describe() +
                        "): its process ended, or it closed its mesh before the frames queued to this rank were sent");
       }
       in.reset();
@@ -81,14 +88,14 @@ void Engine::read_some(int s) {
 
 void Engine::on_header(int s, InConn& in) {
   if (!wire::decode_frame(in.buf, &in.f)) {
-    lose(s / ncontexts_, "protocol error: a malformed frame arrived");
+    lose(peer_of(s), "protocol error: a malformed frame arrived");
     in.closed = true;
     return;
   }
   size_t oplen = op_header_size(in.f.type);
   bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq;
   if (in.f.length < oplen || (fixed && in.f.length != oplen)) {
-    lose(s / ncontexts_, "protocol error: a frame whose length does not fit its type");
+    lose(peer_of(s), "protocol error: a frame whose length does not fit its type");
     in.closed = true;
     return;
   }
@@ -99,9 +106,15 @@ void Engine::on_header(int s, InConn& in) {
 }
 
 void Engine::on_op_header(int s, InConn& in) {
-  int peer = s / ncontexts_;
+  int peer = peer_of(s);
   uint64_t payload = in.f.length - in.need;
   in.dst = nullptr;
+  if ((s >= total_) != (in.f.type == FrameType::kStripe) && in.f.type != FrameType::kBye) {
+    lose(peer, "protocol error: a frame of type " + std::to_string(static_cast<int>(in.f.type)) + " on connection" +
+                   (s >= total_ ? conn_name(s) : " (lane 0)") + " (lanes carry only stripes)");
+    in.closed = true;
+    return;
+  }
   switch (in.f.type) {
     case FrameType::kMessage:
       if (payload > kMaxMessageBytes) {
@@ -113,6 +126,11 @@ void Engine::on_op_header(int s, InConn& in) {
       break;
     case FrameType::kPut:
       on_put_header(s, in, payload);
+      if ((in.put.flags & wire::kPutStriped) && !on_striped_header(s, in)) return;
+      break;
+    case FrameType::kStripe:
+      on_stripe_header(s, in, payload);
+      if (in.closed) return;
       break;
     case FrameType::kGetReq: {
       wire::GetHeader g;
@@ -140,6 +158,10 @@ void Engine::on_op_header(int s, InConn& in) {
     case FrameType::kBye: {
       std::lock_guard<std::mutex> lock(mu_);
       bye_conn_[s] = true;
+      if (s >= total_) {  // a lane's goodbye: its close is clean; lane 0's count the peer's
+        in.reset();
+        return;
+      }
       if (++bye_count_[peer] == ncontexts_) bye_[peer] = true;
       // Waits on this peer now fail ("closed its mesh"): an answer it still sends after its
       // goodbye must not land in a buffer its get's caller was told is given up.

@@ -2,11 +2,13 @@
 // AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
 // that may block releases the GIL. The admission policy from Python is a set
 // of names (a Python callback on the listener thread could deadlock a close).
-#include <deque>
-#include <unordered_map>
-#include <pybind11/stl.h>
-
+#include <memory>
 #include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include <pybind11/stl.h>
 
 #include "agent/agent.h"
 #include "agent/connection.h"
@@ -57,17 +59,42 @@ std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& se
   return std::make_shared<Agent>(o);
 }
 
+// Decoded descriptors by their bytes. A connector names the same few regions in every call, and
+// decoding one (its agent's name, its window) cost as much on the host as a small op's copy.
+// Decoding is a function of the bytes alone, so a hit is what a decode would give; refusals
+// (another agent's, a stale incarnation, a range) are checked per op as before. Bounded (cleared
+// when full); used with the GIL held. shared_ptr: a call keeps what it looked up if a later
+// lookup of the same call clears the cache.
+using SharedDesc = std::shared_ptr<const RegionDesc>;
+constexpr size_t kDecodedDescsMax = 4096;
+
+SharedDesc decoded_region(const py::handle& h) {
+  static auto* cache = new std::unordered_map<std::string, SharedDesc>();  // never destroyed: used until exit
+  char* data = nullptr;
+  Py_ssize_t n = 0;
+  if (!PyBytes_Check(h.ptr()) || PyBytes_AsStringAndSize(h.ptr(), &data, &n) != 0) {
+    return std::make_shared<const RegionDesc>(region(h.cast<py::bytes>()));  // cast raises the type error
+  }
+  std::string key(data, static_cast<size_t>(n));
+  auto it = cache->find(key);
+  if (it != cache->end()) return it->second;
+  auto d = std::make_shared<const RegionDesc>(RegionDesc::decode(std::vector<uint8_t>(key.begin(), key.end())));
+  if (cache->size() >= kDecodedDescsMax) cache->clear();
+  cache->emplace(std::move(key), d);
+  return d;
+}
+
 Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif,
                 const std::optional<uint64_t>& stream) {
-  // Each distinct descriptor is decoded once per call (a batch names a few regions many times:
-  // one KV layer is thousands of blocks of two regions); deque: the pointers stay valid.
-  std::deque<RegionDesc> descs;
+  // Each distinct descriptor object is looked up once per call (a batch names a few regions many
+  // times: one KV layer is thousands of blocks of two regions).
+  std::vector<SharedDesc> held;
   std::unordered_map<PyObject*, const RegionDesc*> decoded;  // by bytes object (alive in `ops`)
   auto desc_of = [&](const py::handle& h) {
     auto it = decoded.find(h.ptr());
     if (it != decoded.end()) return it->second;
-    descs.push_back(region(h.cast<py::bytes>()));
-    return decoded[h.ptr()] = &descs.back();
+    held.push_back(decoded_region(h));
+    return decoded[h.ptr()] = held.back().get();
   };
   std::vector<fxm::agent::Xfer> xs;
   xs.reserve(ops.size());

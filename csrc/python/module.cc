@@ -127,6 +127,8 @@ void bind_mesh(py::module_& m) {
       .def_property_readonly("rank", &Mesh::rank)
       .def_property_readonly("nranks", &Mesh::nranks)
       .def_property_readonly("contexts", &Mesh::contexts)
+      .def_property_readonly("tcp_lanes", &Mesh::tcp_lanes)
+      .def("tcp_lane_ports", &Mesh::tcp_lane_ports, py::arg("peer"), py::arg("ctx") = 0)
       .def_property_readonly("mesh_id", &Mesh::mesh_id_hex)
       .def_property_readonly("closed", &Mesh::closed)
       .def("describe", &Mesh::describe)

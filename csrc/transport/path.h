@@ -94,8 +94,9 @@ class StagedPayload;
 class Outbox {
  public:
   virtual ~Outbox() = default;
+  // may_stripe: the target's window is host memory, so a large put may go over several connections.
   virtual void post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
-                        uint64_t dst_off, const SignalSpec& sig) = 0;
+                        uint64_t dst_off, const SignalSpec& sig, bool may_stripe = false) = 0;
   // dst_device >= 0: dst is memory of that device, landed through pinned staging.
   virtual void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst,
                         uint64_t len, int dst_device = -1) = 0;

@@ -2,7 +2,9 @@
 # The real build, on a GPU machine without network: FlagCX 0c721293 with the flagcx_mesh patch,
 # `make USE_NVIDIA=1` against the machine's CUDA and the NCCL of its torch environment (the
 # nvidia-nccl wheel's headers and library), then real/onesided_real.cc through FlagCX's public
-# API on 2, 4 and 8 ranks of this host, and a rank killed mid-build. Everything comes from the
+# API on 2, 4 and 8 ranks of this host, and a rank killed mid-build; then (stage perf, with MPI
+# from FXM_MPI_HOME or FXM_MPI_WHEEL: real/perf_mpi.sh) FlagCX's own one-sided program
+# test/perf/host_api/test_one_side_register.cpp on 2 ranks under mpiexec. Everything comes from the
 # FlagCX tree given (made by real/prepare_tree.sh), this repository and the local Python.
 #
 #   bash integrations/flagcx/build_real.sh FLAGCX_TREE [OUTDIR]
@@ -10,7 +12,8 @@
 #
 # OUTDIR (default $OUT, else ./flagcx-real-out): env.txt, mesh-install.log, make.log, runs.txt
 # (every rank's lines of every run), debug.txt (FlagCX's and NCCL's logs: every rank's warnings,
-# rank 0's last lines), summary.txt (which variant worked, the figures). Environment: PYTHON
+# rank 0's last lines), summary.txt (which variant worked, the figures), perf.txt and perf-make.log
+# (stage perf). Environment: PYTHON
 # (python3: the one holding torch), CUDA_HOME (/usr/local/cuda, else the toolkit of the nvcc on
 # PATH), RANKS ("2 4 8"), JOBS (make -j, default nproc), FLAGCX_MESH_TIMEOUT (build deadline,
 # 10 s here), FXM_REAL_BYTES (bytes per registered buffer, 64 MiB), FXM_REAL_STEP_TIMEOUT (30 s),
@@ -43,7 +46,7 @@ TREE=$(cd "$TREE" && pwd) || exit 2
 WORK=${FXM_REAL_WORK:-$(mktemp -d /tmp/flagcx-real.XXXXXX)}
 mkdir -p "$WORK" && WORK=$(cd "$WORK" && pwd)
 [ -n "${FXM_REAL_WORK:-}" ] || trap 'rm -rf "$WORK"' EXIT
-STAGES=${STAGES:-build run}
+STAGES=${STAGES:-build run perf}
 SUMMARY=$OUTDIR/summary.txt
 : >"$SUMMARY"
 
@@ -155,6 +158,7 @@ build_programs() {
 }
 
 source "$HERE/real/runs.sh"  # launch, the variants tried, runs
+source "$HERE/real/perf_mpi.sh"  # the perf stage: FlagCX's own one-sided program under MPI
 
 step_facts
 find_nccl
@@ -163,8 +167,9 @@ patch_tree
 if [[ " $STAGES " == *" build "* ]]; then
   build_flagcx
   build_programs
-else
+elif [[ " $STAGES " == *" run "* ]]; then
   [ -x "$WORK/onesided_real" ] || die "STAGES=$STAGES but nothing was built in FXM_REAL_WORK=$WORK"
 fi
 [[ " $STAGES " == *" run "* ]] && runs
+[[ " $STAGES " == *" perf "* ]] && perf_stage
 say "build_real.sh: done ($([ $DRY = 1 ] && echo 'dry run' || echo "outputs in $OUTDIR"))"

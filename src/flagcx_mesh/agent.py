@@ -34,6 +34,12 @@ def _desc(d: Desc) -> bytes:
     raise InvalidArgument(f"a region descriptor must be a Region or bytes, not {type(d).__name__}")
 
 
+def _check_offsets(local_offset, remote_offset, size) -> None:
+    for name, v in (("local_offset", local_offset), ("remote_offset", remote_offset), ("size", size)):
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+
+
 def region_info(descriptor: bytes) -> dict:
     """The fields of a descriptor: agent, incarnation, index, size, kind."""
     return _core.region_info(_desc(descriptor))
@@ -189,10 +195,12 @@ class AgentConnection:
             if len(op) != 5:
                 raise InvalidArgument("a transfer is (local, local_offset, remote, remote_offset, size)")
             l, lo, r, ro, n = op
-            for name, v in (("local_offset", lo), ("remote_offset", ro), ("size", n)):
-                if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-                    raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
-            out.append((_desc(l), lo, _desc(r), ro, n))
+            # plain non-negative ints pass at once (the per-op cost of a connector's batches);
+            # anything else gets the full check, which accepts int subclasses but not bool
+            if not (type(lo) is int and type(ro) is int and type(n) is int and lo >= 0 and ro >= 0 and n >= 0):
+                _check_offsets(lo, ro, n)
+            out.append((l.descriptor if type(l) is Region else _desc(l), lo,
+                        r.descriptor if type(r) is Region else _desc(r), ro, n))
         return out
 
 

@@ -359,6 +359,7 @@ def _join_store(host: str, port: int, rank: int, timeout: float) -> Any:
     where = f"rank {rank}: cannot join the bootstrap store at MASTER_ADDR:MASTER_PORT = {host}:{port}"
     deadline = time.monotonic() + timeout
     _wait_listening(host, port, deadline, where, timeout)
+    _refuse_a_talker(host, port, where)
     box = _in_thread(lambda: _tcp_client(host, port, max(1.0, deadline - time.monotonic())),
                      f"flagcx_mesh store client {host}:{port}", max(1.0, deadline - time.monotonic()) + 5.0)
     if "value" in box:
@@ -372,6 +373,33 @@ def _join_store(host: str, port: int, rank: int, timeout: float) -> Any:
     raise errors.PeerLost(
         f"{where}: something accepted the connection but it is not a torch.distributed store "
         f"({text}). If another program holds port {port}, pick a free MASTER_PORT") from box["error"]
+
+
+# A TCPStore server never speaks first and never hangs up on a new client: what does either
+# within this time of a connect is not a store (torch's own client, given one that hangs up,
+# retries past its timeout, so it cannot be left to say so).
+_TALKER_PROBE_S = 0.1
+
+
+def _refuse_a_talker(host: str, port: int, where: str) -> None:
+    """Raises PeerLost when what listens at host:port hangs up at once or speaks first."""
+    import socket
+
+    try:
+        with socket.create_connection((host, port), timeout=2.0) as s:
+            s.settimeout(_TALKER_PROBE_S)
+            try:
+                data = s.recv(16)
+            except socket.timeout:
+                return  # silent and still connected, as a store is
+            what = f"it sent {data!r} first" if data else "it closed the connection without a word"
+    except ConnectionError as e:
+        what = f"it reset the connection ({e})"
+    except OSError:
+        return  # gone between the two connects: torch's client says what it finds
+    raise errors.PeerLost(
+        f"{where}: something accepted the connection but it is not a torch.distributed store "
+        f"({what}). If another program holds port {port}, pick a free MASTER_PORT")
 
 
 def _tcp_client(host: str, port: int, seconds: float) -> Any:

@@ -254,6 +254,16 @@ class Mesh:
         return self._core.contexts
 
     @property
+    def tcp_lanes(self) -> int:
+        """TCP connections per (peer, context): the smallest ``FLAGCX_MESH_TCP_LANES`` of all ranks."""
+        return self._core.tcp_lanes
+
+    def tcp_lane_ports(self, peer: int, ctx: int = 0) -> List[int]:
+        """Diagnostics: the local port of this rank's send connection to (peer, ctx) on each tcp
+        lane, lane 0 first (the tests pick one lane's socket by it)."""
+        return list(self._core.tcp_lane_ports(peer, ctx))
+
+    @property
     def mesh_id(self) -> str:
         """The random 128-bit id of this mesh, as hex."""
         return self._core.mesh_id

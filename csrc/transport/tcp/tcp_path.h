@@ -10,7 +10,8 @@ namespace fxm {
 
 class TcpPath : public Path {
  public:
-  TcpPath(Outbox* outbox, int peer, uint32_t win) : outbox_(outbox), peer_(peer), win_(win) {}
+  TcpPath(Outbox* outbox, int peer, uint32_t win, bool host_target = false)
+      : outbox_(outbox), peer_(peer), win_(win), host_target_(host_target) {}
   PathKind kind() const override { return PathKind::kTcp; }
   bool synchronous() const override { return false; }
   bool carries_signal() const override { return true; }
@@ -23,6 +24,7 @@ class TcpPath : public Path {
   Outbox* outbox_;
   int peer_;
   uint32_t win_;
+  bool host_target_;  // the peer's window is host memory: large puts may be striped over lanes
 };
 
 std::unique_ptr<Path> make_tcp_path(const PathRequest& req, const WindowDesc& d, std::string* why);

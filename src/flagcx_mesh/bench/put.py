@@ -14,8 +14,9 @@ for shared memory, and raw loopback TCP throughput between the two rank
 processes (sendall / recv_into on the same interface, completion ack) for TCP,
 and prints the ratios. The TCP reference is measured twice: on one socket, and on
 ``--streams N`` sockets at once (one sending thread per socket, each size split
-evenly over them; default ``min(4, cores)``), which is what several connections
-per pair can reach at best; the table prints tcp against both. With ``--batch N`` (default 2000) it also issues N puts of
+evenly over them; default: the tcp lanes the mesh uses, ``FLAGCX_MESH_TCP_LANES``),
+which is what that many connections per pair can reach at best; the table prints tcp
+(over its lanes) against both. With ``--batch N`` (default 2000) it also issues N puts of
 ``--batch-size`` bytes three ways (a loop of put, batch_put of a list, batch_put of a
 uint64 array) and prints their bandwidth side by side. ``put-mpi`` (under mpiexec, with mpi4py) measures
 MPI_Put (passive target: Lock, Put x N, Flush) next to flagcx_mesh.
@@ -48,8 +49,8 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     p.add_argument("--latency-iters", type=int, default=2000)
     p.add_argument("--batch", type=int, default=2000, help="entries per batch_put (0: skip)")
     p.add_argument("--batch-size", default="4K", help="bytes per batch entry")
-    p.add_argument("--streams", type=int, default=default_streams(),
-                   help="sockets of the multi-stream raw TCP reference (default: min(4, cores))")
+    p.add_argument("--streams", type=int, default=None,
+                   help="sockets of the multi-stream raw TCP reference (default: the mesh's tcp lanes)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="a plot of the bandwidth table (needs matplotlib)")
     if rank:
@@ -58,16 +59,12 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     a.transports = [t for t in a.transports.split(",") if t]
     a.batch_size = parse_size(a.batch_size)
-    if a.streams < 1:
+    if a.streams is not None and a.streams < 1:
         p.error("--streams must be at least 1")
     bad = [t for t in a.transports if t not in TRANSPORT_ENV]
     if bad:
         p.error(f"unknown transport(s) {bad}; choose from {sorted(TRANSPORT_ENV)}")
     return a
-
-
-def default_streams() -> int:
-    return max(1, min(4, os.cpu_count() or 1))
 
 
 def _reps(size: int) -> int:
@@ -290,9 +287,11 @@ def rank_entry(argv: List[str]) -> int:
         with _socket_pair(mesh) as sock:
             out["socket_gbs"] = {str(s): socket_bandwidth(mesh, sock, s) for s in args.sizes}
             out["socket_latency_us"] = socket_latency(mesh, sock, args.latency_iters // 4)
-        socks = _socket_pairs(mesh, args.streams)
+        out["tcp_lanes"] = mesh.tcp_lanes
+        streams = args.streams or mesh.tcp_lanes
+        socks = _socket_pairs(mesh, streams)
         try:
-            out["streams"] = args.streams
+            out["streams"] = streams
             out["streams_gbs"] = {str(s): streams_bandwidth(mesh, socks, s) for s in args.sizes}
         finally:
             for sk in socks:
@@ -310,7 +309,8 @@ def _report(data: dict, args) -> None:
     print("put bandwidth, rank 0 -> rank 1 on this host (GB/s, flush included)")
     n = data["streams"]
     sx = f"socket x{n}"
-    print(f"  (socket: one raw TCP connection; {sx}: {n} connections at once, one thread each)")
+    print(f"  (tcp: {data.get('tcp_lanes', 1)} lane(s) per pair, FLAGCX_MESH_TCP_LANES; socket: one raw TCP "
+          f"connection; {sx}: {n} connections at once, one thread each)")
     head = f"  {'size':>8}" + "".join(f"{t:>9}" for t in ts) + f"{'memcpy':>9}{'socket':>9}{sx:>11}"
     ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket"), ("tcp", "streams")]
     ratios = [(a, b) for a, b in ratios if a in ts]
