@@ -358,8 +358,7 @@ def _join_store(host: str, port: int, rank: int, timeout: float) -> Any:
     """
     where = f"rank {rank}: cannot join the bootstrap store at MASTER_ADDR:MASTER_PORT = {host}:{port}"
     deadline = time.monotonic() + timeout
-    _wait_listening(host, port, deadline, where, timeout)
-    _refuse_a_talker(host, port, where)
+    _wait_listening(host, port, deadline, where, timeout, probe=lambda s: _refuse_a_talker(s, port, where))
     box = _in_thread(lambda: _tcp_client(host, port, max(1.0, deadline - time.monotonic())),
                      f"flagcx_mesh store client {host}:{port}", max(1.0, deadline - time.monotonic()) + 5.0)
     if "value" in box:
@@ -381,22 +380,21 @@ def _join_store(host: str, port: int, rank: int, timeout: float) -> Any:
 _TALKER_PROBE_S = 0.1
 
 
-def _refuse_a_talker(host: str, port: int, where: str) -> None:
-    """Raises PeerLost when what listens at host:port hangs up at once or speaks first."""
+def _refuse_a_talker(s, port: int, where: str) -> None:
+    """Raises PeerLost when what accepted `s` hangs up at once or speaks first."""
     import socket
 
+    s.settimeout(_TALKER_PROBE_S)
     try:
-        with socket.create_connection((host, port), timeout=2.0) as s:
-            s.settimeout(_TALKER_PROBE_S)
-            try:
-                data = s.recv(16)
-            except socket.timeout:
-                return  # silent and still connected, as a store is
-            what = f"it sent {data!r} first" if data else "it closed the connection without a word"
+        data = s.recv(16)
+    except socket.timeout:
+        return  # silent and still connected, as a store is
     except ConnectionError as e:
-        what = f"it reset the connection ({e})"
+        data, what = None, f"it reset the connection ({e})"
     except OSError:
-        return  # gone between the two connects: torch's client says what it finds
+        return  # torch's client says what it finds
+    if data is not None:
+        what = f"it sent {data!r} first" if data else "it closed the connection without a word"
     raise errors.PeerLost(
         f"{where}: something accepted the connection but it is not a torch.distributed store "
         f"({what}). If another program holds port {port}, pick a free MASTER_PORT")
@@ -424,17 +422,22 @@ def _in_thread(fn: Any, name: str, seconds: float) -> Dict[str, Any]:
     return box
 
 
-def _wait_listening(host: str, port: int, deadline: float, where: str, timeout: float) -> None:
-    """Returns once a TCP connect to host:port succeeds; retries refusals until `deadline`."""
+def _wait_listening(host: str, port: int, deadline: float, where: str, timeout: float, probe=None) -> None:
+    """Returns once a TCP connect to host:port succeeds (after `probe(socket)` on that
+    connection, when given); retries refusals until `deadline`."""
     import socket
 
     pause, last = 0.01, None
     while True:
         try:
-            with socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic()))):
-                return
+            s = socket.create_connection((host, port), timeout=max(0.1, min(2.0, deadline - time.monotonic())))
         except OSError as e:
             last = e
+        else:
+            with s:  # the probe's refusal (an OSError too) is not a refused connect to retry
+                if probe is not None:
+                    probe(s)
+            return
         if time.monotonic() >= deadline:
             raise errors.MeshTimeout(
                 f"{where}: nothing accepted a connection there within {timeout:g} s (last error: "
