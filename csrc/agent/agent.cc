@@ -85,11 +85,23 @@ AgentStats Agent::stats() const {
 
 // ------------------------------------------------------------ regions
 
+// In the cookie table where it can be (a peer's check is then a load), else in memory of its own.
+void Agent::set_cookie(Window* w) {
+  if (!cookies_) {
+    cookies_ = std::make_unique<cma::CookieTable>();
+    if (!cookies_->ok()) FXM_INFO(-1, who() + "no cookie table (" + cookies_->why_not() + "): peers read cookies through cma");
+  }
+  uint64_t* slot = cookies_->slot(w->index);
+  if (!slot) return w->own_cookie(random_cookie());
+  *slot = random_cookie();
+  w->cookie = slot;
+}
+
 RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_name) {
   if (closed_) fail(Code::kClosed, -1, 0, who() + "register: the agent was closed");
   std::lock_guard<std::mutex> lock(mu_);  // one index per window, in order
   w->index = windows_.next_index();
-  w->cookie = std::make_unique<uint64_t>(random_cookie());
+  set_cookie(w.get());
   WindowDesc d = describe_local(*w, host_, shm_name);
   if (w->dev) describe_device(w, &d);
   w->own.set({-1, w->index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});

@@ -30,6 +30,7 @@
 #include "base/clock.h"
 #include "base/wire.h"
 #include "core/window.h"
+#include "transport/cma/cookie_table.h"
 #include "transport/tcp/socket.h"
 
 namespace fxm::agent {
@@ -106,16 +107,20 @@ struct StreamArg {
 class Handle {
  public:
   Handle() = default;
-  Handle(std::shared_ptr<Connection> conn, uint64_t target, std::string call)
-      : conn_(std::move(conn)), target_(target), call_(std::move(call)) {}
+  // pending: in flight until the connection's async op count reaches `target`
+  // (else completed when issued: synchronous paths).
+  Handle(std::shared_ptr<Connection> conn, uint64_t target, bool pending, bool is_read, size_t count)
+      : conn_(std::move(conn)), target_(target), pending_(pending), is_read_(is_read), count_(count) {}
   bool done() const;  // complete, or failed (wait() then says why)
   void wait(double timeout_s) const;  // <= 0: the agent's timeout
-  const std::string& call() const { return call_; }
+  std::string call() const;  // "write of 3 transfer(s) to agent b" (made when asked: not on the op's path)
 
  private:
-  std::shared_ptr<Connection> conn_;  // null: completed when issued (synchronous paths)
-  uint64_t target_ = 0;               // the connection's async op count to reach
-  std::string call_;
+  std::shared_ptr<Connection> conn_;  // null: a handle of no call
+  uint64_t target_ = 0;
+  bool pending_ = false;
+  bool is_read_ = false;
+  size_t count_ = 0;
 };
 
 struct Notification {
@@ -198,6 +203,7 @@ class Agent {
   bool lookup_fds(uint64_t token, std::vector<int>* fds);  // the fd server's answer to a token
   void drop_exports(const Window& w);
   RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
+  void set_cookie(Window* w);  // with mu_ held
   // Files a connection unless judge() refuses it ("" or why not, atomically
   // with the judgement); closes connections to older incarnations of that peer.
   std::string adopt(const std::shared_ptr<Connection>& c);
@@ -220,6 +226,8 @@ class Agent {
   int wake_fd_ = -1;
   std::thread listener_;
   WindowTable windows_;
+  // The regions' cookies, in memory peers on this host map (made with the first region, under mu_).
+  std::unique_ptr<cma::CookieTable> cookies_;
   mutable std::mutex mu_;  // conns_, superseded_, stats_, region bookkeeping
   std::vector<std::shared_ptr<Connection>> conns_;
   std::map<std::string, std::set<Incarnation>> superseded_;  // per name: incarnations replaced by a newer one

@@ -8,7 +8,6 @@
 
 #include "base/log.h"
 #include "base/status.h"
-#include "transport/cma/cma.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -173,12 +172,23 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
 // a host where this process may not read the peer's (ptrace rules) it cannot
 // tell, and the op goes ahead (docs/agent.md).
 // (An op racing with the close itself can still land: see docs/agent.md.)
-void Connection::check_cookie(const RegionDesc& remote, bool device) const {
-  WindowDesc d;
-  WindowDesc::decode(remote.window, &d);
+// The peer's cookie table makes the read a load (cma/cookie_table.h).
+void Connection::check_cookie(const RegionDesc& remote, bool device) {
+  auto it = cookie_refs_.find(remote.index);
+  if (it == cookie_refs_.end()) {
+    WindowDesc d;
+    WindowDesc::decode(remote.window, &d);
+    it = cookie_refs_.emplace(remote.index, CookieRef{d.pid, d.cookie_addr, d.cookie}).first;
+  }
+  const CookieRef& ref = it->second;
   uint64_t now = 0;
-  int err = cma::read(d.pid, d.cookie_addr, &now, sizeof(now));
-  if (err == 0 && now == d.cookie) return;
+  int err = peer_cookies_.read(ref.pid, ref.addr, &now);
+  std::string note = peer_cookies_.take_note();
+  if (!note.empty()) {
+    FXM_INFO(-1, who() + ": the peer's cookie table " + (note == "mapped" ? "is mapped: region checks are loads"
+                                                                         : "is not mapped (" + note + "): region checks read through cma"));
+  }
+  if (err == 0 && now == ref.value) return;
   if (device && (err == EPERM || err == ENOSYS)) return;
   fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name +
                                           (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
@@ -344,9 +354,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   } catch (const Error& e) {
     fail_call(e, call);
   }
-  std::string desc = std::string(call) + " of " + std::to_string(ops.size()) + " transfer(s) to agent " + peer_.name;
-  if (!async) return Handle(nullptr, 0, desc);
-  return Handle(shared_from_this(), async_issued_.load(), desc);
+  return Handle(shared_from_this(), async ? async_issued_.load() : 0, async, is_read, ops.size());
 }
 
 void Connection::notify(const std::vector<uint8_t>& bytes) {
@@ -375,11 +383,11 @@ void Connection::take_notifications(std::vector<Notification>* out) {
 
 bool Connection::reached(uint64_t target) const { return engine().completed() >= target; }
 
-void Connection::wait(uint64_t target, const Deadline& deadline, const std::string& call) const {
+void Connection::wait(uint64_t target, const Deadline& deadline, const Handle& describe) const {
   try {
     engine().wait_counter(target, deadline);
   } catch (const Error& e) {
-    fail_call(e, call);
+    fail_call(e, describe.call());
   }
 }
 
@@ -406,14 +414,20 @@ void Connection::fail_call(const Error& e, const std::string& call) const {
 // ------------------------------------------------------------ Handle
 
 bool Handle::done() const {
-  if (!conn_) return true;
+  if (!pending_) return true;
   return conn_->reached(target_) || !conn_->gone().empty();
 }
 
 void Handle::wait(double timeout_s) const {
-  if (!conn_) return;
+  if (!pending_) return;
   double t = timeout_s > 0 ? timeout_s : conn_->agent_timeout();
-  conn_->wait(target_, Deadline::after_seconds(t), call_);
+  conn_->wait(target_, Deadline::after_seconds(t), *this);
+}
+
+std::string Handle::call() const {
+  if (!conn_) return "";
+  return std::string(is_read_ ? "read" : "write") + " of " + std::to_string(count_) + " transfer(s) to agent " +
+         conn_->peer().name;
 }
 
 }  // namespace fxm::agent

@@ -14,6 +14,7 @@
 #include "agent/agent.h"
 #include "base/status.h"
 #include "core/progress.h"
+#include "transport/cma/cookie_table.h"
 #include "transport/cuda/streams.h"
 
 namespace fxm::agent {
@@ -52,7 +53,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // For Handle.
   bool reached(uint64_t target) const;
-  void wait(uint64_t target, const Deadline& deadline, const std::string& call) const;
+  // On failure the error names the call, `describe`'s words (made then only).
+  void wait(uint64_t target, const Deadline& deadline, const Handle& describe) const;
   void flush(const Deadline& deadline);  // this agent's ops on it completed (errors swallowed)
   double agent_timeout() const { return agent_->timeout_s(); }
 
@@ -71,8 +73,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
   // cma and device paths: throws once the peer closed the region (device paths
   // pass when the cookie cannot be read here at all).
-  void check_cookie(const RegionDesc& remote, bool device) const;
+  void check_cookie(const RegionDesc& remote, bool device);
   uint32_t cookie_checked_ = UINT32_MAX;  // the remote region whose cookie this call read back (op_mu_)
+  struct CookieRef {
+    int32_t pid;
+    uint64_t addr, value;
+  };
+  std::map<uint32_t, CookieRef> cookie_refs_;  // per remote region index, from its descriptor (op_mu_)
+  cma::PeerCookies peer_cookies_;             // the peer's cookie table, mapped on first use
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
   Engine& engine() const;

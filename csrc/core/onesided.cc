@@ -120,7 +120,7 @@ uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& 
     forced_cuda_path();
     w = prepare(index, &shm_name);
     w->index = index;
-    w->cookie = std::make_unique<uint64_t>(random_cookie());
+    w->own_cookie(random_cookie());
     mine = describe_for_peers(*w, shm_name);
     w->own.set({rank_, index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
   } catch (const Error& e) {

@@ -50,8 +50,14 @@ struct Window {
   std::atomic<bool> live{true};
   std::atomic<bool> closing{false};
   std::atomic<uint32_t> users{0};
-  // Identity proof for cma (published with its address, revoked on close).
-  std::unique_ptr<uint64_t> cookie;
+  // Identity proof for cma (published with its address, revoked on close):
+  // in `cookie_owned`, or in a slot of the owner's cookie table (cma/cookie_table.h).
+  uint64_t* cookie = nullptr;
+  std::unique_ptr<uint64_t> cookie_owned;
+  void own_cookie(uint64_t value) {
+    cookie_owned = std::make_unique<uint64_t>(value);
+    cookie = cookie_owned.get();
+  }
   // This process's registration of the window (what cuda-self may reach), until it is closed.
   OwnWindowClaim own;
   // Library-allocated memory (shm and signal windows). Shared: Python views of

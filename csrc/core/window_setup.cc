@@ -28,7 +28,7 @@ WindowDesc describe_local(const Window& w, const std::string& host, const std::s
   d.host = host;
   d.pid_ns = pid_namespace();
   d.shm_name = shm_name;
-  d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie.get());
+  d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie);
   d.cookie = w.cookie ? *w.cookie : 0;
   return d;
 }

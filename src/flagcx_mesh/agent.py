@@ -76,6 +76,8 @@ class Region:
 class _Completion:
     """What a core handle offers: ``done()`` polls, ``wait(timeout)`` raises its error."""
 
+    __slots__ = ("_core",)
+
     def __init__(self, core):
         self._core = core
 
@@ -91,6 +93,8 @@ class Handle(_Completion):
     raises the call's error (PeerLost naming the peer, InvalidArgument when the
     target refused, MeshTimeout)."""
 
+    __slots__ = ()
+
     @property
     def call(self) -> str:
         return self._core.call
@@ -105,6 +109,8 @@ class NotificationWait(_Completion):
     naming the peer when it went first, ``MeshClosed`` when the agent closed.
     ``error``: that failure's message ("" while pending or once matched);
     ``sender``: the peer whose notification released it."""
+
+    __slots__ = ()
 
     @property
     def error(self) -> str:
@@ -155,12 +161,14 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return self.batch_write([(local, local_offset, remote, remote_offset, size)], notification, stream)
+        return Handle(self._core.transfer(self._ops(((local, local_offset, remote, remote_offset, size),)), False,
+                                          notification, None if stream is None else _cuda.stream_handle(stream)))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self.batch_read([(local, local_offset, remote, remote_offset, size)], notification, stream)
+        return Handle(self._core.transfer(self._ops(((local, local_offset, remote, remote_offset, size),)), True,
+                                          notification, None if stream is None else _cuda.stream_handle(stream)))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked

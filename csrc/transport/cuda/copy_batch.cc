@@ -83,6 +83,7 @@ bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCo
 }
 
 size_t CopyBatch::run_end(size_t from) const {
+  if (copies_.size() - from <= 1) return copies_.size();  // one copy: nothing to order it against
   Ranges written, read;
   size_t i = from;
   for (; i < copies_.size(); ++i) {
