@@ -68,7 +68,35 @@ std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& se
 using SharedDesc = std::shared_ptr<const RegionDesc>;
 constexpr size_t kDecodedDescsMax = 4096;
 
+// The last few descriptor objects looked up, by identity (a bytes object's contents never change):
+// a connector passes the same bytes objects call after call, and a hit costs no copy or hash. Each
+// entry holds a reference, so no other object can take its address while it is here.
+struct RecentDesc {
+  PyObject* obj = nullptr;
+  SharedDesc desc;
+};
+constexpr size_t kRecentDescs = 8;
+
+SharedDesc decoded_by_bytes(const py::handle& h);
+
 SharedDesc decoded_region(const py::handle& h) {
+  static RecentDesc recent[kRecentDescs];  // never destroyed: references are dropped only on eviction
+  static size_t next = 0;
+  for (const RecentDesc& r : recent) {
+    if (r.obj == h.ptr()) return r.desc;
+  }
+  SharedDesc d = decoded_by_bytes(h);
+  if (PyBytes_CheckExact(h.ptr())) {
+    RecentDesc& slot = recent[next++ % kRecentDescs];
+    PyObject* old = slot.obj;
+    slot.obj = h.inc_ref().ptr();
+    slot.desc = d;
+    Py_XDECREF(old);
+  }
+  return d;
+}
+
+SharedDesc decoded_by_bytes(const py::handle& h) {
   static auto* cache = new std::unordered_map<std::string, SharedDesc>();  // never destroyed: used until exit
   char* data = nullptr;
   Py_ssize_t n = 0;
@@ -88,13 +116,21 @@ Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::obje
                 const std::optional<uint64_t>& stream) {
   // Each distinct descriptor object is looked up once per call (a batch names a few regions many
   // times: one KV layer is thousands of blocks of two regions).
-  std::vector<SharedDesc> held;
-  std::unordered_map<PyObject*, const RegionDesc*> decoded;  // by bytes object (alive in `ops`)
-  auto desc_of = [&](const py::handle& h) {
-    auto it = decoded.find(h.ptr());
-    if (it != decoded.end()) return it->second;
-    held.push_back(decoded_region(h));
-    return decoded[h.ptr()] = held.back().get();
+  // By bytes object (alive in `ops`): a call names few, scanned; past kScanned, a map too.
+  constexpr size_t kScanned = 16;
+  std::vector<std::pair<PyObject*, SharedDesc>> held;
+  std::unordered_map<PyObject*, const RegionDesc*> more;
+  auto desc_of = [&](const py::handle& h) -> const RegionDesc* {
+    for (size_t i = 0; i < held.size() && i < kScanned; ++i) {
+      if (held[i].first == h.ptr()) return held[i].second.get();
+    }
+    if (held.size() >= kScanned) {
+      auto it = more.find(h.ptr());
+      if (it != more.end()) return it->second;
+    }
+    held.emplace_back(h.ptr(), decoded_region(h));
+    if (held.size() > kScanned) more[h.ptr()] = held.back().second.get();
+    return held.back().second.get();
   };
   std::vector<fxm::agent::Xfer> xs;
   xs.reserve(ops.size());

@@ -40,6 +40,15 @@ def _check_offsets(local_offset, remote_offset, size) -> None:
             raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
 
 
+def _one_op(local, local_offset, remote, remote_offset, size) -> list:
+    """One op as the core takes it (write() and read(): the per-call cost of a blocking connector)."""
+    if not (type(local_offset) is int and type(remote_offset) is int and type(size) is int
+            and local_offset >= 0 and remote_offset >= 0 and size >= 0):
+        _check_offsets(local_offset, remote_offset, size)
+    return [(local.descriptor if type(local) is Region else _desc(local), local_offset,
+             remote.descriptor if type(remote) is Region else _desc(remote), remote_offset, size)]
+
+
 def region_info(descriptor: bytes) -> dict:
     """The fields of a descriptor: agent, incarnation, index, size, kind."""
     return _core.region_info(_desc(descriptor))
@@ -161,13 +170,13 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return Handle(self._core.transfer(self._ops(((local, local_offset, remote, remote_offset, size),)), False,
+        return Handle(self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), False,
                                           notification, None if stream is None else _cuda.stream_handle(stream)))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return Handle(self._core.transfer(self._ops(((local, local_offset, remote, remote_offset, size),)), True,
+        return Handle(self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), True,
                                           notification, None if stream is None else _cuda.stream_handle(stream)))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
