@@ -36,8 +36,19 @@ def test_every_device_path_moves_and_verifies_its_bytes(tmp_path):
         assert req["pipelined_GBps"] > 0 and req["blocking_GBps"] > 0
         assert f["setup"]["register_ms"] > 0 and f["setup"]["connect_median_ms"] > 0
         assert f"[{path}] bytes at the target: ok" in p.stdout
-    assert fig["mesh_put"]["error"].startswith("not run")  # said, not left out
+        mesh = req["mesh"]  # the mesh's puts beside the agent: same blocks, same path
+        assert mesh["path"] == path and mesh["pipelined_GBps"] > 0 and mesh["blocking_GBps"] > 0, (path, mesh)
+        goal = fig["goals"][path]["64 KiB_blocking_GBps_over_mesh_put"]
+        assert goal == pytest.approx(req["blocking_GBps"] / mesh["blocking_GBps"]), (path, goal)
     assert fig["goals"]["cuda-vmm"]["register_goal_over_ms"] > 0
+
+
+def test_mesh_put_off_leaves_the_mesh_out_and_says_so(tmp_path):
+    p, fig = bench(tmp_path, "--peers", "none", "--paths", "cuda-ipc", "--mesh-put", "off")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "mesh" not in fig["flagcx_mesh"]["cuda-ipc"]["request"]["64 KiB"]
+    assert "[mesh put] NOT RUN: --mesh-put off" in p.stdout
+    assert fig["goals"]["cuda-ipc"]["64 KiB_blocking_GBps_over_mesh_put"] is None
 
 
 def test_a_peer_that_cannot_run_is_reported_not_left_out(tmp_path):

@@ -47,10 +47,17 @@ class Target:
         raise TargetFailed(f"{self.tool} target: {why}{self._tail()}")
 
     def ask(self, req: Dict) -> Dict:
+        self.send(req)
+        return self.answer(req)
+
+    def send(self, req: Dict) -> None:
+        """The request alone (answer() then takes its answer): for what the bench's side must do meanwhile."""
         try:
             os.write(self.w, (json.dumps(req) + "\n").encode())
         except OSError as e:
             self._fail(f"cannot send {req['op']!r}: {e} (exit {self.proc.poll()})")
+
+    def answer(self, req: Dict) -> Dict:
         end = time.monotonic() + self.timeout
         while b"\n" not in self.pending:
             left = end - time.monotonic()

@@ -9,6 +9,9 @@ timing both, then answers one JSON line per request read from fd R on fd W:
 
     {"op": "info"}           -> {"ok": true, "start_ms", "register_ms", "info": {what a peer needs}}
     {"op": "crc", "chunk": C} -> {"ok": true, "crcs": [crc32 of each C bytes of the buffer]}
+    {"op": "mesh", "uid": H} -> {"ok": true} at once; then (flagcx_mesh only) it joins a 2-rank mesh
+                                of unique id H as rank 1 and registers its buffer as window 0
+    {"op": "mesh-close"}     -> closes that mesh (the bench closes its rank meanwhile), {"ok": true}
     {"op": "bye"}            -> {"ok": true}, then it exits
 
 A failure answers {"ok": false, "error": "..."} and exits non-zero. The pipe carries nothing
@@ -48,6 +51,29 @@ class FlagcxTarget:
         self.region = self.agent.register(self.buf.obj)
         self.register_ms = _ms(t0)
         self.info = {"metadata": self.agent.metadata().hex(), "descriptor": self.region.descriptor.hex()}
+
+    def mesh_open(self, uid: bytes) -> None:
+        """Joins the bench's 2-rank mesh on a thread (the build is collective: this loop answers meanwhile)."""
+        import threading
+
+        from ..mesh import Mesh
+
+        def join():
+            try:
+                self.mesh = Mesh(2, uid, 1, timeout=60)
+                self.mesh.register_window(self.buf.obj)
+            except BaseException as e:  # reported by mesh-close; the bench's side fails on its own
+                self.mesh_error = e
+
+        self.mesh, self.mesh_error = None, None
+        self.mesh_thread = threading.Thread(target=join, daemon=True)
+        self.mesh_thread.start()
+
+    def mesh_close(self) -> None:
+        self.mesh_thread.join(120)
+        if self.mesh_error is not None or self.mesh is None:
+            raise RuntimeError(f"joining the mesh: {self.mesh_error!r}")
+        self.mesh.close()
 
     def close(self) -> None:
         self.agent.close()
@@ -144,6 +170,12 @@ def main(argv: List[str]) -> int:
                                    "info": target.info})
             elif req["op"] == "crc":
                 _answer(args.wfd, {"ok": True, "crcs": _crcs(target.buf, int(req["chunk"]))})
+            elif req["op"] == "mesh":
+                target.mesh_open(bytes.fromhex(req["uid"]))
+                _answer(args.wfd, {"ok": True})
+            elif req["op"] == "mesh-close":
+                target.mesh_close()
+                _answer(args.wfd, {"ok": True})
             elif req["op"] == "bye":
                 target.close()
                 _answer(args.wfd, {"ok": True})
