@@ -174,7 +174,10 @@ void bind_connection(py::module_& m) {
         py::gil_scoped_release release;
         c.close("closed by this agent");
       });
-  py::class_<Handle>(m, "AgentHandle")
+  py::class_<Handle>(m, "AgentHandle",
+                     "The completion of one write/read call (flagcx_mesh.agent.Handle): done() polls; wait(timeout) "
+                     "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
+                     "MeshTimeout); call names the call.")
       .def("done", &Handle::done, py::call_guard<py::gil_scoped_release>())
       .def("wait", &Handle::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("call", &Handle::call);

@@ -97,16 +97,11 @@ class _Completion:
         self._core.wait(timeout)
 
 
-class Handle(_Completion):
-    """The completion of one write/read call. ``done()`` polls; ``wait(timeout)``
-    raises the call's error (PeerLost naming the peer, InvalidArgument when the
-    target refused, MeshTimeout)."""
-
-    __slots__ = ()
-
-    @property
-    def call(self) -> str:
-        return self._core.call
+# The completion of one write/read call, as the core returns it (no wrapper: a blocking
+# connector pays for each object on every call). ``done()`` polls; ``wait(timeout)`` raises the
+# call's error (PeerLost naming the peer, InvalidArgument when the target refused, MeshTimeout);
+# ``call`` names the call ("write of 3 transfer(s) to agent b").
+Handle = _core.AgentHandle
 
 
 class NotificationWait(_Completion):
@@ -170,22 +165,22 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return Handle(self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), False,
-                                          notification, None if stream is None else _cuda.stream_handle(stream)))
+        return self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), False,
+                                   notification, None if stream is None else _cuda.stream_handle(stream))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return Handle(self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), True,
-                                          notification, None if stream is None else _cuda.stream_handle(stream)))
+        return self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), True,
+                                   notification, None if stream is None else _cuda.stream_handle(stream))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return Handle(self._core.transfer(self._ops(ops), False, notification, _cuda.stream_handle(stream)))
+        return self._core.transfer(self._ops(ops), False, notification, _cuda.stream_handle(stream))
 
     def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
-        return Handle(self._core.transfer(self._ops(ops), True, notification, _cuda.stream_handle(stream)))
+        return self._core.transfer(self._ops(ops), True, notification, _cuda.stream_handle(stream))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
