@@ -59,6 +59,7 @@ void Connection::start() {
 // The acceptor files a connection before it sends the verdict (so the table
 // and its judgement agree) and starts it right after: a call in between waits.
 Engine& Connection::engine() const {
+  if (ready_.load(std::memory_order_acquire)) return *engine_;  // every call but those racing the start
   Deadline d = Deadline::after_seconds(agent_->header_timeout_s_);
   while (!ready_.load(std::memory_order_acquire)) {
     std::string g = gone();
