@@ -112,6 +112,18 @@ SharedDesc decoded_by_bytes(const py::handle& h) {
   return d;
 }
 
+Handle issue(Connection& c, const std::vector<fxm::agent::Xfer>& xs, bool is_read, const py::object& notif,
+             const std::optional<uint64_t>& stream) {
+  std::vector<uint8_t> n;
+  bool has_n = !notif.is_none();
+  if (has_n) n = to_vec(notif.cast<py::bytes>());
+  fxm::agent::StreamArg on;
+  on.set = stream.has_value();
+  on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
+  py::gil_scoped_release release;
+  return c.transfer(xs, is_read, has_n ? &n : nullptr, on);
+}
+
 Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif,
                 const std::optional<uint64_t>& stream) {
   // Each distinct descriptor object is looked up once per call (a batch names a few regions many
@@ -139,14 +151,16 @@ Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::obje
     if (t.size() != 5) throw py::value_error("a transfer is (local, local_offset, remote, remote_offset, size)");
     xs.push_back({desc_of(t[0]), t[1].cast<uint64_t>(), desc_of(t[2]), t[3].cast<uint64_t>(), t[4].cast<uint64_t>()});
   }
-  std::vector<uint8_t> n;
-  bool has_n = !notif.is_none();
-  if (has_n) n = to_vec(notif.cast<py::bytes>());
-  fxm::agent::StreamArg on;
-  on.set = stream.has_value();
-  on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
-  py::gil_scoped_release release;
-  return c.transfer(xs, is_read, has_n ? &n : nullptr, on);
+  return issue(c, xs, is_read, notif, stream);
+}
+
+// One op, its fields as arguments (write() and read(): no list or tuple to build and take apart).
+Handle transfer_one(Connection& c, const py::handle& local, uint64_t local_off, const py::handle& remote,
+                    uint64_t remote_off, uint64_t size, bool is_read, const py::object& notif,
+                    const std::optional<uint64_t>& stream) {
+  SharedDesc l = decoded_region(local), r = decoded_region(remote);
+  std::vector<fxm::agent::Xfer> xs{{l.get(), local_off, r.get(), remote_off, size}};
+  return issue(c, xs, is_read, notif, stream);
 }
 
 void bind_connection(py::module_& m) {
@@ -159,6 +173,9 @@ void bind_connection(py::module_& m) {
       .def("transfer", &transfer, py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none(),
            py::keep_alive<0, 1>())  // a handle keeps its connection (and so its agent) alive
+      .def("transfer_one", &transfer_one, py::arg("local"), py::arg("local_offset"), py::arg("remote"),
+           py::arg("remote_offset"), py::arg("size"), py::arg("is_read"), py::arg("notification") = py::none(),
+           py::arg("stream") = py::none(), py::keep_alive<0, 1>())
       .def("notify", [](Connection& c, const py::bytes& b) {
         std::vector<uint8_t> v = to_vec(b);
         py::gil_scoped_release release;

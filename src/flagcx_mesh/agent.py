@@ -40,13 +40,14 @@ def _check_offsets(local_offset, remote_offset, size) -> None:
             raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
 
 
-def _one_op(local, local_offset, remote, remote_offset, size) -> list:
-    """One op as the core takes it (write() and read(): the per-call cost of a blocking connector)."""
+def _one(core, local, local_offset, remote, remote_offset, size, is_read, notification, stream):
+    """One op straight to the core (write() and read(): the per-call cost of a blocking connector)."""
     if not (type(local_offset) is int and type(remote_offset) is int and type(size) is int
             and local_offset >= 0 and remote_offset >= 0 and size >= 0):
         _check_offsets(local_offset, remote_offset, size)
-    return [(local.descriptor if type(local) is Region else _desc(local), local_offset,
-             remote.descriptor if type(remote) is Region else _desc(remote), remote_offset, size)]
+    return core.transfer_one(local.descriptor if type(local) is Region else _desc(local), local_offset,
+                             remote.descriptor if type(remote) is Region else _desc(remote), remote_offset, size,
+                             is_read, notification, None if stream is None else _cuda.stream_handle(stream))
 
 
 def region_info(descriptor: bytes) -> dict:
@@ -165,14 +166,12 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), False,
-                                   notification, None if stream is None else _cuda.stream_handle(stream))
+        return _one(self._core, local, local_offset, remote, remote_offset, size, False, notification, stream)
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self._core.transfer(_one_op(local, local_offset, remote, remote_offset, size), True,
-                                   notification, None if stream is None else _cuda.stream_handle(stream))
+        return _one(self._core, local, local_offset, remote, remote_offset, size, True, notification, stream)
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
