@@ -85,13 +85,28 @@ AgentStats Agent::stats() const {
 
 // ------------------------------------------------------------ regions
 
+// Null with FLAGCX_MESH_AGENT_COOKIE_TABLE=off (peers then read each cookie back through cma).
+std::unique_ptr<cma::CookieTable> Agent::make_cookie_table() const {
+  std::string v = agent_cookie_table_env();
+  if (v == "off") {
+    FXM_INFO(-1, who() + "FLAGCX_MESH_AGENT_COOKIE_TABLE=off: peers read cookies through cma");
+    return nullptr;
+  }
+  if (!v.empty() && v != "auto") {
+    FXM_WARN(-1, who() + "FLAGCX_MESH_AGENT_COOKIE_TABLE=" + v + " is neither auto nor off: taken as auto");
+  }
+  auto t = std::make_unique<cma::CookieTable>();
+  if (!t->ok()) FXM_INFO(-1, who() + "no cookie table (" + t->why_not() + "): peers read cookies through cma");
+  return t;
+}
+
 // In the cookie table where it can be (a peer's check is then a load), else in memory of its own.
 void Agent::set_cookie(Window* w) {
-  if (!cookies_) {
-    cookies_ = std::make_unique<cma::CookieTable>();
-    if (!cookies_->ok()) FXM_INFO(-1, who() + "no cookie table (" + cookies_->why_not() + "): peers read cookies through cma");
+  if (!cookie_table_tried_) {
+    cookies_ = make_cookie_table();
+    cookie_table_tried_ = true;
   }
-  uint64_t* slot = cookies_->slot(w->index);
+  uint64_t* slot = cookies_ ? cookies_->slot(w->index) : nullptr;
   if (!slot) return w->own_cookie(random_cookie());
   *slot = random_cookie();
   w->cookie = slot;

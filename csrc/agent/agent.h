@@ -204,6 +204,7 @@ class Agent {
   void drop_exports(const Window& w);
   RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
   void set_cookie(Window* w);  // with mu_ held
+  std::unique_ptr<cma::CookieTable> make_cookie_table() const;
   // Files a connection unless judge() refuses it ("" or why not, atomically
   // with the judgement); closes connections to older incarnations of that peer.
   std::string adopt(const std::shared_ptr<Connection>& c);
@@ -226,8 +227,10 @@ class Agent {
   int wake_fd_ = -1;
   std::thread listener_;
   WindowTable windows_;
-  // The regions' cookies, in memory peers on this host map (made with the first region, under mu_).
+  // The regions' cookies, in memory peers on this host map (made with the first region, under mu_;
+  // null with FLAGCX_MESH_AGENT_COOKIE_TABLE=off).
   std::unique_ptr<cma::CookieTable> cookies_;
+  bool cookie_table_tried_ = false;
   mutable std::mutex mu_;  // conns_, superseded_, stats_, region bookkeeping
   std::vector<std::shared_ptr<Connection>> conns_;
   std::map<std::string, std::set<Incarnation>> superseded_;  // per name: incarnations replaced by a newer one

@@ -91,6 +91,11 @@ std::string cuda_batch_copy_env() {
   return s ? s : "";
 }
 
+std::string agent_cookie_table_env() {
+  const char* s = std::getenv("FLAGCX_MESH_AGENT_COOKIE_TABLE");
+  return s ? s : "";
+}
+
 std::string agent_secret_env() {
   const char* s = std::getenv("FLAGCX_MESH_AGENT_SECRET");
   return s ? s : "";

@@ -12,6 +12,8 @@
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
 //   FLAGCX_MESH_CUDA_BATCH_COPY  auto | off: whether an agent's batch of device
 //                        copies is issued with cuMemcpyBatchAsync (cuda_batch_copy_env())
+//   FLAGCX_MESH_AGENT_COOKIE_TABLE  auto | off: whether an agent keeps its regions'
+//                        cookies in a table its peers map (agent_cookie_table_env())
 //   FLAGCX_MESH_STAGED_CHUNK_BYTES, FLAGCX_MESH_STAGED_INFLIGHT_BYTES  how the
 //                        staged path cuts its ops and how much staging its puts
 //                        to one peer hold (transport/cuda/staged_payload.h)
@@ -75,6 +77,8 @@ std::string staged_chunk_env();
 std::string staged_inflight_env();
 // FLAGCX_MESH_AGENT_SECRET ("" when unset): the secret agents prove when none is given.
 std::string agent_secret_env();
+// FLAGCX_MESH_AGENT_COOKIE_TABLE ("" when unset), read when an agent registers its first region.
+std::string agent_cookie_table_env();
 
 // The embedded launcher's variables as they are now; throws
 // Error(kInvalidArgument) naming a missing or malformed one.
