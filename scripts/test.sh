@@ -8,6 +8,8 @@
 #      the wheel does not hold (build/test-doubles: tests/testdoubles.py finds them)
 #      (in .venv-build, through ccache: ~/.cache/flagcx_mesh/ccache, FXM_CCACHE=0 builds without it)
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
+#      torch and the test extras' dependencies from a venv kept for later runs and other clones,
+#      $FXM_TORCH_VENV (default ~/.cache/flagcx_mesh/venv-torch-2.13.0-pyX.Y; none: into the main venv)
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
 #      $FXM_TEST_JOBS pytest-xdist workers (default 3: many tests wait on timeouts and child processes, so 3 beat 2 on 2 cores), then the `serial` files alone
@@ -74,12 +76,35 @@ toml_list() {  # toml_list TABLE.KEY...: a list of pyproject.toml, one item a li
 for k in sys.argv[1].split("."): d = d[k]
 print(*d, sep="\n")' "$1" 2>/dev/null | sed '/^$/d'
 }
-# torch (the largest install) goes into the main venv while the wheel compiles, and so do the
+# torch (the largest install: ~55 s and ~36 s of CPU on 2 cores, pip byte-compiling it) and the
 # test extras' own dependencies (where this Python has no tomllib, the install after the build
-# fetches them instead): that install then only checks them.
+# fetches them instead) go into a venv kept outside the checkout, $TORCH_VENV, made once while
+# the wheel compiles (in a folder of its own, renamed into place when whole, so that a run in
+# another clone meanwhile never takes half of it); the main venv sees its site-packages through a
+# .pth file (after its own: the wheel installed there comes first) and pip, which finds them
+# there, installs only what they lack. FXM_TORCH_VENV=none installs them into the main venv.
 mapfile -t TEST_DEPS < <(toml_list project.optional-dependencies.test)
-timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}" \
-    > build/venv-test-torch.setup.log 2>&1 &
+PYVER=$("$PYTHON" -c 'import sys; print("py%d.%d" % sys.version_info[:2])') || die "no $PYTHON"
+TORCH_VENV=${FXM_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-${TORCH_PIN/==/-}-$PYVER}
+torch_venv() {  # makes $TORCH_VENV where it is missing, then points $VENV at its site-packages
+    local tmp site
+    if [ "$TORCH_VENV" = none ]; then
+        timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}"
+        return
+    fi
+    if [ ! -d "$TORCH_VENV" ]; then
+        tmp=$TORCH_VENV.part.$$
+        rm -rf "$tmp" && mkdir -p "$(dirname "$TORCH_VENV")" && "$PYTHON" -m venv "$tmp" \
+            && timeout 900 "$tmp/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}" \
+            || { rm -rf "$tmp"; return 1; }
+        mv -T "$tmp" "$TORCH_VENV" 2>/dev/null || rm -rf "$tmp"  # (another run's came first)
+    fi
+    site=$("$TORCH_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
+    echo "(torch and the test extras' dependencies from $site)"
+    "$VENV/bin/python" -c 'import sys, sysconfig, os
+open(os.path.join(sysconfig.get_path("purelib"), "fxm-torch-venv.pth"), "w").write(sys.argv[1] + "\n")' "$site"
+}
+torch_venv > build/venv-test-torch.setup.log 2>&1 &
 torch_setup=$!
 # The wheel builds in a venv of its own (.venv-build: the build requirements, and cmake / ninja
 # where the machine has none, as pip's isolated build would add), not in a fresh temporary one:
@@ -121,7 +146,8 @@ env "${BUILD_ENV[@]}" timeout 900 "$BUILD_VENV/bin/python" -m pip wheel "${PIP_F
     | awk -F'\t' '$1 == "direct_cache_hit" {h += $2} $1 == "preprocessed_cache_hit" {h += $2}
                   $1 == "cache_miss" {m = $2} END {printf "(ccache: %d of %d compilations from the cache)\n", h, h + m}'
 WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
-wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN into $VENV failed"; }
+wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN (into $TORCH_VENV) failed"; }
+grep -v '^WARNING: Location' build/venv-test-torch.setup.log | tail -3
 
 # The MPI venvs install in the background meanwhile (pip's work, little CPU); stages 4 and 5 wait for them.
 declare -A mpi_setup
