@@ -102,7 +102,11 @@ torch_venv() {  # makes $TORCH_VENV where it is missing, then points $VENV at it
     site=$("$TORCH_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
     echo "(torch and the test extras' dependencies from $site)"
     "$VENV/bin/python" -c 'import sys, sysconfig, os
-open(os.path.join(sysconfig.get_path("purelib"), "fxm-torch-venv.pth"), "w").write(sys.argv[1] + "\n")' "$site"
+open(os.path.join(sysconfig.get_path("purelib"), "fxm-torch-venv.pth"), "w").write(sys.argv[1] + "\n")' "$site" \
+        || return 1
+    # pytest itself (small) goes into the main venv too: its script, $VENV/bin/pytest, runs there
+    [ -x "$VENV/bin/pytest" ] || timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps \
+        --ignore-installed "pytest==$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("pytest"))')"
 }
 torch_venv > build/venv-test-torch.setup.log 2>&1 &
 torch_setup=$!
