@@ -12,7 +12,7 @@
 #      $FXM_TORCH_VENV (default ~/.cache/flagcx_mesh/venv-torch-2.13.0-pyX.Y; none: into the main venv)
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
-#      $FXM_TEST_JOBS pytest-xdist workers (default 3: many tests wait on timeouts and child processes, so 3 beat 2 on 2 cores), then the `serial` files alone
+#      $FXM_TEST_JOBS pytest-xdist workers (default 4: many tests wait on deadlines and child processes, so 4 beat 3 and 3 beat 2 on 2 cores), then the `serial` files alone
 #      (tests/conftest.py; `slow` tests are run too)
 #   3. with FLAGCX_SRC (a FlagCX 0c721293 tree): integrations/flagcx/check/check.sh 8 20; without it
 #      the stage says plainly that it did not run
@@ -180,7 +180,7 @@ main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no te
     local rc=$?
     [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$1")
 }
-JOBS=${FXM_TEST_JOBS:-3}
+JOBS=${FXM_TEST_JOBS:-4}
 step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
 step "pytest (main suite, the serial files alone)"
