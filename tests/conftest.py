@@ -19,7 +19,7 @@ SERIAL_FILES = {
     "test_netns_faults.py",    # the same, with nft rules
     "test_soak.py",            # many meshes at once, long
     "test_onesided_races.py",  # crash races and a PID namespace
-    "test_agent_churn.py",     # 8 decode processes in churn for 20 s (FLAGCX_MESH_AGENT_CHURN_S)
+    "test_agent_churn.py",     # 8 decode processes in churn for 10 s (FLAGCX_MESH_AGENT_CHURN_S)
 }
 SLOW_FILES = {"test_soak.py", "test_netns_faults.py"}
 

@@ -1,7 +1,7 @@
 """Churn: one prefill agent (this process) serves 8 decode processes that connect, ask for
 blocks, check them, read a cache block back and leave, over and over, while a decode is
 killed with a write to it in flight, restarted under its name, and the prefill re-registers
-a grown cache. FLAGCX_MESH_AGENT_CHURN_S sets the duration (default 20 s; 60 for the full
+a grown cache. FLAGCX_MESH_AGENT_CHURN_S sets the duration (default 10 s; 60 for the full
 run). Every byte is checked, every handle completes or fails with PeerLost naming the killed
 decode, and the prefill ends with the connections, sockets and threads it started with."""
 
@@ -18,7 +18,7 @@ from flagcx_mesh.agent import Agent, region_info
 from test_agent import SECRET, finish, spawn
 
 DECODES = 8
-SECONDS = float(os.environ.get("FLAGCX_MESH_AGENT_CHURN_S", "20"))
+SECONDS = float(os.environ.get("FLAGCX_MESH_AGENT_CHURN_S", "10"))
 VICTIM = "decode-3"
 
 pytestmark = pytest.mark.timeout(SECONDS + 150)

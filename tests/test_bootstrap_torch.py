@@ -21,9 +21,19 @@ from flagcx_mesh import Mesh, bootstrap  # noqa: E402
 
 from bootstrap_helpers import (JOB, PY, clean_env, finish, free_port, ok_lines, run, start,  # noqa: E402
                                unrelated_listener)
+from forkserver import ForkServer  # noqa: E402
 
 pytestmark = pytest.mark.timeout(180)
 T = 30.0
+
+
+@pytest.fixture(scope="module")
+def torch_fork():
+    """The programs that import torch are forked from one process that imported it (~3 s of
+    CPU each on 2 cores otherwise); tests/forkserver.py runs each as a fresh interpreter would."""
+    server = ForkServer(["torch.distributed"], env=clean_env())
+    yield server
+    server.close()
 
 
 def check(mesh, nranks):
@@ -98,9 +108,9 @@ def test_from_store_tcpstore_new_client_per_call():
     builds_twice(client, 3)
 
 
-def test_from_store_filestore_processes(tmp_path):
+def test_from_store_filestore_processes(tmp_path, torch_fork):
     path = str(tmp_path / "store")
-    procs = [start([PY, JOB, "file", path, str(r), "3"], clean_env()) for r in range(3)]
+    procs = [start([PY, JOB, "file", path, str(r), "3"], clean_env(), torch_fork) for r in range(3)]
     results = finish(procs, 120)
     for res in results:
         assert res.rc == 0 and not res.timed_out, res
@@ -133,14 +143,14 @@ def test_from_store_world_size_mismatch_is_named():
         Mesh.from_store(store, 1, 3, prefix="w", timeout=5)
 
 
-def test_from_store_rank0_failure_reaches_every_rank(tmp_path):
+def test_from_store_rank0_failure_reaches_every_rank(tmp_path, torch_fork):
     """Rank 0 cannot make an id (no such interface): rank 1 learns why, without waiting."""
     path = str(tmp_path / "store")
     code = ("import sys; from torch.distributed import FileStore; from flagcx_mesh import Mesh\n"
             "r = int(sys.argv[1])\n"
             "Mesh.from_store(FileStore(sys.argv[2], 2), r, 2, timeout=60)\n")
-    p0 = start([PY, "-c", code, "0", path], clean_env(FLAGCX_MESH_IFNAME="nosuchif0"))
-    p1 = start([PY, "-c", code, "1", path], clean_env())
+    p0 = start([PY, "-c", code, "0", path], clean_env(FLAGCX_MESH_IFNAME="nosuchif0"), torch_fork)
+    p1 = start([PY, "-c", code, "1", path], clean_env(), torch_fork)
     r0, r1 = finish([p0, p1], 60)
     assert r0.rc != 0 and "nosuchif0" in r0.err, r0
     assert r1.rc != 0 and not r1.timed_out, r1
@@ -154,39 +164,39 @@ def test_from_env_without_a_launcher_says_what_it_looked_for():
     assert res.rc != 0 and "no launcher found in the environment" in res.err, res
 
 
-def test_from_env_plain_environment_processes():
+def test_from_env_plain_environment_processes(torch_fork):
     """RANK/WORLD_SIZE/MASTER_*: rank 0 hosts the store on MASTER_PORT, the others join."""
     port = free_port()
     procs = [start([PY, JOB, "env"], clean_env(RANK=r, WORLD_SIZE=3, MASTER_ADDR="127.0.0.1",
-                                               MASTER_PORT=port)) for r in range(3)]
+                                               MASTER_PORT=port), torch_fork) for r in range(3)]
     results = finish(procs, 120)
     for res in results:
         assert res.rc == 0 and not res.timed_out, res
     assert len(ok_lines("".join(r.out for r in results), "env")) == 3
 
 
-def test_from_env_reuses_the_default_process_group_store():
+def test_from_env_reuses_the_default_process_group_store(torch_fork):
     port = free_port()
     procs = [start([PY, JOB, "pg"], clean_env(RANK=r, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1",
-                                              MASTER_PORT=port)) for r in range(2)]
+                                              MASTER_PORT=port), torch_fork) for r in range(2)]
     results = finish(procs, 120)
     for res in results:
         assert res.rc == 0 and not res.timed_out, res
     assert len(ok_lines("".join(r.out for r in results), "pg")) == 2
 
 
-def test_from_env_master_port_taken_fails_at_once_on_rank0():
+def test_from_env_master_port_taken_fails_at_once_on_rank0(torch_fork):
     """Plain env, MASTER_PORT held by an unrelated program: EADDRINUSE, the port, what to do."""
     with unrelated_listener() as port:
         env = clean_env(RANK=0, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         t0 = time.monotonic()
-        res = run([PY, "-m", "flagcx_mesh.selftest", "--timeout", "60"], 60, env)
+        res = run([PY, "-m", "flagcx_mesh.selftest", "--timeout", "60"], 60, env, torch_fork)
         took = time.monotonic() - t0
         code = ("import errno\nfrom flagcx_mesh import Mesh, SystemCallError\n"
                 "try:\n    Mesh.from_env(timeout=60)\n"
                 "except SystemCallError as e:\n    assert e.errno == errno.EADDRINUSE, e.errno\n"
                 "    print('errno ok')\n")
-        res2 = run([PY, "-c", code], 60, env)
+        res2 = run([PY, "-c", code], 60, env, torch_fork)
     assert res.rc == 1 and took < 30, (took, res)
     err = res.err
     assert f"MASTER_PORT={port} is already in use" in err and "EADDRINUSE" in err, err
@@ -199,21 +209,21 @@ def test_from_env_master_port_taken_fails_at_once_on_rank0():
     ("silent", "did not answer as a torch.distributed store"),
     ("close", "it is not a torch.distributed store"),
 ])
-def test_from_env_master_port_taken_other_ranks_say_so(behaviour, says):
+def test_from_env_master_port_taken_other_ranks_say_so(behaviour, says, torch_fork):
     with unrelated_listener(behaviour=behaviour) as port:
         env = clean_env(RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
         t0 = time.monotonic()
-        res = run([PY, "-m", "flagcx_mesh.selftest", "--timeout", "3"], 60, env)
+        res = run([PY, "-m", "flagcx_mesh.selftest", "--timeout", "3"], 60, env, torch_fork)
         took = time.monotonic() - t0
     assert res.rc == 1 and not res.timed_out and took < 30, (took, res)
     said = [ln for ln in res.err.splitlines() if "rank 1" in ln]  # the rank's own words, not torch's trace
     assert says in res.err and f"127.0.0.1:{port}" in res.err and "free MASTER_PORT" in res.err, said or res
 
 
-def test_from_env_nobody_listening_times_out_clearly():
+def test_from_env_nobody_listening_times_out_clearly(torch_fork):
     port = free_port()
     env = clean_env(RANK=1, WORLD_SIZE=2, MASTER_ADDR="127.0.0.1", MASTER_PORT=port)
-    res = run([PY, "-m", "flagcx_mesh.selftest", "--timeout", "2"], 60, env)
+    res = run([PY, "-m", "flagcx_mesh.selftest", "--timeout", "2"], 60, env, torch_fork)
     assert res.rc == 1 and not res.timed_out, res
     assert f"127.0.0.1:{port}: nothing accepted a connection there within 2 s" in res.err, res
 
@@ -221,29 +231,30 @@ def test_from_env_nobody_listening_times_out_clearly():
 # ----------------------------------------------------------------------------- torchrun
 
 TORCHRUN = [PY, "-m", "torch.distributed.run"]  # the `torchrun` entry point, this interpreter
+# (the agent forked from torch_fork; the ranks it starts are processes of their own)
 
 
-def test_torchrun_selftest_4_ranks_while_29500_is_held():
+def test_torchrun_selftest_4_ranks_while_29500_is_held(torch_fork):
     """`torchrun --nproc_per_node=4 -m flagcx_mesh.selftest` while another job holds 29500."""
     with unrelated_listener(29500, taken_is_fine=True):
         res = run(TORCHRUN + ["--nproc_per_node=4", "-m", "flagcx_mesh.selftest",
-                              "--iterations", "3", "--timeout", "30"], 240)
+                              "--iterations", "3", "--timeout", "30"], 240, server=torch_fork)
     assert res.rc == 0 and not res.timed_out, res
     assert "launcher: torchrun (rank 0 joined the launcher's store" in res.out, res
     assert "PASS: 3 mesh(es) built" in res.out, res
     assert "EADDRINUSE" not in res.out + res.err, res
 
 
-def test_torchrun_job_builds_twice_and_never_listens_on_master_port():
-    res = run(TORCHRUN + ["--nproc_per_node=2", JOB, "env"], 240)
+def test_torchrun_job_builds_twice_and_never_listens_on_master_port(torch_fork):
+    res = run(TORCHRUN + ["--nproc_per_node=2", JOB, "env"], 240, server=torch_fork)
     assert res.rc == 0 and not res.timed_out, res
     assert len(ok_lines(res.out, "env")) == 2, res
 
 
-def test_torchrun_without_the_agent_store():
+def test_torchrun_without_the_agent_store(torch_fork):
     """TORCHELASTIC_USE_AGENT_STORE=False: rank 0 hosts, as torch's own env:// does."""
     env = clean_env(TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
     res = run(TORCHRUN + ["--rdzv-backend=c10d", "--rdzv-endpoint=127.0.0.1:0", "--nproc_per_node=2",
-                          "-m", "flagcx_mesh.selftest", "--timeout", "30"], 240, env)
+                          "-m", "flagcx_mesh.selftest", "--timeout", "30"], 240, env, torch_fork)
     assert res.rc == 0 and not res.timed_out, res
     assert "launcher: torchrun (rank 0 hosts the store" in res.out, res

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.timeout(400)
 def test_short_soak_has_no_hang_no_miswiring_and_names_every_failure(tmp_path):
     out = tmp_path / "soak.json"
     cmd = [sys.executable, "-m", "flagcx_mesh.bench", "soak", "--builds", "100", "--max-ranks", "8",
-           "--kill", "0.25", "--absent", "0.02", "--foreign", "0.5", "--timeout", "10", "--seed", "7",
+           "--kill", "0.25", "--absent", "0.02", "--foreign", "0.5", "--timeout", "5", "--seed", "7",
            "--progress", "0", "--json", str(out)]
     p = subprocess.run(cmd, env=subprocess_env({}), capture_output=True, text=True, timeout=360)
     assert out.exists(), p.stdout[-3000:] + p.stderr[-3000:]

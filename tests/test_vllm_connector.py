@@ -1,6 +1,8 @@
 """FlagcxMeshConnector with the real vLLM 0.33 on CPU: a prefill and decodes in processes of
 their own (tests/vllm_engine_prog.py), each with vLLM's Scheduler and the connector in both
-roles; every block a decode receives is checked byte for byte.
+roles; every block a decode receives is checked byte for byte. The engine processes are forked
+from one process that imported vLLM and tests/vllm_engine.py once (tests/forkserver.py: about
+17 s of CPU a process on 2 cores otherwise).
 
 Needs vllm (scripts/test.sh's vLLM stage makes its venv); skipped without it, unless
 FXM_REQUIRE_VLLM=1, which turns the skip into a failure.
@@ -12,7 +14,8 @@ import re
 
 import pytest
 
-from meshutil import finish_prog, spawn_prog
+from forkserver import PIPE, STDOUT, ForkServer
+from meshutil import PY, finish_prog
 
 if importlib.util.find_spec("vllm") is None:
     if os.environ.get("FXM_REQUIRE_VLLM") == "1":
@@ -25,9 +28,16 @@ PROG = os.path.join(HERE, "vllm_engine_prog.py")
 pytestmark = pytest.mark.timeout(300)
 
 
-def spawn(*args):
+@pytest.fixture(scope="module")
+def engines():
+    server = ForkServer(["vllm_engine"])
+    yield server
+    server.close()
+
+
+def spawn(engines, *args):
     env = dict(os.environ, FLAGCX_MESH_AGENT_SECRET="vllm-connector-test")
-    return spawn_prog(PROG, *args, env=env, merge=True)
+    return engines.popen([PY, PROG, *args], env=env, stdout=PIPE, stderr=STDOUT, text=True)
 
 
 def finish(p, rc=0, timeout=240):
@@ -38,17 +48,17 @@ def released_after(out: str) -> dict:
     return {r: float(s) for r, s in re.findall(r"released (\S+) after ([\d.]+) s", out)}
 
 
-def test_one_prefill_two_decodes_tp2_aborts_and_a_decode_that_never_comes(tmp_path):
+def test_one_prefill_two_decodes_tp2_aborts_and_a_decode_that_never_comes(tmp_path, engines):
     """TP 2 on both sides. req-0..5 go to two decodes (req-2 aborted by decode A while its
     fetch is under way, req-3 before its blocks were allocated); req-6 is taken by nobody and
     released at the hold timeout; req-7 is aborted on the prefill before it ran; req-5 shares
     req-4's first block, which decode B then has in its prefix cache."""
     hold = 8
-    pre = spawn("prefill", "--dir", tmp_path, "--requests", 8, "--abort", 7, "--wait-for", "decA,decB",
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 8, "--abort", 7, "--wait-for", "decA,decB",
                 "--hold-timeout", hold, "--tp", 2, "--shared-prefix", "4,5")
-    dec_a = spawn("decode", "--dir", tmp_path, "--name", "decA", "--take", "0,1,2,3", "--abort-mid", 2,
+    dec_a = spawn(engines, "decode", "--dir", tmp_path, "--name", "decA", "--take", "0,1,2,3", "--abort-mid", 2,
                   "--abort-early", 3, "--tp", 2)
-    dec_b = spawn("decode", "--dir", tmp_path, "--name", "decB", "--take", "4,5", "--tp", 2, "--one-by-one")
+    dec_b = spawn(engines, "decode", "--dir", tmp_path, "--name", "decB", "--take", "4,5", "--tp", 2, "--one-by-one")
     out_a, out_b, out_p = finish(dec_a), finish(dec_b), finish(pre)
     for r, n in (("d-0", 8), ("d-1", 12)):  # 2 ranks x 2 layers x the prompt's blocks
         assert f"loaded {r}: {n} blocks ok" in out_a, out_a
@@ -68,9 +78,9 @@ def test_one_prefill_two_decodes_tp2_aborts_and_a_decode_that_never_comes(tmp_pa
     assert "prefill: free blocks 95 of 95" in out_p, out_p
 
 
-def test_prefill_killed_mid_transfer_is_a_load_error_then_recomputed(tmp_path):
-    pre = spawn("prefill", "--dir", tmp_path, "--requests", 2, "--wait-for", "dec", "--die-on-push")
-    dec = spawn("decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1", "--expect", "recomputed")
+def test_prefill_killed_mid_transfer_is_a_load_error_then_recomputed(tmp_path, engines):
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 2, "--wait-for", "dec", "--die-on-push")
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1", "--expect", "recomputed")
     out_p = finish(pre, rc=9)
     assert "dying mid-push" in out_p
     out = finish(dec)
@@ -79,11 +89,11 @@ def test_prefill_killed_mid_transfer_is_a_load_error_then_recomputed(tmp_path):
     assert "decode: free blocks 95 of 95" in out, out
 
 
-def test_a_decode_that_restarts_gets_its_kv_again(tmp_path):
-    pre = spawn("prefill", "--dir", tmp_path, "--requests", 2, "--wait-for", "dec", "--hold-timeout", 120)
-    first = spawn("decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1", "--die-after-want")
+def test_a_decode_that_restarts_gets_its_kv_again(tmp_path, engines):
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 2, "--wait-for", "dec", "--hold-timeout", 120)
+    first = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1", "--die-after-want")
     assert "dying after asking" in finish(first, rc=9)
-    again = spawn("decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1")
+    again = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1")
     out = finish(again)
     assert "loaded d-0: 4 blocks ok" in out and "loaded d-1: 6 blocks ok" in out, out
     assert "load errors: 0 blocks" in out and "decode: free blocks 95 of 95" in out, out

@@ -22,7 +22,8 @@ from flagcx_mesh.vllm.transfer import KVTransfer  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from vllm_kv import block_matches, fill_block, make_kv_caches  # noqa: E402
-from meshutil import finish_prog, spawn_prog  # noqa: E402
+from forkserver import PIPE, STDOUT, ForkServer  # noqa: E402
+from meshutil import PY, finish_prog  # noqa: E402
 
 PROG = os.path.join(HERE, "vllm_transfer_prog.py")
 SECRET = "vllm-transfer-test"
@@ -30,8 +31,18 @@ SECRET = "vllm-transfer-test"
 pytestmark = pytest.mark.timeout(180)
 
 
-def spawn(*args):
-    return spawn_prog(PROG, *args, env=dict(os.environ, FLAGCX_MESH_AGENT_SECRET=SECRET), merge=True)
+@pytest.fixture(scope="module")
+def torch_fork():
+    """The two processes of a test are forked from one that imported torch (~2 s of CPU each on
+    2 cores otherwise; tests/forkserver.py runs each as a fresh interpreter would)."""
+    server = ForkServer(["vllm_kv"])
+    yield server
+    server.close()
+
+
+def spawn(torch_fork, *args):
+    env = dict(os.environ, FLAGCX_MESH_AGENT_SECRET=SECRET)
+    return torch_fork.popen([PY, PROG, *args], env=env, stdout=PIPE, stderr=STDOUT, text=True)
 
 
 def finish(p, rc=0, timeout=120):
@@ -112,34 +123,34 @@ def test_the_transfer_part_imports_without_vllm():
 # ---- two processes ----------------------------------------------------------------------
 
 @pytest.mark.parametrize("layout", ["vllm", "legacy", "cross"])
-def test_blocks_move_prefill_to_decode_byte_for_byte(tmp_path, layout):
-    pre = spawn("--role", "prefill", "--dir", tmp_path, "--layout", layout)
-    dec = spawn("--role", "decode", "--dir", tmp_path, "--layout", layout)
+def test_blocks_move_prefill_to_decode_byte_for_byte(tmp_path, layout, torch_fork):
+    pre = spawn(torch_fork, "--role", "prefill", "--dir", tmp_path, "--layout", layout)
+    dec = spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--layout", layout)
     out = finish(dec)
     assert "checked 40 blocks of 6 requests" in out, out  # 4 layers x 10 blocks (request_blocks)
     assert "released 6" in finish(pre)
 
 
-def test_prefill_killed_mid_push_fails_the_decode_with_its_blocks(tmp_path):
-    pre = spawn("--role", "prefill", "--dir", tmp_path, "--die-on-push")
-    dec = spawn("--role", "decode", "--dir", tmp_path, "--fetch-timeout", 60)
+def test_prefill_killed_mid_push_fails_the_decode_with_its_blocks(tmp_path, torch_fork):
+    pre = spawn(torch_fork, "--role", "prefill", "--dir", tmp_path, "--die-on-push")
+    dec = spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--fetch-timeout", 60)
     finish(pre, rc=9)
     out = finish(dec, rc=3)
     assert "FAILED" in out and "missing []" in out, out  # every request answered, as failed
     assert "received []" in out, out
 
 
-def test_a_decode_that_dies_before_taking_its_blocks_leaves_them_held_for_the_next(tmp_path):
-    pre = spawn("--role", "prefill", "--dir", tmp_path)
-    finish(spawn("--role", "decode", "--dir", tmp_path, "--name", "dec", "--die-after-want"), rc=9)
-    out = finish(spawn("--role", "decode", "--dir", tmp_path, "--name", "dec"))
+def test_a_decode_that_dies_before_taking_its_blocks_leaves_them_held_for_the_next(tmp_path, torch_fork):
+    pre = spawn(torch_fork, "--role", "prefill", "--dir", tmp_path)
+    finish(spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--name", "dec", "--die-after-want"), rc=9)
+    out = finish(spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--name", "dec"))
     assert "checked 40 blocks of 6 requests" in out, out
     assert "released 6" in finish(pre)
 
 
-def test_layout_mismatch_is_refused_by_the_prefill(tmp_path):
-    pre = spawn("--role", "prefill", "--dir", tmp_path, "--hold-timeout", 3)
-    out = finish(spawn("--role", "decode", "--dir", tmp_path, "--heads", 4), rc=3)
+def test_layout_mismatch_is_refused_by_the_prefill(tmp_path, torch_fork):
+    pre = spawn(torch_fork, "--role", "prefill", "--dir", tmp_path, "--hold-timeout", 3)
+    out = finish(spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--heads", 4), rc=3)
     assert "FAILED" in out and "received []" in out, out
     assert "released 6" in finish(pre)  # at the hold timeout: nobody took them
 
