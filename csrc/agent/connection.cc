@@ -183,8 +183,8 @@ void Connection::check_cookie(const RegionDesc& remote, bool device) {
   }
   const CookieRef& ref = it->second;
   uint64_t now = 0;
-  int err = peer_cookies_.read(ref.pid, ref.addr, &now);
-  std::string note = peer_cookies_.take_note();
+  std::string note;
+  int err = peer_cookies_.read(ref.pid, ref.addr, &now, &note);
   if (!note.empty()) {
     FXM_INFO(-1, who() + ": the peer's cookie table " + (note == "mapped" ? "is mapped: region checks are loads"
                                                                          : "is not mapped (" + note + "): region checks read through cma"));

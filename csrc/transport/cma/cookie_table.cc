@@ -2,7 +2,6 @@
 
 #include <fcntl.h>
 #include <sys/mman.h>
-#include <sys/random.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -10,6 +9,8 @@
 #include <cerrno>
 #include <cstring>
 
+#include "base/hmac.h"
+#include "base/status.h"
 #include "transport/cma/cma.h"
 
 #ifndef SYS_pidfd_open
@@ -33,12 +34,6 @@ struct Header {
   int32_t fd;     // the owner's descriptor of the file
   uint64_t tag;   // random: the file a peer fetched is the one whose header it read through cma
 };
-
-uint64_t random_tag() {
-  uint64_t v = 0;
-  if (::getrandom(&v, sizeof(v), 0) != static_cast<ssize_t>(sizeof(v))) v = 0;
-  return v ^ reinterpret_cast<uint64_t>(&v) ^ static_cast<uint64_t>(::getpid()) << 32;
-}
 
 // A mapping of `fd` at an address aligned to kBytes, or null.
 uint8_t* map_aligned(int fd) {
@@ -74,22 +69,35 @@ int fetch_fd(pid_t pid, int fd) {
 CookieTable::CookieTable() {
   fd_ = ::memfd_create("flagcx_mesh-cookies", MFD_CLOEXEC);
   if (fd_ < 0) {
-    why_not_ = std::string("memfd_create: ") + std::strerror(errno);
+    give_up(std::string("memfd_create: ") + std::strerror(errno));
     return;
   }
   if (::ftruncate(fd_, static_cast<off_t>(kBytes)) != 0 || (base_ = map_aligned(fd_)) == nullptr) {
-    why_not_ = std::string("sizing or mapping the table: ") + std::strerror(errno);
-    ::close(fd_);
-    fd_ = -1;
+    give_up(std::string("sizing or mapping the table: ") + std::strerror(errno));
     return;
   }
-  Header h{kMagic, reinterpret_cast<uint64_t>(base_), static_cast<int32_t>(::getpid()), fd_, random_tag()};
+  Header h{kMagic, reinterpret_cast<uint64_t>(base_), static_cast<int32_t>(::getpid()), fd_, 0};
+  try {
+    crypto::random_bytes(&h.tag, sizeof(h.tag));
+  } catch (const Error& e) {  // no table rather than one a stale file could pass for
+    give_up(std::string("a random tag: ") + e.what());
+    return;
+  }
   std::memcpy(base_, &h, sizeof(h));
 }
 
-CookieTable::~CookieTable() {
+CookieTable::~CookieTable() { release(); }
+
+void CookieTable::release() {
   if (base_) ::munmap(base_, kBytes);
   if (fd_ >= 0) ::close(fd_);
+  base_ = nullptr;
+  fd_ = -1;
+}
+
+void CookieTable::give_up(const std::string& why) {
+  why_not_ = why;
+  release();
 }
 
 uint64_t* CookieTable::slot(uint32_t index) {
@@ -129,14 +137,7 @@ const uint8_t* PeerCookies::map_table(pid_t pid, uint64_t table_addr, std::strin
   return static_cast<const uint8_t*>(m);
 }
 
-std::string PeerCookies::take_note() {
-  std::lock_guard<std::mutex> lock(mu_);
-  std::string n;
-  n.swap(note_);
-  return n;
-}
-
-int PeerCookies::read(pid_t pid, uint64_t addr, uint64_t* out) {
+int PeerCookies::read(pid_t pid, uint64_t addr, uint64_t* out, std::string* first_try) {
   uint64_t table_addr = addr & ~(CookieTable::kBytes - 1);
   uint64_t at = addr - table_addr;
   if (at >= kSlotsAt && at % sizeof(uint64_t) == 0) {
@@ -146,7 +147,7 @@ int PeerCookies::read(pid_t pid, uint64_t addr, uint64_t* out) {
     if (it == tables_.end()) {
       std::string why;
       it = tables_.emplace(key, map_table(pid, table_addr, &why)).first;
-      note_ = it->second ? "mapped" : why;
+      *first_try = it->second ? "mapped" : why;
     }
     if (it->second) {
       *out = __atomic_load_n(reinterpret_cast<const uint64_t*>(it->second + at), __ATOMIC_ACQUIRE);

@@ -39,6 +39,8 @@ class CookieTable {
   const std::string& why_not() const { return why_not_; }
 
  private:
+  void release();
+  void give_up(const std::string& why);  // no table, and why
   uint8_t* base_ = nullptr;
   int fd_ = -1;
   std::string why_not_;
@@ -53,18 +55,16 @@ class PeerCookies {
   PeerCookies& operator=(const PeerCookies&) = delete;
 
   // The cookie now at `addr` in process `pid`: loaded from its mapped table,
-  // else read through cma. 0 or the errno of the cma read.
-  int read(pid_t pid, uint64_t addr, uint64_t* out);
-  // What the last read found out about a table it tried to map for the
-  // first time ("mapped", or why not), then ""; for the caller's log.
-  std::string take_note();
+  // else read through cma. 0 or the errno of the cma read. A read that tried
+  // to map a table for the first time says how it went in `first_try`
+  // ("mapped", or why not; for the caller's log); others leave it alone.
+  int read(pid_t pid, uint64_t addr, uint64_t* out, std::string* first_try);
 
  private:
   const uint8_t* map_table(pid_t pid, uint64_t table_addr, std::string* why);
 
   std::mutex mu_;
   std::map<std::pair<pid_t, uint64_t>, const uint8_t*> tables_;  // null: tried, not mappable
-  std::string note_;
 };
 
 }  // namespace fxm::cma
