@@ -3,6 +3,8 @@ region, malformed bytes) are refused with a clear error and nothing is
 written; a batch is checked whole before any byte moves; notifications follow
 their data in order; regions come and go while a peer transfers elsewhere."""
 
+import time
+
 import numpy as np
 import pytest
 
@@ -162,3 +164,48 @@ def test_register_and_deregister_while_a_peer_transfers(pair):
     for h in handles:
         h.wait(20)
     assert (busy == 9).all()
+
+
+def test_write_sync_and_read_sync(pair):
+    a, b, conn, _ = pair
+    dst = np.zeros(1 << 16, np.uint8)
+    remote = b.register(dst)
+    src = (np.arange(1 << 16) % 251).astype(np.uint8)
+    local = a.register(src)
+    assert conn.write_sync(local, remote, 4096, local_offset=4096, remote_offset=8192,
+                           notification=b"sync", timeout=10) is None
+    assert (dst[8192:12288] == src[4096:8192]).all() and dst[:8192].sum() == 0 and dst[12288:].sum() == 0
+    assert [x.data for x in b.notifications(timeout=10)] == [b"sync"]
+    back = np.zeros(4096, np.uint8)
+    conn.read_sync(a.register(back), remote, 4096, remote_offset=8192)
+    assert (back == src[4096:8192]).all()
+    with pytest.raises(InvalidArgument, match="out of range of its region"):
+        conn.write_sync(local, remote, 100, remote_offset=(1 << 16) - 99)
+    with pytest.raises(InvalidArgument, match="local_offset must be a non-negative int"):
+        conn.write_sync(local, remote, 1, local_offset=-1)
+    assert dst[(1 << 16) - 99:].sum() == 0  # nothing of the refused calls was written
+
+
+def test_a_handle_keeps_its_connection_and_agent_alive(monkeypatch):
+    import gc
+
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    with Agent("target", SECRET, timeout=20) as b:
+        dst = np.zeros(1 << 20, np.uint8)
+        remote = b.register(dst)
+        a = Agent("initiator", SECRET, timeout=20)
+        conn = a.connect(b.metadata(), timeout=10)
+        h = conn.write(a.register(np.full(1 << 20, 3, np.uint8)), remote, 1 << 20)
+        del a, conn
+        gc.collect()
+        h.wait()  # 0: the initiator agent's own timeout, read from the agent the handle keeps
+        assert h.done() and "agent target" in h.call
+        assert (dst == 3).all()
+        time.sleep(0.5)  # were the initiator closed, the target would see its goodbye by now
+        assert [p[0] for p in b.peers()] == ["initiator"]
+        del h
+        gc.collect()
+        deadline = time.monotonic() + 10
+        while b.peers() and time.monotonic() < deadline:  # the last handle gone, the agent closes
+            time.sleep(0.05)
+        assert b.peers() == []

@@ -302,7 +302,7 @@ std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
 std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnation& inc) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (const auto& c : conns_) {
-    if (c->peer().name == name && c->peer().incarnation == inc && c->gone().empty()) return c;
+    if (c->peer().name == name && c->peer().incarnation == inc && !c->ended()) return c;
   }
   return nullptr;
 }
@@ -347,7 +347,7 @@ std::shared_ptr<Connection> Agent::connect_address(const std::string& host_port,
 std::shared_ptr<Connection> Agent::connection(const std::string& name) const {
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = conns_.rbegin(); it != conns_.rend(); ++it) {
-    if ((*it)->peer().name == name && (*it)->gone().empty()) return *it;
+    if ((*it)->peer().name == name && !(*it)->ended()) return *it;
   }
   return nullptr;
 }
@@ -356,7 +356,7 @@ std::vector<PeerInfo> Agent::peers() const {
   std::lock_guard<std::mutex> lock(mu_);
   std::vector<PeerInfo> out;
   for (const auto& c : conns_) {
-    if (c->gone().empty()) out.push_back(c->peer());
+    if (!c->ended()) out.push_back(c->peer());
   }
   return out;
 }
@@ -367,10 +367,10 @@ void Agent::prune() {
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (auto& c : conns_) {
-      if (!c->gone().empty()) dead.push_back(c);
+      if (c->ended()) dead.push_back(c);
     }
     conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
-                                [](const std::shared_ptr<Connection>& c) { return !c->gone().empty(); }),
+                                [](const std::shared_ptr<Connection>& c) { return c->ended(); }),
                  conns_.end());
   }
   for (auto& c : dead) c->close("the peer was lost");

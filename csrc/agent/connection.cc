@@ -33,11 +33,13 @@ struct Connection::Checked {
 };
 
 // The device copies of one call that wait to be issued together (copy_batch.h),
-// and their ops, for the fallback of any the driver refuses.
+// and their ops, for the fallback of any the driver refuses. A call of one op
+// has nothing to issue together: its copy is posted as the mesh's put is.
 struct Connection::Batch {
-  Batch(Outbox* outbox, bool is_read) : copies(outbox, kPeer, kCtx), is_read(is_read) {}
+  Batch(Outbox* outbox, bool is_read, bool single) : copies(outbox, kPeer, kCtx), is_read(is_read), single(single) {}
   cuda::CopyBatch copies;
   bool is_read;
+  bool single;
   std::vector<std::pair<PeerView*, PathOp>> ops;
 };
 
@@ -75,6 +77,11 @@ std::string Connection::who() const {
   return agent_->who() + "connection to agent " + peer_.name + " (incarnation " + incarnation_hex(peer_.incarnation) + ")";
 }
 
+bool Connection::ended() const {
+  if (closed_.load(std::memory_order_acquire)) return true;
+  return ready_.load(std::memory_order_acquire) && engine_->peer_ended(kPeer);
+}
+
 std::string Connection::gone() const {
   {
     std::lock_guard<std::mutex> lock(state_mu_);
@@ -90,13 +97,14 @@ void Connection::close(const std::string& why) {
   {
     std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
     if (closed_why_.empty()) closed_why_ = why;
+    closed_.store(true, std::memory_order_release);
   }
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
 void Connection::await_peer_end(const Deadline& deadline) const {
   if (!ready_.load(std::memory_order_acquire)) return;
-  while (gone().empty() && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(100));
+  while (!ended() && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(100));
 }
 
 Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
@@ -237,6 +245,7 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
     p = &v.tcp();
   }
+  if (batch->single) return post(p, v, op, is_read);
   Queued q = p->queue(op, is_read, &batch->copies);
   if (q == Queued::kBatchFirst) {
     issue_batch(batch);
@@ -314,7 +323,7 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
 // would have been one at a time).
 void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
                            bool* on_device) {
-  Batch batch(&engine(), is_read);
+  Batch batch(&engine(), is_read, checked.size() == 1);
   try {
     for (const Checked& c : checked) {
       if (c.x->size == 0) continue;
@@ -335,8 +344,10 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
                             StreamArg stream) {
   const char* call = is_read ? "read" : "write";
-  std::string g = gone();
-  if (!g.empty()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + g);
+  if (ended()) {
+    std::string g = gone();
+    if (!g.empty()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + g);
+  }
   std::vector<Checked> checked;
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
@@ -376,6 +387,7 @@ void Connection::take_notifications(std::vector<Notification>* out) {
       if (e.code() == Code::kPeerLost) {
         std::lock_guard<std::mutex> lock(state_mu_);
         if (closed_why_.empty()) closed_why_ = std::string("the peer is gone: ") + e.what();
+        closed_.store(true, std::memory_order_release);
       }
       return;
     }
@@ -416,7 +428,7 @@ void Connection::fail_call(const Error& e, const std::string& call) const {
 
 bool Handle::done() const {
   if (!pending_) return true;
-  return conn_->reached(target_) || !conn_->gone().empty();
+  return conn_->reached(target_) || conn_->ended();
 }
 
 void Handle::wait(double timeout_s) const {

@@ -34,6 +34,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool initiated() const { return initiated_; }
   // "" while usable, else why not (lost, closed, superseded by a restart).
   std::string gone() const;
+  // gone() is not "" (one lock, no text: what every call tests first).
+  bool ended() const;
   // Writes (is_read false) or reads a batch; all of it is checked before
   // anything moves. The notification (when given) follows the data on this
   // connection and reaches the target after the data landed.
@@ -96,6 +98,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;
   std::string closed_why_;
+  std::atomic<bool> closed_{false};  // closed_why_ is set
   std::atomic<bool> stopped_{false};
   std::atomic<bool> ready_{false};  // engine_ is set
 };

@@ -89,6 +89,11 @@ class Engine : public Outbox {
     std::lock_guard<std::mutex> lock(mu_);
     return bye_[peer];
   }
+  // lost_reason(peer) is not "" or peer_closed(peer): one lock, no text.
+  bool peer_ended(int peer) const {
+    std::lock_guard<std::mutex> lock(mu_);
+    return !lost_[peer].empty() || bye_[peer];
+  }
   int first_lost_peer() const;
   // Sends kBye on every connection, drains queues (bounded), stops the thread.
   void stop();

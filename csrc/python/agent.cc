@@ -112,20 +112,36 @@ SharedDesc decoded_by_bytes(const py::handle& h) {
   return d;
 }
 
+// A call's handle as Python holds it: the core's Handle and a reference to the connection's Python
+// object, which keeps the connection's agent alive as long as the handle (a reference costs less per
+// call than pybind11's keep_alive table).
+struct PyHandle : Handle {
+  PyHandle(Handle h, py::handle connection) : Handle(std::move(h)), owner(py::reinterpret_borrow<py::object>(connection)) {}
+  py::object owner;
+};
+
+// What a call takes beside its ops: its notification (bytes or None) and its stream (handle or None).
+struct CallArgs {
+  CallArgs(const py::object& notif, const std::optional<uint64_t>& stream) : has_notification(!notif.is_none()) {
+    if (has_notification) notification = to_vec(notif.cast<py::bytes>());
+    on.set = stream.has_value();
+    on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
+  }
+  const std::vector<uint8_t>* notification_or_null() const { return has_notification ? &notification : nullptr; }
+  bool has_notification;
+  std::vector<uint8_t> notification;
+  fxm::agent::StreamArg on;
+};
+
 Handle issue(Connection& c, const std::vector<fxm::agent::Xfer>& xs, bool is_read, const py::object& notif,
              const std::optional<uint64_t>& stream) {
-  std::vector<uint8_t> n;
-  bool has_n = !notif.is_none();
-  if (has_n) n = to_vec(notif.cast<py::bytes>());
-  fxm::agent::StreamArg on;
-  on.set = stream.has_value();
-  on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
+  CallArgs a(notif, stream);
   py::gil_scoped_release release;
-  return c.transfer(xs, is_read, has_n ? &n : nullptr, on);
+  return c.transfer(xs, is_read, a.notification_or_null(), a.on);
 }
 
-Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::object& notif,
-                const std::optional<uint64_t>& stream) {
+PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bool is_read, const py::object& notif,
+                  const std::optional<uint64_t>& stream) {
   // Each distinct descriptor object is looked up once per call (a batch names a few regions many
   // times: one KV layer is thousands of blocks of two regions).
   // By bytes object (alive in `ops`): a call names few, scanned; past kScanned, a map too.
@@ -151,16 +167,40 @@ Handle transfer(Connection& c, const py::list& ops, bool is_read, const py::obje
     if (t.size() != 5) throw py::value_error("a transfer is (local, local_offset, remote, remote_offset, size)");
     xs.push_back({desc_of(t[0]), t[1].cast<uint64_t>(), desc_of(t[2]), t[3].cast<uint64_t>(), t[4].cast<uint64_t>()});
   }
-  return issue(c, xs, is_read, notif, stream);
+  return PyHandle(issue(c, xs, is_read, notif, stream), self);
 }
 
 // One op, its fields as arguments (write() and read(): no list or tuple to build and take apart).
-Handle transfer_one(Connection& c, const py::handle& local, uint64_t local_off, const py::handle& remote,
-                    uint64_t remote_off, uint64_t size, bool is_read, const py::object& notif,
-                    const std::optional<uint64_t>& stream) {
-  SharedDesc l = decoded_region(local), r = decoded_region(remote);
-  std::vector<fxm::agent::Xfer> xs{{l.get(), local_off, r.get(), remote_off, size}};
-  return issue(c, xs, is_read, notif, stream);
+// It holds its descriptors: another thread's lookup may drop them from the cache while this call runs.
+struct OneOp {
+  OneOp(const py::handle& local, uint64_t local_off, const py::handle& remote, uint64_t remote_off, uint64_t size)
+      : l(decoded_region(local)), r(decoded_region(remote)), xs{{l.get(), local_off, r.get(), remote_off, size}} {}
+  SharedDesc l, r;
+  std::vector<fxm::agent::Xfer> xs;
+};
+
+PyHandle transfer_one(const py::handle& self, Connection& c, const py::handle& local, uint64_t local_off,
+                      const py::handle& remote, uint64_t remote_off, uint64_t size, bool is_read,
+                      const py::object& notif, const std::optional<uint64_t>& stream) {
+  OneOp op(local, local_off, remote, remote_off, size);
+  return PyHandle(issue(c, op.xs, is_read, notif, stream), self);
+}
+
+// One op issued and waited for in one call (write_sync / read_sync): no handle object, the GIL
+// released once. The errors are what the handle's wait() would raise.
+void transfer_one_sync(Connection& c, const py::handle& local, uint64_t local_off, const py::handle& remote,
+                       uint64_t remote_off, uint64_t size, bool is_read, const py::object& notif,
+                       const std::optional<uint64_t>& stream, double timeout) {
+  OneOp op(local, local_off, remote, remote_off, size);
+  CallArgs a(notif, stream);
+  py::gil_scoped_release release;
+  c.transfer(op.xs, is_read, a.notification_or_null(), a.on).wait(timeout);
+}
+
+// The connection's Python object beside the connection (the handle holds the former).
+template <typename... Args>
+auto with_self(PyHandle (*f)(const py::handle&, Connection&, Args...)) {
+  return [f](py::object self, Args... args) { return f(self, self.cast<Connection&>(), args...); };
 }
 
 void bind_connection(py::module_& m) {
@@ -170,12 +210,14 @@ void bind_connection(py::module_& m) {
       .def_property_readonly("peer_address", [](const Connection& c) { return c.peer().address; })
       .def_property_readonly("initiated", &Connection::initiated)
       .def("gone", &Connection::gone)
-      .def("transfer", &transfer, py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
-           py::arg("stream") = py::none(),
-           py::keep_alive<0, 1>())  // a handle keeps its connection (and so its agent) alive
-      .def("transfer_one", &transfer_one, py::arg("local"), py::arg("local_offset"), py::arg("remote"),
+      .def("transfer", with_self(&transfer), py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
+           py::arg("stream") = py::none())  // a handle keeps its connection (and so its agent) alive
+      .def("transfer_one", with_self(&transfer_one), py::arg("local"), py::arg("local_offset"), py::arg("remote"),
            py::arg("remote_offset"), py::arg("size"), py::arg("is_read"), py::arg("notification") = py::none(),
-           py::arg("stream") = py::none(), py::keep_alive<0, 1>())
+           py::arg("stream") = py::none())
+      .def("transfer_one_sync", &transfer_one_sync, py::arg("local"), py::arg("local_offset"), py::arg("remote"),
+           py::arg("remote_offset"), py::arg("size"), py::arg("is_read"), py::arg("notification") = py::none(),
+           py::arg("stream") = py::none(), py::arg("timeout") = 0.0)
       .def("notify", [](Connection& c, const py::bytes& b) {
         std::vector<uint8_t> v = to_vec(b);
         py::gil_scoped_release release;
@@ -191,13 +233,14 @@ void bind_connection(py::module_& m) {
         py::gil_scoped_release release;
         c.close("closed by this agent");
       });
-  py::class_<Handle>(m, "AgentHandle",
+  py::class_<PyHandle>(m, "AgentHandle",
                      "The completion of one write/read call (flagcx_mesh.agent.Handle): done() polls; wait(timeout) "
                      "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
                      "MeshTimeout); call names the call.")
-      .def("done", &Handle::done, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &Handle::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("call", &Handle::call);
+      .def("done", [](const PyHandle& h) { return h.done(); }, py::call_guard<py::gil_scoped_release>())
+      .def("wait", [](const PyHandle& h, double timeout) { h.wait(timeout); }, py::arg("timeout") = 0.0,
+           py::call_guard<py::gil_scoped_release>())
+      .def_property_readonly("call", [](const PyHandle& h) { return h.call(); });
   using fxm::agent::NotificationWait;
   py::class_<NotificationWait>(m, "AgentNotificationWait")
       .def("done", &NotificationWait::done, py::call_guard<py::gil_scoped_release>())

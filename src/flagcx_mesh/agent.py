@@ -40,14 +40,15 @@ def _check_offsets(local_offset, remote_offset, size) -> None:
             raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
 
 
-def _one(core, local, local_offset, remote, remote_offset, size, is_read, notification, stream):
-    """One op straight to the core (write() and read(): the per-call cost of a blocking connector)."""
+def _one(call, local, local_offset, remote, remote_offset, size, is_read, notification, stream, *timeout):
+    """One op straight to the core's ``call`` (transfer_one, or transfer_one_sync with its timeout):
+    write() and read() and their _sync forms, the per-call cost of a blocking connector."""
     if not (type(local_offset) is int and type(remote_offset) is int and type(size) is int
             and local_offset >= 0 and remote_offset >= 0 and size >= 0):
         _check_offsets(local_offset, remote_offset, size)
-    return core.transfer_one(local.descriptor if type(local) is Region else _desc(local), local_offset,
-                             remote.descriptor if type(remote) is Region else _desc(remote), remote_offset, size,
-                             is_read, notification, None if stream is None else _cuda.stream_handle(stream))
+    return call(local.descriptor if type(local) is Region else _desc(local), local_offset,
+                remote.descriptor if type(remote) is Region else _desc(remote), remote_offset, size,
+                is_read, notification, None if stream is None else _cuda.stream_handle(stream), *timeout)
 
 
 def region_info(descriptor: bytes) -> dict:
@@ -166,12 +167,27 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return _one(self._core, local, local_offset, remote, remote_offset, size, False, notification, stream)
+        return _one(self._core.transfer_one, local, local_offset, remote, remote_offset, size, False,
+                    notification, stream)
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return _one(self._core, local, local_offset, remote, remote_offset, size, True, notification, stream)
+        return _one(self._core.transfer_one, local, local_offset, remote, remote_offset, size, True,
+                    notification, stream)
+
+    def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
+                   notification: Optional[bytes] = None, stream=None, timeout: float = 0.0) -> None:
+        """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
+        landed (and the notification was sent); raises what ``wait`` would."""
+        _one(self._core.transfer_one_sync, local, local_offset, remote, remote_offset, size, False,
+             notification, stream, timeout)
+
+    def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
+                  notification: Optional[bytes] = None, stream=None, timeout: float = 0.0) -> None:
+        """``read(...).wait(timeout)`` in one call, without a handle."""
+        _one(self._core.transfer_one_sync, local, local_offset, remote, remote_offset, size, True,
+             notification, stream, timeout)
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked

@@ -21,27 +21,41 @@ void check(CUresult r, const std::string& doing) {
   if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": " + result_text(r));
 }
 
-void use_device(int ordinal) {
+namespace {
+
+// The primary context of `ordinal`, retained once per process (never released: a device op may come at any time).
+CUcontext primary_context(const Driver& d, int ordinal) {
   static std::mutex mu;
   static std::map<int, CUcontext> contexts;
-  const Driver* dp = driver();  // the text only when it fails: this runs on every device op
+  std::lock_guard<std::mutex> lock(mu);
+  auto it = contexts.find(ordinal);
+  if (it != contexts.end()) return it->second;
+  CUdevice dev = 0;
+  CUcontext ctx = nullptr;
+  check(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet(" + std::to_string(ordinal) + ")");
+  check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(ordinal) + ")");
+  return contexts.emplace(ordinal, ctx).first->second;
+}
+
+}  // namespace
+
+// Every device op and every poll of one calls this: the thread's last device
+// is kept so that the common case is one cuCtxGetCurrent (the user may have
+// made another context current since, which that call tells).
+void use_device(int ordinal) {
+  struct Last {
+    const Driver* driver = nullptr;
+    int ordinal = -1;
+    CUcontext ctx = nullptr;
+  };
+  thread_local Last last;
+  const Driver* dp = driver();  // the text only when it fails
   if (dp == nullptr) need_driver("using CUDA device " + std::to_string(ordinal));
   const Driver& d = *dp;
-  CUcontext ctx = nullptr;
-  {
-    std::lock_guard<std::mutex> lock(mu);
-    auto it = contexts.find(ordinal);
-    if (it == contexts.end()) {
-      CUdevice dev = 0;
-      check(d.cuDeviceGet(&dev, ordinal), "cuDeviceGet(" + std::to_string(ordinal) + ")");
-      check(d.cuDevicePrimaryCtxRetain(&ctx, dev), "cuDevicePrimaryCtxRetain(device " + std::to_string(ordinal) + ")");
-      it = contexts.emplace(ordinal, ctx).first;
-    }
-    ctx = it->second;
-  }
+  if (last.driver != dp || last.ordinal != ordinal) last = Last{dp, ordinal, primary_context(d, ordinal)};
   CUcontext cur = nullptr;
-  if (d.cuCtxGetCurrent(&cur) == kSuccess && cur == ctx) return;
-  check(d.cuCtxSetCurrent(ctx), "cuCtxSetCurrent(device " + std::to_string(ordinal) + ")");
+  if (d.cuCtxGetCurrent(&cur) == kSuccess && cur == last.ctx) return;
+  check(d.cuCtxSetCurrent(last.ctx), "cuCtxSetCurrent(device " + std::to_string(ordinal) + ")");
 }
 
 namespace {

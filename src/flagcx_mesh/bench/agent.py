@@ -130,8 +130,8 @@ class Flagcx:
             pipe = time.perf_counter() - t0
             t0 = time.perf_counter()
             for _ in range(reps):
-                for op in ops:
-                    conn.batch_write([op]).wait(60)
+                for s, d in offs:  # a blocking block: the one call that issues and waits
+                    conn.write_sync(local, remote, block, s, d, timeout=60)
             blocking = time.perf_counter() - t0
             t0 = time.perf_counter()
             for _ in range(reps * block * count // size):

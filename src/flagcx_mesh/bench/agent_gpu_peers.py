@@ -81,6 +81,9 @@ class FlagcxTool:
 
     def prepare(self, ep, conn, local, buf, info, pairs, block) -> Callable[[], None]:
         remote = bytes.fromhex(info["descriptor"])
+        if len(pairs) == 1:  # a blocking block: the one call that issues and waits
+            (s, d), = pairs
+            return lambda: conn.write_sync(local, remote, block, s, d, timeout=XFER_TIMEOUT)
         ops = [(local, s, remote, d, block) for s, d in pairs]
         return lambda: conn.batch_write(ops).wait(XFER_TIMEOUT)
 
