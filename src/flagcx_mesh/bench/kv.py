@@ -23,6 +23,7 @@ import argparse
 import json
 import os
 import random
+import shutil
 import statistics
 import subprocess
 import sys
@@ -201,8 +202,10 @@ def _measure_path(args, path: str) -> Dict[str, object]:
     finally:
         if child.poll() is None:
             child.kill()
+            child.wait(timeout=30)
         x.close()
         plain.close()
+        shutil.rmtree(d, ignore_errors=True)  # the two processes' exchange files
 
 
 def _report(data: dict, args) -> None:
