@@ -209,3 +209,26 @@ def test_a_handle_keeps_its_connection_and_agent_alive(monkeypatch):
         while b.peers() and time.monotonic() < deadline:  # the last handle gone, the agent closes
             time.sleep(0.05)
         assert b.peers() == []
+
+
+@pytest.mark.parametrize("call", ["write", "read", "write_sync", "read_sync"])
+def test_a_calls_arguments_are_checked_and_nothing_moves(pair, call):
+    a, b, conn, _ = pair
+    dst = np.zeros(4096, np.uint8)
+    remote = b.register(dst)
+    src = np.full(4096, 9, np.uint8)
+    local = a.register(src)
+    f = getattr(conn, call)
+    for kw, bad in (("local_offset", -1), ("remote_offset", True), ("size", 2**64), ("size", 1.0),
+                    ("local_offset", "0")):
+        args = {"local_offset": 0, "remote_offset": 0, "size": 16, kw: bad}
+        with pytest.raises(InvalidArgument, match=f"{kw} must be a non-negative int below 2\\*\\*64, got {bad!r}"):
+            f(local, remote, args.pop("size"), **args)
+    for bad in (None, 12, "descriptor", np.zeros(3)):
+        with pytest.raises(InvalidArgument, match="a region descriptor must be a Region or bytes, not "):
+            f(local, bad, 16)
+    assert dst.sum() == 0 and (src == 9).all()
+    done = f(local.descriptor, bytearray(remote.descriptor), 16)  # bytes and bytes-like name regions too
+    if done is not None:
+        done.wait(10)
+    assert (dst[:16] == 9).all() if call.startswith("write") else (src[:16] == 0).all()

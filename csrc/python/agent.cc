@@ -170,28 +170,62 @@ PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bo
   return PyHandle(issue(c, xs, is_read, notif, stream), self);
 }
 
-// One op, its fields as arguments (write() and read(): no list or tuple to build and take apart).
-// It holds its descriptors: another thread's lookup may drop them from the cache while this call runs.
+// A region as a call names it: a Region (its `descriptor`), bytes, or another bytes-like object;
+// anything else is refused. Held: the descriptor of a bytes-like object is made here.
+py::object descriptor_arg(const py::handle& d) {
+  if (PyBytes_CheckExact(d.ptr())) return py::reinterpret_borrow<py::object>(d);
+  static PyObject* name = PyUnicode_InternFromString("descriptor");  // never freed: used until exit
+  py::object got = py::reinterpret_steal<py::object>(PyObject_GetAttr(d.ptr(), name));
+  if (got && PyBytes_Check(got.ptr())) return got;
+  if (!got) PyErr_Clear();  // no such attribute: a bytes-like object, or refused
+  if (PyByteArray_Check(d.ptr()) || PyMemoryView_Check(d.ptr()) || PyBytes_Check(d.ptr())) {
+    return py::reinterpret_steal<py::object>(PyBytes_FromObject(d.ptr()));
+  }
+  fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+            std::string("a region descriptor must be a Region or bytes, not ") + Py_TYPE(d.ptr())->tp_name);
+}
+
+// An offset or size: a non-negative int below 2**64 (not a bool).
+uint64_t count_arg(const py::handle& v, const char* name) {
+  PyObject* o = v.ptr();
+  if (PyLong_Check(o) && !PyBool_Check(o)) {
+    unsigned long long x = PyLong_AsUnsignedLongLong(o);
+    if (!(x == static_cast<unsigned long long>(-1) && PyErr_Occurred())) return x;
+    PyErr_Clear();  // negative, or 2**64 and over
+  }
+  fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(name) + " must be a non-negative int below 2**64, got " +
+                                                    py::repr(v).cast<std::string>());
+}
+
+// One op, its fields as arguments (write() and read(): no list or tuple to build and take apart,
+// every argument checked here, not in Python: the per-call cost of a blocking connector). It holds
+// its descriptors: another thread's lookup may drop them from the cache while this call runs.
 struct OneOp {
-  OneOp(const py::handle& local, uint64_t local_off, const py::handle& remote, uint64_t remote_off, uint64_t size)
-      : l(decoded_region(local)), r(decoded_region(remote)), xs{{l.get(), local_off, r.get(), remote_off, size}} {}
+  OneOp(const py::handle& local, const py::handle& remote, const py::handle& size, const py::handle& local_off,
+        const py::handle& remote_off)
+      : local_offset(count_arg(local_off, "local_offset")), remote_offset(count_arg(remote_off, "remote_offset")),
+        bytes(count_arg(size, "size")), local_desc(descriptor_arg(local)), remote_desc(descriptor_arg(remote)),
+        l(decoded_region(local_desc)), r(decoded_region(remote_desc)),
+        xs{{l.get(), local_offset, r.get(), remote_offset, bytes}} {}
+  uint64_t local_offset, remote_offset, bytes;
+  py::object local_desc, remote_desc;
   SharedDesc l, r;
   std::vector<fxm::agent::Xfer> xs;
 };
 
-PyHandle transfer_one(const py::handle& self, Connection& c, const py::handle& local, uint64_t local_off,
-                      const py::handle& remote, uint64_t remote_off, uint64_t size, bool is_read,
-                      const py::object& notif, const std::optional<uint64_t>& stream) {
-  OneOp op(local, local_off, remote, remote_off, size);
+PyHandle transfer_one(const py::handle& self, Connection& c, const py::handle& local, const py::handle& remote,
+                      const py::handle& size, const py::handle& local_off, const py::handle& remote_off,
+                      bool is_read, const py::object& notif, const std::optional<uint64_t>& stream) {
+  OneOp op(local, remote, size, local_off, remote_off);
   return PyHandle(issue(c, op.xs, is_read, notif, stream), self);
 }
 
 // One op issued and waited for in one call (write_sync / read_sync): no handle object, the GIL
 // released once. The errors are what the handle's wait() would raise.
-void transfer_one_sync(Connection& c, const py::handle& local, uint64_t local_off, const py::handle& remote,
-                       uint64_t remote_off, uint64_t size, bool is_read, const py::object& notif,
-                       const std::optional<uint64_t>& stream, double timeout) {
-  OneOp op(local, local_off, remote, remote_off, size);
+void transfer_one_sync(Connection& c, const py::handle& local, const py::handle& remote, const py::handle& size,
+                       const py::handle& local_off, const py::handle& remote_off, bool is_read,
+                       const py::object& notif, const std::optional<uint64_t>& stream, double timeout) {
+  OneOp op(local, remote, size, local_off, remote_off);
   CallArgs a(notif, stream);
   py::gil_scoped_release release;
   c.transfer(op.xs, is_read, a.notification_or_null(), a.on).wait(timeout);
@@ -212,11 +246,11 @@ void bind_connection(py::module_& m) {
       .def("gone", &Connection::gone)
       .def("transfer", with_self(&transfer), py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none())  // a handle keeps its connection (and so its agent) alive
-      .def("transfer_one", with_self(&transfer_one), py::arg("local"), py::arg("local_offset"), py::arg("remote"),
-           py::arg("remote_offset"), py::arg("size"), py::arg("is_read"), py::arg("notification") = py::none(),
+      .def("transfer_one", with_self(&transfer_one), py::arg("local"), py::arg("remote"), py::arg("size"),
+           py::arg("local_offset"), py::arg("remote_offset"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none())
-      .def("transfer_one_sync", &transfer_one_sync, py::arg("local"), py::arg("local_offset"), py::arg("remote"),
-           py::arg("remote_offset"), py::arg("size"), py::arg("is_read"), py::arg("notification") = py::none(),
+      .def("transfer_one_sync", &transfer_one_sync, py::arg("local"), py::arg("remote"), py::arg("size"),
+           py::arg("local_offset"), py::arg("remote_offset"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none(), py::arg("timeout") = 0.0)
       .def("notify", [](Connection& c, const py::bytes& b) {
         std::vector<uint8_t> v = to_vec(b);

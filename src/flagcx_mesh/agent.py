@@ -40,17 +40,6 @@ def _check_offsets(local_offset, remote_offset, size) -> None:
             raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
 
 
-def _one(call, local, local_offset, remote, remote_offset, size, is_read, notification, stream, *timeout):
-    """One op straight to the core's ``call`` (transfer_one, or transfer_one_sync with its timeout):
-    write() and read() and their _sync forms, the per-call cost of a blocking connector."""
-    if not (type(local_offset) is int and type(remote_offset) is int and type(size) is int
-            and local_offset >= 0 and remote_offset >= 0 and size >= 0):
-        _check_offsets(local_offset, remote_offset, size)
-    return call(local.descriptor if type(local) is Region else _desc(local), local_offset,
-                remote.descriptor if type(remote) is Region else _desc(remote), remote_offset, size,
-                is_read, notification, None if stream is None else _cuda.stream_handle(stream), *timeout)
-
-
 def region_info(descriptor: bytes) -> dict:
     """The fields of a descriptor: agent, incarnation, index, size, kind."""
     return _core.region_info(_desc(descriptor))
@@ -161,33 +150,35 @@ class AgentConnection:
     def peer_incarnation(self) -> str:
         return self._core.peer_incarnation
 
+    # write / read and their _sync forms: each argument is checked in the core's call (an
+    # InvalidArgument naming it), so that a blocking connector pays one Python frame per call.
     def write(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
               notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of ``local`` (at ``local_offset``) into the peer's
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return _one(self._core.transfer_one, local, local_offset, remote, remote_offset, size, False,
-                    notification, stream)
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, notification,
+                                       stream if stream is None else _cuda.stream_handle(stream))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return _one(self._core.transfer_one, local, local_offset, remote, remote_offset, size, True,
-                    notification, stream)
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, notification,
+                                       stream if stream is None else _cuda.stream_handle(stream))
 
     def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
                    notification: Optional[bytes] = None, stream=None, timeout: float = 0.0) -> None:
         """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
         landed (and the notification was sent); raises what ``wait`` would."""
-        _one(self._core.transfer_one_sync, local, local_offset, remote, remote_offset, size, False,
-             notification, stream, timeout)
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
+                                     stream if stream is None else _cuda.stream_handle(stream), timeout)
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
                   notification: Optional[bytes] = None, stream=None, timeout: float = 0.0) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
-        _one(self._core.transfer_one_sync, local, local_offset, remote, remote_offset, size, True,
-             notification, stream, timeout)
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
+                                     stream if stream is None else _cuda.stream_handle(stream), timeout)
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
