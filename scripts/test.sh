@@ -55,7 +55,7 @@ for spec in sys.argv[1:]:
     name, _, want = spec.partition("==")
     if m.version(name) != (want or m.version(name)): sys.exit(1)' "${@:2}" 2>/dev/null
 }
-make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
+make_deps_venv() {  # make_deps_venv DIR PACKAGES...: a venv with PACKAGES
     local dir=$1; shift    # (INSTALL_TIMEOUT: seconds the packages may take, default 900;
     # REUSE_PINS=1: a venv that already holds each package at its pin is not handed to pip, whose
     # check of vLLM's whole dependency tree took ~17 s of CPU and 20-40 s on 2 cores)
@@ -65,7 +65,10 @@ make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuil
     else
         timeout "${INSTALL_TIMEOUT:-900}" "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" "$@" || return 1
     fi
-    timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEEL"
+}
+make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuilt wheel
+    make_deps_venv "$@" || return 1
+    timeout 300 "$1/bin/python" -m pip install "${PIP_FLAGS[@]}" --force-reinstall --no-deps "$WHEEL"
 }
 
 step "build the flagcx_mesh wheel (once, reused by every venv)"
@@ -202,15 +205,28 @@ fi
 # The vLLM stage runs in the background while the MPI stages run (their CPU and their waits
 # overlap; neither watches state the other changes), its output kept in build/vllm-stage.log
 # and shown once the MPI stages are done.
+# The kept venv is shared by every clone on the machine: one run at a time installs into it (a
+# lock beside it, waited for up to 30 min), and none installs this checkout's wheel there; the
+# wheel goes into build/vllm-site, first on the tests' PYTHONPATH, so each run tests its own build.
 vllm_stage() {  # exit status 2: installing vLLM failed; 1: its tests failed
-    local dir=$VLLM_VENV t0=$SECONDS
+    local dir=$VLLM_VENV t0=$SECONDS site=$PWD/build/vllm-site
     CPU_OF="in the vLLM stage "
-    step "venv $dir: $VLLM_PIN (its own torch) + the wheel"
-    INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
+    step "venv $dir: $VLLM_PIN (its own torch); the wheel in build/vllm-site"
+    mkdir -p "$(dirname "$dir")" || return 2
+    {
+        flock -w 1800 9 || { echo "another run held $dir.lock for 30 min"; return 2; }
+        INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_deps_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
+        # (a run before this layout installed the wheel into the venv itself)
+        if "$dir/bin/python" -c 'import importlib.metadata as m; m.version("flagcx_mesh")' 2>/dev/null; then
+            "$dir/bin/python" -m pip uninstall "${PIP_FLAGS[@]}" -y flagcx_mesh || return 2
+        fi
+    } 9> "$dir.lock"
+    rm -rf "$site" && timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps --target "$site" \
+        "$WHEEL" || return 2
     echo "($dir ready in $((SECONDS - t0)) s)"
     step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
-    FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
-        tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
+    PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q \
+        --timeout-method=thread -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
     step "vLLM stage done"
 }
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
