@@ -27,15 +27,16 @@ def clean_env(**extra):
     return env
 
 
-class Result:
-    def __init__(self, rc, out, err, timed_out):
+class Result(str):
+    """A finished command: rc, out, err, timed_out. It is the text an assertion message shows (the
+    outputs' last 4000 characters each): a str, which pytest prints whole (any other message object
+    it cuts to 240 characters, which left a failure's cause out)."""
+
+    def __new__(cls, rc, out, err, timed_out):
+        state = "TIMED OUT" if timed_out else f"rc={rc}"
+        self = super().__new__(cls, f"{state}\n--- stdout\n{out[-4000:]}\n--- stderr\n{err[-4000:]}")
         self.rc, self.out, self.err, self.timed_out = rc, out, err, timed_out
-
-    def __str__(self):
-        state = "TIMED OUT" if self.timed_out else f"rc={self.rc}"
-        return f"{state}\n--- stdout\n{self.out[-4000:]}\n--- stderr\n{self.err[-4000:]}"
-
-    __repr__ = __str__  # an assertion message shows the outputs, not an address
+        return self
 
 
 def run(cmd, timeout, env=None, server=None):
