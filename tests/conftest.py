@@ -38,6 +38,20 @@ def pytest_configure(config):
         raise pytest.UsageError(
             f"flagcx_mesh is not installed with its compiled core ({e}); "
             "run the suite with: bash scripts/test.sh") from e
+    _check_expected_package()
+
+
+def _check_expected_package():
+    """FXM_EXPECT_PKG_DIR (the vLLM stage of scripts/test.sh: this run's wheel in build/vllm-site):
+    a flagcx_mesh imported from anywhere else, a stale install in the shared venv, fails the run."""
+    want = os.environ.get("FXM_EXPECT_PKG_DIR")
+    if not want:
+        return
+    import flagcx_mesh
+
+    got = os.path.realpath(os.path.dirname(flagcx_mesh.__file__))
+    if not got.startswith(os.path.realpath(want) + os.sep):
+        raise pytest.UsageError(f"flagcx_mesh was imported from {got}, not from FXM_EXPECT_PKG_DIR={want}")
 
 
 def pytest_collection_modifyitems(config, items):

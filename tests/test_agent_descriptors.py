@@ -225,10 +225,40 @@ def test_a_calls_arguments_are_checked_and_nothing_moves(pair, call):
         with pytest.raises(InvalidArgument, match=f"{kw} must be a non-negative int below 2\\*\\*64, got {bad!r}"):
             f(local, remote, args.pop("size"), **args)
     for bad in (None, 12, "descriptor", np.zeros(3)):
-        with pytest.raises(InvalidArgument, match="a region descriptor must be a Region or bytes, not "):
+        with pytest.raises(InvalidArgument, match=r"remote must be a Region or descriptor bytes \(bytes, bytearray"):
             f(local, bad, 16)
+    released = memoryview(remote.descriptor)
+    released.release()
+    with pytest.raises(ValueError):  # what bytes() of it raises, not a SystemError
+        f(local, released, 16)
+
+    class Broken:
+        @property
+        def descriptor(self):
+            raise KeyError("from the property")
+
+    with pytest.raises(KeyError, match="from the property"):  # its own error, not "not a Region"
+        f(Broken(), remote, 16)
     assert dst.sum() == 0 and (src == 9).all()
     done = f(local.descriptor, bytearray(remote.descriptor), 16)  # bytes and bytes-like name regions too
     if done is not None:
         done.wait(10)
     assert (dst[:16] == 9).all() if call.startswith("write") else (src[:16] == 0).all()
+
+
+def test_a_batchs_ops_are_checked_by_position_and_nothing_moves(pair):
+    a, b, conn, _ = pair
+    dst = np.zeros(4096, np.uint8)
+    remote = b.register(dst)
+    local = a.register(np.full(4096, 5, np.uint8))
+    good = (local, 0, remote, 0, 16)
+    for bad, words in (((local, 0, remote, 0, 2**64), r"op 1: size must be a non-negative int below 2\*\*64"),
+                       ((local, -1, remote, 0, 16), "op 1: local_offset must be a non-negative int"),
+                       ((local, 0, remote, False, 16), "op 1: remote_offset must be a non-negative int"),
+                       ((local, 0, "x", 0, 16), "op 1: remote must be a Region or descriptor bytes"),
+                       ((local, 0, remote), r"op 1: a transfer is \(local, local_offset, remote, remote_offset, size\)")):
+        with pytest.raises(InvalidArgument, match=words):
+            conn.batch_write([good, bad])
+    assert dst.sum() == 0
+    conn.batch_write(iter([list(good), (local.descriptor, 16, bytearray(remote.descriptor), 16, 16)])).wait(10)
+    assert (dst[:32] == 5).all() and dst[32:].sum() == 0

@@ -366,11 +366,13 @@ void Agent::prune() {
   std::vector<std::shared_ptr<Connection>> dead;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    for (auto& c : conns_) {
-      if (c->ended()) dead.push_back(c);
-    }
+    // One test per connection: one that ends between two tests would be dropped without its close.
     conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
-                                [](const std::shared_ptr<Connection>& c) { return c->ended(); }),
+                                [&dead](const std::shared_ptr<Connection>& c) {
+                                  if (!c->ended()) return false;
+                                  dead.push_back(c);
+                                  return true;
+                                }),
                  conns_.end());
   }
   for (auto& c : dead) c->close("the peer was lost");

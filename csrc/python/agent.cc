@@ -2,6 +2,7 @@
 // AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
 // that may block releases the GIL. The admission policy from Python is a set
 // of names (a Python callback on the listener thread could deadlock a close).
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -115,9 +116,11 @@ SharedDesc decoded_by_bytes(const py::handle& h) {
 // A call's handle as Python holds it: the core's Handle and a reference to the connection's Python
 // object, which keeps the connection's agent alive as long as the handle (a reference costs less per
 // call than pybind11's keep_alive table).
-struct PyHandle : Handle {
-  PyHandle(Handle h, py::handle connection) : Handle(std::move(h)), owner(py::reinterpret_borrow<py::object>(connection)) {}
+// The owner is declared first, so destroyed last: the connection is released before its agent may go.
+struct PyHandle {
+  PyHandle(Handle h, py::handle connection) : owner(py::reinterpret_borrow<py::object>(connection)), h(std::move(h)) {}
   py::object owner;
+  Handle h;
 };
 
 // What a call takes beside its ops: its notification (bytes or None) and its stream (handle or None).
@@ -133,68 +136,95 @@ struct CallArgs {
   fxm::agent::StreamArg on;
 };
 
+// The call, with the GIL released; `then` (a wait) runs before the GIL is taken back.
 Handle issue(Connection& c, const std::vector<fxm::agent::Xfer>& xs, bool is_read, const py::object& notif,
-             const std::optional<uint64_t>& stream) {
+             const std::optional<uint64_t>& stream, const std::function<void(const Handle&)>& then = nullptr) {
   CallArgs a(notif, stream);
   py::gil_scoped_release release;
-  return c.transfer(xs, is_read, a.notification_or_null(), a.on);
+  Handle h = c.transfer(xs, is_read, a.notification_or_null(), a.on);
+  if (then) then(h);
+  return h;
 }
 
-PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bool is_read, const py::object& notif,
-                  const std::optional<uint64_t>& stream) {
-  // Each distinct descriptor object is looked up once per call (a batch names a few regions many
-  // times: one KV layer is thousands of blocks of two regions).
-  // By bytes object (alive in `ops`): a call names few, scanned; past kScanned, a map too.
-  constexpr size_t kScanned = 16;
-  std::vector<std::pair<PyObject*, SharedDesc>> held;
-  std::unordered_map<PyObject*, const RegionDesc*> more;
-  auto desc_of = [&](const py::handle& h) -> const RegionDesc* {
-    for (size_t i = 0; i < held.size() && i < kScanned; ++i) {
-      if (held[i].first == h.ptr()) return held[i].second.get();
-    }
-    if (held.size() >= kScanned) {
-      auto it = more.find(h.ptr());
-      if (it != more.end()) return it->second;
-    }
-    held.emplace_back(h.ptr(), decoded_region(h));
-    if (held.size() > kScanned) more[h.ptr()] = held.back().second.get();
-    return held.back().second.get();
-  };
-  std::vector<fxm::agent::Xfer> xs;
-  xs.reserve(ops.size());
-  for (const py::handle& item : ops) {
-    py::tuple t = item.cast<py::tuple>();
-    if (t.size() != 5) throw py::value_error("a transfer is (local, local_offset, remote, remote_offset, size)");
-    xs.push_back({desc_of(t[0]), t[1].cast<uint64_t>(), desc_of(t[2]), t[3].cast<uint64_t>(), t[4].cast<uint64_t>()});
-  }
-  return PyHandle(issue(c, xs, is_read, notif, stream), self);
-}
+// A region as a call names it: a Region (its `descriptor`), descriptor bytes, a bytearray or a
+// memoryview of them; anything else is refused, naming `which`. Held: a bytearray's bytes are made here.
+// Which argument, for an error: "local", or "op 3: local" in a batch (made on failure only).
+std::string arg_name(const char* name, long op) { return (op < 0 ? "" : "op " + std::to_string(op) + ": ") + name; }
 
-// A region as a call names it: a Region (its `descriptor`), bytes, or another bytes-like object;
-// anything else is refused. Held: the descriptor of a bytes-like object is made here.
-py::object descriptor_arg(const py::handle& d) {
+py::object descriptor_arg(const py::handle& d, const char* which, long op = -1) {
   if (PyBytes_CheckExact(d.ptr())) return py::reinterpret_borrow<py::object>(d);
   static PyObject* name = PyUnicode_InternFromString("descriptor");  // never freed: used until exit
   py::object got = py::reinterpret_steal<py::object>(PyObject_GetAttr(d.ptr(), name));
   if (got && PyBytes_Check(got.ptr())) return got;
-  if (!got) PyErr_Clear();  // no such attribute: a bytes-like object, or refused
+  if (!got) {
+    if (!PyErr_ExceptionMatches(PyExc_AttributeError)) throw py::error_already_set();  // the attribute raised
+    PyErr_Clear();  // no such attribute: bytes-like, or refused below
+  }
   if (PyByteArray_Check(d.ptr()) || PyMemoryView_Check(d.ptr()) || PyBytes_Check(d.ptr())) {
-    return py::reinterpret_steal<py::object>(PyBytes_FromObject(d.ptr()));
+    PyObject* b = PyBytes_FromObject(d.ptr());  // fails on a released memoryview
+    if (b == nullptr) throw py::error_already_set();
+    return py::reinterpret_steal<py::object>(b);
   }
   fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
-            std::string("a region descriptor must be a Region or bytes, not ") + Py_TYPE(d.ptr())->tp_name);
+            arg_name(which, op) + " must be a Region or descriptor bytes (bytes, bytearray, memoryview), not " +
+                Py_TYPE(d.ptr())->tp_name);
 }
 
 // An offset or size: a non-negative int below 2**64 (not a bool).
-uint64_t count_arg(const py::handle& v, const char* name) {
+uint64_t count_arg(const py::handle& v, const char* name, long op = -1) {
   PyObject* o = v.ptr();
   if (PyLong_Check(o) && !PyBool_Check(o)) {
     unsigned long long x = PyLong_AsUnsignedLongLong(o);
     if (!(x == static_cast<unsigned long long>(-1) && PyErr_Occurred())) return x;
     PyErr_Clear();  // negative, or 2**64 and over
   }
-  fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(name) + " must be a non-negative int below 2**64, got " +
-                                                    py::repr(v).cast<std::string>());
+  fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+            arg_name(name, op) + " must be a non-negative int below 2**64, got " + py::repr(v).cast<std::string>());
+}
+
+// A batch: `ops` holds (local, local_offset, remote, remote_offset, size) sequences, checked as
+// write() checks its arguments. Each distinct region object is looked up once per call (a batch
+// names a few regions many times: one KV layer is thousands of blocks of two regions): by object
+// (alive in `ops`), a call names few, scanned; past kScanned, a map too.
+PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bool is_read, const py::object& notif,
+                  const std::optional<uint64_t>& stream) {
+  constexpr size_t kScanned = 16;
+  struct Held {
+    PyObject* key;
+    py::object bytes;  // its descriptor bytes
+    SharedDesc desc;
+  };
+  std::vector<Held> held;
+  std::unordered_map<PyObject*, const RegionDesc*> more;
+  auto desc_of = [&](const py::handle& h, const char* which, long op) -> const RegionDesc* {
+    for (size_t i = 0; i < held.size() && i < kScanned; ++i) {
+      if (held[i].key == h.ptr()) return held[i].desc.get();
+    }
+    if (held.size() >= kScanned) {
+      auto it = more.find(h.ptr());
+      if (it != more.end()) return it->second;
+    }
+    py::object b = descriptor_arg(h, which, op);
+    SharedDesc d = decoded_region(b);
+    held.push_back({h.ptr(), std::move(b), std::move(d)});
+    if (held.size() > kScanned) more[h.ptr()] = held.back().desc.get();
+    return held.back().desc.get();
+  };
+  std::vector<fxm::agent::Xfer> xs;
+  xs.reserve(ops.size());
+  for (const py::handle& item : ops) {
+    long i = static_cast<long>(xs.size());
+    py::tuple t = PyTuple_Check(item.ptr()) ? py::reinterpret_borrow<py::tuple>(item)
+                                            : py::tuple(py::reinterpret_borrow<py::object>(item));
+    if (t.size() != 5) {
+      fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+                arg_name("a transfer is (local, local_offset, remote, remote_offset, size)", i));
+    }
+    uint64_t lo = count_arg(t[1], "local_offset", i), ro = count_arg(t[3], "remote_offset", i);
+    uint64_t n = count_arg(t[4], "size", i);
+    xs.push_back({desc_of(t[0], "local", i), lo, desc_of(t[2], "remote", i), ro, n});
+  }
+  return PyHandle(issue(c, xs, is_read, notif, stream), self);
 }
 
 // One op, its fields as arguments (write() and read(): no list or tuple to build and take apart,
@@ -204,7 +234,8 @@ struct OneOp {
   OneOp(const py::handle& local, const py::handle& remote, const py::handle& size, const py::handle& local_off,
         const py::handle& remote_off)
       : local_offset(count_arg(local_off, "local_offset")), remote_offset(count_arg(remote_off, "remote_offset")),
-        bytes(count_arg(size, "size")), local_desc(descriptor_arg(local)), remote_desc(descriptor_arg(remote)),
+        bytes(count_arg(size, "size")), local_desc(descriptor_arg(local, "local")),
+        remote_desc(descriptor_arg(remote, "remote")),
         l(decoded_region(local_desc)), r(decoded_region(remote_desc)),
         xs{{l.get(), local_offset, r.get(), remote_offset, bytes}} {}
   uint64_t local_offset, remote_offset, bytes;
@@ -226,9 +257,7 @@ void transfer_one_sync(Connection& c, const py::handle& local, const py::handle&
                        const py::handle& local_off, const py::handle& remote_off, bool is_read,
                        const py::object& notif, const std::optional<uint64_t>& stream, double timeout) {
   OneOp op(local, remote, size, local_off, remote_off);
-  CallArgs a(notif, stream);
-  py::gil_scoped_release release;
-  c.transfer(op.xs, is_read, a.notification_or_null(), a.on).wait(timeout);
+  issue(c, op.xs, is_read, notif, stream, [timeout](const Handle& h) { h.wait(timeout); });
 }
 
 // The connection's Python object beside the connection (the handle holds the former).
@@ -271,10 +300,10 @@ void bind_connection(py::module_& m) {
                      "The completion of one write/read call (flagcx_mesh.agent.Handle): done() polls; wait(timeout) "
                      "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
                      "MeshTimeout); call names the call.")
-      .def("done", [](const PyHandle& h) { return h.done(); }, py::call_guard<py::gil_scoped_release>())
-      .def("wait", [](const PyHandle& h, double timeout) { h.wait(timeout); }, py::arg("timeout") = 0.0,
+      .def("done", [](const PyHandle& p) { return p.h.done(); }, py::call_guard<py::gil_scoped_release>())
+      .def("wait", [](const PyHandle& p, double timeout) { p.h.wait(timeout); }, py::arg("timeout") = 0.0,
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("call", [](const PyHandle& h) { return h.call(); });
+      .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); });
   using fxm::agent::NotificationWait;
   py::class_<NotificationWait>(m, "AgentNotificationWait")
       .def("done", &NotificationWait::done, py::call_guard<py::gil_scoped_release>())

@@ -34,10 +34,13 @@ def _desc(d: Desc) -> bytes:
     raise InvalidArgument(f"a region descriptor must be a Region or bytes, not {type(d).__name__}")
 
 
-def _check_offsets(local_offset, remote_offset, size) -> None:
-    for name, v in (("local_offset", local_offset), ("remote_offset", remote_offset), ("size", size)):
-        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
-            raise InvalidArgument(f"{name} must be a non-negative int, got {v!r}")
+def _op_list(ops: Iterable[Op]) -> list:
+    """A batch's ops as the core takes them (it checks each: descriptors, offsets, sizes)."""
+    return ops if type(ops) is list else list(ops)
+
+
+def _stream(stream) -> Optional[int]:
+    return stream if stream is None else _cuda.stream_handle(stream)
 
 
 def region_info(descriptor: bytes) -> dict:
@@ -159,34 +162,35 @@ class AgentConnection:
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
         return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, notification,
-                                       stream if stream is None else _cuda.stream_handle(stream))
+                                       _stream(stream))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
         return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, notification,
-                                       stream if stream is None else _cuda.stream_handle(stream))
+                                       _stream(stream))
 
     def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-                   notification: Optional[bytes] = None, stream=None, timeout: float = 0.0) -> None:
+                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = 0.0) -> None:
         """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
-        landed (and the notification was sent); raises what ``wait`` would."""
+        landed (and the notification was sent); raises what ``wait`` would. ``timeout``
+        0 or None: the agent's."""
         self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
-                                     stream if stream is None else _cuda.stream_handle(stream), timeout)
+                                     _stream(stream), timeout or 0.0)
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-                  notification: Optional[bytes] = None, stream=None, timeout: float = 0.0) -> None:
+                  notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = 0.0) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
         self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
-                                     stream if stream is None else _cuda.stream_handle(stream), timeout)
+                                     _stream(stream), timeout or 0.0)
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return self._core.transfer(self._ops(ops), False, notification, _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), False, notification, _cuda.stream_handle(stream))
 
     def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
-        return self._core.transfer(self._ops(ops), True, notification, _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), True, notification, _cuda.stream_handle(stream))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
@@ -205,21 +209,6 @@ class AgentConnection:
 
     def close(self) -> None:
         self._core.close()
-
-    @staticmethod
-    def _ops(ops: Iterable[Op]) -> list:
-        out = []
-        for op in ops:
-            if len(op) != 5:
-                raise InvalidArgument("a transfer is (local, local_offset, remote, remote_offset, size)")
-            l, lo, r, ro, n = op
-            # plain non-negative ints pass at once (the per-op cost of a connector's batches);
-            # anything else gets the full check, which accepts int subclasses but not bool
-            if not (type(lo) is int and type(ro) is int and type(n) is int and lo >= 0 and ro >= 0 and n >= 0):
-                _check_offsets(lo, ro, n)
-            out.append((l.descriptor if type(l) is Region else _desc(l), lo,
-                        r.descriptor if type(r) is Region else _desc(r), ro, n))
-        return out
 
 
 class Agent:

@@ -172,9 +172,10 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                               "--device", args.device, f"--tokens={max(args.tokens)}", f"--layers={args.layers}",
                               f"--heads={args.heads}", f"--head-size={args.head_size}",
                               f"--block-size={args.block_size}"])
-    x = KVTransfer("bench-kv-prefill", _caches(torch, args), _blocks(args), secret=SECRET)
-    plain = Agent("bench-kv-plain-prefill", SECRET)
+    x = plain = None
     try:
+        x = KVTransfer("bench-kv-prefill", _caches(torch, args), _blocks(args), secret=SECRET)
+        plain = Agent("bench-kv-plain-prefill", SECRET)
         _publish(d, "prefill.meta", x.metadata)
         peer = json.loads(_read(d, "decode.json"))
         _buf, local = _plain_pair_region(torch, args, plain)
@@ -202,10 +203,13 @@ def _measure_path(args, path: str) -> Dict[str, object]:
     finally:
         if child.poll() is None:
             child.kill()
+        try:
             child.wait(timeout=30)
-        x.close()
-        plain.close()
-        shutil.rmtree(d, ignore_errors=True)  # the two processes' exchange files
+        finally:
+            for end in (x, plain):
+                if end is not None:
+                    end.close()
+            shutil.rmtree(d, ignore_errors=True)  # the two processes' exchange files
 
 
 def _report(data: dict, args) -> None:
