@@ -14,6 +14,9 @@ cma and shm work within one process as between two). Figures:
             --connects connects of a fresh agent and the median of their first 4 KiB write (ms)
   request   --count blocks of each --blocks size (wrapping within --region) written pipelined
             (one batch, one wait) and blocking (a wait per block), GB/s, beside memcpy
+  mesh      (flagcx_mesh) the mesh's own puts of the same blocks over the same path, beside the
+            agent's writes (agent_mesh.py; --mesh-put off leaves them out); "goals" in the JSON
+            is the agent over the mesh per path, block size and mode
   churn     a fresh initiator: start, connect, one 4 KiB write, close; per second
 
 Each peer in --peers (agent_peers.py) runs the same figures, and the ratio flagcx_mesh / peer is
@@ -46,6 +49,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--connects", type=int, default=50)
     p.add_argument("--setups", type=int, default=3, help="set-up runs; each figure is their median")
     p.add_argument("--peers", default="mooncake,nixl", help="comma-separated, or none")
+    p.add_argument("--mesh-put", choices=("on", "off"), default="on",
+                   help="off: leave out the mesh's own puts beside the agent's writes")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: GPU memory between two processes (agent_gpu.py)")
     p.add_argument("--json", metavar="PATH")
@@ -65,11 +70,12 @@ class Flagcx:
 
     name = "flagcx_mesh"
 
-    def __init__(self, np):
+    def __init__(self, np, mesh_put: bool = True):
         from .. import __version__
         from ..agent import Agent
 
         self.np, self.Agent, self.version = np, Agent, f"flagcx_mesh {__version__}"
+        self.mesh_put = mesh_put
 
     def setup(self, region: int, connects: int) -> Dict[str, float]:
         np, Agent = self.np, self.Agent
@@ -123,6 +129,7 @@ class Flagcx:
             local = a.register(srcbuf)
             conn = a.connect(t.metadata())
             ops = [(local, s, remote, d, block) for s, d in offs]
+            mesh = self._mesh_beside(srcbuf, dst)
             conn.batch_write(ops).wait(60)  # paths chosen, pages touched
             t0 = time.perf_counter()
             for _ in range(reps):
@@ -138,8 +145,22 @@ class Flagcx:
                 dst[:] = srcbuf
             mem = time.perf_counter() - t0
             total = block * count * reps / 1e9
-            return {"path": conn.path_to(remote), "pipelined_GBps": total / pipe, "blocking_GBps": total / blocking,
-                    "memcpy_GBps": size * (reps * block * count // size) / 1e9 / mem}
+            row = {"path": conn.path_to(remote), "pipelined_GBps": total / pipe, "blocking_GBps": total / blocking,
+                   "memcpy_GBps": size * (reps * block * count // size) / 1e9 / mem}
+            if mesh is not None:
+                try:
+                    row["mesh"] = {"path": mesh.path(), **mesh.figures(offs, block, reps)}
+                finally:
+                    mesh.close()
+            return row
+
+    def _mesh_beside(self, src, dst):
+        """The mesh's puts beside the agent's writes (agent_mesh.py), unless --mesh-put off."""
+        if not self.mesh_put:
+            return None
+        from .agent_mesh import HostMeshBeside
+
+        return HostMeshBeside(src, dst, shm=os.environ.get("FLAGCX_MESH_TRANSPORT") == "shm")
 
     def churn(self, n: int) -> float:
         np, Agent = self.np, self.Agent
@@ -175,8 +196,12 @@ def _measure(tool, args, label: str, blocks: List[int], region: int) -> Dict:
         r = tool.request(b, args.count, region, _reps(b, args.count))
         fig[f"request_{size_name(b)}"] = r
         mem = f", memcpy {r['memcpy_GBps']:.2f} GB/s" if "memcpy_GBps" in r else ""
+        m = r.get("mesh")
+        beside = (f"; the mesh's puts beside it over {m['path']}: pipelined {m['pipelined_GBps']:.2f} GB/s, "
+                  f"blocking {m['blocking_GBps']:.2f} GB/s (agent / mesh {r['pipelined_GBps'] / m['pipelined_GBps']:.2f}x"
+                  f" / {r['blocking_GBps'] / m['blocking_GBps']:.2f}x)" if m else "")
         print(f"[{label}] {args.count} x {size_name(b)} over {r['path']}: pipelined {r['pipelined_GBps']:.2f} GB/s, "
-              f"blocking {r['blocking_GBps']:.2f} GB/s{mem}", flush=True)
+              f"blocking {r['blocking_GBps']:.2f} GB/s{mem}{beside}", flush=True)
     if args.churn:
         fig["churn_per_s"] = tool.churn(args.churn)
         print(f"[{label}] churn: {fig['churn_per_s']:.0f} start+connect+write+close per second", flush=True)
@@ -219,7 +244,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     region = parse_size(args.region)
     blocks = [parse_size(x) for x in args.blocks.split(",") if x]
     out: Dict[str, Dict] = {"flagcx_mesh": {}, "peers": {}}
-    ours = Flagcx(np)
+    ours = Flagcx(np, mesh_put=args.mesh_put == "on")
     print(f"versions: {ours.version}", flush=True)
     for transport in [t for t in args.transports.split(",") if t]:
         os.environ["FLAGCX_MESH_TRANSPORT"] = transport
@@ -241,5 +266,21 @@ def main(argv: Optional[List[str]] = None) -> int:
             fig["ratio_vs"] = like
             fig["ratio"] = _compare(out["flagcx_mesh"][like], fig, blocks, f"{name} vs flagcx_mesh {like}")
         out["peers"][name] = fig
+    if args.mesh_put == "off":
+        print("[mesh put] NOT RUN: --mesh-put off", flush=True)
+    out["goals"] = _goals(out["flagcx_mesh"], blocks)
     save_json(out, args.json)
     return 0
+
+
+def _goals(ours: Dict, blocks: List[int]) -> Dict[str, Dict[str, Optional[float]]]:
+    """Per path: the agent's GB/s over the mesh's own puts beside it (goal: at least 1), per block size and mode."""
+    out: Dict[str, Dict[str, Optional[float]]] = {}
+    for path, fig in ours.items():
+        g = out[path] = {}
+        for b in blocks:
+            r = fig[f"request_{size_name(b)}"]
+            for mode in ("pipelined_GBps", "blocking_GBps"):
+                m = r.get("mesh")
+                g[f"{size_name(b)}_{mode}_over_mesh_put"] = r[mode] / m[mode] if m else None
+    return out
