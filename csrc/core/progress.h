@@ -139,7 +139,8 @@ class Engine : public Outbox {
   void wake_conn(int c) { wake_lane(lane_of(c)); }
   bool owns_conn(int c) const;  // the calling thread is connection c's thread
   uint8_t* discard_for(int c, size_t* size);  // the sink for dropped payload bytes of connection c's thread
-  enum class Count { kNone, kPut, kGet };  // what an item counts as (puts are acked, gets answered)
+  // What an item counts as: puts are acked (a lazy one when asked, see wire::kPutLazyAck), gets answered.
+  enum class Count { kNone, kPut, kLazyPut, kGet };
   void enqueue(int s, OutItem&& item, Count counted);
   // Writes an item straight from the calling thread when its queue is empty
   // (saves a hand-off to the progress thread); false: it must be queued.
@@ -198,7 +199,17 @@ class Engine : public Outbox {
   void read_guarded(int s);
   void write_guarded(int s);
   void complete(int peer, int ctx, uint64_t n);
+  // Lazy acks. The target (its reader) acks at the end of a pass what a kAckReq or a put that
+  // is not lazy asked for, and lazy puts applied kLazyAckNs ago or more; every pending one
+  // once the mesh closes. The initiator asks (kAckReq) before it waits for lazy puts.
+  static constexpr int64_t kLazyAckNs = 1000000;
   void send_acks();
+  void note_applied(int s, bool lazy);  // the reader: an op of slot s was applied
+  void request_acks(int lo, int hi);    // peers [lo, hi): kAckReq where lazy puts are unacked
+  bool lazy_unrequested(int lo, int hi) const;  // with mu_ held: some slot of them needs a kAckReq
+  // With mu_ held (lock): sends the kAckReqs peers [lo, hi) need, false when none (lock kept held).
+  bool ask_for_acks(std::unique_lock<std::mutex>& lock, int lo, int hi);
+  void flush_acks_before_bye();         // stop(): the reader sends every pending ack first
   void lose(int peer, const std::string& why);
   // With mu_ held: throws PeerLost, prefixed by `what`, when the peer is lost or closed.
   void fail_if_gone(int peer, const std::string& what) const;
@@ -263,6 +274,12 @@ class Engine : public Outbox {
   std::vector<uint64_t> applied_;      // per slot: ops from that peer applied here
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked
   std::vector<uint64_t> acked_in_;     // per slot: ack received from that peer
+  std::vector<uint64_t> lazy_unreq_;   // per slot (initiator, under mu_): lazy puts queued since its last kAckReq
+  std::vector<uint8_t> ack_now_;       // per slot (target, its reader): an ack was asked for
+  std::vector<int64_t> lazy_since_;    // per slot (target, its reader): when its oldest unacked lazy put was applied (0: none)
+  int lazy_pending_ = 0;               // (target, its reader): slots with lazy_since_ set
+  std::atomic<bool> closing_{false};   // stop() began: every pending ack goes at once
+  bool acks_flushed_ = false;          // under mu_: the reader sent them, after closing_ was set
   std::vector<std::string> lost_;      // per peer
   std::vector<bool> bye_conn_;         // per slot: kBye arrived on that connection
   std::vector<int> bye_count_;         // per peer: connections that said goodbye

@@ -235,7 +235,7 @@ void Engine::on_put_done(int s, InConn& in) {
     refused += "; its signal (window #" + std::to_string(in.put.sig_win) + " slot " +
                std::to_string(in.put.sig_slot) + ") was not applied";
   }
-  ++applied_[s];
+  note_applied(s, (in.put.flags & wire::kPutLazyAck) != 0);
   if (!refused.empty()) refuse(s, refused);
 }
 

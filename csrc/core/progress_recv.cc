@@ -93,7 +93,8 @@ void Engine::on_header(int s, InConn& in) {
     return;
   }
   size_t oplen = op_header_size(in.f.type);
-  bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq;
+  bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq ||
+               in.f.type == FrameType::kAckReq;
   if (in.f.length < oplen || (fixed && in.f.length != oplen)) {
     lose(peer_of(s), "protocol error: a frame whose length does not fit its type");
     in.closed = true;
@@ -154,6 +155,10 @@ void Engine::on_op_header(int s, InConn& in) {
       break;
     case FrameType::kAck:
       if (on_ack(s, in.buf)) in.reset();
+      return;
+    case FrameType::kAckReq:  // acked at the end of this pass (send_acks)
+      ack_now_[s] = 1;
+      in.reset();
       return;
     case FrameType::kBye: {
       std::lock_guard<std::mutex> lock(mu_);
