@@ -357,6 +357,7 @@ void Engine::poll_once() {
   std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
   int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
   bool copies = false;
+  std::vector<int> ahead;  // slots with frames read ahead: read them whatever the poll says
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int s = 0; s < total; ++s) {
@@ -369,14 +370,19 @@ void Engine::poll_once() {
       if (lane_readable(s)) {  // else paused (recv_message) or waiting for another lane
         fds.push_back({conns_->recv[s].get(), POLLIN, 0});
         owner.push_back(total + s);
+        if (in_[s]->buffered() > 0) ahead.push_back(s);
       }
     }
   }
   int timeout_ms = copies_timeout_ms(copies);
   if (lazy_pending_ > 0 && timeout_ms > 1) timeout_ms = 1;  // the lazy acks' timer (send_acks)
+  if (!ahead.empty()) timeout_ms = 0;
   ::poll(fds.data(), fds.size(), timeout_ms);
-  if (timeout_ms == 0) std::this_thread::yield();
+  if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
   for (size_t k = 1; k < fds.size(); ++k) {
+    if (owner[k] >= total && std::find(ahead.begin(), ahead.end(), owner[k] - total) != ahead.end()) {
+      fds[k].revents |= POLLIN;
+    }
     if (fds[k].revents == 0) continue;
     if (owner[k] >= total) read_guarded(owner[k] - total);
     else write_guarded(owner[k]);

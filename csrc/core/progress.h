@@ -160,6 +160,7 @@ class Engine : public Outbox {
   int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
   std::chrono::steady_clock::time_point copies_since_{};  // progress thread: when that wait began
   void read_some(int s);
+  bool read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done);
   bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
   void on_header(int s, InConn& in);
   void on_op_header(int s, InConn& in);

@@ -62,6 +62,13 @@ struct Engine::InConn {
   std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
+  // Bytes read ahead from the socket (one recv takes in a small frame whole, or several):
+  // frames are taken from here first; the socket is read only once it is empty, straight into
+  // place for a payload of at least kReadAhead bytes. reset() keeps them (they are later frames').
+  static constexpr size_t kReadAhead = 8192;
+  std::unique_ptr<uint8_t[]> ahead;
+  size_t ahead_pos = 0, ahead_end = 0;
+  size_t buffered() const { return ahead_end - ahead_pos; }
   bool closed = false;
   bool hup = false;  // a lane whose stripe waits for lane 0 saw its peer's close (progress_lanes.cc)
   // The buffers go back to the staging pool, except those a copy up may still
