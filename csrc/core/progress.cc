@@ -255,6 +255,7 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
     if (stopping_) fail(Code::kClosed, peer, 0, who() + "recv: the mesh was closed");
     if (!lost_[peer].empty() || bye_conn_[slot(peer, ctx)]) break;  // nothing more will come
     if (deadline.expired()) break;
+    unpark();
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
   if (!box.empty()) {
@@ -295,10 +296,10 @@ int Engine::first_lost_peer() const {
 
 void Engine::lose(int peer, const std::string& why) {
   {
-    // No get answer is landing once this returns (the progress thread lands
-    // under landing_mu_ and, between reads, finds the get gone).
+    // No get answer is landing once this returns (the reader lands under
+    // landing_mu_ and, between reads, finds the get gone).
     std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
-    if (std::this_thread::get_id() != progress_tid_.load()) landing.lock();
+    if (!t_landing) landing.lock();  // else this thread lands: it read the close mid-answer
     std::lock_guard<std::mutex> lock(mu_);
     if (!lost_[peer].empty() || bye_[peer]) return;
     lost_[peer] = why;  // its queues are dropped by write_some(), which owns them
@@ -350,64 +351,6 @@ void Engine::write_guarded(int s) {
   } catch (const std::exception& e) {
     lose(peer_of(s), std::string("writing its frames") + conn_name(s) + " failed: " + e.what());
   }
-}
-
-void Engine::poll_once() {
-  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
-  std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
-  int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
-  bool copies = false;
-  std::vector<int> ahead;  // slots with frames read ahead: read them whatever the poll says
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int s = 0; s < total; ++s) {
-      // A get answer waiting for its copies down is polled by write_pending (see copies_timeout_ms).
-      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) copies = true;
-      if (!out_[s].empty() && !waiting_for_staging(s)) {  // else the filler's wake() resumes it
-        fds.push_back({conns_->send[s].get(), POLLOUT, 0});
-        owner.push_back(s);
-      }
-      if (lane_readable(s)) {  // else paused (recv_message) or waiting for another lane
-        fds.push_back({conns_->recv[s].get(), POLLIN, 0});
-        owner.push_back(total + s);
-        if (in_[s]->buffered() > 0) ahead.push_back(s);
-      }
-    }
-  }
-  int timeout_ms = copies_timeout_ms(copies);
-  if (lazy_pending_ > 0 && timeout_ms > 1) timeout_ms = 1;  // the lazy acks' timer (send_acks)
-  if (!ahead.empty()) timeout_ms = 0;
-  ::poll(fds.data(), fds.size(), timeout_ms);
-  if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
-  for (size_t k = 1; k < fds.size(); ++k) {
-    if (owner[k] >= total && std::find(ahead.begin(), ahead.end(), owner[k] - total) != ahead.end()) {
-      fds[k].revents |= POLLIN;
-    }
-    if (fds[k].revents == 0) continue;
-    if (owner[k] >= total) read_guarded(owner[k] - total);
-    else write_guarded(owner[k]);
-  }
-  if (fds[0].revents) {  // new work was queued: the write_pending() below starts it now
-    uint64_t v;
-    ssize_t n = ::read(wake_fd_, &v, sizeof(v));
-    (void)n;
-  }
-  finish_landed_stripes();
-  send_acks();
-  write_pending();
-}
-
-// Copies down of a get answer take tens of microseconds a chunk on a GPU: the
-// first 2 ms of a wait for them poll without sleeping (yielding), later ones
-// each millisecond; with none pending the poll sleeps up to 100 ms.
-int Engine::copies_timeout_ms(bool copies) {
-  auto now = std::chrono::steady_clock::now();
-  if (!copies) {
-    copies_since_ = {};
-    return 100;
-  }
-  if (copies_since_ == std::chrono::steady_clock::time_point{}) copies_since_ = now;
-  return now - copies_since_ < std::chrono::milliseconds(2) ? 0 : 1;
 }
 
 void Engine::write_pending() {

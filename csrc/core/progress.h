@@ -10,7 +10,10 @@
 // without a kBye marks its peer lost: waits on it fail with PeerLost.
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -73,6 +76,15 @@ class Engine : public Outbox {
   static constexpr uint64_t kMaxQueuedMessageBytes = 64ull << 20;
   void post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline);
   std::vector<uint8_t> recv_message(int peer, int ctx, const Deadline& deadline);
+
+  // Waiters that read (progress_poll.cc). help_read: when no other thread reads them now, reads
+  // what the lane-0 receive connections hold (never blocking; never with mu_ held); true when
+  // it read some. may_help: false with a device window here (their landing stays with the
+  // progress thread). unpark: a waiter that stops reading and sleeps hands lane 0 back.
+  bool help_read();
+  bool may_help() const;
+  void unpark();
+  static constexpr std::chrono::microseconds kHelpSpin{50};
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -155,6 +167,16 @@ class Engine : public Outbox {
   void wake();
   void run();
   void poll_once();
+  void read_phase(const std::vector<pollfd>& fds, const std::vector<int>& owner, const std::vector<int>& ahead);
+  // With mu_ held and the read role: lane-0 receive connections to read now (owner: tag + slot).
+  void readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const;
+  // The read role (progress_poll.cc): held by whoever reads lane-0 receive connections.
+  std::mutex read_mu_;
+  std::vector<pollfd> help_fds_;            // under read_mu_: help_read's poll set
+  std::vector<int> help_owner_, help_ahead_;
+  std::atomic<uint64_t> helped_{0};         // waiters' reads so far
+  uint64_t helped_seen_ = 0;                // progress thread: helped_ at its last pass
+  std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)
   bool write_some(int s);
   void write_pending();  // writes what it can of every non-empty queue
   int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
@@ -278,7 +300,7 @@ class Engine : public Outbox {
   std::vector<uint64_t> lazy_unreq_;   // per slot (initiator, under mu_): lazy puts queued since its last kAckReq
   std::vector<uint8_t> ack_now_;       // per slot (target, its reader): an ack was asked for
   std::vector<int64_t> lazy_since_;    // per slot (target, its reader): when its oldest unacked lazy put was applied (0: none)
-  int lazy_pending_ = 0;               // (target, its reader): slots with lazy_since_ set
+  std::atomic<int> lazy_pending_{0};   // (target, its reader): slots with lazy_since_ set
   std::atomic<bool> closing_{false};   // stop() began: every pending ack goes at once
   bool acks_flushed_ = false;          // under mu_: the reader sent them, after closing_ was set
   std::vector<std::string> lost_;      // per peer

@@ -107,6 +107,31 @@ struct Engine::LaneWorker {
   }
 };
 
+// Set while this thread holds landing_mu_: lose() then does not take it again.
+inline thread_local bool t_landing = false;
+
+// landing_mu_ held by a reader while a get answer's bytes go into the user's buffer.
+class LandingLock {
+ public:
+  explicit LandingLock(std::mutex& m) : lock_(m, std::defer_lock) {}
+  LandingLock(const LandingLock&) = delete;
+  LandingLock& operator=(const LandingLock&) = delete;
+  ~LandingLock() { unlock(); }
+  void lock() {
+    lock_.lock();
+    t_landing = true;
+  }
+  void unlock() {
+    if (!lock_.owns_lock()) return;
+    t_landing = false;
+    lock_.unlock();
+  }
+  bool owns_lock() const { return lock_.owns_lock(); }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
+};
+
 inline wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {
   wire::PutHeader h;
   h.dst_win = dst_win;

@@ -300,7 +300,8 @@ void Engine::land_get_answer(int s, InConn& in) {
   std::string failed;
   if (in.device_at != nullptr) {
     {
-      std::lock_guard<std::mutex> landing(landing_mu_);  // the progress thread: read_some released it
+      LandingLock landing(landing_mu_);  // the reader: read_some released it
+      landing.lock();
       if (!get_pending(in.req_id)) return;
       failed = land_on_device(in, in.total - in.landed);
     }

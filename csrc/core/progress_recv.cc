@@ -39,7 +39,7 @@ void Engine::read_some(int s) {
     }
     uint8_t* where;
     size_t want;
-    std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
+    LandingLock landing(landing_mu_);
     if (in.st == InConn::kPayload) {
       // A get answer lands in the user's buffer: lose() waits for this read to end.
       if (in.f.type == FrameType::kGetResp) landing.lock();
@@ -62,13 +62,13 @@ void Engine::read_some(int s) {
     } else if (in.st == InConn::kPayload && want >= InConn::kReadAhead) {
       if (!read_socket(s, in, where, want, &done)) return;
     } else {
-      if (landing.owns_lock()) landing.unlock();
+      landing.unlock();
       if (!in.ahead) in.ahead.reset(new uint8_t[InConn::kReadAhead]);
       in.ahead_pos = in.ahead_end = 0;
       if (!read_socket(s, in, in.ahead.get(), InConn::kReadAhead, &in.ahead_end)) return;
       continue;
     }
-    if (landing.owns_lock()) landing.unlock();
+    landing.unlock();
     budget -= std::min(budget, done);
     if (in.st == InConn::kPayload) {
       in.remaining -= done;

@@ -122,7 +122,14 @@ bool Engine::settle_probes(std::unique_lock<std::mutex>& lock) {
 // (~50 us), more than a small device copy takes.
 void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline, const Backoff& pace) {
   bool probes = probes_pending_.load() != 0;
+  if (!probes && stream_ops_.load() == 0 && pace.within(kHelpSpin) && may_help()) {
+    lock.unlock();  // the acks (or answers) it waits for: read them here rather than wake up for them
+    if (!help_read()) std::this_thread::yield();
+    lock.lock();
+    return;
+  }
   if (!probes && (stream_ops_.load() == 0 || !pace.spinning())) {
+    unpark();
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
     return;
   }
