@@ -31,7 +31,8 @@ size_t op_header_size(FrameType t) {
 void Engine::read_some(int s) {
   InConn& in = *in_[s];
   size_t budget = 8u << 20;  // then let other connections have a turn
-  while (budget > 0 && !in.closed) {
+  bool drained = false;      // a read got less than it asked for: the socket was empty then
+  while (budget > 0 && !in.closed && !(drained && in.buffered() == 0)) {
     if (s < total_ ? lane0_held_[s]
                    : in.st == InConn::kPayload &&
                          lane_seq_[s] > stripes_admitted_[base_slot(s)].load(std::memory_order_acquire)) {
@@ -61,11 +62,13 @@ void Engine::read_some(int s) {
       in.ahead_pos += done;
     } else if (in.st == InConn::kPayload && want >= InConn::kReadAhead) {
       if (!read_socket(s, in, where, want, &done)) return;
+      drained = done < want;
     } else {
       landing.unlock();
       if (!in.ahead) in.ahead.reset(new uint8_t[InConn::kReadAhead]);
       in.ahead_pos = in.ahead_end = 0;
       if (!read_socket(s, in, in.ahead.get(), InConn::kReadAhead, &in.ahead_end)) return;
+      drained = in.ahead_end < InConn::kReadAhead;  // the poll reports what comes next
       continue;
     }
     landing.unlock();
