@@ -85,6 +85,7 @@ class Engine : public Outbox {
   bool may_help() const;
   void unpark();
   static constexpr std::chrono::microseconds kHelpSpin{50};
+  static constexpr size_t kHelpDirectReads = 2;  // help_read reads up to this many connections without a poll
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -177,6 +178,7 @@ class Engine : public Outbox {
   std::atomic<uint64_t> helped_{0};         // waiters' reads so far
   uint64_t helped_seen_ = 0;                // progress thread: helped_ at its last pass
   std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)
+  uint64_t frames_read_ = 0;                // under read_mu_ (lane 0): socket reads that got bytes
   bool write_some(int s);
   void write_pending();  // writes what it can of every non-empty queue
   int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)

@@ -88,6 +88,7 @@ void Engine::read_some(int s) {
 bool Engine::read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done) {
   tcp::IoResult r = tcp::read_some(conns_->recv[s].get(), where, want);
   *done = r.done;
+  if (r.done > 0 && s < total_) ++frames_read_;
   if (r.ok()) return r.done > 0;
   in.closed = true;
   bool clean;
