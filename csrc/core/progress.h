@@ -177,6 +177,9 @@ class Engine : public Outbox {
   std::vector<int> help_owner_, help_ahead_;
   std::atomic<uint64_t> helped_{0};         // waiters' reads so far
   uint64_t helped_seen_ = 0;                // progress thread: helped_ at its last pass
+  std::atomic<uint64_t> sleeps_{0};         // waiters that went to sleep (unpark) so far
+  uint64_t sleeps_seen_ = 0;                // progress thread: sleeps_ at its last pass
+  void decide_park();
   std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)
   uint64_t frames_read_ = 0;                // under read_mu_ (lane 0): socket reads that got bytes
   bool write_some(int s);

@@ -15,7 +15,7 @@
 // Parking. The progress thread polls the same connections, so the kernel wakes it too for every
 // frame a waiter reads. Once waiters have read since its last pass (helped_ moved), it polls
 // without the lane-0 receive connections for up to 1 ms (parked_); a waiter that gives up its
-// spin and goes to sleep ends that at once (unpark). A frame that no waiter is there to read
+// spin and goes to sleep ends that at once and keeps it from parking again on that pass (unpark). A frame that no waiter is there to read
 // (read_counter polled in a loop, say) may so wait up to 1 ms for the progress thread.
 //
 // Not for a mesh with device windows on this rank (Engine::may_help): their puts land through
@@ -32,8 +32,23 @@ namespace fxm {
 
 bool Engine::may_help() const { return !windows_->has_device() && !stopping_.load(std::memory_order_relaxed); }
 
+// A waiter counts its sleep before it looks at parked_; the progress thread sets parked_ before it
+// looks at the count again (both seq_cst): either it sees the sleep and stays, or this sees it parked.
 void Engine::unpark() {
-  if (parked_.load(std::memory_order_relaxed) && parked_.exchange(false)) wake();
+  sleeps_.fetch_add(1);
+  if (parked_.exchange(false)) wake();
+}
+
+// After a pass: parked when waiters read since the last one and none went to sleep (one that
+// sleeps waits for the progress thread to read its frame).
+void Engine::decide_park() {
+  uint64_t helped = helped_.load(std::memory_order_relaxed), sleeps = sleeps_.load();
+  bool park = helped != helped_seen_ && sleeps == sleeps_seen_;
+  helped_seen_ = helped;
+  sleeps_seen_ = sleeps;
+  if (!park) return;
+  parked_.store(true);
+  if (sleeps_.load() != sleeps) parked_.store(false);
 }
 
 // Lists the lane-0 receive connections the reader may read now (with mu_ held and the role).
@@ -112,9 +127,7 @@ void Engine::poll_once() {
     ssize_t n = ::read(wake_fd_, &v, sizeof(v));
     (void)n;
   }
-  uint64_t helped = helped_.load(std::memory_order_relaxed);
-  if (helped != helped_seen_) parked_.store(true);  // waiters read lane 0: leave it to them a while
-  helped_seen_ = helped;
+  decide_park();  // waiters read lane 0: leave it to them a while
   write_pending();
 }
 
