@@ -5,9 +5,13 @@
 // their signals, answers gets, counts completions from acks, and files
 // two-sided messages into per-(peer, context) mailboxes.
 //
-// Application threads only enqueue (under mu_) and wake the thread through
-// an eventfd; nothing they call blocks on a socket. A connection that closes
-// without a kBye marks its peer lost: waits on it fail with PeerLost.
+// Application threads enqueue (under mu_), write a frame themselves when its
+// queue is empty (send_direct), and wake the thread through an eventfd;
+// nothing they call blocks on a socket. A thread waiting here (wait_signal,
+// flush, wait_counter) may read the lane-0 receive connections itself for the
+// first kHelpSpin of its wait, holding the read role (progress_poll.cc). A
+// connection that closes without a kBye marks its peer lost: waits on it fail
+// with PeerLost. Acks of put_signals are lazy (wire::kPutLazyAck, send_acks).
 #pragma once
 
 #include <poll.h>
