@@ -469,3 +469,38 @@ for m in ms: m.close()
     lines = [l for l in p.stderr.splitlines() if "closed a connection from" in l]
     assert any("[rank 0]" in l and l.endswith("bad magic") for l in lines), p.stderr
     assert any(l.endswith(TRUNCATED) for l in lines), p.stderr
+
+
+def test_a_rank_of_the_previous_wire_version_is_answered_and_named():
+    """A connector speaking wire version 2 (the build before lazy acks) gets an answer whose
+    header carries this build's version, so an older rank fails at once ("answered with a bad
+    header (unsupported version)") rather than retrying; the new rank counts it, and a build
+    that then times out names the version mismatch."""
+    answers, readers = [], []
+
+    def read_answer(s):
+        s.settimeout(5)
+        got = b""
+        while len(got) < 128:
+            part = s.recv(128 - len(got))
+            if not part:
+                break
+            got += part
+        answers.append(got)
+        s.close()
+
+    def inject(addr, r, mesh_id):  # the listener reads it once the build runs: answered meanwhile
+        s = connect(addr)
+        s.sendall(valid_header((mesh_id, r, 2, 1), dict(version=2)) + bytes(32))
+        readers.append(threading.Thread(target=read_answer, args=(s,), daemon=True))
+        readers[-1].start()
+
+    with pytest.raises(flagcx_mesh.MeshTimeout) as info:
+        build_with_foreign(2, at_listen=({0}, inject), hold_rank=1, hold_s=6.0, timeout=3.0)
+    readers[0].join(10)
+    assert len(answers) == 1 and len(answers[0]) == 128, answers
+    magic, version, role = struct.unpack_from("<IHH", answers[0], 0)
+    assert (magic, version, role) == (0x484D5846, _core.WIRE_VERSION, _core.ROLE_ACCEPT) and version == 3
+    assert answers[0][8:24] == bytes(16), "the answer names no mesh id"
+    msg = str(info.value)
+    assert "unsupported version: 1 (a rank of another flagcx_mesh build? this one speaks wire version 3)" in msg, msg

@@ -6,9 +6,17 @@ deadlock: the target writes nothing more until the initiator's flush returns. Ea
 by op timeouts (a Timeout error fails the test) and by run_threads' overall timeout (a hang
 fails it too). They pass on the engine that sends acks alone; they guard changes to the ack
 path and to the connections (lanes) a pair uses.
+
+A put_signal's ack is lazy (wire version 3, kPutLazyAck): its target sends it when the
+initiator asks (flush, wait_counter send a kAckReq), with the ack of a later put that is not
+lazy, about a millisecond after applying it, or before its goodbye. The tests at the end check
+what that must keep: FIFO per (peer, context), data before signal, a counter that catches up
+without a wait, and an initiator that completes when its target closes right after its wait.
 """
 
 from __future__ import annotations
+
+import time
 
 import numpy as np
 import pytest
@@ -175,3 +183,89 @@ def test_get_from_a_peer_waiting_for_a_signal(tcp_pair):
         m.barrier(timeout=30)
 
     run_threads(2, body, timeout=120)
+
+
+def test_lazy_put_signals_keep_fifo_and_land_before_their_signals(tcp_pair):
+    """Put_signals (lazy acks) and plain puts (acked at once) mixed on two contexts: when the
+    signal of op i arrives, the data of every op before it on that context has landed."""
+    block, count = 512, 200
+
+    def body(r):
+        m = tcp_pair[r]
+        data, sig = windows(m, 2 * block * count)
+        src = m.register_window(np.zeros(block, np.uint8))
+        m.barrier(timeout=30)
+        if r == 0:
+            base = m.read_counter()
+            arr = np.frombuffer(src.buffer, np.uint8)
+            for i in range(count):
+                for ctx in (0, 1):
+                    arr[:] = (i * 2 + ctx) % 251 + 1
+                    off = (ctx * count + i) * block
+                    if i % 3 == 2:
+                        m.put(1, src, 0, data, off, block, context=ctx)
+                        m.signal(1, ctx, 1, signal_window=sig, context=ctx)
+                    else:
+                        m.put_signal(1, src, 0, data, off, block, ctx, 1, signal_window=sig, context=ctx)
+                    if i % 50 == 49:
+                        m.flush(1, timeout=OP_TIMEOUT)
+            m.wait_counter(base + sum(2 if i % 3 == 2 else 1 for i in range(count)) * 2, timeout=OP_TIMEOUT)
+        else:
+            got = np.frombuffer(data.buffer, np.uint8)
+            for i in range(1, count + 1):
+                for ctx in (0, 1):
+                    m.wait_signal(ctx, i, timeout=OP_TIMEOUT, window=sig)
+                    lo = ctx * count * block
+                    want = np.repeat((np.arange(i) * 2 + ctx) % 251 + 1, block).astype(np.uint8)
+                    assert np.array_equal(got[lo:lo + i * block], want), (ctx, i)
+        m.barrier(timeout=30)
+
+    run_threads(2, body, timeout=120)
+
+
+def test_read_counter_catches_up_without_a_wait(tcp_pair):
+    """No flush, no wait_counter: the lazy acks of put_signals still arrive (about 1 ms after
+    their target applied them), so read_counter reaches every op issued."""
+    def body(r):
+        m = tcp_pair[r]
+        data, sig = windows(m, 64)
+        src = m.register_window(np.ones(64, np.uint8))
+        m.barrier(timeout=30)
+        if r == 0:
+            base = m.read_counter()
+            for _ in range(10):
+                m.put_signal(1, src, 0, data, 0, 64, 0, 1, signal_window=sig)
+            deadline = time.monotonic() + 5
+            while m.read_counter() < base + 10 and time.monotonic() < deadline:
+                time.sleep(0.001)
+            assert m.read_counter() == base + 10
+        else:
+            m.wait_signal(0, 10, timeout=OP_TIMEOUT, window=sig)
+        m.barrier(timeout=30)
+
+    run_threads(2, body, timeout=60)
+
+
+def test_a_target_that_closes_right_after_its_wait_still_acks(monkeypatch):
+    """Rank 1 closes its mesh as soon as the signal arrived, before the lazy ack's timer; rank 0
+    flushes after that. The ack goes before rank 1's goodbye, so the flush completes."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    for _ in range(5):
+        meshes = thread_meshes(2)
+        try:
+            def body(r):
+                m = meshes[r]
+                data, sig = windows(m, 64)
+                src = m.register_window(np.ones(64, np.uint8))
+                m.barrier(timeout=30)
+                if r == 0:
+                    m.put_signal(1, src, 0, data, 0, 64, 0, 1, signal_window=sig)
+                    time.sleep(0.2)  # rank 1 has closed by now
+                    m.flush(timeout=OP_TIMEOUT)
+                else:
+                    m.wait_signal(0, 1, timeout=OP_TIMEOUT, window=sig)
+                    m.close()
+
+            run_threads(2, body, timeout=60)
+        finally:
+            close_all(meshes)

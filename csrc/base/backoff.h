@@ -24,6 +24,7 @@ class Backoff {
   Backoff() : start_(Clock::now()) {}
   // True during the first kSpin of the wait (a poll then only yields).
   bool spinning() const { return Clock::now() - start_ < kSpin; }
+  bool within(std::chrono::microseconds d) const { return Clock::now() - start_ < d; }
   void pause() const {
     auto waited = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_);
     if (waited < kSpin) {

@@ -16,7 +16,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire format assumes li
 
 constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
 constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
-constexpr uint16_t kVersion = 2;  // 2: the header is followed by the key proof handshake
+// 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq)
+constexpr uint16_t kVersion = 3;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -127,6 +128,7 @@ enum class FrameType : uint16_t {
   kRefused = 8,    // u64 number of the refused op on this pair (as acks count) + the reason (text)
   kAdmit = 9,      // agents: the acceptor's verdict after the proofs ("" admitted, else why not)
   kStripe = 10,    // PutHeader + data on a lane > 0: one part of a striped put (sig_slot: its number)
+  kAckReq = 11,    // no body: the initiator waits, ack every op from it applied so far (lazy ones too)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
 // Set in a kRefused number: it refuses get request (number & ~kRefusedGet),
@@ -148,6 +150,10 @@ constexpr uint32_t kPutSignalSet = 2;
 // A striped put's part on lane 0 (pad: how many kStripe parts on the other lanes). The target
 // applies it (signal, ack) only once every part landed, and reads nothing after it on lane 0 before.
 constexpr uint32_t kPutStriped = 4;
+// The initiator needs no ack of its own for this put (a put_signal: its target learns of it
+// through the signal): the target acks it with the next ack it sends, when a kAckReq asks,
+// or at the latest about a millisecond after applying it (Engine::kLazyAckNs).
+constexpr uint32_t kPutLazyAck = 8;
 
 // After a kGetReq frame header (32 bytes).
 struct GetHeader {

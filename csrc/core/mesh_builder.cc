@@ -19,6 +19,20 @@ uint64_t BuildStats::total_rejected() const {
   return n;
 }
 
+// "3 (unsupported version: 2, wrong epoch: 1)": a rank of another build is named as such.
+static std::string rejected_summary(const BuildStats& st) {
+  std::string why;
+  for (size_t r = 1; r < st.rejected.size(); ++r) {
+    if (st.rejected[r] == 0) continue;
+    why += (why.empty() ? "" : ", ") + std::string(wire::reject_name(static_cast<wire::Reject>(r))) + ": " +
+           std::to_string(st.rejected[r]);
+    if (r == static_cast<size_t>(wire::Reject::kBadVersion)) {
+      why += " (a rank of another flagcx_mesh build? this one speaks wire version " + std::to_string(wire::kVersion) + ")";
+    }
+  }
+  return std::to_string(st.total_rejected()) + (why.empty() ? "" : " (" + why + ")");
+}
+
 namespace {
 
 using wire::kAnswerSize;
@@ -81,6 +95,7 @@ class Builder {
   void answer_hello(Incoming& in);
   void check_proof(Incoming& in);
   void reject(Incoming& in, wire::Reject why);
+  void answer_version(Incoming& in);
   void poll_once();
   void expire_timers();
   int poll_timeout_ms() const;
@@ -275,8 +290,22 @@ void Builder::check_hello_header(Incoming& in) {
   wire::Reject why = wire::decode(in.hello, &in.h);
   if (why == wire::Reject::kNone) why = wire::validate(in.h, e);
   if (why == wire::Reject::kNone && conns_.recv[slot(in.h.src, in.h.context)]) why = wire::Reject::kDuplicate;
+  if (why == wire::Reject::kBadVersion) answer_version(in);
   if (why != wire::Reject::kNone) return reject(in, why);
   in.header_ok = true;
+}
+
+// A connector of another wire version gets an answer of its size whose header carries this
+// build's version (and no mesh id, nonce or proof): a rank of an older build then fails at once,
+// saying the listener "answered with a bad header (unsupported version)", instead of retrying
+// until its build deadline.
+void Builder::answer_version(Incoming& in) {
+  wire::ConnHeader h;
+  h.role = wire::Role::kAccept;
+  h.src = p_.rank;
+  uint8_t out[kAnswerSize] = {};
+  wire::encode(h, out);
+  tcp::write_full(in.fd.get(), out, sizeof(out), Deadline::after_seconds(0.2));  // best effort
 }
 
 // Our header, a fresh nonce and our proof over both nonces; its proof is next.
@@ -405,8 +434,7 @@ void Builder::fail_timeout(const std::string& cause) {
   fail(Code::kTimeout, *peers.begin(), 0,
        who() + cause + " with " + std::to_string(count) + " of " +
            std::to_string(2 * total_) + " connections missing; peers not connected: [" + plist +
-           "]; missing: " + missing + "; foreign connections rejected: " +
-           std::to_string(stats_->total_rejected()));
+           "]; missing: " + missing + "; foreign connections rejected: " + rejected_summary(*stats_));
 }
 
 }  // namespace

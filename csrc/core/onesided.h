@@ -95,6 +95,7 @@ class OneSided {
   void get(PutArgs a);
   uint64_t read_signal(uint32_t win, uint64_t slot) const;
   void wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const Deadline& deadline) const;
+  bool signals_by_tcp(const Window& w) const;
   // Queues the wait on `stream` and returns; where the driver has no stream
   // memory operations, waits on the host instead (logged once).
   void wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream,

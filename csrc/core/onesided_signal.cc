@@ -36,6 +36,16 @@ uint64_t OneSided::read_signal(uint32_t win, uint64_t slot) const {
   return load_signal(reinterpret_cast<const uint64_t*>(w.base), slot);
 }
 
+// True when some peer's signals to window w arrive over tcp (its path is tcp, or cannot signal):
+// this rank's reader applies them, so the waiter may read for them (Engine::help_read).
+bool OneSided::signals_by_tcp(const Window& w) const {
+  for (int p = 0; p < static_cast<int>(w.peers.size()); ++p) {
+    if (p == rank_ || !w.peers[p].path) continue;
+    if (w.peers[p].path->kind() == PathKind::kTcp || !w.peers[p].path->can_signal()) return true;
+  }
+  return false;
+}
+
 // Spin, then yield, each for a bounded time (a PAUSE count would not do: PAUSE takes 10 to 140 cycles
 // depending on the CPU, 2000 of them 45 us on some). The signaller may need this very core (fewer
 // free cores than spinning threads), so the spin is short; the caller then sleeps on the futex.
@@ -50,9 +60,12 @@ uint64_t OneSided::spin_for_signal(const Window& w, uint64_t slot, uint64_t expe
     current = load_signal(slots, slot);
     if (i % 16 == 0 && Clock::now() - start >= kSpin) break;  // the clock every 16 loads
   }
+  // The yields read the peers' tcp connections (when no other thread does): a signal from them
+  // is then applied here, not by the progress thread, which would have to wake this one up.
+  bool help = !signal_reached(current, expected) && engine_->may_help() && signals_by_tcp(w);
   while (!signal_reached(current, expected) && Clock::now() - start < kYield) {
     if (w.closing.load(std::memory_order_relaxed)) fail_wait_closed(w, slot);
-    sched_yield();
+    if (!help || !engine_->help_read()) sched_yield();
     current = load_signal(slots, slot);
   }
   return current;
@@ -63,6 +76,7 @@ void OneSided::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, const
   Window& w = signal_slot(win, slot, "wait_signal", &ow);
   const uint64_t* slots = reinterpret_cast<const uint64_t*>(w.base);
   uint64_t current = spin_for_signal(w, slot, expected);
+  if (!signal_reached(current, expected)) engine_->unpark();  // it sleeps: the progress thread reads
   while (!signal_reached(current, expected)) {
     uint32_t seen = __atomic_load_n(&w.notify->epoch, __ATOMIC_SEQ_CST);
     current = load_signal(slots, slot);

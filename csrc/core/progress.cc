@@ -31,6 +31,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks),
       queued_msg_(nranks * ncontexts), get_bytes_(nranks * ncontexts), answer_bytes_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
+      lazy_unreq_(nranks * ncontexts), ack_now_(nranks * ncontexts), lazy_since_(nranks * ncontexts),
       lost_(nranks), bye_conn_(nranks * ncontexts * lanes_), bye_count_(nranks), bye_(nranks), issued_(nranks),
       done_(nranks) {
   for (int s = 0; s < total_ * lanes_; ++s) {
@@ -69,7 +70,8 @@ void Engine::enqueue(int s, OutItem&& item, Count counted) {
     if (counted != Count::kNone) {  // before any byte leaves: the ack may come back at once
       ++outstanding_[s];
       in_flight_kind_[s] = PathKind::kTcp;
-      if (counted == Count::kPut) ++acks_due_[s];
+      if (counted == Count::kPut || counted == Count::kLazyPut) ++acks_due_[s];
+      if (counted == Count::kLazyPut) ++lazy_unreq_[s];
       issued_[peer].fetch_add(1);
     }
     idle = out_[s].empty();
@@ -153,8 +155,9 @@ void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint3
                       uint64_t dst_off, const SignalSpec& sig, bool may_stripe) {
   if (may_stripe && lanes_ > 1 && len >= kStripeMinBytes) return post_striped(peer, ctx, src, len, dst_win, dst_off, sig);
   wire::PutHeader h = put_header(dst_win, dst_off, sig);
+  if (sig.on) h.flags |= wire::kPutLazyAck;  // its target learns of it through the signal
   OutItem it{frame(FrameType::kPut, &h, len), src, len, 0, 0};
-  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
+  enqueue(slot(peer, ctx), std::move(it), sig.on ? Count::kLazyPut : Count::kPut);
 }
 
 void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
@@ -252,6 +255,7 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
     if (stopping_) fail(Code::kClosed, peer, 0, who() + "recv: the mesh was closed");
     if (!lost_[peer].empty() || bye_conn_[slot(peer, ctx)]) break;  // nothing more will come
     if (deadline.expired()) break;
+    unpark();
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
   if (!box.empty()) {
@@ -292,10 +296,10 @@ int Engine::first_lost_peer() const {
 
 void Engine::lose(int peer, const std::string& why) {
   {
-    // No get answer is landing once this returns (the progress thread lands
-    // under landing_mu_ and, between reads, finds the get gone).
+    // No get answer is landing once this returns (the reader lands under
+    // landing_mu_ and, between reads, finds the get gone).
     std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
-    if (std::this_thread::get_id() != progress_tid_.load()) landing.lock();
+    if (!t_landing) landing.lock();  // else this thread lands: it read the close mid-answer
     std::lock_guard<std::mutex> lock(mu_);
     if (!lost_[peer].empty() || bye_[peer]) return;
     lost_[peer] = why;  // its queues are dropped by write_some(), which owns them
@@ -347,57 +351,6 @@ void Engine::write_guarded(int s) {
   } catch (const std::exception& e) {
     lose(peer_of(s), std::string("writing its frames") + conn_name(s) + " failed: " + e.what());
   }
-}
-
-void Engine::poll_once() {
-  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
-  std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
-  int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
-  bool copies = false;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    for (int s = 0; s < total; ++s) {
-      // A get answer waiting for its copies down is polled by write_pending (see copies_timeout_ms).
-      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) copies = true;
-      if (!out_[s].empty() && !waiting_for_staging(s)) {  // else the filler's wake() resumes it
-        fds.push_back({conns_->send[s].get(), POLLOUT, 0});
-        owner.push_back(s);
-      }
-      if (lane_readable(s)) {  // else paused (recv_message) or waiting for another lane
-        fds.push_back({conns_->recv[s].get(), POLLIN, 0});
-        owner.push_back(total + s);
-      }
-    }
-  }
-  int timeout_ms = copies_timeout_ms(copies);
-  ::poll(fds.data(), fds.size(), timeout_ms);
-  if (timeout_ms == 0) std::this_thread::yield();
-  for (size_t k = 1; k < fds.size(); ++k) {
-    if (fds[k].revents == 0) continue;
-    if (owner[k] >= total) read_guarded(owner[k] - total);
-    else write_guarded(owner[k]);
-  }
-  if (fds[0].revents) {  // new work was queued: the write_pending() below starts it now
-    uint64_t v;
-    ssize_t n = ::read(wake_fd_, &v, sizeof(v));
-    (void)n;
-  }
-  finish_landed_stripes();
-  send_acks();
-  write_pending();
-}
-
-// Copies down of a get answer take tens of microseconds a chunk on a GPU: the
-// first 2 ms of a wait for them poll without sleeping (yielding), later ones
-// each millisecond; with none pending the poll sleeps up to 100 ms.
-int Engine::copies_timeout_ms(bool copies) {
-  auto now = std::chrono::steady_clock::now();
-  if (!copies) {
-    copies_since_ = {};
-    return 100;
-  }
-  if (copies_since_ == std::chrono::steady_clock::time_point{}) copies_since_ = now;
-  return now - copies_since_ < std::chrono::milliseconds(2) ? 0 : 1;
 }
 
 void Engine::write_pending() {
@@ -455,18 +408,74 @@ bool Engine::write_some(int s) {
 }
 
 
+static int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Engine::note_applied(int s, bool lazy) {
+  ++applied_[s];
+  if (!lazy) {
+    ack_now_[s] = 1;
+  } else if (lazy_since_[s] == 0) {
+    lazy_since_[s] = steady_ns();
+    ++lazy_pending_;
+    if (!owns_conn(s)) wake();  // the progress thread's poll then runs the timer
+  }
+}
+
 void Engine::send_acks() {
-  int total = nranks_ * ncontexts_;
-  for (int s = 0; s < total; ++s) {
-    if (applied_[s] == acked_out_[s]) continue;
+  bool all = closing_.load();
+  int64_t now = lazy_pending_ > 0 ? steady_ns() : 0;
+  for (int s = 0; s < total_; ++s) {
+    bool timed = lazy_since_[s] != 0 && now - lazy_since_[s] >= kLazyAckNs;
+    if (!all && !ack_now_[s] && !timed) continue;
+    ack_now_[s] = 0;
+    if (lazy_since_[s] != 0) --lazy_pending_;
+    lazy_since_[s] = 0;
+    if (applied_[s] == acked_out_[s]) continue;  // asked for, but every op is acked already
     acked_out_[s] = applied_[s];
     uint64_t v = applied_[s];
     enqueue(s, {frame(FrameType::kAck, &v, 0), nullptr, 0, 0, 0}, Count::kNone);
   }
+  if (!all) return;
+  std::lock_guard<std::mutex> lock(mu_);
+  if (!acks_flushed_) cv_.notify_all();
+  acks_flushed_ = true;
+}
+
+bool Engine::lazy_unrequested(int lo, int hi) const {
+  for (int s = lo * ncontexts_; s < hi * ncontexts_; ++s) {
+    if (lazy_unreq_[s] != 0) return true;
+  }
+  return false;
+}
+
+void Engine::request_acks(int lo, int hi) {
+  for (int s = lo * ncontexts_; s < hi * ncontexts_; ++s) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      int peer = s / ncontexts_;
+      if (lazy_unreq_[s] == 0 || !lost_[peer].empty() || bye_[peer]) continue;
+      lazy_unreq_[s] = 0;
+    }
+    enqueue(s, {frame<wire::PutHeader>(FrameType::kAckReq, nullptr, 0), nullptr, 0, 0, 0}, Count::kNone);
+  }
+}
+
+// The acks of ops applied here go before the goodbye: an initiator still waiting for lazy ones
+// (its flush) completes rather than fails with "closed its mesh".
+void Engine::flush_acks_before_bye() {
+  closing_ = true;
+  if (owns_conn(0)) return send_acks();
+  wake();
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait_for(lock, std::chrono::seconds(1), [&] { return acks_flushed_; });
 }
 
 void Engine::stop() {
   if (!thread_.joinable()) return;
+  flush_acks_before_bye();
   int total = total_ * lanes_;  // a goodbye on every lane too: its close is then clean
   for (int s = 0; s < total; ++s) {
     enqueue(s, {frame<wire::PutHeader>(FrameType::kBye, nullptr, 0), nullptr, 0, 0, 0}, Count::kNone);

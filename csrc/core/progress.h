@@ -5,12 +5,19 @@
 // their signals, answers gets, counts completions from acks, and files
 // two-sided messages into per-(peer, context) mailboxes.
 //
-// Application threads only enqueue (under mu_) and wake the thread through
-// an eventfd; nothing they call blocks on a socket. A connection that closes
-// without a kBye marks its peer lost: waits on it fail with PeerLost.
+// Application threads enqueue (under mu_), write a frame themselves when its
+// queue is empty (send_direct), and wake the thread through an eventfd;
+// nothing they call blocks on a socket. A thread waiting here (wait_signal,
+// flush, wait_counter) may read the lane-0 receive connections itself for the
+// first kHelpSpin of its wait, holding the read role (progress_poll.cc). A
+// connection that closes without a kBye marks its peer lost: waits on it fail
+// with PeerLost. Acks of put_signals are lazy (wire::kPutLazyAck, send_acks).
 #pragma once
 
+#include <poll.h>
+
 #include <atomic>
+#include <chrono>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -73,6 +80,16 @@ class Engine : public Outbox {
   static constexpr uint64_t kMaxQueuedMessageBytes = 64ull << 20;
   void post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline);
   std::vector<uint8_t> recv_message(int peer, int ctx, const Deadline& deadline);
+
+  // Waiters that read (progress_poll.cc). help_read: when no other thread reads them now, reads
+  // what the lane-0 receive connections hold (never blocking; never with mu_ held); true when
+  // it read some. may_help: false with a device window here (their landing stays with the
+  // progress thread). unpark: a waiter that stops reading and sleeps hands lane 0 back.
+  bool help_read();
+  bool may_help() const;
+  void unpark();
+  static constexpr std::chrono::microseconds kHelpSpin{50};
+  static constexpr size_t kHelpDirectReads = 2;  // help_read reads up to this many connections without a poll
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -144,7 +161,8 @@ class Engine : public Outbox {
   void wake_conn(int c) { wake_lane(lane_of(c)); }
   bool owns_conn(int c) const;  // the calling thread is connection c's thread
   uint8_t* discard_for(int c, size_t* size);  // the sink for dropped payload bytes of connection c's thread
-  enum class Count { kNone, kPut, kGet };  // what an item counts as (puts are acked, gets answered)
+  // What an item counts as: puts are acked (a lazy one when asked, see wire::kPutLazyAck), gets answered.
+  enum class Count { kNone, kPut, kLazyPut, kGet };
   void enqueue(int s, OutItem&& item, Count counted);
   // Writes an item straight from the calling thread when its queue is empty
   // (saves a hand-off to the progress thread); false: it must be queued.
@@ -159,11 +177,26 @@ class Engine : public Outbox {
   void wake();
   void run();
   void poll_once();
+  void read_phase(const std::vector<pollfd>& fds, const std::vector<int>& owner, const std::vector<int>& ahead);
+  // With mu_ held and the read role: lane-0 receive connections to read now (owner: tag + slot).
+  void readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const;
+  // The read role (progress_poll.cc): held by whoever reads lane-0 receive connections.
+  std::mutex read_mu_;
+  std::vector<pollfd> help_fds_;            // under read_mu_: help_read's poll set
+  std::vector<int> help_owner_, help_ahead_;
+  std::atomic<uint64_t> helped_{0};         // waiters' reads so far
+  uint64_t helped_seen_ = 0;                // progress thread: helped_ at its last pass
+  std::atomic<uint64_t> sleeps_{0};         // waiters that went to sleep (unpark) so far
+  uint64_t sleeps_seen_ = 0;                // progress thread: sleeps_ at its last pass
+  void decide_park();
+  std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)
+  uint64_t frames_read_ = 0;                // under read_mu_ (lane 0): socket reads that got bytes
   bool write_some(int s);
   void write_pending();  // writes what it can of every non-empty queue
   int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
   std::chrono::steady_clock::time_point copies_since_{};  // progress thread: when that wait began
   void read_some(int s);
+  bool read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done);
   bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
   void on_header(int s, InConn& in);
   void on_op_header(int s, InConn& in);
@@ -203,7 +236,17 @@ class Engine : public Outbox {
   void read_guarded(int s);
   void write_guarded(int s);
   void complete(int peer, int ctx, uint64_t n);
+  // Lazy acks. The target (its reader) acks at the end of a pass what a kAckReq or a put that
+  // is not lazy asked for, and lazy puts applied kLazyAckNs ago or more; every pending one
+  // once the mesh closes. The initiator asks (kAckReq) before it waits for lazy puts.
+  static constexpr int64_t kLazyAckNs = 1000000;
   void send_acks();
+  void note_applied(int s, bool lazy);  // the reader: an op of slot s was applied
+  void request_acks(int lo, int hi);    // peers [lo, hi): kAckReq where lazy puts are unacked
+  bool lazy_unrequested(int lo, int hi) const;  // with mu_ held: some slot of them needs a kAckReq
+  // With mu_ held (lock): sends the kAckReqs peers [lo, hi) need, false when none (lock kept held).
+  bool ask_for_acks(std::unique_lock<std::mutex>& lock, int lo, int hi);
+  void flush_acks_before_bye();         // stop(): the reader sends every pending ack first
   void lose(int peer, const std::string& why);
   // With mu_ held: throws PeerLost, prefixed by `what`, when the peer is lost or closed.
   void fail_if_gone(int peer, const std::string& what) const;
@@ -268,6 +311,12 @@ class Engine : public Outbox {
   std::vector<uint64_t> applied_;      // per slot: ops from that peer applied here
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked
   std::vector<uint64_t> acked_in_;     // per slot: ack received from that peer
+  std::vector<uint64_t> lazy_unreq_;   // per slot (initiator, under mu_): lazy puts queued since its last kAckReq
+  std::vector<uint8_t> ack_now_;       // per slot (target, its reader): an ack was asked for
+  std::vector<int64_t> lazy_since_;    // per slot (target, its reader): when its oldest unacked lazy put was applied (0: none)
+  std::atomic<int> lazy_pending_{0};   // (target, its reader): slots with lazy_since_ set
+  std::atomic<bool> closing_{false};   // stop() began: every pending ack goes at once
+  bool acks_flushed_ = false;          // under mu_: the reader sent them, after closing_ was set
   std::vector<std::string> lost_;      // per peer
   std::vector<bool> bye_conn_;         // per slot: kBye arrived on that connection
   std::vector<int> bye_count_;         // per peer: connections that said goodbye

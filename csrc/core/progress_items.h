@@ -62,6 +62,13 @@ struct Engine::InConn {
   std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
+  // Bytes read ahead from the socket (one recv takes in a small frame whole, or several):
+  // frames are taken from here first; the socket is read only once it is empty, straight into
+  // place for a payload of at least kReadAhead bytes. reset() keeps them (they are later frames').
+  static constexpr size_t kReadAhead = 8192;
+  std::unique_ptr<uint8_t[]> ahead;
+  size_t ahead_pos = 0, ahead_end = 0;
+  size_t buffered() const { return ahead_end - ahead_pos; }
   bool closed = false;
   bool hup = false;  // a lane whose stripe waits for lane 0 saw its peer's close (progress_lanes.cc)
   // The buffers go back to the staging pool, except those a copy up may still
@@ -98,6 +105,31 @@ struct Engine::LaneWorker {
   ~LaneWorker() {
     if (wake_fd >= 0) ::close(wake_fd);
   }
+};
+
+// Set while this thread holds landing_mu_: lose() then does not take it again.
+inline thread_local bool t_landing = false;
+
+// landing_mu_ held by a reader while a get answer's bytes go into the user's buffer.
+class LandingLock {
+ public:
+  explicit LandingLock(std::mutex& m) : lock_(m, std::defer_lock) {}
+  LandingLock(const LandingLock&) = delete;
+  LandingLock& operator=(const LandingLock&) = delete;
+  ~LandingLock() { unlock(); }
+  void lock() {
+    lock_.lock();
+    t_landing = true;
+  }
+  void unlock() {
+    if (!lock_.owns_lock()) return;
+    t_landing = false;
+    lock_.unlock();
+  }
+  bool owns_lock() const { return lock_.owns_lock(); }
+
+ private:
+  std::unique_lock<std::mutex> lock_;
 };
 
 inline wire::PutHeader put_header(uint32_t dst_win, uint64_t dst_off, const SignalSpec& sig) {

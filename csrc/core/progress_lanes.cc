@@ -228,6 +228,7 @@ void Engine::on_waiting_close(int c) {
   in.hup = true;  // reported at every poll from now on: not polled for it again
   int buffered = 0;
   if (::ioctl(conns_->recv[c].get(), FIONREAD, &buffered) != 0) buffered = 0;
+  buffered += static_cast<int>(in.buffered());  // read ahead already
   if (static_cast<uint64_t>(buffered) >= in.remaining) return;  // the stripe is whole: read once admitted
   in.closed = true;
   lose(peer_of(c), "its connection" + conn_name(c) + " closed before its goodbye, " +
@@ -252,6 +253,7 @@ void Engine::poll_lane(LaneWorker& w) {
   std::vector<pollfd> fds{{w.wake_fd, POLLIN, 0}};
   std::vector<int> owner{-1};  // connection c: its send side; -2 - c: its receive side
   int first = w.lane * total_;
+  bool ahead = false;  // some connection holds frames read ahead: no poll reports those
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int c = first; c < first + total_; ++c) {
@@ -262,14 +264,16 @@ void Engine::poll_lane(LaneWorker& w) {
       if (lane_readable(c)) {  // else closed, or its stripe waits for lane 0
         fds.push_back({conns_->recv[c].get(), POLLIN, 0});
         owner.push_back(-2 - c);
+        ahead = ahead || in_[c]->buffered() > 0;
       } else if (!in_[c]->closed && !in_[c]->hup) {  // waits: a close is still seen (on_waiting_close)
         fds.push_back({conns_->recv[c].get(), POLLRDHUP, 0});
         owner.push_back(-2 - c);
       }
     }
   }
-  ::poll(fds.data(), fds.size(), 100);
+  ::poll(fds.data(), fds.size(), ahead ? 0 : 100);
   for (size_t k = 1; k < fds.size(); ++k) {
+    if (owner[k] <= -2 && fds[k].events == POLLIN && in_[-2 - owner[k]]->buffered() > 0) fds[k].revents |= POLLIN;
     if (fds[k].revents == 0) continue;
     if (owner[k] <= -2 && fds[k].events == POLLRDHUP) on_waiting_close(-2 - owner[k]);
     else if (owner[k] <= -2) read_guarded(-2 - owner[k]);

@@ -235,7 +235,7 @@ void Engine::on_put_done(int s, InConn& in) {
     refused += "; its signal (window #" + std::to_string(in.put.sig_win) + " slot " +
                std::to_string(in.put.sig_slot) + ") was not applied";
   }
-  ++applied_[s];
+  note_applied(s, (in.put.flags & wire::kPutLazyAck) != 0);
   if (!refused.empty()) refuse(s, refused);
 }
 
@@ -300,7 +300,8 @@ void Engine::land_get_answer(int s, InConn& in) {
   std::string failed;
   if (in.device_at != nullptr) {
     {
-      std::lock_guard<std::mutex> landing(landing_mu_);  // the progress thread: read_some released it
+      LandingLock landing(landing_mu_);  // the reader: read_some released it
+      landing.lock();
       if (!get_pending(in.req_id)) return;
       failed = land_on_device(in, in.total - in.landed);
     }

@@ -30,17 +30,17 @@ size_t op_header_size(FrameType t) {
 
 void Engine::read_some(int s) {
   InConn& in = *in_[s];
-  int fd = conns_->recv[s].get();
   size_t budget = 8u << 20;  // then let other connections have a turn
-  while (budget > 0 && !in.closed) {
+  bool drained = false;      // a read got less than it asked for: the socket was empty then
+  while (budget > 0 && !in.closed && !(drained && in.buffered() == 0)) {
     if (s < total_ ? lane0_held_[s]
                    : in.st == InConn::kPayload &&
                          lane_seq_[s] > stripes_admitted_[base_slot(s)].load(std::memory_order_acquire)) {
-      return;  // waits for the other lanes (progress_lanes.cc)
+      return;  // waits for the other lanes (progress_lanes.cc); what is read ahead stays
     }
     uint8_t* where;
     size_t want;
-    std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
+    LandingLock landing(landing_mu_);
     if (in.st == InConn::kPayload) {
       // A get answer lands in the user's buffer: lose() waits for this read to end.
       if (in.f.type == FrameType::kGetResp) landing.lock();
@@ -55,35 +55,55 @@ void Engine::read_some(int s) {
       where = in.buf + in.got;
       want = in.need - in.got;
     }
-    tcp::IoResult r = tcp::read_some(fd, where, want);
-    if (landing.owns_lock()) landing.unlock();
-    if (!r.ok()) {
-      in.closed = true;
-      int peer = peer_of(s);
-      bool clean;
-      {
-        std::lock_guard<std::mutex> lock(mu_);
-        clean = bye_conn_[s];
-      }
-      // Without its goodbye: a close that gave up on unsent frames (1 s) looks the same as an end.
-      if (!clean) {
-        lose(peer, "its connection" + conn_name(s) + " closed before its goodbye (" + r.describe() +
-                       "): its process ended, or it closed its mesh before the frames queued to this rank were sent");
-      }
-      in.reset();
-      cv_.notify_all();
-      return;
+    size_t done = 0;
+    if (in.buffered() > 0) {
+      done = std::min(want, in.buffered());
+      std::memcpy(where, in.ahead.get() + in.ahead_pos, done);
+      in.ahead_pos += done;
+    } else if (in.st == InConn::kPayload && want >= InConn::kReadAhead) {
+      if (!read_socket(s, in, where, want, &done)) return;
+      drained = done < want;
+    } else {
+      landing.unlock();
+      if (!in.ahead) in.ahead.reset(new uint8_t[InConn::kReadAhead]);
+      in.ahead_pos = in.ahead_end = 0;
+      if (!read_socket(s, in, in.ahead.get(), InConn::kReadAhead, &in.ahead_end)) return;
+      drained = in.ahead_end < InConn::kReadAhead;  // the poll reports what comes next
+      continue;
     }
-    if (r.done == 0) return;
-    budget -= std::min(budget, r.done);
+    landing.unlock();
+    budget -= std::min(budget, done);
     if (in.st == InConn::kPayload) {
-      in.remaining -= r.done;
+      in.remaining -= done;
       if (in.remaining == 0) on_payload_done(s, in);
-    } else if ((in.got += r.done) == in.need) {
+    } else if ((in.got += done) == in.need) {
       if (in.st == InConn::kHeader) on_header(s, in);
       else on_op_header(s, in);
     }
   }
+}
+
+// One non-blocking read of connection s into `where`; false when nothing came (*done 0) or it
+// closed (before its goodbye: the peer is lost).
+bool Engine::read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done) {
+  tcp::IoResult r = tcp::read_some(conns_->recv[s].get(), where, want);
+  *done = r.done;
+  if (r.done > 0 && s < total_) ++frames_read_;
+  if (r.ok()) return r.done > 0;
+  in.closed = true;
+  bool clean;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    clean = bye_conn_[s];
+  }
+  // Without its goodbye: a close that gave up on unsent frames (1 s) looks the same as an end.
+  if (!clean) {
+    lose(peer_of(s), "its connection" + conn_name(s) + " closed before its goodbye (" + r.describe() +
+                         "): its process ended, or it closed its mesh before the frames queued to this rank were sent");
+  }
+  in.reset();
+  cv_.notify_all();
+  return false;
 }
 
 void Engine::on_header(int s, InConn& in) {
@@ -93,7 +113,8 @@ void Engine::on_header(int s, InConn& in) {
     return;
   }
   size_t oplen = op_header_size(in.f.type);
-  bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq;
+  bool fixed = in.f.type == FrameType::kAck || in.f.type == FrameType::kBye || in.f.type == FrameType::kGetReq ||
+               in.f.type == FrameType::kAckReq;
   if (in.f.length < oplen || (fixed && in.f.length != oplen)) {
     lose(peer_of(s), "protocol error: a frame whose length does not fit its type");
     in.closed = true;
@@ -154,6 +175,10 @@ void Engine::on_op_header(int s, InConn& in) {
       break;
     case FrameType::kAck:
       if (on_ack(s, in.buf)) in.reset();
+      return;
+    case FrameType::kAckReq:  // acked at the end of this pass (send_acks)
+      ack_now_[s] = 1;
+      in.reset();
       return;
     case FrameType::kBye: {
       std::lock_guard<std::mutex> lock(mu_);

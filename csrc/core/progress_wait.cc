@@ -48,6 +48,7 @@ void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
       fail_wait(peer, "an op waiting for earlier ops to its pair", deadline);
     }
     if (stopping_) fail(Code::kClosed, peer, 0, who() + "the mesh was closed");
+    if (ask_for_acks(lock, peer, peer + 1)) continue;
     wait_or_poll(lock, deadline, pace);
   }
 }
@@ -121,7 +122,14 @@ bool Engine::settle_probes(std::unique_lock<std::mutex>& lock) {
 // (~50 us), more than a small device copy takes.
 void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline, const Backoff& pace) {
   bool probes = probes_pending_.load() != 0;
+  if (!probes && stream_ops_.load() == 0 && pace.within(kHelpSpin) && may_help()) {
+    lock.unlock();  // the acks (or answers) it waits for: read them here rather than wake up for them
+    if (!help_read()) std::this_thread::yield();
+    lock.lock();
+    return;
+  }
   if (!probes && (stream_ops_.load() == 0 || !pace.spinning())) {
+    unpark();
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
     return;
   }
@@ -160,6 +168,14 @@ void Engine::complete(int peer, int ctx, uint64_t n) {
   cv_.notify_all();
 }
 
+bool Engine::ask_for_acks(std::unique_lock<std::mutex>& lock, int lo, int hi) {
+  if (!lazy_unrequested(lo, hi)) return false;
+  lock.unlock();
+  request_acks(lo, hi);
+  lock.lock();
+  return true;
+}
+
 void Engine::fail_if_gone(int peer, const std::string& what) const {
   if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + lost_[peer]);
   if (bye_[peer]) fail(Code::kPeerLost, peer, 0, what + "peer " + std::to_string(peer) + " closed its mesh");
@@ -183,6 +199,7 @@ void Engine::wait_counter(uint64_t value, const Deadline& deadline) {
       fail(Code::kTimeout, -1, 0, who() + "wait_counter(" + std::to_string(value) + ") timed out at " +
                                       std::to_string(completed_all_.load()) + " completed ops");
     }
+    if (ask_for_acks(lock, 0, nranks_)) continue;
     wait_or_poll(lock, deadline, pace);
   }
   fail_if_refused(0, nranks_, "wait_counter");
@@ -202,6 +219,7 @@ void Engine::flush(int peer, const Deadline& deadline, bool report_refused) {
         fail_wait(p, "flush", deadline);
       }
       if (stopping_) fail(Code::kClosed, p, 0, who() + "flush: the mesh was closed");
+      if (ask_for_acks(lock, p, p + 1)) continue;
       wait_or_poll(lock, deadline, pace);
     }
   }

@@ -129,8 +129,11 @@ class WindowTable {
       slab_.store(cur, std::memory_order_release);
     }
     cur->at[n].store(w.get(), std::memory_order_release);
+    if (w->kind == WindowKind::kDevice) device_.store(true);
     wins_.push_back(std::move(w));
   }
+  // Once a device window was registered here (it stays true).
+  bool has_device() const { return device_.load(std::memory_order_relaxed); }
   // The window itself, or nullptr when no window has this index (yet).
   Window* find(uint32_t index) const {
     const Slab* s = slab_.load(std::memory_order_acquire);
@@ -142,6 +145,7 @@ class WindowTable {
   }
 
  private:
+  std::atomic<bool> device_{false};
   struct Slab {
     explicit Slab(size_t n) : cap(n), at(new std::atomic<Window*>[n]) {
       for (size_t i = 0; i < n; ++i) at[i].store(nullptr, std::memory_order_relaxed);

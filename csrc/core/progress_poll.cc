@@ -1,0 +1,159 @@
+// The progress thread's pass over lane 0, and waiters that read lane 0 themselves.
+//
+// The read role. Whoever reads a lane-0 receive connection holds read_mu_: the progress thread
+// for its read phase (with the acks it then sends and the striped puts it applies), or a thread
+// waiting in wait_signal, flush, wait_counter or for an op's pair (help_read), which takes it only
+// when it is free (try_lock) and never while it holds mu_. Everything only the reader touches
+// (the connections' InConn, applied_ and the ack state, held_) is touched under it.
+//
+// Why waiters read. Over tcp a put_signal's signal is applied by whoever reads its frame. When
+// that is the progress thread, each hop costs two wake-ups on the target (the progress thread,
+// then the waiter); a waiter that reads the connection itself while it spins costs none. For the
+// first kHelpSpin of a wait the waiter reads (non-blocking) and yields in turn; then it sleeps,
+// and the progress thread does the work, as before.
+//
+// Parking. The progress thread polls the same connections, so the kernel wakes it too for every
+// frame a waiter reads. Once waiters have read since its last pass (helped_ moved), it polls
+// without the lane-0 receive connections for up to 1 ms (parked_); a waiter that gives up its
+// spin and goes to sleep ends that at once and keeps it from parking again on that pass (unpark). A frame that no waiter is there to read
+// (read_counter polled in a loop, say) may so wait up to 1 ms for the progress thread.
+//
+// Not for a mesh with device windows on this rank (Engine::may_help): their puts land through
+// staging buffers and device copies that stay with the progress thread.
+#include <poll.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <thread>
+
+#include "core/progress_items.h"
+
+namespace fxm {
+
+bool Engine::may_help() const { return !windows_->has_device() && !stopping_.load(std::memory_order_relaxed); }
+
+// A waiter counts its sleep before it looks at parked_; the progress thread sets parked_ before it
+// looks at the count again (both seq_cst): either it sees the sleep and stays, or this sees it parked.
+void Engine::unpark() {
+  sleeps_.fetch_add(1);
+  if (parked_.exchange(false)) wake();
+}
+
+// After a pass: parked when waiters read since the last one and none went to sleep (one that
+// sleeps waits for the progress thread to read its frame).
+void Engine::decide_park() {
+  uint64_t helped = helped_.load(std::memory_order_relaxed), sleeps = sleeps_.load();
+  bool park = helped != helped_seen_ && sleeps == sleeps_seen_;
+  helped_seen_ = helped;
+  sleeps_seen_ = sleeps;
+  if (!park) return;
+  parked_.store(true);
+  if (sleeps_.load() != sleeps) parked_.store(false);
+}
+
+// Lists the lane-0 receive connections the reader may read now (with mu_ held and the role).
+void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
+  for (int s = 0; s < total_; ++s) {
+    if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
+    fds->push_back({conns_->recv[s].get(), POLLIN, 0});
+    owner->push_back(tag + s);
+    if (in_[s]->buffered() > 0) ahead->push_back(s);
+  }
+}
+
+bool Engine::help_read() {
+  std::unique_lock<std::mutex> role(read_mu_, std::try_to_lock);
+  if (!role.owns_lock()) return false;
+  helped_.fetch_add(1, std::memory_order_relaxed);
+  help_fds_.clear();
+  help_owner_.clear();
+  help_ahead_.clear();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
+  }
+  if (help_fds_.empty()) return false;
+  // A few connections are read at once (a read that finds nothing costs what a poll would).
+  bool direct = help_fds_.size() <= kHelpDirectReads;
+  if (!direct && help_ahead_.empty() && ::poll(help_fds_.data(), help_fds_.size(), 0) <= 0) return false;
+  bool any = false;
+  for (size_t k = 0; k < help_fds_.size(); ++k) {
+    int s = help_owner_[k];
+    bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
+    if (!direct && help_fds_[k].revents == 0 && !ahead) continue;
+    uint64_t before = frames_read_;
+    read_guarded(s);
+    any = any || frames_read_ != before;
+  }
+  finish_landed_stripes();
+  send_acks();
+  return any;
+}
+
+void Engine::poll_once() {
+  std::vector<pollfd> fds{{wake_fd_, POLLIN, 0}};
+  std::vector<int> owner{-1};  // slot s: its send side; total + s: its receive side
+  int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
+  bool copies = false;
+  std::vector<int> ahead;  // slots with frames read ahead: read them whatever the poll says
+  bool park = parked_.load();
+  std::unique_lock<std::mutex> role(read_mu_, std::defer_lock);
+  if (!park && !role.try_lock()) park = true;  // a waiter reads them now
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (int s = 0; s < total; ++s) {
+      // A get answer waiting for its copies down is polled by write_pending (see copies_timeout_ms).
+      if (!out_[s].empty() && out_[s].front().staged && out_[s].front().staged->copies_pending()) copies = true;
+      if (!out_[s].empty() && !waiting_for_staging(s)) {  // else the filler's wake() resumes it
+        fds.push_back({conns_->send[s].get(), POLLOUT, 0});
+        owner.push_back(s);
+      }
+    }
+    if (role.owns_lock()) readable_fds(&fds, &owner, total, &ahead);
+  }
+  if (role.owns_lock()) role.unlock();
+  int timeout_ms = copies_timeout_ms(copies);
+  if ((park || lazy_pending_.load() > 0) && timeout_ms > 1) timeout_ms = 1;  // parked; the lazy acks' timer
+  if (!ahead.empty()) timeout_ms = 0;
+  ::poll(fds.data(), fds.size(), timeout_ms);
+  if (park) parked_.store(false);
+  if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
+  read_phase(fds, owner, ahead);
+  for (size_t k = 1; k < fds.size(); ++k) {
+    if (fds[k].revents != 0 && owner[k] < total) write_guarded(owner[k]);
+  }
+  if (fds[0].revents) {  // new work was queued: the write_pending() below starts it now
+    uint64_t v;
+    ssize_t n = ::read(wake_fd_, &v, sizeof(v));
+    (void)n;
+  }
+  decide_park();  // waiters read lane 0: leave it to them a while
+  write_pending();
+}
+
+// Reads what the poll found readable, applies striped puts whose stripes landed, sends acks.
+void Engine::read_phase(const std::vector<pollfd>& fds, const std::vector<int>& owner, const std::vector<int>& ahead) {
+  std::lock_guard<std::mutex> role(read_mu_);
+  for (size_t k = 1; k < fds.size(); ++k) {
+    if (owner[k] < total_) continue;
+    int s = owner[k] - total_;
+    if (fds[k].revents != 0 || std::find(ahead.begin(), ahead.end(), s) != ahead.end()) read_guarded(s);
+  }
+  finish_landed_stripes();
+  send_acks();
+}
+
+// Copies down of a get answer take tens of microseconds a chunk on a GPU: the
+// first 2 ms of a wait for them poll without sleeping (yielding), later ones
+// each millisecond; with none pending the poll sleeps up to 100 ms.
+int Engine::copies_timeout_ms(bool copies) {
+  auto now = std::chrono::steady_clock::now();
+  if (!copies) {
+    copies_since_ = {};
+    return 100;
+  }
+  if (copies_since_ == std::chrono::steady_clock::time_point{}) copies_since_ = now;
+  return now - copies_since_ < std::chrono::milliseconds(2) ? 0 : 1;
+}
+
+}  // namespace fxm
