@@ -165,12 +165,20 @@ def test_killed_rank_with_the_abort_hook_every_survivor_fails_by_its_deadline():
     assert res[2] == 86  # died inside the build
     for r in (0, 1, 3):
         assert res[r] is not None, f"rank {r} still blocked: the abort hook did not get it out"
-        assert res[r]["outcome"] == "hung" and res[r]["code"] == TIMEOUT and res[r]["outputs_untouched"], res[r]
-        assert clean(res[r]), res[r]
+        assert clean(res[r]) and res[r]["outputs_untouched"], res[r]
+        if r == 0 and _reset_by_rank_1(res[0]):
+            continue  # rank 1's abort, at its own deadline, closed the socket rank 0 was connecting on first
+        assert res[r]["outcome"] == "hung" and res[r]["code"] == TIMEOUT, res[r]
     assert res[1]["boot_aborted"] and res[1]["peer"] == 2, res[1]
     assert "waiting for the readiness token of rank 2" in res[1]["error"] and "abort hook" in res[1]["error"]
     assert res[3]["peer"] == 2 and "accept from rank 2 not done" in res[3]["error"], res[3]
-    assert res[0]["peer"] == 1 and "stuck further on" in res[0]["error"], res[0]
+    assert res[0]["peer"] == 1 and ("stuck further on" in res[0]["error"] or _reset_by_rank_1(res[0])), res[0]
+
+
+def _reset_by_rank_1(res):
+    """Rank 0's connect to rank 1 reset (ECONNRESET, 104): under load rank 1's deadline can come
+    first, and its abort closes what rank 0 connects to. It still names rank 1, before its deadline."""
+    return res["outcome"] == "failed" and res["peer"] == 1 and "adaptor connect (peer rank 1) returned 104" in res["error"]
 
 
 def test_killed_rank_without_the_abort_hook_blocks_in_the_bootstrap_for_ever():
