@@ -344,10 +344,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
                             StreamArg stream) {
   const char* call = is_read ? "read" : "write";
-  if (ended()) {
-    std::string g = gone();
-    if (!g.empty()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + g);
-  }
+  if (ended()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + gone());
   std::vector<Checked> checked;
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));

@@ -2,7 +2,6 @@
 // AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
 // that may block releases the GIL. The admission policy from Python is a set
 // of names (a Python callback on the listener thread could deadlock a close).
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -136,21 +135,21 @@ struct CallArgs {
   fxm::agent::StreamArg on;
 };
 
-// The call, with the GIL released; `then` (a wait) runs before the GIL is taken back.
+// The call, with the GIL released; with `wait_s`, also its wait (before the GIL is taken back).
 Handle issue(Connection& c, const std::vector<fxm::agent::Xfer>& xs, bool is_read, const py::object& notif,
-             const std::optional<uint64_t>& stream, const std::function<void(const Handle&)>& then = nullptr) {
+             const std::optional<uint64_t>& stream, std::optional<double> wait_s = std::nullopt) {
   CallArgs a(notif, stream);
   py::gil_scoped_release release;
   Handle h = c.transfer(xs, is_read, a.notification_or_null(), a.on);
-  if (then) then(h);
+  if (wait_s) h.wait(*wait_s);
   return h;
 }
 
-// A region as a call names it: a Region (its `descriptor`), descriptor bytes, a bytearray or a
-// memoryview of them; anything else is refused, naming `which`. Held: a bytearray's bytes are made here.
 // Which argument, for an error: "local", or "op 3: local" in a batch (made on failure only).
 std::string arg_name(const char* name, long op) { return (op < 0 ? "" : "op " + std::to_string(op) + ": ") + name; }
 
+// A region as a call names it: a Region (its `descriptor`), descriptor bytes, a bytearray or a
+// memoryview of them; anything else is refused, naming `which`. Held: a bytearray's bytes are made here.
 py::object descriptor_arg(const py::handle& d, const char* which, long op = -1) {
   if (PyBytes_CheckExact(d.ptr())) return py::reinterpret_borrow<py::object>(d);
   static PyObject* name = PyUnicode_InternFromString("descriptor");  // never freed: used until exit
@@ -257,7 +256,7 @@ void transfer_one_sync(Connection& c, const py::handle& local, const py::handle&
                        const py::handle& local_off, const py::handle& remote_off, bool is_read,
                        const py::object& notif, const std::optional<uint64_t>& stream, double timeout) {
   OneOp op(local, remote, size, local_off, remote_off);
-  issue(c, op.xs, is_read, notif, stream, [timeout](const Handle& h) { h.wait(timeout); });
+  issue(c, op.xs, is_read, notif, stream, timeout);
 }
 
 // The connection's Python object beside the connection (the handle holds the former).
