@@ -132,6 +132,17 @@ def connect(addr: Tuple[str, int], timeout: float = 5.0) -> socket.socket:
     return s
 
 
+def recv_up_to(s: socket.socket, n: int) -> bytes:
+    """Up to n bytes from s: fewer only when the peer closed first (s's timeout bounds each read)."""
+    got = b""
+    while len(got) < n:
+        part = s.recv(n - len(got))
+        if not part:
+            break
+        got += part
+    return got
+
+
 # ----------------------------------------------------------------------------- process resources
 
 def fd_count() -> int:

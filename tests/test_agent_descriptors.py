@@ -131,12 +131,16 @@ def test_notifications_follow_their_data_in_order(pair):
     assert seen == list(range(n))
 
 
+def _patterned_pair(a, b, modulus):
+    """64 KiB: a zeroed target region at b, a source at a holding i % modulus; (dst, remote, src, local)."""
+    dst = np.zeros(1 << 16, np.uint8)
+    src = (np.arange(1 << 16) % modulus).astype(np.uint8)
+    return dst, b.register(dst), src, a.register(src)
+
+
 def test_batch_write_and_read(pair):
     a, b, conn, transport = pair
-    dst = np.zeros(1 << 16, np.uint8)
-    remote = b.register(dst)
-    src = (np.arange(1 << 16) % 253).astype(np.uint8)
-    local = a.register(src)
+    dst, remote, src, local = _patterned_pair(a, b, 253)
     ops = [(local, i * 4096, remote, (15 - i) * 4096, 4096) for i in range(16)]
     h = conn.batch_write(ops, notification=b"batch")
     h.wait(10)
@@ -168,10 +172,7 @@ def test_register_and_deregister_while_a_peer_transfers(pair):
 
 def test_write_sync_and_read_sync(pair):
     a, b, conn, _ = pair
-    dst = np.zeros(1 << 16, np.uint8)
-    remote = b.register(dst)
-    src = (np.arange(1 << 16) % 251).astype(np.uint8)
-    local = a.register(src)
+    dst, remote, src, local = _patterned_pair(a, b, 251)
     assert conn.write_sync(local, remote, 4096, local_offset=4096, remote_offset=8192,
                            notification=b"sync", timeout=10) is None
     assert (dst[8192:12288] == src[4096:8192]).all() and dst[:8192].sum() == 0 and dst[12288:].sum() == 0

@@ -19,7 +19,7 @@ import pytest
 import flagcx_mesh
 from flagcx_mesh import Mesh, _core
 from flagcx_mesh.errors import InvalidArgument, MeshError
-from meshutil import connect, parse_hostport, raise_nofile_limit, run_threads
+from meshutil import connect, parse_hostport, raise_nofile_limit, recv_up_to, run_threads
 from test_foreign_traffic import build_with_foreign, check_exchange
 
 pytestmark = pytest.mark.timeout(120)
@@ -290,12 +290,7 @@ def test_recorded_connection_handshake_replayed_is_refused():
             a = connect(addr)
             a.sendall(hello)
             a.settimeout(10)
-            answer = b""
-            while len(answer) < 128:
-                chunk = a.recv(128 - len(answer))
-                if not chunk:
-                    break
-                answer += chunk
+            answer = recv_up_to(a, 128)
             assert len(answer) >= 64, "the listener did not answer a valid header"
             proof = mac(key, _core.ROLE_CONNECT, hello, answer[:96]) if mac else os.urandom(32)
             a.close()  # the recording: hello + proof, valid on connection a only

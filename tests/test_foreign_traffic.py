@@ -22,7 +22,7 @@ import pytest
 import flagcx_mesh
 from flagcx_mesh import Mesh, _core
 from meshutil import (connect, listening_ports, parse_hostport, raise_nofile_limit,
-                      run_threads, subprocess_env, wait_for)
+                      recv_up_to, run_threads, subprocess_env, wait_for)
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -480,13 +480,7 @@ def test_a_rank_of_the_previous_wire_version_is_answered_and_named():
 
     def read_answer(s):
         s.settimeout(5)
-        got = b""
-        while len(got) < 128:
-            part = s.recv(128 - len(got))
-            if not part:
-                break
-            got += part
-        answers.append(got)
+        answers.append(recv_up_to(s, 128))
         s.close()
 
     def inject(addr, r, mesh_id):  # the listener reads it once the build runs: answered meanwhile
