@@ -61,6 +61,7 @@ Agent::Agent(const AgentOptions& o)
   if (!(header_timeout_s_ > 0)) fail(Code::kInvalidArgument, -1, 0, who() + "header_timeout must be > 0");
   forced_transport();  // a bad FLAGCX_MESH_TRANSPORT (or _CUDA_PATH) fails here, not at the first transfer
   forced_cuda_path();
+  tcp_lanes_ = tcp_lanes_env(2 * kPlannedConnections);
   crypto::random_bytes(incarnation_.data(), incarnation_.size());
   int err = 0;
   tcp::SockAddr bind = tcp::local_address();
@@ -310,12 +311,23 @@ std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnati
 std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d) {
   if (closed_) fail(Code::kClosed, -1, 0, who() + "connect: the agent was closed");
   hs::Ident me{name_, expect ? *expect : Incarnation{}};
+  me.lanes = static_cast<uint8_t>(tcp_lanes_);
+  crypto::random_bytes(reinterpret_cast<uint8_t*>(&me.token), sizeof(me.token));
   hs::Dialed got = hs::dial(to, me, incarnation_, key_, d, who());
-  auto c = std::make_shared<Connection>(this, std::move(got.fd), got.peer, true);
+  int lanes = std::min(tcp_lanes_, got.lanes);
+  auto c = std::make_shared<Connection>(this, std::move(got.fd), got.peer, true, lanes, me.token);
+  me.expect = got.peer.incarnation;
+  join_lanes(*c, to, me, d);
   std::string why = adopt(c);
   if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
   c->start();
   return c;
+}
+
+void Agent::join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d) {
+  me.lanes = static_cast<uint8_t>(c.tcp_lanes());
+  std::vector<hs::Dialed> lanes = hs::dial_lanes(to, me, incarnation_, key_, d, who());
+  for (size_t k = 0; k < lanes.size(); ++k) c.add_lane(static_cast<int>(k + 1), std::move(lanes[k].fd));
 }
 
 std::shared_ptr<Connection> Agent::connect(const std::vector<uint8_t>& metadata, double timeout_s) {

@@ -4,8 +4,9 @@
 // secret with the mesh's handshake (wire.h: header, nonces, HMAC proofs, here
 // in the agent roles with both names bound into the MACs).
 //
-// Each connection is one TCP socket driven by one small progress Engine of
-// its own (a 2-party pair: the peer is the engine's only peer, one context),
+// Each connection is one TCP socket, or several (its tcp lanes, as many as
+// the smaller FLAGCX_MESH_TCP_LANES of both sides), driven by one small
+// progress Engine of its own (a 2-party pair: the peer is the engine's only peer, one context),
 // so a peer that dies fails only its own handles, and every engine lands
 // frames in the agent's one WindowTable: a region's index is the window index
 // a peer's frames name. Paths to a peer's regions (self / shm / cma / tcp,
@@ -80,6 +81,9 @@ struct AgentOptions {
 
 class Connection;
 class Agent;
+namespace hs {
+struct Ident;
+}
 class NotificationInbox;
 class NotificationWait;
 
@@ -191,6 +195,10 @@ class Agent {
   void close();  // idempotent: stops the listener, closes every connection and region
   bool closed() const { return closed_.load(); }
   double timeout_s() const { return timeout_s_; }
+  int tcp_lanes() const { return tcp_lanes_; }  // the lanes this agent offers (FLAGCX_MESH_TCP_LANES)
+  // Sockets planned per lane when the default lanes are fitted to RLIMIT_NOFILE (base/env.h):
+  // two fds for each of this many connections.
+  static constexpr uint64_t kPlannedConnections = 64;
 
  private:
   friend class Connection;
@@ -212,6 +220,8 @@ class Agent {
   std::string judge(const PeerInfo& p) const;
   std::shared_ptr<Connection> find(const std::string& name, const Incarnation& inc) const;
   std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d);
+  // Dials lanes 1.. of c (lane 0 was admitted) with the same handshake.
+  void join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d);
   void prune();
   std::string who() const { return "agent " + name_ + ": "; }
 
@@ -220,6 +230,7 @@ class Agent {
   crypto::Key key_{};
   double timeout_s_ = 60;
   double header_timeout_s_ = 5;
+  int tcp_lanes_ = 1;
   std::function<std::string(const PeerInfo&)> admit_;
   std::string host_;
   tcp::Fd listen_fd_;

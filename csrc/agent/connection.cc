@@ -43,17 +43,53 @@ struct Connection::Batch {
   std::vector<std::pair<PeerView*, PathOp>> ops;
 };
 
-Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated)
-    : agent_(agent), peer_(std::move(peer)), initiated_(initiated) {
+Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, int lanes, uint64_t token)
+    : agent_(agent), peer_(std::move(peer)), initiated_(initiated), token_(token) {
+  conns_.send.resize(std::max(1, lanes));
+  conns_.recv.resize(std::max(1, lanes));
+  add_lane(0, std::move(fd));
+}
+
+std::string Connection::lane_refused(int lane) const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!closed_why_.empty()) return "the connection was closed: " + closed_why_;
+  if (lane < 0 || lane >= tcp_lanes()) {
+    return "it has " + std::to_string(tcp_lanes()) + " tcp lanes, not a lane " + std::to_string(lane);
+  }
+  if (conns_.recv[lane]) return "its tcp lane " + std::to_string(lane) + " joined already";
+  return "";
+}
+
+bool Connection::add_lane(int lane, tcp::Fd fd) {
   int twin = ::dup(fd.get());
-  if (twin < 0) fail(Code::kSystem, -1, errno, who() + "dup of the connection's socket");
-  conns_.send.emplace_back(twin);
-  conns_.recv.push_back(std::move(fd));
+  if (twin < 0) fail(Code::kSystem, -1, errno, who() + ": dup of the socket of tcp lane " + std::to_string(lane));
+  std::lock_guard<std::mutex> lock(state_mu_);
+  if (!closed_why_.empty()) {
+    ::close(twin);
+    return false;  // fd closes here
+  }
+  conns_.send[lane] = tcp::Fd(twin);
+  conns_.recv[lane] = std::move(fd);
+  for (const tcp::Fd& f : conns_.recv) {
+    if (!f) return false;
+  }
+  return true;
+}
+
+bool Connection::lanes_joined() const {
+  std::lock_guard<std::mutex> lock(state_mu_);
+  for (const tcp::Fd& f : conns_.recv) {
+    if (!f) return false;
+  }
+  return true;
 }
 
 void Connection::start() {
   std::lock_guard<std::mutex> lock(state_mu_);
   if (!closed_why_.empty() || engine_) return;
+  for (const tcp::Fd& f : conns_.recv) {
+    if (!f) fail(Code::kProtocol, -1, 0, who() + ": started before every tcp lane joined");
+  }
   engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s());
   ready_.store(true, std::memory_order_release);
 }
@@ -98,6 +134,10 @@ void Connection::close(const std::string& why) {
     std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
     if (closed_why_.empty()) closed_why_ = why;
     closed_.store(true, std::memory_order_release);
+    if (!engine_) {  // never started: its sockets close now (the peer sees it), not at the last reference
+      for (tcp::Fd& f : conns_.send) f.reset();
+      for (tcp::Fd& f : conns_.recv) f.reset();
+    }
   }
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }

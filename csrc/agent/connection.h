@@ -1,6 +1,8 @@
-// One authenticated connection between two agents: its socket, the progress
-// Engine that owns it (a 2-party pair: the peer is the engine's peer 0, one
-// context) and the paths to the peer's regions, chosen on first use.
+// One authenticated connection between two agents: its sockets (its tcp
+// lanes, lane 0 first), the progress Engine that owns them (a 2-party pair:
+// the peer is the engine's peer 0, one context; large puts to host regions
+// are striped over the lanes, as the mesh's are) and the paths to the peer's
+// regions, chosen on first use.
 #pragma once
 
 #include <atomic>
@@ -21,11 +23,19 @@ namespace fxm::agent {
 
 class Connection : public std::enable_shared_from_this<Connection> {
  public:
-  // Takes the socket of a finished handshake; start() starts its engine
-  // (calls before it wait up to the header timeout).
-  Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated);
+  // Takes the socket (lane 0) of a finished handshake; with lanes > 1 the
+  // other lanes' sockets come through add_lane(). start() starts its engine
+  // once every lane is there (calls before it wait up to the header timeout).
+  Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, int lanes = 1, uint64_t token = 0);
   void start();
   int fd() const { return conns_.recv[0].get(); }
+  int tcp_lanes() const { return static_cast<int>(conns_.recv.size()); }
+  uint64_t lane_token() const { return token_; }  // the connector's tag of it (handshake.h)
+  // "" when the socket of `lane` may be added now, else why not.
+  std::string lane_refused(int lane) const;
+  // Adds that socket (after lane_refused() said ""); true once every lane is there.
+  bool add_lane(int lane, tcp::Fd fd);
+  bool lanes_joined() const;
   ~Connection();
   Connection(const Connection&) = delete;
   Connection& operator=(const Connection&) = delete;
@@ -90,7 +100,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Agent* agent_;
   PeerInfo peer_;
   bool initiated_;
-  Connections conns_;  // send and recv: the one socket (the engine writes one, reads the other)
+  uint64_t token_;
+  // send and recv per lane: one socket each (the engine writes one fd, reads its dup); an
+  // empty recv[k]: lane k has not joined yet (state_mu_ until start, then the engine's).
+  Connections conns_;
   std::unique_ptr<Engine> engine_;
   std::mutex op_mu_;   // FIFO of calls on this connection; views_
   std::map<std::pair<uint32_t, int>, PeerView> views_;  // per (remote region index, local device or -1)

@@ -4,6 +4,7 @@
 
 #include <cstring>
 
+#include "base/env.h"
 #include "base/status.h"
 
 namespace fxm::agent::hs {
@@ -16,14 +17,25 @@ std::vector<uint8_t> encode_ident(const Ident& id) {
   b.push_back(static_cast<uint8_t>(id.name.size()));
   b.insert(b.end(), id.name.begin(), id.name.end());
   b.insert(b.end(), id.expect.begin(), id.expect.end());
+  b.push_back(id.lanes);
+  b.push_back(id.lane);
+  uint8_t token[sizeof(id.token)];
+  std::memcpy(token, &id.token, sizeof(token));
+  b.insert(b.end(), token, token + sizeof(token));
   return b;
 }
 
 bool decode_ident(const std::vector<uint8_t>& b, Ident* out) {
-  if (b.empty() || b.size() != 1u + b[0] + out->expect.size() || b[0] == 0) return false;
+  constexpr size_t kTail = 2 + sizeof(out->token);  // lanes, lane, token
+  if (b.empty() || b.size() != 1u + b[0] + out->expect.size() + kTail || b[0] == 0) return false;
   out->name.assign(b.begin() + 1, b.begin() + 1 + b[0]);
-  std::memcpy(out->expect.data(), b.data() + 1 + b[0], out->expect.size());
-  return true;
+  const uint8_t* p = b.data() + 1 + b[0];
+  std::memcpy(out->expect.data(), p, out->expect.size());
+  p += out->expect.size();
+  out->lanes = p[0];
+  out->lane = p[1];
+  std::memcpy(&out->token, p + 2, sizeof(out->token));
+  return out->lanes >= 1 && out->lanes <= kMaxTcpLanes && out->lane < out->lanes;
 }
 
 wire::ConnHeader header(wire::Role role, const Incarnation& mine, uint32_t ext_len) {
@@ -75,16 +87,19 @@ void io(const tcp::IoResult& r, const std::string& who, const tcp::SockAddr& to,
                             (r.kind == tcp::IoResult::kClosed ? " (a wrong secret, or refused at its listener)" : ""));
 }
 
-tcp::Fd open_socket(const tcp::SockAddr& to, const Deadline& deadline, const std::string& who) {
+tcp::Fd start_socket(const tcp::SockAddr& to, const std::string& who) {
   int err = 0;
   tcp::Fd fd = tcp::connect_start(to, &err);
   if (!fd) fail_dial(Code::kPeerLost, who, to, errno_text(err));
-  pollfd p{fd.get(), POLLOUT, 0};
+  return fd;
+}
+
+void await_connect(int fd, const tcp::SockAddr& to, const Deadline& deadline, const std::string& who) {
+  pollfd p{fd, POLLOUT, 0};
   int rc = ::poll(&p, 1, deadline.poll_ms());
   if (rc == 0) fail_dial(Code::kTimeout, who, to, "the TCP connect did not complete before the deadline");
-  err = rc < 0 ? errno : tcp::connect_error(fd.get());
+  int err = rc < 0 ? errno : tcp::connect_error(fd);
   if (err != 0) fail_dial(Code::kPeerLost, who, to, errno_text(err) + " (is the agent there?)");
-  return fd;
 }
 
 }  // namespace
@@ -95,7 +110,7 @@ namespace {
 // (when `me` expects one) its incarnation; returns the acceptor's identity.
 PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<uint8_t>& my_ident, const Ident& me,
                      const crypto::Key& key, const tcp::SockAddr& to, const Deadline& deadline, const std::string& who,
-                     uint8_t answer[wire::kAnswerSize], std::vector<uint8_t>* peer_ident) {
+                     uint8_t answer[wire::kAnswerSize], std::vector<uint8_t>* peer_ident, int* lanes) {
   io(tcp::read_full(fd, answer, wire::kAnswerSize, deadline), who, to, "reading the answer");
   wire::ConnHeader h;
   wire::Reject why = check_header(answer, wire::Role::kAgentAccept, &h);
@@ -116,6 +131,10 @@ PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<
                                                    incarnation_hex(h.mesh_id) + ", not the " +
                                                    incarnation_hex(me.expect) + " the metadata names (it restarted)");
   }
+  if (theirs.lane != me.lane || theirs.token != me.token) {
+    fail_dial(Code::kProtocol, who, to, "the answer names another lane or connection than this one");
+  }
+  *lanes = theirs.lanes;
   return {theirs.name, h.mesh_id, to.str()};
 }
 
@@ -135,24 +154,66 @@ void read_verdict(int fd, const PeerInfo& peer, const tcp::SockAddr& to, const D
 
 }  // namespace
 
+namespace {
+
+// One socket's connector side, step by step: dial_steps() runs each step on
+// every socket before the next, so the lanes' round trips overlap.
+struct DialState {
+  Ident me;
+  std::string who;
+  std::vector<uint8_t> my_ident, peer_ident;
+  uint8_t hello[kHelloSize];
+  uint8_t answer[wire::kAnswerSize];
+  Dialed out;
+};
+
+void send_hello(DialState& s, const Incarnation& mine, const tcp::SockAddr& to, const Deadline& deadline) {
+  s.my_ident = encode_ident(s.me);
+  wire::encode(header(wire::Role::kAgentConnect, mine, static_cast<uint32_t>(s.my_ident.size())), s.hello);
+  crypto::random_bytes(s.hello + kConnHeaderSize, wire::kNonceSize);
+  std::vector<uint8_t> first(s.hello, s.hello + kHelloSize);
+  first.insert(first.end(), s.my_ident.begin(), s.my_ident.end());
+  io(tcp::write_full(s.out.fd.get(), first.data(), first.size(), deadline), s.who, to, "sending the hello");
+}
+
+void answer_and_prove(DialState& s, const crypto::Key& key, const tcp::SockAddr& to, const Deadline& deadline) {
+  s.out.peer = read_answer(s.out.fd.get(), s.hello, s.my_ident, s.me, key, to, deadline, s.who, s.answer,
+                           &s.peer_ident, &s.out.lanes);
+  wire::Mac proof = mac(key, wire::Role::kAgentConnect, s.hello, s.answer, s.my_ident, s.peer_ident);
+  io(tcp::write_full(s.out.fd.get(), proof.data(), proof.size(), deadline), s.who, to, "sending the proof");
+}
+
+std::vector<Dialed> dial_steps(std::vector<DialState>& all, const tcp::SockAddr& to, const Incarnation& mine,
+                               const crypto::Key& key, const Deadline& deadline) {
+  for (DialState& s : all) s.out.fd = start_socket(to, s.who);
+  for (DialState& s : all) await_connect(s.out.fd.get(), to, deadline, s.who);
+  for (DialState& s : all) send_hello(s, mine, to, deadline);
+  for (DialState& s : all) answer_and_prove(s, key, to, deadline);
+  for (DialState& s : all) read_verdict(s.out.fd.get(), s.out.peer, to, deadline, s.who);
+  std::vector<Dialed> out;
+  for (DialState& s : all) out.push_back(std::move(s.out));
+  return out;
+}
+
+}  // namespace
+
 Dialed dial(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine, const crypto::Key& key,
             const Deadline& deadline, const std::string& who) {
-  Dialed out;
-  out.fd = open_socket(to, deadline, who);
-  std::vector<uint8_t> my_ident = encode_ident(me);
-  uint8_t hello[kHelloSize];
-  wire::encode(header(wire::Role::kAgentConnect, mine, static_cast<uint32_t>(my_ident.size())), hello);
-  crypto::random_bytes(hello + kConnHeaderSize, wire::kNonceSize);
-  std::vector<uint8_t> first(hello, hello + kHelloSize);
-  first.insert(first.end(), my_ident.begin(), my_ident.end());
-  io(tcp::write_full(out.fd.get(), first.data(), first.size(), deadline), who, to, "sending the hello");
-  uint8_t answer[wire::kAnswerSize];
-  std::vector<uint8_t> peer_ident;
-  out.peer = read_answer(out.fd.get(), hello, my_ident, me, key, to, deadline, who, answer, &peer_ident);
-  wire::Mac proof = mac(key, wire::Role::kAgentConnect, hello, answer, my_ident, peer_ident);
-  io(tcp::write_full(out.fd.get(), proof.data(), proof.size(), deadline), who, to, "sending the proof");
-  read_verdict(out.fd.get(), out.peer, to, deadline, who);
-  return out;
+  std::vector<DialState> one(1);
+  one[0].me = me;
+  one[0].who = who;
+  return std::move(dial_steps(one, to, mine, key, deadline)[0]);
+}
+
+std::vector<Dialed> dial_lanes(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine,
+                               const crypto::Key& key, const Deadline& deadline, const std::string& who) {
+  std::vector<DialState> lanes(me.lanes > 1 ? me.lanes - 1 : 0);
+  for (size_t k = 0; k < lanes.size(); ++k) {
+    lanes[k].me = me;
+    lanes[k].me.lane = static_cast<uint8_t>(k + 1);
+    lanes[k].who = who + "tcp lane " + std::to_string(k + 1) + ": ";
+  }
+  return dial_steps(lanes, to, mine, key, deadline);
 }
 
 }  // namespace fxm::agent::hs

@@ -1,8 +1,11 @@
 // The agents' connection handshake: the mesh's (wire.h: header, nonces,
 // HMAC-SHA256 proofs of the key both ways) in the agent roles, followed on
-// each side by an identity block (the agent's name and the incarnation it
-// expects at the other end, zeros for any) that both MACs cover, then the
-// acceptor's verdict frame (kAdmit: "" admitted, else why not).
+// each side by an identity block (the agent's name, the incarnation it
+// expects at the other end, zeros for any, and its tcp lanes) that both MACs
+// cover, then the acceptor's verdict frame (kAdmit: "" admitted, else why not).
+// A connection of L > 1 lanes (L: the smaller of both sides' offers) is its
+// first socket (lane 0) and L - 1 more, each dialed after lane 0 was admitted
+// with the same handshake, naming its lane and lane 0's token.
 //   connector -> acceptor  hello + ident                 (96 + ext_len)
 //   acceptor -> connector  answer head + MAC + ident     (128 + ext_len)
 //   connector -> acceptor  proof                         (32)
@@ -22,6 +25,9 @@ constexpr size_t kMaxVerdict = 1024;
 struct Ident {
   std::string name;
   Incarnation expect{};  // the incarnation this side expects of the other; zeros: any
+  uint8_t lanes = 1;     // lane 0: the lanes this side offers; a lane > 0: the connection's
+  uint8_t lane = 0;      // which socket of the connection this is
+  uint64_t token = 0;    // the connector's random tag of the connection (the acceptor echoes it)
 };
 std::vector<uint8_t> encode_ident(const Ident& id);
 bool decode_ident(const std::vector<uint8_t>& b, Ident* out);
@@ -39,11 +45,17 @@ std::vector<uint8_t> verdict_frame(const std::string& why);
 struct Dialed {
   tcp::Fd fd;
   PeerInfo peer;
+  int lanes = 1;  // the lanes the acceptor offers (lane 0) or echoes (a lane > 0)
 };
 // The connector's side, blocking until `deadline`: connect, hello, check the
 // answer's proof and identity (`expect`: the incarnation it must be, or
 // null), prove, read the verdict. Throws Error naming `to` and the cause.
 Dialed dial(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine, const crypto::Key& key,
             const Deadline& deadline, const std::string& who);
+// Lanes 1 .. me.lanes - 1 of the connection lane 0 opened (me: its identity,
+// token and lanes, expecting the incarnation that answered), their steps run
+// side by side; lane k is element k - 1.
+std::vector<Dialed> dial_lanes(const tcp::SockAddr& to, const Ident& me, const Incarnation& mine,
+                               const crypto::Key& key, const Deadline& deadline, const std::string& who);
 
 }  // namespace fxm::agent::hs

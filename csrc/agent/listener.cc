@@ -4,7 +4,9 @@
 // connection has the header deadline to complete its handshake (a silent
 // client is closed), at most kMaxPending are pending at once (beyond that the
 // oldest without a valid header goes first), and every refusal is counted by
-// its wire::Reject reason.
+// its wire::Reject reason. A connection of several tcp lanes is filed when its
+// lane 0 is admitted and started when its last lane joined; one whose lanes
+// did not all join within the header deadline is closed.
 #include <poll.h>
 #include <unistd.h>
 
@@ -38,6 +40,12 @@ struct Incoming {
   wire::ConnHeader h;
 };
 
+// An admitted connection whose other tcp lanes have not all joined yet.
+struct AwaitingLanes {
+  std::shared_ptr<Connection> conn;
+  Deadline deadline;
+};
+
 }  // namespace
 
 class Listener {
@@ -54,11 +62,15 @@ class Listener {
   void answer(Incoming& in);
   void on_proof(Incoming& in);
   std::string judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code);
+  void admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
+  void join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
+  void expire_awaiting();
   void reject(Incoming& in, wire::Reject why, const std::string& detail = "");
   void poll_once();
 
   Agent& a_;
   std::vector<Incoming> in_;
+  std::vector<AwaitingLanes> awaiting_;
 };
 
 void Listener::run() {
@@ -68,7 +80,20 @@ void Listener::run() {
       if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
     }
     in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& i) { return i.finished; }), in_.end());
+    expire_awaiting();
   }
+}
+
+void Listener::expire_awaiting() {
+  for (AwaitingLanes& w : awaiting_) {
+    if (!w.conn || !w.deadline.expired()) continue;
+    w.conn->close("its tcp lanes did not all join within the header timeout (" +
+                  std::to_string(a_.header_timeout_s_) + " s)");
+    FXM_WARN(-1, a_.who() + "closed the connection of agent " + w.conn->peer().name + ": its tcp lanes did not all join");
+    w.conn.reset();
+  }
+  awaiting_.erase(std::remove_if(awaiting_.begin(), awaiting_.end(), [](const AwaitingLanes& w) { return !w.conn; }),
+                  awaiting_.end());
 }
 
 void Listener::poll_once() {
@@ -76,6 +101,7 @@ void Listener::poll_once() {
   for (Incoming& in : in_) fds.push_back({in.fd.get(), POLLIN, 0});
   Deadline next = Deadline::after_seconds(0.1);
   for (Incoming& in : in_) next = next.min(in.deadline);
+  for (AwaitingLanes& w : awaiting_) next = next.min(w.deadline);
   int rc = ::poll(fds.data(), fds.size(), next.poll_ms());
   if (rc <= 0) return;
   size_t n = in_.size();  // accept_all() may add more
@@ -149,6 +175,9 @@ void Listener::answer(Incoming& in) {
   hs::Ident theirs;
   if (!hs::decode_ident(in.ident, &theirs)) return reject(in, wire::Reject::kBadShape);
   hs::Ident me{a_.name_, in.h.mesh_id};
+  me.lanes = theirs.lane == 0 ? static_cast<uint8_t>(a_.tcp_lanes_) : theirs.lanes;  // lane 0: this side's offer
+  me.lane = theirs.lane;
+  me.token = theirs.token;
   in.my_ident = hs::encode_ident(me);
   wire::encode(hs::header(wire::Role::kAgentAccept, a_.incarnation_, static_cast<uint32_t>(in.my_ident.size())),
                in.answer);
@@ -185,19 +214,26 @@ std::string Listener::judge(const PeerInfo& peer, const Incarnation& expect, wir
   }
 }
 
-// The peer proved the secret: judge it, file it, tell it the verdict, start it.
+// The peer proved the secret: a lane 0 is judged and filed, a later lane joins its connection.
 void Listener::on_proof(Incoming& in) {
   wire::Mac want = hs::mac(a_.key_, wire::Role::kAgentConnect, in.hello, in.answer, in.ident, in.my_ident);
   if (!crypto::equal_ct(want.data(), in.proof, want.size())) return reject(in, wire::Reject::kBadAuth);
   hs::Ident theirs;
   hs::decode_ident(in.ident, &theirs);
   PeerInfo peer{theirs.name, in.h.mesh_id, in.from.str()};
+  if (theirs.lane == 0) return admit(in, peer, theirs);
+  join_lane(in, peer, theirs);
+}
+
+// Judges the peer, files it, tells it the verdict, starts it (or awaits its other lanes).
+void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs) {
   wire::Reject code = wire::Reject::kNone;
   std::string why = judge(peer, theirs.expect, &code);
   std::shared_ptr<Connection> c;
   if (why.empty()) {
+    int lanes = std::min<int>(theirs.lanes, a_.tcp_lanes_);
     try {
-      c = std::make_shared<Connection>(&a_, std::move(in.fd), peer, false);
+      c = std::make_shared<Connection>(&a_, std::move(in.fd), peer, false, lanes, theirs.token);
     } catch (const std::exception& e) {
       return reject(in, wire::Reject::kTruncated, e.what());
     }
@@ -210,7 +246,33 @@ void Listener::on_proof(Incoming& in) {
   if (!why.empty()) return reject(in, code, why);
   in.finished = true;
   if (!r.ok()) return c->close("sending the admission failed: " + r.describe());
-  c->start();
+  if (c->lanes_joined()) return c->start();
+  awaiting_.push_back({c, Deadline::after_seconds(a_.header_timeout_s_)});
+}
+
+// Lane k of an admitted connection of that same peer: "" and the lane is added
+// (the connection starts with its last lane), else the peer is told why not.
+void Listener::join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs) {
+  AwaitingLanes* w = nullptr;
+  for (AwaitingLanes& k : awaiting_) {
+    if (k.conn && k.conn->lane_token() == theirs.token && k.conn->peer().name == peer.name &&
+        k.conn->peer().incarnation == peer.incarnation) {
+      w = &k;
+    }
+  }
+  std::string why = "no connection of this agent awaits a tcp lane " + std::to_string(theirs.lane) +
+                    " (it was closed, or its lanes did not join in time)";
+  if (w) why = theirs.lanes == w->conn->tcp_lanes() ? w->conn->lane_refused(theirs.lane)
+                                                    : "its connection has " + std::to_string(w->conn->tcp_lanes()) +
+                                                          " tcp lanes, not " + std::to_string(theirs.lanes);
+  std::vector<uint8_t> v = hs::verdict_frame(why);
+  tcp::IoResult r = tcp::write_full(in.fd.get(), v.data(), v.size(), Deadline::after_seconds(1));
+  if (!why.empty()) return reject(in, wire::Reject::kUnknownLane, why);
+  if (!r.ok()) return reject(in, wire::Reject::kTruncated, "sending the lane's admission failed");
+  in.finished = true;
+  if (!w->conn->add_lane(theirs.lane, std::move(in.fd))) return;
+  w->conn->start();
+  w->conn.reset();
 }
 
 void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail) {

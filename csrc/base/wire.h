@@ -16,8 +16,9 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire format assumes li
 
 constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
 constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
-// 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq)
-constexpr uint16_t kVersion = 3;
+// 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq);
+// 4: the agents' identity block carries their tcp lanes (agent/handshake.h)
+constexpr uint16_t kVersion = 4;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -66,6 +67,7 @@ enum class Reject : int {
   kBadAuth,       // its proof of the mesh key was wrong (a stranger, a replay, another epoch's key)
   kPolicy,        // agents: the acceptor's policy refused that peer
   kStaleIncarnation,  // agents: it names an incarnation that is not the current one
+  kUnknownLane,       // agents: a tcp lane that no admitted connection of that peer awaits
   kCount
 };
 const char* reject_name(Reject r);

@@ -271,6 +271,7 @@ void bind_connection(py::module_& m) {
       .def_property_readonly("peer_incarnation", [](const Connection& c) { return fxm::agent::incarnation_hex(c.peer().incarnation); })
       .def_property_readonly("peer_address", [](const Connection& c) { return c.peer().address; })
       .def_property_readonly("initiated", &Connection::initiated)
+      .def_property_readonly("tcp_lanes", &Connection::tcp_lanes)
       .def("gone", &Connection::gone)
       .def("transfer", with_self(&transfer), py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none())  // a handle keeps its connection (and so its agent) alive

@@ -153,6 +153,13 @@ class AgentConnection:
     def peer_incarnation(self) -> str:
         return self._core.peer_incarnation
 
+    @property
+    def tcp_lanes(self) -> int:
+        """The TCP connections this connection is made of: the smaller
+        ``FLAGCX_MESH_TCP_LANES`` of the two agents (each side's default fits its
+        cores). Writes of 1 MiB or more over tcp to host memory are striped over them."""
+        return self._core.tcp_lanes
+
     # write / read and their _sync forms: each argument is checked in the core's call (an
     # InvalidArgument naming it), so that a blocking connector pays one Python frame per call.
     def write(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,

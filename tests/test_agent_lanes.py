@@ -1,0 +1,239 @@
+"""tcp lanes of agent connections: a connection is as many sockets as the smaller
+FLAGCX_MESH_TCP_LANES of its two agents; writes of 1 MiB or more to host regions over tcp
+are striped over them and land byte for byte, with the notification after all of it; a lane
+that dies fails the connection's handles with PeerLost naming the peer while the agent keeps
+serving others; the listener refuses lanes that no admitted connection awaits and closes a
+connection whose lanes do not all join within the header timeout."""
+
+from __future__ import annotations
+
+import os
+import socket
+import struct
+import time
+
+import numpy as np
+import pytest
+
+from flagcx_mesh import PeerLost
+from flagcx_mesh.agent import Agent
+import agent_handshake as hs
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = "lanes-secret"
+MIB = 1 << 20
+OP_TIMEOUT = 20.0
+
+
+def make_agent(monkeypatch, name, lanes, **kw):
+    """An agent whose offer is `lanes` (the variable is read when the agent starts)."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    monkeypatch.setenv("FLAGCX_MESH_TCP_LANES", str(lanes))
+    return Agent(name, SECRET, timeout=OP_TIMEOUT, **kw)
+
+
+def pattern(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def wait_for(cond, limit=20.0):
+    end = time.monotonic() + limit
+    while not cond():
+        assert time.monotonic() < end, "condition not reached in time"
+        time.sleep(0.01)
+
+
+def wait_rejected(agent, reason, at_least=1, limit=20.0):
+    end = time.monotonic() + limit
+    while agent.stats()["rejected"].get(reason, 0) < at_least and time.monotonic() < end:
+        time.sleep(0.02)
+    return agent.stats()["rejected"].get(reason, 0)
+
+
+@pytest.mark.parametrize("offer_a,offer_b,agreed", [(4, 4, 4), (4, 2, 2), (1, 3, 1), (3, 16, 3)])
+def test_a_connection_takes_the_smaller_offer_on_both_sides(monkeypatch, offer_a, offer_b, agreed):
+    with make_agent(monkeypatch, "b", offer_b) as b, make_agent(monkeypatch, "a", offer_a) as a:
+        conn = a.connect(b.metadata())
+        assert conn.tcp_lanes == agreed
+        wait_for(lambda: b.connection("a") is not None)
+        assert b.connection("a").tcp_lanes == agreed
+
+
+def lane_sockets(listener_address):
+    """A duplicate of each socket of this process connected to `listener_address` (a connector's
+    lanes; each lane has two fds, one the engine writes and its dup it reads)."""
+    host, port = listener_address.rsplit(":", 1)
+    out, seen = [], set()
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == int(port) and s.getsockname() not in seen:
+                seen.add(s.getsockname())
+                out.append(s)
+                continue
+        except OSError:
+            pass
+        s.close()
+    return out
+
+
+def bytes_acked(sock):
+    """tcpi_bytes_acked of struct tcp_info (Linux >= 4.1)."""
+    return struct.unpack_from("<Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 120)[0]
+
+
+def test_a_large_write_travels_over_every_lane(monkeypatch):
+    size = 16 * MIB
+    with make_agent(monkeypatch, "b", 4) as b, make_agent(monkeypatch, "a", 4) as a:
+        dst = np.zeros(size, np.uint8)
+        remote = b.register(dst)
+        src = pattern(size, 1)
+        local = a.register(src)
+        conn = a.connect(b.metadata())
+        assert conn.path_to(remote) == "tcp"
+        socks = lane_sockets(b.address)
+        assert len(socks) == 4, [s.getsockname() for s in socks]
+        before = [bytes_acked(s) for s in socks]
+        conn.write_sync(local, remote, size)
+        deadline = time.monotonic() + 5  # the kernel's delayed ACK of each lane's last segments
+        while True:
+            sent = [bytes_acked(s) - x for s, x in zip(socks, before)]
+            if all(n >= size // 4 for n in sent) or time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        for s in socks:
+            s.close()
+        assert all(size // 4 <= n <= size // 4 + 4096 for n in sent), sent
+        assert np.array_equal(dst, src)
+
+
+SIZES = [MIB - 1, MIB, MIB + 1, 3 * MIB + 1, 7_777_777]
+
+
+def test_striped_writes_and_reads_of_many_sizes_land_byte_for_byte_before_their_notification(monkeypatch):
+    total = sum(SIZES) + 4096
+    with make_agent(monkeypatch, "b", 4) as b, make_agent(monkeypatch, "a", 4) as a:
+        dst = np.zeros(total, np.uint8)
+        remote = b.register(dst)
+        src = pattern(total, 2)
+        local = a.register(src)
+        back = np.zeros(total, np.uint8)
+        local_back = a.register(back)
+        conn = a.connect(b.metadata())
+        assert conn.tcp_lanes == 4
+        off = 0
+        for k, n in enumerate(SIZES):  # each write notifies: its bytes are all there when it arrives
+            conn.write(local, remote, n, off, off, notification=b"w%d" % k)
+            got = b.notifications(timeout=OP_TIMEOUT)
+            assert [x.data for x in got] == [b"w%d" % k], got
+            assert np.array_equal(dst[off:off + n], src[off:off + n]), n
+            off += n
+        ops = []
+        off = 0
+        for n in SIZES:
+            ops.append((local_back, off, remote, off, n))
+            off += n
+        conn.batch_read(ops).wait(OP_TIMEOUT)
+        assert np.array_equal(back[:off], src[:off])
+
+
+def test_a_later_small_write_to_the_same_bytes_wins(monkeypatch):
+    size = 4 * MIB
+    with make_agent(monkeypatch, "b", 4) as b, make_agent(monkeypatch, "a", 4) as a:
+        dst = np.zeros(size, np.uint8)
+        remote = b.register(dst)
+        big = np.full(size, 1, np.uint8)
+        small = np.full(size, 2, np.uint8)
+        lb, ls = a.register(big), a.register(small)
+        conn = a.connect(b.metadata())
+        for _ in range(8):
+            conn.write(lb, remote, size)
+            conn.write(ls, remote, 4096, 0, size - 4096)  # the last lane's part of the big one
+        conn.write_sync(ls, remote, 1, 0, 0, notification=b"end")
+        assert b.notifications(timeout=OP_TIMEOUT)[0].data == b"end"
+        assert (dst[size - 4096:] == 2).all() and dst[0] == 2 and (dst[1:size - 4096] == 1).all()
+
+
+@pytest.mark.parametrize("lane", [0, 3])
+def test_a_lane_killed_mid_write_fails_the_handle_with_peer_lost_and_others_are_served(monkeypatch, lane):
+    size = 32 * MIB
+    with make_agent(monkeypatch, "b", 4) as b, make_agent(monkeypatch, "a", 4) as a, \
+            make_agent(monkeypatch, "c", 4) as c:
+        remote = b.register(np.zeros(size, np.uint8))
+        local = a.register(pattern(size, 3))
+        conn = a.connect(b.metadata())
+        socks = lane_sockets(b.address)
+        ports = sorted(s.getsockname()[1] for s in socks)
+        assert len(socks) == 4
+        handles = [conn.write(local, remote, size) for _ in range(8)]
+        victim = next(s for s in socks if s.getsockname()[1] == ports[lane])
+        victim.shutdown(socket.SHUT_RDWR)
+        for s in socks:
+            s.close()
+        t0 = time.monotonic()
+        with pytest.raises(PeerLost) as e:
+            for h in handles:
+                h.wait(OP_TIMEOUT)
+        assert "agent b" in str(e.value), e.value
+        assert time.monotonic() - t0 < OP_TIMEOUT
+        wait_for(lambda: b.connection("a") is None)  # b lost a too, and serves c
+        cl = c.register(pattern(2 * MIB, 4))
+        cc = c.connect(b.metadata())
+        cc.write_sync(cl, remote, 2 * MIB)
+
+
+def test_a_lane_that_no_connection_awaits_is_refused(monkeypatch):
+    with make_agent(monkeypatch, "b", 4) as b:
+        sock, verdict, info = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, lane=1, token=12345))
+        sock.close()
+        assert "no connection of this agent awaits a tcp lane 1" in verdict, verdict
+        assert wait_rejected(b, "unknown tcp lane") == 1
+        assert b.peers() == []
+
+
+def test_lane_0_answers_with_the_offer_and_the_token(monkeypatch):
+    with make_agent(monkeypatch, "b", 3) as b:
+        sock, verdict, info = hs.dial(b.address, SECRET, hs.ident("x", lanes=8, token=77))
+        assert verdict == "" and info["lanes"] == 3 and info["lane"] == 0 and info["token"] == 77, info
+        sock.close()
+
+
+def test_a_lane_joins_once_with_the_agreed_lanes_and_the_token_of_its_own_agent(monkeypatch):
+    with make_agent(monkeypatch, "b", 4, header_timeout=30) as b:
+        inc = os.urandom(16)
+        lane0, verdict, info = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, token=9), incarnation=inc)
+        assert verdict == "" and info["lanes"] == 4
+        expect = info["incarnation"]
+
+        def join(lane, lanes=4, token=9, name="x", incarnation=inc):
+            s, v, _ = hs.dial(b.address, SECRET, hs.ident(name, expect, lanes, lane, token), incarnation=incarnation)
+            return s, v
+
+        s1, v = join(1)
+        assert v == ""
+        s1b, v = join(1)
+        assert "joined already" in v, v
+        _, v = join(2, lanes=3)
+        assert "has 4 tcp lanes, not 3" in v, v
+        _, v = join(2, token=10)
+        assert "no connection of this agent awaits" in v, v
+        _, v = join(2, name="y")
+        assert "no connection of this agent awaits" in v, v
+        _, v = join(2, incarnation=os.urandom(16))  # another incarnation of x
+        assert "no connection of this agent awaits" in v, v
+        assert wait_rejected(b, "unknown tcp lane", at_least=5) == 5
+
+
+def test_a_connection_whose_lanes_do_not_join_is_closed_after_the_header_timeout(monkeypatch):
+    with make_agent(monkeypatch, "b", 4, header_timeout=0.5) as b:
+        lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, token=5))
+        assert verdict == ""
+        assert [p[0] for p in b.peers()] == ["x"]
+        lane0.settimeout(10)
+        assert lane0.recv(1) == b""  # the acceptor closed it
+        wait_for(lambda: b.connection("x") is None)
+        with make_agent(monkeypatch, "a", 4) as a:  # and still admits a real peer
+            assert a.connect(b.metadata()).tcp_lanes == 4
