@@ -81,6 +81,21 @@ int tcp_lanes_env(uint64_t sockets_per_lane) {
   return static_cast<int>(v);
 }
 
+int tcp_lane_spin_us_env() {
+  static const int value = [] {
+    const char* s = std::getenv("FLAGCX_MESH_TCP_LANE_SPIN_US");
+    if (s == nullptr || *s == '\0') return 50;
+    char* end = nullptr;
+    long v = std::strtol(s, &end, 10);
+    if (*end != '\0' || v < 0 || v > 10000) {
+      fail(Code::kInvalidArgument, -1, 0, std::string("FLAGCX_MESH_TCP_LANE_SPIN_US=") + s +
+                                              ": not a whole number of microseconds from 0 to 10000");
+    }
+    return static_cast<int>(v);
+  }();
+  return value;
+}
+
 std::string cuda_path_env() {
   const char* s = std::getenv("FLAGCX_MESH_CUDA_PATH");
   return s ? s : "";

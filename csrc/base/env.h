@@ -65,6 +65,10 @@ int tcp_lanes_env(uint64_t sockets_per_lane);
 // cores; and at most what keeps the mesh's sockets (sockets_per_lane on each lane) within half
 // of RLIMIT_NOFILE, never below 1.
 int default_tcp_lanes(uint64_t sockets_per_lane);
+// FLAGCX_MESH_TCP_LANE_SPIN_US, read once: microseconds a lane's threads poll without sleeping
+// after each striped put's hand-off (core/progress.h); 0..10000, unset or empty: 50. Throws
+// InvalidArgument on another value.
+int tcp_lane_spin_us_env();
 // FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_BATCH_COPY as it is now ("" when unset; transport/cuda/copy_batch.h checks it).

@@ -38,6 +38,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
     in_.push_back(std::make_unique<InConn>());
     write_mu_.push_back(std::make_unique<std::mutex>());
   }
+  if (lanes_ > 1) lane_spin_ns_ = int64_t{tcp_lane_spin_us_env()} * 1000;  // before any thread starts
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the progress thread");
   try {

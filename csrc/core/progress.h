@@ -264,6 +264,13 @@ class Engine : public Outbox {
   std::vector<uint64_t> lane_seq_;        // per connection (target, its thread): the last stripe read on it
   std::vector<bool> lane0_held_;          // per slot (target, progress thread): lane 0 waits for stripes
   std::vector<int> held_;                 // progress thread: the slots whose lane 0 waits
+  // Striped traffic hands each put over between threads twice at the target (lane 0 admits its
+  // stripes, the last stripe releases lane 0): for lane_spin_ns_ after each hand-off the threads
+  // involved poll without sleeping, so the next one is seen in microseconds, not at a wake-up
+  // (FLAGCX_MESH_TCP_LANE_SPIN_US; 0: off).
+  int64_t lane_spin_ns_ = 0;
+  std::atomic<int64_t> lane0_spin_until_ns_{0};  // the progress thread's (set by whoever holds the read role)
+  bool lane_spinning(int64_t until_ns) const;
   std::vector<std::string> stripe_refused_;  // per slot (target, under mu_): why a stripe of the current put was dropped
   Connections* conns_;
   WindowTable* windows_;

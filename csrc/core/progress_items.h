@@ -102,6 +102,7 @@ struct Engine::LaneWorker {
   std::thread thread;
   std::atomic<std::thread::id> tid{};  // the thread's id, once it runs (read by any thread)
   std::vector<uint8_t> discard = std::vector<uint8_t>(1 << 16);  // its sink for dropped payloads (never read)
+  int64_t spin_until_ns = 0;  // its thread: polls without sleeping until then (lane_spin_ns_ after a stripe)
   ~LaneWorker() {
     if (wake_fd >= 0) ::close(wake_fd);
   }

@@ -26,6 +26,7 @@
 #include <cerrno>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "base/log.h"
 #include "base/status.h"
@@ -34,6 +35,17 @@
 namespace fxm {
 
 using wire::FrameType;
+
+namespace {
+
+int64_t now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+}  // namespace
+
+bool Engine::lane_spinning(int64_t until_ns) const { return until_ns > 0 && now_ns() < until_ns; }
 
 std::string Engine::conn_name(int c) const {
   return lane_of(c) == 0 ? "" : " (tcp lane " + std::to_string(lane_of(c)) + ")";
@@ -87,6 +99,7 @@ bool Engine::on_striped_header(int s, InConn& in) {
   // Every stripe of the earlier striped puts landed (lane 0 was held until then), and none of
   // this one's has been read past its header: the workers may read this one's now.
   stripes_admitted_[s].fetch_add(1, std::memory_order_release);
+  if (lane_spin_ns_ > 0) lane0_spin_until_ns_.store(now_ns() + lane_spin_ns_, std::memory_order_relaxed);
   wake_lanes();
   return true;
 }
@@ -120,6 +133,11 @@ void Engine::on_stripe_done(int c, InConn& in) {
     if (stripe_refused_[s].empty()) stripe_refused_[s] = in.refused;
   }
   in.reset();  // leaves the window
+  if (lane_spin_ns_ > 0) {  // the next hand-offs: lane 0 applies this put and admits the next one's stripes
+    int64_t until = now_ns() + lane_spin_ns_;
+    lane_workers_[lane_of(c) - 1]->spin_until_ns = until;
+    lane0_spin_until_ns_.store(until, std::memory_order_relaxed);
+  }
   uint64_t landed = stripes_landed_[s].fetch_add(1, std::memory_order_acq_rel) + 1;
   // The last stripe of the admitted put (no later one is admitted before it): lane 0 may wait.
   if (landed == stripes_admitted_[s].load(std::memory_order_acquire) * static_cast<uint64_t>(lanes_ - 1)) {
@@ -271,7 +289,9 @@ void Engine::poll_lane(LaneWorker& w) {
       }
     }
   }
-  ::poll(fds.data(), fds.size(), ahead ? 0 : 100);
+  bool spin = !ahead && lane_spinning(w.spin_until_ns);
+  ::poll(fds.data(), fds.size(), ahead || spin ? 0 : 100);
+  if (spin) std::this_thread::yield();
   for (size_t k = 1; k < fds.size(); ++k) {
     if (owner[k] <= -2 && fds[k].events == POLLIN && in_[-2 - owner[k]]->buffered() > 0) fds[k].revents |= POLLIN;
     if (fds[k].revents == 0) continue;

@@ -114,7 +114,9 @@ void Engine::poll_once() {
   if (role.owns_lock()) role.unlock();
   int timeout_ms = copies_timeout_ms(copies);
   if ((park || lazy_pending_.load() > 0) && timeout_ms > 1) timeout_ms = 1;  // parked; the lazy acks' timer
-  if (!ahead.empty()) timeout_ms = 0;
+  if (!ahead.empty() || (lane_spin_ns_ > 0 && lane_spinning(lane0_spin_until_ns_.load(std::memory_order_relaxed)))) {
+    timeout_ms = 0;  // read ahead, or striped puts' hand-offs due (progress_lanes.cc)
+  }
   ::poll(fds.data(), fds.size(), timeout_ms);
   if (park) parked_.store(false);
   if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
