@@ -10,6 +10,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
+import subprocess
+import sys
 import time
 
 import numpy as np
@@ -237,3 +239,35 @@ def test_a_connection_whose_lanes_do_not_join_is_closed_after_the_header_timeout
         wait_for(lambda: b.connection("x") is None)
         with make_agent(monkeypatch, "a", 4) as a:  # and still admits a real peer
             assert a.connect(b.metadata()).tcp_lanes == 4
+
+
+SPIN_PROG = r"""
+import sys
+import numpy as np
+from flagcx_mesh.agent import Agent
+size = 6 * (1 << 20) + 3
+with Agent("b", "s", timeout=20) as b, Agent("a", "s", timeout=20) as a:
+    dst = np.zeros(size, np.uint8)
+    remote = b.register(dst)
+    src = (np.arange(size) % 253).astype(np.uint8)
+    conn = a.connect(b.metadata())
+    for _ in range(4):
+        conn.write_sync(a.register(src), remote, size)
+    assert np.array_equal(dst, src)
+    print("LANES", conn.tcp_lanes, flush=True)
+"""
+
+
+@pytest.mark.parametrize("spin", ["0", "50", "10000"])
+def test_striped_writes_land_whatever_the_lane_spin(spin):
+    env = dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp", FLAGCX_MESH_TCP_LANES="4", FLAGCX_MESH_TCP_LANE_SPIN_US=spin)
+    p = subprocess.run([sys.executable, "-c", SPIN_PROG], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0 and "LANES 4" in p.stdout, p.stdout + p.stderr
+
+
+@pytest.mark.parametrize("value", ["abc", "-1", "10001", "5us"])
+def test_a_bad_lane_spin_fails_the_agent_naming_the_variable(value):
+    env = dict(os.environ, FLAGCX_MESH_TCP_LANE_SPIN_US=value)
+    p = subprocess.run([sys.executable, "-c", SPIN_PROG], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0 and "InvalidArgument" in p.stderr, p.stdout + p.stderr
+    assert f"FLAGCX_MESH_TCP_LANE_SPIN_US={value}" in p.stderr, p.stderr

@@ -62,6 +62,7 @@ Agent::Agent(const AgentOptions& o)
   forced_transport();  // a bad FLAGCX_MESH_TRANSPORT (or _CUDA_PATH) fails here, not at the first transfer
   forced_cuda_path();
   tcp_lanes_ = tcp_lanes_env(2 * kPlannedConnections);
+  tcp_lane_spin_us_env();  // a bad value fails here, not in a connection's engine
   crypto::random_bytes(incarnation_.data(), incarnation_.size());
   int err = 0;
   tcp::SockAddr bind = tcp::local_address();

@@ -65,6 +65,7 @@ class Listener {
   void admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void expire_awaiting();
+  void start(Connection& c);
   void reject(Incoming& in, wire::Reject why, const std::string& detail = "");
   void poll_once();
 
@@ -246,7 +247,7 @@ void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs
   if (!why.empty()) return reject(in, code, why);
   in.finished = true;
   if (!r.ok()) return c->close("sending the admission failed: " + r.describe());
-  if (c->lanes_joined()) return c->start();
+  if (c->lanes_joined()) return start(*c);
   awaiting_.push_back({c, Deadline::after_seconds(a_.header_timeout_s_)});
 }
 
@@ -271,8 +272,18 @@ void Listener::join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& th
   if (!r.ok()) return reject(in, wire::Reject::kTruncated, "sending the lane's admission failed");
   in.finished = true;
   if (!w->conn->add_lane(theirs.lane, std::move(in.fd))) return;
-  w->conn->start();
+  start(*w->conn);
   w->conn.reset();
+}
+
+// An engine that cannot start (no thread, no eventfd) closes its connection; the listener goes on.
+void Listener::start(Connection& c) {
+  try {
+    c.start();
+  } catch (const std::exception& e) {
+    FXM_WARN(-1, a_.who() + "the connection of agent " + c.peer().name + " could not start: " + e.what());
+    c.close(std::string("it could not start: ") + e.what());
+  }
 }
 
 void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail) {
