@@ -61,6 +61,9 @@ step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/benc
 step bench-agent-cuda "$py" -m flagcx_mesh.bench agent --device cuda --bytes 1G --json "$logs/bench-agent-cuda.json"
 step bench-agent-cuda-batch-off env FLAGCX_MESH_CUDA_BATCH_COPY=off "$py" -m flagcx_mesh.bench agent --device cuda \
   --bytes 1G --paths cuda-ipc,cuda-vmm --peers none --mesh-put off --json "$logs/bench-agent-cuda-batch-off.json"
+# agents on host memory beside the mesh's own puts (cma, shm, tcp: the agent's tcp lanes against the mesh's)
+step bench-agent-host "$py" -m flagcx_mesh.bench agent --transports cma,shm,tcp --peers none \
+  --json "$logs/bench-agent-host.json"
 # the staged path's other half of its goal (raw loopback TCP), and its chunk size either side of the default
 step bench-put-host "$py" -m flagcx_mesh.bench put --sizes 1M,16M,64M,256M --batch 0 --json "$logs/bench-put-host.json"
 for chunk in 1048576 16777216; do

@@ -1,5 +1,6 @@
 #include "agent/connection.h"
 
+#include <sys/socket.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -134,9 +135,10 @@ void Connection::close(const std::string& why) {
     std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
     if (closed_why_.empty()) closed_why_ = why;
     closed_.store(true, std::memory_order_release);
-    if (!engine_) {  // never started: its sockets close now (the peer sees it), not at the last reference
-      for (tcp::Fd& f : conns_.send) f.reset();
-      for (tcp::Fd& f : conns_.recv) f.reset();
+    if (!engine_) {  // never started: the peer sees the end now, not at the last reference (the fds stay
+      for (tcp::Fd& f : conns_.recv) {  // valid for a verdict the listener may be writing on lane 0)
+        if (f) ::shutdown(f.get(), SHUT_RDWR);
+      }
     }
   }
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();

@@ -271,7 +271,15 @@ void Listener::join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& th
   if (!why.empty()) return reject(in, wire::Reject::kUnknownLane, why);
   if (!r.ok()) return reject(in, wire::Reject::kTruncated, "sending the lane's admission failed");
   in.finished = true;
-  if (!w->conn->add_lane(theirs.lane, std::move(in.fd))) return;
+  bool all = false;
+  try {
+    all = w->conn->add_lane(theirs.lane, std::move(in.fd));
+  } catch (const std::exception& e) {  // no fd for its dup
+    w->conn->close(std::string("its tcp lane could not be added: ") + e.what());
+    w->conn.reset();
+    return;
+  }
+  if (!all) return;
   start(*w->conn);
   w->conn.reset();
 }
