@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import resource
 import socket
+import struct
 import subprocess
 import sys
 import threading
@@ -141,6 +142,41 @@ def recv_up_to(s: socket.socket, n: int) -> bytes:
             break
         got += part
     return got
+
+
+def stream_sockets():
+    """A socket object on a duplicate of each connected TCP stream fd of this process (the caller
+    closes those it keeps; the others are closed here)."""
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.getpeername():
+                yield s
+                continue
+        except OSError:
+            pass
+        s.close()
+
+
+def bytes_acked(sock: socket.socket) -> int:
+    """tcpi_bytes_acked of struct tcp_info (Linux >= 4.1): bytes the peer has acknowledged."""
+    return struct.unpack_from("<Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 120)[0]
+
+
+def acked_since(socks, before, each: int, limit: float = 5.0) -> List[int]:
+    """Bytes each socket had acknowledged since `before` (its earlier bytes_acked), once each
+    reached `each` or after `limit` s: a transfer's completion can come back before the kernel's
+    (delayed) ACK of a socket's last segments, and the sum passes a size before the last socket's
+    count does (every socket also carries frame headers)."""
+    deadline = time.monotonic() + limit
+    while True:
+        sent = [bytes_acked(s) - b for s, b in zip(socks, before)]
+        if all(n >= each for n in sent) or time.monotonic() > deadline:
+            return sent
+        time.sleep(0.01)
 
 
 # ----------------------------------------------------------------------------- process resources

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import pytest
 from flagcx_mesh import PeerLost
 from flagcx_mesh.agent import Agent
 import agent_handshake as hs
+from meshutil import acked_since, bytes_acked, stream_sockets
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "lanes-secret"
@@ -64,27 +64,15 @@ def test_a_connection_takes_the_smaller_offer_on_both_sides(monkeypatch, offer_a
 def lane_sockets(listener_address):
     """A duplicate of each socket of this process connected to `listener_address` (a connector's
     lanes; each lane has two fds, one the engine writes and its dup it reads)."""
-    host, port = listener_address.rsplit(":", 1)
+    port = int(listener_address.rsplit(":", 1)[1])
     out, seen = [], set()
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.getpeername()[1] == int(port) and s.getsockname() not in seen:
-                seen.add(s.getsockname())
-                out.append(s)
-                continue
-        except OSError:
-            pass
-        s.close()
+    for s in stream_sockets():
+        if s.getpeername()[1] == port and s.getsockname() not in seen:
+            seen.add(s.getsockname())
+            out.append(s)
+        else:
+            s.close()
     return out
-
-
-def bytes_acked(sock):
-    """tcpi_bytes_acked of struct tcp_info (Linux >= 4.1)."""
-    return struct.unpack_from("<Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 120)[0]
 
 
 def test_a_large_write_travels_over_every_lane(monkeypatch):
@@ -100,12 +88,7 @@ def test_a_large_write_travels_over_every_lane(monkeypatch):
         assert len(socks) == 4, [s.getsockname() for s in socks]
         before = [bytes_acked(s) for s in socks]
         conn.write_sync(local, remote, size)
-        deadline = time.monotonic() + 5  # the kernel's delayed ACK of each lane's last segments
-        while True:
-            sent = [bytes_acked(s) - x for s, x in zip(socks, before)]
-            if all(n >= size // 4 for n in sent) or time.monotonic() > deadline:
-                break
-            time.sleep(0.01)
+        sent = acked_since(socks, before, size // 4)
         for s in socks:
             s.close()
         assert all(size // 4 <= n <= size // 4 + 4096 for n in sent), sent

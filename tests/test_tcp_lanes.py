@@ -13,16 +13,14 @@ from __future__ import annotations
 
 import os
 import socket
-import struct
 import subprocess
-import time
 
 import numpy as np
 import pytest
 
 import flagcx_mesh
 from flagcx_mesh import InvalidArgument, PeerLost
-from meshutil import PY, close_all, run_threads, thread_meshes
+from meshutil import PY, acked_since, bytes_acked, close_all, run_threads, stream_sockets, thread_meshes
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -48,24 +46,11 @@ def pattern(n, seed):
 def lane_socket(mesh, peer, lane, ctx=0):
     """A socket object on (a duplicate of) this rank's send connection of that lane."""
     port = mesh.tcp_lane_ports(peer, ctx)[lane]
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.getsockname()[1] == port and s.getpeername():
-                return s
-        except OSError:
-            pass
+    for s in stream_sockets():
+        if s.getsockname()[1] == port:
+            return s
         s.close()
     raise AssertionError(f"no socket with local port {port} (lane {lane})")
-
-
-def bytes_acked(sock):
-    """tcpi_bytes_acked of struct tcp_info (Linux >= 4.1): bytes the peer has acknowledged."""
-    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    return struct.unpack_from("<Q", info, 120)[0]
 
 
 def test_the_mesh_reports_the_lanes_the_variable_sets(lanes4):
@@ -92,15 +77,7 @@ def test_a_large_put_travels_over_every_lane(lanes4):
             before = [bytes_acked(s) for s in socks]
             m.put(1, src, 0, dst, 0, size)
             m.flush(timeout=OP_TIMEOUT)
-            # The mesh's ack can come back before the kernel's (delayed) ACK of a lane's last
-            # segments: wait for each lane's count to settle (their sum passes the size before the
-            # last lane's does: every lane also carries frame headers).
-            deadline = time.monotonic() + 5
-            while True:
-                sent = [bytes_acked(s) - b for s, b in zip(socks, before)]
-                if all(n >= size // 4 for n in sent) or time.monotonic() > deadline:
-                    break
-                time.sleep(0.01)
+            sent = acked_since(socks, before, size // 4)
             for s in socks:
                 s.close()
             assert all(size // 4 <= n <= size // 4 + 4096 for n in sent), sent
