@@ -85,16 +85,21 @@ void Listener::run() {
   }
 }
 
+// Closes the connections whose lanes did not all join in time and drops them from the agent's
+// table too, so that their sockets close now (nothing else prunes it but a notification wait).
 void Listener::expire_awaiting() {
+  bool expired = false;
   for (AwaitingLanes& w : awaiting_) {
     if (!w.conn || !w.deadline.expired()) continue;
     w.conn->close("its tcp lanes did not all join within the header timeout (" +
                   std::to_string(a_.header_timeout_s_) + " s)");
     FXM_WARN(-1, a_.who() + "closed the connection of agent " + w.conn->peer().name + ": its tcp lanes did not all join");
     w.conn.reset();
+    expired = true;
   }
   awaiting_.erase(std::remove_if(awaiting_.begin(), awaiting_.end(), [](const AwaitingLanes& w) { return !w.conn; }),
                   awaiting_.end());
+  if (expired) a_.prune();
 }
 
 void Listener::poll_once() {
