@@ -273,3 +273,17 @@ def test_connections_whose_lanes_never_join_do_not_keep_their_sockets(monkeypatc
             assert lane0.recv(1) == b""  # closed at the header timeout
             lane0.close()
         wait_for(lambda: fd_count() <= base + 2, limit=10)
+
+
+def test_a_connector_that_closes_lane_0_before_its_lanes_join_is_dropped_at_once(monkeypatch):
+    """A connector that dies (or whose lanes fail) after lane 0 was admitted: the acceptor closes
+    the connection when lane 0 closes, not at the header timeout, so a connector that retries is
+    not answered with the stale connection in the meantime."""
+    with make_agent(monkeypatch, "b", 4, header_timeout=60) as b:
+        lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, token=3))
+        assert verdict == "" and [p[0] for p in b.peers()] == ["x"]
+        lane0.close()
+        wait_for(lambda: b.connection("x") is None, limit=10)
+        assert b.peers() == []
+        _, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, lane=1, token=3))
+        assert "no connection of this agent awaits a tcp lane 1" in verdict, verdict
