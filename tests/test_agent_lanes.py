@@ -19,7 +19,7 @@ import pytest
 from flagcx_mesh import PeerLost
 from flagcx_mesh.agent import Agent
 import agent_handshake as hs
-from meshutil import acked_since, bytes_acked, stream_sockets
+from meshutil import acked_since, bytes_acked, fd_count, stream_sockets
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "lanes-secret"
@@ -254,3 +254,36 @@ def test_a_bad_lane_spin_fails_the_agent_naming_the_variable(value):
     p = subprocess.run([sys.executable, "-c", SPIN_PROG], env=env, capture_output=True, text=True, timeout=60)
     assert p.returncode != 0 and "InvalidArgument" in p.stderr, p.stdout + p.stderr
     assert f"FLAGCX_MESH_TCP_LANE_SPIN_US={value}" in p.stderr, p.stderr
+
+
+def test_connections_whose_lanes_never_join_do_not_keep_their_sockets(monkeypatch):
+    """Each lane 0 admitted whose lanes never join is closed at the header timeout, and its
+    sockets are released then, not kept in the agent's table until someone waits for a
+    notification (a peer repeating it would run the acceptor out of file descriptors)."""
+    with make_agent(monkeypatch, "b", 4, header_timeout=0.3) as b:
+        lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("w", lanes=4, token=1))  # warms the listener up
+        lane0.settimeout(10)
+        assert verdict == "" and lane0.recv(1) == b""
+        lane0.close()
+        base = fd_count()
+        for k in range(10):
+            lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x%d" % k, lanes=4, token=k))
+            assert verdict == ""
+            lane0.settimeout(10)
+            assert lane0.recv(1) == b""  # closed at the header timeout
+            lane0.close()
+        wait_for(lambda: fd_count() <= base + 2, limit=10)
+
+
+def test_a_connector_that_closes_lane_0_before_its_lanes_join_is_dropped_at_once(monkeypatch):
+    """A connector that dies (or whose lanes fail) after lane 0 was admitted: the acceptor closes
+    the connection when lane 0 closes, not at the header timeout, so a connector that retries is
+    not answered with the stale connection in the meantime."""
+    with make_agent(monkeypatch, "b", 4, header_timeout=60) as b:
+        lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, token=3))
+        assert verdict == "" and [p[0] for p in b.peers()] == ["x"]
+        lane0.close()
+        wait_for(lambda: b.connection("x") is None, limit=10)
+        assert b.peers() == []
+        _, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, lane=1, token=3))
+        assert "no connection of this agent awaits a tcp lane 1" in verdict, verdict

@@ -6,7 +6,8 @@
 // oldest without a valid header goes first), and every refusal is counted by
 // its wire::Reject reason. A connection of several tcp lanes is filed when its
 // lane 0 is admitted and started when its last lane joined; one whose lanes
-// did not all join within the header deadline is closed.
+// did not all join within the header deadline, or whose connector closed its
+// lane 0 before, is closed and leaves the agent's table.
 #include <poll.h>
 #include <unistd.h>
 
@@ -65,6 +66,7 @@ class Listener {
   void admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void expire_awaiting();
+  void on_awaiting_hangup(const std::vector<pollfd>& fds, size_t first);
   void start(Connection& c);
   void reject(Incoming& in, wire::Reject why, const std::string& detail = "");
   void poll_once();
@@ -85,16 +87,21 @@ void Listener::run() {
   }
 }
 
+// Closes the connections whose lanes did not all join in time and drops them from the agent's
+// table too, so that their sockets close now (nothing else prunes it but a notification wait).
 void Listener::expire_awaiting() {
+  bool expired = false;
   for (AwaitingLanes& w : awaiting_) {
     if (!w.conn || !w.deadline.expired()) continue;
     w.conn->close("its tcp lanes did not all join within the header timeout (" +
                   std::to_string(a_.header_timeout_s_) + " s)");
     FXM_WARN(-1, a_.who() + "closed the connection of agent " + w.conn->peer().name + ": its tcp lanes did not all join");
     w.conn.reset();
+    expired = true;
   }
   awaiting_.erase(std::remove_if(awaiting_.begin(), awaiting_.end(), [](const AwaitingLanes& w) { return !w.conn; }),
                   awaiting_.end());
+  if (expired) a_.prune();
 }
 
 void Listener::poll_once() {
@@ -102,7 +109,11 @@ void Listener::poll_once() {
   for (Incoming& in : in_) fds.push_back({in.fd.get(), POLLIN, 0});
   Deadline next = Deadline::after_seconds(0.1);
   for (Incoming& in : in_) next = next.min(in.deadline);
-  for (AwaitingLanes& w : awaiting_) next = next.min(w.deadline);
+  size_t first_awaiting = fds.size();
+  for (AwaitingLanes& w : awaiting_) {  // their lane 0: the connector sends nothing there before its lanes joined
+    next = next.min(w.deadline);
+    fds.push_back({w.conn ? w.conn->fd() : -1, POLLRDHUP, 0});
+  }
   int rc = ::poll(fds.data(), fds.size(), next.poll_ms());
   if (rc <= 0) return;
   size_t n = in_.size();  // accept_all() may add more
@@ -110,6 +121,24 @@ void Listener::poll_once() {
     if (fds[k + 2].revents) on_readable(in_[k]);
   }
   if (fds[1].revents) accept_all();
+  on_awaiting_hangup(fds, first_awaiting);
+}
+
+// A connector that gave up between lane 0 and its lanes (it died, or a lane failed) closed lane 0:
+// its connection is closed and leaves the table now, not at the header deadline. (revents were
+// taken before this round's lanes joined, so a connection started since saw no traffic then.)
+void Listener::on_awaiting_hangup(const std::vector<pollfd>& fds, size_t first) {
+  bool gone = false;
+  for (size_t k = first; k < fds.size(); ++k) {
+    AwaitingLanes& w = awaiting_[k - first];  // awaiting_ only grows within a round
+    if (!w.conn || !(fds[k].revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
+    w.conn->close("its connector closed tcp lane 0 before every lane joined");
+    FXM_INFO(-1, a_.who() + "closed the connection of agent " + w.conn->peer().name +
+                     ": it closed tcp lane 0 before every lane joined");
+    w.conn.reset();
+    gone = true;
+  }
+  if (gone) a_.prune();
 }
 
 void Listener::accept_all() {
