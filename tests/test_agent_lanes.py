@@ -287,3 +287,17 @@ def test_a_connector_that_closes_lane_0_before_its_lanes_join_is_dropped_at_once
         assert b.peers() == []
         _, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, lane=1, token=3))
         assert "no connection of this agent awaits a tcp lane 1" in verdict, verdict
+
+
+def test_a_connection_dropped_for_its_lanes_keeps_other_peers_unread_notifications(monkeypatch):
+    """The listener drops only the connection whose lanes did not join: a peer that notified and
+    left before (its connection ended, its notification unread) is still heard."""
+    with make_agent(monkeypatch, "b", 4, header_timeout=0.5) as b:
+        with make_agent(monkeypatch, "c", 4) as c:
+            c.connect(b.metadata()).notify(b"from c")
+        wait_for(lambda: b.connection("c") is None)  # c left: its connection ended, unread
+        lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x", lanes=4, token=6))
+        assert verdict == ""
+        lane0.settimeout(10)
+        assert lane0.recv(1) == b""  # expired and dropped
+        assert [n.data for n in b.notifications(timeout=5)] == [b"from c"]

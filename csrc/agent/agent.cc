@@ -321,7 +321,13 @@ std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnati
   join_lanes(*c, to, me, d);
   std::string why = adopt(c);
   if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
-  c->start();
+  try {
+    c->start();
+  } catch (const std::exception& e) {  // no engine (no thread, no eventfd): not left filed, never started
+    c->close(std::string("it could not start: ") + e.what());
+    forget(c);
+    throw;
+  }
   return c;
 }
 
@@ -389,6 +395,11 @@ void Agent::prune() {
                  conns_.end());
   }
   for (auto& c : dead) c->close("the peer was lost");
+}
+
+void Agent::forget(const std::shared_ptr<Connection>& c) {
+  std::lock_guard<std::mutex> lock(mu_);
+  conns_.erase(std::remove(conns_.begin(), conns_.end(), c), conns_.end());
 }
 
 std::vector<Notification> Agent::notifications(double timeout_s) { return inbox_->take(timeout_s); }

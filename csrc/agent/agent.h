@@ -223,6 +223,8 @@ class Agent {
   // Dials lanes 1.. of c (lane 0 was admitted) with the same handshake.
   void join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d);
   void prune();
+  // Drops `c` from the table (a connection that never started: it holds no notification to keep).
+  void forget(const std::shared_ptr<Connection>& c);
   std::string who() const { return "agent " + name_ + ": "; }
 
   std::string name_;

@@ -90,18 +90,16 @@ void Listener::run() {
 // Closes the connections whose lanes did not all join in time and drops them from the agent's
 // table too, so that their sockets close now (nothing else prunes it but a notification wait).
 void Listener::expire_awaiting() {
-  bool expired = false;
   for (AwaitingLanes& w : awaiting_) {
     if (!w.conn || !w.deadline.expired()) continue;
     w.conn->close("its tcp lanes did not all join within the header timeout (" +
                   std::to_string(a_.header_timeout_s_) + " s)");
     FXM_WARN(-1, a_.who() + "closed the connection of agent " + w.conn->peer().name + ": its tcp lanes did not all join");
+    a_.forget(w.conn);
     w.conn.reset();
-    expired = true;
   }
   awaiting_.erase(std::remove_if(awaiting_.begin(), awaiting_.end(), [](const AwaitingLanes& w) { return !w.conn; }),
                   awaiting_.end());
-  if (expired) a_.prune();
 }
 
 void Listener::poll_once() {
@@ -128,17 +126,15 @@ void Listener::poll_once() {
 // its connection is closed and leaves the table now, not at the header deadline. (revents were
 // taken before this round's lanes joined, so a connection started since saw no traffic then.)
 void Listener::on_awaiting_hangup(const std::vector<pollfd>& fds, size_t first) {
-  bool gone = false;
   for (size_t k = first; k < fds.size(); ++k) {
     AwaitingLanes& w = awaiting_[k - first];  // awaiting_ only grows within a round
     if (!w.conn || !(fds[k].revents & (POLLRDHUP | POLLHUP | POLLERR))) continue;
     w.conn->close("its connector closed tcp lane 0 before every lane joined");
     FXM_INFO(-1, a_.who() + "closed the connection of agent " + w.conn->peer().name +
                      ": it closed tcp lane 0 before every lane joined");
+    a_.forget(w.conn);
     w.conn.reset();
-    gone = true;
   }
-  if (gone) a_.prune();
 }
 
 void Listener::accept_all() {
