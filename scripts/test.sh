@@ -188,13 +188,22 @@ main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no te
 JOBS=${FXM_TEST_JOBS:-4}
 step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
-step "pytest (main suite, the serial files alone)"
+step "pytest (main suite, the serial files that run alone)"
 # Without arguments, the serial files by name (tests/conftest.py's SERIAL_FILES): pytest then
-# collects those alone, not the whole suite (~6 s of CPU) to keep them.
-SERIAL=()
-[ $# -gt 0 ] || mapfile -t SERIAL < <("$VENV/bin/python" -c 'import sys; sys.path.insert(0, "tests"); import conftest
-print(*sorted("tests/" + f for f in conftest.SERIAL_FILES), sep="\n")')
-main_suite "main suite (serial files)" -m serial "${SERIAL[@]}" "$@"
+# collects those alone, not the whole suite (~6 s of CPU) to keep them. Those of ALONE_FILES
+# (they watch or change /dev/shm's names and the host's network) run here with nothing beside
+# them; the other serial files run in the background beside the MPI and vLLM stages below.
+serial_files() {  # serial_files ALONE|BESIDE: the serial files of that kind, one a line
+    [ $# -gt 0 ] && "$VENV/bin/python" -c 'import sys; sys.path.insert(0, "tests"); import conftest
+alone = sys.argv[1] == "ALONE"
+print(*sorted("tests/" + f for f in conftest.SERIAL_FILES if (f in conftest.ALONE_FILES) == alone), sep="\n")' "$1"
+}
+SERIAL_ALONE=() SERIAL_BESIDE=()
+if [ $# -eq 0 ]; then
+    mapfile -t SERIAL_ALONE < <(serial_files ALONE)
+    mapfile -t SERIAL_BESIDE < <(serial_files BESIDE)
+fi
+main_suite "main suite (serial files, alone)" -m "serial and alone" "${SERIAL_ALONE[@]}" "$@"
 
 step "FlagCX check: integrations/flagcx/check/check.sh 8 20"
 if [ $HAVE_FLAGCX = 1 ]; then
@@ -237,6 +246,18 @@ vllm_stage() {  # exit status 2: installing vLLM failed; 1: its tests failed
     } 9> "$dir.lock"
     step "vLLM stage done"
 }
+# The other serial files, in the background from here (their output in build/serial-beside.log,
+# shown after the MPI stages): the MPI and vLLM stages touch nothing that they watch.
+serial_beside() {
+    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 900 "$VENV/bin/pytest" -q --timeout-method=thread \
+        -p no:cacheprovider -m "serial and not alone" "${SERIAL_BESIDE[@]}" "$@"
+    local rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ]
+}
+step "pytest (main suite, the other serial files): in the background from now on (build/serial-beside.log)"
+serial_beside "$@" > build/serial-beside.log 2>&1 &
+serial_job=$!
+
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     step "vLLM stage: in the background from now on (build/vllm-stage.log, shown after the MPI stages)"
     vllm_stage > build/vllm-stage.log 2>&1 &
@@ -256,6 +277,10 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
             || failed+=("MPI tests under $mpi")
     done
 fi
+
+step "pytest (main suite, the other serial files, in the background since the MPI stages began): their output"
+wait $serial_job || failed+=("main suite (serial files beside the MPI and vLLM stages)")
+cat build/serial-beside.log
 
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     step "vLLM stage (in the background since the serial files): its output"
