@@ -13,7 +13,7 @@
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
 #      $FXM_TEST_JOBS pytest-xdist workers (default 4: many tests wait on deadlines and child processes, so 4 beat 3 and 3 beat 2 on 2 cores),
-#      the longest files first (tests/conftest.py FIRST_FILES), then the `serial` files of ALONE_FILES alone
+#      then the `serial` files of ALONE_FILES alone
 #      (/dev/shm's names, the host's network), the other `serial` files in the background beside stages 4 to 6
 #      (tests/conftest.py; `slow` tests are run too)
 #   3. with FLAGCX_SRC (a FlagCX 0c721293 tree): integrations/flagcx/check/check.sh 8 20; without it

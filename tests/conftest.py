@@ -28,30 +28,10 @@ SLOW_FILES = {"test_soak.py", "test_netns_faults.py"}
 # programs touch nothing the others watch (their own descriptors, threads and children).
 ALONE_FILES = {"test_shm_names.py", "test_netns.py", "test_netns_faults.py"}
 assert ALONE_FILES <= SERIAL_FILES
-# The longest files of the parallel run, longest first (each worker's time in them on 2 cores,
-# 2026-12-03): collected first, so that pytest-xdist (--dist loadfile hands the files out in
-# collection order) starts them at once and the short files fill in around them; in name order,
-# test_window_trust.py (40 s, mostly deadlines) and test_vllm_transfer.py came among the last
-# and ran on while other workers had nothing left.
-FIRST_FILES = [
-    "test_onesided.py",           # ~80 s
-    "test_bootstrap_torch.py",    # ~70 s
-    "test_gpu_fake.py",           # ~47 s
-    "test_window_trust.py",       # ~41 s
-    "test_agent_device_fake.py",  # ~36 s
-    "test_vllm_transfer.py",      # ~32 s
-    "test_flagcx_real_runs.py",   # ~28 s
-    "test_compat.py",             # ~26 s
-    "test_engine_waits_fake.py",  # ~25 s
-    "test_net_modes.py",          # ~24 s
-    "test_net_builders.py",       # ~22 s
-    "test_runtime_symbols.py",    # ~21 s
-]
-assert all(os.path.exists(os.path.join(os.path.dirname(__file__), f)) for f in FIRST_FILES), FIRST_FILES
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "serial: run alone, after the parallel run (SERIAL_FILES)")
+    config.addinivalue_line("markers", "serial: run after the parallel run, apart from it (SERIAL_FILES)")
     config.addinivalue_line("markers", "slow: minutes per test; CI runs them (SLOW_FILES)")
     config.addinivalue_line("markers", "alone: a serial file run with no other stage beside it (ALONE_FILES)")
     # Ranks-as-threads tests open 2 * nranks * contexts sockets per rank.
@@ -82,9 +62,6 @@ def _check_expected_package():
 
 
 def pytest_collection_modifyitems(config, items):
-    # A stable sort: the tests of each file keep their order, the other files theirs.
-    first = {name: i for i, name in enumerate(FIRST_FILES)}
-    items.sort(key=lambda item: first.get(os.path.basename(str(item.fspath)), len(first)))
     for item in items:
         name = os.path.basename(str(item.fspath))
         if name in SERIAL_FILES:
