@@ -166,6 +166,10 @@ if r == 0:
     m.barrier(timeout=30)
 else:
     wait_until_unread(m)
+    # Its close starts 1 s after rank 0's could have: rank 0 reports at its 4 s flush deadline,
+    # then rank 1's own 4 s deadline is still about 1 s away (without it, a loaded host let that
+    # deadline come first, and rank 1 read MeshTimeout as before the fix).
+    time.sleep(1.0)
     print(f"VERDICT1 {close_once()}", flush=True)
     m.recv(0, timeout=30)  # now the put lands and is acked
     m.barrier(timeout=30)
