@@ -71,26 +71,22 @@ bool Connection::add_lane(int lane, tcp::Fd fd) {
   }
   conns_.send[lane] = tcp::Fd(twin);
   conns_.recv[lane] = std::move(fd);
-  for (const tcp::Fd& f : conns_.recv) {
-    if (!f) return false;
-  }
-  return true;
+  return joined_locked();
+}
+
+bool Connection::joined_locked() const {
+  return std::all_of(conns_.recv.begin(), conns_.recv.end(), [](const tcp::Fd& f) { return static_cast<bool>(f); });
 }
 
 bool Connection::lanes_joined() const {
   std::lock_guard<std::mutex> lock(state_mu_);
-  for (const tcp::Fd& f : conns_.recv) {
-    if (!f) return false;
-  }
-  return true;
+  return joined_locked();
 }
 
 void Connection::start() {
   std::lock_guard<std::mutex> lock(state_mu_);
   if (!closed_why_.empty() || engine_) return;
-  for (const tcp::Fd& f : conns_.recv) {
-    if (!f) fail(Code::kProtocol, -1, 0, who() + ": started before every tcp lane joined");
-  }
+  if (!joined_locked()) fail(Code::kProtocol, -1, 0, who() + ": started before every tcp lane joined");
   engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s());
   ready_.store(true, std::memory_order_release);
 }

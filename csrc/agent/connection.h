@@ -71,6 +71,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   double agent_timeout() const { return agent_->timeout_s(); }
 
  private:
+  bool joined_locked() const;  // lanes_joined() with state_mu_ held
   struct Checked;
   Checked check(const Xfer& x, bool is_read, const char* call) const;
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.

@@ -3,10 +3,16 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdint>
 
 namespace fxm {
 
 using Clock = std::chrono::steady_clock;
+
+// Clock's time in nanoseconds (for timestamps kept in atomics or plain integers).
+inline int64_t steady_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(Clock::now().time_since_epoch()).count();
+}
 
 class Deadline {
  public:

@@ -409,11 +409,6 @@ bool Engine::write_some(int s) {
 }
 
 
-static int64_t steady_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
 void Engine::note_applied(int s, bool lazy) {
   ++applied_[s];
   if (!lazy) {

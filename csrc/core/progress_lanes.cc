@@ -36,16 +36,7 @@ namespace fxm {
 
 using wire::FrameType;
 
-namespace {
-
-int64_t now_ns() {
-  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
-      .count();
-}
-
-}  // namespace
-
-bool Engine::lane_spinning(int64_t until_ns) const { return until_ns > 0 && now_ns() < until_ns; }
+bool Engine::lane_spinning(int64_t until_ns) const { return until_ns > 0 && steady_ns() < until_ns; }
 
 std::string Engine::conn_name(int c) const {
   return lane_of(c) == 0 ? "" : " (tcp lane " + std::to_string(lane_of(c)) + ")";
@@ -99,7 +90,7 @@ bool Engine::on_striped_header(int s, InConn& in) {
   // Every stripe of the earlier striped puts landed (lane 0 was held until then), and none of
   // this one's has been read past its header: the workers may read this one's now.
   stripes_admitted_[s].fetch_add(1, std::memory_order_release);
-  if (lane_spin_ns_ > 0) lane0_spin_until_ns_.store(now_ns() + lane_spin_ns_, std::memory_order_relaxed);
+  if (lane_spin_ns_ > 0) lane0_spin_until_ns_.store(steady_ns() + lane_spin_ns_, std::memory_order_relaxed);
   wake_lanes();
   return true;
 }
@@ -134,7 +125,7 @@ void Engine::on_stripe_done(int c, InConn& in) {
   }
   in.reset();  // leaves the window
   if (lane_spin_ns_ > 0) {  // the next hand-offs: lane 0 applies this put and admits the next one's stripes
-    int64_t until = now_ns() + lane_spin_ns_;
+    int64_t until = steady_ns() + lane_spin_ns_;
     lane_workers_[lane_of(c) - 1]->spin_until_ns = until;
     lane0_spin_until_ns_.store(until, std::memory_order_relaxed);
   }
