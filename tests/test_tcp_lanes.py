@@ -207,6 +207,27 @@ def test_flush_and_wait_counter_count_a_striped_put_once(lanes4):
     run_threads(2, body, timeout=60)
 
 
+def test_a_waiter_that_goes_to_sleep_wakes_the_parked_progress_thread(monkeypatch):
+    """Blocking striped puts, one after the other: flush reads lane 0 itself for its first
+    50 us, so the progress thread often finds the read role taken and polls without lane 0.
+    When the flush then sleeps, it must wake that poll (as it wakes a decided park); it was
+    left to the poll's 1 ms timer, and such puts took ~1 ms more (1 in 30 here, 2 lanes).
+    mesh.stats() counts parked polls and those that ran out their timer after a waiter slept."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    monkeypatch.setenv("FLAGCX_MESH_TCP_LANES", "2")
+    meshes = thread_meshes(2)
+    try:
+        wins = run_threads(2, lambda r: meshes[r].register_window(np.full(STRIPE_MIN, r, np.uint8)), timeout=30)
+        for _ in range(3000):
+            meshes[0].put(1, wins[0], 0, wins[1], 0, STRIPE_MIN)
+            meshes[0].flush(1, timeout=OP_TIMEOUT)
+        stats = meshes[0].stats()
+    finally:
+        close_all(meshes)
+    assert stats["progress_parks"] > 0, stats  # the waiters read: the case was there
+    assert stats["progress_late_wakes"] == 0, stats
+
+
 @pytest.mark.parametrize("lane", [0, 2])
 def test_a_lane_killed_mid_op_fails_both_sides_with_peer_lost_naming_the_peer(lanes4, lane):
     """Rank 0 queues 256 MiB of striped puts and a put_signal, then one of its lanes' sockets is

@@ -57,6 +57,7 @@ class Mesh {
   std::vector<int> tcp_lane_ports(int peer, int ctx) const;
   const PhaseTimes& times() const { return times_; }
   const BuildStats& stats() const { return stats_; }
+  Engine::ParkCounts park_counts() const { return engine_ ? engine_->park_counts() : Engine::ParkCounts{0, 0}; }
   std::string mesh_id_hex() const { return wire::mesh_id_hex(mesh_id_); }
   std::string describe() const;
   bool closed() const { return closed_.load(); }

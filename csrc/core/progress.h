@@ -90,6 +90,13 @@ class Engine : public Outbox {
   void unpark();
   static constexpr std::chrono::microseconds kHelpSpin{50};
   static constexpr size_t kHelpDirectReads = 2;  // help_read reads up to this many connections without a poll
+  // The progress thread's parked polls so far, and those among them that ran out their timer
+  // after a waiter had gone to sleep (a lost wake-up: the frames it waited for waited for the
+  // timer instead; none is expected). mesh.stats() reports both.
+  struct ParkCounts {
+    uint64_t parks, late_wakes;
+  };
+  ParkCounts park_counts() const { return {parks_.load(), late_wakes_.load()}; }
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -189,6 +196,8 @@ class Engine : public Outbox {
   std::atomic<uint64_t> sleeps_{0};         // waiters that went to sleep (unpark) so far
   uint64_t sleeps_seen_ = 0;                // progress thread: sleeps_ at its last pass
   void decide_park();
+  bool park_beside_reader(uint64_t sleeps_before);
+  std::atomic<uint64_t> parks_{0}, late_wakes_{0};  // see park_counts()
   std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)
   uint64_t frames_read_ = 0;                // under read_mu_ (lane 0): socket reads that got bytes
   bool write_some(int s);

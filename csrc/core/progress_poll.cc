@@ -14,9 +14,11 @@
 //
 // Parking. The progress thread polls the same connections, so the kernel wakes it too for every
 // frame a waiter reads. Once waiters have read since its last pass (helped_ moved), it polls
-// without the lane-0 receive connections for up to 1 ms (parked_); a waiter that gives up its
-// spin and goes to sleep ends that at once and keeps it from parking again on that pass (unpark). A frame that no waiter is there to read
-// (read_counter polled in a loop, say) may so wait up to 1 ms for the progress thread.
+// without the lane-0 receive connections for up to 1 ms (parked_); so does a pass that finds the
+// read role taken (park_beside_reader). A waiter that gives up its spin and goes to sleep ends
+// either at once and keeps it from parking again on that pass (unpark). A frame that no waiter is
+// there to read (read_counter polled in a loop, say) may so wait up to 1 ms for the progress
+// thread. mesh.stats() counts the parked polls and those a lost wake-up left to their timer.
 //
 // Not for a mesh with device windows on this rank (Engine::may_help): their puts land through
 // staging buffers and device copies that stay with the progress thread.
@@ -37,6 +39,16 @@ bool Engine::may_help() const { return !windows_->has_device() && !stopping_.loa
 void Engine::unpark() {
   sleeps_.fetch_add(1);
   if (parked_.exchange(false)) wake();
+}
+
+// The read role is taken (a waiter reads lane 0 now): this pass polls without lane 0, parked as
+// decide_park() parks, so that the waiter that stops reading and sleeps wakes it (unpark). Not
+// parked when a waiter went to sleep since `sleeps_before` (it may not have seen parked_).
+bool Engine::park_beside_reader(uint64_t sleeps_before) {
+  parked_.store(true);
+  if (sleeps_.load() == sleeps_before) return true;
+  parked_.store(false);
+  return false;
 }
 
 // After a pass: parked when waiters read since the last one and none went to sleep (one that
@@ -96,9 +108,11 @@ void Engine::poll_once() {
   int total = total_;  // lane 0: the other lanes are their workers' (progress_lanes.cc)
   bool copies = false;
   std::vector<int> ahead;  // slots with frames read ahead: read them whatever the poll says
+  uint64_t sleeps_before = sleeps_.load();
   bool park = parked_.load();
   std::unique_lock<std::mutex> role(read_mu_, std::defer_lock);
-  if (!park && !role.try_lock()) park = true;  // a waiter reads them now
+  bool retry = false;  // a waiter went to sleep meanwhile: no role and not parked, so look again at once
+  if (!park && !role.try_lock()) retry = !(park = park_beside_reader(sleeps_before));
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int s = 0; s < total; ++s) {
@@ -114,11 +128,15 @@ void Engine::poll_once() {
   if (role.owns_lock()) role.unlock();
   int timeout_ms = copies_timeout_ms(copies);
   if ((park || lazy_pending_.load() > 0) && timeout_ms > 1) timeout_ms = 1;  // parked; the lazy acks' timer
-  if (!ahead.empty() || (lane_spin_ns_ > 0 && lane_spinning(lane0_spin_until_ns_.load(std::memory_order_relaxed)))) {
-    timeout_ms = 0;  // read ahead, or striped puts' hand-offs due (progress_lanes.cc)
+  if (retry || !ahead.empty() || (lane_spin_ns_ > 0 && lane_spinning(lane0_spin_until_ns_.load(std::memory_order_relaxed)))) {
+    timeout_ms = 0;  // read ahead, striped puts' hand-offs due (progress_lanes.cc), or the role freed
   }
-  ::poll(fds.data(), fds.size(), timeout_ms);
-  if (park) parked_.store(false);
+  int ready = ::poll(fds.data(), fds.size(), timeout_ms);
+  if (park) {
+    parked_.store(false);
+    parks_.fetch_add(1, std::memory_order_relaxed);
+    if (ready == 0 && sleeps_.load() != sleeps_before) late_wakes_.fetch_add(1, std::memory_order_relaxed);
+  }
   if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
   read_phase(fds, owner, ahead);
   for (size_t k = 1; k < fds.size(); ++k) {

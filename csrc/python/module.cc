@@ -83,6 +83,9 @@ py::dict stats(const Mesh& m) {
   d["connect_retries"] = s.connect_retries;
   // The most staging the staged puts of this process held for one peer at once (docs/gpu.md).
   d["staged_bytes_peak"] = fxm::cuda::staged_bytes_peak();
+  fxm::Engine::ParkCounts parks = m.park_counts();
+  d["progress_parks"] = parks.parks;
+  d["progress_late_wakes"] = parks.late_wakes;
   return d;
 }
 
