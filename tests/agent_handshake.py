@@ -3,6 +3,8 @@ Python alone, so tests can open one socket of a connection (lane 0 without its l
 with a token of their choosing) and see what the listener answers.
 
 dial() returns (socket, verdict text, the acceptor's identity); the socket stays open.
+accept() is the acceptor's side of one socket, so tests can answer a real connector as an
+acceptor that misbehaves would.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from flagcx_mesh import _core
 AGENT_DOMAIN = b"flagcx_mesh agnt"
 HEADER, NONCE, MAC = 64, 32, 32  # the header (its incarnation at bytes 8..24, ext_len at 48), nonce, HMAC-SHA256
 FRAME_MAGIC = 0x464D5846
+FRAME_ADMIT = 9  # wire::FrameType::kAdmit
 
 
 def agent_key(secret: str) -> bytes:
@@ -74,3 +77,23 @@ def dial(address: str, secret: str, my_ident: bytes, incarnation: bytes = None, 
     info = parse_ident(theirs)
     info["incarnation"] = answer[8:24]
     return sock, verdict, info
+
+
+def accept(sock: socket.socket, secret: str, name: str, lanes_for, verdict: str = "", incarnation: bytes = None):
+    """The acceptor's side on an accepted socket: answers as agent `name` (incarnation random
+    when None) with lanes_for(the connector's identity) in its lanes field, checks the proof,
+    sends `verdict`. Returns the connector's identity."""
+    hello = _read(sock, HEADER + NONCE)
+    theirs = _read(sock, struct.unpack_from("<I", hello, 48)[0])
+    info = parse_ident(theirs)
+    mine = ident(name, hello[8:24], lanes_for(info), info["lane"], info["token"])
+    head = _core._wire_encode(dict(role=_core.ROLE_AGENT_ACCEPT, mesh_id=incarnation or os.urandom(16), epoch=0,
+                                   src=-1, dst=-1, context=0, nranks=0, ncontexts=1, ext_len=len(mine)))
+    answer_head = head + os.urandom(NONCE)
+    key, bound = agent_key(secret), theirs + mine
+    sock.sendall(answer_head + _mac(key, b"flagcx_mesh accept proof", hello, answer_head, bound) + mine)
+    proof = _read(sock, MAC)
+    assert hmac.compare_digest(proof, _mac(key, b"flagcx_mesh connect proof", hello, answer_head, bound)), "no proof"
+    v = verdict.encode()
+    sock.sendall(struct.pack("<IHHQ", FRAME_MAGIC, FRAME_ADMIT, 0, len(v)) + v)
+    return info

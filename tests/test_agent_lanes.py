@@ -301,3 +301,104 @@ def test_a_connection_dropped_for_its_lanes_keeps_other_peers_unread_notificatio
         lane0.settimeout(10)
         assert lane0.recv(1) == b""  # expired and dropped
         assert [n.data for n in b.notifications(timeout=5)] == [b"from c"]
+
+
+def test_peers_that_leave_release_their_sockets_and_keep_their_notifications(monkeypatch):
+    """Decodes that connect, notify and leave, over and over, while the prefill waits for no
+    notification: the prefill's listener closes the ended connections (ten times a second), so
+    their sockets and threads do not pile up until a notification wait; what they notified
+    before leaving is still delivered, each once."""
+    with make_agent(monkeypatch, "b", 4) as b:
+        with make_agent(monkeypatch, "w", 4) as w:  # warms the listener and the inbox up
+            w.connect(b.metadata()).notify(b"warm")
+        assert [n.data for n in b.notifications(timeout=10)] == [b"warm"]
+        base = fd_count()
+        for k in range(10):
+            with make_agent(monkeypatch, "c%d" % k, 4) as c:
+                c.connect(b.metadata()).notify(b"from c%d" % k)
+        wait_for(lambda: fd_count() <= base + 2, limit=10)
+        got = []
+        end = time.monotonic() + 10
+        while len(got) < 10 and time.monotonic() < end:
+            got += [n.data for n in b.notifications(timeout=1)]
+        assert sorted(got) == sorted(b"from c%d" % k for k in range(10)), got
+
+
+def test_a_connection_the_listener_closed_still_says_how_its_peer_left(monkeypatch):
+    """The listener closes a connection whose peer said goodbye; calls on it later read that
+    the peer closed it, not that it was lost."""
+    with make_agent(monkeypatch, "b", 4) as b:
+        with make_agent(monkeypatch, "w", 4) as w:  # warms the listener up
+            w.connect(b.metadata())
+        wait_for(lambda: b.connection("w") is None)
+        base = fd_count()
+        with make_agent(monkeypatch, "c", 4) as c:
+            c.connect(b.metadata())
+            wait_for(lambda: b.connection("c") is not None)
+            conn = b.connection("c")
+        wait_for(lambda: fd_count() <= base + 2, limit=10)  # c's sockets and b's side of them
+        assert "agent c closed the connection" in conn.gone(), conn.gone()
+        with pytest.raises(PeerLost, match="notify: agent c closed the connection"):
+            conn.notify(b"late")
+
+
+def test_connections_awaiting_their_lanes_are_bounded(monkeypatch):
+    """Lane 0 admitted, lanes never joined (until the header timeout): beyond 256 at once a new
+    one is refused, told why and counted, rather than filed; one that leaves makes room."""
+    with make_agent(monkeypatch, "b", 4, header_timeout=60) as b:
+        held = []
+        try:
+            for k in range(256):
+                lane0, verdict, _ = hs.dial(b.address, SECRET, hs.ident("x%d" % k, lanes=4, token=k))
+                assert verdict == "", (k, verdict)
+                held.append(lane0)
+            extra, verdict, _ = hs.dial(b.address, SECRET, hs.ident("late", lanes=4, token=999))
+            extra.close()
+            assert "await their tcp lanes (256)" in verdict, verdict
+            assert wait_rejected(b, "too many pending connections") == 1
+            assert b.connection("late") is None
+            held.pop().close()
+            wait_for(lambda: b.connection("x255") is None, limit=10)
+            again, verdict, _ = hs.dial(b.address, SECRET, hs.ident("late", lanes=4, token=1000))
+            held.append(again)
+            assert verdict == "", verdict
+        finally:
+            for sock in held:
+                sock.close()
+
+
+def test_a_lane_answered_with_another_lane_count_fails_the_connect(monkeypatch):
+    """The acceptor echoes the connection's lane count on every later lane; a connector that
+    finds another count there fails its connect, naming it, rather than start a connection
+    that the two sides count differently."""
+    import threading
+
+    listener = socket.create_server(("127.0.0.1", 0))
+    listener.settimeout(20)
+    errors = []
+
+    def fake_acceptor():
+        inc = os.urandom(16)
+        socks = []
+        try:
+            for _ in range(4):
+                s, _ = listener.accept()
+                s.settimeout(20)
+                socks.append(s)
+                hs.accept(s, SECRET, "fake", lambda info: 4 if info["lane"] == 0 else 5, incarnation=inc)
+        except (OSError, ConnectionError) as e:  # the connector gave up: expected after lane 1
+            errors.append(e)
+        finally:
+            for s in socks:
+                s.close()
+
+    t = threading.Thread(target=fake_acceptor, daemon=True)
+    t.start()
+    try:
+        with make_agent(monkeypatch, "a", 4) as a:
+            with pytest.raises(Exception, match="lane count"):
+                a.connect("127.0.0.1:%d" % listener.getsockname()[1], timeout=10)
+    finally:
+        listener.close()
+        t.join(30)
+    assert not t.is_alive()

@@ -381,20 +381,18 @@ std::vector<PeerInfo> Agent::peers() const {
 }
 
 // Connections whose peer is gone leave the table (their handles keep them).
-void Agent::prune() {
+std::vector<std::shared_ptr<Connection>> Agent::take_ended() {
   std::vector<std::shared_ptr<Connection>> dead;
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    // One test per connection: one that ends between two tests would be dropped without its close.
-    conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
-                                [&dead](const std::shared_ptr<Connection>& c) {
-                                  if (!c->ended()) return false;
-                                  dead.push_back(c);
-                                  return true;
-                                }),
-                 conns_.end());
-  }
-  for (auto& c : dead) c->close("the peer was lost");
+  std::lock_guard<std::mutex> lock(mu_);
+  // One test per connection: one that ends between two tests would be dropped without its close.
+  conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
+                              [&dead](const std::shared_ptr<Connection>& c) {
+                                if (!c->ended()) return false;
+                                dead.push_back(c);
+                                return true;
+                              }),
+               conns_.end());
+  return dead;
 }
 
 void Agent::forget(const std::shared_ptr<Connection>& c) {

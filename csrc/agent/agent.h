@@ -222,7 +222,9 @@ class Agent {
   std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d);
   // Dials lanes 1.. of c (lane 0 was admitted) with the same handshake.
   void join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d);
-  void prune();
+  // Takes the connections whose peer is gone out of the table (one test each) and returns them:
+  // the inbox keeps what they still hold (NotificationInbox::sweep), then closes them.
+  std::vector<std::shared_ptr<Connection>> take_ended();
   // Drops `c` from the table (a connection that never started: it holds no notification to keep).
   void forget(const std::shared_ptr<Connection>& c);
   std::string who() const { return "agent " + name_ + ": "; }

@@ -120,6 +120,11 @@ std::string Connection::gone() const {
     std::lock_guard<std::mutex> lock(state_mu_);
     if (!closed_why_.empty()) return closed_why_;
   }
+  return peer_end();
+}
+
+// How the peer's side ended, in the engine's view ("" while it has not).
+std::string Connection::peer_end() const {
   if (!ready_.load(std::memory_order_acquire)) return "";
   std::string lost = engine_->lost_reason(kPeer);
   if (!lost.empty()) return "the peer was lost: " + lost;
@@ -420,8 +425,9 @@ void Connection::take_notifications(std::vector<Notification>* out) {
       out->push_back({peer_.name, peer_.incarnation, std::move(m)});
     } catch (const Error& e) {  // none waiting, or the peer closed / was lost (nothing more will come)
       if (e.code() == Code::kPeerLost) {
+        std::string why = peer_end();
         std::lock_guard<std::mutex> lock(state_mu_);
-        if (closed_why_.empty()) closed_why_ = std::string("the peer is gone: ") + e.what();
+        if (closed_why_.empty()) closed_why_ = why.empty() ? std::string("the peer is gone: ") + e.what() : why;
         closed_.store(true, std::memory_order_release);
       }
       return;
@@ -455,7 +461,8 @@ void Connection::fail_call(const Error& e, const std::string& call) const {
     cause.replace(at, 6, "agent " + peer_.name);
   }
   std::string g = gone();
-  if (e.code() == Code::kClosed && !g.empty()) cause = g;
+  bool said_goodbye = ready_.load(std::memory_order_acquire) && engine_->peer_closed(kPeer);
+  if ((e.code() == Code::kClosed || said_goodbye) && !g.empty()) cause = g;  // not the engine's "closed its mesh"
   fail(e.code() == Code::kClosed ? Code::kPeerLost : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
 }
 

@@ -44,6 +44,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool initiated() const { return initiated_; }
   // "" while usable, else why not (lost, closed, superseded by a restart).
   std::string gone() const;
+  std::string peer_end() const;  // how the peer ended in the engine's view ("" while it has not)
   // gone() is not "" (one lock, no text: what every call tests first).
   bool ended() const;
   // Writes (is_read false) or reads a batch; all of it is checked before

@@ -131,8 +131,8 @@ PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<
                                                    incarnation_hex(h.mesh_id) + ", not the " +
                                                    incarnation_hex(me.expect) + " the metadata names (it restarted)");
   }
-  if (theirs.lane != me.lane || theirs.token != me.token) {
-    fail_dial(Code::kProtocol, who, to, "the answer names another lane or connection than this one");
+  if (theirs.lane != me.lane || theirs.token != me.token || (me.lane > 0 && theirs.lanes != me.lanes)) {
+    fail_dial(Code::kProtocol, who, to, "the answer names another lane, lane count or connection than this one");
   }
   *lanes = theirs.lanes;
   return {theirs.name, h.mesh_id, to.str()};

@@ -16,6 +16,7 @@
 
 #include "agent/connection.h"
 #include "agent/handshake.h"
+#include "agent/stream_wait.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "core/pending_bound.h"
@@ -25,6 +26,7 @@ namespace {
 
 constexpr size_t kMaxPending = 256;
 constexpr int kAcceptBatch = 64;
+constexpr double kSweepEveryS = 0.1;  // connections whose peer left are closed that often (sweep)
 
 struct Incoming {
   tcp::Fd fd;
@@ -64,6 +66,7 @@ class Listener {
   void on_proof(Incoming& in);
   std::string judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code);
   void admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
+  bool awaiting_full(const hs::Ident& theirs) const;
   void join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void expire_awaiting();
   void on_awaiting_hangup(const std::vector<pollfd>& fds, size_t first);
@@ -77,8 +80,13 @@ class Listener {
 };
 
 void Listener::run() {
+  Deadline sweep_at = Deadline::after_seconds(kSweepEveryS);
   while (!a_.closed_.load()) {
     poll_once();
+    if (sweep_at.expired()) {  // peers that left: their sockets and threads go now, their notifications stay
+      a_.inbox_->sweep();
+      sweep_at = Deadline::after_seconds(kSweepEveryS);
+    }
     for (Incoming& in : in_) {
       if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
     }
@@ -88,7 +96,7 @@ void Listener::run() {
 }
 
 // Closes the connections whose lanes did not all join in time and drops them from the agent's
-// table too, so that their sockets close now (nothing else prunes it but a notification wait).
+// table too, so that their sockets close now (they never started: nothing to keep).
 void Listener::expire_awaiting() {
   for (AwaitingLanes& w : awaiting_) {
     if (!w.conn || !w.deadline.expired()) continue;
@@ -253,8 +261,10 @@ void Listener::on_proof(Incoming& in) {
 
 // Judges the peer, files it, tells it the verdict, starts it (or awaits its other lanes).
 void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs) {
-  wire::Reject code = wire::Reject::kNone;
-  std::string why = judge(peer, theirs.expect, &code);
+  wire::Reject code = wire::Reject::kOverflow;
+  std::string why = awaiting_full(theirs) ? "too many connections of this agent's peers await their tcp lanes (" +
+                                                std::to_string(kMaxPending) + "); try again"
+                                          : judge(peer, theirs.expect, &code);
   std::shared_ptr<Connection> c;
   if (why.empty()) {
     int lanes = std::min<int>(theirs.lanes, a_.tcp_lanes_);
@@ -274,6 +284,14 @@ void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs
   if (!r.ok()) return c->close("sending the admission failed: " + r.describe());
   if (c->lanes_joined()) return start(*c);
   awaiting_.push_back({c, Deadline::after_seconds(a_.header_timeout_s_)});
+}
+
+// Connections awaiting their lanes are bounded as pending handshakes are: beyond kMaxPending a
+// new one of several lanes is refused (and told why) rather than filed.
+bool Listener::awaiting_full(const hs::Ident& theirs) const {
+  if (std::min<int>(theirs.lanes, a_.tcp_lanes_) <= 1) return false;
+  auto live = std::count_if(awaiting_.begin(), awaiting_.end(), [](const AwaitingLanes& w) { return w.conn != nullptr; });
+  return static_cast<size_t>(live) >= kMaxPending;
 }
 
 // Lane k of an admitted connection of that same peer: "" and the lane is added

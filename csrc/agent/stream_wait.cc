@@ -227,8 +227,28 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
       }
     }
     if (d.expired() || agent_->closed()) return {};
-    agent_->prune();
+    sweep();
     std::this_thread::sleep_for(kPollPace);
+  }
+}
+
+// A connection counts as ended only once its peer's last frame was read (a loss or its goodbye),
+// so what it holds then is all it will ever hold: kept here before it leaves the table.
+void NotificationInbox::sweep() {
+  std::vector<std::shared_ptr<Connection>> dead;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (closing_) return;
+    dead = agent_->take_ended();
+    std::vector<Notification> got;
+    for (const auto& c : dead) c->take_notifications(&got);
+    for (Notification& n : got) {
+      if (!match(n)) inbox_.push_back(std::move(n));
+    }
+  }
+  for (auto& c : dead) {  // its threads and sockets end now; later calls on it read why it ended
+    std::string why = c->gone();
+    c->close(why.empty() ? "the peer was lost" : why);
   }
 }
 

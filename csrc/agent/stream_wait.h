@@ -71,6 +71,10 @@ class NotificationInbox {
                                double timeout_s);
   // What arrived and no wait consumed, waiting up to timeout_s for the first.
   std::vector<Notification> take(double timeout_s);
+  // Drops the connections whose peer is gone from the agent's table and closes them, keeping
+  // the notifications they still hold (for take() and the waits). take() and the listener
+  // (ten times a second) call it, so peers that come and go do not keep their sockets.
+  void sweep();
   // Releases every pending wait (kClosed) and stops the watcher; the slots stay
   // mapped while a stream still sits on one (bounded wait, then they are kept).
   void close();
