@@ -91,8 +91,8 @@ class Engine : public Outbox {
   static constexpr std::chrono::microseconds kHelpSpin{50};
   static constexpr size_t kHelpDirectReads = 2;  // help_read reads up to this many connections without a poll
   // The progress thread's parked polls so far, and those among them that ran out their timer
-  // after a waiter had gone to sleep (a lost wake-up: the frames it waited for waited for the
-  // timer instead; none is expected). mesh.stats() reports both.
+  // although a waiter had gone to sleep before that timer was due (a lost wake-up: the frames it
+  // waited for waited for the timer instead; none is expected). mesh.stats() reports both.
   struct ParkCounts {
     uint64_t parks, late_wakes;
   };
@@ -198,6 +198,8 @@ class Engine : public Outbox {
   void decide_park();
   bool park_beside_reader(uint64_t sleeps_before);
   std::atomic<uint64_t> parks_{0}, late_wakes_{0};  // see park_counts()
+  std::atomic<int64_t> last_sleep_ns_{0};   // steady_ns() of the last unpark (the late-wake count's clock)
+  bool woke_late(uint64_t sleeps_before, int64_t poll_from_ns, int timeout_ms) const;
   std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)
   uint64_t frames_read_ = 0;                // under read_mu_ (lane 0): socket reads that got bytes
   bool write_some(int s);

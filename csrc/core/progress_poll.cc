@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <thread>
 
+#include "base/clock.h"
 #include "core/progress_items.h"
 
 namespace fxm {
@@ -37,8 +38,20 @@ bool Engine::may_help() const { return !windows_->has_device() && !stopping_.loa
 // A waiter counts its sleep before it looks at parked_; the progress thread sets parked_ before it
 // looks at the count again (both seq_cst): either it sees the sleep and stays, or this sees it parked.
 void Engine::unpark() {
+  last_sleep_ns_.store(steady_ns(), std::memory_order_relaxed);
   sleeps_.fetch_add(1);
   if (parked_.exchange(false)) wake();
+}
+
+// A parked poll that ran out its timer (from poll_from_ns) woke late when a waiter went to sleep
+// well before that timer was due: its unpark() should have ended the poll. A waiter that went to
+// sleep only once the timer was due (the progress thread preempted after its poll, say) is not
+// a lost wake-up. The last sleep's time stands for all since sleeps_before (one waiter sleeps at
+// a time in the common case; a miss only undercounts).
+bool Engine::woke_late(uint64_t sleeps_before, int64_t poll_from_ns, int timeout_ms) const {
+  constexpr int64_t kTimerSlackNs = 200 * 1000;  // the kernel's timer slack and rounding, with room
+  if (timeout_ms <= 0 || sleeps_.load() == sleeps_before) return false;
+  return last_sleep_ns_.load(std::memory_order_relaxed) < poll_from_ns + timeout_ms * 1000000LL - kTimerSlackNs;
 }
 
 // The read role is taken (a waiter reads lane 0 now): this pass polls without lane 0, parked as
@@ -131,11 +144,12 @@ void Engine::poll_once() {
   if (retry || !ahead.empty() || (lane_spin_ns_ > 0 && lane_spinning(lane0_spin_until_ns_.load(std::memory_order_relaxed)))) {
     timeout_ms = 0;  // read ahead, striped puts' hand-offs due (progress_lanes.cc), or the role freed
   }
+  int64_t poll_from_ns = park ? steady_ns() : 0;
   int ready = ::poll(fds.data(), fds.size(), timeout_ms);
   if (park) {
     parked_.store(false);
     parks_.fetch_add(1, std::memory_order_relaxed);
-    if (ready == 0 && sleeps_.load() != sleeps_before) late_wakes_.fetch_add(1, std::memory_order_relaxed);
+    if (ready == 0 && woke_late(sleeps_before, poll_from_ns, timeout_ms)) late_wakes_.fetch_add(1, std::memory_order_relaxed);
   }
   if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
   read_phase(fds, owner, ahead);
