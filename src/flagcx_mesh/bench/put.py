@@ -12,6 +12,7 @@ ping-pong (initiator put_signal -> target wait_signal returns -> answer).
 In the same run it measures the limits: single-thread memcpy (numpy copy)
 for shared memory, and raw loopback TCP throughput between the two rank
 processes (sendall / recv_into on the same interface, completion ack) for TCP,
+each transfer landing over a destination of its own size as a put lands over its window,
 and prints the ratios. The TCP reference is measured twice: on one socket, and on
 ``--streams N`` sockets at once (one sending thread per socket, each size split
 evenly over them; default: the tcp lanes the mesh uses, ``FLAGCX_MESH_TCP_LANES``),
@@ -178,11 +179,19 @@ def _socket_pairs(mesh, n: int):
     return [_socket_pair(mesh) for _ in range(n)]
 
 
-def _receive_all(sock, total: int, chunk: int) -> None:
-    buf = bytearray(min(max(chunk, 1), 4 << 20))
-    view, left = memoryview(buf), total
-    while left:
-        left -= sock.recv_into(view[:min(len(buf), left)])
+RECV_CALL_BYTES = 4 << 20  # the most one recv_into of the references asks for
+
+
+def _land(sock, reps: int, size: int) -> None:
+    """Receive reps transfers of `size` bytes, each landing over one destination of `size` bytes
+    (as a put lands over its window, not into a small buffer that stays in the cache), in
+    recv_into calls of at most RECV_CALL_BYTES. Its pages are touched first, as a registered
+    window's are."""
+    view = memoryview(np.ones(max(size, 1), np.uint8))
+    for _ in range(reps):
+        got = 0
+        while got < size:
+            got += sock.recv_into(view[got:min(size, got + RECV_CALL_BYTES)])
 
 
 def streams_bandwidth(mesh, socks, size: int) -> Optional[float]:
@@ -195,7 +204,7 @@ def streams_bandwidth(mesh, socks, size: int) -> Optional[float]:
     mesh.barrier()
     if mesh.rank == 1:
         def drain(i):
-            _receive_all(socks[i], reps * parts[i], parts[i])
+            _land(socks[i], reps, parts[i])
             socks[i].sendall(b"k")
         threads = [threading.Thread(target=drain, args=(i,)) for i in range(n)]
         for t in threads:
@@ -226,10 +235,7 @@ def socket_bandwidth(mesh, sock, size: int) -> Optional[float]:
     reps = _reps(size)
     mesh.barrier()
     if mesh.rank == 1:
-        buf = bytearray(min(size, 4 << 20))
-        view, left = memoryview(buf), reps * size
-        while left:
-            left -= sock.recv_into(view[:min(len(buf), left)])
+        _land(sock, reps, size)
         sock.sendall(b"k")
         return None
     payload = memoryview(np.ones(size, np.uint8))
