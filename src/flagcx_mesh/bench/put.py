@@ -1,7 +1,7 @@
 """Put bandwidth and put_signal latency per transport, against the limits.
 
     python -m flagcx_mesh.bench put [--sizes 4K,64K,1M,16M,64M] [--transports shm,cma,tcp]
-                                    [--batch 2000] [--batch-size 4K] [--json PATH] [--plot PNG]
+                                    [--batch 2000] [--batch-size 4K] [--bytes 256M] [--json PATH] [--plot PNG]
     python -m flagcx_mesh.bench put --device cuda [...]   (GPU windows: see put_cuda.py)
     mpiexec -n 2 python -m flagcx_mesh.bench put-mpi [--sizes ...] [--json PATH]
 
@@ -40,7 +40,8 @@ from ._ranks import run_ranks, save_json
 from ._sizes import parse_size, size_name
 
 TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp"}
-TARGET_BYTES = 256 << 20  # per size and transport, bounded by the repetition limits
+TARGET_BYTES = 256 << 20  # per size and transport (--bytes), bounded by the repetition limits
+_budget = TARGET_BYTES    # this process's --bytes (rank_entry sets it)
 
 
 def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace:
@@ -52,6 +53,8 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     p.add_argument("--batch-size", default="4K", help="bytes per batch entry")
     p.add_argument("--streams", type=int, default=None,
                    help="sockets of the multi-stream raw TCP reference (default: the mesh's tcp lanes)")
+    p.add_argument("--bytes", default="256M",
+                   help="bytes moved per size and transport, for each figure (more: steadier figures)")
     p.add_argument("--json", metavar="PATH")
     p.add_argument("--plot", metavar="PNG", help="a plot of the bandwidth table (needs matplotlib)")
     if rank:
@@ -60,6 +63,9 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     a.transports = [t for t in a.transports.split(",") if t]
     a.batch_size = parse_size(a.batch_size)
+    a.bytes = parse_size(a.bytes)
+    if a.bytes < 1:
+        p.error("--bytes must be at least 1")
     if a.streams is not None and a.streams < 1:
         p.error("--streams must be at least 1")
     bad = [t for t in a.transports if t not in TRANSPORT_ENV]
@@ -68,8 +74,14 @@ def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace
     return a
 
 
+def set_bytes_per_figure(nbytes: int) -> None:
+    """--bytes: what every later measurement of this process moves per size (within 3..2000 ops)."""
+    global _budget
+    _budget = nbytes
+
+
 def _reps(size: int) -> int:
-    return max(3, min(2000, TARGET_BYTES // max(size, 1)))
+    return max(3, min(2000, _budget // max(size, 1)))
 
 
 # ---------------------------------------------------------------- measurements
@@ -288,6 +300,7 @@ def rank_entry(argv: List[str]) -> int:
     from .. import Mesh
 
     args = _parse(argv, "put-rank", rank=True)
+    set_bytes_per_figure(args.bytes)
     with Mesh.from_launcher(timeout=60) as mesh:
         out: Dict[str, object] = {t: _measure_transport(mesh, t, args) for t in args.transports}
         with _socket_pair(mesh) as sock:

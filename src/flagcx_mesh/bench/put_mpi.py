@@ -48,6 +48,7 @@ def mpi_entry(argv: List[str]) -> int:
     from mpi4py import MPI
 
     args = P._parse(argv, "put-mpi")
+    P.set_bytes_per_figure(args.bytes)
     comm = MPI.COMM_WORLD
     if comm.size != 2:
         print("put-mpi needs exactly 2 MPI ranks (mpiexec -n 2)")
