@@ -150,7 +150,8 @@ struct PutHeader {
 constexpr uint32_t kPutHasSignal = 1;
 constexpr uint32_t kPutSignalSet = 2;
 // A striped put's part on lane 0 (pad: how many kStripe parts on the other lanes). The target
-// applies it (signal, ack) only once every part landed, and reads nothing after it on lane 0 before.
+// applies it (signal, ack) only once every part landed, and acts on nothing after it on lane 0
+// before, but the head of a striped put of the same layout (core/progress_admit.cc).
 constexpr uint32_t kPutStriped = 4;
 // The initiator needs no ack of its own for this put (a put_signal: its target learns of it
 // through the signal): the target acks it with the next ack it sends, when a kAckReq asks,

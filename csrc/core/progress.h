@@ -142,14 +142,30 @@ class Engine : public Outbox {
   // kStripe part on each other lane, all queued at once so parts and puts keep one order.
   void post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win, uint64_t dst_off,
                     const SignalSpec& sig);
-  // Target: a lane-0 striped put counts as admitted; a stripe waits (its lane is not read) until
-  // the lane-0 part of its put was read, and lane 0 reads nothing more until every stripe landed.
+  // Target (progress_admit.cc). A lane-0 striped put admits its stripes (a stripe waits, its
+  // lane not read, until the lane-0 part of its put was read). While stripes are still landing,
+  // lane 0 reads on only into the head of a striped put of the same layout (admits_early); any
+  // other frame stops it after its op header until the held puts are applied, in order.
+  struct HeldPut {  // a striped put whose lane-0 part landed, waiting for its stripes
+    wire::PutHeader put;
+    uint64_t length = 0;  // its lane-0 frame's length (the layout, with put.dst_win, dst_off, pad)
+    uint64_t number = 0;  // its stripes' number
+    bool data = false;    // its lane-0 part carried bytes
+    Window* entered = nullptr;  // left exactly once: when it is applied or dropped
+    std::string refused;
+  };
+  static constexpr size_t kMaxHeldPuts = 4;  // per slot: held puts lane 0 reads on past
   bool on_striped_header(int s, InConn& in);  // false: protocol error (the peer was lost)
+  bool admits_early(int s, const InConn& in) const;  // lane 0 may act on this frame now
+  bool hold_striped(int s, InConn& in);  // lane 0's part landed: true when held (in reset)
+  void finish_held(int s);               // applies the held puts whose stripes all landed, in order
+  void take_stripe_refusal(int s, uint64_t number, std::string* refused);
+  uint64_t landed_all(int s) const;      // the last striped put of slot s every lane landed its stripe of
   void on_stripe_header(int c, InConn& in, uint64_t payload);
   void on_stripe_done(int c, InConn& in);
-  bool striped_put_waits(int s, InConn& in);  // lane 0's part landed: true while stripes are missing
-  void finish_striped(int s);
+  bool stripe_waits(int c) const;        // lane c's stripe is not read past its header now
   void finish_landed_stripes();  // progress thread: applies the held puts whose stripes all landed
+  void apply_put(int s, const wire::PutHeader& put, std::string refused, bool data);  // signal, ack
   bool lane_readable(int c) const;  // with mu_ held, by c's thread: polled for reading now
   // A lane whose stripe waits for lane 0 is polled for its peer's close only: when the rest of
   // that stripe is not in its buffer, it can never complete, and the peer is lost now.
@@ -216,7 +232,7 @@ class Engine : public Outbox {
   void on_get_answer(int s, InConn& in, uint64_t payload);
   bool on_ack(int s, const uint8_t* buf);
   void on_put_header(int s, InConn& in, uint64_t payload);
-  void on_put_done(int s, InConn& in);
+  void on_put_done(int s, InConn& in);  // lands a staged put's last bytes, then apply_put
   void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
   // The ring a payload of n bytes to device memory at `at` lands through: "" or why it cannot be had.
   std::string take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device);
@@ -268,13 +284,25 @@ class Engine : public Outbox {
   int total_;  // slots: nranks_ * ncontexts_
   int lanes_;  // connections per slot (Connections holds lanes_ * total_ of each kind)
   std::vector<uint64_t> stripe_seq_;      // per slot (initiator, under mu_): striped puts queued
-  // Per slot (target). Striped puts whose lane-0 part was read: the progress thread adds, lane
-  // workers read (a stripe numbered above it waits). Stripes landed, over all lanes and puts:
-  // workers add, the progress thread reads (put n is whole once it reaches n * (lanes_ - 1)).
-  std::vector<std::atomic<uint64_t>> stripes_admitted_, stripes_landed_;
+  // Per slot (target): striped puts whose lane-0 part was read (the progress thread adds, lane
+  // workers read: a stripe numbered above it waits). Per connection: the number of the last
+  // stripe it landed (its worker stores, the progress thread reads: put n is whole once every
+  // lane landed n).
+  std::vector<std::atomic<uint64_t>> stripes_admitted_, lane_landed_;
   std::vector<uint64_t> lane_seq_;        // per connection (target, its thread): the last stripe read on it
-  std::vector<bool> lane0_held_;          // per slot (target, progress thread): lane 0 waits for stripes
-  std::vector<int> held_;                 // progress thread: the slots whose lane 0 waits
+  struct StripeRange {
+    uint32_t win = 0;
+    uint64_t off = 0, len = 0;
+    bool operator==(const StripeRange& o) const { return win == o.win && off == o.off && len == o.len; }
+  };
+  std::vector<StripeRange> last_stripe_;  // per connection (its thread): the bytes of its last stripe
+  // Per connection (its thread): its stripe covers other bytes than the one before it on that
+  // lane; it then waits until every lane landed its stripe of the put before.
+  std::vector<uint8_t> stripe_moved_;
+  mutable std::vector<std::atomic<bool>> range_waits_;  // per slot: such a stripe waits (wake the lanes)
+  std::vector<std::deque<HeldPut>> held_puts_;  // per slot (target, the reader), oldest first
+  std::vector<bool> lane0_held_;          // per slot (the reader): lane 0 stopped at a frame's op header
+  std::vector<int> held_;                 // the reader: the slots with held puts
   // Striped traffic hands each put over between threads twice at the target (lane 0 admits its
   // stripes, the last stripe releases lane 0): for lane_spin_ns_ after each hand-off the threads
   // involved poll without sleeping, so the next one is seen in microseconds, not at a wake-up
@@ -282,7 +310,8 @@ class Engine : public Outbox {
   int64_t lane_spin_ns_ = 0;
   std::atomic<int64_t> lane0_spin_until_ns_{0};  // the progress thread's (set by whoever holds the read role)
   bool lane_spinning(int64_t until_ns) const;
-  std::vector<std::string> stripe_refused_;  // per slot (target, under mu_): why a stripe of the current put was dropped
+  // Per slot (target, under mu_): why a stripe was dropped, by its put's number (the first one).
+  std::vector<std::map<uint64_t, std::string>> stripe_refused_;
   Connections* conns_;
   WindowTable* windows_;
   int wake_fd_ = -1;

@@ -7,17 +7,23 @@
 // lane worker k - 1 (LaneWorker: its own eventfd and poll loop), the only thread that reads and
 // writes those connections once the engine runs, so the kernel copies of a striped put run on
 // as many cores as there are lanes. What they share: the queues (under mu_, as for lane 0),
-// window entry (atomic), and per slot two counters, stripes_admitted_ (progress thread -> workers)
-// and stripes_landed_ (workers -> progress thread), each woken through the other's eventfd.
+// window entry (atomic), per slot stripes_admitted_ (progress thread -> workers) and per
+// connection lane_landed_, the number of the last stripe it landed (workers -> progress thread),
+// each woken through the other's eventfd.
 //
-// Order across lanes is kept at the target. A striped put's lane-0 part (kPut + kPutStriped)
-// admits the put; a stripe (numbered per slot) is not read past its header until its put was
-// admitted, so it cannot overtake an earlier op of lane 0; and lane 0 reads nothing after the
-// part until every stripe landed, so no later op (a put to the same bytes, a signal, a get, a
-// message) overtakes a stripe. The put is then applied once, by the progress thread: its signal
-// (after every stripe's bytes: the workers' counts are released, its load acquires them), then
-// its ack. A lane that dies loses the peer (PeerLost naming it and the lane), so no striped put
-// completes half.
+// Order across lanes is kept at the target (progress_admit.cc). A striped put's lane-0 part
+// (kPut + kPutStriped) admits the put; a stripe (numbered per slot) is not read past its header
+// until its put was admitted, so it cannot overtake an earlier op of lane 0. While stripes are
+// landing, lane 0 reads on into the next frame's headers but acts on it only when it is the
+// head of a striped put of the same layout (window, offset, lane-0 length, lanes; at most
+// kMaxHeldPuts held): its stripes are admitted at once and land right after their predecessors
+// on each lane (a stripe that covers other bytes than its lane's previous one waits until every
+// lane landed the put before). Any other frame (a put to the same bytes, a signal, a get, a
+// message) waits at its op header until every held put was applied, so none overtakes a
+// stripe. Put n is applied once every lane landed its stripe n, in order, by the reader of
+// lane 0: its signal (after every stripe's bytes: the workers' stores are released, its loads
+// acquire them), then its ack. A lane that dies loses the peer (PeerLost naming it and the
+// lane), so no striped put completes half.
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
@@ -76,104 +82,7 @@ bool Engine::lane_readable(int c) const {
   const InConn& in = *in_[c];
   if (in.closed) return false;
   if (c < total_) return mailbox_bytes_[c] < max_unreceived_ && !lane0_held_[c];
-  return !(in.st == InConn::kPayload && lane_seq_[c] > stripes_admitted_[base_slot(c)].load(std::memory_order_acquire));
-}
-
-bool Engine::on_striped_header(int s, InConn& in) {
-  uint64_t payload = in.f.length - in.need;
-  if (lanes_ == 1 || in.put.pad != static_cast<uint32_t>(lanes_ - 1) || payload == 0) {
-    lose(peer_of(s), "protocol error: a put striped over " + std::to_string(in.put.pad + 1) + " lanes (this mesh has " +
-                         std::to_string(lanes_) + ")");
-    in.closed = true;
-    return false;
-  }
-  // Every stripe of the earlier striped puts landed (lane 0 was held until then), and none of
-  // this one's has been read past its header: the workers may read this one's now.
-  stripes_admitted_[s].fetch_add(1, std::memory_order_release);
-  if (lane_spin_ns_ > 0) lane0_spin_until_ns_.store(steady_ns() + lane_spin_ns_, std::memory_order_relaxed);
-  wake_lanes();
-  return true;
-}
-
-void Engine::on_stripe_header(int c, InConn& in, uint64_t payload) {
-  int s = base_slot(c);
-  wire::PutHeader p;
-  std::memcpy(&p, in.buf, sizeof(p));
-  if (payload == 0 || p.sig_slot != lane_seq_[c] + 1 || p.sig_slot < stripes_admitted_[s].load()) {
-    lose(peer_of(c), "protocol error: stripe #" + std::to_string(p.sig_slot) + " on" + conn_name(c) +
-                         " out of order (expected #" + std::to_string(lane_seq_[c] + 1) + ")");
-    in.closed = true;
-    return;
-  }
-  lane_seq_[c] = p.sig_slot;  // read_some() stops here until lane 0 admitted that put
-  Window* w = windows_->find(p.dst_win);
-  if (w != nullptr && w->kind == WindowKind::kDevice) {  // initiators stripe only to host windows
-    in.put = p;
-    in.refused = "a stripe of a put to device window #" + std::to_string(p.dst_win) + " (not striped there)";
-    FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(peer_of(c)));
-    return;
-  }
-  on_put_header(c, in, payload);
-}
-
-// The lane's thread: the stripe's bytes are in the window (or were dropped, refused).
-void Engine::on_stripe_done(int c, InConn& in) {
-  int s = base_slot(c);
-  if (!in.refused.empty()) {
-    std::lock_guard<std::mutex> lock(mu_);
-    if (stripe_refused_[s].empty()) stripe_refused_[s] = in.refused;
-  }
-  in.reset();  // leaves the window
-  if (lane_spin_ns_ > 0) {  // the next hand-offs: lane 0 applies this put and admits the next one's stripes
-    int64_t until = steady_ns() + lane_spin_ns_;
-    lane_workers_[lane_of(c) - 1]->spin_until_ns = until;
-    lane0_spin_until_ns_.store(until, std::memory_order_relaxed);
-  }
-  uint64_t landed = stripes_landed_[s].fetch_add(1, std::memory_order_acq_rel) + 1;
-  // The last stripe of the admitted put (no later one is admitted before it): lane 0 may wait.
-  if (landed == stripes_admitted_[s].load(std::memory_order_acquire) * static_cast<uint64_t>(lanes_ - 1)) {
-    wake_lane(0);
-  }
-}
-
-bool Engine::striped_put_waits(int s, InConn& in) {
-  uint64_t whole = stripes_admitted_[s].load(std::memory_order_relaxed) * static_cast<uint64_t>(lanes_ - 1);
-  if (stripes_landed_[s].load(std::memory_order_acquire) < whole) {
-    if (!lane0_held_[s]) held_.push_back(s);
-    lane0_held_[s] = true;  // finish_landed_stripes() applies it once the last stripe landed
-    return true;
-  }
-  std::lock_guard<std::mutex> lock(mu_);
-  if (in.refused.empty() && !stripe_refused_[s].empty()) in.refused = "part of " + stripe_refused_[s];
-  stripe_refused_[s].clear();
-  return false;
-}
-
-void Engine::finish_striped(int s) {
-  InConn& in = *in_[s];
-  lane0_held_[s] = false;
-  striped_put_waits(s, in);
-  on_put_done(s, in);
-  in.reset();
-}
-
-void Engine::finish_landed_stripes() {
-  for (size_t k = 0; k < held_.size();) {
-    int s = held_[k];
-    uint64_t whole = stripes_admitted_[s].load(std::memory_order_relaxed) * static_cast<uint64_t>(lanes_ - 1);
-    if (stripes_landed_[s].load(std::memory_order_acquire) < whole) {
-      ++k;
-      continue;
-    }
-    held_[k] = held_.back();
-    held_.pop_back();
-    try {
-      finish_striped(s);
-    } catch (const std::exception& e) {
-      in_[s]->closed = true;
-      lose(peer_of(s), std::string("handling its frames failed: ") + e.what());
-    }
-  }
+  return !stripe_waits(c);
 }
 
 // ---------------------------------------------------------------- lane workers
@@ -231,9 +140,7 @@ uint8_t* Engine::discard_for(int c, size_t* size) {
 
 void Engine::on_waiting_close(int c) {
   InConn& in = *in_[c];
-  if (in.st != InConn::kPayload || lane_seq_[c] <= stripes_admitted_[base_slot(c)].load(std::memory_order_acquire)) {
-    return;  // admitted meanwhile: read_some() reads on, and sees the close after the stripe
-  }
+  if (!stripe_waits(c)) return;  // free to go meanwhile: read_some() reads on, and sees the close after the stripe
   in.hup = true;  // reported at every poll from now on: not polled for it again
   int buffered = 0;
   if (::ioctl(conns_->recv[c].get(), FIONREAD, &buffered) != 0) buffered = 0;

@@ -193,7 +193,7 @@ void Engine::on_payload_done(int s, InConn& in) {
   } else if (in.f.type == FrameType::kStripe) {
     return on_stripe_done(s, in);  // resets it
   } else if (in.f.type == FrameType::kPut) {
-    if ((in.put.flags & wire::kPutStriped) && striped_put_waits(s, in)) return;  // kept until its stripes land
+    if ((in.put.flags & wire::kPutStriped) && hold_striped(s, in)) return;  // applied once its stripes land
     on_put_done(s, in);
   } else if (in.f.type == FrameType::kGetResp) {
     if (in.device_at != nullptr || !in.refused.empty()) land_get_answer(s, in);
@@ -213,29 +213,33 @@ void Engine::on_payload_done(int s, InConn& in) {
 
 // The data landed (or was refused); the signal follows only a landed put.
 void Engine::on_put_done(int s, InConn& in) {
-  int peer = s / ncontexts_;
   std::string refused = in.refused;
   if (refused.empty() && in.device_at != nullptr) {  // the data is on the device before the signal and the ack
     refused = land_on_device(in, in.total - in.landed);
     if (refused.empty()) refused = wait_landed(in);
   }
-  if (refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
-    Window* w = windows_->find(in.put.sig_win);
-    if (w && w->kind == WindowKind::kSignal && in.put.sig_slot < w->nslots() && w->enter(true)) {
-      apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, w->notify, in.put.sig_slot, in.put.sig_val,
-                   (in.put.flags & wire::kPutSignalSet) != 0, peer);
+  apply_put(s, in.put, refused, in.f.length > in.need);
+}
+
+// data: the put carried bytes (a refused signal says they landed).
+void Engine::apply_put(int s, const wire::PutHeader& put, std::string refused, bool data) {
+  int peer = s / ncontexts_;
+  if (refused.empty() && (put.flags & wire::kPutHasSignal)) {
+    Window* w = windows_->find(put.sig_win);
+    if (w && w->kind == WindowKind::kSignal && put.sig_slot < w->nslots() && w->enter(true)) {
+      apply_signal(reinterpret_cast<uint64_t*>(w->base), w->last_src, w->notify, put.sig_slot, put.sig_val,
+                   (put.flags & wire::kPutSignalSet) != 0, peer);
       w->leave();
     } else {
-      refused = "a signal to window #" + std::to_string(in.put.sig_win) + " slot " +
-                std::to_string(in.put.sig_slot) + ": not a signal slot here" +
-                (in.f.length > in.need ? " (its data landed)" : "");
+      refused = "a signal to window #" + std::to_string(put.sig_win) + " slot " + std::to_string(put.sig_slot) +
+                ": not a signal slot here" + (data ? " (its data landed)" : "");
       FXM_WARN(rank_, "refused " + refused + " from peer " + std::to_string(peer));
     }
-  } else if (!refused.empty() && (in.put.flags & wire::kPutHasSignal)) {
-    refused += "; its signal (window #" + std::to_string(in.put.sig_win) + " slot " +
-               std::to_string(in.put.sig_slot) + ") was not applied";
+  } else if (!refused.empty() && (put.flags & wire::kPutHasSignal)) {
+    refused += "; its signal (window #" + std::to_string(put.sig_win) + " slot " + std::to_string(put.sig_slot) +
+               ") was not applied";
   }
-  note_applied(s, (in.put.flags & wire::kPutLazyAck) != 0);
+  note_applied(s, (put.flags & wire::kPutLazyAck) != 0);
   if (!refused.empty()) refuse(s, refused);
 }
 

@@ -33,9 +33,7 @@ void Engine::read_some(int s) {
   size_t budget = 8u << 20;  // then let other connections have a turn
   bool drained = false;      // a read got less than it asked for: the socket was empty then
   while (budget > 0 && !in.closed && !(drained && in.buffered() == 0)) {
-    if (s < total_ ? lane0_held_[s]
-                   : in.st == InConn::kPayload &&
-                         lane_seq_[s] > stripes_admitted_[base_slot(s)].load(std::memory_order_acquire)) {
+    if (s < total_ ? lane0_held_[s] : stripe_waits(s)) {
       return;  // waits for the other lanes (progress_lanes.cc); what is read ahead stays
     }
     uint8_t* where;
@@ -134,6 +132,10 @@ void Engine::on_op_header(int s, InConn& in) {
     lose(peer, "protocol error: a frame of type " + std::to_string(static_cast<int>(in.f.type)) + " on connection" +
                    (s >= total_ ? conn_name(s) : " (lane 0)") + " (lanes carry only stripes)");
     in.closed = true;
+    return;
+  }
+  if (s < total_ && !held_puts_[s].empty() && !admits_early(s, in)) {
+    lane0_held_[s] = true;  // not acted on yet: finish_held() goes on from here (progress_admit.cc)
     return;
   }
   switch (in.f.type) {

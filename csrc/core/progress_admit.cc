@@ -1,0 +1,193 @@
+// Striped puts at their target: admission of stripes, early admission of the next striped put,
+// and completion in order (the threads and their counters: progress_lanes.cc).
+//
+// Admission. Lane 0 reading a striped put's head (kPut + kPutStriped) admits its stripes:
+// stripes_admitted_ of the slot grows to its number, and a stripe numbered above it is not read
+// past its header (stripe_waits), so no stripe overtakes an earlier frame of lane 0.
+//
+// Early admission. Once its lane-0 part landed, a put whose stripes are still landing is held
+// (held_puts_, oldest first, at most kMaxHeldPuts) and lane 0 reads on. The next frame's headers
+// are read, but it is acted on only when it is the head of a striped put of the same layout as
+// the last one held (same window, offset, lane-0 length and lane count: its lane-0 part covers
+// the bytes of that put's lane-0 part, which landed, and none of any held put's stripes). Any
+// other frame stops lane 0 right there (lane0_held_) until every held put was applied; then
+// finish_held() acts on it and lane 0 reads on. The lane-0 head does not carry the put's whole
+// length, so a stripe checks its own layout: one that covers other bytes than the stripe before
+// it on its lane (stripe_moved_) also waits until every lane landed its stripe of the put before
+// (those bytes may be another lane's stripe of it). So no byte is written by a later op before
+// an earlier op's write of it has landed.
+//
+// Completion. Each lane's worker stores the number of the stripe it landed (lane_landed_, after
+// its bytes); put n is whole once every lane landed n (landed_all). Held puts are applied in
+// order by the reader of lane 0: each one's signal, then its ack (or the refusal of a stripe of
+// it, taken by its number), its window left once. A lost peer's held puts are dropped unapplied.
+#include <algorithm>
+#include <cstring>
+
+#include "base/log.h"
+#include "base/status.h"
+#include "core/progress_items.h"
+
+namespace fxm {
+
+using wire::FrameType;
+
+bool Engine::on_striped_header(int s, InConn& in) {
+  uint64_t payload = in.f.length - in.need;
+  if (lanes_ == 1 || in.put.pad != static_cast<uint32_t>(lanes_ - 1) || payload == 0) {
+    lose(peer_of(s), "protocol error: a put striped over " + std::to_string(in.put.pad + 1) + " lanes (this mesh has " +
+                         std::to_string(lanes_) + ")");
+    in.closed = true;
+    return false;
+  }
+  // Every earlier op of lane 0 was applied, or is a held striped put of this layout: the workers
+  // may read this one's stripes now (right after their predecessors on the same lane).
+  stripes_admitted_[s].fetch_add(1, std::memory_order_release);
+  if (lane_spin_ns_ > 0) lane0_spin_until_ns_.store(steady_ns() + lane_spin_ns_, std::memory_order_relaxed);
+  wake_lanes();
+  return true;
+}
+
+bool Engine::admits_early(int s, const InConn& in) const {
+  const std::deque<HeldPut>& held = held_puts_[s];
+  if (in.f.type != FrameType::kPut || held.size() >= kMaxHeldPuts) return false;
+  wire::PutHeader p;
+  std::memcpy(&p, in.buf, sizeof(p));
+  const HeldPut& last = held.back();
+  return (p.flags & wire::kPutStriped) && p.dst_win == last.put.dst_win && p.dst_off == last.put.dst_off &&
+         p.pad == last.put.pad && in.f.length == last.length;
+}
+
+uint64_t Engine::landed_all(int s) const {
+  uint64_t all = UINT64_MAX;
+  for (int lane = 1; lane < lanes_; ++lane) all = std::min(all, lane_landed_[lane * total_ + s].load());
+  return all;
+}
+
+bool Engine::stripe_waits(int c) const {
+  const InConn& in = *in_[c];
+  if (in.st != InConn::kPayload) return false;
+  int s = base_slot(c);
+  if (lane_seq_[c] > stripes_admitted_[s].load(std::memory_order_acquire)) return true;  // its put not admitted yet
+  if (!stripe_moved_[c]) return false;
+  range_waits_[s].store(true);  // before the look: a lane landing after it then wakes the lanes
+  return landed_all(s) + 1 < lane_seq_[c];
+}
+
+// The lane-0 part of a striped put landed: applied now when nothing is held and every stripe
+// landed, else held (its state moves out of `in`, which reads on).
+bool Engine::hold_striped(int s, InConn& in) {
+  uint64_t number = stripes_admitted_[s].load(std::memory_order_relaxed);
+  if (held_puts_[s].empty() && landed_all(s) >= number) {
+    take_stripe_refusal(s, number, &in.refused);
+    return false;
+  }
+  std::string refused = in.refused;
+  if (refused.empty() && in.device_at != nullptr) {  // a device window's part: on the device before it is held
+    refused = land_on_device(in, in.total - in.landed);
+    if (refused.empty()) refused = wait_landed(in);
+  }
+  if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
+  held_puts_[s].push_back({in.put, in.f.length, number, in.f.length > in.need, in.entered, std::move(refused)});
+  in.entered = nullptr;  // left by finish_held()
+  in.reset();
+  return true;
+}
+
+void Engine::take_stripe_refusal(int s, uint64_t number, std::string* refused) {
+  std::lock_guard<std::mutex> lock(mu_);
+  auto it = stripe_refused_[s].find(number);
+  if (it == stripe_refused_[s].end()) return;
+  if (refused->empty()) *refused = "part of " + it->second;
+  stripe_refused_[s].erase(it);
+}
+
+void Engine::finish_held(int s) {
+  std::deque<HeldPut>& held = held_puts_[s];
+  bool lost = !lost_reason(peer_of(s)).empty();
+  uint64_t landed = landed_all(s);
+  while (!held.empty() && held.front().number <= landed) {
+    HeldPut h = std::move(held.front());
+    held.pop_front();
+    if (h.entered) h.entered->leave();  // its bytes landed
+    take_stripe_refusal(s, h.number, &h.refused);
+    apply_put(s, h.put, std::move(h.refused), h.data);
+  }
+  if (!held.empty() && lost) {  // its stripes may never land: dropped
+    for (HeldPut& h : held) {
+      if (h.entered) h.entered->leave();
+    }
+    held.clear();
+    return;  // lane 0 of a lost peer stays stopped
+  }
+  InConn& in = *in_[s];
+  if (held.empty() && lane0_held_[s] && !in.closed && !lost) {
+    lane0_held_[s] = false;
+    if (in.st == InConn::kOpHeader && in.got == in.need) on_op_header(s, in);  // the frame lane 0 stopped at
+  }
+}
+
+void Engine::finish_landed_stripes() {
+  for (size_t k = 0; k < held_.size();) {
+    int s = held_[k];
+    try {
+      finish_held(s);
+    } catch (const std::exception& e) {
+      in_[s]->closed = true;
+      lose(peer_of(s), std::string("handling its frames failed: ") + e.what());
+    }
+    if (!held_puts_[s].empty()) {
+      ++k;
+      continue;
+    }
+    held_[k] = held_.back();
+    held_.pop_back();
+  }
+}
+
+void Engine::on_stripe_header(int c, InConn& in, uint64_t payload) {
+  wire::PutHeader p;
+  std::memcpy(&p, in.buf, sizeof(p));
+  if (payload == 0 || p.sig_slot != lane_seq_[c] + 1) {
+    lose(peer_of(c), "protocol error: stripe #" + std::to_string(p.sig_slot) + " on" + conn_name(c) +
+                         " out of order (expected #" + std::to_string(lane_seq_[c] + 1) + ")");
+    in.closed = true;
+    return;
+  }
+  lane_seq_[c] = p.sig_slot;  // read_some() stops here until lane 0 admitted that put
+  StripeRange range{p.dst_win, p.dst_off, payload};
+  stripe_moved_[c] = !(range == last_stripe_[c]);
+  last_stripe_[c] = range;
+  Window* w = windows_->find(p.dst_win);
+  if (w != nullptr && w->kind == WindowKind::kDevice) {  // initiators stripe only to host windows
+    in.put = p;
+    in.refused = "a stripe of a put to device window #" + std::to_string(p.dst_win) + " (not striped there)";
+    FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(peer_of(c)));
+    return;
+  }
+  on_put_header(c, in, payload);
+}
+
+// The lane's thread: the stripe's bytes are in the window (or were dropped, refused).
+void Engine::on_stripe_done(int c, InConn& in) {
+  int s = base_slot(c);
+  uint64_t number = lane_seq_[c];
+  if (!in.refused.empty()) {
+    std::lock_guard<std::mutex> lock(mu_);
+    stripe_refused_[s].emplace(number, in.refused);  // the first refusal of that put is kept
+  }
+  in.reset();  // leaves the window
+  if (lane_spin_ns_ > 0) {  // the next hand-offs: lane 0 applies this put and admits the next one's stripes
+    int64_t until = steady_ns() + lane_spin_ns_;
+    lane_workers_[lane_of(c) - 1]->spin_until_ns = until;
+    lane0_spin_until_ns_.store(until, std::memory_order_relaxed);
+  }
+  // Stored, then every lane's looked at (both sequentially consistent): of two lanes landing
+  // the last stripes of one put, at least one sees the other's, and wakes lane 0.
+  lane_landed_[c].store(number);
+  if (landed_all(s) < number) return;
+  wake_lane(0);
+  if (range_waits_[s].exchange(false)) wake_lanes();  // a moved stripe may go on now
+}
+
+}  // namespace fxm
