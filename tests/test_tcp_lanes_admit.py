@@ -1,0 +1,230 @@
+"""tcp lanes: early admission of striped puts at the target.
+
+FLAGCX_MESH_TCP_LANES=4 with tcp forced. While a striped put's stripes are still landing, lane 0
+reads on into the next frame and admits it at once when it is a striped put of the same layout
+(window, offset, length); any other frame waits until the earlier puts were applied. Puts are
+applied in order, each once every lane landed its stripe: a signal is never visible before its
+put's bytes (nor an earlier put's), a small put or a get between two striped puts sits between
+them, puts of other layouts (even one whose lane-0 part is as long as the previous one's) keep
+their order, flush and wait_counter count each put once, and a lane killed with several puts
+admitted fails both sides with PeerLost. Every wait is bounded, run_threads bounds each test.
+"""
+
+from __future__ import annotations
+
+import socket
+import time
+
+import numpy as np
+import pytest
+
+from flagcx_mesh import PeerLost
+from meshutil import close_all, run_threads, stream_sockets, thread_meshes
+
+pytestmark = pytest.mark.timeout(120)
+
+OP_TIMEOUT = 20.0
+MIB = 1 << 20
+
+
+@pytest.fixture
+def lanes4(monkeypatch):
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    monkeypatch.setenv("FLAGCX_MESH_TCP_LANES", "4")
+    meshes = thread_meshes(2)
+    yield meshes
+    close_all(meshes)
+
+
+def pattern(n, seed):
+    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
+
+
+def lane_socket(mesh, peer, lane, ctx=0):
+    """A socket object on (a duplicate of) this rank's send connection of that lane."""
+    port = mesh.tcp_lane_ports(peer, ctx)[lane]
+    for s in stream_sockets():
+        if s.getsockname()[1] == port:
+            return s
+        s.close()
+    raise AssertionError(f"no socket with local port {port} (lane {lane})")
+
+
+def test_a_signal_never_shows_before_its_put_and_the_earlier_ones(lanes4):
+    """Rank 0 queues 40 put_signals of one layout (2 MiB + 5 bytes, all of byte k for put k,
+    each adding 1), then waits for their count. Rank 1 polls the signal: once it reads k, every
+    byte is k or more (put k and every earlier one landed whole); at the end every byte is the
+    last put's. A put applied once a total of stripes landed, not every lane's, or out of
+    order, shows a byte below k."""
+    size, count = 2 * MIB + 5, 40
+
+    def body(r):
+        m = lanes4[r]
+        dst = m.register_window(np.zeros(size, np.uint8))
+        m.signal_window(1)
+        src = m.register_window(np.repeat(np.arange(1, count + 1, dtype=np.uint8), size))
+        m.barrier(timeout=30)
+        for rnd in range(3):
+            if r == 0:
+                start = m.read_counter()
+                for k in range(count):
+                    m.put_signal(1, src, k * size, dst, 0, size, 0, 1)
+                m.wait_counter(start + count, timeout=OP_TIMEOUT)
+                m.flush(timeout=OP_TIMEOUT)
+                assert m.read_counter() == start + count
+            else:
+                b = np.frombuffer(dst.buffer, np.uint8)
+                deadline, seen = time.monotonic() + OP_TIMEOUT, 0
+                while seen < count:
+                    seen = m.read_signal(0) - rnd * count
+                    snap = b.copy() if seen > 0 else b[:1] * 0
+                    assert snap.min() >= seen, (rnd, seen, int(snap.min()), int(np.argmin(snap)))
+                    assert time.monotonic() < deadline, f"signal at {seen} of {count}"
+                assert m.read_signal(0) == (rnd + 1) * count
+                assert (b == count).all(), rnd
+                b[:] = 0
+            m.barrier(timeout=30)
+
+    run_threads(2, body, timeout=100)
+
+
+def test_ops_between_striped_puts_of_one_layout_land_between_them(lanes4):
+    """Two striped puts of A and A2 (one layout), a small put of B into the middle of lane 2's
+    stripe, a message, a get of the whole window, then two striped puts of C and C2 (that
+    layout again) and a signal. The get sees A2 with B (after both puts, before C), the message
+    arrives whole, and the window ends as C2. A small put or get acted on while A's stripes
+    land, or one held until after C, shows other bytes."""
+    size, small = 4 * MIB + 3, 4096
+    at = size // 2 + 1000  # inside lane 2's stripe
+
+    def body(r):
+        m = lanes4[r]
+        dst = m.register_window(np.zeros(size, np.uint8))
+        m.signal_window(1)
+        seeds = (50, 51, 52, 53, 54)
+        a, a2, b, c, c2 = (m.register_window(pattern(size, s)) for s in seeds)
+        back = m.register_window(np.zeros(size, np.uint8))
+        m.barrier(timeout=30)
+        for i in range(1, 6):
+            if r == 0:
+                m.put(1, a, 0, dst, 0, size)
+                m.put(1, a2, 0, dst, 0, size)
+                m.put(1, b, at, dst, at, small)
+                m.send(1, pattern(3 * small, i).tobytes())
+                m.get(1, dst, 0, back, 0, size)
+                m.put(1, c, 0, dst, 0, size)
+                m.put(1, c2, 0, dst, 0, size)
+                m.signal(1, 0, 1)
+                m.flush(timeout=OP_TIMEOUT)
+                want = pattern(size, 51)
+                want[at:at + small] = pattern(size, 52)[at:at + small]
+                got = np.frombuffer(back.buffer, np.uint8)
+                assert np.array_equal(got, want), (i, np.flatnonzero(got != want)[:5])
+            else:
+                m.wait_signal(0, i, timeout=OP_TIMEOUT)
+                assert np.array_equal(np.frombuffer(dst.buffer, np.uint8), pattern(size, 54)), i
+                assert m.recv(0, timeout=OP_TIMEOUT) == pattern(3 * small, i).tobytes()
+            m.barrier(timeout=30)
+
+    run_threads(2, body, timeout=100)
+
+
+def test_striped_puts_of_other_layouts_back_to_back_keep_their_order(lanes4):
+    """Puts of other layouts queued back to back over one window: 4 MiB, then 4 MiB - 3 (its
+    lane-0 part is as long, its stripes each start a byte or more earlier), another offset, a
+    1 MiB one, another window... then a signal. The window ends as the puts applied in order;
+    a stripe landed before the earlier put's stripe on another lane under the same bytes
+    leaves that earlier put's byte."""
+    size = 4 * MIB + 64
+    layouts = [(0, 4 * MIB), (0, 4 * MIB - 3), (0, 4 * MIB), (0, 4 * MIB - 3), (7, 2 * MIB + 1),
+               (0, 4 * MIB - 3), (64, 4 * MIB), (3, MIB), (0, 4 * MIB), (0, 4 * MIB - 3)]
+
+    def body(r):
+        m = lanes4[r]
+        dst, other = (m.register_window(np.zeros(size, np.uint8)) for _ in range(2))
+        m.signal_window(1)
+        srcs = [m.register_window(pattern(size, 60 + k)) for k in range(len(layouts))]
+        m.barrier(timeout=30)
+        want = np.zeros(size, np.uint8)
+        for k, (off, n) in enumerate(layouts):
+            want[off:off + n] = pattern(size, 60 + k)[off:off + n]
+        for i in range(1, 9):
+            if r == 0:
+                for k, (off, n) in enumerate(layouts):
+                    m.put(1, srcs[k], off, dst, off, n)
+                    if k == 4:
+                        m.put(1, srcs[k], 0, other, 0, 4 * MIB)  # another window between
+                m.signal(1, 0, 1)
+                m.flush(timeout=OP_TIMEOUT)
+            else:
+                m.wait_signal(0, i, timeout=OP_TIMEOUT)
+                got = np.frombuffer(dst.buffer, np.uint8)
+                assert np.array_equal(got, want), (i, np.flatnonzero(got != want)[:5])
+                got[:] = 0
+            m.barrier(timeout=30)
+
+    run_threads(2, body, timeout=100)
+
+
+@pytest.mark.parametrize("lane", [0, 1])
+def test_a_lane_killed_with_several_puts_admitted_fails_both_sides_with_peer_lost(lanes4, lane):
+    """Rank 0 queues 12 put_signals of one layout (16 MiB each, several admitted at once at
+    rank 1), then shuts one lane's socket. Its flush and rank 1's wait for the last signal fail
+    with PeerLost naming the other rank within their timeouts; the signals applied are a prefix
+    of the puts, each of them whole (never one of a put cut short)."""
+    size, count = 16 * MIB, 12
+
+    def body(r):
+        m = lanes4[r]
+        dst = m.register_window(np.zeros(size, np.uint8))
+        m.signal_window(1)
+        src = m.register_window(np.repeat(np.arange(1, count + 1, dtype=np.uint8), size))
+        m.barrier(timeout=30)
+        if r == 0:
+            sock = lane_socket(m, 1, lane)
+            for k in range(count):
+                m.put_signal(1, src, k * size, dst, 0, size, 0, 1)
+            sock.shutdown(socket.SHUT_RDWR)
+            sock.close()
+            with pytest.raises(PeerLost) as e:
+                m.flush(timeout=OP_TIMEOUT)
+            assert "peer 1" in str(e.value), e.value
+        else:
+            start = time.monotonic()
+            with pytest.raises(PeerLost) as e:
+                m.wait_signal(0, count + 1, timeout=OP_TIMEOUT)
+            assert time.monotonic() - start < OP_TIMEOUT / 2, "PeerLost came late"
+            assert "peer 0" in str(e.value) or "rank 0" in str(e.value), e.value
+            applied = m.read_signal(0)
+            assert 0 <= applied <= count
+            if applied > 0:
+                assert int(np.frombuffer(dst.buffer, np.uint8).min()) >= applied, applied
+
+    run_threads(2, body, timeout=60)
+
+
+def test_flush_and_wait_counter_count_pipelined_striped_puts_once(lanes4):
+    """Striped puts of one layout queued back to back, then small ones, then more striped ones:
+    wait_counter reaches exactly their count and flush returns with nothing left."""
+    size, n = 3 * MIB + 1, 10
+
+    def body(r):
+        m = lanes4[r]
+        dst = m.register_window(np.zeros(size, np.uint8))
+        src = m.register_window(pattern(size, 70))
+        m.barrier(timeout=30)
+        if r == 0:
+            start = m.read_counter()
+            for k in range(n):
+                m.put(1, src, 0, dst, 0, size)
+                if k % 4 == 3:
+                    m.put(1, src, 0, dst, 0, 100)
+            total = n + n // 4
+            m.wait_counter(start + total, timeout=OP_TIMEOUT)
+            m.flush(timeout=OP_TIMEOUT)
+            assert m.read_counter() == start + total
+        m.barrier(timeout=30)
+        if r == 1:
+            assert np.array_equal(np.frombuffer(dst.buffer, np.uint8), pattern(size, 70))
+
+    run_threads(2, body, timeout=60)
