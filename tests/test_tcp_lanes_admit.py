@@ -168,11 +168,12 @@ def test_striped_puts_of_other_layouts_back_to_back_keep_their_order(lanes4):
 
 @pytest.mark.parametrize("lane", [0, 1])
 def test_a_lane_killed_with_several_puts_admitted_fails_both_sides_with_peer_lost(lanes4, lane):
-    """Rank 0 queues 12 put_signals of one layout (16 MiB each, several admitted at once at
-    rank 1), then shuts one lane's socket. Its flush and rank 1's wait for the last signal fail
-    with PeerLost naming the other rank within their timeouts; the signals applied are a prefix
-    of the puts, each of them whole (never one of a put cut short)."""
-    size, count = 16 * MIB, 12
+    """Rank 0 queues 16 put_signals of one layout (16 MiB each, several admitted at once at
+    rank 1), waits until two completed, then shuts one lane's socket. Its flush and rank 1's
+    wait for the last signal fail with PeerLost naming the other rank within their timeouts;
+    the signals applied are a prefix of the puts, each of them whole (never one of a put cut
+    short)."""
+    size, count = 16 * MIB, 16
 
     def body(r):
         m = lanes4[r]
@@ -182,8 +183,10 @@ def test_a_lane_killed_with_several_puts_admitted_fails_both_sides_with_peer_los
         m.barrier(timeout=30)
         if r == 0:
             sock = lane_socket(m, 1, lane)
+            start = m.read_counter()
             for k in range(count):
                 m.put_signal(1, src, k * size, dst, 0, size, 0, 1)
+            m.wait_counter(start + 2, timeout=OP_TIMEOUT)
             sock.shutdown(socket.SHUT_RDWR)
             sock.close()
             with pytest.raises(PeerLost) as e:
@@ -196,7 +199,7 @@ def test_a_lane_killed_with_several_puts_admitted_fails_both_sides_with_peer_los
             assert time.monotonic() - start < OP_TIMEOUT / 2, "PeerLost came late"
             assert "peer 0" in str(e.value) or "rank 0" in str(e.value), e.value
             applied = m.read_signal(0)
-            assert 0 <= applied <= count
+            assert 2 <= applied <= count, applied
             if applied > 0:
                 assert int(np.frombuffer(dst.buffer, np.uint8).min()) >= applied, applied
 

@@ -154,7 +154,7 @@ class Engine : public Outbox {
     Window* entered = nullptr;  // left exactly once: when it is applied or dropped
     std::string refused;
   };
-  static constexpr size_t kMaxHeldPuts = 4;  // per slot: held puts lane 0 reads on past
+  static constexpr size_t kMaxAdmitted = 4;  // per slot: striped puts admitted and not applied (held + read)
   bool on_striped_header(int s, InConn& in);  // false: protocol error (the peer was lost)
   bool admits_early(int s, const InConn& in) const;  // lane 0 may act on this frame now
   bool hold_striped(int s, InConn& in);  // lane 0's part landed: true when held (in reset)

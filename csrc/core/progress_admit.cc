@@ -6,16 +6,17 @@
 // past its header (stripe_waits), so no stripe overtakes an earlier frame of lane 0.
 //
 // Early admission. Once its lane-0 part landed, a put whose stripes are still landing is held
-// (held_puts_, oldest first, at most kMaxHeldPuts) and lane 0 reads on. The next frame's headers
-// are read, but it is acted on only when it is the head of a striped put of the same layout as
-// the last one held (same window, offset, lane-0 length and lane count: its lane-0 part covers
-// the bytes of that put's lane-0 part, which landed, and none of any held put's stripes). Any
-// other frame stops lane 0 right there (lane0_held_) until every held put was applied; then
-// finish_held() acts on it and lane 0 reads on. The lane-0 head does not carry the put's whole
-// length, so a stripe checks its own layout: one that covers other bytes than the stripe before
-// it on its lane (stripe_moved_) also waits until every lane landed its stripe of the put before
-// (those bytes may be another lane's stripe of it). So no byte is written by a later op before
-// an earlier op's write of it has landed.
+// (held_puts_, oldest first; at most kMaxAdmitted striped puts admitted and not applied, the
+// one lane 0 reads included) and lane 0 reads on. The next frame's headers are read, but it is
+// acted on only when it is the head of a striped put of the same layout as the last one held
+// (same window, offset, lane-0 length and lane count: its lane-0 part covers the bytes of that
+// put's lane-0 part, which landed, and none of any held put's stripes). Any other frame stops
+// lane 0 right there (lane0_held_) until every held put was applied (a head of that layout
+// stopped by the bound: until one was); then finish_held() acts on it and lane 0 reads on. The
+// lane-0 head does not carry the put's whole length, so a stripe checks its own layout: one
+// that covers other bytes than the stripe before it on its lane (stripe_moved_) also waits
+// until every lane landed its stripe of the put before (those bytes may be another lane's
+// stripe of it). So no byte is written by a later op before an earlier op's write of it landed.
 //
 // Completion. Each lane's worker stores the number of the stripe it landed (lane_landed_, after
 // its bytes); put n is whole once every lane landed n (landed_all). Held puts are applied in
@@ -50,7 +51,7 @@ bool Engine::on_striped_header(int s, InConn& in) {
 
 bool Engine::admits_early(int s, const InConn& in) const {
   const std::deque<HeldPut>& held = held_puts_[s];
-  if (in.f.type != FrameType::kPut || held.size() >= kMaxHeldPuts) return false;
+  if (in.f.type != FrameType::kPut || held.size() + 1 >= kMaxAdmitted) return false;  // with the one it reads
   wire::PutHeader p;
   std::memcpy(&p, in.buf, sizeof(p));
   const HeldPut& last = held.back();
@@ -121,9 +122,10 @@ void Engine::finish_held(int s) {
     return;  // lane 0 of a lost peer stays stopped
   }
   InConn& in = *in_[s];
-  if (held.empty() && lane0_held_[s] && !in.closed && !lost) {
+  if (!lane0_held_[s] || in.closed || lost || in.st != InConn::kOpHeader || in.got != in.need) return;
+  if (held.empty() || admits_early(s, in)) {  // the frame lane 0 stopped at: acted on now
     lane0_held_[s] = false;
-    if (in.st == InConn::kOpHeader && in.got == in.need) on_op_header(s, in);  // the frame lane 0 stopped at
+    on_op_header(s, in);
   }
 }
 

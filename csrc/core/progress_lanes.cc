@@ -16,9 +16,9 @@
 // until its put was admitted, so it cannot overtake an earlier op of lane 0. While stripes are
 // landing, lane 0 reads on into the next frame's headers but acts on it only when it is the
 // head of a striped put of the same layout (window, offset, lane-0 length, lanes; at most
-// kMaxHeldPuts held): its stripes are admitted at once and land right after their predecessors
-// on each lane (a stripe that covers other bytes than its lane's previous one waits until every
-// lane landed the put before). Any other frame (a put to the same bytes, a signal, a get, a
+// kMaxAdmitted admitted): its stripes are admitted at once and land right after their
+// predecessors on each lane (a stripe that covers other bytes than its lane's previous one
+// waits until every lane landed the put before). Any other frame (a put to the same bytes, a signal, a get, a
 // message) waits at its op header until every held put was applied, so none overtakes a
 // stripe. Put n is applied once every lane landed its stripe n, in order, by the reader of
 // lane 0: its signal (after every stripe's bytes: the workers' stores are released, its loads
