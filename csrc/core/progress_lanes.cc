@@ -18,12 +18,12 @@
 // head of a striped put of the same layout (window, offset, lane-0 length, lanes; at most
 // kMaxAdmitted admitted): its stripes are admitted at once and land right after their
 // predecessors on each lane (a stripe that covers other bytes than its lane's previous one
-// waits until every lane landed the put before). Any other frame (a put to the same bytes, a signal, a get, a
-// message) waits at its op header until every held put was applied, so none overtakes a
-// stripe. Put n is applied once every lane landed its stripe n, in order, by the reader of
-// lane 0: its signal (after every stripe's bytes: the workers' stores are released, its loads
-// acquire them), then its ack. A lane that dies loses the peer (PeerLost naming it and the
-// lane), so no striped put completes half.
+// waits until every lane landed the put before). Any other frame (a put to the same bytes, a
+// signal, a get, a message) waits at its op header until every held put was applied, so none
+// overtakes a stripe. Put n is applied once every lane landed its stripe n, in order, by the
+// reader of lane 0: its signal (after every stripe's bytes: the workers' stores are released,
+// its loads acquire them), then its ack. A lane that dies loses the peer (PeerLost naming it
+// and the lane), so no striped put completes half.
 #include <poll.h>
 #include <sys/eventfd.h>
 #include <sys/ioctl.h>
