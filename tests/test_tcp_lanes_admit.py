@@ -18,6 +18,7 @@ import time
 import numpy as np
 import pytest
 
+import flagcx_mesh
 from flagcx_mesh import PeerLost
 from meshutil import close_all, run_threads, stream_sockets, thread_meshes
 
@@ -84,6 +85,8 @@ def test_a_signal_never_shows_before_its_put_and_the_earlier_ones(lanes4):
                 assert (b == count).all(), rnd
                 b[:] = 0
             m.barrier(timeout=30)
+        if r == 1:  # the case under test was there: puts admitted while earlier ones landed
+            assert m.stats()["tcp_early_admits"] > 0, m.stats()
 
     run_threads(2, body, timeout=100)
 
@@ -200,8 +203,18 @@ def test_a_lane_killed_with_several_puts_admitted_fails_both_sides_with_peer_los
             assert time.monotonic() - start < OP_TIMEOUT / 2, "PeerLost came late"
             assert "peer 0" in str(e.value) or "rank 0" in str(e.value), e.value
             applied = m.read_signal(0)
-            assert 2 <= applied < count, applied
+            assert 2 <= applied <= count, applied
             assert int(np.frombuffer(dst.buffer, np.uint8).min()) >= applied, applied
+            assert m.stats()["tcp_early_admits"] > 0, m.stats()
+        # Closing the window fails on both ranks (rank 0's flush names its lost peer, and rank 1
+        # hears that rank 0 could not close it), at once: the stripes and held puts of the lost
+        # peer left rank 1's window (rank 1 waited out its timeout before, MeshTimeout "still
+        # used by N operation(s)").
+        start = time.monotonic()
+        with pytest.raises(flagcx_mesh.MeshError) as e:
+            dst.close()
+        assert "still used" not in str(e.value), e.value
+        assert time.monotonic() - start < 10, "closing the window waited for the lost peer's stripes"
 
     run_threads(2, body, timeout=60)
 

@@ -58,6 +58,7 @@ class Mesh {
   const PhaseTimes& times() const { return times_; }
   const BuildStats& stats() const { return stats_; }
   Engine::ParkCounts park_counts() const { return engine_ ? engine_->park_counts() : Engine::ParkCounts{0, 0}; }
+  Engine::AdmitCounts admit_counts() const { return engine_ ? engine_->admit_counts() : Engine::AdmitCounts{0, 0}; }
   std::string mesh_id_hex() const { return wire::mesh_id_hex(mesh_id_); }
   std::string describe() const;
   bool closed() const { return closed_.load(); }

@@ -97,6 +97,12 @@ class Engine : public Outbox {
     uint64_t parks, late_wakes;
   };
   ParkCounts park_counts() const { return {parks_.load(), late_wakes_.load()}; }
+  // Striped puts lane 0 admitted while earlier ones' stripes were still landing (early
+  // admission), and the times a head of the same layout waited because kMaxAdmitted were.
+  struct AdmitCounts {
+    uint64_t early, limit_waits;
+  };
+  AdmitCounts admit_counts() const { return {early_admits_.load(), admit_limit_waits_.load()}; }
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -156,7 +162,7 @@ class Engine : public Outbox {
   };
   static constexpr size_t kMaxAdmitted = 4;  // per slot: striped puts admitted and not applied (held + read)
   bool on_striped_header(int s, InConn& in);  // false: protocol error (the peer was lost)
-  bool admits_early(int s, const InConn& in) const;  // lane 0 may act on this frame now
+  bool admits_early(int s, const InConn& in);  // lane 0 may act on this frame now
   bool hold_striped(int s, InConn& in);  // lane 0's part landed: true when held (in reset)
   void finish_held(int s);               // applies the held puts whose stripes all landed, in order
   void take_stripe_refusal(int s, uint64_t number, std::string* refused);
@@ -214,6 +220,7 @@ class Engine : public Outbox {
   void decide_park();
   bool park_beside_reader(uint64_t sleeps_before);
   std::atomic<uint64_t> parks_{0}, late_wakes_{0};  // see park_counts()
+  std::atomic<uint64_t> early_admits_{0}, admit_limit_waits_{0};  // see admit_counts()
   std::atomic<int64_t> last_sleep_ns_{0};   // steady_ns() of the last unpark (the late-wake count's clock)
   bool woke_late(uint64_t sleeps_before, int64_t poll_from_ns, int timeout_ms) const;
   std::atomic<bool> parked_{false};         // the progress thread leaves lane 0 to waiters (<= 1 ms)

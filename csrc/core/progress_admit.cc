@@ -21,7 +21,8 @@
 // Completion. Each lane's worker stores the number of the stripe it landed (lane_landed_, after
 // its bytes); put n is whole once every lane landed n (landed_all). Held puts are applied in
 // order by the reader of lane 0: each one's signal, then its ack (or the refusal of a stripe of
-// it, taken by its number), its window left once. A lost peer's held puts are dropped unapplied.
+// it, taken by its number), its window left once. Of a lost peer's held puts, those whose stripes
+// all landed are applied, the others dropped unapplied.
 #include <algorithm>
 #include <cstring>
 
@@ -49,14 +50,21 @@ bool Engine::on_striped_header(int s, InConn& in) {
   return true;
 }
 
-bool Engine::admits_early(int s, const InConn& in) const {
+bool Engine::admits_early(int s, const InConn& in) {
   const std::deque<HeldPut>& held = held_puts_[s];
-  if (in.f.type != FrameType::kPut || held.size() + 1 >= kMaxAdmitted) return false;  // with the one it reads
+  if (in.f.type != FrameType::kPut) return false;
   wire::PutHeader p;
   std::memcpy(&p, in.buf, sizeof(p));
   const HeldPut& last = held.back();
-  return (p.flags & wire::kPutStriped) && p.dst_win == last.put.dst_win && p.dst_off == last.put.dst_off &&
-         p.pad == last.put.pad && in.f.length == last.length;
+  bool same = (p.flags & wire::kPutStriped) && p.dst_win == last.put.dst_win && p.dst_off == last.put.dst_off &&
+              p.pad == last.put.pad && in.f.length == last.length;
+  if (!same) return false;
+  if (held.size() + 1 > kMaxAdmitted) {  // this one would be admitted beside every held one
+    admit_limit_waits_.fetch_add(1, std::memory_order_relaxed);
+    return false;
+  }
+  early_admits_.fetch_add(1, std::memory_order_relaxed);
+  return true;
 }
 
 uint64_t Engine::landed_all(int s) const {
@@ -137,6 +145,7 @@ void Engine::finish_landed_stripes() {
     } catch (const std::exception& e) {
       in_[s]->closed = true;
       lose(peer_of(s), std::string("handling its frames failed: ") + e.what());
+      in_[s]->reset();  // leaves the window it entered
     }
     if (!held_puts_[s].empty()) {
       ++k;

@@ -150,6 +150,7 @@ void Engine::on_waiting_close(int c) {
   lose(peer_of(c), "its connection" + conn_name(c) + " closed before its goodbye, " +
                        std::to_string(in.remaining - static_cast<uint64_t>(buffered)) +
                        " bytes short of the stripe it was sending");
+  in.reset();  // leaves the window it entered
 }
 
 // Like run(): a worker never ends before stop(); what a peer's frames throw fails that peer.
@@ -170,9 +171,11 @@ void Engine::poll_lane(LaneWorker& w) {
   std::vector<int> owner{-1};  // connection c: its send side; -2 - c: its receive side
   int first = w.lane * total_;
   bool ahead = false;  // some connection holds frames read ahead: no poll reports those
+  std::vector<int> dropped;  // stripes that wait for a lost peer: they never land
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int c = first; c < first + total_; ++c) {
+      if (!in_[c]->closed && !lost_[peer_of(c)].empty() && stripe_waits(c)) dropped.push_back(c);
       if (!out_[c].empty()) {
         fds.push_back({conns_->send[c].get(), POLLOUT, 0});
         owner.push_back(c);
@@ -186,6 +189,10 @@ void Engine::poll_lane(LaneWorker& w) {
         owner.push_back(-2 - c);
       }
     }
+  }
+  for (int c : dropped) {  // their windows are left, so that they can be deregistered
+    in_[c]->closed = true;
+    in_[c]->reset();
   }
   bool spin = !ahead && lane_spinning(w.spin_until_ns);
   ::poll(fds.data(), fds.size(), ahead || spin ? 0 : 100);

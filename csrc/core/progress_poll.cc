@@ -152,14 +152,16 @@ void Engine::poll_once() {
     if (ready == 0 && woke_late(sleeps_before, poll_from_ns, timeout_ms)) late_wakes_.fetch_add(1, std::memory_order_relaxed);
   }
   if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
-  read_phase(fds, owner, ahead);
-  for (size_t k = 1; k < fds.size(); ++k) {
-    if (fds[k].revents != 0 && owner[k] < total) write_guarded(owner[k]);
-  }
+  // Drained before the read phase: a wake-up that comes during it (a lane landing the last
+  // stripe of a held put after finish_landed_stripes looked) stays for the next poll.
   if (fds[0].revents) {  // new work was queued: the write_pending() below starts it now
     uint64_t v;
     ssize_t n = ::read(wake_fd_, &v, sizeof(v));
     (void)n;
+  }
+  read_phase(fds, owner, ahead);
+  for (size_t k = 1; k < fds.size(); ++k) {
+    if (fds[k].revents != 0 && owner[k] < total) write_guarded(owner[k]);
   }
   decide_park();  // waiters read lane 0: leave it to them a while
   write_pending();

@@ -86,6 +86,9 @@ py::dict stats(const Mesh& m) {
   fxm::Engine::ParkCounts parks = m.park_counts();
   d["progress_parks"] = parks.parks;
   d["progress_late_wakes"] = parks.late_wakes;
+  fxm::Engine::AdmitCounts admits = m.admit_counts();
+  d["tcp_early_admits"] = admits.early;
+  d["tcp_admit_limit_waits"] = admits.limit_waits;
   return d;
 }
 
