@@ -20,7 +20,8 @@ import pytest
 
 import flagcx_mesh
 from flagcx_mesh import PeerLost
-from meshutil import close_all, run_threads, stream_sockets, thread_meshes
+from meshutil import close_all, run_threads, thread_meshes
+from test_tcp_lanes import lane_socket, pattern
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -37,18 +38,14 @@ def lanes4(monkeypatch):
     close_all(meshes)
 
 
-def pattern(n, seed):
-    return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-def lane_socket(mesh, peer, lane, ctx=0):
-    """A socket object on (a duplicate of) this rank's send connection of that lane."""
-    port = mesh.tcp_lane_ports(peer, ctx)[lane]
-    for s in stream_sockets():
-        if s.getsockname()[1] == port:
-            return s
-        s.close()
-    raise AssertionError(f"no socket with local port {port} (lane {lane})")
+def numbered_windows(m, size, count):
+    """Collective: a zeroed destination of `size` bytes, one signal slot, and a source whose
+    k-th `size` bytes are all byte k + 1 (k < count)."""
+    dst = m.register_window(np.zeros(size, np.uint8))
+    m.signal_window(1)
+    src = m.register_window(np.repeat(np.arange(1, count + 1, dtype=np.uint8), size))
+    m.barrier(timeout=30)
+    return dst, src
 
 
 def test_a_signal_never_shows_before_its_put_and_the_earlier_ones(lanes4):
@@ -61,10 +58,7 @@ def test_a_signal_never_shows_before_its_put_and_the_earlier_ones(lanes4):
 
     def body(r):
         m = lanes4[r]
-        dst = m.register_window(np.zeros(size, np.uint8))
-        m.signal_window(1)
-        src = m.register_window(np.repeat(np.arange(1, count + 1, dtype=np.uint8), size))
-        m.barrier(timeout=30)
+        dst, src = numbered_windows(m, size, count)
         for rnd in range(3):
             if r == 0:
                 start = m.read_counter()
@@ -180,10 +174,7 @@ def test_a_lane_killed_with_several_puts_admitted_fails_both_sides_with_peer_los
 
     def body(r):
         m = lanes4[r]
-        dst = m.register_window(np.zeros(size, np.uint8))
-        m.signal_window(1)
-        src = m.register_window(np.repeat(np.arange(1, count + 1, dtype=np.uint8), size))
-        m.barrier(timeout=30)
+        dst, src = numbered_windows(m, size, count)
         if r == 0:
             sock = lane_socket(m, 1, lane)
             for k in range(count):
