@@ -240,6 +240,7 @@ class Engine : public Outbox {
   bool on_ack(int s, const uint8_t* buf);
   void on_put_header(int s, InConn& in, uint64_t payload);
   void on_put_done(int s, InConn& in);  // lands a staged put's last bytes, then apply_put
+  std::string land_rest(InConn& in);     // "" or why the put is refused (its staged bytes landed first)
   void stage_put(InConn& in, Window& w, uint64_t payload, const std::string& what);
   // The ring a payload of n bytes to device memory at `at` lands through: "" or why it cannot be had.
   std::string take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device);

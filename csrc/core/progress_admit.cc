@@ -91,11 +91,7 @@ bool Engine::hold_striped(int s, InConn& in) {
     take_stripe_refusal(s, number, &in.refused);
     return false;
   }
-  std::string refused = in.refused;
-  if (refused.empty() && in.device_at != nullptr) {  // a device window's part: on the device before it is held
-    refused = land_on_device(in, in.total - in.landed);
-    if (refused.empty()) refused = wait_landed(in);
-  }
+  std::string refused = land_rest(in);  // a device window's part: on the device before it is held
   if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
   held_puts_[s].push_back({in.put, in.f.length, number, in.f.length > in.need, in.entered, std::move(refused)});
   in.entered = nullptr;  // left by finish_held()

@@ -212,13 +212,17 @@ void Engine::on_payload_done(int s, InConn& in) {
 }
 
 // The data landed (or was refused); the signal follows only a landed put.
-void Engine::on_put_done(int s, InConn& in) {
+void Engine::on_put_done(int s, InConn& in) { apply_put(s, in.put, land_rest(in), in.f.length > in.need); }
+
+// Why the put was refused, else what landing its last staged bytes on the device said: the
+// data is on the device before its signal and its ack.
+std::string Engine::land_rest(InConn& in) {
   std::string refused = in.refused;
-  if (refused.empty() && in.device_at != nullptr) {  // the data is on the device before the signal and the ack
+  if (refused.empty() && in.device_at != nullptr) {
     refused = land_on_device(in, in.total - in.landed);
     if (refused.empty()) refused = wait_landed(in);
   }
-  apply_put(s, in.put, refused, in.f.length > in.need);
+  return refused;
 }
 
 // data: the put carried bytes (a refused signal says they landed).
