@@ -36,7 +36,10 @@ import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
+try:
+    import numpy as np
+except ModuleNotFoundError:  # one line naming the extra, not a traceback
+    sys.exit(f"{__file__} needs numpy: pip install 'flagcx_mesh[bench]' (or pip install numpy)")
 
 from flagcx_mesh import MeshError
 from flagcx_mesh.bootstrap import detect_launch

@@ -89,3 +89,13 @@ def earliest_round_error(errors: List[str]) -> str:
         return ""
     rounds = [int(m.group(1)) if m else 1 << 30 for m in (re.search(r"round (\d+)", e) for e in errors)]
     return errors[rounds.index(min(rounds))]
+
+
+if __name__ == "__main__":
+    import sys
+
+    from ._cli import library_module_main
+
+    sys.exit(library_module_main("flagcx_mesh.netbuild", __doc__,
+                                 "Its builds run through: python -m flagcx_mesh selftest --builder "
+                                 "legacy|ordered|tagged, and python -m flagcx_mesh bench race."))

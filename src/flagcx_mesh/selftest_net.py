@@ -89,3 +89,10 @@ def _report(parts: List[List[Dict[str, Any]]], outcomes: List[str], args: Any) -
               flush=True)
     else:
         print(f"FAIL: builder {b}: outcomes {outcomes}", flush=True)
+
+
+if __name__ == "__main__":
+    from ._cli import library_module_main
+
+    sys.exit(library_module_main("flagcx_mesh.selftest_net", __doc__,
+                                 "It runs through: python -m flagcx_mesh selftest --builder legacy|ordered|tagged."))

@@ -37,6 +37,8 @@ import importlib
 import sys
 from typing import List, Optional
 
+from .._cli import run_naming_extras
+
 # command -> (module, function); imported on use (put needs numpy: pip install flagcx_mesh[bench])
 COMMANDS = {
     "mesh": ("mesh", "main"),
@@ -59,11 +61,19 @@ COMMANDS = {
 
 def main(argv: Optional[List[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in ("-h", "--help"):
+        print(__doc__)
+        return 0
     if not argv or argv[0] not in COMMANDS:
+        if argv:
+            print(f"python -m flagcx_mesh.bench: unknown benchmark {argv[0]!r}", file=sys.stderr)
         print(__doc__, file=sys.stderr)
         return 2
     module, func = COMMANDS[argv[0]]
-    return getattr(importlib.import_module(f"{__package__}.{module}"), func)(argv[1:])
+    command = f"python -m flagcx_mesh.bench {argv[0]}"
+    # (the benchmark's module is imported inside: a module-level numpy import is named too)
+    return run_naming_extras(command, lambda rest: getattr(
+        importlib.import_module(f"{__package__}.{module}"), func)(rest), argv[1:])
 
 
 if __name__ == "__main__":

@@ -41,19 +41,19 @@ SECRET = "bench-agent"
 
 def _parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench agent")
-    p.add_argument("--region", default="256M")
-    p.add_argument("--blocks", default="64K,256K,2M")
-    p.add_argument("--count", type=int, default=256)
-    p.add_argument("--transports", default="cma,shm,tcp")
-    p.add_argument("--churn", type=int, default=50)
-    p.add_argument("--connects", type=int, default=50)
+    p.add_argument("--region", default="256M", help="bytes of the registered region on each side (default 256M)")
+    p.add_argument("--blocks", default="64K,256K,2M", help="block sizes of the request-shaped batches, comma-separated (default 64K,256K,2M)")
+    p.add_argument("--count", type=int, default=256, help="blocks per batch (default 256)")
+    p.add_argument("--transports", default="cma,shm,tcp", help="host paths to measure, comma-separated (default cma,shm,tcp)")
+    p.add_argument("--churn", type=int, default=50, help="register/deregister cycles timed (default 50)")
+    p.add_argument("--connects", type=int, default=50, help="connect/close cycles timed (default 50)")
     p.add_argument("--setups", type=int, default=3, help="set-up runs; each figure is their median")
     p.add_argument("--peers", default="mooncake,nixl", help="comma-separated, or none")
     p.add_argument("--mesh-put", choices=("on", "off"), default="on",
                    help="off: leave out the mesh's own puts beside the agent's writes")
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
                    help="cuda: GPU memory between two processes (agent_gpu.py)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     return p.parse_args(argv)
 
 

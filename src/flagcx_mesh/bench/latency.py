@@ -42,9 +42,9 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=10000, help="timed iterations per test and path")
     p.add_argument("--warmup", type=int, default=1000, help="untimed iterations first")
     p.add_argument("--blocks", type=int, default=10, help="the tests take turns in this many blocks")
-    p.add_argument("--transports", default="shm,tcp")
+    p.add_argument("--transports", default="shm,tcp", help="paths to measure, comma-separated (default shm,tcp)")
     p.add_argument("--timeout", type=float, default=300.0, help="seconds per path")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--keep", metavar="DIR", help="build the program in DIR and keep it")
     a = p.parse_args(argv)
     a.transports = [t for t in a.transports.split(",") if t]

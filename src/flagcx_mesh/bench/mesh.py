@@ -24,10 +24,10 @@ from ._ranks import run_ranks, save_json
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
     m = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench mesh")
-    m.add_argument("-n", "--nranks", type=int, default=8)
-    m.add_argument("--iterations", type=int, default=20)
-    m.add_argument("--contexts", type=int, default=1)
-    m.add_argument("--json", metavar="PATH")
+    m.add_argument("-n", "--nranks", type=int, default=8, help="ranks (local processes) per mesh (default 8)")
+    m.add_argument("--iterations", type=int, default=20, help="meshes built, one after another (default 20)")
+    m.add_argument("--contexts", type=int, default=1, help="contexts (independent connection sets) per mesh (default 1)")
+    m.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     return m.parse_args(argv)
 
 

@@ -33,12 +33,12 @@ SECRET = "bench-p2p"
 
 def _parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench p2p")
-    p.add_argument("--blocks", default="4K,64K,1M")
-    p.add_argument("--count", type=int, default=64)
-    p.add_argument("--layers", type=int, default=4)
-    p.add_argument("--transports", default="cma,tcp")
+    p.add_argument("--blocks", default="4K,64K,1M", help="block sizes, comma-separated (default 4K,64K,1M)")
+    p.add_argument("--count", type=int, default=64, help="blocks per layer in one call (default 64)")
+    p.add_argument("--layers", type=int, default=4, help="layers (regions) per call (default 4)")
+    p.add_argument("--transports", default="cma,tcp", help="host paths to measure, comma-separated (default cma,tcp)")
     p.add_argument("--reps", type=int, default=0, help="calls of each per figure (0: about 256 MiB moved, 9..101)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     return p.parse_args(argv)
 
 

@@ -46,19 +46,19 @@ _budget = TARGET_BYTES    # this process's --bytes (rank_entry sets it)
 
 def _parse(argv: List[str], prog: str, rank: bool = False) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog=f"python -m flagcx_mesh.bench {prog}")
-    p.add_argument("--sizes", default="4K,64K,1M,16M,64M")
-    p.add_argument("--transports", default="shm,cma,tcp")
-    p.add_argument("--latency-iters", type=int, default=2000)
+    p.add_argument("--sizes", default="4K,64K,1M,16M,64M", help="put sizes, comma-separated, K/M/G suffixes (default 4K,64K,1M,16M,64M)")
+    p.add_argument("--transports", default="shm,cma,tcp", help="host paths to measure, comma-separated (default shm,cma,tcp)")
+    p.add_argument("--latency-iters", type=int, default=2000, help="put_signal round trips per latency figure (default 2000)")
     p.add_argument("--batch", type=int, default=2000, help="entries per batch_put (0: skip)")
     p.add_argument("--batch-size", default="4K", help="bytes per batch entry")
     p.add_argument("--streams", type=int, default=None,
                    help="sockets of the multi-stream raw TCP reference (default: the mesh's tcp lanes)")
     p.add_argument("--bytes", default="256M",
                    help="bytes moved per size and transport, for each figure (more: steadier figures)")
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--plot", metavar="PNG", help="a plot of the bandwidth table (needs matplotlib)")
     if rank:
-        p.add_argument("--out", required=True)
+        p.add_argument("--out", required=True, help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.sizes = [parse_size(s) for s in a.sizes.split(",") if s]
     a.transports = [t for t in a.transports.split(",") if t]

@@ -14,8 +14,6 @@ import json
 import time
 from typing import Dict, List
 
-import numpy as np
-
 from . import put as P
 
 
@@ -45,9 +43,9 @@ def _mesh_from_comm(comm):
 
 
 def mpi_entry(argv: List[str]) -> int:
+    args = P._parse(argv, "put-mpi")  # (first: --help needs no MPI)
     from mpi4py import MPI
 
-    args = P._parse(argv, "put-mpi")
     P.set_bytes_per_figure(args.bytes)
     comm = MPI.COMM_WORLD
     if comm.size != 2:
@@ -55,6 +53,8 @@ def mpi_entry(argv: List[str]) -> int:
         return 2
     nbytes = max(args.sizes)
     win = MPI.Win.Allocate(nbytes, 1, comm=comm)
+    import numpy as np
+
     buf = np.ones(nbytes, np.uint8)
     out: Dict[str, Dict[str, float]] = {"mpi_put": {}}
     for s in args.sizes:

@@ -232,17 +232,17 @@ def _print(s: Dict[str, Any]) -> None:
 def parse(argv: List[str]) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench soak", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--builds", type=int, default=10000)
-    p.add_argument("--min-ranks", type=int, default=2)
-    p.add_argument("--max-ranks", type=int, default=32)
-    p.add_argument("--jitter-ms", type=float, default=20.0)
+    p.add_argument("--builds", type=int, default=10000, help="meshes to build (default 10000)")
+    p.add_argument("--min-ranks", type=int, default=2, help="fewest ranks (threads) of a build (default 2)")
+    p.add_argument("--max-ranks", type=int, default=32, help="most ranks (threads) of a build (default 32)")
+    p.add_argument("--jitter-ms", type=float, default=20.0, help="each rank starts up to this late, milliseconds (default 20)")
     p.add_argument("--kill", type=float, default=0.2, help="probability that one rank abandons a build")
     p.add_argument("--absent", type=float, default=0.01, help="probability that one rank never calls")
     p.add_argument("--foreign", type=float, default=0.3, help="probability of foreign traffic at the root")
     p.add_argument("--timeout", type=float, default=5.0, help="build deadline, seconds")
-    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--seed", type=int, default=1, help="seed of the random choices (default 1): a run is repeatable")
     p.add_argument("--max-seconds", type=float, default=0, help="stop after this long (0: run every build)")
-    p.add_argument("--json", default=None)
+    p.add_argument("--json", default=None, metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--progress", type=int, default=100, help="print a line every K builds (0: never)")
     return p.parse_args(argv)
 

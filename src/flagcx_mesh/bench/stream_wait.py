@@ -24,9 +24,9 @@ SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_wait.c
 
 def main(argv: List[str]) -> int:
     p = argparse.ArgumentParser(prog="python -m flagcx_mesh.bench stream-wait")
-    p.add_argument("--iters", type=int, default=2000)
-    p.add_argument("--timeout", type=float, default=300.0)
-    p.add_argument("--json", metavar="PATH")
+    p.add_argument("--iters", type=int, default=2000, help="signals timed (default 2000)")
+    p.add_argument("--timeout", type=float, default=300.0, help="seconds the measuring program may run (default 300)")
+    p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     args = p.parse_args(argv)
     with tempfile.TemporaryDirectory() as tmp:
         exe = compile_program(tmp, SOURCE, "flagcx_mesh_stream_wait", ["-ldl"])
