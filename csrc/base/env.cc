@@ -15,11 +15,20 @@
 namespace fxm {
 namespace {
 
-LogLevel parse_level(const char* s) {
-  if (s == nullptr) return LogLevel::kWarn;
+void add_error(std::string* error, const std::string& what) {
+  if (!error->empty()) *error += "; ";
+  *error += what;
+}
+
+// FLAGCX_MESH_LOG: unset or empty is warn; a value that is no level is an error
+// (logging stays at warn until an entry point reports it).
+LogLevel parse_level(const char* s, std::string* error) {
+  if (s == nullptr || *s == '\0') return LogLevel::kWarn;
   if (strcasecmp(s, "error") == 0) return LogLevel::kError;
+  if (strcasecmp(s, "warn") == 0 || strcasecmp(s, "warning") == 0) return LogLevel::kWarn;
   if (strcasecmp(s, "info") == 0) return LogLevel::kInfo;
   if (strcasecmp(s, "debug") == 0) return LogLevel::kDebug;
+  add_error(error, std::string("FLAGCX_MESH_LOG=") + s + " is not one of error, warn, info, debug");
   return LogLevel::kWarn;
 }
 
@@ -34,8 +43,7 @@ void parse_seconds(const char* name, double* out, std::string* error) {
     *out = v;
     return;
   }
-  if (!error->empty()) *error += "; ";
-  *error += std::string(name) + "=" + s + " is not a number of seconds > 0 (finite)";
+  add_error(error, std::string(name) + "=" + s + " is not a number of seconds > 0 (finite)");
 }
 
 EnvConfig read_env() {
@@ -43,15 +51,15 @@ EnvConfig read_env() {
   if (const char* s = std::getenv("FLAGCX_MESH_IFNAME")) cfg.ifname = s;
   parse_seconds("FLAGCX_MESH_TIMEOUT", &cfg.timeout_s, &cfg.error);
   parse_seconds("FLAGCX_MESH_ROOT_IDLE_TIMEOUT", &cfg.root_idle_s, &cfg.error);
-  cfg.log_level = parse_level(std::getenv("FLAGCX_MESH_LOG"));
+  cfg.log_level = parse_level(std::getenv("FLAGCX_MESH_LOG"), &cfg.error);
   return cfg;
 }
+
+}  // namespace
 
 void require_valid_env() {
   if (!env_config().error.empty()) fail(Code::kInvalidArgument, -1, 0, env_config().error);
 }
-
-}  // namespace
 
 std::string transport_env() {
   const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");

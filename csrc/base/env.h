@@ -34,7 +34,7 @@ struct EnvConfig {
   double timeout_s = 60.0;       // a malformed value leaves the default (see default_timeout_s)
   double root_idle_s = 600.0;
   LogLevel log_level = LogLevel::kWarn;
-  std::string error;             // what is wrong with a timeout variable ("" if nothing)
+  std::string error;             // what is wrong with a timeout or log variable ("" if nothing)
 };
 
 // Parsed once, on first use; later changes to the environment are not seen.
@@ -44,6 +44,9 @@ const EnvConfig& env_config();
 // that use them; throw Error(kInvalidArgument) naming a malformed variable
 // (not a finite number of seconds > 0).
 double default_timeout_s();
+// Throws Error(kInvalidArgument) naming every malformed variable of EnvConfig
+// (a timeout, FLAGCX_MESH_LOG); entry points (a mesh, an agent) call it first.
+void require_valid_env();
 double root_idle_timeout_s();
 
 // A timeout argument: `what` (e.g. "Mesh: timeout") must be finite and > 0;

@@ -1,4 +1,5 @@
-// Minimal leveled logging to stderr: "flagcx_mesh WARN [rank 3] message".
+// Leveled logging to stderr, one line each:
+// "flagcx_mesh WARN 2026-12-05T14:07:01.123456Z pid 4711 [rank 3] message" (UTC).
 #pragma once
 
 #include <string>

@@ -56,6 +56,7 @@ void check_args(int nranks, int rank, const MeshOptions& opt) {
 Mesh::Mesh(int nranks, const uint8_t* unique_id, size_t unique_id_len, int rank,
            const MeshOptions& opt)
     : nranks_(nranks), rank_(rank), contexts_(opt.contexts) {
+  require_valid_env();
   check_args(nranks, rank, opt);
   bootstrap::UniqueId id = bootstrap::decode_unique_id(unique_id, unique_id_len);
   mesh_id_ = id.mesh_id;
