@@ -303,7 +303,11 @@ void bind_connection(py::module_& m) {
       .def("done", [](const PyHandle& p) { return p.h.done(); }, py::call_guard<py::gil_scoped_release>())
       .def("wait", [](const PyHandle& p, double timeout) { p.h.wait(timeout); }, py::arg("timeout") = 0.0,
            py::call_guard<py::gil_scoped_release>())
-      .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); });
+      .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); })
+      .def("__repr__", [](const PyHandle& p) {
+        py::gil_scoped_release release;
+        return "Handle(" + p.h.call() + (p.h.done() ? ", done)" : ", pending)");
+      });
   using fxm::agent::NotificationWait;
   py::class_<NotificationWait>(m, "AgentNotificationWait")
       .def("done", &NotificationWait::done, py::call_guard<py::gil_scoped_release>())

@@ -22,7 +22,7 @@ from .errors import (
 from ._paths import get_include, get_library, get_library_dir
 from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id, release_unique_id
 from .window import SignalWindow, Window
-from .agent import Agent, AgentConnection
+from .agent import Agent, AgentConnection, Handle, Notification, NotificationWait, Region
 
 __version__ = "0.3.0"
 
@@ -30,6 +30,10 @@ __all__ = [
     "Mesh",
     "Agent",
     "AgentConnection",
+    "Region",
+    "Handle",
+    "Notification",
+    "NotificationWait",
     "Window",
     "SignalWindow",
     "get_unique_id",

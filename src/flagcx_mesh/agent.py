@@ -135,6 +135,9 @@ class Notification(tuple):
     incarnation = property(lambda self: self[1])
     data = property(lambda self: self[2])
 
+    def __repr__(self) -> str:
+        return f"Notification(peer={self[0]!r}, incarnation={self[1]!r}, data={self[2]!r})"
+
 
 Op = Sequence  # (local, local_offset, remote, remote_offset, size)
 
@@ -144,6 +147,9 @@ class AgentConnection:
 
     def __init__(self, core):
         self._core = core
+
+    def __repr__(self) -> str:
+        return f"AgentConnection(peer={self.peer_name!r}, incarnation={self.peer_incarnation})"
 
     @property
     def peer_name(self) -> str:
@@ -236,6 +242,7 @@ class Agent:
         self._regions: dict[int, Region] = {}
 
     name = property(lambda self: self._core.name)
+
     incarnation = property(lambda self: self._core.incarnation)
     address = property(lambda self: self._core.address)
 
@@ -329,4 +336,5 @@ class Agent:
         self.close()
 
     def __repr__(self) -> str:
-        return f"Agent(name={self.name!r}, incarnation={self.incarnation}, address={self.address})"
+        state = ", closed" if self.closed else ""
+        return f"Agent(name={self.name!r}, incarnation={self.incarnation}, address={self.address}{state})"
