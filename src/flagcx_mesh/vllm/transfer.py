@@ -35,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -120,6 +121,7 @@ class _Held:
     deadline: float
     pushes: List[_Push] = field(default_factory=list)
     release_when_idle: str = ""  # why, once the pushes in flight are over
+    abandoned_peer: str = ""
 
 
 @dataclass
@@ -184,6 +186,7 @@ class KVTransfer:
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
         self._warn_bad, self._warn_refused, self._warn_odd = _Throttled(), _Throttled(), _Throttled()
+        self._warn_internal = _Throttled()
         # prefill side
         self._held: Dict[str, _Held] = {}
         self._early: Dict[str, List[Tuple[str, dict, float]]] = {}
@@ -460,7 +463,7 @@ class KVTransfer:
                 if not p.closing.done.is_set():
                     still.append(p)
                 elif not held.release_when_idle:  # its decode fails its fetch: nobody asks again
-                    held.release_when_idle = "abandoned"
+                    held.release_when_idle, held.abandoned_peer = "abandoned", p.peer
                 continue
             if not all(h.done() for h in p.handles):
                 if now > p.deadline:
@@ -527,22 +530,30 @@ class KVTransfer:
     def _check_held(self, now: float) -> None:
         self._check_closing()
         for req, held in list(self._held.items()):
-            active = self._active(req, held, now)
-            if held.release_when_idle and not active:
-                if held.release_when_idle == "abandoned":
-                    log.warning("%s: released %s after its push was abandoned", self.name, req)
-                self._release(req, held.release_when_idle)
-            elif now > held.deadline and not active:
-                log.warning("%s: no decode took %s within %.0f s; releasing its blocks",
-                            self.name, req, self.hold_timeout)
-                self._release(req, "expired")
+            try:  # one request's trouble must not keep the others from their deadlines
+                self._check_one_held(req, held, now)
+            except Exception:  # noqa: BLE001
+                self._warn_internal.warn("%s: checking held request %s failed:\n%s", self.name, req,
+                                         traceback.format_exc())
         for req, waiting in list(self._early.items()):
             late = [w for w in waiting if now > w[2]]
-            for peer, f, _ in late:
-                self._refuse(peer, f, f"request {req} is not known here")
             waiting[:] = [w for w in waiting if now <= w[2]]
             if not waiting:
                 del self._early[req]
+            for peer, f, _ in late:
+                self._refuse(peer, f, f"request {req} is not known here")
+
+    def _check_one_held(self, req: str, held: _Held, now: float) -> None:
+        active = self._active(req, held, now)
+        if held.release_when_idle and not active:
+            if held.release_when_idle == "abandoned":
+                log.warning("%s: released %s after its push to %s was abandoned", self.name, req,
+                            held.abandoned_peer)
+            self._release(req, held.release_when_idle)
+        elif now > held.deadline and not active:
+            log.warning("%s: no decode took %s within %.0f s; releasing its blocks",
+                        self.name, req, self.hold_timeout)
+            self._release(req, "expired")
 
     # ---- decode side --------------------------------------------------------------------
 
@@ -615,9 +626,13 @@ class KVTransfer:
 
     def _check_fetches(self, now: float) -> None:
         for f in list(self._fetches.values()):
-            gone = f.conn.gone() if f.conn is not None else "not connected"
-            if gone:
-                self._fail(f, f"the connection to the prefill is gone: {gone}")
-            elif now > f.deadline:
-                self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
-                self._fail(f, f"no answer within {self.fetch_timeout:.0f} s")
+            try:
+                gone = f.conn.gone() if f.conn is not None else "not connected"
+                if gone:
+                    self._fail(f, f"the connection to the prefill is gone: {gone}")
+                elif now > f.deadline:
+                    self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
+                    self._fail(f, f"no answer within {self.fetch_timeout:.0f} s")
+            except Exception:  # noqa: BLE001
+                self._warn_internal.warn("%s: checking fetch %s failed:\n%s", self.name, f.tag,
+                                         traceback.format_exc())
