@@ -445,6 +445,10 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
             assert len(asked) == len(reqs), f"the decode asked for {len(asked)} of {len(reqs)} requests"
             assert released == set(reqs), f"still held {time.monotonic() - t0:.0f} s on: {sorted(set(reqs) - released)}"
             assert process_state(dec.pid) == "T"  # all the while
+            for li, t in enumerate(kv.values()):  # vLLM reuses them: what the decode gets after is wrong
+                for blocks in reqs.values():
+                    for b in blocks:
+                        fill_block(t, b, 0, f"reused {li}/{b}")
         st = pre.stats()
         assert st["pushes_abandoned"] == 3 and st["connections_abandoned"] == 1, st
         assert st["released_abandoned"] == 3, st
@@ -461,5 +465,6 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
                 raise
         pre.close()
     # Resumed, the decode takes what its kernel had received (bytes read from the source blocks
-    # before they were released) and fails the rest: never a wrong byte (that would be status 4).
+    # before they were released) and fails the rest: never a wrong byte (that would be status 4),
+    # such as one read from the blocks once they were released and refilled.
     assert dec.returncode in (0, 3) and ("FAILED" in out or "checked" in out), (dec.returncode, out)
