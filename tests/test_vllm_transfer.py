@@ -271,6 +271,10 @@ def test_a_malformed_notification_costs_no_other_of_its_batch(pair, bad):
         s.notify(bad)
         time.sleep(0.3)  # they come first in the batch
         dec.fetch("t", pre.metadata, "r", [7, 8, 9], [2, 3])
+        end = time.monotonic() + 10
+        while getattr(dec._fetches.get("t"), "conn", None) is None:  # connected: it sends them next
+            assert time.monotonic() < end
+            time.sleep(0.01)
         time.sleep(0.5)  # the decode's layout and want are in the inbox too
     finally:
         go.set()
@@ -309,7 +313,7 @@ def fuzz_payloads(rng, layout_msg: bytes, n: int):
         M + b'W{"req":"r0","tag":"s","dst":[' + b"9" * 5000 + b"]}",
         w([-1]), w([16]), w([2**31]), w([2**63]), w([2**64]), w([10**19]), w([0] * 100), w([True]), w([None]),
         w(["1"]), w([[1]]), w({"0": 1}), w("1"), w(1), w(None), w([1], req=1), w([1], req=None), w([1], req=["r0"]),
-        M + b'W{"req":"r0","tag":7,"dst":[1]}', w([1], src="x"), w([1], src=[-5]),
+        M + b'W{"req":"r0","tag":7,"dst":[1]}', w([1], src="x"), w([1], src=[-5]), w([1], req="q" * 5000),
         M + b'W{"req":"r0","tag":"s","dst":[1],"dst":{}}', M + b'A{"req":7}', M + b'C{}', M + b'D{"tag":null}',
         M + b'F{"tag":"s","why":{"a":1}}', M + b'A{"req":"' + b"\\ud800" + b'"}',
         M + b'W{"req":"\xff\xfe","tag":"s","dst":[1]}', M + b"W\x80\x81\x82", M + b"L\xc3\x28",

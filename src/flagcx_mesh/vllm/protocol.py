@@ -29,11 +29,13 @@ from typing import Tuple
 
 MAGIC = b"fxkv1"
 KINDS = frozenset(b"LWACDF")
-MAX_MESSAGE_BYTES = 16 << 20  # a layout of hundreds of layers is tens of KiB
-MAX_INT_DIGITS = 20           # every integer of a message fits 64 bits
+MAX_MESSAGE_BYTES = 4 << 20  # a layout of hundreds of layers is tens of KiB; a want of 100k blocks 0.7 MiB
+MAX_INT_DIGITS = 20          # every integer of a message fits 64 bits
+MAX_ID_CHARS = 4096          # a request id or tag (vLLM's are tens of characters)
 
-# The fields each kind must carry, and those it may carry (more are ignored): "str", "ints" (a
-# list of integers >= 0), "strs" (a list of strings), "lists" (a list of lists).
+# The fields each kind must carry, and those it may carry (more are ignored): "str" (an id: at
+# most MAX_ID_CHARS), "text" (a string), "ints" (a list of integers >= 0), "strs" (a list of
+# strings), "lists" (a list of lists).
 FIELDS = {
     "L": {"regions": "strs", "layers": "lists"},
     "W": {"req": "str", "tag": "str", "dst": "ints"},
@@ -42,8 +44,8 @@ FIELDS = {
     "D": {"tag": "str"},
     "F": {"tag": "str"},
 }
-OPTIONAL = {"W": {"src": "ints"}, "F": {"why": "str"}}
-WHAT = {"str": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists"}
+OPTIONAL = {"W": {"src": "ints"}, "F": {"why": "text"}}
+WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists"}
 
 
 class ProtocolViolation(ValueError):
@@ -73,8 +75,8 @@ def is_count(v) -> bool:
 
 
 def _fits(v, want: str) -> bool:
-    if want == "str":
-        return isinstance(v, str)
+    if want in ("str", "text"):
+        return isinstance(v, str) and (want == "text" or len(v) <= MAX_ID_CHARS)
     return isinstance(v, list) and all(
         is_count(x) if want == "ints" else isinstance(x, str if want == "strs" else list) for x in v)
 

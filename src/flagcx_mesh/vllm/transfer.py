@@ -137,6 +137,13 @@ class _Fetch:
     cancelled: bool = False
 
 
+def _incarnation(conn) -> str:
+    try:
+        return conn.peer_incarnation
+    except Exception:  # noqa: BLE001
+        return ""
+
+
 def _same_connection(a, b) -> bool:
     if a is b:
         return True
@@ -191,8 +198,9 @@ class KVTransfer:
         self._held: Dict[str, _Held] = {}
         self._early: Dict[str, List[Tuple[str, dict, float]]] = {}
         self._gone: "OrderedDict[str, str]" = OrderedDict()
-        self._closing: Dict[str, _Closing] = {}  # by peer name: connections being abandoned
-        self._after_close: Dict[str, List[Tuple[str, dict, str]]] = {}  # wants that came meanwhile
+        # connections being abandoned, by (peer, incarnation), and the wants that came meanwhile
+        self._closing: Dict[Tuple[str, str], _Closing] = {}
+        self._after_close: Dict[Tuple[str, str], List[Tuple[str, dict, str]]] = {}
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
@@ -368,16 +376,16 @@ class KVTransfer:
         conn = self.agent.connection(peer)
         if conn is not None:
             try:
-                conn.notify(protocol.encode("F", tag=str(f.get("tag", "")), why=why))
+                conn.notify(protocol.encode("F", tag=str(f.get("tag", "")), why=why[:2000]))
             except MeshError:
                 pass
 
     def _start_push(self, req: str, peer: str, f: dict, incarnation: Optional[str] = None) -> None:
         held = self._held[req]
         incarnation = incarnation or f.get("_inc", "")
-        if peer in self._closing:  # it came on the connection being closed, or on a new one: see after
-            self._after_close.setdefault(peer, []).append((req, f, incarnation))
-            return
+        if (peer, incarnation) in self._closing:  # on the connection being closed, or on a new one
+            self._after_close.setdefault((peer, incarnation), []).append((req, f, incarnation))
+            return  # refused once the close returned (_check_closing)
         conn = self.agent.connection(peer)
         if conn is None or conn.peer_incarnation != incarnation:
             return  # that decode is gone; its successor will ask again
@@ -484,13 +492,14 @@ class KVTransfer:
         """Closes the connection of a push past its deadline on a thread of its own; every push
         on it is over once that close returned (the engine stopped: no byte of their source
         blocks is read any more; what the kernel took before stays valid, it was read before)."""
-        closing = self._closing.get(push.peer)
+        key = (push.peer, _incarnation(push.conn))
+        closing = self._closing.get(key)
         if closing is None:
             self._count("connections_abandoned")
             log.warning("%s: %s; abandoning it: closing the connection to %s (every push on it "
                         "fails), then releasing the blocks", self.name, why, push.peer)
-            closing = _Closing(push.peer, threading.Event())
             conn = push.conn
+            closing = _Closing(push.peer, threading.Event())
 
             def close_it() -> None:
                 try:
@@ -502,7 +511,7 @@ class KVTransfer:
                     closing.done.set()
 
             closing.thread = threading.Thread(target=close_it, name=f"kv-abandon-{push.peer}", daemon=True)
-            self._closing[push.peer] = closing
+            self._closing[key] = closing
             closing.thread.start()
         else:
             log.warning("%s: %s; abandoned with its connection", self.name, why)
@@ -513,17 +522,18 @@ class KVTransfer:
                     self._count("pushes_abandoned")
 
     def _check_closing(self) -> None:
-        for peer, c in list(self._closing.items()):
+        for key, c in list(self._closing.items()):
             if not c.done.is_set():
                 continue
-            del self._closing[peer]
+            del self._closing[key]
+            peer = key[0]
             log.info("%s: the connection to %s is closed", self.name, peer)
             # Wants that came meanwhile are refused: one that came on the closed connection
             # belongs to a fetch its decode failed when the connection went, and nothing says
             # which connection a notification came on (a push over a new one could write into
             # blocks that decode no longer keeps for it). One that came on a new connection is
             # failed at once instead of at its fetch timeout.
-            for req, f, inc in self._after_close.pop(peer, []):
+            for req, f, inc in self._after_close.pop(key, []):
                 self._refuse(peer, f, f"request {req}: asked while the connection to {peer} was being "
                                       "closed (a push to it was abandoned)")
 
