@@ -113,6 +113,7 @@ class _Push:
     conn: object = None
     deadline: float = float("inf")
     closing: Optional[_Closing] = None  # abandoned: its connection is being closed
+    failed: bool = False  # counted in pushes_failed already
 
 
 @dataclass
@@ -411,7 +412,8 @@ class KVTransfer:
             if isinstance(e, InvalidArgument):
                 self._refuse(peer, f, str(e))
             if handles:  # the layers issued may still be read: it is in flight until they are done
-                held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
+                held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held),
+                                         failed=True))
             return
         self._count("pushes")
         held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
@@ -483,8 +485,9 @@ class KVTransfer:
                 for h in p.handles:
                     h.wait(1.0)
             except MeshError as e:  # the decode died or refused: keep the blocks for another try
-                self._count("pushes_failed")
-                log.warning("%s: push of %s to %s failed: %s", self.name, req, p.peer, e)
+                if not p.failed:
+                    self._count("pushes_failed")
+                    log.warning("%s: push of %s to %s failed: %s", self.name, req, p.peer, e)
         held.pushes = still
         return bool(still)
 
