@@ -8,6 +8,8 @@ The scheduler side is scheduler.py; the worker side here drives one
 - ``secret``: what every agent proves (default: ``FLAGCX_MESH_AGENT_SECRET``; one is required),
 - ``hold_timeout``: seconds a prefill keeps a finished request's blocks for a decode (120),
 - ``fetch_timeout``: seconds a decode waits for its blocks before reporting a load error (120),
+- ``push_timeout``: seconds a prefill's push may take before it is abandoned and its blocks
+  released (60; never later than ``hold_timeout``),
 - ``connect_timeout``: seconds to reach a prefill's agent (10),
 - ``agent_name``: the prefix of the agents' names (``vllm``; a worker's agent is
   ``<prefix>-<engine_id>-tp<rank>``).
@@ -101,7 +103,7 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         self._transfer = KVTransfer(
             f"{prefix}-{self.engine_id}-tp{self.tp_rank}", kv_caches, self._kv_cache_config.num_blocks,
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
-            fetch_timeout=self._setting("fetch_timeout", 120),
+            fetch_timeout=self._setting("fetch_timeout", 120), push_timeout=self._setting("push_timeout", 60),
             connect_timeout=self._setting("connect_timeout", 10))
         log.info("FlagcxMeshConnector: agent %s registered %d layers", self._transfer.name, len(kv_caches))
 

@@ -50,9 +50,16 @@ class LayerGeometry:
 
     @classmethod
     def from_wire(cls, w: Sequence) -> "LayerGeometry":
+        """The geometry a peer described (``to_wire``); LayoutError unless every field has its
+        type: a name, then integers >= 0 and lists of them."""
+        if not isinstance(w, list) or len(w) != 8:
+            raise LayoutError("a layer is described by a list of 8 fields")
         name, region, stride, run, runs, shape, esize, nblocks = w
-        return cls(str(name), int(region), int(stride), int(run), tuple(int(r) for r in runs),
-                   tuple(int(s) for s in shape), int(esize), int(nblocks))
+        counts = (region, stride, run, esize, nblocks)
+        if not isinstance(name, str) or not all(_is_count(v) for v in counts) or \
+                not all(isinstance(v, list) and all(_is_count(x) for x in v) for v in (runs, shape)):
+            raise LayoutError(f"layer {str(name)[:64]!r}: a field of the wrong type")
+        return cls(name, region, stride, run, tuple(runs), tuple(shape), esize, nblocks)
 
     def check_matches(self, peer: "LayerGeometry") -> None:
         """Raises LayoutError unless the peer's blocks of this layer hold the same bytes in
@@ -62,6 +69,10 @@ class LayerGeometry:
         if mine != theirs:
             raise LayoutError(f"layer {self.name}: block (shape, element size, run bytes, runs) "
                               f"{mine} here, {theirs} at the peer")
+
+
+def _is_count(v) -> bool:
+    return type(v) is int and v >= 0
 
 
 def layer_geometry(name: str, tensor, num_blocks: int, region: int, base: int, block_dim: int = 0) -> LayerGeometry:

@@ -14,6 +14,11 @@ Prefill -> decode, after the data of a push (notifications follow the data, in o
 - ``D`` done: every block of ``tag`` landed.
 - ``F`` failed: ``tag`` will not be served (``why``: unknown or expired request, layout
   mismatch, ...); the decode reports its blocks as load errors.
+
+:func:`decode` takes any bytes a peer may send: whatever is not one of these messages with
+fields of the right types (too long, not UTF-8, not JSON, nested too deep, a number that is
+not an integer, an integer of more than 20 digits, a missing or mistyped field) raises
+:class:`ProtocolViolation` and nothing else.
 """
 
 from __future__ import annotations
@@ -24,6 +29,23 @@ from typing import Tuple
 
 MAGIC = b"fxkv1"
 KINDS = frozenset(b"LWACDF")
+MAX_MESSAGE_BYTES = 4 << 20  # a layout of hundreds of layers is tens of KiB; a want of 100k blocks 0.7 MiB
+MAX_INT_DIGITS = 20          # every integer of a message fits 64 bits
+MAX_ID_CHARS = 4096          # a request id or tag (vLLM's are tens of characters)
+
+# The fields each kind must carry, and those it may carry (more are ignored): "str" (an id: at
+# most MAX_ID_CHARS), "text" (a string), "ints" (a list of integers >= 0), "strs" (a list of
+# strings), "lists" (a list of lists).
+FIELDS = {
+    "L": {"regions": "strs", "layers": "lists"},
+    "W": {"req": "str", "tag": "str", "dst": "ints"},
+    "A": {"req": "str"},
+    "C": {"req": "str"},
+    "D": {"tag": "str"},
+    "F": {"tag": "str"},
+}
+OPTIONAL = {"W": {"src": "ints"}, "F": {"why": "text"}}
+WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists"}
 
 
 class ProtocolViolation(ValueError):
@@ -37,18 +59,62 @@ def encode(kind: str, **fields) -> bytes:
     return MAGIC + k + json.dumps(fields, separators=(",", ":")).encode()
 
 
+def _no_float(text: str):
+    raise ProtocolViolation(f"a number that is not an integer ({text[:24]})")
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ProtocolViolation(f"an integer of {len(text)} digits")
+    return int(text)
+
+
+def is_count(v) -> bool:
+    """An integer >= 0 (not a bool)."""
+    return type(v) is int and v >= 0
+
+
+def _fits(v, want: str) -> bool:
+    if want in ("str", "text"):
+        return isinstance(v, str) and (want == "text" or len(v) <= MAX_ID_CHARS)
+    return isinstance(v, list) and all(
+        is_count(x) if want == "ints" else isinstance(x, str if want == "strs" else list) for x in v)
+
+
+def _check(kind: str, fields: dict) -> None:
+    for name, want in FIELDS[kind].items():
+        if name not in fields:
+            raise ProtocolViolation(f"a {kind} message without {name!r}")
+        if not _fits(fields[name], want):
+            raise ProtocolViolation(f"a {kind} message whose {name!r} is not {WHAT[want]}")
+    for name, want in OPTIONAL.get(kind, {}).items():
+        if name in fields and not _fits(fields[name], want):
+            raise ProtocolViolation(f"a {kind} message whose {name!r} is not {WHAT[want]}")
+
+
 def decode(data: bytes) -> Tuple[str, dict]:
-    if not data.startswith(MAGIC) or len(data) <= len(MAGIC):
+    """(kind, fields) of a message; ProtocolViolation for anything else (see the module)."""
+    if not isinstance(data, (bytes, bytearray)) or not data.startswith(MAGIC) or len(data) <= len(MAGIC):
         raise ProtocolViolation("not a KV transfer message")
+    if len(data) > MAX_MESSAGE_BYTES:
+        raise ProtocolViolation(f"a message of {len(data)} bytes (at most {MAX_MESSAGE_BYTES})")
     k = data[len(MAGIC)]
     if k not in KINDS:
         raise ProtocolViolation(f"unknown message kind {bytes([k])!r}")
     try:
-        fields = json.loads(data[len(MAGIC) + 1:].decode())
+        fields = json.loads(bytes(data[len(MAGIC) + 1:]).decode(), parse_float=_no_float,
+                            parse_int=_bounded_int, parse_constant=_no_float)
+    except ProtocolViolation:
+        raise
     except (UnicodeDecodeError, ValueError) as e:
-        raise ProtocolViolation(f"malformed message body: {e}") from None
+        raise ProtocolViolation(f"malformed message body: {str(e)[:200]}") from None
+    except RecursionError:
+        raise ProtocolViolation("malformed message body: nested too deep") from None
+    except Exception as e:  # noqa: BLE001 - whatever else the parser may raise on a peer's bytes
+        raise ProtocolViolation(f"malformed message body: {type(e).__name__}") from None
     if not isinstance(fields, dict):
         raise ProtocolViolation("a message body must be a JSON object")
+    _check(chr(k), fields)
     return chr(k), fields
 
 

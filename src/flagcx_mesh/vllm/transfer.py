@@ -10,7 +10,11 @@ once and serves both roles:
   last one carrying the ``D`` notification. The blocks are released (reported in
   ``poll().sending``) when the decode acknowledges them, when it cancels, or after
   ``hold_timeout`` when no decode came. A push that fails (the decode died) keeps the blocks
-  held, so a decode that restarts and asks again is served.
+  held, so a decode that restarts and asks again is served. A push that has not completed
+  by its deadline (``push_timeout`` after it started, and never later than the request's
+  ``hold_timeout``: a decode that stopped, its kernel keeping the connection open) is
+  abandoned: the connection to that decode is closed, which stops its engine, so no byte of
+  the source blocks is read for it any more, and only then are the blocks released.
 - decode: :meth:`fetch` connects to the prefill's agent (its metadata came in the request's
   ``kv_transfer_params``), sends its layout once per connection and a ``W`` naming its own
   block ids, and reports the request in ``poll().recving`` when ``D`` arrives, or in
@@ -18,7 +22,10 @@ once and serves both roles:
   within ``fetch_timeout``.
 
 Every agent call runs on one background thread; the public methods only queue commands and
-drain results, so the engine's step never waits on the network.
+drain results, so the engine's step never waits on the network. The thread takes any bytes a
+peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
+(at most one line per ``LOG_EVERY`` seconds for each kind of trouble) and ignored, and the
+other notifications of its batch are handled as if it had not come.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import logging
 import queue
 import threading
 import time
+import traceback
 import weakref
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -41,6 +49,38 @@ from .layout import LayerGeometry, LayoutError, describe_layers, write_ops
 log = logging.getLogger("flagcx_mesh.vllm")
 
 FORGET_AFTER = 4096  # how many served / expired request ids a prefill remembers
+MAX_EARLY = 4096     # wants awaiting their hold at once (more are refused)
+LOG_EVERY = 10.0     # seconds between two log lines of one kind of peer trouble
+STATS = (  # KVTransfer.stats()
+    "bad_messages",           # notifications ignored: not a well-formed message, or one that failed
+    "unexpected_answers",     # D / F for a request not awaited from that peer (late, or made up)
+    "refused",                # F sent: unknown or released request, layout mismatch, bad block ids
+    "pushes",                 # pushes issued
+    "pushes_failed",          # pushes that failed (the decode died or refused)
+    "pushes_abandoned",       # pushes past their deadline, abandoned with their connection
+    "connections_abandoned",  # connections closed for them
+    "released_served", "released_cancelled", "released_expired", "released_abandoned",
+    "fetches_failed",         # decode: fetches reported as failed (load errors)
+)
+
+
+class _Throttled:
+    """A warning at most once per ``every`` seconds; the lines it held back are counted in
+    the next one."""
+
+    def __init__(self, every: float = LOG_EVERY):
+        self.every, self.next_at, self.held_back = every, 0.0, 0
+
+    def warn(self, fmt: str, *args) -> None:
+        now = time.monotonic()
+        if now < self.next_at:
+            self.held_back += 1
+            return
+        if self.held_back:
+            fmt += " (and %d more like it in the last %.0f s)"
+            args = args + (self.held_back, self.every)
+        self.next_at, self.held_back = now + self.every, 0
+        log.warning(fmt, *args)
 
 
 @dataclass
@@ -55,11 +95,25 @@ class Finished:
 
 
 @dataclass
+class _Closing:
+    """A connection being closed on a thread of its own (a stalled peer makes the close wait
+    for its engine, up to about 2 s); ``done`` once it returned: its engine is stopped."""
+
+    peer: str
+    done: threading.Event
+    thread: Optional[threading.Thread] = None
+
+
+@dataclass
 class _Push:
     peer: str
     tag: str
     handles: list
     started: float
+    conn: object = None
+    deadline: float = float("inf")
+    closing: Optional[_Closing] = None  # abandoned: its connection is being closed
+    failed: bool = False  # counted in pushes_failed already
 
 
 @dataclass
@@ -67,7 +121,8 @@ class _Held:
     blocks: List[int]
     deadline: float
     pushes: List[_Push] = field(default_factory=list)
-    release_when_idle: bool = False
+    release_when_idle: str = ""  # why, once the pushes in flight are over
+    abandoned_peer: str = ""
 
 
 @dataclass
@@ -83,6 +138,22 @@ class _Fetch:
     cancelled: bool = False
 
 
+def _incarnation(conn) -> str:
+    try:
+        return conn.peer_incarnation
+    except Exception:  # noqa: BLE001
+        return ""
+
+
+def _same_connection(a, b) -> bool:
+    if a is b:
+        return True
+    try:
+        return a is not None and b is not None and a.peer_incarnation == b.peer_incarnation
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _close_at_exit(ref) -> None:
     """An engine that exits without shutting its connector down must not leave the thread
     inside the agent while the interpreter finalizes."""
@@ -94,14 +165,17 @@ def _close_at_exit(ref) -> None:
 class KVTransfer:
     """See the module's docstring. ``kv_caches``: ``{layer name: tensor}`` with blocks on
     ``block_dim``; ``num_blocks``: blocks per layer; ``name``: this worker's agent name;
-    ``secret``: what both ends prove (default ``FLAGCX_MESH_AGENT_SECRET``)."""
+    ``secret``: what both ends prove (default ``FLAGCX_MESH_AGENT_SECRET``); ``push_timeout``:
+    seconds a push may take before it is abandoned (a push is abandoned at its request's hold
+    deadline in any case)."""
 
     def __init__(self, name: str, kv_caches: dict, num_blocks: int, *, secret=None, block_dim: int = 0,
                  hold_timeout: float = 120.0, fetch_timeout: float = 120.0, connect_timeout: float = 10.0,
-                 poll_interval: float = 0.005):
+                 push_timeout: float = 60.0, poll_interval: float = 0.005):
         storages, self.layers = describe_layers(kv_caches, num_blocks, block_dim)
         self.num_blocks = num_blocks
         self.hold_timeout, self.fetch_timeout = float(hold_timeout), float(fetch_timeout)
+        self.push_timeout = float(push_timeout)
         self.connect_timeout, self._interval = float(connect_timeout), float(poll_interval)
         self.agent = Agent(name, secret, timeout=connect_timeout)
         try:
@@ -118,10 +192,16 @@ class KVTransfer:
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._lock = threading.Lock()
         self._done = Finished()
+        self._stats = dict.fromkeys(STATS, 0)
+        self._warn_bad, self._warn_refused, self._warn_odd = _Throttled(), _Throttled(), _Throttled()
+        self._warn_internal = _Throttled()
         # prefill side
         self._held: Dict[str, _Held] = {}
         self._early: Dict[str, List[Tuple[str, dict, float]]] = {}
         self._gone: "OrderedDict[str, str]" = OrderedDict()
+        # connections being abandoned, by (peer, incarnation), and the wants that came meanwhile
+        self._closing: Dict[Tuple[str, str], _Closing] = {}
+        self._after_close: Dict[Tuple[str, str], List[Tuple[str, dict, str]]] = {}
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
@@ -167,13 +247,25 @@ class KVTransfer:
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
-        return bool(self._held or self._fetches or not self._commands.empty())
+        return bool(self._held or self._fetches or self._closing or not self._commands.empty())
+
+    def stats(self) -> Dict[str, int]:
+        """Counters since the start (see ``STATS``)."""
+        with self._lock:
+            return dict(self._stats)
+
+    def alive(self) -> bool:
+        """Whether the transfer thread runs (it ends only at close)."""
+        return self._thread.is_alive()
 
     def close(self) -> None:
         """Stops the thread and closes the agent (peers' pending handles fail with PeerLost)."""
         self._stop.set()
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+        for c in list(self._closing.values()):  # connections abandoned: their engines stop first
+            if c.thread is not None and c.thread is not threading.current_thread():
+                c.thread.join(timeout=30)
         if not self.agent.closed:
             self.agent.close()
 
@@ -193,9 +285,15 @@ class KVTransfer:
                 cmd = self._commands.get_nowait()
             except queue.Empty:
                 break
-            getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+            try:
+                getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+            except Exception:  # noqa: BLE001 - the next commands must still run
+                log.exception("%s: the %s command failed", self.name, cmd[0])
         for n in self.agent.notifications(timeout=self._interval):
-            self._on_notification(n.peer, n.incarnation, n.data)
+            try:  # each on its own: whatever one peer sent must not cost the others theirs
+                self._on_notification(n.peer, n.incarnation, n.data)
+            except Exception as e:  # noqa: BLE001
+                self._bad_message(n.peer, f"{type(e).__name__}: {str(e)[:200]}")
         now = time.monotonic()
         self._check_held(now)
         self._check_fetches(now)
@@ -203,23 +301,30 @@ class KVTransfer:
             self._prune_layouts()
             self._next_prune = now + 1.0
 
+    def _count(self, key: str, n: int = 1) -> None:
+        with self._lock:
+            self._stats[key] += n
+
+    def _bad_message(self, peer: str, why: str) -> None:
+        self._count("bad_messages")
+        self._warn_bad.warn("%s: ignored a notification from %s: %s", self.name, peer, why)
+
     def _on_notification(self, peer: str, incarnation: str, data: bytes) -> None:
         try:
             kind, f = protocol.decode(data)
         except protocol.ProtocolViolation as e:
-            log.warning("%s: ignored a notification from %s: %s", self.name, peer, e)
-            return
+            return self._bad_message(peer, str(e))
         try:
             if kind == "L":
                 self._on_layout(peer, incarnation, f)
             elif kind == "W":
                 self._on_want(peer, incarnation, f, time.monotonic())
             elif kind in "AC":
-                self._on_release(str(f["req"]), "served" if kind == "A" else "cancelled")
+                self._on_release(f["req"], "served" if kind == "A" else "cancelled")
             elif kind in "DF":
-                self._on_answer(peer, str(f["tag"]), kind == "D", str(f.get("why", "")))
+                self._on_answer(peer, f["tag"], kind == "D", str(f.get("why", "")))
         except (KeyError, TypeError, ValueError) as e:
-            log.warning("%s: ignored a malformed %s message from %s: %s", self.name, kind, peer, e)
+            self._bad_message(peer, f"a malformed {kind} message: {str(e)[:200]}")
 
     def _finish(self, *, sending: Optional[str] = None, recving: Optional[str] = None,
                 failed: Optional[List[int]] = None) -> None:
@@ -243,7 +348,7 @@ class KVTransfer:
 
     def _on_layout(self, peer: str, incarnation: str, f: dict) -> None:
         regions = [protocol.unb64(r) for r in f["regions"]]
-        layers = {g.name: g for g in (LayerGeometry.from_wire(w) for w in f["layers"])}
+        layers = {g.name: g for g in (LayerGeometry.from_wire(w) for w in f["layers"])}  # LayoutError: ignored
         for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
             del self._peer_layouts[key]
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
@@ -256,26 +361,32 @@ class KVTransfer:
                 del self._peer_layouts[key]
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
-        req = str(f["req"])
+        req = f["req"]
         if req in self._held:
             self._start_push(req, peer, f, incarnation)
         elif req in self._gone:
             self._refuse(peer, f, f"request {req} is no longer held here ({self._gone[req]})")
+        elif sum(len(w) for w in self._early.values()) >= MAX_EARLY:
+            self._refuse(peer, f, f"request {req} is not known here, and {MAX_EARLY} others await their hold")
         else:  # the scheduler's word that it finished may come after the decode's request
             self._early.setdefault(req, []).append((peer, dict(f, _inc=incarnation), now + self.hold_timeout))
 
     def _refuse(self, peer: str, f: dict, why: str) -> None:
-        log.warning("%s: cannot serve %s: %s", self.name, peer, why)
+        self._count("refused")
+        self._warn_refused.warn("%s: cannot serve %s: %s", self.name, peer, why)
         conn = self.agent.connection(peer)
         if conn is not None:
             try:
-                conn.notify(protocol.encode("F", tag=str(f.get("tag", "")), why=why))
+                conn.notify(protocol.encode("F", tag=str(f.get("tag", "")), why=why[:2000]))
             except MeshError:
                 pass
 
     def _start_push(self, req: str, peer: str, f: dict, incarnation: Optional[str] = None) -> None:
         held = self._held[req]
         incarnation = incarnation or f.get("_inc", "")
+        if (peer, incarnation) in self._closing:  # on the connection being closed, or on a new one
+            self._after_close.setdefault((peer, incarnation), []).append((req, f, incarnation))
+            return  # refused once the close returned (_check_closing)
         conn = self.agent.connection(peer)
         if conn is None or conn.peer_incarnation != incarnation:
             return  # that decode is gone; its successor will ask again
@@ -296,11 +407,19 @@ class KVTransfer:
             if not layer_ops:
                 conn.notify(done)
         except MeshError as e:
+            self._count("pushes_failed")
             log.warning("%s: push of %s to %s failed: %s", self.name, req, peer, e)
             if isinstance(e, InvalidArgument):
                 self._refuse(peer, f, str(e))
+            if handles:  # the layers issued may still be read: it is in flight until they are done
+                held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held),
+                                         failed=True))
             return
-        held.pushes.append(_Push(peer, tag, handles, time.monotonic()))
+        self._count("pushes")
+        held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
+
+    def _push_deadline(self, held: _Held) -> float:
+        return min(time.monotonic() + self.push_timeout, held.deadline)
 
     def _push_ops(self, held_blocks: List[int], dst: List[int], layout) -> List[list]:
         regions, peer_layers = layout
@@ -325,14 +444,17 @@ class KVTransfer:
             self._early.pop(req, None)
             self._remember_gone(req, why)
             return
-        if why == "served" or not self._active(held):
+        # Not while a push may still read the blocks (another decode's, or the acknowledged
+        # push's last completions): once they are over (or abandoned, at their deadline).
+        if not self._active(req, held, time.monotonic()):
             self._release(req, why)
         else:
-            held.release_when_idle = True
+            held.release_when_idle = held.release_when_idle or why
 
     def _release(self, req: str, why: str) -> None:
         self._held.pop(req, None)
         self._remember_gone(req, why)
+        self._count("released_" + why)
         log.debug("%s: released %s (%s)", self.name, req, why)
         self._finish(sending=req)
 
@@ -341,37 +463,110 @@ class KVTransfer:
         while len(self._gone) > FORGET_AFTER:
             self._gone.popitem(last=False)
 
-    def _active(self, held: _Held) -> bool:
-        """Drops the pushes that completed (or failed); True while one is in flight."""
+    def _active(self, req: str, held: _Held, now: float) -> bool:
+        """Drops the pushes that are over: completed, failed, or abandoned once their
+        connection's close returned; abandons those past their deadline. True while one may
+        still read the blocks."""
         still = []
         for p in held.pushes:
+            if p.closing is not None:
+                if not p.closing.done.is_set():
+                    still.append(p)
+                elif not held.release_when_idle:  # its decode fails its fetch: nobody asks again
+                    held.release_when_idle, held.abandoned_peer = "abandoned", p.peer
+                continue
             if not all(h.done() for h in p.handles):
+                if now > p.deadline:
+                    self._abandon(p, f"the push of {req} to {p.peer} did not complete within "
+                                     f"{now - p.started:.1f} s")
                 still.append(p)
                 continue
             try:
                 for h in p.handles:
                     h.wait(1.0)
             except MeshError as e:  # the decode died or refused: keep the blocks for another try
-                log.warning("%s: push to %s failed: %s", self.name, p.peer, e)
+                if not p.failed:
+                    self._count("pushes_failed")
+                    log.warning("%s: push of %s to %s failed: %s", self.name, req, p.peer, e)
         held.pushes = still
         return bool(still)
 
+    def _abandon(self, push: _Push, why: str) -> None:
+        """Closes the connection of a push past its deadline on a thread of its own; every push
+        on it is over once that close returned (the engine stopped: no byte of their source
+        blocks is read any more; what the kernel took before stays valid, it was read before)."""
+        key = (push.peer, _incarnation(push.conn))
+        closing = self._closing.get(key)
+        if closing is None:
+            self._count("connections_abandoned")
+            log.warning("%s: %s; abandoning it: closing the connection to %s (every push on it "
+                        "fails), then releasing the blocks", self.name, why, push.peer)
+            conn = push.conn
+            closing = _Closing(push.peer, threading.Event())
+
+            def close_it() -> None:
+                try:
+                    if conn is not None:
+                        conn.close()
+                except Exception:  # noqa: BLE001
+                    log.exception("%s: closing the connection to %s failed", self.name, push.peer)
+                finally:
+                    closing.done.set()
+
+            closing.thread = threading.Thread(target=close_it, name=f"kv-abandon-{push.peer}", daemon=True)
+            self._closing[key] = closing
+            closing.thread.start()
+        else:
+            log.warning("%s: %s; abandoned with its connection", self.name, why)
+        for held in self._held.values():  # every push on that connection is abandoned with it
+            for p in held.pushes:
+                if p.closing is None and p.peer == push.peer and (p is push or _same_connection(p.conn, push.conn)):
+                    p.closing = closing
+                    self._count("pushes_abandoned")
+
+    def _check_closing(self) -> None:
+        for key, c in list(self._closing.items()):
+            if not c.done.is_set():
+                continue
+            del self._closing[key]
+            peer = key[0]
+            log.info("%s: the connection to %s is closed", self.name, peer)
+            # Wants that came meanwhile are refused: one that came on the closed connection
+            # belongs to a fetch its decode failed when the connection went, and nothing says
+            # which connection a notification came on (a push over a new one could write into
+            # blocks that decode no longer keeps for it). One that came on a new connection is
+            # failed at once instead of at its fetch timeout.
+            for req, f, inc in self._after_close.pop(key, []):
+                self._refuse(peer, f, f"request {req}: asked while the connection to {peer} was being "
+                                      "closed (a push to it was abandoned)")
+
     def _check_held(self, now: float) -> None:
+        self._check_closing()
         for req, held in list(self._held.items()):
-            active = self._active(held)
-            if held.release_when_idle and not active:
-                self._release(req, "cancelled")
-            elif now > held.deadline and not active:
-                log.warning("%s: no decode took %s within %.0f s; releasing its blocks",
-                            self.name, req, self.hold_timeout)
-                self._release(req, "expired")
+            try:  # one request's trouble must not keep the others from their deadlines
+                self._check_one_held(req, held, now)
+            except Exception:  # noqa: BLE001
+                self._warn_internal.warn("%s: checking held request %s failed:\n%s", self.name, req,
+                                         traceback.format_exc())
         for req, waiting in list(self._early.items()):
             late = [w for w in waiting if now > w[2]]
-            for peer, f, _ in late:
-                self._refuse(peer, f, f"request {req} is not known here")
             waiting[:] = [w for w in waiting if now <= w[2]]
             if not waiting:
                 del self._early[req]
+            for peer, f, _ in late:
+                self._refuse(peer, f, f"request {req} is not known here")
+
+    def _check_one_held(self, req: str, held: _Held, now: float) -> None:
+        active = self._active(req, held, now)
+        if held.release_when_idle and not active:
+            if held.release_when_idle == "abandoned":
+                log.warning("%s: released %s after its push to %s was abandoned", self.name, req,
+                            held.abandoned_peer)
+            self._release(req, held.release_when_idle)
+        elif now > held.deadline and not active:
+            log.warning("%s: no decode took %s within %.0f s; releasing its blocks",
+                        self.name, req, self.hold_timeout)
+            self._release(req, "expired")
 
     # ---- decode side --------------------------------------------------------------------
 
@@ -424,7 +619,9 @@ class KVTransfer:
     def _on_answer(self, peer: str, tag: str, ok: bool, why: str) -> None:
         f = self._fetches.get(tag)
         if f is None or f.peer != peer:
-            log.warning("%s: an answer for %s from %s, which is not awaited from it", self.name, tag, peer)
+            self._count("unexpected_answers")
+            self._warn_odd.warn("%s: an answer for %s from %s, which is not awaited from it",
+                                self.name, tag[:200], peer)
             return
         if ok:
             del self._fetches[tag]
@@ -435,15 +632,20 @@ class KVTransfer:
 
     def _fail(self, f: _Fetch, why: str) -> None:
         self._fetches.pop(f.tag, None)
+        self._count("fetches_failed")
         if not f.cancelled:
             log.warning("%s: receiving %s failed: %s", self.name, f.tag, why)
         self._finish(recving=f.tag, failed=None if f.cancelled else f.dst)
 
     def _check_fetches(self, now: float) -> None:
         for f in list(self._fetches.values()):
-            gone = f.conn.gone() if f.conn is not None else "not connected"
-            if gone:
-                self._fail(f, f"the connection to the prefill is gone: {gone}")
-            elif now > f.deadline:
-                self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
-                self._fail(f, f"no answer within {self.fetch_timeout:.0f} s")
+            try:
+                gone = f.conn.gone() if f.conn is not None else "not connected"
+                if gone:
+                    self._fail(f, f"the connection to the prefill is gone: {gone}")
+                elif now > f.deadline:
+                    self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
+                    self._fail(f, f"no answer within {self.fetch_timeout:.0f} s")
+            except Exception:  # noqa: BLE001
+                self._warn_internal.warn("%s: checking fetch %s failed:\n%s", self.name, f.tag,
+                                         traceback.format_exc())
