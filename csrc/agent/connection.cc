@@ -419,9 +419,13 @@ void Connection::notify(const std::vector<uint8_t>& bytes) {
 }
 
 void Connection::take_notifications(std::vector<Notification>* out) {
+  // Not started: its tcp lanes are still joining and nothing arrived yet. Never engine() here:
+  // its wait for the start would hold the inbox's lock, and the listener behind it, which is
+  // what lets the lanes join (a slow joiner's connection then lost its lanes).
+  if (!ready_.load(std::memory_order_acquire)) return;
   while (true) {
     try {
-      std::vector<uint8_t> m = engine().recv_message(kPeer, kCtx, Deadline::after_seconds(0));
+      std::vector<uint8_t> m = engine_->recv_message(kPeer, kCtx, Deadline::after_seconds(0));
       out->push_back({peer_.name, peer_.incarnation, std::move(m)});
     } catch (const Error& e) {  // none waiting, or the peer closed / was lost (nothing more will come)
       if (e.code() == Code::kPeerLost) {

@@ -83,10 +83,9 @@ void Listener::run() {
   Deadline sweep_at = Deadline::after_seconds(kSweepEveryS);
   while (!a_.closed_.load()) {
     poll_once();
-    if (sweep_at.expired()) {  // peers that left: their sockets and threads go now, their notifications stay
-      a_.inbox_->sweep();
-      sweep_at = Deadline::after_seconds(kSweepEveryS);
-    }
+    // Peers that left: their sockets and threads go now, their notifications stay. Never waited
+    // for: while a call holds the inbox, the next round tries again.
+    if (sweep_at.expired() && a_.inbox_->sweep(false)) sweep_at = Deadline::after_seconds(kSweepEveryS);
     for (Incoming& in : in_) {
       if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
     }

@@ -234,11 +234,13 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
 
 // A connection counts as ended only once its peer's last frame was read (a loss or its goodbye),
 // so what it holds then is all it will ever hold: kept here before it leaves the table.
-void NotificationInbox::sweep() {
+bool NotificationInbox::sweep(bool wait) {
   std::vector<std::shared_ptr<Connection>> dead;
   {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    if (closing_) return;
+    std::unique_lock<std::mutex> lock(sync_->mu, std::defer_lock);
+    if (!wait && !lock.try_lock()) return false;
+    if (wait) lock.lock();
+    if (closing_) return true;
     dead = agent_->take_ended();
     std::vector<Notification> got;
     for (const auto& c : dead) c->take_notifications(&got);
@@ -250,6 +252,7 @@ void NotificationInbox::sweep() {
     std::string why = c->gone();
     c->close(why.empty() ? "the peer was lost" : why);
   }
+  return true;
 }
 
 void NotificationInbox::close() {
