@@ -104,3 +104,55 @@ def test_a_slow_joiner_s_lanes_join_while_notifications_are_polled(monkeypatch, 
         for s in [lane0] + lanes:
             s.close()
     assert poller.longest < 1.0, f"a notifications(0.05) call took {poller.longest:.2f} s"
+
+
+EMFILE_PROG = r"""
+import os, resource, socket, sys, time
+from flagcx_mesh.agent import Agent
+b = Agent("b", "emfile-secret", timeout=20)
+host, port = b.address.rsplit(":", 1)
+host = host.strip("[]")
+client = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
+fillers = []
+try:
+    while True:
+        fillers.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+client.connect((host, int(port)))  # the kernel completes it into the backlog: accept() has no descriptor
+time.sleep(0.2)
+c0 = time.process_time()
+time.sleep(1.0)
+cpu = time.process_time() - c0
+exhausted = b.stats().get("accept_fd_exhausted", 0)
+for fd in fillers:
+    os.close(fd)
+client.sendall(b"GET / HTTP/1.0\r\n" * 8)
+end = time.monotonic() + 10
+while b.stats()["rejected"].get("bad magic", 0) < 1 and time.monotonic() < end:
+    time.sleep(0.01)
+bad_magic = b.stats()["rejected"].get("bad magic", 0)
+with Agent("a", "emfile-secret", timeout=20) as a:
+    peer = a.connect(b.metadata(), timeout=10).peer_name
+print("RESULT", cpu, exhausted, bad_magic, peer, flush=True)
+b.close()
+"""
+
+
+def test_a_listener_out_of_descriptors_backs_off_and_recovers():
+    """Out of descriptors (a peer holding connections without bound can do it) the listener
+    neither spins nor floods the log: one warning per episode, the failed accepts counted in
+    stats(); once descriptors are freed the waiting connection and new agents are served."""
+    env = dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp")
+    p = subprocess.run([sys.executable, "-c", EMFILE_PROG], env=env, capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT"))
+    _, cpu, exhausted, bad_magic, peer = line.split()
+    warned = p.stderr.count("accept on the agent listener failed")
+    assert warned == 1, f"{warned} warnings about accept in one episode"
+    assert float(cpu) < 0.2, f"the process used {float(cpu):.2f} s of CPU in 1 s out of descriptors"
+    assert int(exhausted) >= 1, "stats() did not count the failed accepts"
+    assert int(bad_magic) == 1 and peer == "b", line
+    assert "accepts again" in p.stderr, p.stderr[-2000:]

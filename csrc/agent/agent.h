@@ -138,6 +138,7 @@ struct AgentStats {
   std::array<uint64_t, static_cast<size_t>(wire::Reject::kCount)> rejected{};
   uint64_t accepted = 0;
   uint64_t connected = 0;
+  uint64_t accept_fd_exhausted = 0;  // accepts that failed for want of descriptors (EMFILE, ENFILE, ...)
   uint64_t total_rejected() const;
 };
 
