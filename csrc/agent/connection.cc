@@ -131,24 +131,25 @@ std::string Connection::peer_end() const {
   return engine_->peer_closed(kPeer) ? "agent " + peer_.name + " closed the connection" : "";
 }
 
-void Connection::close(const std::string& why) {
-  {
-    std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
-    if (closed_why_.empty()) closed_why_ = why;
-    closed_.store(true, std::memory_order_release);
-    if (!engine_) {  // never started: the peer sees the end now, not at the last reference (the fds stay
-      for (tcp::Fd& f : conns_.recv) {  // valid for a verdict the listener may be writing on lane 0)
-        if (f) ::shutdown(f.get(), SHUT_RDWR);
-      }
+void Connection::retire(const std::string& why) {
+  std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
+  if (closed_why_.empty()) closed_why_ = why;
+  closed_.store(true, std::memory_order_release);
+  if (!engine_) {  // never started: the peer sees the end now, not at the last reference (the fds stay
+    for (tcp::Fd& f : conns_.recv) {  // valid for a verdict the listener may be writing on lane 0)
+      if (f) ::shutdown(f.get(), SHUT_RDWR);
     }
   }
+}
+
+void Connection::close(const std::string& why) {
+  retire(why);
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
-void Connection::await_peer_end(const Deadline& deadline) const {
-  if (!ready_.load(std::memory_order_acquire)) return;
-  while (!ended() && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(100));
-}
+uint64_t Connection::ping() { return engine_->ping(kPeer); }
+
+bool Connection::answered(uint64_t mark) const { return engine_->acks_heard(kPeer) > mark; }
 
 Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
   if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + call + ": a descriptor is missing");

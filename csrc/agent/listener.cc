@@ -7,7 +7,11 @@
 // its wire::Reject reason. A connection of several tcp lanes is filed when its
 // lane 0 is admitted and started when its last lane joined; one whose lanes
 // did not all join within the header deadline, or whose connector closed its
-// lane 0 before, is closed and leaves the agent's table. Out of file descriptors
+// lane 0 before, is closed and leaves the agent's table. A lane 0 whose name an
+// open connection carries under another incarnation is held, its verdict unsent,
+// while a NameProbe asks that incarnation whether it is alive (a Claim): alive, the
+// newcomer is refused; ended or silent for NameProbe::kLimitS, it is admitted and
+// the old connections retired. Out of file descriptors
 // the listener stops polling its socket for a growing pause (FdShortage): the
 // connections wait in the kernel's backlog until descriptors are freed.
 #include <poll.h>
@@ -19,6 +23,7 @@
 
 #include "agent/connection.h"
 #include "agent/handshake.h"
+#include "agent/name_probe.h"
 #include "agent/stream_wait.h"
 #include "base/log.h"
 #include "base/status.h"
@@ -32,6 +37,7 @@ constexpr int kAcceptBatch = 64;
 constexpr double kSweepEveryS = 0.1;  // connections whose peer left are closed that often (sweep)
 constexpr double kFdPauseMinS = 0.01;  // out of descriptors: the first pause before accept is tried again
 constexpr double kFdPauseMaxS = 0.5;   // ... doubling up to this
+constexpr double kClaimPollS = 0.002;  // a held claim's probe is stepped that often
 
 // accept() failed for want of a descriptor or of kernel memory: retrying at once fails again.
 bool no_descriptor(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
@@ -55,6 +61,14 @@ struct Incoming {
 struct AwaitingLanes {
   std::shared_ptr<Connection> conn;
   Deadline deadline;
+};
+
+// A proved lane 0 whose name another incarnation holds: its verdict waits for the probe.
+struct Claim {
+  Incoming in;
+  PeerInfo peer;
+  hs::Ident theirs;
+  std::unique_ptr<NameProbe> probe;  // null once settled
 };
 
 // An episode of accepts that failed for want of descriptors: the listening socket stays
@@ -87,6 +101,10 @@ class Listener {
   void on_proof(Incoming& in);
   std::string judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code);
   void admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
+  void hold_claim(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs,
+                  std::vector<std::shared_ptr<Connection>> rivals);
+  void step_claims();
+  void settle(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs, std::string why, wire::Reject code);
   bool awaiting_full(const hs::Ident& theirs) const;
   void join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void expire_awaiting();
@@ -98,6 +116,7 @@ class Listener {
   Agent& a_;
   std::vector<Incoming> in_;
   std::vector<AwaitingLanes> awaiting_;
+  std::vector<Claim> claims_;
   FdShortage shortage_;
 };
 
@@ -112,6 +131,7 @@ void Listener::run() {
       if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
     }
     in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& i) { return i.finished; }), in_.end());
+    step_claims();
     expire_awaiting();
   }
 }
@@ -137,6 +157,7 @@ void Listener::poll_once() {
   for (Incoming& in : in_) fds.push_back({in.fd.get(), POLLIN, 0});
   Deadline next = Deadline::after_seconds(0.1);
   if (paused) next = next.min(shortage_.resume);
+  if (!claims_.empty()) next = next.min(Deadline::after_seconds(kClaimPollS));
   for (Incoming& in : in_) next = next.min(in.deadline);
   size_t first_awaiting = fds.size();
   for (AwaitingLanes& w : awaiting_) {  // their lane 0: the connector sends nothing there before its lanes joined
@@ -310,12 +331,46 @@ void Listener::on_proof(Incoming& in) {
   join_lane(in, peer, theirs);
 }
 
-// Judges the peer, files it, tells it the verdict, starts it (or awaits its other lanes).
+// Judges the peer; one whose name another incarnation holds waits for the probe of that one.
 void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs) {
   wire::Reject code = wire::Reject::kOverflow;
   std::string why = awaiting_full(theirs) ? "too many connections of this agent's peers await their tcp lanes (" +
                                                 std::to_string(kMaxPending) + "); try again"
                                           : judge(peer, theirs.expect, &code);
+  if (why.empty()) {
+    std::vector<std::shared_ptr<Connection>> rivals = a_.rivals(peer);
+    if (!rivals.empty() && claims_.size() < kMaxPending) return hold_claim(in, peer, theirs, std::move(rivals));
+    if (!rivals.empty()) why = "too many agents' names are being settled here (" + std::to_string(kMaxPending) + "); try again";
+  }
+  settle(in, peer, theirs, std::move(why), code);
+}
+
+void Listener::hold_claim(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs,
+                          std::vector<std::shared_ptr<Connection>> rivals) {
+  FXM_INFO(-1, a_.who() + "agent " + peer.name + " (incarnation " + incarnation_hex(peer.incarnation) +
+                   ") claims a name an open connection carries: asking the incarnation there whether it is alive");
+  Deadline limit = Deadline::after_seconds(NameProbe::kLimitS);
+  claims_.push_back({std::move(in), peer, theirs, std::make_unique<NameProbe>(std::move(rivals), limit)});
+  in.finished = true;  // its socket moved into the claim
+}
+
+// Settles the claims whose probe has its answer: refused when that name's holder is alive.
+void Listener::step_claims() {
+  for (Claim& c : claims_) {
+    NameProbe::Verdict v = c.probe->step();
+    if (v == NameProbe::Verdict::kPending) continue;
+    std::string why = v == NameProbe::Verdict::kAlive ? c.probe->refusal(c.peer) : "";
+    if (!why.empty()) FXM_WARN(-1, a_.who() + why);
+    c.probe.reset();
+    settle(c.in, c.peer, c.theirs, std::move(why), wire::Reject::kNameInUse);
+  }
+  claims_.erase(std::remove_if(claims_.begin(), claims_.end(), [](const Claim& c) { return !c.probe; }),
+                claims_.end());
+}
+
+// Files the peer ("" why), tells it the verdict, starts it (or awaits its other lanes).
+void Listener::settle(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs, std::string why,
+                      wire::Reject code) {
   std::shared_ptr<Connection> c;
   if (why.empty()) {
     int lanes = std::min<int>(theirs.lanes, a_.tcp_lanes_);

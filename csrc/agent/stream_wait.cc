@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "agent/connection.h"
+#include "agent/name_probe.h"
 #include "base/log.h"
 #include "core/window.h"
 #include "transport/cuda/device_memory.h"
@@ -248,9 +249,9 @@ bool NotificationInbox::sweep(bool wait) {
       if (!match(n)) inbox_.push_back(std::move(n));
     }
   }
-  for (auto& c : dead) {  // its threads and sockets end now; later calls on it read why it ended
-    std::string why = c->gone();
-    c->close(why.empty() ? "the peer was lost" : why);
+  for (auto& c : dead) {  // its threads and sockets end now, off this thread (its engine's stop may
+    std::string why = c->gone();  // wait for a hung peer); later calls on it read why it ended
+    agent_->closer_->close(c, why.empty() ? "the peer was lost" : why);
   }
   return true;
 }
