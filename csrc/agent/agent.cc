@@ -327,9 +327,9 @@ std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnati
   return nullptr;
 }
 
-std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d) {
+std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Metadata* expect, const Deadline& d) {
   if (closed_) fail(Code::kClosed, -1, 0, who() + "connect: the agent was closed");
-  hs::Ident me{name_, expect ? *expect : Incarnation{}};
+  hs::Ident me{name_, expect ? expect->incarnation : Incarnation{}};
   me.lanes = static_cast<uint8_t>(tcp_lanes_);
   crypto::random_bytes(reinterpret_cast<uint8_t*>(&me.token), sizeof(me.token));
   hs::Dialed got = hs::dial(to, me, incarnation_, key_, d, who());
@@ -337,7 +337,12 @@ std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnati
   auto c = std::make_shared<Connection>(this, std::move(got.fd), got.peer, true, lanes, me.token);
   me.expect = got.peer.incarnation;
   join_lanes(*c, to, me, d);
-  std::string why = settle_name(c->peer(), d);  // another live agent of that name: not this one
+  std::string why;
+  if (expect && c->peer().name != expect->name) {
+    why = "the agent there is " + c->peer().name + ", not the " + expect->name + " its metadata names";
+  } else if (!expect) {
+    why = settle_name(c->peer(), d);  // another live agent of that name: not this one (metadata: settled before)
+  }
   if (!why.empty()) {
     c->close(why);
     fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
@@ -371,13 +376,7 @@ std::shared_ptr<Connection> Agent::connect(const std::vector<uint8_t>& metadata,
   Deadline d = Deadline::after_seconds(timeout_s > 0 ? timeout_s : timeout_s_);
   std::string why = settle_name(PeerInfo{m.name, m.incarnation, m.address.str()}, d);  // before it admits us
   if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + m.address.str() + ": " + why);
-  auto c = dial(m.address, &m.incarnation, d);
-  if (c->peer().name != m.name) {
-    c->close("not the agent the metadata names");
-    fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + m.address.str() + ": the agent there is " +
-                                            c->peer().name + ", not " + m.name);
-  }
-  return c;
+  return dial(m.address, &m, d);
 }
 
 std::shared_ptr<Connection> Agent::connect_address(const std::string& host_port, double timeout_s) {

@@ -228,7 +228,9 @@ class Agent {
   // "" when a peer with this identity may connect, else why not (with mu_ held).
   std::string judge(const PeerInfo& p) const;
   std::shared_ptr<Connection> find(const std::string& name, const Incarnation& inc) const;
-  std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d);
+  // expect: the metadata dialed (the peer must carry its name and incarnation; the name was settled
+  // before), or null (connect by address: the name, learnt in the handshake, is settled here).
+  std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Metadata* expect, const Deadline& d);
   // Dials lanes 1.. of c (lane 0 was admitted) with the same handshake.
   void join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d);
   // Takes the connections whose peer is gone out of the table (one test each) and returns them:
