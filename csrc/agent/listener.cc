@@ -9,11 +9,12 @@
 // did not all join within the header deadline, or whose connector closed its
 // lane 0 before, is closed and leaves the agent's table. A lane 0 whose name an
 // open connection carries under another incarnation is held, its verdict unsent,
-// while a NameProbe asks that incarnation whether it is alive (a Claim): alive, the
-// newcomer is refused; ended or silent for NameProbe::kLimitS, it is admitted and
-// the old connections retired. Out of file descriptors
-// the listener stops polling its socket for a growing pause (FdShortage): the
-// connections wait in the kernel's backlog until descriptors are freed.
+// while a NameProbe asks that incarnation whether it is alive (a Claim): alive,
+// the newcomer is refused; ended or silent for NameProbe::kLimitS, it is admitted
+// and the old connections retired. Out of file descriptors the listener stops
+// polling its socket for a growing pause (FdShortage): the connections wait in
+// the kernel's backlog until descriptors are freed. Nothing here waits on the
+// inbox or on a peer: every step is bounded (a verdict's write, 1 s at most).
 #include <poll.h>
 #include <unistd.h>
 
@@ -340,7 +341,10 @@ void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs
   if (why.empty()) {
     std::vector<std::shared_ptr<Connection>> rivals = a_.rivals(peer);
     if (!rivals.empty() && claims_.size() < kMaxPending) return hold_claim(in, peer, theirs, std::move(rivals));
-    if (!rivals.empty()) why = "too many agents' names are being settled here (" + std::to_string(kMaxPending) + "); try again";
+    if (!rivals.empty()) {
+      why = "too many agents' names are being settled here (" + std::to_string(kMaxPending) + "); try again";
+      code = wire::Reject::kOverflow;
+    }
   }
   settle(in, peer, theirs, std::move(why), code);
 }

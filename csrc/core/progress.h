@@ -376,8 +376,8 @@ class Engine : public Outbox {
   std::vector<uint8_t> ack_now_;       // per slot (target, its reader): an ack is due (kAckDue) or asked for (kAckAsked)
   static constexpr uint8_t kAckDue = 1;    // sent when something new was applied
   static constexpr uint8_t kAckAsked = 2;  // a kAckReq: sent even when nothing new was (the peer pings)
-  std::vector<uint64_t> acks_heard_;   // per peer (initiator, under mu_): kAck frames read from it
   std::vector<int64_t> lazy_since_;    // per slot (target, its reader): when its oldest unacked lazy put was applied (0: none)
+  std::vector<uint64_t> acks_heard_;   // per peer (initiator, under mu_): kAck frames read from it
   std::atomic<int> lazy_pending_{0};   // (target, its reader): slots with lazy_since_ set
   std::atomic<bool> closing_{false};   // stop() began: every pending ack goes at once
   bool acks_flushed_ = false;          // under mu_: the reader sent them, after closing_ was set
