@@ -10,6 +10,7 @@ import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 
 import numpy as np
@@ -120,14 +121,26 @@ def test_a_restart_is_admitted_and_the_old_incarnation_s_unread_notifications_st
                 old.wait(30)
             with Agent("x", SECRET, timeout=20) as new:
                 t0 = time.monotonic()
-                conn = new.connect(b.metadata(), timeout=10)
+                result = {}
+                t = threading.Thread(target=lambda: result.update(conn=new.connect(b.metadata(), timeout=10)))
+                t.start()
+                if how == "hangs":  # while b probes the old incarnation, it serves others
+                    time.sleep(0.3)
+                    with Agent("y", SECRET, timeout=20) as y:
+                        t1 = time.monotonic()
+                        y.connect(b.metadata(), timeout=3)
+                        assert time.monotonic() - t1 < 1.0
+                    assert t.is_alive(), "the hung old incarnation was not probed"
+                t.join(30)
                 took = time.monotonic() - t0
+                conn = result.get("conn")
+                assert conn is not None, "the restart's connect failed"
                 assert took < PROBE_LIMIT + 2, f"the restart was admitted after {took:.2f} s"
                 conn.notify(b"new-1")
                 notes = collect(b, 3)
                 assert [(n.incarnation, n.data) for n in notes] == [(old_inc, b"old-1"), (old_inc, b"old-2"),
                                                                    (new.incarnation, b"new-1")]
-                assert [(p[0], p[1]) for p in b.peers()] == [("x", new.incarnation)]
+                assert [(p[0], p[1]) for p in b.peers() if p[0] == "x"] == [("x", new.incarnation)]
         finally:
             old.kill()
             old.communicate(timeout=30)
