@@ -161,9 +161,10 @@ def test_pd_kv_agent_example_serves_decodes_that_come_and_go():
     assert p.stdout.count("blocks ok") == 6
 
 
-def test_a_transfer_acknowledged_while_its_peer_is_superseded_completes(tmp_path, monkeypatch):
-    """The old incarnation acknowledges a write just after a new one under its name connected:
-    the handle completes (the old connection reads what it sent before it is closed)."""
+def test_a_live_peer_paused_for_a_moment_is_not_superseded(tmp_path, monkeypatch):
+    """The old incarnation is stopped with a write to it in flight while another agent of its
+    name connects; it goes on within the name probe's limit and answers: the newcomer is refused
+    (a live agent is never superseded), and the write it acknowledges completes."""
     import threading
 
     from test_agent_churn import stop
@@ -179,11 +180,13 @@ def test_a_transfer_acknowledged_while_its_peer_is_superseded_completes(tmp_path
             stop(old)  # it acknowledges nothing until it goes on
             h = conn.write(local, remote, 4096)
             assert not h.done()
-            threading.Timer(0.05, old.send_signal, (signal.SIGCONT,)).start()
-            with Agent("decode", SECRET, timeout=20) as new:  # the new incarnation, while the old one is stopped
-                new.connect(p.metadata())
+            threading.Timer(0.3, old.send_signal, (signal.SIGCONT,)).start()
+            with Agent("decode", SECRET, timeout=20) as new:  # another agent of its name, meanwhile
+                with pytest.raises(InvalidArgument, match="agent decode is alive"):
+                    new.connect(p.metadata())
                 h.wait(20)
-                assert p.connection("decode").peer_incarnation == new.incarnation
+                assert p.connection("decode").peer_incarnation == conn.peer_incarnation
+                assert conn.gone() == ""
     finally:
         old.kill()
         old.communicate(timeout=30)

@@ -11,6 +11,7 @@
 
 #include "agent/connection.h"
 #include "agent/handshake.h"
+#include "agent/name_probe.h"
 #include "agent/stream_wait.h"
 #include "base/env.h"
 #include "base/log.h"
@@ -19,8 +20,6 @@
 
 namespace fxm::agent {
 namespace {
-
-constexpr double kSupersededDrainS = 0.25;  // an old incarnation still alive costs the listener this once
 
 std::string checked_name(const std::string& name) {
   if (name.empty() || name.size() > kMaxAgentName) {
@@ -73,6 +72,7 @@ Agent::Agent(const AgentOptions& o)
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the listener");
   inbox_ = std::make_unique<NotificationInbox>(this);
+  closer_ = std::make_unique<Closer>();
   listener_ = std::thread([this] { listen_loop(); });
   FXM_INFO(-1, who() + "incarnation " + incarnation_hex(incarnation_) + " listens on " + listen_addr_.str());
 }
@@ -269,6 +269,9 @@ std::string Agent::judge(const PeerInfo& p) const {
   return "";
 }
 
+// The old incarnation's connections stay in the table, ended: the inbox's next sweep keeps what
+// they delivered and nobody read yet (its engine read up to the old peer's end, or up to the
+// probe's limit for a hung one), and they leave the table then.
 std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
   std::vector<std::shared_ptr<Connection>> old;
   {
@@ -282,24 +285,39 @@ std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
         old.push_back(k);
       }
     }
-    conns_.erase(std::remove_if(conns_.begin(), conns_.end(),
-                                [&](const std::shared_ptr<Connection>& k) {
-                                  return std::find(old.begin(), old.end(), k) != old.end();
-                                }),
-                 conns_.end());
     conns_.push_back(c);
     if (c->initiated()) ++stats_.connected;
     else ++stats_.accepted;
   }
   for (auto& k : old) {
-    // The old incarnation left (or died) before the new one connected: what it sent
-    // before (acks of transfers it received) is in the socket; let its engine read
-    // it, or its completed transfers would fail as superseded.
-    k->await_peer_end(Deadline::after_seconds(kSupersededDrainS));
-    k->close("incarnation " + incarnation_hex(k->peer().incarnation) + " of agent " + k->peer().name +
-             " was superseded by incarnation " + incarnation_hex(c->peer().incarnation) + " (it restarted)");
+    std::string why = "incarnation " + incarnation_hex(k->peer().incarnation) + " of agent " + k->peer().name +
+                      " was superseded by incarnation " + incarnation_hex(c->peer().incarnation) +
+                      " (it restarted: its old connection had ended or stopped answering)";
+    k->retire(why);
+    closer_->close(k, why);
   }
   return "";
+}
+
+std::vector<std::shared_ptr<Connection>> Agent::rivals(const PeerInfo& p) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  std::vector<std::shared_ptr<Connection>> out;
+  for (const auto& k : conns_) {
+    if (k->peer().name == p.name && k->peer().incarnation != p.incarnation && !k->ended()) out.push_back(k);
+  }
+  return out;
+}
+
+std::string Agent::settle_name(const PeerInfo& p, const Deadline& deadline) const {
+  std::vector<std::shared_ptr<Connection>> r = rivals(p);
+  if (r.empty()) return "";
+  NameProbe probe(std::move(r), deadline.min(Deadline::after_seconds(NameProbe::kLimitS)));
+  while (true) {
+    NameProbe::Verdict v = probe.step();
+    if (v == NameProbe::Verdict::kAlive) return probe.refusal(p);
+    if (v == NameProbe::Verdict::kGone) return "";
+    std::this_thread::sleep_for(std::chrono::microseconds(200));
+  }
 }
 
 std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnation& inc) const {
@@ -310,9 +328,9 @@ std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnati
   return nullptr;
 }
 
-std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d) {
+std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Metadata* expect, const Deadline& d) {
   if (closed_) fail(Code::kClosed, -1, 0, who() + "connect: the agent was closed");
-  hs::Ident me{name_, expect ? *expect : Incarnation{}};
+  hs::Ident me{name_, expect ? expect->incarnation : Incarnation{}};
   me.lanes = static_cast<uint8_t>(tcp_lanes_);
   crypto::random_bytes(reinterpret_cast<uint8_t*>(&me.token), sizeof(me.token));
   hs::Dialed got = hs::dial(to, me, incarnation_, key_, d, who());
@@ -320,7 +338,17 @@ std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Incarnati
   auto c = std::make_shared<Connection>(this, std::move(got.fd), got.peer, true, lanes, me.token);
   me.expect = got.peer.incarnation;
   join_lanes(*c, to, me, d);
-  std::string why = adopt(c);
+  std::string why;
+  if (expect && c->peer().name != expect->name) {
+    why = "the agent there is " + c->peer().name + ", not the " + expect->name + " its metadata names";
+  } else if (!expect) {
+    why = settle_name(c->peer(), d);  // another live agent of that name: not this one (metadata: settled before)
+  }
+  if (!why.empty()) {
+    c->close(why);
+    fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
+  }
+  why = adopt(c);
   if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + to.str() + ": " + why);
   try {
     c->start();
@@ -347,13 +375,9 @@ std::shared_ptr<Connection> Agent::connect(const std::vector<uint8_t>& metadata,
     if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect: " + why);
   }
   Deadline d = Deadline::after_seconds(timeout_s > 0 ? timeout_s : timeout_s_);
-  auto c = dial(m.address, &m.incarnation, d);
-  if (c->peer().name != m.name) {
-    c->close("not the agent the metadata names");
-    fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + m.address.str() + ": the agent there is " +
-                                            c->peer().name + ", not " + m.name);
-  }
-  return c;
+  std::string why = settle_name(PeerInfo{m.name, m.incarnation, m.address.str()}, d);  // before it admits us
+  if (!why.empty()) fail(Code::kInvalidArgument, -1, 0, who() + "connect to " + m.address.str() + ": " + why);
+  return dial(m.address, &m, d);
 }
 
 std::shared_ptr<Connection> Agent::connect_address(const std::string& host_port, double timeout_s) {
@@ -419,6 +443,7 @@ void Agent::close() {
   uint64_t one = 1;
   if (wake_fd_ >= 0 && ::write(wake_fd_, &one, sizeof(one)) < 0) FXM_WARN(-1, who() + "waking the listener failed");
   if (listener_.joinable()) listener_.join();
+  closer_->stop();  // the closes handed to it are done
   std::vector<std::shared_ptr<Connection>> conns;
   {
     std::lock_guard<std::mutex> lock(mu_);

@@ -86,6 +86,7 @@ struct Ident;
 }
 class NotificationInbox;
 class NotificationWait;
+class Closer;
 
 // One transfer of a batch: bytes [local_off, +size) of a local region and
 // [remote_off, +size) of a peer's region.
@@ -138,6 +139,7 @@ struct AgentStats {
   std::array<uint64_t, static_cast<size_t>(wire::Reject::kCount)> rejected{};
   uint64_t accepted = 0;
   uint64_t connected = 0;
+  uint64_t accept_fd_exhausted = 0;  // accepts that failed for want of descriptors (EMFILE, ENFILE, ...)
   uint64_t total_rejected() const;
 };
 
@@ -214,12 +216,21 @@ class Agent {
   void set_cookie(Window* w);  // with mu_ held
   std::unique_ptr<cma::CookieTable> make_cookie_table() const;
   // Files a connection unless judge() refuses it ("" or why not, atomically
-  // with the judgement); closes connections to older incarnations of that peer.
+  // with the judgement); retires connections to other incarnations of that peer's
+  // name (the caller's NameProbe found none alive): they end at once, the closer
+  // closes them, and the inbox keeps what they delivered.
   std::string adopt(const std::shared_ptr<Connection>& c);
+  // The open connections whose peer carries p's name under another incarnation.
+  std::vector<std::shared_ptr<Connection>> rivals(const PeerInfo& p) const;
+  // "" when no live agent holds p's name, else why p is refused (a NameProbe run to its end,
+  // up to `deadline` or NameProbe::kLimitS: a connector's thread, which may wait).
+  std::string settle_name(const PeerInfo& p, const Deadline& deadline) const;
   // "" when a peer with this identity may connect, else why not (with mu_ held).
   std::string judge(const PeerInfo& p) const;
   std::shared_ptr<Connection> find(const std::string& name, const Incarnation& inc) const;
-  std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Incarnation* expect, const Deadline& d);
+  // expect: the metadata dialed (the peer must carry its name and incarnation; the name was settled
+  // before), or null (connect by address: the name, learnt in the handshake, is settled here).
+  std::shared_ptr<Connection> dial(const tcp::SockAddr& to, const Metadata* expect, const Deadline& d);
   // Dials lanes 1.. of c (lane 0 was admitted) with the same handshake.
   void join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d);
   // Takes the connections whose peer is gone out of the table (one test each) and returns them:
@@ -257,6 +268,7 @@ class Agent {
   std::map<uint64_t, std::weak_ptr<Window>> exports_;  // token -> region
   std::unique_ptr<cuda::FdServer> fd_server_;
   std::unique_ptr<NotificationInbox> inbox_;  // notifications not yet read, and the stream waits on them
+  std::unique_ptr<Closer> closer_;  // closes retired connections off the listener's thread
 };
 
 }  // namespace fxm::agent

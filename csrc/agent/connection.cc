@@ -131,24 +131,25 @@ std::string Connection::peer_end() const {
   return engine_->peer_closed(kPeer) ? "agent " + peer_.name + " closed the connection" : "";
 }
 
-void Connection::close(const std::string& why) {
-  {
-    std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
-    if (closed_why_.empty()) closed_why_ = why;
-    closed_.store(true, std::memory_order_release);
-    if (!engine_) {  // never started: the peer sees the end now, not at the last reference (the fds stay
-      for (tcp::Fd& f : conns_.recv) {  // valid for a verdict the listener may be writing on lane 0)
-        if (f) ::shutdown(f.get(), SHUT_RDWR);
-      }
+void Connection::retire(const std::string& why) {
+  std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
+  if (closed_why_.empty()) closed_why_ = why;
+  closed_.store(true, std::memory_order_release);
+  if (!engine_) {  // never started: the peer sees the end now, not at the last reference (the fds stay
+    for (tcp::Fd& f : conns_.recv) {  // valid for a verdict the listener may be writing on lane 0)
+      if (f) ::shutdown(f.get(), SHUT_RDWR);
     }
   }
+}
+
+void Connection::close(const std::string& why) {
+  retire(why);
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
-void Connection::await_peer_end(const Deadline& deadline) const {
-  if (!ready_.load(std::memory_order_acquire)) return;
-  while (!ended() && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(100));
-}
+uint64_t Connection::ping() { return engine_->ping(kPeer); }
+
+bool Connection::answered(uint64_t mark) const { return engine_->acks_heard(kPeer) > mark; }
 
 Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
   if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + call + ": a descriptor is missing");
@@ -419,9 +420,13 @@ void Connection::notify(const std::vector<uint8_t>& bytes) {
 }
 
 void Connection::take_notifications(std::vector<Notification>* out) {
+  // Not started: its tcp lanes are still joining and nothing arrived yet. Never engine() here:
+  // its wait for the start would hold the inbox's lock, and the listener behind it, which is
+  // what lets the lanes join (a slow joiner's connection then lost its lanes).
+  if (!ready_.load(std::memory_order_acquire)) return;
   while (true) {
     try {
-      std::vector<uint8_t> m = engine().recv_message(kPeer, kCtx, Deadline::after_seconds(0));
+      std::vector<uint8_t> m = engine_->recv_message(kPeer, kCtx, Deadline::after_seconds(0));
       out->push_back({peer_.name, peer_.incarnation, std::move(m)});
     } catch (const Error& e) {  // none waiting, or the peer closed / was lost (nothing more will come)
       if (e.code() == Code::kPeerLost) {

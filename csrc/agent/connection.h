@@ -58,9 +58,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void take_notifications(std::vector<Notification>* out);
   // Closes (kBye to the peer, engine stopped); `why` is what later calls say.
   void close(const std::string& why);
-  // Waits, until `deadline`, for the end of what the peer sent (its goodbye or
-  // its socket's close), so the acks it sent before leaving are taken in.
-  void await_peer_end(const Deadline& deadline) const;
+  // Marks it closed (`why`: what later calls say, ended() true) without stopping its engine,
+  // which may wait for a hung peer: close() follows, off the caller's thread (Agent's closer).
+  void retire(const std::string& why);
+  // Liveness (NameProbe): started() once its engine runs; ping() asks the peer's engine for an
+  // ack and returns a mark that answered(mark) passes once the answer came (started only).
+  bool started() const { return ready_.load(std::memory_order_acquire); }
+  uint64_t ping();
+  bool answered(uint64_t mark) const;
   // The path name a transfer to `remote` takes from `local` (null: from host memory).
   std::string path_to(const RegionDesc& remote, const RegionDesc* local);
 

@@ -7,15 +7,24 @@
 // its wire::Reject reason. A connection of several tcp lanes is filed when its
 // lane 0 is admitted and started when its last lane joined; one whose lanes
 // did not all join within the header deadline, or whose connector closed its
-// lane 0 before, is closed and leaves the agent's table.
+// lane 0 before, is closed and leaves the agent's table. A lane 0 whose name an
+// open connection carries under another incarnation is held, its verdict unsent,
+// while a NameProbe asks that incarnation whether it is alive (a Claim): alive,
+// the newcomer is refused; ended or silent for NameProbe::kLimitS, it is admitted
+// and the old connections retired. Out of file descriptors the listener stops
+// polling its socket for a growing pause (FdShortage): the connections wait in
+// the kernel's backlog until descriptors are freed. Nothing here waits on the
+// inbox or on a peer: every step is bounded (a verdict's write, 1 s at most).
 #include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 
 #include "agent/connection.h"
 #include "agent/handshake.h"
+#include "agent/name_probe.h"
 #include "agent/stream_wait.h"
 #include "base/log.h"
 #include "base/status.h"
@@ -27,6 +36,12 @@ namespace {
 constexpr size_t kMaxPending = 256;
 constexpr int kAcceptBatch = 64;
 constexpr double kSweepEveryS = 0.1;  // connections whose peer left are closed that often (sweep)
+constexpr double kFdPauseMinS = 0.01;  // out of descriptors: the first pause before accept is tried again
+constexpr double kFdPauseMaxS = 0.5;   // ... doubling up to this
+constexpr double kClaimPollS = 0.002;  // a held claim's probe is stepped that often
+
+// accept() failed for want of a descriptor or of kernel memory: retrying at once fails again.
+bool no_descriptor(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
 
 struct Incoming {
   tcp::Fd fd;
@@ -49,6 +64,24 @@ struct AwaitingLanes {
   Deadline deadline;
 };
 
+// A proved lane 0 whose name another incarnation holds: its verdict waits for the probe.
+struct Claim {
+  Incoming in;
+  PeerInfo peer;
+  hs::Ident theirs;
+  std::unique_ptr<NameProbe> probe;  // null once settled
+};
+
+// An episode of accepts that failed for want of descriptors: the listening socket stays
+// readable (the connection waits in the backlog), so it is not polled until `resume`.
+struct FdShortage {
+  bool active = false;
+  uint64_t failures = 0;  // failed accepts in this episode
+  double pause_s = 0;
+  Deadline resume;
+  Clock::time_point since;
+};
+
 }  // namespace
 
 class Listener {
@@ -58,6 +91,9 @@ class Listener {
 
  private:
   void accept_all();
+  bool accept_paused() const { return shortage_.active && !shortage_.resume.expired(); }
+  void on_no_descriptor(int err);
+  void end_shortage();
   void make_room();
   void on_readable(Incoming& in);
   bool fill(Incoming& in, uint8_t* buf, size_t want);
@@ -66,6 +102,10 @@ class Listener {
   void on_proof(Incoming& in);
   std::string judge(const PeerInfo& peer, const Incarnation& expect, wire::Reject* code);
   void admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
+  void hold_claim(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs,
+                  std::vector<std::shared_ptr<Connection>> rivals);
+  void step_claims();
+  void settle(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs, std::string why, wire::Reject code);
   bool awaiting_full(const hs::Ident& theirs) const;
   void join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs);
   void expire_awaiting();
@@ -77,20 +117,22 @@ class Listener {
   Agent& a_;
   std::vector<Incoming> in_;
   std::vector<AwaitingLanes> awaiting_;
+  std::vector<Claim> claims_;
+  FdShortage shortage_;
 };
 
 void Listener::run() {
   Deadline sweep_at = Deadline::after_seconds(kSweepEveryS);
   while (!a_.closed_.load()) {
     poll_once();
-    if (sweep_at.expired()) {  // peers that left: their sockets and threads go now, their notifications stay
-      a_.inbox_->sweep();
-      sweep_at = Deadline::after_seconds(kSweepEveryS);
-    }
+    // Peers that left: their sockets and threads go now, their notifications stay. Never waited
+    // for: while a call holds the inbox, the next round tries again.
+    if (sweep_at.expired() && a_.inbox_->sweep(false)) sweep_at = Deadline::after_seconds(kSweepEveryS);
     for (Incoming& in : in_) {
       if (!in.finished && in.deadline.expired()) reject(in, wire::Reject::kSilent);
     }
     in_.erase(std::remove_if(in_.begin(), in_.end(), [](const Incoming& i) { return i.finished; }), in_.end());
+    step_claims();
     expire_awaiting();
   }
 }
@@ -111,9 +153,12 @@ void Listener::expire_awaiting() {
 }
 
 void Listener::poll_once() {
-  std::vector<pollfd> fds{{a_.wake_fd_, POLLIN, 0}, {a_.listen_fd_.get(), POLLIN, 0}};
+  bool paused = accept_paused();  // a negative fd is not polled
+  std::vector<pollfd> fds{{a_.wake_fd_, POLLIN, 0}, {paused ? -1 : a_.listen_fd_.get(), POLLIN, 0}};
   for (Incoming& in : in_) fds.push_back({in.fd.get(), POLLIN, 0});
   Deadline next = Deadline::after_seconds(0.1);
+  if (paused) next = next.min(shortage_.resume);
+  if (!claims_.empty()) next = next.min(Deadline::after_seconds(kClaimPollS));
   for (Incoming& in : in_) next = next.min(in.deadline);
   size_t first_awaiting = fds.size();
   for (AwaitingLanes& w : awaiting_) {  // their lane 0: the connector sends nothing there before its lanes joined
@@ -151,16 +196,44 @@ void Listener::accept_all() {
     int err = 0;
     in.fd = tcp::accept_one(a_.listen_fd_.get(), &in.from, &err);
     if (!in.fd) {
+      if (no_descriptor(err)) return on_no_descriptor(err);
       if (err != 0 && err != ECONNABORTED && err != EINTR && err != EAGAIN) {
         FXM_WARN(-1, a_.who() + "accept on the agent listener failed: " + errno_text(err));
       }
       return;
     }
+    if (shortage_.active) end_shortage();
     in.deadline = Deadline::after_seconds(a_.header_timeout_s_);
     make_room();
     in_.push_back(std::move(in));
     on_readable(in_.back());
   }
+}
+
+// Counted each time; said once per episode; the pause doubles while accept keeps failing.
+void Listener::on_no_descriptor(int err) {
+  {
+    std::lock_guard<std::mutex> lock(a_.mu_);
+    ++a_.stats_.accept_fd_exhausted;
+  }
+  if (!shortage_.active) {
+    shortage_ = FdShortage{true, 0, kFdPauseMinS, Deadline(), Clock::now()};
+    FXM_WARN(-1, a_.who() + "accept on the agent listener failed: " + errno_text(err) +
+                     "; new connections wait in the backlog until descriptors are freed (accept is retried every " +
+                     std::to_string(static_cast<int>(kFdPauseMinS * 1000)) + " to " +
+                     std::to_string(static_cast<int>(kFdPauseMaxS * 1000)) + " ms)");
+  } else {
+    shortage_.pause_s = std::min(2 * shortage_.pause_s, kFdPauseMaxS);
+  }
+  ++shortage_.failures;
+  shortage_.resume = Deadline::after_seconds(shortage_.pause_s);
+}
+
+void Listener::end_shortage() {
+  FXM_WARN(-1, a_.who() + "the agent listener accepts again, after " + std::to_string(shortage_.failures) +
+                   " accept(s) failed for want of descriptors over " +
+                   std::to_string(seconds_since(shortage_.since)) + " s");
+  shortage_ = FdShortage{};
 }
 
 void Listener::make_room() {
@@ -259,12 +332,49 @@ void Listener::on_proof(Incoming& in) {
   join_lane(in, peer, theirs);
 }
 
-// Judges the peer, files it, tells it the verdict, starts it (or awaits its other lanes).
+// Judges the peer; one whose name another incarnation holds waits for the probe of that one.
 void Listener::admit(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs) {
   wire::Reject code = wire::Reject::kOverflow;
   std::string why = awaiting_full(theirs) ? "too many connections of this agent's peers await their tcp lanes (" +
                                                 std::to_string(kMaxPending) + "); try again"
                                           : judge(peer, theirs.expect, &code);
+  if (why.empty()) {
+    std::vector<std::shared_ptr<Connection>> rivals = a_.rivals(peer);
+    if (!rivals.empty() && claims_.size() < kMaxPending) return hold_claim(in, peer, theirs, std::move(rivals));
+    if (!rivals.empty()) {
+      why = "too many agents' names are being settled here (" + std::to_string(kMaxPending) + "); try again";
+      code = wire::Reject::kOverflow;
+    }
+  }
+  settle(in, peer, theirs, std::move(why), code);
+}
+
+void Listener::hold_claim(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs,
+                          std::vector<std::shared_ptr<Connection>> rivals) {
+  FXM_INFO(-1, a_.who() + "agent " + peer.name + " (incarnation " + incarnation_hex(peer.incarnation) +
+                   ") claims a name an open connection carries: asking the incarnation there whether it is alive");
+  Deadline limit = Deadline::after_seconds(NameProbe::kLimitS);
+  claims_.push_back({std::move(in), peer, theirs, std::make_unique<NameProbe>(std::move(rivals), limit)});
+  in.finished = true;  // its socket moved into the claim
+}
+
+// Settles the claims whose probe has its answer: refused when that name's holder is alive.
+void Listener::step_claims() {
+  for (Claim& c : claims_) {
+    NameProbe::Verdict v = c.probe->step();
+    if (v == NameProbe::Verdict::kPending) continue;
+    std::string why = v == NameProbe::Verdict::kAlive ? c.probe->refusal(c.peer) : "";
+    if (!why.empty()) FXM_WARN(-1, a_.who() + why);
+    c.probe.reset();
+    settle(c.in, c.peer, c.theirs, std::move(why), wire::Reject::kNameInUse);
+  }
+  claims_.erase(std::remove_if(claims_.begin(), claims_.end(), [](const Claim& c) { return !c.probe; }),
+                claims_.end());
+}
+
+// Files the peer ("" why), tells it the verdict, starts it (or awaits its other lanes).
+void Listener::settle(Incoming& in, const PeerInfo& peer, const hs::Ident& theirs, std::string why,
+                      wire::Reject code) {
   std::shared_ptr<Connection> c;
   if (why.empty()) {
     int lanes = std::min<int>(theirs.lanes, a_.tcp_lanes_);

@@ -4,6 +4,7 @@
 #include <cstdlib>
 
 #include "agent/connection.h"
+#include "agent/name_probe.h"
 #include "base/log.h"
 #include "core/window.h"
 #include "transport/cuda/device_memory.h"
@@ -234,11 +235,13 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
 
 // A connection counts as ended only once its peer's last frame was read (a loss or its goodbye),
 // so what it holds then is all it will ever hold: kept here before it leaves the table.
-void NotificationInbox::sweep() {
+bool NotificationInbox::sweep(bool wait) {
   std::vector<std::shared_ptr<Connection>> dead;
   {
-    std::lock_guard<std::mutex> lock(sync_->mu);
-    if (closing_) return;
+    std::unique_lock<std::mutex> lock(sync_->mu, std::defer_lock);
+    if (!wait && !lock.try_lock()) return false;
+    if (wait) lock.lock();
+    if (closing_) return true;
     dead = agent_->take_ended();
     std::vector<Notification> got;
     for (const auto& c : dead) c->take_notifications(&got);
@@ -246,10 +249,11 @@ void NotificationInbox::sweep() {
       if (!match(n)) inbox_.push_back(std::move(n));
     }
   }
-  for (auto& c : dead) {  // its threads and sockets end now; later calls on it read why it ended
-    std::string why = c->gone();
-    c->close(why.empty() ? "the peer was lost" : why);
+  for (auto& c : dead) {  // its threads and sockets end now, off this thread (its engine's stop may
+    std::string why = c->gone();  // wait for a hung peer); later calls on it read why it ended
+    agent_->closer_->close(c, why.empty() ? "the peer was lost" : why);
   }
+  return true;
 }
 
 void NotificationInbox::close() {

@@ -74,7 +74,10 @@ class NotificationInbox {
   // Drops the connections whose peer is gone from the agent's table and closes them, keeping
   // the notifications they still hold (for take() and the waits). take() and the listener
   // (ten times a second) call it, so peers that come and go do not keep their sockets.
-  void sweep();
+  // wait false (the listener): when another thread holds the inbox now (a take(), a stream
+  // wait queuing on a stream), nothing is done and false returned; the listener never waits
+  // on the inbox, so no call on it can keep the listener from its peers.
+  bool sweep(bool wait = true);
   // Releases every pending wait (kClosed) and stops the watcher; the slots stay
   // mapped while a stream still sits on one (bounded wait, then they are kept).
   void close();

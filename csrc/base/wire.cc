@@ -34,7 +34,7 @@ const char* reject_name(Reject r) {
       "wrong destination rank", "source rank out of range",    "context out of range",
       "nranks/contexts mismatch", "duplicate connection",      "too many pending connections",
       "bad authentication", "refused by the agent's policy",
-      "stale incarnation", "unknown tcp lane"};
+      "stale incarnation", "unknown tcp lane", "name in use by a live agent"};
   static_assert(sizeof(names) / sizeof(names[0]) == static_cast<size_t>(Reject::kCount));
   int i = static_cast<int>(r);
   return (i >= 0 && i < static_cast<int>(Reject::kCount)) ? names[i] : "unknown";

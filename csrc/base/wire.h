@@ -68,6 +68,7 @@ enum class Reject : int {
   kPolicy,        // agents: the acceptor's policy refused that peer
   kStaleIncarnation,  // agents: it names an incarnation that is not the current one
   kUnknownLane,       // agents: a tcp lane that no admitted connection of that peer awaits
+  kNameInUse,         // agents: its name is another incarnation's, which is alive (it answered a ping)
   kCount
 };
 const char* reject_name(Reject r);
@@ -130,7 +131,7 @@ enum class FrameType : uint16_t {
   kRefused = 8,    // u64 number of the refused op on this pair (as acks count) + the reason (text)
   kAdmit = 9,      // agents: the acceptor's verdict after the proofs ("" admitted, else why not)
   kStripe = 10,    // PutHeader + data on a lane > 0: one part of a striped put (sig_slot: its number)
-  kAckReq = 11,    // no body: the initiator waits, ack every op from it applied so far (lazy ones too)
+  kAckReq = 11,    // no body: ack now every op from it applied so far (lazy ones too), even none new (a ping)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
 // Set in a kRefused number: it refuses get request (number & ~kRefusedGet),

@@ -33,7 +33,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       queued_msg_(nranks * ncontexts), get_bytes_(nranks * ncontexts), answer_bytes_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lazy_unreq_(nranks * ncontexts), ack_now_(nranks * ncontexts), lazy_since_(nranks * ncontexts),
-      lost_(nranks), bye_conn_(nranks * ncontexts * lanes_), bye_count_(nranks), bye_(nranks), issued_(nranks),
+      acks_heard_(nranks), lost_(nranks), bye_conn_(nranks * ncontexts * lanes_), bye_count_(nranks), bye_(nranks), issued_(nranks),
       done_(nranks) {
   for (int s = 0; s < total_ * lanes_; ++s) {
     in_.push_back(std::make_unique<InConn>());
@@ -413,7 +413,7 @@ bool Engine::write_some(int s) {
 void Engine::note_applied(int s, bool lazy) {
   ++applied_[s];
   if (!lazy) {
-    ack_now_[s] = 1;
+    ack_now_[s] = std::max(ack_now_[s], kAckDue);
   } else if (lazy_since_[s] == 0) {
     lazy_since_[s] = steady_ns();
     ++lazy_pending_;
@@ -427,10 +427,11 @@ void Engine::send_acks() {
   for (int s = 0; s < total_; ++s) {
     bool timed = lazy_since_[s] != 0 && now - lazy_since_[s] >= kLazyAckNs;
     if (!all && !ack_now_[s] && !timed) continue;
+    bool pinged = ack_now_[s] == kAckAsked;
     ack_now_[s] = 0;
     if (lazy_since_[s] != 0) --lazy_pending_;
     lazy_since_[s] = 0;
-    if (applied_[s] == acked_out_[s]) continue;  // asked for, but every op is acked already
+    if (applied_[s] == acked_out_[s] && !pinged) continue;  // every op is acked already
     acked_out_[s] = applied_[s];
     uint64_t v = applied_[s];
     enqueue(s, {frame(FrameType::kAck, &v, 0), nullptr, 0, 0, 0}, Count::kNone);
@@ -446,6 +447,22 @@ bool Engine::lazy_unrequested(int lo, int hi) const {
     if (lazy_unreq_[s] != 0) return true;
   }
   return false;
+}
+
+uint64_t Engine::ping(int peer) {
+  uint64_t heard;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    heard = acks_heard_[peer];
+    if (!lost_[peer].empty() || bye_[peer]) return heard;  // no answer will come
+  }
+  enqueue(slot(peer, 0), {frame<wire::PutHeader>(FrameType::kAckReq, nullptr, 0), nullptr, 0, 0, 0}, Count::kNone);
+  return heard;
+}
+
+uint64_t Engine::acks_heard(int peer) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return acks_heard_[peer];
 }
 
 void Engine::request_acks(int lo, int hi) {

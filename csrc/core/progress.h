@@ -107,6 +107,12 @@ class Engine : public Outbox {
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
   uint64_t completed() const { return completed_all_.load(); }
+  // Liveness: ping() asks the peer for an ack now (kAckReq on lane 0, which the peer's engine
+  // answers even when it applied nothing new) and returns the acks heard from it so far;
+  // acks_heard(peer) exceeds that value once the peer's engine answered. (What an agent asks of
+  // a connection whose name another incarnation claims: is the agent at its end alive?)
+  uint64_t ping(int peer);
+  uint64_t acks_heard(int peer) const;
   void wait_counter(uint64_t value, const Deadline& deadline);
   // peer -1: every peer. Then raises what those peers refused since the last
   // report, unless `report_refused` is false (deregister keeps it for the user).
@@ -367,8 +373,11 @@ class Engine : public Outbox {
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked
   std::vector<uint64_t> acked_in_;     // per slot: ack received from that peer
   std::vector<uint64_t> lazy_unreq_;   // per slot (initiator, under mu_): lazy puts queued since its last kAckReq
-  std::vector<uint8_t> ack_now_;       // per slot (target, its reader): an ack was asked for
+  std::vector<uint8_t> ack_now_;       // per slot (target, its reader): an ack is due (kAckDue) or asked for (kAckAsked)
+  static constexpr uint8_t kAckDue = 1;    // sent when something new was applied
+  static constexpr uint8_t kAckAsked = 2;  // a kAckReq: sent even when nothing new was (the peer pings)
   std::vector<int64_t> lazy_since_;    // per slot (target, its reader): when its oldest unacked lazy put was applied (0: none)
+  std::vector<uint64_t> acks_heard_;   // per peer (initiator, under mu_): kAck frames read from it
   std::atomic<int> lazy_pending_{0};   // (target, its reader): slots with lazy_since_ set
   std::atomic<bool> closing_{false};   // stop() began: every pending ack goes at once
   bool acks_flushed_ = false;          // under mu_: the reader sent them, after closing_ was set

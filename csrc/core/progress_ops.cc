@@ -175,6 +175,7 @@ bool Engine::on_ack(int s, const uint8_t* buf) {
     std::lock_guard<std::mutex> lock(mu_);
     if (v < acked_in_[s] || delta > acks_due_[s]) delta = UINT64_MAX;
     else acks_due_[s] -= delta;
+    ++acks_heard_[s / ncontexts_];
   }
   if (delta == UINT64_MAX) {
     lose(s / ncontexts_, "protocol error: an ack for puts that were never issued");

@@ -178,8 +178,8 @@ void Engine::on_op_header(int s, InConn& in) {
     case FrameType::kAck:
       if (on_ack(s, in.buf)) in.reset();
       return;
-    case FrameType::kAckReq:  // acked at the end of this pass (send_acks)
-      ack_now_[s] = 1;
+    case FrameType::kAckReq:  // acked at the end of this pass (send_acks), even with nothing new
+      ack_now_[s] = kAckAsked;
       in.reset();
       return;
     case FrameType::kBye: {

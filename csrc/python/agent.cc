@@ -385,6 +385,7 @@ void bind_agent(py::module_& m) {
         py::dict out;
         out["accepted"] = s.accepted;
         out["connected"] = s.connected;
+        out["accept_fd_exhausted"] = s.accept_fd_exhausted;
         out["rejected"] = rejected;
         return out;
       })

@@ -318,7 +318,7 @@ class Agent:
         return NotificationWait(self._core.stream_wait_notification(bytes(data), handle, peer or "", timeout))
 
     def stats(self) -> dict:
-        """accepted, connected, rejected (by reason) at the listener."""
+        """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener."""
         return self._core.stats()
 
     def close(self) -> None:
