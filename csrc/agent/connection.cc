@@ -9,6 +9,7 @@
 
 #include "base/log.h"
 #include "base/status.h"
+#include "transport/binding.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -182,8 +183,23 @@ Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* c
   return c;
 }
 
+// A descriptor that the peer's proven process says is not its registration (binding.h), naming
+// the first field in which it differs from a descriptor of that region already in use here.
+void Connection::fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const {
+  std::string field;
+  for (const auto& [key, v] : views_) {
+    WindowDesc known;
+    if (std::get<0>(key) != remote.index || !WindowDesc::decode(std::get<2>(key), &known)) continue;
+    field = first_difference(known, d);
+    if (!field.empty()) break;
+  }
+  fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name + ": " +
+                                          (field.empty() ? why : "field " + field + " differs from that region's "
+                                                                 "descriptor in use (" + why + ")"));
+}
+
 PeerView& Connection::view_of(const RegionDesc& remote, int device) {
-  auto key = std::make_pair(remote.index, device);
+  ViewKey key{remote.index, device, remote.window};  // one binding per descriptor as presented
   auto it = views_.find(key);
   if (it != views_.end()) return it->second;
   WindowDesc d;
@@ -201,8 +217,10 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
   req.outbox = &engine();
   req.peer_socket = conns_.recv[0].get();
   req.peer_is_agent = true;
+  req.peer_id = "agent " + peer_.name + " (incarnation " + incarnation_hex(peer_.incarnation) + ")";
   req.fd_fetch_ms = static_cast<int>(std::clamp(agent_->timeout_s() * 1000.0, 1.0, 5000.0));
   PathChoice c = choose_path(req, d);
+  if (!c.mismatch.empty()) fail_mismatch(remote, d, c.mismatch);  // its owner says it is not its registration
   PeerView v;
   v.size = d.size;
   v.why = std::move(c.why);
@@ -226,13 +244,9 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
 // (An op racing with the close itself can still land: see docs/agent.md.)
 // The peer's cookie table makes the read a load (cma/cookie_table.h).
 void Connection::check_cookie(const RegionDesc& remote, bool device) {
-  auto it = cookie_refs_.find(remote.index);
-  if (it == cookie_refs_.end()) {
-    WindowDesc d;
-    WindowDesc::decode(remote.window, &d);
-    it = cookie_refs_.emplace(remote.index, CookieRef{d.pid, d.cookie_addr, d.cookie}).first;
-  }
-  const CookieRef& ref = it->second;
+  WindowDesc d;
+  WindowDesc::decode(remote.window, &d);  // (view_of bound this very descriptor to the peer)
+  const CookieRef ref{d.pid, d.cookie_addr, window_seal(d, remote.index)};
   uint64_t now = 0;
   std::string note;
   int err = peer_cookies_.read(ref.pid, ref.addr, &now, &note);
@@ -277,10 +291,10 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (device_op || stream.set) op.deadline = Deadline::after_seconds(agent_->timeout_s());
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
   order_on(stream, p, device, &op);
-  bool checked = cookie_checked_ == c.x->remote->index;  // once per region and call (a batch names few)
+  bool checked = cookie_checked_ == &v;  // once per region and call (a batch names few)
   if (!checked && (p->kind() == PathKind::kCma || is_device_path(p->kind()))) {
     check_cookie(*c.x->remote, is_device_path(p->kind()));
-    cookie_checked_ = c.x->remote->index;
+    cookie_checked_ = &v;
   }
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
@@ -392,7 +406,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
   std::lock_guard<std::mutex> lock(op_mu_);
-  cookie_checked_ = UINT32_MAX;
+  cookie_checked_ = nullptr;
   bool async = false, on_device = false;
   try {
     issue_all(checked, is_read, stream, &async, &on_device);

@@ -7,6 +7,7 @@
 
 #include <atomic>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <memory>
 #include <mutex>
@@ -77,6 +78,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Checked check(const Xfer& x, bool is_read, const char* call) const;
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
+  [[noreturn]] void fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const;
   enum class Issued { kDone, kEngine, kDevice };  // done at once; in flight on the engine / on a device stream
   struct Batch;  // one call's device copies, issued together
   Issued issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch);
@@ -88,12 +90,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // cma and device paths: throws once the peer closed the region (device paths
   // pass when the cookie cannot be read here at all).
   void check_cookie(const RegionDesc& remote, bool device);
-  uint32_t cookie_checked_ = UINT32_MAX;  // the remote region whose cookie this call read back (op_mu_)
+  const PeerView* cookie_checked_ = nullptr;  // the remote region (view) whose cookie this call read back (op_mu_)
   struct CookieRef {
     int32_t pid;
     uint64_t addr, value;
   };
-  std::map<uint32_t, CookieRef> cookie_refs_;  // per remote region index, from its descriptor (op_mu_)
   cma::PeerCookies peer_cookies_;             // the peer's cookie table, mapped on first use
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
@@ -108,7 +109,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connections conns_;
   std::unique_ptr<Engine> engine_;
   std::mutex op_mu_;   // FIFO of calls on this connection; views_
-  std::map<std::pair<uint32_t, int>, PeerView> views_;  // per (remote region index, local device or -1)
+  // Per (remote region index, local device or -1, the descriptor's window bytes): a path is bound
+  // to the descriptor as presented (transport/binding.h), never reused for another that names the index.
+  using ViewKey = std::tuple<uint32_t, int, std::vector<uint8_t>>;
+  std::map<ViewKey, PeerView> views_;
   cuda::StreamFence fence_;  // device copies of this connection in issue order across streams (under op_mu_)
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;

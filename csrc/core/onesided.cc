@@ -120,9 +120,10 @@ uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& 
     forced_cuda_path();
     w = prepare(index, &shm_name);
     w->index = index;
-    w->own_cookie(random_cookie());
+    w->nonce = random_cookie();
+    w->own_cookie(0);  // sealed by describe_for_peers
     mine = describe_for_peers(*w, shm_name);
-    w->own.set({rank_, index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
+    w->own.set({rank_, index, w->nonce, reinterpret_cast<uint64_t>(w->base), w->size});
   } catch (const Error& e) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
@@ -161,6 +162,7 @@ void OneSided::finish_registration(Window& w) const {
 std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d = describe_local(w, host_, shm_name);
   if (w.dev) export_device(w, &d);
+  seal_window(w, d);
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();

@@ -1,0 +1,197 @@
+"""Invariant 8 for agents on host memory (issue 34, items 1 and 3): a descriptor opens only what
+the peer at the other end of the connection registered (csrc/transport/binding.h).
+
+- shm: a peer's descriptor "of its own region" naming another file in /dev/shm (a decoy: another
+  job's segment) is refused, with the region's real seal and with a seal the peer forged for
+  it; the decoy is neither read nor written. Before the fix the initiator mapped the file.
+- cma: one changed byte of a descriptor's address, or a changed region index, is refused naming
+  the peer; no byte outside the region is touched. Before the fix the write landed beside the
+  region (or in region #0 past its end) with no error.
+- every byte of a descriptor flipped, over shm, cma and tcp: each op either succeeds inside the
+  region or is refused naming the peer (or the descriptor); the guard bytes around the region
+  and a decoy file never change.
+All in one process (the agents share its pid: the peer's process is proven through the socket
+table as for any peer on this host).
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import time
+
+import numpy as np
+import pytest
+
+from descforge import Region, SealCell
+from flagcx_mesh import InvalidArgument, MeshError
+from flagcx_mesh.agent import Agent
+
+pytestmark = pytest.mark.timeout(120)
+SECRET = "binding-secret"
+N = 4096
+GUARD = 4096
+
+
+@pytest.fixture
+def decoy():
+    """A file in /dev/shm that no agent registered, full of 0xD0."""
+    name = f"fxm-test-decoy-{os.getpid()}-{time.monotonic_ns()}"
+    path = "/dev/shm/" + name
+    with open(path, "wb") as f:
+        f.write(b"\xd0" * (4 * N))
+    yield "/" + name, path
+    os.unlink(path)
+
+
+def decoy_intact(path) -> bool:
+    with open(path, "rb") as f:
+        return f.read() == b"\xd0" * (4 * N)
+
+
+def agents(monkeypatch, transport):
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", transport)
+    b = Agent("target", SECRET, timeout=10)
+    a = Agent("initiator", SECRET, timeout=10)
+    return a, b, a.connect(b.metadata(), timeout=10)
+
+
+def attempt(conn, local, remote, n, read):
+    """None when the op went through, else its error (which must be a refusal naming the peer)."""
+    try:
+        h = (conn.read if read else conn.write)(local, remote, n)
+        h.wait(10)
+        return None
+    except MeshError as e:
+        return e
+
+
+def test_shm_descriptor_naming_a_file_the_peer_does_not_map_is_refused(monkeypatch, decoy):
+    name, path = decoy
+    a, b, conn = agents(monkeypatch, "auto")
+    with a, b:
+        real = b.alloc(N)
+        src = a.register(np.full(N, 0x11, np.uint8))
+        dst = np.zeros(N, np.uint8)
+        back = a.register(dst)
+        r = Region.decode(real.descriptor)
+        w = r.win()
+        assert w.kind == 2 and w.shm_name, w
+        forged = r.with_win(w.__class__(**{**w.__dict__, "shm_name": name.encode()})).encode()
+        for read in (False, True):
+            e = attempt(conn, back if read else src, forged, N, read)
+            assert isinstance(e, InvalidArgument) and "agent target" in str(e), e
+            assert "not what the peer agent registered" in str(e), e
+        # The peer seals the forged description in its own memory (another region of it): the
+        # file must still be the one its process maps at the described address.
+        r = Region.decode(b.alloc(N).descriptor)
+        w = r.win()
+        cell = SealCell()
+        sealed = cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode()}), r.index)
+        forged = r.with_win(sealed).encode()
+        for read in (False, True):
+            attempt(conn, back if read else src, forged, N, read)  # the peer's own memory, never the file
+            assert conn.path_to(forged) != "shm", conn.path_to(forged)
+        assert decoy_intact(path)
+        assert not (dst == 0xD0).any()
+
+
+def guarded(agent, fill=0):
+    """A region of N bytes between two guards of GUARD bytes (0xEE), in one array."""
+    whole = np.full(GUARD + N + GUARD, 0xEE, np.uint8)
+    whole[GUARD:GUARD + N] = fill
+    return whole, agent.register(whole[GUARD:GUARD + N])
+
+
+def guards_intact(whole) -> bool:
+    return bool((whole[:GUARD] == 0xEE).all() and (whole[GUARD + N:] == 0xEE).all())
+
+
+def test_cma_descriptor_with_a_changed_address_or_index_is_refused(monkeypatch):
+    a, b, conn = agents(monkeypatch, "cma")
+    with a, b:
+        small = np.zeros(64, np.uint8)
+        r0 = b.register(small)  # region #0: 64 bytes
+        whole, r1 = guarded(b)
+        src = a.register(np.full(N, 0x42, np.uint8))
+        conn.write(src, r0, 64).wait(10)  # region #0's path is chosen and cached
+        assert conn.path_to(r0) == "cma"
+        small[:] = 0
+        reg = Region.decode(r1.descriptor)
+        w = reg.win()
+        for delta in (GUARD, -GUARD, 1 << 12, 1):
+            moved = reg.with_win(w.__class__(**{**w.__dict__, "addr": w.addr + delta})).encode()
+            e = attempt(conn, src, moved, N if delta > 0 else 64, False)
+            assert isinstance(e, InvalidArgument) and "agent target" in str(e), e
+        as0 = reg.with_win(w, index=r0.index).encode()  # region #1's descriptor, index of #0
+        e = attempt(conn, src, as0, N, False)
+        assert isinstance(e, InvalidArgument) and "agent target" in str(e) and "region #0" in str(e), e
+        assert guards_intact(whole) and not whole[GUARD:GUARD + N].any() and not small.any()
+        conn.write(src, r1, N).wait(10)  # the real descriptor still works
+        assert (whole[GUARD:GUARD + N] == 0x42).all() and guards_intact(whole)
+
+
+def fuzz_one(conn, desc, src, back, whole, back_arr, decoy_path):
+    """Every byte of `desc` flipped: writes and reads land in the region or are refused."""
+    refused = 0
+    for i in range(len(desc)):
+        bad = bytearray(desc)
+        bad[i] ^= 0xFF if i % 2 else 0x01
+        for read in (False, True):
+            e = attempt(conn, back if read else src, bytes(bad), N, read)
+            if e is not None:
+                refused += 1
+                text = str(e)
+                assert isinstance(e, InvalidArgument), (i, text)
+                assert "agent target" in text or "region descriptor" in text, (i, text)
+        assert guards_intact(whole), f"byte {i}: a guard byte changed"
+        assert decoy_intact(decoy_path), f"byte {i}: the decoy file changed"
+    return refused
+
+
+@pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
+def test_every_byte_of_a_descriptor_flipped_touches_nothing_outside(monkeypatch, transport, decoy):
+    _, decoy_path = decoy
+    a, b, conn = agents(monkeypatch, "auto" if transport == "shm" else transport)
+    with a, b:
+        if transport == "shm":
+            region = b.alloc(N)
+            seg = np.frombuffer(region.view, np.uint8)
+            whole = np.full(GUARD + N + GUARD, 0xEE, np.uint8)  # (the segment has no guard of its own)
+        else:
+            whole, region = guarded(b, fill=0x55)
+            seg = whole[GUARD:GUARD + N]
+        seg[:] = 0x55
+        src = a.register(np.full(N, 0x55, np.uint8))  # writes keep the region's bytes as they were
+        back_arr = np.full(N + GUARD, 0xEE, np.uint8)
+        back = a.register(back_arr[:N])
+        conn.write(src, region, N).wait(10)
+        assert conn.path_to(region) == transport
+        started = time.monotonic()
+        refused = fuzz_one(conn, region.descriptor, src, back, whole, back_arr, decoy_path)
+        assert refused > 0
+        assert (back_arr[N:] == 0xEE).all(), "a read ran past the local region"
+        assert (seg == 0x55).all()
+        assert set(np.unique(back_arr[:N])) <= {0x55, 0xEE}, "a read brought bytes from outside the region"
+        assert time.monotonic() - started < 60
+        conn.write(src, region, N).wait(10)  # the connection still works
+
+
+def test_map_of_a_decoy_in_this_process_is_not_enough_without_the_address(monkeypatch, decoy):
+    """The segment must be mapped by the peer's process at the described address, not anywhere."""
+    name, path = decoy
+    a, b, conn = agents(monkeypatch, "auto")
+    with a, b:
+        fd = os.open(path, os.O_RDWR)
+        m = mmap.mmap(fd, 4 * N)  # this process (the peer's too) maps the decoy somewhere
+        os.close(fd)
+        real = b.alloc(N)
+        r = Region.decode(real.descriptor)
+        w = r.win()
+        cell = SealCell()
+        forged = r.with_win(cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode()}), r.index)).encode()
+        src = a.register(np.full(N, 0x11, np.uint8))
+        attempt(conn, src, forged, N, False)
+        assert conn.path_to(forged) != "shm"
+        m.close()
+        assert decoy_intact(path)
