@@ -16,6 +16,12 @@ a peer hands the victim descriptors of "its own" region that name a THIRD agent'
                  then writes 0x77 to and reads from every peer.<case>: each op must go through
                  (into the peer's own region #0) or be refused naming the peer, on no device path
                  that maps the third agent's memory; what it reads never holds 0x33
+    fuzz-target DIR  registers the middle SIZE bytes (0x55) of a 3*SIZE cudaMalloc allocation and of a
+                 cuMem one (guards 0xEE around), publishes DIR/ft.meta, DIR/ft.ipc, DIR/ft.vmm; at
+                 DIR/done checks that the guards never changed
+    fuzz DIR     for both regions, every byte of the descriptor flipped: a write of 0x55 and a read;
+                 each goes through (in the region) or is refused naming the peer or the descriptor,
+                 and what it reads holds only 0x55
 Each role prints "<role> ok" when it passed.
 """
 
@@ -113,11 +119,60 @@ def victim(d):
     print("victim ok", flush=True)
 
 
+def fuzz_target(d):
+    dev = FakeDevice()
+    with Agent("ftarget", SECRET, timeout=20) as t:
+        bufs = {}
+        for kind in ("ipc", "vmm"):
+            buf = dev.buffer(kind, 3 * SIZE)
+            buf.write(0, b"\xee" * SIZE + b"\x55" * SIZE + b"\xee" * SIZE)
+            bufs[kind] = buf
+            publish(d, f"ft.{kind}", t.register(type(buf)(buf.cu, buf.ptr + SIZE, SIZE)).descriptor)
+        publish(d, "ft.meta", t.metadata())
+        wait_done(d)
+        for kind, buf in bufs.items():
+            check(buf.read(0, SIZE) == b"\xee" * SIZE and buf.read(2 * SIZE, SIZE) == b"\xee" * SIZE,
+                  f"fuzz-target: a guard byte of the {kind} region changed")
+            check(buf.read(SIZE, SIZE) == b"\x55" * SIZE, f"fuzz-target: the {kind} region holds other bytes")
+    print("fuzz-target ok", flush=True)
+
+
+def fuzz(d):
+    dev = FakeDevice()
+    started = time.monotonic()
+    with Agent("fuzzer", SECRET, timeout=20) as v:
+        src, back = dev.buffer("ipc", SIZE), dev.buffer("ipc", SIZE)
+        src.write(0, b"\x55" * SIZE)
+        lsrc, lback = v.register(src), v.register(back)
+        c = v.connect(read_published(d, "ft.meta", timeout=60), timeout=20)
+        refused = paths = 0
+        for kind in ("ipc", "vmm"):
+            desc = read_published(d, "ft." + kind)
+            c.write(lsrc, desc, SIZE).wait(20)
+            check(c.path_to(desc, lback) == "cuda-" + kind, f"fuzz: {kind} region not over cuda-{kind}")
+            for i in range(len(desc)):
+                bad = bytearray(desc)
+                bad[i] ^= 0xFF if i % 2 else 0x01
+                back.write(0, bytes(SIZE))
+                for op, local in (("write", lsrc), ("read", lback)):
+                    try:
+                        getattr(c, op)(local, bytes(bad), SIZE).wait(20)
+                    except MeshError as e:
+                        refused += 1
+                        check("agent ftarget" in str(e) or "region descriptor" in str(e), f"byte {i}: {e}")
+                got = back.read(0, SIZE)
+                check(got.strip(b"\x55") == b"" or got == bytes(SIZE), f"{kind} byte {i}: a read brought other bytes")
+        print(f"FUZZ {refused} refused in {time.monotonic() - started:.1f} s", flush=True)
+        check(refused > 0, "fuzz: nothing was refused")
+        publish(d, "done", b"")
+    print("fuzz ok", flush=True)
+
+
 if __name__ == "__main__":
     role, directory = sys.argv[1], sys.argv[2]
     try:
-        {"third": third, "peer": peer, "victim": victim}[role](directory)
+        {"third": third, "peer": peer, "victim": victim, "fuzz-target": fuzz_target, "fuzz": fuzz}[role](directory)
     finally:
-        if role == "victim" and not os.path.exists(os.path.join(directory, "done")):
+        if role in ("victim", "fuzz") and not os.path.exists(os.path.join(directory, "done")):
             publish(directory, "done", b"")  # the others stop waiting
     time.sleep(0.1)

@@ -131,50 +131,53 @@ def test_cma_descriptor_with_a_changed_address_or_index_is_refused(monkeypatch):
         assert (whole[GUARD:GUARD + N] == 0x42).all() and guards_intact(whole)
 
 
-def fuzz_one(conn, desc, src, back, whole, back_arr, decoy_path):
-    """Every byte of `desc` flipped: writes and reads land in the region or are refused."""
-    refused = 0
-    for i in range(len(desc)):
-        bad = bytearray(desc)
-        bad[i] ^= 0xFF if i % 2 else 0x01
-        for read in (False, True):
-            e = attempt(conn, back if read else src, bytes(bad), N, read)
-            if e is not None:
-                refused += 1
-                text = str(e)
-                assert isinstance(e, InvalidArgument), (i, text)
-                assert "agent target" in text or "region descriptor" in text, (i, text)
-        assert guards_intact(whole), f"byte {i}: a guard byte changed"
-        assert decoy_intact(decoy_path), f"byte {i}: the decoy file changed"
-    return refused
+def fresh_region(b, transport):
+    """(guarded array or None, the region's own bytes, Region): N bytes of 0x55 at the target."""
+    if transport == "shm":
+        region = b.alloc(N)
+        mine = np.frombuffer(region.view, np.uint8)
+        whole = None  # (a segment has no guard of its own: the decoy file stands for what lies outside)
+    else:
+        whole, region = guarded(b, fill=0x55)
+        mine = whole[GUARD:GUARD + N]
+    mine[:] = 0x55
+    return whole, mine, region
 
 
 @pytest.mark.parametrize("transport", ["cma", "shm", "tcp"])
 def test_every_byte_of_a_descriptor_flipped_touches_nothing_outside(monkeypatch, transport, decoy):
+    """Each flip on a fresh region of its own (a path is chosen for it afresh): a write of 0x55 and
+    a read; guards, the decoy and the initiator's bytes beyond its region never change."""
     _, decoy_path = decoy
     a, b, conn = agents(monkeypatch, "auto" if transport == "shm" else transport)
     with a, b:
-        if transport == "shm":
-            region = b.alloc(N)
-            seg = np.frombuffer(region.view, np.uint8)
-            whole = np.full(GUARD + N + GUARD, 0xEE, np.uint8)  # (the segment has no guard of its own)
-        else:
-            whole, region = guarded(b, fill=0x55)
-            seg = whole[GUARD:GUARD + N]
-        seg[:] = 0x55
         src = a.register(np.full(N, 0x55, np.uint8))  # writes keep the region's bytes as they were
         back_arr = np.full(N + GUARD, 0xEE, np.uint8)
         back = a.register(back_arr[:N])
-        conn.write(src, region, N).wait(10)
-        assert conn.path_to(region) == transport
-        started = time.monotonic()
-        refused = fuzz_one(conn, region.descriptor, src, back, whole, back_arr, decoy_path)
+        _, _, first = fresh_region(b, transport)
+        conn.write(src, first, N).wait(10)
+        assert conn.path_to(first) == transport
+        started, refused, regions = time.monotonic(), 0, []
+        for i in range(len(first.descriptor)):
+            whole, mine, region = fresh_region(b, transport)
+            regions.append((whole, mine))
+            bad = bytearray(region.descriptor)
+            bad[i] ^= 0xFF if i % 2 else 0x01
+            for read in (False, True):
+                e = attempt(conn, back if read else src, bytes(bad), N, read)
+                if e is not None:
+                    refused += 1
+                    assert isinstance(e, InvalidArgument), (i, str(e))
+                    assert "agent target" in str(e) or "region descriptor" in str(e), (i, str(e))
+            assert whole is None or guards_intact(whole), f"byte {i}: a guard byte changed"
+            assert decoy_intact(decoy_path), f"byte {i}: the decoy file changed"
+            assert (back_arr[N:] == 0xEE).all(), f"byte {i}: a read ran past the local region"
+            assert set(np.unique(back_arr[:N])) <= {0x55, 0xEE}, f"byte {i}: a read brought outside bytes"
+        print(f"FUZZ {transport}: {len(regions)} bytes flipped, {refused} of {2 * len(regions)} ops refused")
         assert refused > 0
-        assert (back_arr[N:] == 0xEE).all(), "a read ran past the local region"
-        assert (seg == 0x55).all()
-        assert set(np.unique(back_arr[:N])) <= {0x55, 0xEE}, "a read brought bytes from outside the region"
+        assert all((mine == 0x55).all() and (whole is None or guards_intact(whole)) for whole, mine in regions)
         assert time.monotonic() - started < 60
-        conn.write(src, region, N).wait(10)  # the connection still works
+        conn.write(src, first, N).wait(10)  # the connection still works
 
 
 def test_map_of_a_decoy_in_this_process_is_not_enough_without_the_address(monkeypatch, decoy):
@@ -195,3 +198,47 @@ def test_map_of_a_decoy_in_this_process_is_not_enough_without_the_address(monkey
         assert conn.path_to(forged) != "shm"
         m.close()
         assert decoy_intact(path)
+
+
+@pytest.mark.parametrize("sealed", [False, True])
+def test_compat_p2p_table_naming_a_dev_shm_file_writes_nothing_there(monkeypatch, decoy, sealed):
+    """compat.p2p takes a peer's regions from the table the peer serves: a liar's table whose
+    range is "its own" shm region naming the decoy file. Before the fix the write mapped the file."""
+    import threading
+
+    from flagcx_mesh.compat import FlagcxError
+    from flagcx_mesh.compat import _p2p_table as table
+    from flagcx_mesh.compat import p2p
+
+    name, path = decoy
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "auto")
+    writer = p2p.engine_create(secret=SECRET, timeout=10)
+    stop = threading.Event()
+    cell = SealCell()
+    with Agent("liar", SECRET) as liar:
+        r = Region.decode(liar.alloc(N).descriptor)
+        w = r.win().__class__(**{**r.win().__dict__, "shm_name": name.encode()})
+        forged = r.with_win(cell.publish(w, r.index) if sealed else w).encode()
+        base = 1 << 40
+
+        def answer():
+            while not stop.is_set():
+                for n in liar.notifications(0.1):
+                    kind, rid, _ = table.parse(n.data)
+                    liar.connection(n.peer).notify(table.encode_table(rid, [table.Span(base, N, forged)]))
+
+        t = threading.Thread(target=answer, daemon=True)
+        t.start()
+        try:
+            src = np.full(N, 0x11, np.uint8)
+            writer.register(src)
+            conn = writer.get_conn(liar.address)
+            try:
+                conn.batch_write_sync([src.ctypes.data], [base], [N])
+            except FlagcxError as e:
+                assert "agent liar" in str(e), e
+            assert decoy_intact(path)
+        finally:
+            stop.set()
+            t.join(5)
+            writer.destroy()
