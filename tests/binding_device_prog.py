@@ -151,6 +151,8 @@ def fuzz(d):
             c.write(lsrc, desc, SIZE).wait(20)
             check(c.path_to(desc, lback) == "cuda-" + kind, f"fuzz: {kind} region not over cuda-{kind}")
             for i in range(len(desc)):
+                c.close()  # a fresh connection per flip: its path is chosen afresh
+                c = v.connect(read_published(d, "ft.meta"), timeout=20)
                 bad = bytearray(desc)
                 bad[i] ^= 0xFF if i % 2 else 0x01
                 back.write(0, bytes(SIZE))
