@@ -217,7 +217,7 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
   req.outbox = &engine();
   req.peer_socket = conns_.recv[0].get();
   req.peer_is_agent = true;
-  req.peer_id = "agent " + peer_.name + " (incarnation " + incarnation_hex(peer_.incarnation) + ")";
+  req.peer_id = "agent " + peer_.name;  // (a restart of it keeps the claim: a new incarnation supersedes the old)
   req.fd_fetch_ms = static_cast<int>(std::clamp(agent_->timeout_s() * 1000.0, 1.0, 5000.0));
   PathChoice c = choose_path(req, d);
   if (!c.mismatch.empty()) fail_mismatch(remote, d, c.mismatch);  // its owner says it is not its registration
@@ -243,10 +243,14 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
 // tell, and the op goes ahead (docs/agent.md).
 // (An op racing with the close itself can still land: see docs/agent.md.)
 // The peer's cookie table makes the read a load (cma/cookie_table.h).
-void Connection::check_cookie(const RegionDesc& remote, bool device) {
-  WindowDesc d;
-  WindowDesc::decode(remote.window, &d);  // (view_of bound this very descriptor to the peer)
-  const CookieRef ref{d.pid, d.cookie_addr, window_seal(d, remote.index)};
+void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bool device) {
+  auto it = cookie_refs_.find(&view);
+  if (it == cookie_refs_.end()) {
+    WindowDesc d;
+    WindowDesc::decode(remote.window, &d);  // (view_of bound this very descriptor to the peer)
+    it = cookie_refs_.emplace(&view, CookieRef{d.pid, d.cookie_addr, window_seal(d, remote.index)}).first;
+  }
+  const CookieRef& ref = it->second;
   uint64_t now = 0;
   std::string note;
   int err = peer_cookies_.read(ref.pid, ref.addr, &now, &note);
@@ -293,7 +297,7 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   order_on(stream, p, device, &op);
   bool checked = cookie_checked_ == &v;  // once per region and call (a batch names few)
   if (!checked && (p->kind() == PathKind::kCma || is_device_path(p->kind()))) {
-    check_cookie(*c.x->remote, is_device_path(p->kind()));
+    check_cookie(*c.x->remote, v, is_device_path(p->kind()));
     cookie_checked_ = &v;
   }
   if (p->synchronous()) {

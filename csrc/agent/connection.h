@@ -89,12 +89,13 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
   // cma and device paths: throws once the peer closed the region (device paths
   // pass when the cookie cannot be read here at all).
-  void check_cookie(const RegionDesc& remote, bool device);
+  void check_cookie(const RegionDesc& remote, const PeerView& view, bool device);
   const PeerView* cookie_checked_ = nullptr;  // the remote region (view) whose cookie this call read back (op_mu_)
   struct CookieRef {
     int32_t pid;
     uint64_t addr, value;
   };
+  std::map<const PeerView*, CookieRef> cookie_refs_;  // per view (views_ never drops one), from its descriptor
   cma::PeerCookies peer_cookies_;             // the peer's cookie table, mapped on first use
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
