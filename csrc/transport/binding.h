@@ -20,8 +20,8 @@
 //            inode) that process maps at the described address, over the whole
 //            window (/proc/<pid>/maps);
 //   exports  cuda-vmm: the fd server must be that process (SO_PEERCRED);
-//            cuda-ipc: a legacy handle is opened for one peer only (the first
-//            that presented it in this process), and the mesh keeps its
+//            cuda-ipc: a legacy handle is opened for one agent only (by name: the
+//            first that presented it in this process), and the mesh keeps its
 //            "first publisher" rule (core/onesided_device.cc).
 //
 // Whatever fails refuses the path naming the peer and the field (describe(),
