@@ -242,3 +242,84 @@ def test_compat_p2p_table_naming_a_dev_shm_file_writes_nothing_there(monkeypatch
             stop.set()
             t.join(5)
             writer.destroy()
+
+
+def _deep_dir(base: str, length: int) -> str:
+    """A directory under `base` whose path is about `length` characters (components of 200)."""
+    d = base
+    while len(d) < length - 201:
+        d = os.path.join(d, "n" * 200)
+    d = os.path.join(d, "n" * max(1, length - len(d) - 1))
+    os.makedirs(d, exist_ok=True)
+    return d
+
+
+def test_shm_maps_line_split_by_a_long_path_is_not_a_line_of_its_own(monkeypatch, decoy, tmp_path):
+    """The peer maps a file whose path runs past 1023 characters, its tail written as a maps line
+    "X-Y rw-s 0 dev ino" naming the decoy at an address X of its choice, and describes its region
+    as the decoy at X (sealed). A reader of 1024-byte chunks took the tail as a line of its own and
+    mapped the decoy; whole lines are read now."""
+    name, path = decoy
+    st = os.stat(path)
+    fake_addr = 0x3F5A00000000
+    fake = f"{fake_addr:x}-{fake_addr + 4 * N:x} rw-s 00000000 {os.major(st.st_dev):02x}:{os.minor(st.st_dev):02x} {st.st_ino}"
+    d = _deep_dir(str(tmp_path), 850)
+    first = os.path.join(d, "x")
+    with open(first, "wb") as f:
+        f.write(bytes(4 * N))
+    fd = os.open(first, os.O_RDWR)
+    m = mmap.mmap(fd, 4 * N)
+    os.close(fd)
+    try:
+        with open("/proc/self/maps") as f:
+            line = next(x for x in f if x.rstrip("\n").endswith(first))
+        prefix = len(line) - len(first) - 1  # where the path starts in its maps line
+        pad = 1023 - prefix - len(d) - 1  # the tail starts at the 1024th character
+        assert 0 < pad and pad + len(fake) < 255, (prefix, len(d))
+        os.rename(first, os.path.join(d, "p" * pad + fake))  # the maps line shows the new path
+        a, b, conn = agents(monkeypatch, "auto")
+        with a, b:
+            r = Region.decode(b.alloc(N).descriptor)
+            w = r.win()
+            cell = SealCell()
+            forged = r.with_win(cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode(),
+                                                            "addr": fake_addr}), r.index)).encode()
+            src = a.register(np.full(N, 0x11, np.uint8))
+            attempt(conn, src, forged, N, False)
+            assert conn.path_to(forged) != "shm", conn.path_to(forged)
+            assert decoy_intact(path)
+    finally:
+        m.close()
+
+
+def test_shm_private_mapping_of_the_file_does_not_bind_it(monkeypatch, decoy):
+    """The peer maps the decoy privately (copy-on-write, "rw-p") and describes that address as its
+    region's segment: only a shared writable mapping ("rw?s") is the peer's segment."""
+    import ctypes
+
+    name, path = decoy
+    fd = os.open(path, os.O_RDONLY)
+    m = mmap.mmap(fd, 4 * N, access=mmap.ACCESS_COPY)
+    os.close(fd)
+    addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
+    try:
+        a, b, conn = agents(monkeypatch, "auto")
+        with a, b:
+            r = Region.decode(b.alloc(N).descriptor)
+            w = r.win()
+            cell = SealCell()
+            forged = r.with_win(cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode(),
+                                                            "addr": addr}), r.index)).encode()
+            src = a.register(np.full(N, 0x11, np.uint8))
+            attempt(conn, src, forged, N, False)
+            assert conn.path_to(forged) != "shm", conn.path_to(forged)
+            assert decoy_intact(path)
+    finally:
+        del addr
+        import gc
+
+        gc.collect()
+        try:
+            m.close()
+        except BufferError:
+            pass

@@ -4,6 +4,7 @@
 
 #include <cerrno>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <map>
 #include <mutex>
@@ -105,27 +106,37 @@ Binding bind_to_peer(const PathRequest& req, const WindowDesc& d) {
   return b;
 }
 
-// /proc/<pid>/maps: "start-end perms offset major:minor inode path".
+// /proc/<pid>/maps: "start-end perms offset major:minor inode path", read a whole line at a time:
+// a path runs to any length, and a fixed-size read would take its tail (which the process chose)
+// for a line of its own. Only a shared writable mapping ("rw?s") is the process's segment.
 std::string maps_file_at(pid_t pid, uint64_t addr, uint64_t bytes, uint64_t st_dev, uint64_t st_ino) {
   std::string path = "/proc/" + std::to_string(pid) + "/maps";
   FILE* f = std::fopen(path.c_str(), "r");  // stdio: the core uses no iostreams (no C++ locale)
   if (!f) return "cannot read " + path + ": " + errno_text(errno);
-  char line[1024];
-  std::string seen;
-  while (std::fgets(line, sizeof line, f)) {
+  char* line = nullptr;
+  size_t cap = 0;
+  std::string seen, verdict;
+  bool found = false;
+  while (!found && ::getline(&line, &cap, f) >= 0) {
     unsigned long long lo = 0, hi = 0, off = 0, ino = 0;
     unsigned maj = 0, min = 0;
-    if (std::sscanf(line, "%llx-%llx %*s %llx %x:%x %llu", &lo, &hi, &off, &maj, &min, &ino) != 6) continue;
+    char perms[5] = {};
+    if (std::sscanf(line, "%llx-%llx %4s %llx %x:%x %llu", &lo, &hi, perms, &off, &maj, &min, &ino) != 7) continue;
     if (lo != addr) continue;
     if (ino != st_ino || makedev(maj, min) != st_dev || off != 0) {
       seen = "it maps another file there";
       continue;
     }
-    std::fclose(f);
-    if (hi - lo < bytes) return "it maps only " + std::to_string(hi - lo) + " bytes of it there";
-    return "";
+    if (perms[0] != 'r' || perms[1] != 'w' || perms[3] != 's') {
+      seen = std::string("it maps the file there as \"") + perms + "\", not shared and writable";
+      continue;
+    }
+    found = true;
+    if (hi - lo < bytes) verdict = "it maps only " + std::to_string(hi - lo) + " bytes of it there";
   }
+  std::free(line);
   std::fclose(f);
+  if (found) return verdict;
   return seen.empty() ? "it maps no file at " + hex(addr) : seen;
 }
 

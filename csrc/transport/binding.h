@@ -17,8 +17,8 @@
 //            the description as presented, so a changed address, size, index,
 //            segment name or export is refused, and a closed window (seal 0) too;
 //   segment  shm: the segment opened by name must be the very file (device and
-//            inode) that process maps at the described address, over the whole
-//            window (/proc/<pid>/maps);
+//            inode) that process maps at the described address, shared and
+//            writable ("rw?s"), over the whole window (/proc/<pid>/maps, whole lines);
 //   exports  cuda-vmm: the fd server must be that process (SO_PEERCRED);
 //            cuda-ipc: a legacy handle is opened for one agent only (by name: the
 //            first that presented it in this process), and the mesh keeps its
