@@ -78,23 +78,10 @@ class Win:
                    vmm, why_ipc, why_vmm, sock, token)
 
     def seal(self, index: int) -> int:
-        h = hashlib.sha256(b"flagcx_mesh window seal v1\0")
-        q = lambda v: h.update(struct.pack("<Q", v & M64))  # noqa: E731
-        st = lambda b: (q(len(b)), h.update(b))  # noqa: E731
-        for v in (index, self.kind, self.size, self.addr, self.pid & 0xFFFFFFFF):
-            q(v)
-        st(self.shm_name)
-        q(self.cookie_addr)
-        q(self.cookie)
-        q(self.ordinal & 0xFFFFFFFF)
-        h.update(self.ipc_handle)
-        q(self.ipc_offset)
-        q(len(self.vmm))
-        for o, n in self.vmm:
-            q(o)
-            q(n)
-        st(self.fd_socket)
-        q(self.fd_token)
+        enc = self.encode()  # canonical: the IPC flag 0 or 1
+        h = hashlib.sha256(b"flagcx_mesh window seal v2\0")
+        h.update(struct.pack("<QQ", index & M64, len(enc)))
+        h.update(enc)
         v = struct.unpack("<Q", h.digest()[:8])[0]
         return v or 1
 

@@ -5,6 +5,7 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <thread>
 
 #include "base/log.h"
@@ -50,6 +51,10 @@ Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, 
   conns_.send.resize(std::max(1, lanes));
   conns_.recv.resize(std::max(1, lanes));
   add_lane(0, std::move(fd));
+  if (const char* v = std::getenv("FLAGCX_MESH_AGENT_MAX_VIEWS")) {
+    long n = std::strtol(v, nullptr, 10);
+    if (n > 0) max_views_ = static_cast<size_t>(n);
+  }
 }
 
 std::string Connection::lane_refused(int lane) const {
@@ -187,9 +192,9 @@ Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* c
 // the first field in which it differs from a descriptor of that region already in use here.
 void Connection::fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const {
   std::string field;
-  for (const auto& [key, v] : views_) {
+  for (const auto& [key, held] : views_) {
     WindowDesc known;
-    if (std::get<0>(key) != remote.index || !WindowDesc::decode(std::get<2>(key), &known)) continue;
+    if (std::get<0>(key) != remote.index || !WindowDesc::decode(held.window, &known)) continue;
     field = first_difference(known, d);
     if (!field.empty()) break;
   }
@@ -198,12 +203,40 @@ void Connection::fail_mismatch(const RegionDesc& remote, const WindowDesc& d, co
                                                                  "descriptor in use (" + why + ")"));
 }
 
+// Per op: this call's last region, else the descriptor's bytes seen before (no hash, no
+// allocation), else its seal (decode and hash once per descriptor).
 PeerView& Connection::view_of(const RegionDesc& remote, int device) {
-  ViewKey key{remote.index, device, remote.window};  // one binding per descriptor as presented
-  auto it = views_.find(key);
-  if (it != views_.end()) return it->second;
-  WindowDesc d;
-  WindowDesc::decode(remote.window, &d);  // RegionDesc::decode checked it
+  if (last_remote_ == &remote && last_device_ == device) return *last_view_;
+  std::string_view bytes(reinterpret_cast<const char*>(remote.window.data()), remote.window.size());
+  PeerView* found = nullptr;
+  auto s = seen_.find(bytes);
+  if (s != seen_.end()) {
+    for (const Seen& e : s->second) {
+      if (e.index == remote.index && e.device == device) found = e.view;
+    }
+  }
+  if (!found) {
+    WindowDesc d;
+    WindowDesc::decode(remote.window, &d);  // RegionDesc::decode checked it
+    ViewKey key{remote.index, device, window_seal(d, remote.index)};
+    auto it = views_.find(key);
+    found = it != views_.end() ? &it->second.view : &bind_view(remote, d, device, key);
+    if (seen_.size() >= 4 * max_views_) seen_.clear();
+    seen_[std::string(bytes)].push_back({remote.index, device, found});
+  }
+  last_remote_ = &remote;
+  last_device_ = device;
+  last_view_ = found;
+  return *found;
+}
+
+PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, int device, const ViewKey& key) {
+  if (views_.size() >= max_views_) {
+    fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name +
+                                            ": this connection already keeps paths for " + std::to_string(views_.size()) +
+                                            " descriptors of the peer's regions (FLAGCX_MESH_AGENT_MAX_VIEWS); "
+                                            "reconnect to start afresh");
+  }
   PathRequest req;
   req.me = 1;  // never the peer: self is for a mesh rank's own copy
   req.peer = kPeer;
@@ -232,7 +265,7 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
   FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " (" + kind_name(d.kind) + ") from " +
                    (device >= 0 ? "device " + std::to_string(device) : std::string("host memory")) + " over " +
                    v.path->name() + (v.why.empty() ? "" : " (" + v.why + ")"));
-  return views_.emplace(key, std::move(v)).first->second;
+  return views_.emplace(key, Held{std::move(v), remote.window}).first->second.view;
 }
 
 // A cma path was chosen while the region was registered; the peer may have
@@ -273,6 +306,7 @@ std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* loca
     if (w->kind == WindowKind::kDevice) device = w->device;
   }
   std::lock_guard<std::mutex> lock(op_mu_);
+  last_remote_ = nullptr;
   return view_of(remote, device).path->name();
 }
 
@@ -411,6 +445,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
   std::lock_guard<std::mutex> lock(op_mu_);
   cookie_checked_ = nullptr;
+  last_remote_ = nullptr;
   bool async = false, on_device = false;
   try {
     issue_all(checked, is_read, stream, &async, &on_device);

@@ -12,6 +12,7 @@
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "agent/agent.h"
@@ -110,10 +111,32 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connections conns_;
   std::unique_ptr<Engine> engine_;
   std::mutex op_mu_;   // FIFO of calls on this connection; views_
-  // Per (remote region index, local device or -1, the descriptor's window bytes): a path is bound
-  // to the descriptor as presented (transport/binding.h), never reused for another that names the index.
-  using ViewKey = std::tuple<uint32_t, int, std::vector<uint8_t>>;
-  std::map<ViewKey, PeerView> views_;
+  // One path per (remote region index, local device or -1, the seal of its descriptor): a path is
+  // bound to the descriptor as presented (transport/binding.h), never reused for another that
+  // names the index, and byte-variants of one registration's descriptor share it (the seal covers
+  // its canonical encoding). At most max_views_ (FLAGCX_MESH_AGENT_MAX_VIEWS, docs/agent.md):
+  // beyond it a new descriptor is refused (each view may hold a mapping of the peer's memory).
+  using ViewKey = std::tuple<uint32_t, int, uint64_t>;
+  struct Held {
+    PeerView view;
+    std::vector<uint8_t> window;  // the descriptor it was bound for (error texts name a changed field)
+  };
+  std::map<ViewKey, Held> views_;  // never drops one: pointers to its views stay valid
+  size_t max_views_ = 4096;
+  // The descriptor bytes a view was found for, so an op finds it without hashing or allocating:
+  // window bytes -> (index, device, view); cleared when it holds 4 * max_views_ entries.
+  struct Seen {
+    uint32_t index;
+    int device;
+    PeerView* view;
+  };
+  std::map<std::string, std::vector<Seen>, std::less<>> seen_;
+  // This call's last lookup (a batch names few regions many times); reset per call, as its
+  // descriptors live only until it returns.
+  const RegionDesc* last_remote_ = nullptr;
+  int last_device_ = 0;
+  PeerView* last_view_ = nullptr;
+  PeerView& bind_view(const RegionDesc& remote, const WindowDesc& d, int device, const ViewKey& key);
   cuda::StreamFence fence_;  // device copies of this connection in issue order across streams (under op_mu_)
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;

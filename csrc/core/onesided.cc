@@ -8,6 +8,7 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "core/window_setup.h"
+#include "transport/binding.h"
 #include "transport/signal_ops.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -132,8 +133,10 @@ uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& 
   if (local_failure) std::rethrow_exception(local_failure);
   try {
     std::vector<WindowDesc> descs = check_descriptions(*w, parts);
+    std::vector<uint64_t> seals;  // of each description as published, before bind_exports narrows it
+    for (const WindowDesc& d : descs) seals.push_back(window_seal(d, index));
     bind_exports(&descs);
-    connect_peers(*w, descs);
+    connect_peers(*w, descs, seals);
   } catch (...) {
     finish_registration(*w);
     throw;
@@ -202,13 +205,14 @@ std::vector<WindowDesc> OneSided::check_descriptions(const Window& w, const boot
   return descs;
 }
 
-void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs) {
+void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs, const std::vector<uint64_t>& seals) {
   w.peers.clear();
-  for (int r = 0; r < nranks_; ++r) w.peers.push_back(view_of(w, r, descs[r]));
+  for (int r = 0; r < nranks_; ++r) w.peers.push_back(view_of(w, r, descs[r], seals[r]));
 }
 
-PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const {
+PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d, uint64_t seal) const {
   PathRequest req;
+  req.seal = seal;
   req.me = rank_;
   req.peer = peer;
   req.win_index = w.index;

@@ -8,6 +8,7 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <vector>
 
 #include "base/hmac.h"
 #include "base/status.h"
@@ -19,10 +20,6 @@ namespace fxm {
 namespace {
 
 void put_u64(crypto::Sha256& h, uint64_t v) { h.update(&v, sizeof(v)); }
-void put_str(crypto::Sha256& h, const std::string& s) {
-  put_u64(h, s.size());
-  h.update(s.data(), s.size());
-}
 
 std::string hex(uint64_t v) {
   char b[24];
@@ -32,30 +29,19 @@ std::string hex(uint64_t v) {
 
 }  // namespace
 
-// Every field a path opens or addresses (not the driver's reasons for a
-// missing export, nor the IPC flag, which only narrow what may be opened).
+// The whole description in its canonical encoding (WindowDesc::encode() of what decode() read:
+// a flag is 0 or 1, every string and list at its length): every byte a peer may vary in a
+// descriptor of one registration is sealed, so one registration has one valid descriptor
+// (Connection keys its paths on the seal: one per live registration, however many byte-variants
+// a peer hands out).
 uint64_t window_seal(const WindowDesc& d, uint32_t index) {
   crypto::Sha256 h;
-  static const char kLabel[] = "flagcx_mesh window seal v1";
+  static const char kLabel[] = "flagcx_mesh window seal v2";
   h.update(kLabel, sizeof(kLabel));
   put_u64(h, index);
-  put_u64(h, static_cast<uint32_t>(d.kind));
-  put_u64(h, d.size);
-  put_u64(h, d.addr);
-  put_u64(h, static_cast<uint32_t>(d.pid));
-  put_str(h, d.shm_name);
-  put_u64(h, d.cookie_addr);
-  put_u64(h, d.cookie);
-  put_u64(h, static_cast<uint32_t>(d.dev.ordinal));
-  h.update(d.dev.ipc_handle.reserved, cuda::kIpcHandleSize);
-  put_u64(h, d.dev.ipc_offset);
-  put_u64(h, d.dev.vmm.size());
-  for (const cuda::VmmMapping& m : d.dev.vmm) {
-    put_u64(h, static_cast<uint64_t>(m.offset));
-    put_u64(h, m.size);
-  }
-  put_str(h, d.fd_socket);
-  put_u64(h, d.fd_token);
+  std::vector<uint8_t> enc = d.encode();
+  put_u64(h, enc.size());
+  h.update(enc.data(), enc.size());
   crypto::Digest g = h.finish();
   uint64_t v = 0;
   std::memcpy(&v, g.data(), sizeof(v));
@@ -97,7 +83,7 @@ Binding bind_to_peer(const PathRequest& req, const WindowDesc& d) {
     b.sealed = "window #" + std::to_string(req.win_index) + " of " + peer_words(req) +
                " was deregistered there (field cookie: its seal is 0)";
     b.mismatch = true;
-  } else if (seal != window_seal(d, req.win_index)) {
+  } else if (seal != (req.seal != 0 ? req.seal : window_seal(d, req.win_index))) {
     b.sealed = "the description of window #" + std::to_string(req.win_index) + " is not what " + peer_words(req) +
                " registered (field index, address, size, segment or export changed: its seal at " +
                hex(d.cookie_addr) + " in pid " + std::to_string(d.pid) + " does not match)";

@@ -12,8 +12,8 @@
 //            rank's (agent's) authenticated connection to the peer (the kernel's
 //            socket table, cma/peer_process.h), on this host, in this PID namespace;
 //   seal     the owner keeps, at the description's cookie address, a seal of the
-//            registration (window_seal(): the window index and every field a
-//            path uses); read back from that process it must equal the seal of
+//            registration (window_seal(): the window index and the canonical
+//            encoding of the whole description); read back from that process it must equal the seal of
 //            the description as presented, so a changed address, size, index,
 //            segment name or export is refused, and a closed window (seal 0) too;
 //   segment  shm: the segment opened by name must be the very file (device and
@@ -56,7 +56,8 @@ struct Binding {
   std::string for_mapping() const { return !process.empty() ? process : (seal_unreadable ? "" : sealed); }
 };
 
-// The seal of a description for window `index` (never 0: 0 is a closed window).
+// The seal of a description for window `index` (never 0: 0 is a closed window): a hash of the
+// index and the description's canonical encoding, so no two descriptions share it.
 uint64_t window_seal(const WindowDesc& d, uint32_t index);
 
 // Proves the description's process and reads its seal (the one place: choose_path calls it).

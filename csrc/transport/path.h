@@ -204,6 +204,9 @@ struct PathRequest {
   // Who the peer is beyond this process ("agent b 1a2b3c..."): a legacy IPC handle is opened for
   // one peer only (binding.h). Empty: the caller binds exports itself (the mesh's first publisher).
   std::string peer_id;
+  // The seal of the description as its publisher handed it over (binding.h); 0: of the description
+  // given to choose_path() (the mesh narrows a description's exports first: bind_exports).
+  uint64_t seal = 0;
   // Set by choose_path(): what the description was proven to be (binding.h).
   const struct Binding* binding = nullptr;
 };
