@@ -1,6 +1,7 @@
 """Invariant 8, the cost side (csrc/agent/connection.cc, docs/agent.md): a connection keeps one
 path per live registration of its peer, however many byte-variants of its descriptor it is handed,
-and at most FLAGCX_MESH_AGENT_MAX_VIEWS of them."""
+and at most FLAGCX_MESH_AGENT_MAX_VIEWS of them; and a shm path is refused once the peer
+deregistered the region (it wrote into an unlinked segment before, the data silently lost)."""
 
 from __future__ import annotations
 
@@ -83,3 +84,15 @@ def test_views_per_connection_are_capped(monkeypatch):
         assert errors and all("FLAGCX_MESH_AGENT_MAX_VIEWS" in e for e in errors), errors[:2]
         assert len(errors) >= 40 - 16
 
+
+def test_shm_path_refused_once_the_peer_deregistered_the_region(monkeypatch):
+    a, b, conn = agents(monkeypatch, "auto")
+    with a, b:
+        region = b.alloc(N)
+        src = a.register(np.full(N, 0x33, np.uint8))
+        conn.write(src, region, N).wait(10)
+        assert conn.path_to(region) == "shm"
+        desc = region.descriptor
+        b.deregister(region)
+        e = attempt(conn, src, desc, N)
+        assert isinstance(e, InvalidArgument) and "deregistered" in str(e) and "agent target" in str(e), e

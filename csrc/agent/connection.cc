@@ -271,12 +271,12 @@ PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, i
 // A cma path was chosen while the region was registered; the peer may have
 // closed it since (it revokes the cookie), which the peer's engine cannot
 // refuse for a write it never sees: read the cookie back before the first op
-// to it of each call (a batch names few regions many times). A device path maps the peer's memory here, likewise unseen by its engine; on
+// to it of each call (a batch names few regions many times). A shm or device path maps the peer's memory here, likewise unseen by its engine; on
 // a host where this process may not read the peer's (ptrace rules) it cannot
 // tell, and the op goes ahead (docs/agent.md).
 // (An op racing with the close itself can still land: see docs/agent.md.)
 // The peer's cookie table makes the read a load (cma/cookie_table.h).
-void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bool device) {
+void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bool mapped) {
   auto it = cookie_refs_.find(&view);
   if (it == cookie_refs_.end()) {
     WindowDesc d;
@@ -292,7 +292,7 @@ void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bo
                                                                          : "is not mapped (" + note + "): region checks read through cma"));
   }
   if (err == 0 && now == ref.value) return;
-  if (device && (err == EPERM || err == ENOSYS)) return;
+  if (mapped && (err == EPERM || err == ENOSYS)) return;
   fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name +
                                           (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
 }
@@ -330,8 +330,9 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
   order_on(stream, p, device, &op);
   bool checked = cookie_checked_ == &v;  // once per region and call (a batch names few)
-  if (!checked && (p->kind() == PathKind::kCma || is_device_path(p->kind()))) {
-    check_cookie(*c.x->remote, v, is_device_path(p->kind()));
+  // shm too: a segment the peer deregistered is unlinked there, and a write into it would be lost.
+  if (!checked && (p->kind() == PathKind::kCma || p->kind() == PathKind::kShm || is_device_path(p->kind()))) {
+    check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
     cookie_checked_ = &v;
   }
   if (p->synchronous()) {

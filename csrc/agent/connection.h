@@ -88,9 +88,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
                  bool* on_device);
   void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
-  // cma and device paths: throws once the peer closed the region (device paths
-  // pass when the cookie cannot be read here at all).
-  void check_cookie(const RegionDesc& remote, const PeerView& view, bool device);
+  // cma, shm and device paths: throws once the peer closed the region (`mapped`: shm and device
+  // paths pass when the cookie cannot be read here at all).
+  void check_cookie(const RegionDesc& remote, const PeerView& view, bool mapped);
   const PeerView* cookie_checked_ = nullptr;  // the remote region (view) whose cookie this call read back (op_mu_)
   struct CookieRef {
     int32_t pid;
