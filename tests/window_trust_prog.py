@@ -20,6 +20,7 @@ Ranks 0 and 1 are honest. Rank 0 then gets and puts into rank 2's window #1; the
 driver (FLAGCX_MESH_CUDA_DRIVER). Prints VERDICT lines.
 """
 
+import atexit
 import os
 import struct
 import sys
@@ -140,7 +141,12 @@ DECOY = f"/fxm-trust-decoy-{os.getppid()}"  # the launcher's pid: one name per j
 decoy_map = None
 if r == 1 and SCENARIO == "shm":  # another job's segment, mapped by rank 1
     import mmap
+    try:  # a crashed run with a launcher of this pid may have left it behind
+        os.unlink("/dev/shm" + DECOY)
+    except FileNotFoundError:
+        pass
     fd = os.open("/dev/shm" + DECOY, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    atexit.register(lambda: os.path.exists("/dev/shm" + DECOY) and os.unlink("/dev/shm" + DECOY))
     os.write(fd, bytes([0x5A]) * SIZE)
     decoy_map = mmap.mmap(fd, SIZE)
     os.close(fd)
