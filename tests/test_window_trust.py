@@ -1,5 +1,5 @@
 """A peer's window description is checked against what this rank can see for itself (issue 17,
-items 1 and 2): memory outside every window is never reached through it.
+items 1 and 2; issue 34, item 1: shm): memory outside every window is never reached through it.
 
 Rank 2 of three misbehaves (tests/window_trust_prog.py): it publishes, for window #1,
   - rank 1's cma identity (pid, cookie address, cookie, host, PID namespace) with the address of
@@ -87,3 +87,12 @@ def test_an_ipc_window_past_the_end_of_its_allocation_is_refused():
 def test_a_vmm_window_larger_than_its_mappings_is_refused():
     out = run_scenario("vmm-past", device=True)
     check_nothing_reached(out, "cuda-vmm", "the mappings end 65536 bytes after the window's base, before its end")
+
+
+def test_a_rank_naming_another_jobs_shm_segment_reaches_no_memory():
+    """Issue 34, item 1: rank 2 publishes a shm window whose segment is a file of /dev/shm that
+    rank 1 created and maps (its bytes are the private ones), with rank 2's own pid and a seal
+    of it: rank 2's process maps no such file at the described address, so rank 0 maps nothing.
+    Before the fix rank 0 mapped the file: its get copied the file, its put overwrote it."""
+    out = run_scenario("shm", device=False)
+    check_nothing_reached(out, "shm", "is not rank 2's segment")

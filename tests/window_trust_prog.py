@@ -10,17 +10,24 @@ learns what the others published for window #0, and publishes for window #1:
   self  rank 0's own pid with an address past rank 0's device window #0 (its private bytes)
   ipc-past  its own IPC handle with a window that runs past the end of its allocation
   vmm-past  its own cuMem fd (served like the library serves them) with a window twice its size
+  shm   a shared-memory window naming a file of /dev/shm that rank 1 created and maps (another
+        job's segment: its bytes are the private ones), with rank 2's own pid
+In the scenarios that name rank 2's own process (ipc, ipc-past, vmm-past, shm) rank 2 also keeps
+the seal of what it publishes in its own memory (descforge.SealCell), as an honest owner does:
+what is checked is then the export itself, not the seal (csrc/transport/binding.h).
 Ranks 0 and 1 are honest. Rank 0 then gets and puts into rank 2's window #1; the private bytes
 (0x5A, in no window) must be neither read nor overwritten. Device scenarios need the fake CUDA
 driver (FLAGCX_MESH_CUDA_DRIVER). Prints VERDICT lines.
 """
 
+import atexit
 import os
 import struct
 import sys
 
 import numpy as np
 
+from descforge import SealCell, Win
 from flagcx_mesh import Mesh, MeshError
 
 SCENARIO = sys.argv[1]
@@ -85,7 +92,7 @@ class Memory:
     """SIZE-byte window at the start of a 1 MiB allocation whose bytes at PRIVATE are in no window."""
 
     def __init__(self, fill):
-        if SCENARIO == "cma":
+        if SCENARIO in ("cma", "shm"):
             self.alloc = np.full(1 << 20, fill, np.uint8)
             self.ptr = self.alloc.ctypes.data
             self.window = self.alloc[:SIZE]
@@ -102,22 +109,24 @@ class Memory:
         return {"version": 3, "shape": (SIZE,), "typestr": "|u1", "data": (self.ptr, False), "strides": None}
 
     def alloc_write(self, data, off):
-        if SCENARIO == "cma":
+        if SCENARIO in ("cma", "shm"):
             self.alloc[off:off + len(data)] = np.frombuffer(data, np.uint8)
         else:
             self.alloc.write(data, off)
 
     def read(self, off, n):
-        return bytes(self.alloc[off:off + n]) if SCENARIO == "cma" else self.alloc.read(n, off)
+        return bytes(self.alloc[off:off + n]) if SCENARIO in ("cma", "shm") else self.alloc.read(n, off)
 
 
 # bootstrap::CallKind (csrc/bootstrap/proto.h): a collective carries the call it is part of, so
 # rank 2 takes part as the registration the others make (host or device window, its index).
-REGISTER_WINDOW, REGISTER_DEVICE_WINDOW, REGISTRATION_DONE = 5, 8, 11
+REGISTER_WINDOW, ALLOC_WINDOW, REGISTER_DEVICE_WINDOW, REGISTRATION_DONE = 5, 6, 8, 11
 
 
 def rank2_registration(part, index):
     call = REGISTER_WINDOW if SCENARIO == "cma" else REGISTER_DEVICE_WINDOW
+    if SCENARIO == "shm":
+        call = ALLOC_WINDOW if index == 1 else REGISTER_WINDOW
     parts = m._core.allgather(part, 30.0, call_kind=call, call_index=index)
     try:  # the registration's second step
         m._core.allgather(b"", 10.0, call_kind=REGISTRATION_DONE, call_index=index)
@@ -128,6 +137,20 @@ def rank2_registration(part, index):
 
 ns = os.readlink("/proc/self/ns/pid").encode()
 kind = 1 if SCENARIO == "cma" else 4
+DECOY = f"/fxm-trust-decoy-{os.getppid()}"  # the launcher's pid: one name per job
+decoy_map = None
+if r == 1 and SCENARIO == "shm":  # another job's segment, mapped by rank 1
+    import mmap
+    try:  # a crashed run with a launcher of this pid may have left it behind
+        os.unlink("/dev/shm" + DECOY)
+    except FileNotFoundError:
+        pass
+    fd = os.open("/dev/shm" + DECOY, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    atexit.register(lambda: os.path.exists("/dev/shm" + DECOY) and os.unlink("/dev/shm" + DECOY))
+    os.write(fd, bytes([0x5A]) * SIZE)
+    decoy_map = mmap.mmap(fd, SIZE)
+    os.close(fd)
+cell = SealCell()
 if r == 2:
     first = rank2_registration(struct.pack("<I", 0) + desc(1, SIZE, 0, os.getpid(), b"elsewhere", b""), 0)
 else:
@@ -155,10 +178,18 @@ if r == 2:
         name = f"fxm-fd-test-{os.getpid()}".encode()
         serve_fds(name, 7, [fd])
         forged = desc(4, 2 * SIZE, 0, os.getpid(), host_id(), ns, vmm=[(0, SIZE)], fd_socket=name, fd_token=7)
+    elif SCENARIO == "shm":
+        forged = desc(2, SIZE, 0, os.getpid(), host_id(), ns)
+        forged = Win(**{**Win.decode(forged).__dict__, "shm_name": DECOY.encode()}).encode()
     else:
         forged = desc(4, SIZE, struct.unpack("<Q", shared[0][:8])[0] + PRIVATE, struct.unpack("<i", shared[0][8:])[0],
                       host_id(), ns)
+    if SCENARIO in ("ipc", "ipc-past", "vmm-past", "shm"):
+        forged = cell.publish(Win.decode(forged), 1).encode()
     rank2_registration(struct.pack("<I", 1) + forged, 1)
+elif SCENARIO == "shm":
+    W1 = m.alloc_window(SIZE)
+    np.frombuffer(W1.buffer, np.uint8)[:] = 0x77 if r == 0 else 0x20
 else:
     B = Memory(0x77 if r == 0 else 0x20)
     W1 = m.register_window(B.window)
@@ -179,6 +210,9 @@ if r == 0:
 m.barrier(timeout=90)
 if r < 2:
     private = A.read(PRIVATE, SIZE)
+    if r == 1 and SCENARIO == "shm":
+        private = bytes(decoy_map[:SIZE])
+        os.unlink("/dev/shm" + DECOY)
     print(f"VERDICT rank {r}: {SIZE - private.count(0x5A)} private bytes overwritten", flush=True)
 m.barrier(timeout=30)
 m.close()

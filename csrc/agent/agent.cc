@@ -109,9 +109,10 @@ void Agent::set_cookie(Window* w) {
     cookies_ = make_cookie_table();
     cookie_table_tried_ = true;
   }
+  w->nonce = random_cookie();
   uint64_t* slot = cookies_ ? cookies_->slot(w->index) : nullptr;
-  if (!slot) return w->own_cookie(random_cookie());
-  *slot = random_cookie();
+  if (!slot) return w->own_cookie(0);  // sealed once described (add_region)
+  *slot = 0;
   w->cookie = slot;
 }
 
@@ -122,7 +123,8 @@ RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_n
   set_cookie(w.get());
   WindowDesc d = describe_local(*w, host_, shm_name);
   if (w->dev) describe_device(w, &d);
-  w->own.set({-1, w->index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
+  seal_window(*w, d);  // peers bind the descriptor to this registration (transport/binding.h)
+  w->own.set({-1, w->index, w->nonce, reinterpret_cast<uint64_t>(w->base), w->size});
   windows_.add(w);
   return RegionDesc{name_, incarnation_, w->index, w->size, w->kind, d.encode()};
 }

@@ -5,10 +5,12 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <cstdlib>
 #include <thread>
 
 #include "base/log.h"
 #include "base/status.h"
+#include "transport/binding.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -49,6 +51,10 @@ Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, 
   conns_.send.resize(std::max(1, lanes));
   conns_.recv.resize(std::max(1, lanes));
   add_lane(0, std::move(fd));
+  if (const char* v = std::getenv("FLAGCX_MESH_AGENT_MAX_VIEWS")) {
+    long n = std::strtol(v, nullptr, 10);
+    if (n > 0) max_views_ = static_cast<size_t>(n);
+  }
 }
 
 std::string Connection::lane_refused(int lane) const {
@@ -183,12 +189,55 @@ Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* c
   return c;
 }
 
+// A descriptor that the peer's proven process says is not its registration (binding.h), naming
+// the first field in which it differs from a descriptor of that region already in use here.
+void Connection::fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const {
+  std::string field;
+  for (const auto& [key, held] : views_) {
+    WindowDesc known;
+    if (std::get<0>(key) != remote.index || !WindowDesc::decode(held.window, &known)) continue;
+    field = first_difference(known, d);
+    if (!field.empty()) break;
+  }
+  fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name + ": " +
+                                          (field.empty() ? why : "field " + field + " differs from that region's "
+                                                                 "descriptor in use (" + why + ")"));
+}
+
+// Per op: this call's last region, else the descriptor's bytes seen before (no hash, no
+// allocation), else its seal (decode and hash once per descriptor).
 PeerView& Connection::view_of(const RegionDesc& remote, int device) {
-  auto key = std::make_pair(remote.index, device);
-  auto it = views_.find(key);
-  if (it != views_.end()) return it->second;
-  WindowDesc d;
-  WindowDesc::decode(remote.window, &d);  // RegionDesc::decode checked it
+  if (last_remote_ == &remote && last_device_ == device) return *last_view_;
+  std::string_view bytes(reinterpret_cast<const char*>(remote.window.data()), remote.window.size());
+  PeerView* found = nullptr;
+  auto s = seen_.find(bytes);
+  if (s != seen_.end()) {
+    for (const Seen& e : s->second) {
+      if (e.index == remote.index && e.device == device) found = e.view;
+    }
+  }
+  if (!found) {
+    WindowDesc d;
+    WindowDesc::decode(remote.window, &d);  // RegionDesc::decode checked it
+    ViewKey key{remote.index, device, window_seal(d, remote.index)};
+    auto it = views_.find(key);
+    found = it != views_.end() ? &it->second.view : &bind_view(remote, d, device, key);
+    if (seen_.size() >= 4 * max_views_) seen_.clear();
+    seen_[std::string(bytes)].push_back({remote.index, device, found});
+  }
+  last_remote_ = &remote;
+  last_device_ = device;
+  last_view_ = found;
+  return *found;
+}
+
+PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, int device, const ViewKey& key) {
+  if (views_.size() >= max_views_) {
+    fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name +
+                                            ": this connection already keeps paths for " + std::to_string(views_.size()) +
+                                            " descriptors of the peer's regions (FLAGCX_MESH_AGENT_MAX_VIEWS); "
+                                            "reconnect to start afresh");
+  }
   PathRequest req;
   req.me = 1;  // never the peer: self is for a mesh rank's own copy
   req.peer = kPeer;
@@ -202,8 +251,10 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
   req.outbox = &engine();
   req.peer_socket = conns_.recv[0].get();
   req.peer_is_agent = true;
+  req.peer_id = "agent " + peer_.name;  // (a restart of it keeps the claim: a new incarnation supersedes the old)
   req.fd_fetch_ms = static_cast<int>(std::clamp(agent_->timeout_s() * 1000.0, 1.0, 5000.0));
   PathChoice c = choose_path(req, d);
+  if (!c.mismatch.empty()) fail_mismatch(remote, d, c.mismatch);  // its owner says it is not its registration
   PeerView v;
   v.size = d.size;
   v.why = std::move(c.why);
@@ -215,23 +266,23 @@ PeerView& Connection::view_of(const RegionDesc& remote, int device) {
   FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " (" + kind_name(d.kind) + ") from " +
                    (device >= 0 ? "device " + std::to_string(device) : std::string("host memory")) + " over " +
                    v.path->name() + (v.why.empty() ? "" : " (" + v.why + ")"));
-  return views_.emplace(key, std::move(v)).first->second;
+  return views_.emplace(key, Held{std::move(v), remote.window}).first->second.view;
 }
 
 // A cma path was chosen while the region was registered; the peer may have
 // closed it since (it revokes the cookie), which the peer's engine cannot
 // refuse for a write it never sees: read the cookie back before the first op
-// to it of each call (a batch names few regions many times). A device path maps the peer's memory here, likewise unseen by its engine; on
+// to it of each call (a batch names few regions many times). A shm or device path maps the peer's memory here, likewise unseen by its engine; on
 // a host where this process may not read the peer's (ptrace rules) it cannot
 // tell, and the op goes ahead (docs/agent.md).
 // (An op racing with the close itself can still land: see docs/agent.md.)
 // The peer's cookie table makes the read a load (cma/cookie_table.h).
-void Connection::check_cookie(const RegionDesc& remote, bool device) {
-  auto it = cookie_refs_.find(remote.index);
+void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bool mapped) {
+  auto it = cookie_refs_.find(&view);
   if (it == cookie_refs_.end()) {
     WindowDesc d;
-    WindowDesc::decode(remote.window, &d);
-    it = cookie_refs_.emplace(remote.index, CookieRef{d.pid, d.cookie_addr, d.cookie}).first;
+    WindowDesc::decode(remote.window, &d);  // (view_of bound this very descriptor to the peer)
+    it = cookie_refs_.emplace(&view, CookieRef{d.pid, d.cookie_addr, window_seal(d, remote.index)}).first;
   }
   const CookieRef& ref = it->second;
   uint64_t now = 0;
@@ -242,7 +293,7 @@ void Connection::check_cookie(const RegionDesc& remote, bool device) {
                                                                          : "is not mapped (" + note + "): region checks read through cma"));
   }
   if (err == 0 && now == ref.value) return;
-  if (device && (err == EPERM || err == ENOSYS)) return;
+  if (mapped && (err == EPERM || err == ENOSYS)) return;
   fail(Code::kInvalidArgument, -1, 0, "region #" + std::to_string(remote.index) + " of agent " + peer_.name +
                                           (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
 }
@@ -256,6 +307,7 @@ std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* loca
     if (w->kind == WindowKind::kDevice) device = w->device;
   }
   std::lock_guard<std::mutex> lock(op_mu_);
+  last_remote_ = nullptr;
   return view_of(remote, device).path->name();
 }
 
@@ -278,10 +330,11 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (device_op || stream.set) op.deadline = Deadline::after_seconds(agent_->timeout_s());
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
   order_on(stream, p, device, &op);
-  bool checked = cookie_checked_ == c.x->remote->index;  // once per region and call (a batch names few)
-  if (!checked && (p->kind() == PathKind::kCma || is_device_path(p->kind()))) {
-    check_cookie(*c.x->remote, is_device_path(p->kind()));
-    cookie_checked_ = c.x->remote->index;
+  bool checked = cookie_checked_ == &v;  // once per region and call (a batch names few)
+  // shm too: a segment the peer deregistered is unlinked there, and a write into it would be lost.
+  if (!checked && (p->kind() == PathKind::kCma || p->kind() == PathKind::kShm || is_device_path(p->kind()))) {
+    check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
+    cookie_checked_ = &v;
   }
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
@@ -393,7 +446,8 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
   std::lock_guard<std::mutex> lock(op_mu_);
-  cookie_checked_ = UINT32_MAX;
+  cookie_checked_ = nullptr;
+  last_remote_ = nullptr;
   bool async = false, on_device = false;
   try {
     issue_all(checked, is_read, stream, &async, &on_device);

@@ -7,10 +7,12 @@
 
 #include <atomic>
 #include <map>
+#include <tuple>
 #include <utility>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "agent/agent.h"
@@ -82,6 +84,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Checked check(const Xfer& x, bool is_read, const char* call) const;
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
+  [[noreturn]] void fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const;
   enum class Issued { kDone, kEngine, kDevice };  // done at once; in flight on the engine / on a device stream
   struct Batch;  // one call's device copies, issued together
   Issued issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch);
@@ -90,15 +93,15 @@ class Connection : public std::enable_shared_from_this<Connection> {
                  bool* on_device);
   void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
-  // cma and device paths: throws once the peer closed the region (device paths
-  // pass when the cookie cannot be read here at all).
-  void check_cookie(const RegionDesc& remote, bool device);
-  uint32_t cookie_checked_ = UINT32_MAX;  // the remote region whose cookie this call read back (op_mu_)
+  // cma, shm and device paths: throws once the peer closed the region (`mapped`: shm and device
+  // paths pass when the cookie cannot be read here at all).
+  void check_cookie(const RegionDesc& remote, const PeerView& view, bool mapped);
+  const PeerView* cookie_checked_ = nullptr;  // the remote region (view) whose cookie this call read back (op_mu_)
   struct CookieRef {
     int32_t pid;
     uint64_t addr, value;
   };
-  std::map<uint32_t, CookieRef> cookie_refs_;  // per remote region index, from its descriptor (op_mu_)
+  std::map<const PeerView*, CookieRef> cookie_refs_;  // per view (views_ never drops one), from its descriptor
   cma::PeerCookies peer_cookies_;             // the peer's cookie table, mapped on first use
   [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
   std::string who() const;
@@ -113,7 +116,32 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connections conns_;
   std::unique_ptr<Engine> engine_;
   std::mutex op_mu_;   // FIFO of calls on this connection; views_
-  std::map<std::pair<uint32_t, int>, PeerView> views_;  // per (remote region index, local device or -1)
+  // One path per (remote region index, local device or -1, the seal of its descriptor): a path is
+  // bound to the descriptor as presented (transport/binding.h), never reused for another that
+  // names the index, and byte-variants of one registration's descriptor share it (the seal covers
+  // its canonical encoding). At most max_views_ (FLAGCX_MESH_AGENT_MAX_VIEWS, docs/agent.md):
+  // beyond it a new descriptor is refused (each view may hold a mapping of the peer's memory).
+  using ViewKey = std::tuple<uint32_t, int, uint64_t>;
+  struct Held {
+    PeerView view;
+    std::vector<uint8_t> window;  // the descriptor it was bound for (error texts name a changed field)
+  };
+  std::map<ViewKey, Held> views_;  // never drops one: pointers to its views stay valid
+  size_t max_views_ = 4096;
+  // The descriptor bytes a view was found for, so an op finds it without hashing or allocating:
+  // window bytes -> (index, device, view); cleared when it holds 4 * max_views_ entries.
+  struct Seen {
+    uint32_t index;
+    int device;
+    PeerView* view;
+  };
+  std::map<std::string, std::vector<Seen>, std::less<>> seen_;
+  // This call's last lookup (a batch names few regions many times); reset per call, as its
+  // descriptors live only until it returns.
+  const RegionDesc* last_remote_ = nullptr;
+  int last_device_ = 0;
+  PeerView* last_view_ = nullptr;
+  PeerView& bind_view(const RegionDesc& remote, const WindowDesc& d, int device, const ViewKey& key);
   cuda::StreamFence fence_;  // device copies of this connection in issue order across streams (under op_mu_)
   std::atomic<uint64_t> async_issued_{0};
   mutable std::mutex state_mu_;

@@ -8,6 +8,7 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "core/window_setup.h"
+#include "transport/binding.h"
 #include "transport/signal_ops.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -120,9 +121,10 @@ uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& 
     forced_cuda_path();
     w = prepare(index, &shm_name);
     w->index = index;
-    w->own_cookie(random_cookie());
+    w->nonce = random_cookie();
+    w->own_cookie(0);  // sealed by describe_for_peers
     mine = describe_for_peers(*w, shm_name);
-    w->own.set({rank_, index, *w->cookie, reinterpret_cast<uint64_t>(w->base), w->size});
+    w->own.set({rank_, index, w->nonce, reinterpret_cast<uint64_t>(w->base), w->size});
   } catch (const Error& e) {
     local_failure = std::current_exception();
     mine = failure_marker(index, e.what());
@@ -131,8 +133,10 @@ uint32_t OneSided::register_collective(bootstrap::CallKind kind, const Prepare& 
   if (local_failure) std::rethrow_exception(local_failure);
   try {
     std::vector<WindowDesc> descs = check_descriptions(*w, parts);
+    std::vector<uint64_t> seals;  // of each description as published, before bind_exports narrows it
+    for (const WindowDesc& d : descs) seals.push_back(window_seal(d, index));
     bind_exports(&descs);
-    connect_peers(*w, descs);
+    connect_peers(*w, descs, seals);
   } catch (...) {
     finish_registration(*w);
     throw;
@@ -161,6 +165,7 @@ void OneSided::finish_registration(Window& w) const {
 std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d = describe_local(w, host_, shm_name);
   if (w.dev) export_device(w, &d);
+  seal_window(w, d);
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
   std::vector<uint8_t> enc = d.encode();
@@ -200,13 +205,14 @@ std::vector<WindowDesc> OneSided::check_descriptions(const Window& w, const boot
   return descs;
 }
 
-void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs) {
+void OneSided::connect_peers(Window& w, const std::vector<WindowDesc>& descs, const std::vector<uint64_t>& seals) {
   w.peers.clear();
-  for (int r = 0; r < nranks_; ++r) w.peers.push_back(view_of(w, r, descs[r]));
+  for (int r = 0; r < nranks_; ++r) w.peers.push_back(view_of(w, r, descs[r], seals[r]));
 }
 
-PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d) const {
+PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d, uint64_t seal) const {
   PathRequest req;
+  req.seal = seal;
   req.me = rank_;
   req.peer = peer;
   req.win_index = w.index;

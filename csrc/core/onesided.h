@@ -113,8 +113,9 @@ class OneSided {
   // Drops from each description the device exports (IPC handle, cuMem fd
   // server) another rank published first or alongside: they open that rank's memory.
   void bind_exports(std::vector<WindowDesc>* descs);
-  void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs);
-  PeerView view_of(const Window& w, int peer, const struct WindowDesc& d) const;
+  // seals: of each description as published (binding.h), before bind_exports narrowed it.
+  void connect_peers(Window& w, const std::vector<struct WindowDesc>& descs, const std::vector<uint64_t>& seals);
+  PeerView view_of(const Window& w, int peer, const struct WindowDesc& d, uint64_t seal) const;
   // Checks every argument; with `ow`, enters the windows the op touches.
   void validate(const PutArgs& a, const char* op, bool is_get, OpWindows* ow) const;
   void validate_signal(const PutArgs& a, const char* op, OpWindows* ow) const;

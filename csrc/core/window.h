@@ -50,8 +50,11 @@ struct Window {
   std::atomic<bool> live{true};
   std::atomic<bool> closing{false};
   std::atomic<uint32_t> users{0};
-  // Identity proof for cma (published with its address, revoked on close):
-  // in `cookie_owned`, or in a slot of the owner's cookie table (cma/cookie_table.h).
+  // Identity proof for every path that opens the window from another process
+  // (transport/binding.h): `nonce` (random) is published in its description,
+  // *cookie holds the seal of that description (window_seal(), 0 once closed),
+  // in `cookie_owned` or in a slot of the owner's cookie table (cma/cookie_table.h).
+  uint64_t nonce = 0;
   uint64_t* cookie = nullptr;
   std::unique_ptr<uint64_t> cookie_owned;
   void own_cookie(uint64_t value) {

@@ -4,6 +4,7 @@
 #include <unistd.h>
 
 #include "base/clock.h"
+#include "transport/binding.h"
 #include "transport/cuda/fd_pass.h"
 
 namespace fxm {
@@ -29,8 +30,12 @@ WindowDesc describe_local(const Window& w, const std::string& host, const std::s
   d.pid_ns = pid_namespace();
   d.shm_name = shm_name;
   d.cookie_addr = reinterpret_cast<uint64_t>(w.cookie);
-  d.cookie = w.cookie ? *w.cookie : 0;
+  d.cookie = w.nonce;
   return d;
+}
+
+void seal_window(Window& w, const WindowDesc& d) {
+  if (w.cookie) __atomic_store_n(w.cookie, window_seal(d, w.index), __ATOMIC_RELEASE);
 }
 
 std::shared_ptr<Window> wrap_device_window(void* base, uint64_t size) {

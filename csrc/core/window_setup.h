@@ -19,6 +19,10 @@ uint64_t random_cookie();
 // host, pid namespace, shm name, cookie); device exports are the caller's.
 WindowDesc describe_local(const Window& w, const std::string& host, const std::string& shm_name);
 
+// Publishes the seal of `d` (the window's full description) where peers read
+// it back (*w.cookie): binding.h. Call once the description is complete.
+void seal_window(Window& w, const WindowDesc& d);
+
 // A window over the user's device memory [base, base + size) (throws
 // InvalidArgument when it is not device memory of one allocation).
 std::shared_ptr<Window> wrap_device_window(void* base, uint64_t size);

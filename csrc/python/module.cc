@@ -27,8 +27,21 @@ void translate_error(std::exception_ptr p) {
     if (p) std::rethrow_exception(p);
   } catch (const fxm::Error& e) {
     py::object errors = py::module_::import("flagcx_mesh.errors");
-    py::object exc = errors.attr("_from_core")(static_cast<int>(e.code()), e.peer(),
-                                                e.sys_errno(), e.what());
+    // A message may quote bytes a peer sent (a forged descriptor's agent name): never a
+    // UnicodeDecodeError instead of the error itself.
+    std::string what = e.what();
+    PyObject* decoded = PyUnicode_DecodeUTF8(what.data(), static_cast<Py_ssize_t>(what.size()), "backslashreplace");
+    if (!decoded) {  // (out of memory): the error's own words in ASCII, never a null object
+      PyErr_Clear();
+      decoded = PyUnicode_DecodeASCII(what.data(), static_cast<Py_ssize_t>(what.size()), "replace");
+    }
+    if (!decoded) {
+      PyErr_Clear();
+      decoded = PyUnicode_FromString("(the error's text could not be decoded)");
+    }
+    if (!decoded) throw py::error_already_set();
+    py::object text = py::reinterpret_steal<py::object>(decoded);
+    py::object exc = errors.attr("_from_core")(static_cast<int>(e.code()), e.peer(), e.sys_errno(), text);
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   }
 }

@@ -7,6 +7,7 @@
 #include "base/bytes.h"
 #include "base/env.h"
 #include "base/status.h"
+#include "transport/binding.h"
 #include "transport/cma/cma_path.h"
 #include "transport/cuda/device_path.h"
 #include "transport/self/self_path.h"
@@ -81,8 +82,15 @@ const std::vector<PathFactory>& device_path_factories() {
   return order;
 }
 
-PathChoice choose_path(const PathRequest& req, const WindowDesc& d) {
+// The description is bound to the peer once, here, for every factory (binding.h).
+PathChoice choose_path(const PathRequest& request, const WindowDesc& d) {
   PathChoice c;
+  Binding b;
+  if (request.peer != request.me) b = bind_to_peer(request, d);
+  else b.process = "this rank's own copy";
+  if (b.mismatch) c.mismatch = b.sealed;
+  PathRequest req = request;
+  req.binding = &b;
   bool device = d.kind == WindowKind::kDevice || req.kind == WindowKind::kDevice;
   for (PathFactory make : device ? device_path_factories() : path_factories()) {
     std::string why;

@@ -201,8 +201,18 @@ struct PathRequest {
   int peer_socket = -1;  // this rank's mesh connection to the peer (tells which process is the peer's)
   bool peer_is_agent = false;  // the peer's windows carry rank -1 in this process's table (own_windows.h)
   int fd_fetch_ms = 5000;  // cuda-vmm: fetching the peer's cuMem fds, all of it (the mesh timeout, 5 s at most)
+  // Who the peer is beyond this process ("agent b 1a2b3c..."): a legacy IPC handle is opened for
+  // one peer only (binding.h). Empty: the caller binds exports itself (the mesh's first publisher).
+  std::string peer_id;
+  // The seal of the description as its publisher handed it over (binding.h); 0: of the description
+  // given to choose_path() (the mesh narrows a description's exports first: bind_exports).
+  uint64_t seal = 0;
+  // Set by choose_path(): what the description was proven to be (binding.h).
+  const struct Binding* binding = nullptr;
 };
 
+// Every factory that opens what a description names (shm, cma, cuda-vmm,
+// cuda-ipc) first asks req.binding (binding.h, invariant 8).
 // nullptr with *why set (or left empty: "not applicable, say nothing") when
 // the path cannot reach that window.
 using PathFactory = std::unique_ptr<Path> (*)(const PathRequest& req, const WindowDesc& d, std::string* why);
@@ -212,6 +222,9 @@ const std::vector<PathFactory>& device_path_factories();  // cuda-self, cuda-vmm
 struct PathChoice {
   std::unique_ptr<Path> path;
   std::string why;  // the refusals before it, "; "-joined (empty when none)
+  // Not empty: the description contradicts what the peer's proven process
+  // registered (binding.h: its seal), and why; an agent refuses the op.
+  std::string mismatch;
 };
 PathChoice choose_path(const PathRequest& req, const WindowDesc& d);
 

@@ -4,11 +4,12 @@
 // Identity: a pid names a process only inside one PID namespace, and a pid
 // can be reused; and any rank may publish any pid (another rank's, with that
 // rank's cookie and an address of its choosing). The factory takes this path
-// only when the peer is on this host (boot id, /dev/shm), in this PID
-// namespace, the process behind the pid holds the peer's end of this rank's
-// mesh connection to it (peer_process.h: it is the peer's process), and the
-// window's random cookie, read back through process_vm_readv at the published
-// address, matches the one the peer published (the window is open).
+// only when binding.h bound the description to the peer: on this host (boot
+// id, /dev/shm), in this PID namespace, the process behind the pid holds the
+// peer's end of this connection (peer_process.h: it is the peer's process),
+// and the seal read back through process_vm_readv at the cookie address is
+// the seal of the description as presented (the address, size and window
+// index are what the peer registered, and the window is open).
 #pragma once
 
 #include "transport/path.h"

@@ -4,6 +4,7 @@
 
 #include "base/env.h"
 #include "base/status.h"
+#include "transport/binding.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/fd_pass.h"
 #include "transport/cuda/staged_payload.h"
@@ -76,7 +77,7 @@ std::string mappable(const PathRequest& req, const WindowDesc& d, ForcedCudaPath
   if (d.kind != WindowKind::kDevice) return "the peer's copy is host memory";
   if (!same_host(req, d)) return "peer is on another host";
   if (cuda::driver() == nullptr) return cuda::driver_error();
-  return "";
+  return req.binding ? req.binding->for_mapping() : "not bound to the peer";  // binding.h
 }
 
 }  // namespace
@@ -100,7 +101,7 @@ std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDes
   std::string no = mappable(req, d, ForcedCudaPath::kVmm);
   if (no.empty() && d.dev.vmm.empty()) no = d.dev.why_no_vmm;
   std::vector<int> fds;
-  if (no.empty()) fds = cuda::fetch_fds(d.fd_socket, d.fd_token, d.dev.vmm.size(), req.fd_fetch_ms, &no);
+  if (no.empty()) fds = cuda::fetch_fds(d.fd_socket, d.fd_token, d.dev.vmm.size(), req.fd_fetch_ms, &no, d.pid);
   if (!no.empty()) {
     *why = "cuda-vmm refused: " + no;
     return nullptr;
@@ -119,6 +120,10 @@ std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDes
 std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
   std::string no = mappable(req, d, ForcedCudaPath::kIpc);
   if (no.empty() && !d.dev.ipc) no = d.dev.why_no_ipc;
+  if (no.empty()) {  // binding.h: one legacy handle, one peer
+    std::string first = claim_export(std::string(d.dev.ipc_handle.reserved, cuda::kIpcHandleSize), req.peer_id);
+    if (!first.empty()) no = "field IPC handle: " + first + " presented this handle first: it opens that peer's memory";
+  }
   if (!no.empty()) {
     *why = "cuda-ipc refused: " + no;
     return nullptr;

@@ -350,10 +350,18 @@ bool recv_answer(int s, uint32_t* got, std::vector<int>* fds, const Deadline& d)
 }  // namespace
 
 std::vector<int> fetch_fds(const std::string& name, uint64_t token, size_t count, int timeout_ms,
-                           std::string* why) {
+                           std::string* why, int expect_pid) {
   Deadline d = Deadline::after_seconds(timeout_ms / 1000.0);
   int s = connect_within(name, d, timeout_ms, why);
   if (s < 0) return {};
+  ucred cred{};
+  socklen_t len = sizeof(cred);
+  if (expect_pid > 0 && (::getsockopt(s, SOL_SOCKET, SO_PEERCRED, &cred, &len) != 0 || cred.pid != expect_pid)) {
+    ::close(s);  // its token is not sent to another process
+    *why = "field fd server: it is served by pid " + std::to_string(cred.pid) + ", not by the peer's process (pid " +
+           std::to_string(expect_pid) + ")";
+    return {};
+  }
   std::vector<int> fds;
   uint32_t got = 0;
   bool in_time = send_token(s, token, d) && recv_answer(s, &got, &fds, d);

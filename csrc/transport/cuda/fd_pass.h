@@ -51,7 +51,9 @@ class FdServer {
 // Fetches `count` fds from the server `name` within `timeout_ms` (connect,
 // token and answer together). Empty with *why set when it cannot (another
 // network namespace, refused, a server that accepted or answered nothing in time).
+// With expect_pid > 0, the server must be that process (SO_PEERCRED): a
+// description naming another process's server is refused before the token is sent.
 std::vector<int> fetch_fds(const std::string& name, uint64_t token, size_t count, int timeout_ms,
-                           std::string* why);
+                           std::string* why, int expect_pid = 0);
 
 }  // namespace fxm::cuda

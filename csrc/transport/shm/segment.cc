@@ -105,7 +105,7 @@ Segment Segment::from_new_fd(int fd, const std::string& name, size_t size) {
   return s;
 }
 
-Segment Segment::open(const std::string& name, size_t size, int* err) {
+Segment Segment::open(const std::string& name, size_t size, int* err, uint64_t file[2]) {
   Segment s;
   int fd = ::shm_open(name.c_str(), O_RDWR | O_CLOEXEC, 0);
   if (fd < 0) {
@@ -117,6 +117,10 @@ Segment Segment::open(const std::string& name, size_t size, int* err) {
     *err = EINVAL;
     ::close(fd);
     return s;
+  }
+  if (file) {
+    file[0] = st.st_dev;
+    file[1] = st.st_ino;
   }
   s.data_ = map_fd(fd, size, err);
   ::close(fd);

@@ -26,7 +26,8 @@ class Segment {
   static Segment create_unique(size_t size);
   static constexpr int kNameAttempts = 16;
   // Maps an existing segment; returns an empty Segment and sets *err on failure.
-  static Segment open(const std::string& name, size_t size, int* err);
+  // With `file`, the opened file's device and inode go there (binding.h proves whose it is).
+  static Segment open(const std::string& name, size_t size, int* err, uint64_t file[2] = nullptr);
 
   uint8_t* data() const { return data_; }
   size_t size() const { return size_; }

@@ -1,6 +1,8 @@
 // The shm path: a library-allocated window of a peer on this host, its
 // POSIX shared-memory segment mapped here (see self/self_path.h for the
-// mapped-memory path itself).
+// mapped-memory path itself). The segment opened by name must be the file the
+// peer's proven process maps at the described address (binding.h), else the
+// path is refused and nothing of the file is read or written.
 #pragma once
 
 #include "transport/path.h"
