@@ -193,16 +193,45 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   try {
     for (auto& c : conns) c->flush(deadline);  // ops in flight from (or into) its memory
   } catch (const Error&) {
-    w->closing = false;
+    w->closing = false;  // this agent's own transfer still uses it: it stays registered
     throw;
   }
-  w->live = false;
-  if (w->cookie) *w->cookie = 0;  // no cma path can be chosen for it again
-  w->own.reset();
-  while (w->users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  revoke(*w, deadline);
+  uint32_t busy = w->users.load();
   if (w->seg) w->seg->unlink();
   w->seg.reset();
   drop_exports(*w);
+  if (busy != 0) {
+    fail(Code::kTimeout, -1, 0, who() + "deregister: region #" + std::to_string(region.index) + " was closed, but " +
+                                    std::to_string(busy) + " transfer(s) of peers were still landing in it (or " +
+                                    "reading from it) when the timeout passed: they were cut off (the rest of their " +
+                                    "bytes goes to a sink, the peers' handles fail naming the region), and the " +
+                                    "region may hold part of what they wrote");
+  }
+}
+
+// Closes a region to peers: no frame lands in it and no answer reads it once this returns (a
+// frame landing now sends its remaining bytes to a sink), no cma or device path can be chosen
+// for it again, and what peers hold is waited for until `deadline` (Window::users; the caller
+// reads what is left). Same-host peers that already mapped it or checked its cookie are out of
+// reach: see docs/agent.md, "Deregistering".
+void Agent::revoke(Window& w, const Deadline& deadline) {
+  w.live = false;
+  if (w.cookie) *w.cookie = 0;  // no cma path can be chosen for it again
+  w.own.reset();
+  // One socket read or one chunk's copy at most: a short wait, whatever the deadline.
+  if (!w.wait_io(Deadline::after_seconds(std::max(1.0, deadline.seconds_left())))) {
+    FXM_ERROR(-1, who() + "deregister: region #" + std::to_string(w.index) + ": a copy into it did not end");
+  }
+  if (w.kind == WindowKind::kDevice && w.dev) {  // copies up already queued on the landing stream
+    try {
+      cuda::wait_for_stream(w.device, cuda::landing_stream(w.device), deadline, who() + "deregister: region #" +
+                                                                                  std::to_string(w.index));
+    } catch (const Error& e) {
+      FXM_WARN(-1, e.what());
+    }
+  }
+  while (w.users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
 // The exports go in the descriptor except the cuMem fds: those are made on a
@@ -430,10 +459,11 @@ void Agent::close() {
     server.swap(fd_server_);
   }
   server.reset();
-  for (auto& w : windows_.all()) {
+  for (auto& w : windows_.all()) {  // the engines stopped: nothing lands any more
     w->live = false;
     if (w->cookie) *w->cookie = 0;
     w->own.reset();
+    w->wait_io(Deadline::after_seconds(1));
     if (w->seg) w->seg->unlink();
     drop_exports(*w);
   }

@@ -254,6 +254,8 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
   try {
     if (n > 0) {
       InConn::Landing& full = in.stage[in.filling];
+      WindowIo io;  // a put's copy up is queued only while its window is registered (window.h)
+      if (in.entered && !io.enter(in)) return in.refused;
       full.copied = cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));
       in.landed += n;
       in.filling = (in.filling + 1) % in.stage.size();

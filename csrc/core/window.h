@@ -86,6 +86,23 @@ struct Window {
     return false;
   }
   void leave() { users.fetch_sub(1); }
+  // Bytes moving into (or out of) the window's memory right now: a reader landing one socket
+  // read of a frame's payload, an answer copying one chunk out. Each checks `live` after
+  // counting itself, and deregister waits for `io` to drop to 0 after `live` went false
+  // (both sequentially consistent): once it did, no such copy touches the memory again, and a
+  // frame still landing sends its remaining bytes to a sink (its put is refused). Unlike
+  // `users` (held for a whole frame, however slowly the peer sends it), this is held for one
+  // non-blocking read or copy only.
+  std::atomic<uint32_t> io{0};
+  bool begin_io() {
+    io.fetch_add(1);
+    if (live.load()) return true;
+    io.fetch_sub(1);
+    return false;
+  }
+  void end_io() { io.fetch_sub(1); }
+  // Waits for io to drop to 0 (after live went false): true unless `deadline` passed first.
+  bool wait_io(const Deadline& deadline) const;
   std::string mode() const;      // "shm" | "cma" | "tcp" | "self" (the dominant remote path)
   std::string describe() const;  // per-peer paths and reasons
 };

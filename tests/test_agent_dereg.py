@@ -1,0 +1,72 @@
+"""deregister while a peer's put is landing (issue 34, item 4): the writer stops (SIGSTOP)
+in the middle of a 64 MiB tcp put; the owner's deregister(timeout=1) must not return success
+while bytes can still land. It raises (the region closed, the put cut off); once the writer
+goes on, not one more byte reaches the buffer, and the writer's handle fails naming the region."""
+
+import os
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from flagcx_mesh import MeshTimeout
+from flagcx_mesh.agent import Agent
+from meshutil import finish_prog, publish, spawn_prog
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROG = os.path.join(HERE, "agent_dereg_prog.py")
+SECRET = "agent-test-secret"
+SIZE = 64 << 20
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def state(pid):
+    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_until(what, test, timeout=30):
+    end = time.monotonic() + timeout
+    while not test():
+        assert time.monotonic() < end, what
+        time.sleep(0.002)
+
+
+@pytest.mark.parametrize("lanes", [1, 2])
+def test_deregister_during_a_landing_put_raises_and_nothing_lands_after(tmp_path, lanes):
+    env = dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp", FLAGCX_MESH_TCP_LANES=str(lanes))
+    os.environ["FLAGCX_MESH_TCP_LANES"] = str(lanes)
+    try:
+        owner = Agent("owner", SECRET, timeout=30)
+    finally:
+        del os.environ["FLAGCX_MESH_TCP_LANES"]
+    writer = None
+    try:
+        buf = np.zeros(SIZE, dtype=np.uint8)
+        region = owner.register(buf)
+        publish(str(tmp_path), "owner.region", region.descriptor)
+        publish(str(tmp_path), "owner.meta", owner.metadata())
+        writer = spawn_prog(PROG, "put", tmp_path, SIZE, env=env)
+        wait_until("the writer never stopped itself", lambda: state(writer.pid) == "T" or writer.poll() is not None)
+        assert writer.poll() is None, finish_prog(writer)
+        # what the kernel held of it lands; then the put is half there and nothing more comes
+        wait_until("no byte of the put landed", lambda: buf.any())
+        time.sleep(0.3)
+        assert buf[-1] == 0, "the whole put landed before the writer stopped: nothing to test"
+        t0 = time.monotonic()
+        with pytest.raises(MeshTimeout, match=r"region #0 was closed.*landing"):
+            region.deregister(timeout=1)
+        assert time.monotonic() - t0 < 10
+        before = buf.copy()
+        writer.send_signal(signal.SIGCONT)
+        out, _ = finish_prog(writer, timeout=60)
+        assert "handle failed" in out and "window #0" in out and "deregistered" in out, out
+        time.sleep(0.2)
+        assert np.array_equal(buf, before), f"{int((buf != before).sum())} bytes landed after deregister"
+    finally:
+        if writer is not None and writer.poll() is None:
+            writer.send_signal(signal.SIGCONT)
+            writer.kill()
+            writer.communicate()
+        owner.close()
