@@ -82,7 +82,13 @@ std::vector<uint8_t> Agent::metadata() const { return Metadata{name_, incarnatio
 
 AgentStats Agent::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  AgentStats s = stats_;
+  for (const auto& c : conns_) {
+    Engine::AnswerCounts a = c->answer_counts();
+    s.answer_bytes_held += a.held;
+    s.answer_bytes_peak = std::max(s.answer_bytes_peak, a.peak);
+  }
+  return s;
 }
 
 // ------------------------------------------------------------ regions
@@ -210,28 +216,31 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   }
 }
 
-// Closes a region to peers: no frame lands in it and no answer reads it once this returns (a
-// frame landing now sends its remaining bytes to a sink), no cma or device path can be chosen
-// for it again, and what peers hold is waited for until `deadline` (Window::users; the caller
-// reads what is left). Same-host peers that already mapped it or checked its cookie are out of
+// Closes a region to peers: new frames and answers are refused at once, those in flight are
+// waited for until `deadline` (Window::users), and then cut off: no frame lands in it and no
+// answer reads it once this returns (a frame still landing sends its remaining bytes to a sink;
+// an answer still reading fails its connection). The caller reads Window::users for what was cut.
+// No cma or device path can be chosen for it again. Same-host peers that already mapped it or checked its cookie are out of
 // reach: see docs/agent.md, "Deregistering".
 void Agent::revoke(Window& w, const Deadline& deadline) {
-  w.live = false;
+  w.sealed = true;  // new frames and answers are refused; those inside may finish until the deadline
   if (w.cookie) *w.cookie = 0;  // no cma path can be chosen for it again
   w.own.reset();
-  // One socket read or one chunk's copy at most: a short wait, whatever the deadline.
-  if (!w.wait_io(Deadline::after_seconds(std::max(1.0, deadline.seconds_left())))) {
+  while (w.users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  w.live = false;  // what is still inside is cut off at its next read or copy
+  // One socket read or one chunk's copy at most: a short wait, past the deadline too.
+  Deadline grace = Deadline::after_seconds(std::max(1.0, deadline.seconds_left()));
+  if (!w.wait_io(grace)) {
     FXM_ERROR(-1, who() + "deregister: region #" + std::to_string(w.index) + ": a copy into it did not end");
   }
-  if (w.kind == WindowKind::kDevice && w.dev) {  // copies up already queued on the landing stream
+  if (w.kind == WindowKind::kDevice && w.dev) {  // copies up queued on the landing stream before
     try {
-      cuda::wait_for_stream(w.device, cuda::landing_stream(w.device), deadline, who() + "deregister: region #" +
-                                                                                  std::to_string(w.index));
+      cuda::wait_for_stream(w.device, cuda::landing_stream(w.device), grace,
+                            who() + "deregister: region #" + std::to_string(w.index));
     } catch (const Error& e) {
-      FXM_WARN(-1, e.what());
+      FXM_ERROR(-1, e.what());
     }
   }
-  while (w.users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
 }
 
 // The exports go in the descriptor except the cuMem fds: those are made on a

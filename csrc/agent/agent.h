@@ -138,6 +138,10 @@ struct AgentStats {
   std::array<uint64_t, static_cast<size_t>(wire::Reject::kCount)> rejected{};
   uint64_t accepted = 0;
   uint64_t connected = 0;
+  // Memory the answers to peers' reads hold now (all connections), and the most one
+  // connection's answers held at once (bounded per peer: docs/agent.md).
+  uint64_t answer_bytes_held = 0;
+  uint64_t answer_bytes_peak = 0;
   uint64_t total_rejected() const;
 };
 

@@ -26,7 +26,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
       stripe_seq_(total_), stripes_admitted_(total_), lane_landed_(total_ * lanes_), lane_seq_(total_ * lanes_),
       last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_),
-      lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows),
+      lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows), open_answers_(total_),
       out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
       in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks),
@@ -130,6 +130,7 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
   uint64_t off = it.sent > hs ? it.sent - hs : 0;
   if (it.staged) {
+    it.staged->copy_ahead();  // a get answer's next chunks, into the ring slots sent already
     if (it.staged->copies_pending()) it.staged->poll_copies();  // a get answer's chunks coming down
     n = staged_iov(*it.staged, off, iov, n, kMaxIov);
   } else if (it.len > 0) {
@@ -179,8 +180,9 @@ bool Engine::waiting_for_staging(int s) const {
 
 void Engine::give_up_frame(int s, const OutItem& item) {
   int peer = s / ncontexts_;
-  lose(peer, "a staged put of " + std::to_string(item.len) + " bytes could not be copied out of device memory (" +
-                 item.staged->failure() + ") after its frame started: the connection was shut");
+  lose(peer, std::string(item.answer_bytes > 0 ? "the answer to a get" : "a staged put") + " of " +
+                 std::to_string(item.len) + " bytes could not be copied out of its window (" + item.staged->failure() +
+                 ") after its frame started: the connection was shut");
   ::shutdown(conns_->send[s].get(), SHUT_WR);  // the peer sees the frame cut short, never a partial put applied
 }
 

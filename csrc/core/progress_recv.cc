@@ -157,6 +157,9 @@ void Engine::on_op_header(int s, InConn& in) {
     lane0_held_[s] = true;  // not acted on yet: finish_held() goes on from here (progress_admit.cc)
     return;
   }
+  // The answers to this pair's earlier gets are the window as of their requests: copied whole
+  // before a later put (or a message, after which the application may write) is acted on.
+  if (s < total_ && (in.f.type == FrameType::kPut || in.f.type == FrameType::kMessage)) snapshot_answers(s);
   switch (in.f.type) {
     case FrameType::kMessage:
       if (payload > kMaxMessageBytes) {

@@ -49,6 +49,9 @@ struct Window {
   // after `live` went false and nobody is inside (see OneSided::deregister).
   std::atomic<bool> live{true};
   std::atomic<bool> closing{false};
+  // An agent's deregister seals the window first: no frame or answer enters it any more, while
+  // those inside may finish (until its timeout); then `live` goes false (see io below).
+  std::atomic<bool> sealed{false};
   std::atomic<uint32_t> users{0};
   // Identity proof for cma (published with its address, revoked on close):
   // in `cookie_owned`, or in a slot of the owner's cookie table (cma/cookie_table.h).
@@ -81,7 +84,7 @@ struct Window {
   // while_closing (peers may write until the close collective): false once dead.
   bool enter(bool while_closing = false) {
     users.fetch_add(1);
-    if (live.load() && (while_closing || !closing.load())) return true;
+    if (live.load() && !sealed.load() && (while_closing || !closing.load())) return true;
     users.fetch_sub(1);
     return false;
   }

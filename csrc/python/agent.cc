@@ -382,6 +382,8 @@ void bind_agent(py::module_& m) {
         out["accepted"] = s.accepted;
         out["connected"] = s.connected;
         out["rejected"] = rejected;
+        out["get_answer_bytes_held"] = s.answer_bytes_held;
+        out["get_answer_bytes_peak"] = s.answer_bytes_peak;
         return out;
       })
       .def("close", &Agent::close, py::call_guard<py::gil_scoped_release>())
