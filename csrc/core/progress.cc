@@ -131,6 +131,7 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   uint64_t off = it.sent > hs ? it.sent - hs : 0;
   if (it.staged) {
     it.staged->copy_ahead();  // a get answer's next chunks, into the ring slots sent already
+    if (it.sent == 0 && it.staged->failed()) return 0;  // not started: write_some() refuses it instead
     if (it.staged->copies_pending()) it.staged->poll_copies();  // a get answer's chunks coming down
     n = staged_iov(*it.staged, off, iov, n, kMaxIov);
   } else if (it.len > 0) {
@@ -176,6 +177,20 @@ void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
 bool Engine::waiting_for_staging(int s) const {
   if (out_[s].empty() || !out_[s].front().staged) return false;
   return out_[s].front().staged->waiting_for_bytes();
+}
+
+// An answer whose chunks could not be staged before any byte of it went: a refusal of its get
+// takes its place in the queue (the pair stays usable; the initiator's flush names why).
+void Engine::refuse_unsent_answer(int s) {
+  OutItem failed;  // dies after mu_ is released (its payload's buffers go back to the pool)
+  std::lock_guard<std::mutex> lock(mu_);
+  OutItem& front = out_[s].front();
+  std::string why = "a get of " + std::to_string(front.answer_bytes) + " bytes: staging its answer failed: " +
+                    front.staged->failure();
+  FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(peer_of(s)));
+  answer_bytes_[s] -= front.answer_bytes;  // the credit taken for it
+  failed = std::move(front);
+  front = refusal(wire::kRefusedGet | failed.answer_id, why);
 }
 
 void Engine::give_up_frame(int s, const OutItem& item) {
@@ -393,6 +408,10 @@ bool Engine::write_some(int s) {
       if (gone.staged) gone.staged->cancel("its connection is gone: " + gone_why);
     }
     if (it == nullptr) return true;
+    if (it->staged && it->staged->failed() && it->sent == 0 && it->answer_bytes > 0) {
+      refuse_unsent_answer(s);
+      continue;
+    }
     if (it->staged && it->staged->failed()) {
       give_up_frame(s, *it);
       continue;  // the next pass drops the queue

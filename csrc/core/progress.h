@@ -218,6 +218,8 @@ class Engine : public Outbox {
   // A staged put whose copy out of device memory failed mid-frame: the frame cannot be
   // completed, so the connection is shut and the peer lost (it sees the frame cut short).
   void give_up_frame(int s, const OutItem& item);
+  void refuse_unsent_answer(int s);  // with write_mu_[s]: its front item, a failed answer, becomes a refusal
+  static OutItem refusal(uint64_t number, const std::string& why);  // a kRefused frame
   void wake();
   void run();
   void poll_once();

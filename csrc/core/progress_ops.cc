@@ -325,12 +325,16 @@ void Engine::land_get_answer(int s, InConn& in) {
   else if (refused_[peer].find(" (and more)") == std::string::npos) refused_[peer] += " (and more)";
 }
 
-void Engine::refuse(int s, const std::string& why, uint64_t number) {
-  uint64_t n = number != 0 ? number : applied_[s];
+Engine::OutItem Engine::refusal(uint64_t number, const std::string& why) {
   std::string text = why.substr(0, wire::kMaxRefusedText);
-  OutItem it{frame(FrameType::kRefused, &n, text.size()), nullptr, 0, 0, 0};
+  OutItem it{frame(FrameType::kRefused, &number, text.size()), nullptr, 0, 0, 0};
   it.head.insert(it.head.end(), text.begin(), text.end());
-  enqueue(s, std::move(it), Count::kNone);  // before the ack that counts the op: the initiator knows first
+  return it;
+}
+
+void Engine::refuse(int s, const std::string& why, uint64_t number) {
+  // before the ack that counts the op: the initiator knows first
+  enqueue(s, refusal(number != 0 ? number : applied_[s], why), Count::kNone);
 }
 
 void Engine::on_refused(int s, InConn& in) {
@@ -416,6 +420,7 @@ void Engine::answer_streamed(int s, Window& w, const wire::GetHeader& g, const s
   uint64_t id = g.req_id;
   OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, g.size, 0, 0};
   it.answer_bytes = g.size;
+  it.answer_id = g.req_id;
   p->set_waker([this] { wake(); });
   {
     std::lock_guard<std::mutex> lock(mu_);
