@@ -418,7 +418,10 @@ bool Engine::write_some(int s) {
     }
     ssize_t w = send_item(s, *it);
     if (w < 0) return false;
-    if (it->sent < it->total()) return true;  // the socket is full: wait for POLLOUT
+    // A streamed answer that sent every byte it had copied copies on (its ring slots are free)
+    // while the socket takes more; else the socket is full: wait for POLLOUT.
+    if (it->sent < it->total() && w > 0 && it->answer_bytes > 0 && !it->staged->waiting_for_bytes()) continue;
+    if (it->sent < it->total()) return true;
     OutItem done;
     std::lock_guard<std::mutex> lock(mu_);
     queued_msg_[base_slot(s)] -= it->msg_bytes;  // lanes > 0 carry neither
