@@ -10,6 +10,8 @@ import time
 import numpy as np
 import pytest
 
+import fakecuda
+import gpujobs
 from flagcx_mesh import MeshTimeout
 from flagcx_mesh.agent import Agent
 from meshutil import finish_prog, publish, spawn_prog
@@ -83,3 +85,27 @@ def test_deregister_during_a_landing_put_raises_and_nothing_lands_after(tmp_path
             writer.kill()
             writer.communicate()
         owner.close()
+
+
+def test_deregister_of_a_device_region_cuts_off_a_staged_put_landing_in_it(tmp_path):
+    """The same over staged into device memory (the fake CUDA driver, each copy up slowed to
+    20 ms a chunk, so the 64 MiB put takes over a second to land): deregister(timeout=0.2)
+    raises once the put began landing, not one byte reaches the device memory after it, and the
+    writer's handle fails naming the region."""
+    env = gpujobs.job_env(fakecuda.env(), ("FLAGCX_MESH_CUDA_PATH", "FLAGCX_MESH_TRANSPORT", "FLAGCX_MESH_TCP_LANES"),
+                          FLAGCX_MESH_TRANSPORT="tcp", FLAGCX_MESH_CUDA_PATH="staged",
+                          FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS=20)
+    owner = spawn_prog(PROG, "dev-owner", tmp_path, SIZE, env=env, cwd=HERE)
+    writer = spawn_prog(PROG, "put", tmp_path, SIZE, env=env, cwd=HERE)
+    try:
+        out, _ = finish_prog(writer, timeout=120)
+        assert "handle failed" in out and "window #0" in out and "deregistered" in out, out
+        publish(str(tmp_path), "writer.done", b"")
+        got, _ = finish_prog(owner, timeout=120, ok="dev-owner ok")
+        assert "raised: " in got and "region #0 was closed" in got, got
+        assert "unchanged" in got, got
+    finally:
+        for p in (owner, writer):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()

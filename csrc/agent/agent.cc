@@ -203,7 +203,7 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
     throw;
   }
   revoke(*w, deadline);
-  uint32_t busy = w->users.load();
+  uint32_t busy = std::max(w->users.load(), w->cut_off.load());  // still inside, or cut off already
   if (w->seg) w->seg->unlink();
   w->seg.reset();
   drop_exports(*w);

@@ -286,6 +286,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   }
   w->seg.reset();  // unmapped once no Python view of it remains
   w->dev.reset();  // released when the library allocated it
+  if (w->cut_off.load() != 0) {  // a frame ended (its rest discarded) before the deadline
+    fail(Code::kTimeout, -1, 0, who() + "deregister: window #" + std::to_string(index) + " was closed, but " +
+                                    std::to_string(w->cut_off.load()) + " frame(s) of peers were still landing in "
+                                    "it: they were cut off (the rest of their bytes went to a sink) and it may hold "
+                                    "part of what they wrote");
+  }
 }
 
 // A close collective in which ranks name different windows would leave them disagreeing about which

@@ -403,7 +403,13 @@ void Engine::answer_streamed(int s, Window& w, const wire::GetHeader& g, const s
     if (!w.enter(true)) fail(Code::kInvalidArgument, -1, 0, "it was deregistered here");
     Window* source = &w;  // windows live as long as their table (window.h)
     p->hold_source([source] { source->leave(); });
-    p->guard_source([source] { return source->begin_io(); }, [source] { source->end_io(); });
+    p->guard_source(
+        [source] {
+          if (source->begin_io()) return true;
+          source->cut_off.fetch_add(1);  // the payload gives up: asked once
+          return false;
+        },
+        [source] { source->end_io(); });
     p->count_in(&answer_held_, &answer_peak_);
     p->answer_from(ordinal, w.base + g.src_off, deadline);
   } catch (const std::exception& e) {  // Error or bad_alloc: nothing was sent

@@ -37,6 +37,7 @@ bool Engine::WindowIo::enter(InConn& in) {
     return true;
   }
   if (in.refused.empty()) {
+    in.entered->cut_off.fetch_add(1);
     in.refused = "a put of " + std::to_string(in.total) + " bytes to window #" + std::to_string(in.put.dst_win) +
                  ": it was deregistered here while the put was landing (" + std::to_string(in.total - in.remaining) +
                  " bytes had landed; the rest was discarded)";

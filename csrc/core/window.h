@@ -97,6 +97,7 @@ struct Window {
   // `users` (held for a whole frame, however slowly the peer sends it), this is held for one
   // non-blocking read or copy only.
   std::atomic<uint32_t> io{0};
+  std::atomic<uint32_t> cut_off{0};  // frames and answers cut off by that (each once)
   bool begin_io() {
     io.fetch_add(1);
     if (live.load()) return true;
