@@ -515,6 +515,24 @@ void Engine::stop() {
   thread_.join();
   join_lane_workers();
   cv_.notify_all();
+  drop_queues();
+}
+
+// What was never sent goes now, not with the engine (which a handle may keep past its owner):
+// an answer leaves the window it reads while that window's table still exists. Destroyed
+// outside mu_ (a payload's buffers may go back to the driver).
+void Engine::drop_queues() {
+  std::vector<std::deque<OutItem>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& q : out_) left.push_back(std::move(q));
+    for (auto& q : out_) q.clear();
+  }
+  for (auto& q : left) {
+    for (OutItem& it : q) {
+      if (it.staged) it.staged->cancel("the connection was closed");  // a filler waiting for its ring fails
+    }
+  }
 }
 
 }  // namespace fxm

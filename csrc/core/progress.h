@@ -219,6 +219,7 @@ class Engine : public Outbox {
   // completed, so the connection is shut and the peer lost (it sees the frame cut short).
   void give_up_frame(int s, const OutItem& item);
   void refuse_unsent_answer(int s);  // with write_mu_[s]: its front item, a failed answer, becomes a refusal
+  void drop_queues();  // stop(): the items never sent go (their payloads release what they hold)
   static OutItem refusal(uint64_t number, const std::string& why);  // a kRefused frame
   void wake();
   void run();
