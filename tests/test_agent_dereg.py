@@ -103,7 +103,7 @@ def test_deregister_of_a_device_region_cuts_off_a_staged_put_landing_in_it(tmp_p
         publish(str(tmp_path), "writer.done", b"")
         got, _ = finish_prog(owner, timeout=120, ok="dev-owner ok")
         assert "raised: " in got and "region #0 was closed" in got, got
-        assert "unchanged" in got, got
+        assert "unchanged" in got, got  # read once deregister returned: no copy may run then (TSan)
     finally:
         for p in (owner, writer):
             if p.poll() is None:
