@@ -83,7 +83,13 @@ std::vector<uint8_t> Agent::metadata() const { return Metadata{name_, incarnatio
 
 AgentStats Agent::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
-  return stats_;
+  AgentStats s = stats_;
+  for (const auto& c : conns_) {
+    Engine::AnswerCounts a = c->answer_counts();
+    s.answer_bytes_held += a.held;
+    s.answer_bytes_peak = std::max(s.answer_bytes_peak, a.peak);
+  }
+  return s;
 }
 
 // ------------------------------------------------------------ regions
@@ -196,16 +202,48 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   try {
     for (auto& c : conns) c->flush(deadline);  // ops in flight from (or into) its memory
   } catch (const Error&) {
-    w->closing = false;
+    w->closing = false;  // this agent's own transfer still uses it: it stays registered
     throw;
   }
-  w->live = false;
-  if (w->cookie) *w->cookie = 0;  // no cma path can be chosen for it again
-  w->own.reset();
-  while (w->users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  revoke(*w, deadline);
+  uint32_t busy = std::max(w->users.load(), w->cut_off.load());  // still inside, or cut off already
   if (w->seg) w->seg->unlink();
   w->seg.reset();
   drop_exports(*w);
+  if (busy != 0) {
+    fail(Code::kTimeout, -1, 0, who() + "deregister: region #" + std::to_string(region.index) + " was closed, but " +
+                                    std::to_string(busy) + " transfer(s) of peers were still landing in it (or " +
+                                    "reading from it) when the timeout passed: they were cut off (the rest of their " +
+                                    "bytes goes to a sink, the peers' handles fail naming the region), and the " +
+                                    "region may hold part of what they wrote");
+  }
+}
+
+// Closes a region to peers: new frames and answers are refused at once, those in flight are
+// waited for until `deadline` (Window::users), and then cut off: no frame lands in it and no
+// answer reads it once this returns (a frame still landing sends its remaining bytes to a sink;
+// an answer still reading fails its connection). The caller reads Window::users for what was cut.
+// No cma or device path can be chosen for it again. Same-host peers that already mapped it or checked its cookie are out of
+// reach: see docs/agent.md, "Deregistering".
+void Agent::revoke(Window& w, const Deadline& deadline) {
+  w.sealed = true;  // new frames and answers are refused; those inside may finish until the deadline
+  if (w.cookie) *w.cookie = 0;  // no cma path can be chosen for it again
+  w.own.reset();
+  while (w.users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
+  w.live = false;  // what is still inside is cut off at its next read or copy
+  // One socket read or one chunk's copy at most: a short wait, past the deadline too.
+  Deadline grace = Deadline::after_seconds(std::max(1.0, deadline.seconds_left()));
+  if (!w.wait_io(grace)) {
+    FXM_ERROR(-1, who() + "deregister: region #" + std::to_string(w.index) + ": a copy into it did not end");
+  }
+  if (w.kind == WindowKind::kDevice && w.dev) {  // copies up queued on the landing stream before
+    try {
+      cuda::wait_for_stream(w.device, cuda::landing_stream(w.device), grace,
+                            who() + "deregister: region #" + std::to_string(w.index));
+    } catch (const Error& e) {
+      FXM_ERROR(-1, e.what());
+    }
+  }
 }
 
 // The exports go in the descriptor except the cuMem fds: those are made on a
@@ -458,10 +496,11 @@ void Agent::close() {
     server.swap(fd_server_);
   }
   server.reset();
-  for (auto& w : windows_.all()) {
+  for (auto& w : windows_.all()) {  // the engines stopped: nothing lands any more
     w->live = false;
     if (w->cookie) *w->cookie = 0;
     w->own.reset();
+    w->wait_io(Deadline::after_seconds(1));
     if (w->seg) w->seg->unlink();
     drop_exports(*w);
   }

@@ -140,6 +140,10 @@ struct AgentStats {
   uint64_t accepted = 0;
   uint64_t connected = 0;
   uint64_t accept_fd_exhausted = 0;  // accepts that failed for want of descriptors (EMFILE, ENFILE, ...)
+  // Memory the answers to peers' reads hold now (all connections), and the most one
+  // connection's answers held at once (bounded per peer: docs/agent.md).
+  uint64_t answer_bytes_held = 0;
+  uint64_t answer_bytes_peak = 0;
   uint64_t total_rejected() const;
 };
 
@@ -168,8 +172,12 @@ class Agent {
   RegionDesc register_device(void* base, uint64_t size);
   RegionDesc alloc(uint64_t size);
   uint8_t* region_base(uint32_t index) const;  // host regions: their bytes (device regions: null)
-  // Waits (up to timeout_s) for this agent's ops in flight from the region,
-  // then closes it: peers' later ops on it are refused.
+  // Waits (up to timeout_s) for this agent's ops in flight from the region
+  // (Timeout: it stays registered), then closes it: peers' later ops on it are
+  // refused, and a peer's put still landing in it is cut off (its rest goes to a
+  // sink). Raises Timeout, with the region closed, when a peer's transfer was
+  // still landing in it (or reading it) at the timeout: it may hold part of it.
+  // Never returns while a tcp or staged frame can still write into it.
   void deregister(const RegionDesc& region, double timeout_s);
 
   // Connects (deadline: timeout_s, <= 0: the agent's) to the agent that
@@ -212,6 +220,7 @@ class Agent {
   void describe_device(const std::shared_ptr<Window>& w, WindowDesc* d);
   bool lookup_fds(uint64_t token, std::vector<int>* fds);  // the fd server's answer to a token
   void drop_exports(const Window& w);
+  void revoke(Window& w, const Deadline& deadline);  // deregister: closes it to peers (agent.cc)
   RegionDesc add_region(std::shared_ptr<Window> w, const std::string& shm_name);
   void set_cookie(Window* w);  // with mu_ held
   std::unique_ptr<cma::CookieTable> make_cookie_table() const;

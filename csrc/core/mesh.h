@@ -59,6 +59,7 @@ class Mesh {
   const BuildStats& stats() const { return stats_; }
   Engine::ParkCounts park_counts() const { return engine_ ? engine_->park_counts() : Engine::ParkCounts{0, 0}; }
   Engine::AdmitCounts admit_counts() const { return engine_ ? engine_->admit_counts() : Engine::AdmitCounts{0, 0}; }
+  Engine::AnswerCounts answer_counts() const { return engine_ ? engine_->answer_counts() : Engine::AnswerCounts{0, 0}; }
   std::string mesh_id_hex() const { return wire::mesh_id_hex(mesh_id_); }
   std::string describe() const;
   bool closed() const { return closed_.load(); }

@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <cstring>
 #include <thread>
 
@@ -269,7 +270,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   w->live = false;
   if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
   w->own.reset();                 // nor cuda-self
-  wait_unused(*w, deadline);  // a (misbehaving) peer's frame the engine is landing
+  // A (misbehaving) peer's frame the engine is landing: one socket read at most still writes
+  // (window.h, io); the rest of that frame goes to a sink, and the peer's op is refused.
+  if (!w->wait_io(Deadline::after_seconds(std::max(1.0, deadline.seconds_left())))) {
+    FXM_ERROR(rank_, "deregister: window #" + std::to_string(index) + ": a copy into it did not end");
+  }
+  wait_unused(*w, deadline, true);
   for (PeerView& v : w->peers) {
     v.path->release();  // unmaps the peers' segments; describe() still names the paths
     if (v.fallback) v.fallback->release();
@@ -286,6 +292,12 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   }
   w->seg.reset();  // unmapped once no Python view of it remains
   w->dev.reset();  // released when the library allocated it
+  if (w->cut_off.load() != 0) {  // a frame ended (its rest discarded) before the deadline
+    fail(Code::kTimeout, -1, 0, who() + "deregister: window #" + std::to_string(index) + " was closed, but " +
+                                    std::to_string(w->cut_off.load()) + " frame(s) of peers were still landing in "
+                                    "it: they were cut off (the rest of their bytes went to a sink) and it may hold "
+                                    "part of what they wrote");
+  }
 }
 
 // A close collective in which ranks name different windows would leave them disagreeing about which
@@ -310,8 +322,14 @@ void OneSided::check_same_window(Window& w, const bootstrap::Parts& parts) const
   }
 }
 
-void OneSided::wait_unused(const Window& w, const Deadline& deadline) const {
+void OneSided::wait_unused(const Window& w, const Deadline& deadline, bool closed) const {
   for (int spins = 0; w.users.load() != 0; ++spins) {
+    if (deadline.expired() && closed) {
+      fail(Code::kTimeout, -1, 0, who() + "deregister: window #" + std::to_string(w.index) + " was closed, but " +
+                                      std::to_string(w.users.load()) + " frame(s) of peers were still landing in it "
+                                      "at the timeout: they were cut off (the rest of their bytes goes to a sink) "
+                                      "and it may hold part of what they wrote");
+    }
     if (deadline.expired()) {
       fail(Code::kTimeout, -1, 0, who() + "deregister: window #" + std::to_string(w.index) + " is still used by " +
                                       std::to_string(w.users.load()) + " operation(s)");

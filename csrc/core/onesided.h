@@ -123,7 +123,7 @@ class OneSided {
   // A registered window that is not closing (entered into `ow` when given), or throws.
   Window& use(uint32_t index, const char* op, OpWindows* ow) const;
   Window& signal_slot(uint32_t win, uint64_t slot, const char* op, OpWindows* ow) const;
-  void wait_unused(const Window& w, const Deadline& deadline) const;
+  void wait_unused(const Window& w, const Deadline& deadline, bool closed = false) const;  // closed: after live went false
   void check_same_window(Window& w, const bootstrap::Parts& parts) const;
   struct InFlight {
     bool busy = false;  // ops to the pair are in flight on an asynchronous path

@@ -26,7 +26,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
       stripe_seq_(total_), stripes_admitted_(total_), lane_landed_(total_ * lanes_), lane_seq_(total_ * lanes_),
       last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_),
-      lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows),
+      lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows), open_answers_(total_),
       out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
       in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks),
@@ -130,6 +130,8 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
   uint64_t off = it.sent > hs ? it.sent - hs : 0;
   if (it.staged) {
+    it.staged->copy_ahead();  // a get answer's next chunks, into the ring slots sent already
+    if (it.sent == 0 && it.staged->failed()) return 0;  // not started: write_some() refuses it instead
     if (it.staged->copies_pending()) it.staged->poll_copies();  // a get answer's chunks coming down
     n = staged_iov(*it.staged, off, iov, n, kMaxIov);
   } else if (it.len > 0) {
@@ -177,10 +179,25 @@ bool Engine::waiting_for_staging(int s) const {
   return out_[s].front().staged->waiting_for_bytes();
 }
 
+// An answer whose chunks could not be staged before any byte of it went: a refusal of its get
+// takes its place in the queue (the pair stays usable; the initiator's flush names why).
+void Engine::refuse_unsent_answer(int s) {
+  OutItem failed;  // dies after mu_ is released (its payload's buffers go back to the pool)
+  std::lock_guard<std::mutex> lock(mu_);
+  OutItem& front = out_[s].front();
+  std::string why = "a get of " + std::to_string(front.answer_bytes) + " bytes: staging its answer failed: " +
+                    front.staged->failure();
+  FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(peer_of(s)));
+  answer_bytes_[s] -= front.answer_bytes;  // the credit taken for it
+  failed = std::move(front);
+  front = refusal(wire::kRefusedGet | failed.answer_id, why);
+}
+
 void Engine::give_up_frame(int s, const OutItem& item) {
   int peer = s / ncontexts_;
-  lose(peer, "a staged put of " + std::to_string(item.len) + " bytes could not be copied out of device memory (" +
-                 item.staged->failure() + ") after its frame started: the connection was shut");
+  lose(peer, std::string(item.answer_bytes > 0 ? "the answer to a get" : "a staged put") + " of " +
+                 std::to_string(item.len) + " bytes could not be copied out of its window (" + item.staged->failure() +
+                 ") after its frame started: the connection was shut");
   ::shutdown(conns_->send[s].get(), SHUT_WR);  // the peer sees the frame cut short, never a partial put applied
 }
 
@@ -391,13 +408,20 @@ bool Engine::write_some(int s) {
       if (gone.staged) gone.staged->cancel("its connection is gone: " + gone_why);
     }
     if (it == nullptr) return true;
+    if (it->staged && it->staged->failed() && it->sent == 0 && it->answer_bytes > 0) {
+      refuse_unsent_answer(s);
+      continue;
+    }
     if (it->staged && it->staged->failed()) {
       give_up_frame(s, *it);
       continue;  // the next pass drops the queue
     }
     ssize_t w = send_item(s, *it);
     if (w < 0) return false;
-    if (it->sent < it->total()) return true;  // the socket is full: wait for POLLOUT
+    // A streamed answer that sent every byte it had copied copies on (its ring slots are free)
+    // while the socket takes more; else the socket is full: wait for POLLOUT.
+    if (it->sent < it->total() && w > 0 && it->answer_bytes > 0 && !it->staged->waiting_for_bytes()) continue;
+    if (it->sent < it->total()) return true;
     OutItem done;
     std::lock_guard<std::mutex> lock(mu_);
     queued_msg_[base_slot(s)] -= it->msg_bytes;  // lanes > 0 carry neither
@@ -508,6 +532,24 @@ void Engine::stop() {
   thread_.join();
   join_lane_workers();
   cv_.notify_all();
+  drop_queues();
+}
+
+// What was never sent goes now, not with the engine (which a handle may keep past its owner):
+// an answer leaves the window it reads while that window's table still exists. Destroyed
+// outside mu_ (a payload's buffers may go back to the driver).
+void Engine::drop_queues() {
+  std::vector<std::deque<OutItem>> left;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& q : out_) left.push_back(std::move(q));
+    for (auto& q : out_) q.clear();
+  }
+  for (auto& q : left) {
+    for (OutItem& it : q) {
+      if (it.staged) it.staged->cancel("the connection was closed");  // a filler waiting for its ring fails
+    }
+  }
 }
 
 }  // namespace fxm

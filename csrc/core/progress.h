@@ -103,6 +103,12 @@ class Engine : public Outbox {
     uint64_t early, limit_waits;
   };
   AdmitCounts admit_counts() const { return {early_admits_.load(), admit_limit_waits_.load()}; }
+  // Memory the answers to gets hold (each streams through a ring of StagedPayload::kAnswerChunks
+  // chunks, taken when it reaches the head of its queue): bytes now, and the most at once.
+  struct AnswerCounts {
+    uint64_t held, peak;
+  };
+  AnswerCounts answer_counts() const { return {answer_held_.load(), answer_peak_.load()}; }
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -195,7 +201,16 @@ class Engine : public Outbox {
   void wake_lanes();         // every lane worker (not the progress thread)
   void wake_conn(int c) { wake_lane(lane_of(c)); }
   bool owns_conn(int c) const;  // the calling thread is connection c's thread
-  uint8_t* discard_for(int c, size_t* size);  // the sink for dropped payload bytes of connection c's thread
+  uint8_t* discard_for(int c, size_t* size);
+  // The window one read of a put's payload lands in, counted in its io while the read runs
+  // (progress_recv.cc); enter() is false, and the put refused, once it was deregistered.
+  struct WindowIo {
+    Window* w = nullptr;
+    bool enter(InConn& in);
+    ~WindowIo() {
+      if (w) w->end_io();
+    }
+  };  // the sink for dropped payload bytes of connection c's thread
   // What an item counts as: puts are acked (a lazy one when asked, see wire::kPutLazyAck), gets answered.
   enum class Count { kNone, kPut, kLazyPut, kGet };
   void enqueue(int s, OutItem&& item, Count counted);
@@ -209,6 +224,9 @@ class Engine : public Outbox {
   // A staged put whose copy out of device memory failed mid-frame: the frame cannot be
   // completed, so the connection is shut and the peer lost (it sees the frame cut short).
   void give_up_frame(int s, const OutItem& item);
+  void refuse_unsent_answer(int s);  // with write_mu_[s]: its front item, a failed answer, becomes a refusal
+  void drop_queues();  // stop(): the items never sent go (their payloads release what they hold)
+  static OutItem refusal(uint64_t number, const std::string& why);  // a kRefused frame
   void wake();
   void run();
   void poll_once();
@@ -263,7 +281,11 @@ class Engine : public Outbox {
   // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
   void refuse(int s, const std::string& why, uint64_t number = 0);
   void answer_get(int s, Window& w, const wire::GetHeader& g);
-  void answer_from_device(int s, Window& w, const wire::GetHeader& g, const std::string& what);
+  // A get answer streamed out of w through a ring of chunks (StagedPayload, staged_answer.cc).
+  void answer_streamed(int s, Window& w, const wire::GetHeader& g, const std::string& what);
+  // Before a frame of slot s that changes memory or tells the application something (a put, a
+  // message) is acted on, the answers to that slot not copied yet are copied whole.
+  void snapshot_answers(int s);
   void on_refused(int s, InConn& in);
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
   void fail_if_refused(int lo, int hi, const char* doing);
@@ -333,7 +355,12 @@ class Engine : public Outbox {
   std::atomic<std::thread::id> progress_tid_{};  // the progress thread, once it runs
   std::atomic<bool> stopping_{false};
 
-  mutable std::mutex mu_;  // queues, mailboxes, pending gets, lost_
+  // Get answers' buffers (streamed, see answer_streamed): bytes held now and the most at once.
+  // Declared before the queues: the payloads in them count down when they go.
+  std::atomic<uint64_t> answer_held_{0}, answer_peak_{0};
+  mutable std::mutex mu_;  // queues, mailboxes, pending gets, lost_, open_answers_
+  // Per slot: the answers queued to it that may still read their window (snapshot_answers).
+  std::vector<std::vector<std::weak_ptr<cuda::StagedPayload>>> open_answers_;
   std::vector<std::unique_ptr<std::mutex>> write_mu_;  // per slot: one writer on a socket at a time
   std::condition_variable cv_;
   std::vector<std::deque<OutItem>> out_;

@@ -24,6 +24,7 @@ struct Engine::OutItem {
   uint64_t sent = 0;
   uint64_t msg_bytes = 0;  // two-sided message bytes it carries (back-pressure)
   uint64_t answer_bytes = 0;  // get answer bytes it carries (get credits)
+  uint64_t answer_id = 0;     // a get answer's request id
   // A staged put's payload (data is then unused): only its ready bytes are sent.
   std::shared_ptr<cuda::StagedPayload> staged;
   uint64_t total() const { return head.size() + len; }

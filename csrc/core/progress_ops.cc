@@ -255,6 +255,8 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
   try {
     if (n > 0) {
       InConn::Landing& full = in.stage[in.filling];
+      WindowIo io;  // a put's copy up is queued only while its window is registered (window.h)
+      if (in.entered && !io.enter(in)) return in.refused;
       full.copied = cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));
       in.landed += n;
       in.filling = (in.filling + 1) % in.stage.size();
@@ -324,12 +326,16 @@ void Engine::land_get_answer(int s, InConn& in) {
   else if (refused_[peer].find(" (and more)") == std::string::npos) refused_[peer] += " (and more)";
 }
 
-void Engine::refuse(int s, const std::string& why, uint64_t number) {
-  uint64_t n = number != 0 ? number : applied_[s];
+Engine::OutItem Engine::refusal(uint64_t number, const std::string& why) {
   std::string text = why.substr(0, wire::kMaxRefusedText);
-  OutItem it{frame(FrameType::kRefused, &n, text.size()), nullptr, 0, 0, 0};
+  OutItem it{frame(FrameType::kRefused, &number, text.size()), nullptr, 0, 0, 0};
   it.head.insert(it.head.end(), text.begin(), text.end());
-  enqueue(s, std::move(it), Count::kNone);  // before the ack that counts the op: the initiator knows first
+  return it;
+}
+
+void Engine::refuse(int s, const std::string& why, uint64_t number) {
+  // before the ack that counts the op: the initiator knows first
+  enqueue(s, refusal(number != 0 ? number : applied_[s], why), Count::kNone);
 }
 
 void Engine::on_refused(int s, InConn& in) {
@@ -372,51 +378,43 @@ bool Engine::take_answer_credit(int s, uint64_t size) {
   return true;
 }
 
-// The answer is the window's bytes as of the request's place in the pair's
-// FIFO: copied now, before any later frame of the pair is applied (a device
-// window's: queued now, see answer_from_device). Where that copy cannot be
-// allocated, a refusal of the request completes the get.
+// The answer is the window's bytes as of the request's place in the pair's FIFO. It is
+// streamed (answer_streamed): its chunks are copied out of the window as the socket drains,
+// and snapshot_answers() copies the rest before any later put or message of that pair is acted
+// on. Where its buffers cannot be had, a refusal of the request completes the get.
 void Engine::answer_get(int s, Window& w, const wire::GetHeader& g) {
   std::string what = "a get of " + std::to_string(g.size) + " bytes from window #" + std::to_string(g.src_win);
-  if (w.kind == WindowKind::kDevice && g.size > 0) {
-    answer_from_device(s, w, g, what);
+  if (g.size > 0) {
+    answer_streamed(s, w, g, what);
     return;
   }
-  OutItem it;
-  try {
-    uint64_t id = g.req_id;
-    it.head = frame(FrameType::kGetResp, &id, g.size);
-    it.head.insert(it.head.end(), w.base + g.src_off, w.base + g.src_off + g.size);  // host memory (or no byte)
-  } catch (const std::bad_alloc&) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      answer_bytes_[s] -= g.size;  // the credit taken for it
-    }
-    std::string why = what + ": allocating " + std::to_string(g.size) + " bytes for its answer failed (out of memory)";
-    FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(s / ncontexts_));
-    refuse(s, why, wire::kRefusedGet | g.req_id);
-    return;
-  }
-  it.answer_bytes = g.size;
-  enqueue(s, std::move(it), Count::kNone);
+  uint64_t id = g.req_id;
+  enqueue(s, {frame(FrameType::kGetResp, &id, 0), nullptr, 0, 0, 0}, Count::kNone);
 }
 
-// A get from a device window: its chunks are copied down at once, on the
-// stream that lands staged puts (so after those landed before it and before
-// those after it), and each is sent as soon as it is down (staged_payload.h).
-void Engine::answer_from_device(int s, Window& w, const wire::GetHeader& g, const std::string& what) {
+// Host memory is copied with memcpy, device memory by copies down on the stream that lands
+// staged puts (after those landed before it); each chunk is sent once it is there. The window
+// stays entered (it cannot be deregistered unawares) until the last chunk was copied out.
+void Engine::answer_streamed(int s, Window& w, const wire::GetHeader& g, const std::string& what) {
   std::shared_ptr<cuda::StagedPayload> p;
+  int ordinal = w.kind == WindowKind::kDevice ? w.device : -1;
   try {
     Deadline deadline = Deadline::after_seconds(timeout_s_);
-    p = std::make_shared<cuda::StagedPayload>(this, s / ncontexts_, g.size, w.device, deadline, false);
-    // The copies down outlive this call: the window stays entered (its memory
-    // cannot be deregistered) until they completed and the payload went.
+    p = std::make_shared<cuda::StagedPayload>(this, s / ncontexts_, g.size, ordinal, deadline, false);
     if (!w.enter(true)) fail(Code::kInvalidArgument, -1, 0, "it was deregistered here");
     Window* source = &w;  // windows live as long as their table (window.h)
     p->hold_source([source] { source->leave(); });
-    p->copy_all(w.device, w.base + g.src_off, deadline);
+    p->guard_source(
+        [source] {
+          if (source->begin_io()) return true;
+          source->cut_off.fetch_add(1);  // the payload gives up: asked once
+          return false;
+        },
+        [source] { source->end_io(); });
+    p->count_in(&answer_held_, &answer_peak_);
+    p->answer_from(ordinal, w.base + g.src_off, deadline);
   } catch (const std::exception& e) {  // Error or bad_alloc: nothing was sent
-    p.reset();  // before the refusal: its buffers go back (copies still running keep theirs)
+    p.reset();
     {
       std::lock_guard<std::mutex> lock(mu_);
       answer_bytes_[s] -= g.size;  // the credit taken for it
@@ -429,9 +427,30 @@ void Engine::answer_from_device(int s, Window& w, const wire::GetHeader& g, cons
   uint64_t id = g.req_id;
   OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, g.size, 0, 0};
   it.answer_bytes = g.size;
+  it.answer_id = g.req_id;
   p->set_waker([this] { wake(); });
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto& list = open_answers_[s];  // those sent already go
+    list.erase(std::remove_if(list.begin(), list.end(), [](const auto& a) { return a.expired(); }), list.end());
+    list.push_back(p);
+  }
   it.staged = std::move(p);
   enqueue(s, std::move(it), Count::kNone);
+}
+
+void Engine::snapshot_answers(int s) {
+  std::vector<std::shared_ptr<cuda::StagedPayload>> open;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    std::vector<std::weak_ptr<cuda::StagedPayload>>& list = open_answers_[s];
+    if (list.empty()) return;
+    for (auto& weak : list) {
+      if (auto p = weak.lock()) open.push_back(std::move(p));
+    }
+    list.clear();
+  }
+  for (auto& p : open) p->snapshot_rest();  // copies the rest (the reader: one at a time)
 }
 
 void Engine::on_get_request(int s, const wire::GetHeader& g) {

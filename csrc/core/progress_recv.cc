@@ -28,6 +28,24 @@ size_t op_header_size(FrameType t) {
 
 }  // namespace
 
+// A put's payload (or a stripe's) lands in a host window one socket read at a time; each read
+// counts itself in the window's io (window.h). A window deregistered meanwhile is not entered
+// again: the frame is refused and its remaining bytes go to the sink.
+bool Engine::WindowIo::enter(InConn& in) {
+  if (in.entered->begin_io()) {
+    w = in.entered;
+    return true;
+  }
+  if (in.refused.empty()) {
+    in.entered->cut_off.fetch_add(1);
+    in.refused = "a put of " + std::to_string(in.total) + " bytes to window #" + std::to_string(in.put.dst_win) +
+                 ": it was deregistered here while the put was landing (" + std::to_string(in.total - in.remaining) +
+                 " bytes had landed; the rest was discarded)";
+  }
+  in.dst = nullptr;
+  return false;
+}
+
 void Engine::read_some(int s) {
   InConn& in = *in_[s];
   size_t budget = 8u << 20;  // then let other connections have a turn
@@ -39,11 +57,13 @@ void Engine::read_some(int s) {
     uint8_t* where;
     size_t want;
     LandingLock landing(landing_mu_);
+    WindowIo io;  // the window this read lands in, counted until the read ends
     if (in.st == InConn::kPayload) {
       // A get answer lands in the user's buffer: lose() waits for this read to end.
       if (in.f.type == FrameType::kGetResp) landing.lock();
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
       where = landing_spot(in, &want);
+      if (where && in.entered && in.device_at == nullptr && !io.enter(in)) where = nullptr;  // revoked
       if (!where) {
         size_t sink = 0;
         where = discard_for(s, &sink);
@@ -138,6 +158,9 @@ void Engine::on_op_header(int s, InConn& in) {
     lane0_held_[s] = true;  // not acted on yet: finish_held() goes on from here (progress_admit.cc)
     return;
   }
+  // The answers to this pair's earlier gets are the window as of their requests: copied whole
+  // before a later put (or a message, after which the application may write) is acted on.
+  if (s < total_ && (in.f.type == FrameType::kPut || in.f.type == FrameType::kMessage)) snapshot_answers(s);
   switch (in.f.type) {
     case FrameType::kMessage:
       if (payload > kMaxMessageBytes) {

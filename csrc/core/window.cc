@@ -1,6 +1,17 @@
 #include "core/window.h"
 
+#include <thread>
+
 namespace fxm {
+
+bool Window::wait_io(const Deadline& deadline) const {
+  for (int spins = 0; io.load() != 0; ++spins) {
+    if (deadline.expired()) return false;
+    if (spins < 100) std::this_thread::yield();
+    else std::this_thread::sleep_for(std::chrono::microseconds(100));
+  }
+  return true;
+}
 
 std::string Window::mode() const {
   // How this rank reaches the other ranks' copies: the most common path.

@@ -49,6 +49,9 @@ struct Window {
   // after `live` went false and nobody is inside (see OneSided::deregister).
   std::atomic<bool> live{true};
   std::atomic<bool> closing{false};
+  // An agent's deregister seals the window first: no frame or answer enters it any more, while
+  // those inside may finish (until its timeout); then `live` goes false (see io below).
+  std::atomic<bool> sealed{false};
   std::atomic<uint32_t> users{0};
   // Identity proof for every path that opens the window from another process
   // (transport/binding.h): `nonce` (random) is published in its description,
@@ -84,11 +87,29 @@ struct Window {
   // while_closing (peers may write until the close collective): false once dead.
   bool enter(bool while_closing = false) {
     users.fetch_add(1);
-    if (live.load() && (while_closing || !closing.load())) return true;
+    if (live.load() && !sealed.load() && (while_closing || !closing.load())) return true;
     users.fetch_sub(1);
     return false;
   }
   void leave() { users.fetch_sub(1); }
+  // Bytes moving into (or out of) the window's memory right now: a reader landing one socket
+  // read of a frame's payload, an answer copying one chunk out. Each checks `live` after
+  // counting itself, and deregister waits for `io` to drop to 0 after `live` went false
+  // (both sequentially consistent): once it did, no such copy touches the memory again, and a
+  // frame still landing sends its remaining bytes to a sink (its put is refused). Unlike
+  // `users` (held for a whole frame, however slowly the peer sends it), this is held for one
+  // non-blocking read or copy only.
+  std::atomic<uint32_t> io{0};
+  std::atomic<uint32_t> cut_off{0};  // frames and answers cut off by that (each once)
+  bool begin_io() {
+    io.fetch_add(1);
+    if (live.load()) return true;
+    io.fetch_sub(1);
+    return false;
+  }
+  void end_io() { io.fetch_sub(1); }
+  // Waits for io to drop to 0 (after live went false): true unless `deadline` passed first.
+  bool wait_io(const Deadline& deadline) const;
   std::string mode() const;      // "shm" | "cma" | "tcp" | "self" (the dominant remote path)
   std::string describe() const;  // per-peer paths and reasons
 };

@@ -387,6 +387,8 @@ void bind_agent(py::module_& m) {
         out["connected"] = s.connected;
         out["accept_fd_exhausted"] = s.accept_fd_exhausted;
         out["rejected"] = rejected;
+        out["get_answer_bytes_held"] = s.answer_bytes_held;
+        out["get_answer_bytes_peak"] = s.answer_bytes_peak;
         return out;
       })
       .def("close", &Agent::close, py::call_guard<py::gil_scoped_release>())

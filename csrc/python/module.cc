@@ -102,6 +102,10 @@ py::dict stats(const Mesh& m) {
   fxm::Engine::AdmitCounts admits = m.admit_counts();
   d["tcp_early_admits"] = admits.early;
   d["tcp_admit_limit_waits"] = admits.limit_waits;
+  // Memory get answers to peers hold now, and the most at once (bounded per peer: docs/design.md).
+  fxm::Engine::AnswerCounts answers = m.answer_counts();
+  d["get_answer_bytes_held"] = answers.held;
+  d["get_answer_bytes_peak"] = answers.peak;
   return d;
 }
 

@@ -277,8 +277,12 @@ class Agent:
         return r
 
     def deregister(self, region: Desc, timeout: float = 0.0) -> None:
-        """Waits for this agent's transfers in flight, then closes the region:
-        peers' later transfers to it are refused."""
+        """Waits for this agent's transfers in flight (MeshTimeout: the region stays
+        registered), then closes the region: peers' later transfers to it are refused.
+        A peer's transfer still landing in it (or reading it) is waited for until the
+        timeout, then cut off: MeshTimeout says so, and the region is closed all the
+        same (nothing lands in it any more; it may hold part of what was landing).
+        See docs/agent.md, "Deregistering"."""
         d = _desc(region)
         self._core.deregister(d, timeout)
         self._regions.pop(_core.region_info(d)["index"], None)
@@ -318,7 +322,9 @@ class Agent:
         return NotificationWait(self._core.stream_wait_notification(bytes(data), handle, peer or "", timeout))
 
     def stats(self) -> dict:
-        """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener."""
+        """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
+        get_answer_bytes_held and get_answer_bytes_peak: the memory answers to peers' reads
+        hold (docs/agent.md)."""
         return self._core.stats()
 
     def close(self) -> None:

@@ -79,7 +79,7 @@ StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ord
                              bool bounded)
     : outbox_(outbox), peer_(peer), len_(len), chunk_(staged_chunk_bytes()) {
   uint64_t limit = staged_inflight_bytes();
-  uint64_t slots = std::max<uint64_t>(1, bounded ? std::min(chunks(), limit / chunk_) : chunks());
+  uint64_t slots = std::max<uint64_t>(1, std::min(chunks(), bounded ? limit / chunk_ : kAnswerChunks));
   bool one = chunks() <= 1;  // the whole op fits one chunk: a buffer of its size
   uint64_t want = one ? std::max<uint64_t>(len_, 1) : slots * chunk_;
   Budget& b = budget();
@@ -99,6 +99,11 @@ StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ord
     }
   }
   held_ = bounded ? want : 0;
+  answer_ = !bounded;
+  if (answer_) {  // taken as its chunks are copied (answer_buffer)
+    ring_.resize(slots);
+    return;
+  }
   try {
     for (uint64_t k = 0; k < slots; ++k) ring_.push_back(staging_buffer(one ? want : chunk_, ordinal));
   } catch (...) {
@@ -112,15 +117,17 @@ StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ord
 
 StagedPayload::~StagedPayload() {
   bool copying = false;
-  for (size_t k = 0; k < events_.size(); ++k) {
+  for (size_t k = events_done_; k < events_.size(); ++k) {
     if (!event_done(events_[k])) {
-      keep_slot(k);  // a copy down may still write it
+      new HostBuffer(buffer_of(k));  // deliberately kept: a copy down may still write it
       copying = true;
     }
   }
   if (release_source_ && !copying) release_source_();  // else its source stays held: a copy may still read it
   events_.clear();
   ring_.clear();  // back to the pool (the caller holds no engine lock: see Engine::write_some)
+  own_.clear();
+  if (count_held_ != nullptr) count_held_->fetch_sub(counted_);
   Budget& b = budget();
   std::lock_guard<std::mutex> lock(b.mu);
   b.held[{outbox_, peer_}] -= held_;
@@ -165,36 +172,6 @@ void StagedPayload::fill(int ordinal, const uint8_t* src, const Deadline& deadli
   }
 }
 
-void StagedPayload::copy_all(int ordinal, const uint8_t* src, const Deadline& deadline) {
-  copies_by_ = deadline;
-  copies_on_ = ordinal;
-  for (uint64_t i = 0; i < chunks(); ++i) {
-    uint64_t at = i * chunk_;
-    events_.push_back(copy_async(ordinal, ring_[i].get(), src + at, chunk_len(i),
-                                 "staging a get's answer from the device to the host"));
-  }
-}
-
-bool StagedPayload::poll_copies() {
-  size_t before = events_done_;
-  if (events_done_ < events_.size()) use_device(copies_on_);
-  while (events_done_ < events_.size() && !failed()) {
-    CUresult r = driver()->cuEventQuery(events_[events_done_].get());
-    if (r == kErrNotReady) {
-      if (copies_by_.expired()) give_up("its copy from the device did not complete before the deadline");
-      break;
-    }
-    if (r != kSuccess) {
-      give_up("its copy from the device failed: " + result_text(r));
-      break;
-    }
-    ++events_done_;
-  }
-  if (events_done_ == before) return false;
-  ready_.store(std::min(len_, events_done_ * chunk_), std::memory_order_release);
-  return true;
-}
-
 void StagedPayload::publish(uint64_t ready) {
   ready_.store(ready, std::memory_order_release);
   if (waker_) waker_();
@@ -215,7 +192,14 @@ std::string StagedPayload::failure() const {
 }
 
 void StagedPayload::keep_slot(uint64_t i) {
-  new HostBuffer(ring_[i % ring_.size()]);  // deliberately kept: a copy may still write it
+  new HostBuffer(buffer_of(i));  // deliberately kept: a copy may still write it
+}
+
+// A chunk's buffer: its ring slot, or (an answer's chunk copied by snapshot_rest) its own.
+// The writer reads ready() before it asks: snap_from_ was stored before ready() covered it.
+const HostBuffer& StagedPayload::buffer_of(uint64_t i) const {
+  if (i >= snap_from_.load(std::memory_order_acquire)) return own_[i];
+  return ring_[i % ring_.size()];
 }
 
 const uint8_t* StagedPayload::bytes_at(uint64_t off, uint64_t* n) const {
@@ -226,7 +210,7 @@ const uint8_t* StagedPayload::bytes_at(uint64_t off, uint64_t* n) const {
   }
   uint64_t in_chunk = off % chunk_;
   *n = std::min(chunk_ - in_chunk, ready - off);
-  return ring_[(off / chunk_) % ring_.size()].get() + in_chunk;
+  return buffer_of(off / chunk_).get() + in_chunk;
 }
 
 void StagedPayload::sent_to(uint64_t off) {
@@ -241,6 +225,8 @@ bool StagedPayload::waiting_for_bytes() const {
   uint64_t ready = this->ready();
   if (failed() || ready >= len_) return false;
   std::lock_guard<std::mutex> lock(mu_);
+  // An answer with no copy down in flight waits for none: copy_ahead() copies on at the next write.
+  if (answer_ && events_done_ == events_.size()) return false;
   return head_sent_ && sent_ >= ready;
 }
 

@@ -11,6 +11,14 @@
 // not sent yet; a put that does not fit waits (up to its deadline) for
 // earlier ones to be sent. An op's whole ring is taken at once, so an op
 // that holds a ring never waits for more.
+//
+// A get answer (`bounded` false) is the same ring, of kAnswerChunks chunks,
+// filled by the engine itself as the socket drains (staged_answer.cc): from
+// device memory (copies down on the landing stream) or host memory (memcpy,
+// ordinal -1). Its buffers are taken when its first chunk is copied, so an
+// answer still queued behind others holds none. snapshot_rest() copies every
+// chunk not copied yet at once (the engine calls it before it applies a later
+// frame of the same pair: the answer stays the window as of the request).
 #pragma once
 
 #include <atomic>
@@ -67,19 +75,34 @@ class StagedPayload {
   // was posted the payload is given up first (the engine cannot complete it).
   void fill(int ordinal, const uint8_t* src, const Deadline& deadline, const std::function<void()>& posted);
 
-  // Get answers (bounded false): queues the copies down of every chunk at once
-  // on the landing stream (after the copies up of puts landed before, ahead of
-  // later ones: the answer is the window as of the request), to be published
-  // by poll_copies() as they complete; Error when a copy cannot be queued.
-  void copy_all(int ordinal, const uint8_t* src, const Deadline& deadline);
-  // What keeps copy_all()'s source alive (the engine: leaving the window the
-  // answer is read from), run when the payload goes once every copy completed;
-  // never run while a copy may still read the source (the source stays held).
+  // Get answers (bounded false, staged_answer.cc). The source: `len` bytes at
+  // `src` in device memory of `ordinal` (-1: host memory). Nothing is copied yet.
+  static constexpr uint64_t kAnswerChunks = 4;  // the ring of an answer, in chunks
+  void answer_from(int ordinal, const uint8_t* src, const Deadline& deadline);
+  // What keeps the source alive (the engine: leaving the window the answer is
+  // read from), run once every copy completed (or when the payload goes);
+  // never while a copy may still read the source (the source stays held).
   void hold_source(std::function<void()> release) { release_source_ = std::move(release); }
+  // Each copy out of the source runs between begin() (false: the source was
+  // closed; the payload is given up) and end(): see Window::begin_io.
+  void guard_source(std::function<bool()> begin, std::function<void()> end) {
+    source_begin_ = std::move(begin);
+    source_end_ = std::move(end);
+  }
+  // Where the answer's buffers are counted: bytes held now, and the most held at once.
+  void count_in(std::atomic<uint64_t>* held, std::atomic<uint64_t>* peak) {
+    count_held_ = held;
+    count_peak_ = peak;
+  }
+  // The writer: copies (or queues the copies down of) the chunks whose ring slot is free.
+  void copy_ahead();
+  // Any thread: copies every chunk not copied yet, each into a buffer of its own.
+  void snapshot_rest();
+  bool all_copied() const;  // every chunk was copied or queued (nothing more reads the source but those)
   // Engine: publishes the chunks whose copies completed (true when some did);
   // a failed copy or one past the deadline gives the payload up.
   bool poll_copies();
-  bool copies_pending() const { return !events_.empty() && ready() < len_ && !failed(); }
+  bool copies_pending() const;  // copies down queued and not complete
 
   // Engine (the writer).
   uint64_t ready() const { return ready_.load(std::memory_order_acquire); }
@@ -102,10 +125,27 @@ class StagedPayload {
   std::atomic<bool> failed_{false};
   std::function<void()> waker_;
   std::function<void()> release_source_;
-  std::vector<std::shared_ptr<void>> events_;  // copy_all(): one per chunk
+  // Answers (staged_answer.cc), under mu_ unless said.
+  bool answer_ = false;
+  const uint8_t* src_ = nullptr;
+  uint64_t next_ = 0;  // the next chunk to copy
+  std::vector<HostBuffer> own_;  // after snapshot_rest(): chunk i >= snap_from_ in own_[i]
+  std::atomic<uint64_t> snap_from_{UINT64_MAX};  // stored before ready_ covers those chunks
+  std::function<bool()> source_begin_;
+  std::function<void()> source_end_;
+  std::atomic<uint64_t>* count_held_ = nullptr;
+  std::atomic<uint64_t>* count_peak_ = nullptr;
+  uint64_t counted_ = 0;  // bytes of buffers added to *count_held_
+  HostBuffer answer_buffer(uint64_t n);  // counted
+  bool copy_chunk(uint64_t i, uint8_t* dst);  // false: the source was closed (given up)
+  void release_source_locked();
+  const HostBuffer& buffer_of(uint64_t i) const;
+  void give_up_locked(const std::string& why);
+  std::vector<std::shared_ptr<void>> events_;  // answers from device memory: one per chunk queued
   size_t events_done_ = 0;
-  int copies_on_ = -1;  // the device of copy_all()
-  Deadline copies_by_ = Deadline::never();
+  int copies_on_ = -1;  // the device answers are copied from (-1: host memory)
+  Deadline copies_by_ = Deadline::never();  // the last copy queued must complete by then
+  double copy_timeout_s_ = 60;
   mutable std::mutex mu_;
   std::condition_variable cv_;
   uint64_t sent_ = 0;
