@@ -199,7 +199,7 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
     throw;
   }
   w->live = false;
-  if (w->cookie) *w->cookie = 0;  // no cma path can be chosen for it again
+  if (w->cookie) __atomic_store_n(w->cookie, 0, __ATOMIC_RELEASE);  // no cma path can be chosen for it again (as seal_window)
   w->own.reset();
   while (w->users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
   if (w->seg) w->seg->unlink();
@@ -434,7 +434,7 @@ void Agent::close() {
   server.reset();
   for (auto& w : windows_.all()) {
     w->live = false;
-    if (w->cookie) *w->cookie = 0;
+    if (w->cookie) __atomic_store_n(w->cookie, 0, __ATOMIC_RELEASE);
     w->own.reset();
     if (w->seg) w->seg->unlink();
     drop_exports(*w);

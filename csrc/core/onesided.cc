@@ -267,7 +267,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   }
   check_same_window(*w, parts);  // every rank closes it: nobody writes into it any more
   w->live = false;
-  if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
+  if (w->cookie) __atomic_store_n(w->cookie, 0, __ATOMIC_RELEASE);  // revoked: no cma path can be chosen for it again
   w->own.reset();                 // nor cuda-self
   wait_unused(*w, deadline);  // a (misbehaving) peer's frame the engine is landing
   for (PeerView& v : w->peers) {

@@ -147,7 +147,8 @@ std::string first_difference(const WindowDesc& a, const WindowDesc& b) {
   if (a.cookie != b.cookie) return "cookie";
   if (a.dev.ordinal != b.dev.ordinal) return "device";
   if (std::memcmp(a.dev.ipc_handle.reserved, b.dev.ipc_handle.reserved, cuda::kIpcHandleSize) != 0) return "IPC handle";
-  if (a.dev.ipc_offset != b.dev.ipc_offset || a.dev.ipc != b.dev.ipc) return "IPC offset";
+  if (a.dev.ipc != b.dev.ipc) return "IPC flag";
+  if (a.dev.ipc_offset != b.dev.ipc_offset) return "IPC offset";
   if (a.dev.vmm.size() != b.dev.vmm.size()) return "cuMem mappings";
   for (size_t i = 0; i < a.dev.vmm.size(); ++i) {
     if (a.dev.vmm[i].offset != b.dev.vmm[i].offset || a.dev.vmm[i].size != b.dev.vmm[i].size) return "cuMem mappings";
