@@ -54,6 +54,26 @@ std::string peer_words(const PathRequest& req) {
 
 namespace {
 
+// /proc/<pid>/stat field 22 (clock ticks after boot), 0 when unknown: with the pid, one process.
+uint64_t process_start_time(pid_t pid) {
+  std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return 0;
+  char buf[2048];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  if (!p) return 0;
+  ++p;
+  for (int field = 2; field < 21 && *p; ++field) {  // to the space before field 22
+    p = std::strchr(p + 1, ' ');
+    if (!p) return 0;
+  }
+  unsigned long long t = 0;
+  return std::sscanf(p, " %llu", &t) == 1 ? t : 0;
+}
+
 // "" when the described pid is the peer's process here, else why not (naming the field).
 std::string prove_process(const PathRequest& req, const WindowDesc& d) {
   if (d.host != req.host) return "peer is on another host";
@@ -61,8 +81,12 @@ std::string prove_process(const PathRequest& req, const WindowDesc& d) {
     return "peer is in another PID namespace (" + (d.pid_ns.empty() ? std::string("unknown") : d.pid_ns) +
            ", here " + (req.pid_ns.empty() ? std::string("unknown") : req.pid_ns) + "): its pid means nothing here";
   }
+  uint64_t started = process_start_time(d.pid);  // (a reused pid is another process: not the cached verdict)
+  std::pair<int32_t, uint64_t> who{d.pid, started};
+  if (req.proven && started != 0 && req.proven->count(who)) return "";
   std::string process = cma::holds_other_end(d.pid, req.peer_socket);
   if (!process.empty()) return "field pid: the published pid is not " + peer_words(req) + "'s process: " + process;
+  if (req.proven && started != 0) req.proven->insert(who);
   return "";
 }
 

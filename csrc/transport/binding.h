@@ -10,7 +10,8 @@
 //
 //   process  the pid must be the process that holds the peer's end of this
 //            rank's (agent's) authenticated connection to the peer (the kernel's
-//            socket table, cma/peer_process.h), on this host, in this PID namespace;
+//            socket table, cma/peer_process.h), on this host, in this PID namespace
+//            (an agent's connection keeps the verdict per pid and start time);
 //   seal     the owner keeps, at the description's cookie address, a seal of the
 //            registration (window_seal(): the window index and the canonical
 //            encoding of the whole description); read back from that process it must equal the seal of

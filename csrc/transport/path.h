@@ -17,6 +17,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -207,6 +209,9 @@ struct PathRequest {
   // The seal of the description as its publisher handed it over (binding.h); 0: of the description
   // given to choose_path() (the mesh narrows a description's exports first: bind_exports).
   uint64_t seal = 0;
+  // Processes already proven to be the peer's on this connection, as (pid, start time): the
+  // socket-table scan is done once per process (binding.h); null: each time.
+  std::set<std::pair<int32_t, uint64_t>>* proven = nullptr;
   // Set by choose_path(): what the description was proven to be (binding.h).
   const struct Binding* binding = nullptr;
 };
