@@ -48,12 +48,6 @@ uint64_t window_seal(const WindowDesc& d, uint32_t index) {
   return v == 0 ? 1 : v;
 }
 
-std::string peer_words(const PathRequest& req) {
-  return req.peer_is_agent ? std::string("the peer agent") : "rank " + std::to_string(req.peer);
-}
-
-namespace {
-
 // /proc/<pid>/stat field 22 (clock ticks after boot), 0 when unknown: with the pid, one process.
 uint64_t process_start_time(pid_t pid) {
   std::string path = "/proc/" + std::to_string(pid) + "/stat";
@@ -73,6 +67,12 @@ uint64_t process_start_time(pid_t pid) {
   unsigned long long t = 0;
   return std::sscanf(p, " %llu", &t) == 1 ? t : 0;
 }
+
+std::string peer_words(const PathRequest& req) {
+  return req.peer_is_agent ? std::string("the peer agent") : "rank " + std::to_string(req.peer);
+}
+
+namespace {
 
 // "" when the described pid is the peer's process here, else why not (naming the field).
 std::string prove_process(const PathRequest& req, const WindowDesc& d) {
@@ -150,13 +150,44 @@ std::string maps_file_at(pid_t pid, uint64_t addr, uint64_t bytes, uint64_t st_d
   return seen.empty() ? "it maps no file at " + hex(addr) : seen;
 }
 
-std::string claim_export(const std::string& key, const std::string& peer_id) {
-  static std::mutex mu;
-  static auto* owners = new std::map<std::string, std::string>();  // never destroyed (static order)
-  if (peer_id.empty()) return "";
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = owners->emplace(key, peer_id).first;
-  return it->second == peer_id ? "" : it->second;
+namespace {
+
+// cuda-ipc exports opened here for agents: handle bytes -> the process that opened it first.
+struct Claim {
+  pid_t pid;
+  uint64_t started;
+  std::string words;
+};
+std::mutex claims_mu;
+auto* claims = new std::map<std::string, Claim>();  // never destroyed (static order)
+
+// With claims_mu held: who holds `key` other than (pid, started), "" when none (a holder whose
+// process is gone, its pid free or reused, holds nothing).
+std::string other_holder(const std::string& key, pid_t pid, uint64_t started) {
+  auto it = claims->find(key);
+  if (it == claims->end()) return "";
+  const Claim& c = it->second;
+  if (c.pid == pid && c.started == started && started != 0) return "";
+  if (c.started != 0 && process_start_time(c.pid) == c.started) return c.words;
+  claims->erase(it);
+  return "";
+}
+
+}  // namespace
+
+std::string export_holder(const std::string& key, pid_t pid) {
+  std::lock_guard<std::mutex> lock(claims_mu);
+  return other_holder(key, pid, process_start_time(pid));
+}
+
+std::string claim_export(const std::string& key, pid_t pid, const std::string& words) {
+  uint64_t started = process_start_time(pid);
+  std::lock_guard<std::mutex> lock(claims_mu);
+  std::string other = other_holder(key, pid, started);
+  if (!other.empty()) return other;
+  if (started == 0) return "(a process whose start time cannot be read)";
+  claims->emplace(key, Claim{pid, started, words});
+  return "";
 }
 
 std::string first_difference(const WindowDesc& a, const WindowDesc& b) {
