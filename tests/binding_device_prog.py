@@ -12,8 +12,10 @@ a peer hands the victim descriptors of "its own" region that name a THIRD agent'
                    own-ipc     the third agent's IPC handle at offset SIZE with the peer's own pid,
                                sealed in the peer's memory (descforge.SealCell)
                    own-vmm     the third agent's fd server and token with the peer's own pid, sealed
+                 and, as an agent it names "third" (DIR/impostor.meta), DIR/impostor.own-ipc: the
+                 third agent's IPC handle as that impostor's own region, sealed
     victim DIR   reads the third agent's ipc region (its handle is then the third agent's here),
-                 then writes 0x77 to and reads from every peer.<case>: each op must go through
+                 then writes 0x77 to and reads from every peer.<case> and impostor.own-ipc: each op must go through
                  (into the peer's own region #0) or be refused naming the peer, on no device path
                  that maps the third agent's memory; what it reads never holds 0x33
     fuzz-target DIR  registers the middle SIZE bytes (0x55) of a 3*SIZE cudaMalloc allocation and of a
@@ -81,7 +83,17 @@ def peer(d):
                 w = cells[-1].publish(w, own.index)
             publish(d, "peer." + case, own.with_win(w).encode())
         publish(d, "peer.meta", p.metadata())
-        wait_done(d)
+        # A holder of the secret connects under the third agent's name (the victim takes it for a
+        # restart of it) and presents the third agent's IPC handle as its own region, sealed.
+        with Agent("third", SECRET, timeout=20) as impostor:
+            mine = Region.decode(impostor.register(dev.buffer("ipc", SIZE)).descriptor)
+            w = replace(Region.decode(read_published(d, "third.ipc", timeout=60)).win(), pid=mine.win().pid,
+                        host=mine.win().host, ns=mine.win().ns, cookie=mine.win().cookie)
+            w = replace(w, ipc_offset=w.ipc_offset + SIZE)
+            cells.append(SealCell())
+            publish(d, "impostor.own-ipc", mine.with_win(cells[-1].publish(w, mine.index)).encode())
+            publish(d, "impostor.meta", impostor.metadata())
+            wait_done(d)
     print("peer ok", flush=True)
 
 
@@ -114,6 +126,24 @@ def victim(d):
                 bad.append(f"{case}: the third agent's memory was mapped ({path})")
             if b"\x33" in back.read(0, SIZE):
                 bad.append(f"{case}: the read brought the third agent's bytes")
+        # The impostor under the third agent's name (its connection supersedes the third agent's).
+        imp = v.connect(read_published(d, "impostor.meta", timeout=60), timeout=20)
+        forged = read_published(d, "impostor.own-ipc", timeout=60)
+        back.write(0, bytes(SIZE))
+        for op, local in (("write", lsrc), ("read", lback)):
+            try:
+                getattr(imp, op)(local, forged, SIZE).wait(20)
+                verdict = "went through"
+            except MeshError as e:
+                check("agent third" in str(e), f"impostor {op}: the error names no peer: {e}")
+                verdict = f"refused: {e}"
+            print(f"VERDICT impostor {op} {verdict}", flush=True)
+        path = imp.path_to(forged, lback) if "went through" in verdict else "-"
+        print(f"VERDICT impostor path {path}", flush=True)
+        if path == "cuda-ipc":
+            bad.append("impostor: the third agent's memory was mapped for a peer under its name")
+        if b"\x33" in back.read(0, SIZE):
+            bad.append("impostor: the read brought the third agent's bytes")
         publish(d, "done", b"")
         check(not bad, "; ".join(bad))
     print("victim ok", flush=True)

@@ -3,7 +3,8 @@ hands out descriptors of "its own" region carrying a THIRD agent's IPC handle or
 that agent's pid, cookie address and cookie, or with its own pid and a seal it forged) never makes
 this agent open the third agent's memory (tests/binding_device_prog.py): the pid must hold the
 peer's end of this connection, the fd server must be the peer's process (SO_PEERCRED), and a
-legacy handle this process opened for the third agent is not opened for another peer.
+legacy handle this process opened for the third agent is not opened for another peer process,
+not even one that connects under the third agent's name.
 Before the fix the victim opened the third agent's allocation and wrote its bytes outside every
 region the third agent registered.
 """
@@ -49,7 +50,7 @@ def test_a_third_agents_ipc_handle_or_fd_server_is_never_opened(tmp_path):
     logged = dict(fake_env(), FLAGCX_MESH_LOG="info")  # the victim logs why each path was refused
     outs = run_roles(tmp_path, ("victim", "peer", "third"), {"victim": logged})
     verdicts = [ln for ln in outs["victim"].splitlines() if ln.startswith("VERDICT")]
-    assert len(verdicts) == 12, outs["victim"]
+    assert len(verdicts) == 15, outs["victim"]
     for why in ("field pid: the published pid is not the peer agent's process",  # third-*
                 "field IPC handle: agent third",  # own-ipc: this process opened it for the third agent
                 "field fd server: it is served by pid"):  # own-vmm: not the peer's process

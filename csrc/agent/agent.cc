@@ -227,7 +227,7 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
 // reach: see docs/agent.md, "Deregistering".
 void Agent::revoke(Window& w, const Deadline& deadline) {
   w.sealed = true;  // new frames and answers are refused; those inside may finish until the deadline
-  if (w.cookie) *w.cookie = 0;  // no cma path can be chosen for it again
+  if (w.cookie) __atomic_store_n(w.cookie, 0, __ATOMIC_RELEASE);  // no path can be chosen for it again (as seal_window)
   w.own.reset();
   while (w.users.load() != 0 && !deadline.expired()) std::this_thread::sleep_for(std::chrono::microseconds(50));
   w.live = false;  // what is still inside is cut off at its next read or copy
@@ -498,7 +498,7 @@ void Agent::close() {
   server.reset();
   for (auto& w : windows_.all()) {  // the engines stopped: nothing lands any more
     w->live = false;
-    if (w->cookie) *w->cookie = 0;
+    if (w->cookie) __atomic_store_n(w->cookie, 0, __ATOMIC_RELEASE);
     w->own.reset();
     w->wait_io(Deadline::after_seconds(1));
     if (w->seg) w->seg->unlink();

@@ -250,8 +250,9 @@ PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, i
   req.forced_cuda = forced_cuda_path();
   req.outbox = &engine();
   req.peer_socket = conns_.recv[0].get();
+  req.proven = &proven_;  // the socket-table scan once per process of the peer
   req.peer_is_agent = true;
-  req.peer_id = "agent " + peer_.name;  // (a restart of it keeps the claim: a new incarnation supersedes the old)
+  req.peer_id = "agent " + peer_.name;  // (its words: a cuda-ipc claim is keyed by the proven process)
   req.fd_fetch_ms = static_cast<int>(std::clamp(agent_->timeout_s() * 1000.0, 1.0, 5000.0));
   PathChoice c = choose_path(req, d);
   if (!c.mismatch.empty()) fail_mismatch(remote, d, c.mismatch);  // its owner says it is not its registration

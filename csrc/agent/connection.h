@@ -11,6 +11,7 @@
 #include <utility>
 #include <memory>
 #include <mutex>
+#include <set>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -130,6 +131,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     std::vector<uint8_t> window;  // the descriptor it was bound for (error texts name a changed field)
   };
   std::map<ViewKey, Held> views_;  // never drops one: pointers to its views stay valid
+  std::set<std::pair<int32_t, uint64_t>> proven_;  // (pid, start time) proven the peer's process (binding.h)
   size_t max_views_ = 4096;
   // The descriptor bytes a view was found for, so an op finds it without hashing or allocating:
   // window bytes -> (index, device, view); cleared when it holds 4 * max_views_ entries.

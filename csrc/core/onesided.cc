@@ -268,7 +268,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
   }
   check_same_window(*w, parts);  // every rank closes it: nobody writes into it any more
   w->live = false;
-  if (w->cookie) *w->cookie = 0;  // revoked: no cma path can be chosen for it again
+  if (w->cookie) __atomic_store_n(w->cookie, 0, __ATOMIC_RELEASE);  // revoked: no cma path can be chosen for it again
   w->own.reset();                 // nor cuda-self
   // A (misbehaving) peer's frame the engine is landing: one socket read at most still writes
   // (window.h, io); the rest of that frame goes to a sink, and the peer's op is refused.

@@ -12,7 +12,7 @@
 extern "C" FLAGCX_MESH_API int flagcx_mesh_test_fetch_fds(const char* name, uint64_t token, size_t count,
                                                           int timeout_ms, char* why, size_t why_len) {
   std::string reason;
-  std::vector<int> fds = fxm::cuda::fetch_fds(name ? name : "", token, count, timeout_ms, &reason);
+  std::vector<int> fds = fxm::cuda::fetch_fds(name ? name : "", token, count, timeout_ms, &reason, 0);  // (any server)
   for (int fd : fds) ::close(fd);
   if (why != nullptr && why_len > 0) {
     size_t n = std::min(reason.size(), why_len - 1);

@@ -48,6 +48,26 @@ uint64_t window_seal(const WindowDesc& d, uint32_t index) {
   return v == 0 ? 1 : v;
 }
 
+// /proc/<pid>/stat field 22 (clock ticks after boot), 0 when unknown: with the pid, one process.
+uint64_t process_start_time(pid_t pid) {
+  std::string path = "/proc/" + std::to_string(pid) + "/stat";
+  FILE* f = std::fopen(path.c_str(), "r");
+  if (!f) return 0;
+  char buf[2048];
+  size_t n = std::fread(buf, 1, sizeof buf - 1, f);
+  std::fclose(f);
+  buf[n] = 0;
+  const char* p = std::strrchr(buf, ')');  // the command name may hold spaces and parentheses
+  if (!p) return 0;
+  ++p;
+  for (int field = 2; field < 21 && *p; ++field) {  // to the space before field 22
+    p = std::strchr(p + 1, ' ');
+    if (!p) return 0;
+  }
+  unsigned long long t = 0;
+  return std::sscanf(p, " %llu", &t) == 1 ? t : 0;
+}
+
 std::string peer_words(const PathRequest& req) {
   return req.peer_is_agent ? std::string("the peer agent") : "rank " + std::to_string(req.peer);
 }
@@ -61,8 +81,12 @@ std::string prove_process(const PathRequest& req, const WindowDesc& d) {
     return "peer is in another PID namespace (" + (d.pid_ns.empty() ? std::string("unknown") : d.pid_ns) +
            ", here " + (req.pid_ns.empty() ? std::string("unknown") : req.pid_ns) + "): its pid means nothing here";
   }
+  uint64_t started = process_start_time(d.pid);  // (a reused pid is another process: not the cached verdict)
+  std::pair<int32_t, uint64_t> who{d.pid, started};
+  if (req.proven && started != 0 && req.proven->count(who)) return "";
   std::string process = cma::holds_other_end(d.pid, req.peer_socket);
   if (!process.empty()) return "field pid: the published pid is not " + peer_words(req) + "'s process: " + process;
+  if (req.proven && started != 0) req.proven->insert(who);
   return "";
 }
 
@@ -126,13 +150,44 @@ std::string maps_file_at(pid_t pid, uint64_t addr, uint64_t bytes, uint64_t st_d
   return seen.empty() ? "it maps no file at " + hex(addr) : seen;
 }
 
-std::string claim_export(const std::string& key, const std::string& peer_id) {
-  static std::mutex mu;
-  static auto* owners = new std::map<std::string, std::string>();  // never destroyed (static order)
-  if (peer_id.empty()) return "";
-  std::lock_guard<std::mutex> lock(mu);
-  auto it = owners->emplace(key, peer_id).first;
-  return it->second == peer_id ? "" : it->second;
+namespace {
+
+// cuda-ipc exports opened here for agents: handle bytes -> the process that opened it first.
+struct Claim {
+  pid_t pid;
+  uint64_t started;
+  std::string words;
+};
+std::mutex claims_mu;
+auto* claims = new std::map<std::string, Claim>();  // never destroyed (static order)
+
+// With claims_mu held: who holds `key` other than (pid, started), "" when none (a holder whose
+// process is gone, its pid free or reused, holds nothing).
+std::string other_holder(const std::string& key, pid_t pid, uint64_t started) {
+  auto it = claims->find(key);
+  if (it == claims->end()) return "";
+  const Claim& c = it->second;
+  if (c.pid == pid && c.started == started && started != 0) return "";
+  if (c.started != 0 && process_start_time(c.pid) == c.started) return c.words;
+  claims->erase(it);
+  return "";
+}
+
+}  // namespace
+
+std::string export_holder(const std::string& key, pid_t pid) {
+  std::lock_guard<std::mutex> lock(claims_mu);
+  return other_holder(key, pid, process_start_time(pid));
+}
+
+std::string claim_export(const std::string& key, pid_t pid, const std::string& words) {
+  uint64_t started = process_start_time(pid);
+  std::lock_guard<std::mutex> lock(claims_mu);
+  std::string other = other_holder(key, pid, started);
+  if (!other.empty()) return other;
+  if (started == 0) return "(a process whose start time cannot be read)";
+  claims->emplace(key, Claim{pid, started, words});
+  return "";
 }
 
 std::string first_difference(const WindowDesc& a, const WindowDesc& b) {
@@ -147,7 +202,8 @@ std::string first_difference(const WindowDesc& a, const WindowDesc& b) {
   if (a.cookie != b.cookie) return "cookie";
   if (a.dev.ordinal != b.dev.ordinal) return "device";
   if (std::memcmp(a.dev.ipc_handle.reserved, b.dev.ipc_handle.reserved, cuda::kIpcHandleSize) != 0) return "IPC handle";
-  if (a.dev.ipc_offset != b.dev.ipc_offset || a.dev.ipc != b.dev.ipc) return "IPC offset";
+  if (a.dev.ipc != b.dev.ipc) return "IPC flag";
+  if (a.dev.ipc_offset != b.dev.ipc_offset) return "IPC offset";
   if (a.dev.vmm.size() != b.dev.vmm.size()) return "cuMem mappings";
   for (size_t i = 0; i < a.dev.vmm.size(); ++i) {
     if (a.dev.vmm[i].offset != b.dev.vmm[i].offset || a.dev.vmm[i].size != b.dev.vmm[i].size) return "cuMem mappings";

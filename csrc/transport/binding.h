@@ -10,7 +10,8 @@
 //
 //   process  the pid must be the process that holds the peer's end of this
 //            rank's (agent's) authenticated connection to the peer (the kernel's
-//            socket table, cma/peer_process.h), on this host, in this PID namespace;
+//            socket table, cma/peer_process.h), on this host, in this PID namespace
+//            (an agent's connection keeps the verdict per pid and start time);
 //   seal     the owner keeps, at the description's cookie address, a seal of the
 //            registration (window_seal(): the window index and the canonical
 //            encoding of the whole description); read back from that process it must equal the seal of
@@ -20,8 +21,9 @@
 //            inode) that process maps at the described address, shared and
 //            writable ("rw?s"), over the whole window (/proc/<pid>/maps, whole lines);
 //   exports  cuda-vmm: the fd server must be that process (SO_PEERCRED);
-//            cuda-ipc: a legacy handle is opened for one agent only (by name: the
-//            first that presented it in this process), and the mesh keeps its
+//            cuda-ipc: a legacy handle is opened for one peer process only (by pid
+//            and start time: the first that presented it and had it opened here,
+//            while it lives: claim_export), and the mesh keeps its
 //            "first publisher" rule (core/onesided_device.cc).
 //
 // Whatever fails refuses the path naming the peer and the field (describe(),
@@ -67,9 +69,18 @@ Binding bind_to_peer(const PathRequest& req, const WindowDesc& d);
 // over at least `bytes`, else why not (shm: the segment is the peer's).
 std::string maps_file_at(pid_t pid, uint64_t addr, uint64_t bytes, uint64_t st_dev, uint64_t st_ino);
 
-// cuda-ipc: "" when `peer_id` may open the export `key` (the first peer that
-// presented it in this process), else who presented it first.
-std::string claim_export(const std::string& key, const std::string& peer_id);
+// cuda-ipc, for agents ("first presenter"): an export is opened for one peer process only, the
+// first that presented it and had it opened here, keyed by its proven pid and start time (a
+// name is what a peer says; another holder of the secret may connect under it). The claim lasts
+// while that process lives: it is not released with the path, or a peer that supersedes the
+// owner's connection under its name would take it over once the old connection closed.
+// export_holder: "" when process `pid` may open `key`, else who holds it (checked before opening).
+// claim_export: the same, and records `pid` as the holder (called once the open succeeded).
+std::string export_holder(const std::string& key, pid_t pid);
+std::string claim_export(const std::string& key, pid_t pid, const std::string& words);
+
+// /proc/<pid>/stat field 22 (its start time in clock ticks after boot), 0 when unknown.
+uint64_t process_start_time(pid_t pid);
 
 // "rank 3" or "the peer agent", for refusals.
 std::string peer_words(const PathRequest& req);

@@ -17,6 +17,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <set>
+#include <utility>
 #include <string>
 #include <vector>
 
@@ -201,12 +203,15 @@ struct PathRequest {
   int peer_socket = -1;  // this rank's mesh connection to the peer (tells which process is the peer's)
   bool peer_is_agent = false;  // the peer's windows carry rank -1 in this process's table (own_windows.h)
   int fd_fetch_ms = 5000;  // cuda-vmm: fetching the peer's cuMem fds, all of it (the mesh timeout, 5 s at most)
-  // Who the peer is beyond this process ("agent b 1a2b3c..."): a legacy IPC handle is opened for
-  // one peer only (binding.h). Empty: the caller binds exports itself (the mesh's first publisher).
+  // The peer in refusals ("agent b"); not empty: a legacy IPC handle is opened for one peer process
+  // only (binding.h, keyed by its proven pid). Empty: the caller binds exports itself (the mesh).
   std::string peer_id;
   // The seal of the description as its publisher handed it over (binding.h); 0: of the description
   // given to choose_path() (the mesh narrows a description's exports first: bind_exports).
   uint64_t seal = 0;
+  // Processes already proven to be the peer's on this connection, as (pid, start time): the
+  // socket-table scan is done once per process (binding.h); null: each time.
+  std::set<std::pair<int32_t, uint64_t>>* proven = nullptr;
   // Set by choose_path(): what the description was proven to be (binding.h).
   const struct Binding* binding = nullptr;
 };

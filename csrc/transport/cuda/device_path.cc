@@ -120,9 +120,13 @@ std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDes
 std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
   std::string no = mappable(req, d, ForcedCudaPath::kIpc);
   if (no.empty() && !d.dev.ipc) no = d.dev.why_no_ipc;
-  if (no.empty()) {  // binding.h: one legacy handle, one peer
-    std::string first = claim_export(std::string(d.dev.ipc_handle.reserved, cuda::kIpcHandleSize), req.peer_id);
-    if (!first.empty()) no = "field IPC handle: " + first + " presented this handle first: it opens that peer's memory";
+  std::string key(d.dev.ipc_handle.reserved, cuda::kIpcHandleSize);
+  auto taken = [](const std::string& first) {
+    return "field IPC handle: " + first + " presented this handle first: it opens that peer's memory";
+  };
+  if (no.empty() && !req.peer_id.empty()) {  // binding.h: one legacy handle, one peer process
+    std::string first = export_holder(key, d.pid);  // (d.pid is the peer's process: binding.h proved it)
+    if (!first.empty()) no = taken(first);
   }
   if (!no.empty()) {
     *why = "cuda-ipc refused: " + no;
@@ -130,6 +134,13 @@ std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDes
   }
   try {
     auto m = cuda::PeerMapping::open_ipc(d.dev, d.size, copy_device(req, d));
+    if (!req.peer_id.empty()) {  // opened, inside its allocation: now it is this peer's
+      std::string first = claim_export(key, d.pid, req.peer_id + " (pid " + std::to_string(d.pid) + ")");
+      if (!first.empty()) {
+        *why = "cuda-ipc refused: " + taken(first);
+        return nullptr;
+      }
+    }
     uint8_t* base = m->window_base();
     return std::make_unique<DevicePath>(PathKind::kCudaIpc, req.peer, copy_device(req, d), base, std::move(m),
                                         req.outbox);

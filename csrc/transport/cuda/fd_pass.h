@@ -52,8 +52,9 @@ class FdServer {
 // token and answer together). Empty with *why set when it cannot (another
 // network namespace, refused, a server that accepted or answered nothing in time).
 // With expect_pid > 0, the server must be that process (SO_PEERCRED): a
-// description naming another process's server is refused before the token is sent.
+// description naming another process's server is refused before the token is sent
+// (0: any server, for the fd-server tests only).
 std::vector<int> fetch_fds(const std::string& name, uint64_t token, size_t count, int timeout_ms,
-                           std::string* why, int expect_pid = 0);
+                           std::string* why, int expect_pid);
 
 }  // namespace fxm::cuda
