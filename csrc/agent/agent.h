@@ -145,6 +145,11 @@ struct AgentStats {
   uint64_t answer_bytes_held = 0;
   uint64_t answer_bytes_peak = 0;
   uint64_t total_rejected() const;
+  // The counters by name, in the order stats() documents them (docs/agent.md): the
+  // Python dict and the C ABI's JSON are both made from this list.
+  std::vector<std::pair<std::string, uint64_t>> counters() const;
+  // The refusals by reason (only reasons counted at least once).
+  std::vector<std::pair<std::string, uint64_t>> rejections() const;
 };
 
 class Agent {

@@ -36,6 +36,22 @@ uint64_t AgentStats::total_rejected() const {
   return n;
 }
 
+std::vector<std::pair<std::string, uint64_t>> AgentStats::counters() const {
+  return {{"accepted", accepted},
+          {"connected", connected},
+          {"accept_fd_exhausted", accept_fd_exhausted},
+          {"get_answer_bytes_held", answer_bytes_held},
+          {"get_answer_bytes_peak", answer_bytes_peak}};
+}
+
+std::vector<std::pair<std::string, uint64_t>> AgentStats::rejections() const {
+  std::vector<std::pair<std::string, uint64_t>> out;
+  for (size_t i = 0; i < rejected.size(); ++i) {
+    if (rejected[i]) out.emplace_back(wire::reject_name(static_cast<wire::Reject>(i)), rejected[i]);
+  }
+  return out;
+}
+
 std::vector<uint8_t> RegionDesc::encode() const {
   bytes::Writer w;
   w.put<uint32_t>(kRegionMagic);

@@ -48,6 +48,41 @@ void give(const std::vector<uint8_t>& v, void* buf, size_t* len) {
   std::memcpy(buf, v.data(), v.size());
 }
 
+// A NUL-terminated text out, as give() does bytes (*len counts the NUL).
+void give_text(const std::string& text, char* buf, size_t* len) {
+  std::vector<uint8_t> v(text.begin(), text.end());
+  v.push_back(0);
+  give(v, buf, len);
+}
+
+void json_string(std::string* out, const std::string& s) {
+  *out += '"';
+  for (char c : s) {
+    if (c == '"' || c == '\\') *out += '\\';
+    if (static_cast<unsigned char>(c) < 0x20) continue;  // (names hold none)
+    *out += c;
+  }
+  *out += '"';
+}
+
+// agent.stats() as one JSON object: the counters, then "rejected": {reason: count}.
+std::string stats_json(const fxm::agent::AgentStats& s) {
+  std::string out = "{";
+  for (const auto& [name, n] : s.counters()) {
+    json_string(&out, name);
+    out += ":" + std::to_string(n) + ",";
+  }
+  out += "\"rejected\":{";
+  bool first = true;
+  for (const auto& [reason, n] : s.rejections()) {
+    if (!first) out += ",";
+    first = false;
+    json_string(&out, reason);
+    out += ":" + std::to_string(n);
+  }
+  return out + "}}";
+}
+
 }  // namespace
 
 extern "C" {
@@ -129,6 +164,57 @@ flagcx_mesh_result_t flagcx_mesh_agent_connect(flagcx_mesh_agent_t agent, const 
     require(conn, "conn");
     auto c = agent->a->connect(bytes_of(metadata, metadata_len, "metadata"), timeout_s);
     *conn = new flagcx_mesh_agent_conn{std::move(c)};
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_stats(flagcx_mesh_agent_t agent, char* buf, size_t* len) {
+  return guard("flagcx_mesh_agent_stats", [&] {
+    require(agent, "agent");
+    give_text(stats_json(agent->a->stats()), buf, len);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_peers(flagcx_mesh_agent_t agent, char* buf, size_t* len) {
+  return guard("flagcx_mesh_agent_peers", [&] {
+    require(agent, "agent");
+    std::string text;
+    for (const auto& p : agent->a->peers()) {
+      text += p.name + " " + fxm::agent::incarnation_hex(p.incarnation) + " " + p.address + "\n";
+    }
+    give_text(text, buf, len);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_alloc(flagcx_mesh_agent_t agent, uint64_t size, void** base, void* desc,
+                                             size_t* desc_len) {
+  return guard("flagcx_mesh_agent_alloc", [&] {
+    require(agent, "agent");
+    require(base, "base");
+    require(desc_len, "desc_len");
+    if (desc == nullptr) fail(Code::kInvalidArgument, -1, 0, "desc is NULL");
+    fxm::agent::RegionDesc d = agent->a->alloc(size);
+    std::vector<uint8_t> enc = d.encode();
+    if (*desc_len < enc.size()) {
+      *desc_len = enc.size();
+      agent->a->deregister(d, 0);  // nothing allocated when it cannot be returned
+      fail(Code::kInvalidArgument, -1, 0, "desc holds too few bytes; " + std::to_string(enc.size()) + " are needed");
+    }
+    give(enc, desc, desc_len);
+    *base = agent->a->region_base(d.index);
+  });
+}
+
+flagcx_mesh_result_t flagcx_mesh_agent_path_to(flagcx_mesh_agent_conn_t conn, const void* remote, size_t remote_len,
+                                               const void* local, size_t local_len, char* buf, size_t* len) {
+  return guard("flagcx_mesh_agent_path_to", [&] {
+    require(conn, "conn");
+    fxm::agent::RegionDesc r = fxm::agent::RegionDesc::decode(bytes_of(remote, remote_len, "remote"));
+    if (local == nullptr) {
+      give_text(conn->c->path_to(r, nullptr), buf, len);
+      return;
+    }
+    fxm::agent::RegionDesc l = fxm::agent::RegionDesc::decode(bytes_of(local, local_len, "local"));
+    give_text(conn->c->path_to(r, &l), buf, len);
   });
 }
 

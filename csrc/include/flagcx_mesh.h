@@ -258,6 +258,24 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_deregister(flagcx_mesh_ag
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_connect(flagcx_mesh_agent_t agent, const void *metadata,
                                                                size_t metadata_len, double timeout_s,
                                                                flagcx_mesh_agent_conn_t *conn);
+/* The agent's counters as one JSON object, NUL-terminated (*len counts the NUL): the
+ * keys of Python's agent.stats(), e.g. {"accepted":2,"connected":1,"accept_fd_exhausted":0,
+ * "get_answer_bytes_held":0,"get_answer_bytes_peak":0,"rejected":{"bad authentication":1}}.
+ * 1024 bytes hold every key; a short buffer fails with *len set to the size needed. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_stats(flagcx_mesh_agent_t agent, char *buf, size_t *len);
+/* One line per open connection, "NAME INCARNATION ADDRESS\n" (NAME at most 200 bytes,
+ * INCARNATION in hex), NUL-terminated; "" when none. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_peers(flagcx_mesh_agent_t agent, char *buf, size_t *len);
+/* Allocates size bytes of zero-filled shared memory and registers it (local peers reach it
+ * over shm): its address into *base, its descriptor into desc (as flagcx_mesh_agent_register). */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_alloc(flagcx_mesh_agent_t agent, uint64_t size, void **base,
+                                                             void *desc, size_t *desc_len);
+/* The path transfers to the peer's region remote take from local (NULL: from host memory):
+ * "self", "shm", "cma", "tcp", "cuda-self", "cuda-vmm", "cuda-ipc" or "staged",
+ * NUL-terminated (16 bytes hold any). Chosen on first use, as a transfer would. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_path_to(flagcx_mesh_agent_conn_t conn, const void *remote,
+                                                               size_t remote_len, const void *local, size_t local_len,
+                                                               char *buf, size_t *len);
 /* Drops this reference to the connection (the agent keeps it open). */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_conn_release(flagcx_mesh_agent_conn_t conn);
 /* Writes (is_read 0) or reads nops transfers, all checked before any byte

@@ -379,16 +379,10 @@ void bind_agent(py::module_& m) {
       .def("stats", [](const Agent& a) {
         fxm::agent::AgentStats s = a.stats();
         py::dict rejected;
-        for (size_t i = 0; i < s.rejected.size(); ++i) {
-          if (s.rejected[i]) rejected[fxm::wire::reject_name(static_cast<fxm::wire::Reject>(i))] = s.rejected[i];
-        }
+        for (const auto& [reason, n] : s.rejections()) rejected[py::str(reason)] = n;
         py::dict out;
-        out["accepted"] = s.accepted;
-        out["connected"] = s.connected;
-        out["accept_fd_exhausted"] = s.accept_fd_exhausted;
+        for (const auto& [name, n] : s.counters()) out[py::str(name)] = n;
         out["rejected"] = rejected;
-        out["get_answer_bytes_held"] = s.answer_bytes_held;
-        out["get_answer_bytes_peak"] = s.answer_bytes_peak;
         return out;
       })
       .def("close", &Agent::close, py::call_guard<py::gil_scoped_release>())
