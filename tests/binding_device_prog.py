@@ -126,11 +126,18 @@ def victim(d):
                 bad.append(f"{case}: the third agent's memory was mapped ({path})")
             if b"\x33" in back.read(0, SIZE):
                 bad.append(f"{case}: the read brought the third agent's bytes")
-        # The impostor under the third agent's name (its connection supersedes the third agent's).
-        imp = v.connect(read_published(d, "impostor.meta", timeout=60), timeout=20)
+        # The impostor under the third agent's name. The third agent is alive, so the victim
+        # refuses a second agent of that name at connect (docs/agent.md); were it let in, the
+        # IPC claim (the third agent's process, not its name) must still keep it from the handle.
+        try:
+            imp = v.connect(read_published(d, "impostor.meta", timeout=60), timeout=20)
+        except MeshError as e:
+            check("a second agent named third is refused" in str(e), f"impostor connect: {e}")
+            print(f"VERDICT impostor connect refused: {e}", flush=True)
+            imp = None
         forged = read_published(d, "impostor.own-ipc", timeout=60)
         back.write(0, bytes(SIZE))
-        for op, local in (("write", lsrc), ("read", lback)):
+        for op, local in (("write", lsrc), ("read", lback)) if imp is not None else ():
             try:
                 getattr(imp, op)(local, forged, SIZE).wait(20)
                 verdict = "went through"
@@ -138,7 +145,7 @@ def victim(d):
                 check("agent third" in str(e), f"impostor {op}: the error names no peer: {e}")
                 verdict = f"refused: {e}"
             print(f"VERDICT impostor {op} {verdict}", flush=True)
-        path = imp.path_to(forged, lback) if "went through" in verdict else "-"
+        path = imp.path_to(forged, lback) if imp is not None and "went through" in verdict else "-"
         print(f"VERDICT impostor path {path}", flush=True)
         if path == "cuda-ipc":
             bad.append("impostor: the third agent's memory was mapped for a peer under its name")

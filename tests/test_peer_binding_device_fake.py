@@ -50,7 +50,10 @@ def test_a_third_agents_ipc_handle_or_fd_server_is_never_opened(tmp_path):
     logged = dict(fake_env(), FLAGCX_MESH_LOG="info")  # the victim logs why each path was refused
     outs = run_roles(tmp_path, ("victim", "peer", "third"), {"victim": logged})
     verdicts = [ln for ln in outs["victim"].splitlines() if ln.startswith("VERDICT")]
-    assert len(verdicts) == 15, outs["victim"]
+    # 4 forged cases x (write, read, path); the impostor named "third" is refused at connect while the
+    # third agent lives (its path line then says "-")
+    assert len(verdicts) == 14, outs["victim"]
+    assert "VERDICT impostor connect refused" in outs["victim"] and "VERDICT impostor path -" in outs["victim"]
     for why in ("field pid: the published pid is not the peer agent's process",  # third-*
                 "field IPC handle: agent third",  # own-ipc: this process opened it for the third agent
                 "field fd server: it is served by pid"):  # own-vmm: not the peer's process
