@@ -254,6 +254,22 @@ def _deep_dir(base: str, length: int) -> str:
     return d
 
 
+def assert_sealed_claim_of_segment_refused(monkeypatch, name, path, addr):
+    """The peer publishes its region under the decoy's segment name at `addr`, with a seal that
+    matches: the shm path must still not be taken, and the decoy stays as it was."""
+    a, b, conn = agents(monkeypatch, "auto")
+    with a, b:
+        r = Region.decode(b.alloc(N).descriptor)
+        w = r.win()
+        cell = SealCell()
+        forged = r.with_win(cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode(), "addr": addr}),
+                                         r.index)).encode()
+        src = a.register(np.full(N, 0x11, np.uint8))
+        attempt(conn, src, forged, N, False)
+        assert conn.path_to(forged) != "shm", conn.path_to(forged)
+        assert decoy_intact(path)
+
+
 def test_shm_maps_line_split_by_a_long_path_is_not_a_line_of_its_own(monkeypatch, decoy, tmp_path):
     """The peer maps a file whose path runs past 1023 characters, its tail written as a maps line
     "X-Y rw-s 0 dev ino" naming the decoy at an address X of its choice, and describes its region
@@ -277,17 +293,7 @@ def test_shm_maps_line_split_by_a_long_path_is_not_a_line_of_its_own(monkeypatch
         pad = 1023 - prefix - len(d) - 1  # the tail starts at the 1024th character
         assert 0 < pad and pad + len(fake) < 255, (prefix, len(d))
         os.rename(first, os.path.join(d, "p" * pad + fake))  # the maps line shows the new path
-        a, b, conn = agents(monkeypatch, "auto")
-        with a, b:
-            r = Region.decode(b.alloc(N).descriptor)
-            w = r.win()
-            cell = SealCell()
-            forged = r.with_win(cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode(),
-                                                            "addr": fake_addr}), r.index)).encode()
-            src = a.register(np.full(N, 0x11, np.uint8))
-            attempt(conn, src, forged, N, False)
-            assert conn.path_to(forged) != "shm", conn.path_to(forged)
-            assert decoy_intact(path)
+        assert_sealed_claim_of_segment_refused(monkeypatch, name, path, fake_addr)
     finally:
         m.close()
 
@@ -303,17 +309,7 @@ def test_shm_private_mapping_of_the_file_does_not_bind_it(monkeypatch, decoy):
     os.close(fd)
     addr = ctypes.addressof(ctypes.c_char.from_buffer(m))
     try:
-        a, b, conn = agents(monkeypatch, "auto")
-        with a, b:
-            r = Region.decode(b.alloc(N).descriptor)
-            w = r.win()
-            cell = SealCell()
-            forged = r.with_win(cell.publish(w.__class__(**{**w.__dict__, "shm_name": name.encode(),
-                                                            "addr": addr}), r.index)).encode()
-            src = a.register(np.full(N, 0x11, np.uint8))
-            attempt(conn, src, forged, N, False)
-            assert conn.path_to(forged) != "shm", conn.path_to(forged)
-            assert decoy_intact(path)
+        assert_sealed_claim_of_segment_refused(monkeypatch, name, path, addr)
     finally:
         del addr
         import gc
