@@ -79,7 +79,14 @@ Agent::Agent(const AgentOptions& o)
 
 Agent::~Agent() { close(); }
 
-std::vector<uint8_t> Agent::metadata() const { return Metadata{name_, incarnation_, listen_addr_}.encode(); }
+void Agent::require_open(const char* call) const {
+  if (closed_) fail(Code::kClosed, -1, 0, who() + call + ": the agent was closed");
+}
+
+std::vector<uint8_t> Agent::metadata() const {
+  require_open("metadata");
+  return Metadata{name_, incarnation_, listen_addr_}.encode();
+}
 
 AgentStats Agent::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
@@ -123,7 +130,7 @@ void Agent::set_cookie(Window* w) {
 }
 
 RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_name) {
-  if (closed_) fail(Code::kClosed, -1, 0, who() + "register: the agent was closed");
+  require_open("register");
   std::lock_guard<std::mutex> lock(mu_);  // one index per window, in order
   w->index = windows_.next_index();
   set_cookie(w.get());
@@ -186,6 +193,7 @@ std::shared_ptr<Window> Agent::window_for(const RegionDesc& d, const char* op, b
 }
 
 void Agent::deregister(const RegionDesc& region, double timeout_s) {
+  require_open("deregister");
   bool entered = false;
   std::shared_ptr<Window> w = window_for(region, "deregister", &entered);
   w->leave();
@@ -369,7 +377,7 @@ std::shared_ptr<Connection> Agent::find(const std::string& name, const Incarnati
 }
 
 std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Metadata* expect, const Deadline& d) {
-  if (closed_) fail(Code::kClosed, -1, 0, who() + "connect: the agent was closed");
+  require_open("connect");
   hs::Ident me{name_, expect ? expect->incarnation : Incarnation{}};
   me.lanes = static_cast<uint8_t>(tcp_lanes_);
   crypto::random_bytes(reinterpret_cast<uint8_t*>(&me.token), sizeof(me.token));
@@ -465,11 +473,14 @@ void Agent::forget(const std::shared_ptr<Connection>& c) {
   conns_.erase(std::remove(conns_.begin(), conns_.end(), c), conns_.end());
 }
 
-std::vector<Notification> Agent::notifications(double timeout_s) { return inbox_->take(timeout_s); }
+std::vector<Notification> Agent::notifications(double timeout_s) {
+  require_open("notifications");
+  return inbox_->take(timeout_s);
+}
 
 NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
                                                  void* stream, double timeout_s) {
-  if (closed_) fail(Code::kClosed, -1, 0, who() + "stream_wait_notification: the agent was closed");
+  require_open("stream_wait_notification");
   if (!peer.empty() && peer.size() > kMaxAgentName) {
     fail(Code::kInvalidArgument, -1, 0, who() + "stream_wait_notification: a peer name is 1.." +
                                             std::to_string(kMaxAgentName) + " bytes");
@@ -489,7 +500,7 @@ void Agent::close() {
     std::lock_guard<std::mutex> lock(mu_);
     conns.swap(conns_);
   }
-  for (auto& c : conns) c->close("this agent was closed");
+  for (auto& c : conns) c->close_for_agent();
   std::unique_ptr<cuda::FdServer> server;
   {
     std::lock_guard<std::mutex> lock(exports_mu_);  // its thread takes this lock: stopped outside it

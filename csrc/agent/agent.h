@@ -209,6 +209,9 @@ class Agent {
 
   void close();  // idempotent: stops the listener, closes every connection and region
   bool closed() const { return closed_.load(); }
+  // Throws Closed naming the call once close() began: every call but the accessors
+  // (name, incarnation, address, stats, peers, closed) and close itself.
+  void require_open(const char* call) const;
   double timeout_s() const { return timeout_s_; }
   int tcp_lanes() const { return tcp_lanes_; }  // the lanes this agent offers (FLAGCX_MESH_TCP_LANES)
   // Sockets planned per lane when the default lanes are fitted to RLIMIT_NOFILE (base/env.h):

@@ -153,6 +153,16 @@ void Connection::close(const std::string& why) {
   if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
+// An ended connection's calls: Closed when this agent closed it, else PeerLost.
+Code Connection::lost_code() const {
+  return agent_closed_.load(std::memory_order_acquire) ? Code::kClosed : Code::kPeerLost;
+}
+
+void Connection::close_for_agent() {
+  agent_closed_.store(true, std::memory_order_release);
+  close("this agent was closed");
+}
+
 uint64_t Connection::ping() { return engine_->ping(kPeer); }
 
 bool Connection::answered(uint64_t mark) const { return engine_->acks_heard(kPeer) > mark; }
@@ -442,7 +452,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
                             StreamArg stream) {
   const char* call = is_read ? "read" : "write";
-  if (ended()) fail(Code::kPeerLost, -1, 0, who() + ": " + call + ": " + gone());
+  if (ended()) fail(lost_code(), -1, 0, who() + ": " + call + ": " + gone());
   std::vector<Checked> checked;
   checked.reserve(ops.size());
   for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
@@ -523,7 +533,7 @@ void Connection::fail_call(const Error& e, const std::string& call) const {
   std::string g = gone();
   bool said_goodbye = ready_.load(std::memory_order_acquire) && engine_->peer_closed(kPeer);
   if ((e.code() == Code::kClosed || said_goodbye) && !g.empty()) cause = g;  // not the engine's "closed its mesh"
-  fail(e.code() == Code::kClosed ? Code::kPeerLost : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
+  fail(e.code() == Code::kClosed ? lost_code() : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
 }
 
 // ------------------------------------------------------------ Handle

@@ -61,6 +61,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void take_notifications(std::vector<Notification>* out);
   // Closes (kBye to the peer, engine stopped); `why` is what later calls say.
   void close(const std::string& why);
+  // close(), because this agent closed: later calls on it raise Closed ("this agent was
+  // closed"), not PeerLost (no peer went).
+  void close_for_agent();
+  Code lost_code() const;
   // Marks it closed (`why`: what later calls say, ended() true) without stopping its engine,
   // which may wait for a hung peer: close() follows, off the caller's thread (Agent's closer).
   void retire(const std::string& why);
@@ -152,6 +156,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   mutable std::mutex state_mu_;
   std::string closed_why_;
   std::atomic<bool> closed_{false};  // closed_why_ is set
+  std::atomic<bool> agent_closed_{false};  // by close_for_agent()
   std::atomic<bool> stopped_{false};
   std::atomic<bool> ready_{false};  // engine_ is set
 };
