@@ -167,10 +167,11 @@ uint64_t Connection::ping() { return engine_->ping(kPeer); }
 
 bool Connection::answered(uint64_t mark) const { return engine_->acks_heard(kPeer) > mark; }
 
-Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call) const {
-  if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + call + ": a descriptor is missing");
+Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call, long op) const {
+  std::string which = op < 0 ? std::string(call) : std::string(call) + " op " + std::to_string(op);
+  if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + which + ": a descriptor is missing");
   const RegionDesc& r = *x.remote;
-  auto what = [&] { return who() + ": " + call + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
+  auto what = [&] { return who() + ": " + which + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
   if (r.agent != peer_.name) {
     fail(Code::kInvalidArgument, -1, 0, what() + "to a region of agent " + r.agent + ", not of this connection's peer");
   }
@@ -455,7 +456,9 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   if (ended()) fail(lost_code(), -1, 0, who() + ": " + call + ": " + gone());
   std::vector<Checked> checked;
   checked.reserve(ops.size());
-  for (const Xfer& x : ops) checked.push_back(check(x, is_read, call));
+  for (size_t i = 0; i < ops.size(); ++i) {
+    checked.push_back(check(ops[i], is_read, call, ops.size() > 1 ? static_cast<long>(i) : -1));
+  }
   std::lock_guard<std::mutex> lock(op_mu_);
   cookie_checked_ = nullptr;
   last_remote_ = nullptr;

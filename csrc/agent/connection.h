@@ -89,7 +89,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   bool joined_locked() const;  // lanes_joined() with state_mu_ held
   struct Checked;
-  Checked check(const Xfer& x, bool is_read, const char* call) const;
+  // op: the op's index in a batch of several (its errors name it), -1 for a call of one op.
+  Checked check(const Xfer& x, bool is_read, const char* call, long op = -1) const;
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
   [[noreturn]] void fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const;

@@ -28,6 +28,25 @@ std::vector<uint8_t> to_vec(const py::bytes& b) {
   return std::vector<uint8_t>(s.begin(), s.end());
 }
 
+// A bytes-like argument (bytes, bytearray, memoryview, a numpy array: anything with a buffer)
+// copied out; anything else (a str included: no encoding is guessed) is refused naming it.
+std::vector<uint8_t> bytes_arg(const py::handle& o, const char* name) {
+  if (PyBytes_Check(o.ptr())) return to_vec(py::reinterpret_borrow<py::bytes>(o));
+  if (PyUnicode_Check(o.ptr()) || !PyObject_CheckBuffer(o.ptr())) {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(name) + " must be bytes-like (bytes, bytearray, "
+                                                    "memoryview), not " + Py_TYPE(o.ptr())->tp_name);
+  }
+  Py_buffer view;
+  if (PyObject_GetBuffer(o.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
+    PyErr_Clear();
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(name) + " must be a C-contiguous buffer");
+  }
+  const uint8_t* p = static_cast<const uint8_t*>(view.buf);
+  std::vector<uint8_t> out(p, p + view.len);
+  PyBuffer_Release(&view);
+  return out;
+}
+
 py::bytes to_bytes(const std::vector<uint8_t>& v) { return py::bytes(reinterpret_cast<const char*>(v.data()), v.size()); }
 
 RegionDesc region(const py::bytes& b) { return RegionDesc::decode(to_vec(b)); }
@@ -125,7 +144,7 @@ struct PyHandle {
 // What a call takes beside its ops: its notification (bytes or None) and its stream (handle or None).
 struct CallArgs {
   CallArgs(const py::object& notif, const std::optional<uint64_t>& stream) : has_notification(!notif.is_none()) {
-    if (has_notification) notification = to_vec(notif.cast<py::bytes>());
+    if (has_notification) notification = bytes_arg(notif, "notification");
     on.set = stream.has_value();
     on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
   }
@@ -213,6 +232,12 @@ PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bo
   xs.reserve(ops.size());
   for (const py::handle& item : ops) {
     long i = static_cast<long>(xs.size());
+    if (!PyTuple_Check(item.ptr()) && (!PySequence_Check(item.ptr()) || PyUnicode_Check(item.ptr()) ||
+                                       PyBytes_Check(item.ptr()))) {
+      fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+                arg_name((std::string("a transfer is (local, local_offset, remote, remote_offset, size), not ") +
+                          Py_TYPE(item.ptr())->tp_name).c_str(), i));
+    }
     py::tuple t = PyTuple_Check(item.ptr()) ? py::reinterpret_borrow<py::tuple>(item)
                                             : py::tuple(py::reinterpret_borrow<py::object>(item));
     if (t.size() != 5) {
@@ -281,8 +306,8 @@ void bind_connection(py::module_& m) {
       .def("transfer_one_sync", &transfer_one_sync, py::arg("local"), py::arg("remote"), py::arg("size"),
            py::arg("local_offset"), py::arg("remote_offset"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none(), py::arg("timeout") = 0.0)
-      .def("notify", [](Connection& c, const py::bytes& b) {
-        std::vector<uint8_t> v = to_vec(b);
+      .def("notify", [](Connection& c, const py::object& b) {
+        std::vector<uint8_t> v = bytes_arg(b, "data");
         py::gil_scoped_release release;
         c.notify(v);
       })
@@ -370,9 +395,9 @@ void bind_agent(py::module_& m) {
         for (const auto& n : got) out.append(py::make_tuple(n.peer, fxm::agent::incarnation_hex(n.incarnation), to_bytes(n.bytes)));
         return out;
       }, py::arg("timeout") = 0.0)
-      .def("stream_wait_notification", [](Agent& a, const py::bytes& data, uint64_t stream, const std::string& peer,
+      .def("stream_wait_notification", [](Agent& a, const py::object& data, uint64_t stream, const std::string& peer,
                                           double timeout) {
-        std::vector<uint8_t> v = to_vec(data);
+        std::vector<uint8_t> v = bytes_arg(data, "data");
         py::gil_scoped_release release;
         return a.stream_wait_notification(v, peer, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), timeout);
       }, py::arg("data"), py::arg("stream"), py::arg("peer") = "", py::arg("timeout") = 0.0)

@@ -207,7 +207,7 @@ class AgentConnection:
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
-        self._core.notify(bytes(data))
+        self._core.notify(data)
 
     def path_to(self, remote: Desc, local: Optional[Desc] = None) -> str:
         """The path transfers to ``remote`` take from ``local`` (default: from host
@@ -319,7 +319,7 @@ class Agent:
         handle = _cuda.stream_handle(stream)
         if handle is None:
             raise InvalidArgument("stream_wait_notification needs a stream (0: the legacy default stream)")
-        return NotificationWait(self._core.stream_wait_notification(bytes(data), handle, peer or "", timeout))
+        return NotificationWait(self._core.stream_wait_notification(data, handle, peer or "", timeout))
 
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
