@@ -194,6 +194,7 @@ std::shared_ptr<Window> Agent::window_for(const RegionDesc& d, const char* op, b
 
 void Agent::deregister(const RegionDesc& region, double timeout_s) {
   require_open("deregister");
+  check_call_timeout(timeout_s, who() + "deregister: timeout");
   bool entered = false;
   std::shared_ptr<Window> w = window_for(region, "deregister", &entered);
   w->leave();
@@ -415,6 +416,7 @@ void Agent::join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, con
 }
 
 std::shared_ptr<Connection> Agent::connect(const std::vector<uint8_t>& metadata, double timeout_s) {
+  check_call_timeout(timeout_s, who() + "connect: timeout");
   Metadata m = Metadata::decode(metadata);
   if (auto c = find(m.name, m.incarnation)) return c;
   {
@@ -429,6 +431,7 @@ std::shared_ptr<Connection> Agent::connect(const std::vector<uint8_t>& metadata,
 }
 
 std::shared_ptr<Connection> Agent::connect_address(const std::string& host_port, double timeout_s) {
+  check_call_timeout(timeout_s, who() + "connect: timeout");
   tcp::SockAddr to;
   if (!parse_host_port(host_port, &to)) {
     fail(Code::kInvalidArgument, -1, 0, who() + "connect: \"" + host_port + "\" is not host:port");
@@ -475,12 +478,14 @@ void Agent::forget(const std::shared_ptr<Connection>& c) {
 
 std::vector<Notification> Agent::notifications(double timeout_s) {
   require_open("notifications");
+  check_call_timeout(timeout_s, who() + "notifications: timeout");
   return inbox_->take(timeout_s);
 }
 
 NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
                                                  void* stream, double timeout_s) {
   require_open("stream_wait_notification");
+  check_call_timeout(timeout_s, who() + "stream_wait_notification: timeout");
   if (!peer.empty() && peer.size() > kMaxAgentName) {
     fail(Code::kInvalidArgument, -1, 0, who() + "stream_wait_notification: a peer name is 1.." +
                                             std::to_string(kMaxAgentName) + " bytes");

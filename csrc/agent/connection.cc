@@ -8,6 +8,7 @@
 #include <cstdlib>
 #include <thread>
 
+#include "base/env.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "transport/binding.h"
@@ -547,6 +548,7 @@ bool Handle::done() const {
 }
 
 void Handle::wait(double timeout_s) const {
+  check_call_timeout(timeout_s, "wait: timeout");
   if (!pending_) return;
   double t = timeout_s > 0 ? timeout_s : conn_->agent_timeout();
   conn_->wait(target_, Deadline::after_seconds(t), *this);

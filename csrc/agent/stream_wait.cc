@@ -1,9 +1,11 @@
 #include "agent/stream_wait.h"
 
+#include <cmath>
 #include <algorithm>
 #include <cstdlib>
 
 #include "agent/connection.h"
+#include "base/env.h"
 #include "agent/name_probe.h"
 #include "base/log.h"
 #include "core/window.h"
@@ -286,9 +288,10 @@ bool NotificationWait::done() const {
 }
 
 void NotificationWait::wait(double timeout_s) const {
+  check_call_timeout(timeout_s, "wait: timeout");
   std::unique_lock<std::mutex> lock(s_->sync->mu);
   auto released = [&] { return s_->released; };
-  if (timeout_s > 0) {
+  if (timeout_s > 0 && std::isfinite(timeout_s)) {
     auto until = std::chrono::duration<double>(timeout_s);
     if (!s_->sync->cv.wait_for(lock, until, released)) {
       fail(Code::kTimeout, -1, 0, what_wait(*s_) + ": still pending after " + std::to_string(timeout_s) + " s");

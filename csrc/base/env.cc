@@ -191,6 +191,10 @@ double build_timeout_s(double seconds, const char* what) {
   return seconds;
 }
 
+void check_call_timeout(double seconds, const std::string& what) {
+  if (seconds != 0) check_timeout(seconds, what.c_str(), true);
+}
+
 void check_timeout(double seconds, const char* what, bool no_limit_ok) {
   if (std::isfinite(seconds) && seconds > 0) return;
   if (no_limit_ok && std::isinf(seconds) && seconds > 0) return;

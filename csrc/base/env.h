@@ -53,6 +53,9 @@ double root_idle_timeout_s();
 // with no_limit_ok, +inf is accepted too (it means no limit). Throws
 // Error(kInvalidArgument) naming what and the value (NaN, <= 0, inf).
 void check_timeout(double seconds, const char* what, bool no_limit_ok);
+// An agent call's timeout: 0 keeps the call's default (docs/python-api.md, "Timeouts"), else
+// check_timeout(seconds, what, true); a negative number or NaN is refused naming `what`.
+void check_call_timeout(double seconds, const std::string& what);
 // A build deadline argument: 0 means default_timeout_s(); anything else must
 // pass check_timeout(seconds, what, false). Returns the seconds to use.
 double build_timeout_s(double seconds, const char* what);

@@ -61,12 +61,12 @@ py::dict region_info(const RegionDesc& d) {
   return out;
 }
 
-std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& secret, double timeout,
+std::shared_ptr<Agent> make_agent(const std::string& name, const std::string& secret, std::optional<double> timeout,
                                   double header_timeout, const py::object& allow) {
   fxm::agent::AgentOptions o;
   o.name = name;
   o.secret = secret;
-  o.timeout_s = timeout;
+  o.timeout_s = timeout.value_or(0.0);
   o.header_timeout_s = header_timeout;
   if (!allow.is_none()) {
     auto names = std::make_shared<std::set<std::string>>(allow.cast<std::set<std::string>>());
@@ -279,9 +279,9 @@ PyHandle transfer_one(const py::handle& self, Connection& c, const py::handle& l
 // released once. The errors are what the handle's wait() would raise.
 void transfer_one_sync(Connection& c, const py::handle& local, const py::handle& remote, const py::handle& size,
                        const py::handle& local_off, const py::handle& remote_off, bool is_read,
-                       const py::object& notif, const std::optional<uint64_t>& stream, double timeout) {
+                       const py::object& notif, const std::optional<uint64_t>& stream, std::optional<double> timeout) {
   OneOp op(local, remote, size, local_off, remote_off);
-  issue(c, op.xs, is_read, notif, stream, timeout);
+  issue(c, op.xs, is_read, notif, stream, timeout.value_or(0.0));
 }
 
 // The connection's Python object beside the connection (the handle holds the former).
@@ -305,7 +305,7 @@ void bind_connection(py::module_& m) {
            py::arg("stream") = py::none())
       .def("transfer_one_sync", &transfer_one_sync, py::arg("local"), py::arg("remote"), py::arg("size"),
            py::arg("local_offset"), py::arg("remote_offset"), py::arg("is_read"), py::arg("notification") = py::none(),
-           py::arg("stream") = py::none(), py::arg("timeout") = 0.0)
+           py::arg("stream") = py::none(), py::arg("timeout") = py::none())
       .def("notify", [](Connection& c, const py::object& b) {
         std::vector<uint8_t> v = bytes_arg(b, "data");
         py::gil_scoped_release release;
@@ -326,7 +326,8 @@ void bind_connection(py::module_& m) {
                      "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
                      "MeshTimeout); call names the call.")
       .def("done", [](const PyHandle& p) { return p.h.done(); }, py::call_guard<py::gil_scoped_release>())
-      .def("wait", [](const PyHandle& p, double timeout) { p.h.wait(timeout); }, py::arg("timeout") = 0.0,
+      .def("wait", [](const PyHandle& p, std::optional<double> timeout) { p.h.wait(timeout.value_or(0.0)); },
+           py::arg("timeout") = py::none(),
            py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); })
       .def("__repr__", [](const PyHandle& p) {
@@ -336,7 +337,8 @@ void bind_connection(py::module_& m) {
   using fxm::agent::NotificationWait;
   py::class_<NotificationWait>(m, "AgentNotificationWait")
       .def("done", &NotificationWait::done, py::call_guard<py::gil_scoped_release>())
-      .def("wait", &NotificationWait::wait, py::arg("timeout") = 0.0, py::call_guard<py::gil_scoped_release>())
+      .def("wait", [](const NotificationWait& w, std::optional<double> timeout) { w.wait(timeout.value_or(0.0)); },
+           py::arg("timeout") = py::none(), py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("error", &NotificationWait::error)
       .def_property_readonly("sender", &NotificationWait::sender);
 }
@@ -346,7 +348,7 @@ void bind_connection(py::module_& m) {
 void bind_agent(py::module_& m) {
   bind_connection(m);
   py::class_<Agent, std::shared_ptr<Agent>>(m, "AgentCore")
-      .def(py::init(&make_agent), py::arg("name"), py::arg("secret") = "", py::arg("timeout") = 0.0,
+      .def(py::init(&make_agent), py::arg("name"), py::arg("secret") = "", py::arg("timeout") = py::none(),
            py::arg("header_timeout") = 5.0, py::arg("allow") = py::none())
       .def_property_readonly("name", &Agent::name)
       .def_property_readonly("incarnation", [](const Agent& a) { return fxm::agent::incarnation_hex(a.incarnation()); })
@@ -367,17 +369,21 @@ void bind_agent(py::module_& m) {
         if (!base || d.agent != a.name() || d.incarnation != a.incarnation()) return py::none();
         return py::memoryview::from_memory(base, static_cast<py::ssize_t>(d.size));
       })
-      .def("deregister", [](Agent& a, const py::bytes& b, double timeout) {
+      .def("deregister", [](Agent& a, const py::bytes& b, std::optional<double> timeout_or_none) {
+        double timeout = timeout_or_none.value_or(0.0);
         RegionDesc d = region(b);
         py::gil_scoped_release release;
         a.deregister(d, timeout);
-      }, py::arg("region"), py::arg("timeout") = 0.0)
-      .def("connect", [](Agent& a, const py::bytes& md, double timeout) {
+      }, py::arg("region"), py::arg("timeout") = py::none())
+      .def("connect", [](Agent& a, const py::bytes& md, std::optional<double> timeout_or_none) {
+        double timeout = timeout_or_none.value_or(0.0);
         std::vector<uint8_t> v = to_vec(md);
         py::gil_scoped_release release;
         return a.connect(v, timeout);
-      }, py::arg("metadata"), py::arg("timeout") = 0.0, py::keep_alive<0, 1>())  // a connection keeps its agent
-      .def("connect_address", &Agent::connect_address, py::arg("address"), py::arg("timeout") = 0.0,
+      }, py::arg("metadata"), py::arg("timeout") = py::none(), py::keep_alive<0, 1>())  // a connection keeps its agent
+      .def("connect_address", [](Agent& a, const std::string& address, std::optional<double> timeout) {
+        return a.connect_address(address, timeout.value_or(0.0));
+      }, py::arg("address"), py::arg("timeout") = py::none(),
            py::call_guard<py::gil_scoped_release>(), py::keep_alive<0, 1>())
       .def("connection", &Agent::connection, py::keep_alive<0, 1>())
       .def("peers", [](const Agent& a) {
@@ -385,7 +391,8 @@ void bind_agent(py::module_& m) {
         for (const auto& p : a.peers()) out.append(py::make_tuple(p.name, fxm::agent::incarnation_hex(p.incarnation), p.address));
         return out;
       })
-      .def("notifications", [](Agent& a, double timeout) {
+      .def("notifications", [](Agent& a, std::optional<double> timeout_or_none) {
+        double timeout = timeout_or_none.value_or(0.0);
         std::vector<fxm::agent::Notification> got;
         {
           py::gil_scoped_release release;
@@ -394,13 +401,14 @@ void bind_agent(py::module_& m) {
         py::list out;
         for (const auto& n : got) out.append(py::make_tuple(n.peer, fxm::agent::incarnation_hex(n.incarnation), to_bytes(n.bytes)));
         return out;
-      }, py::arg("timeout") = 0.0)
+      }, py::arg("timeout") = py::none())
       .def("stream_wait_notification", [](Agent& a, const py::object& data, uint64_t stream, const std::string& peer,
-                                          double timeout) {
+                                          std::optional<double> timeout_or_none) {
+        double timeout = timeout_or_none.value_or(0.0);
         std::vector<uint8_t> v = bytes_arg(data, "data");
         py::gil_scoped_release release;
         return a.stream_wait_notification(v, peer, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), timeout);
-      }, py::arg("data"), py::arg("stream"), py::arg("peer") = "", py::arg("timeout") = 0.0)
+      }, py::arg("data"), py::arg("stream"), py::arg("peer") = "", py::arg("timeout") = py::none())
       .def("stats", [](const Agent& a) {
         fxm::agent::AgentStats s = a.stats();
         py::dict rejected;

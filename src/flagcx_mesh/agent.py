@@ -66,7 +66,7 @@ class Region:
     def view(self) -> Optional[memoryview]:
         return self._agent._core.region_view(self.descriptor)
 
-    def deregister(self, timeout: float = 0.0) -> None:
+    def deregister(self, timeout: Optional[float] = None) -> None:
         self._agent.deregister(self, timeout)
 
     def __bytes__(self) -> bytes:
@@ -87,7 +87,7 @@ class _Completion:
     def done(self) -> bool:
         return self._core.done()
 
-    def wait(self, timeout: float = 0.0) -> None:
+    def wait(self, timeout: Optional[float] = None) -> None:
         self._core.wait(timeout)
 
 
@@ -184,18 +184,18 @@ class AgentConnection:
                                        _stream(stream))
 
     def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = 0.0) -> None:
+                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = None) -> None:
         """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
         landed (and the notification was sent); raises what ``wait`` would. ``timeout``
         0 or None: the agent's."""
         self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
-                                     _stream(stream), timeout or 0.0)
+                                     _stream(stream), timeout)
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
-                  notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = 0.0) -> None:
+                  notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = None) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
         self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
-                                     _stream(stream), timeout or 0.0)
+                                     _stream(stream), timeout)
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
@@ -233,7 +233,7 @@ class Agent:
     (default: any agent that proves the secret).
     """
 
-    def __init__(self, name: str, secret: Union[str, bytes, None] = None, *, timeout: float = 0.0,
+    def __init__(self, name: str, secret: Union[str, bytes, None] = None, *, timeout: Optional[float] = None,
                  header_timeout: float = 5.0, allow: Optional[Iterable[str]] = None):
         if isinstance(secret, bytes):
             secret = secret.decode("latin-1")
@@ -276,7 +276,7 @@ class Agent:
         self._regions[r.index] = r
         return r
 
-    def deregister(self, region: Desc, timeout: float = 0.0) -> None:
+    def deregister(self, region: Desc, timeout: Optional[float] = None) -> None:
         """Waits for this agent's transfers in flight (MeshTimeout: the region stays
         registered), then closes the region: peers' later transfers to it are refused.
         A peer's transfer still landing in it (or reading it) is waited for until the
@@ -287,7 +287,7 @@ class Agent:
         self._core.deregister(d, timeout)
         self._regions.pop(_core.region_info(d)["index"], None)
 
-    def connect(self, peer: Union[bytes, str], timeout: float = 0.0) -> AgentConnection:
+    def connect(self, peer: Union[bytes, str], timeout: Optional[float] = None) -> AgentConnection:
         """Connects to the agent whose ``metadata()`` this is, or to "host:port"."""
         if isinstance(peer, str):
             return AgentConnection(self._core.connect_address(peer, timeout))
@@ -302,12 +302,12 @@ class Agent:
         """(name, incarnation, address) of every open connection."""
         return self._core.peers()
 
-    def notifications(self, timeout: float = 0.0) -> list:
+    def notifications(self, timeout: Optional[float] = None) -> list:
         """Notifications that arrived, waiting up to ``timeout`` for the first."""
         return [Notification(*n) for n in self._core.notifications(timeout)]
 
     def stream_wait_notification(self, data: bytes, stream, peer: Optional[str] = None,
-                                 timeout: float = 0.0) -> NotificationWait:
+                                 timeout: Optional[float] = None) -> NotificationWait:
         """Queues on ``stream`` (a torch.cuda.Stream, a stream handle, 0: the legacy
         default stream) a wait: the stream's later work runs once a notification of
         exactly ``data`` arrived (from agent ``peer``, default: any). It consumes
