@@ -477,6 +477,18 @@ NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& byt
   return inbox_->stream_wait(bytes, peer, stream, timeout_s);
 }
 
+Notification Agent::wait_notification(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s) {
+  if (closed_) fail(Code::kClosed, -1, 0, who() + "wait_notification: the agent was closed");
+  if (peer.empty() || peer.size() > kMaxAgentName) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "wait_notification: a peer name is 1.." +
+                                            std::to_string(kMaxAgentName) + " bytes");
+  }
+  if (timeout_s != 0) check_timeout(timeout_s, "wait_notification: timeout", false);
+  return inbox_->host_wait(bytes, peer, timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Agent::unread(std::vector<Notification> ns) { inbox_->unread(std::move(ns)); }
+
 void Agent::close() {
   if (closed_.exchange(true)) return;
   inbox_->close();  // every stream wait released (before the connections close: it was the agent, not a peer)

@@ -19,7 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 from . import _core
 from . import cuda as _cuda
 from .errors import InvalidArgument
-from .mesh import _byte_view
+from .mesh import _byte_view, _seconds_or_refuse
 
 __all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "NotificationWait", "region_info"]
 
@@ -320,6 +320,19 @@ class Agent:
         if handle is None:
             raise InvalidArgument("stream_wait_notification needs a stream (0: the legacy default stream)")
         return NotificationWait(self._core.stream_wait_notification(bytes(data), handle, peer or "", timeout))
+
+    def wait_notification(self, peer: str, timeout: Optional[float] = None,
+                          data: Optional[bytes] = None) -> Notification:
+        """Waits on the host for agent ``peer``'s notification of exactly ``data``
+        (default: its next one, whatever its bytes) and returns it, consumed: other
+        notifications stay for ``notifications()``; one already arrived and unread
+        returns at once. Raises ``PeerLost`` naming ``peer`` when it is gone before
+        sending it, ``MeshTimeout`` after ``timeout`` (None: the agent's timeout; a
+        number > 0), ``MeshClosed`` when the agent closes. See docs/agent.md,
+        "Waiting for a peer's notification"."""
+        t = 0.0 if timeout is None else _seconds_or_refuse(timeout, "wait_notification: timeout", False)
+        want = None if data is None else bytes(data)
+        return Notification(*self._core.wait_notification(peer, want, t))
 
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
