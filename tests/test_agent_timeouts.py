@@ -29,6 +29,7 @@ CALLS = {
     "connect_address": lambda a, b, c, m, t, to: a.connect(b.address, timeout=to),
     "notifications": lambda a, b, c, m, t, to: a.notifications(to),
     "stream_wait_notification": lambda a, b, c, m, t, to: a.stream_wait_notification(b"x", 0, timeout=to),
+    "wait_notification": lambda a, b, c, m, t, to: a.wait_notification("to-b", timeout=to),
 }
 
 

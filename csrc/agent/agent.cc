@@ -493,6 +493,18 @@ NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& byt
   return inbox_->stream_wait(bytes, peer, stream, timeout_s);
 }
 
+Notification Agent::wait_notification(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s) {
+  require_open("wait_notification");
+  if (peer.empty() || peer.size() > kMaxAgentName) {
+    fail(Code::kInvalidArgument, -1, 0, who() + "wait_notification: a peer name is 1.." +
+                                            std::to_string(kMaxAgentName) + " bytes");
+  }
+  check_call_timeout(timeout_s, who() + "wait_notification: timeout");
+  return inbox_->host_wait(bytes, peer, timeout_s > 0 ? timeout_s : timeout_s_);
+}
+
+void Agent::unread(std::vector<Notification> ns) { inbox_->unread(std::move(ns)); }
+
 void Agent::close() {
   if (closed_.exchange(true)) return;
   inbox_->close();  // every stream wait released (before the connections close: it was the agent, not a peer)

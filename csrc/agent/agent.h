@@ -206,6 +206,15 @@ class Agent {
   // See docs/agent.md, "Stream waits on notifications".
   NotificationWait stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
                                             void* stream, double timeout_s);
+  // Waits on the host for agent `peer`'s notification of exactly `bytes` (null: its
+  // next one, whatever its bytes) and returns it, consumed (others stay for
+  // notifications()); one already here and unread returns at once. Throws PeerLost
+  // naming the peer when it is gone first, Timeout after timeout_s (0: the agent's
+  // timeout; < 0 or NaN: InvalidArgument), Closed when the agent closes.
+  // See docs/agent.md, "Waiting for a peer's notification".
+  Notification wait_notification(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s);
+  // Puts notifications taken by notifications() but not read back in front of the unread ones.
+  void unread(std::vector<Notification> ns);
 
   void close();  // idempotent: stops the listener, closes every connection and region
   bool closed() const { return closed_.load(); }

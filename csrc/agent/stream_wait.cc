@@ -33,8 +33,13 @@ std::string shown(const std::vector<uint8_t>& b) {
 }
 
 std::string what_wait(const WaitState& w) {
-  return "stream wait on notification " + shown(w.bytes) + (w.peer.empty() ? "" : " from agent " + w.peer);
+  std::string what = w.any_bytes ? "the next notification" : "notification " + shown(w.bytes);
+  return (w.host ? "wait_notification for " : "stream wait on ") + what +
+         (w.peer.empty() ? "" : " from agent " + w.peer);
 }
+
+// What a released stream wait adds to its error (a host wait holds no stream).
+std::string stream_note(const WaitState& w) { return w.host ? "" : "; the stream was released"; }
 
 }  // namespace
 
@@ -96,15 +101,16 @@ void NotificationInbox::release(WaitState& w, Code code, const std::string& erro
   w.code = code;
   w.error = error;
   w.bound.reset();
-  if (code != Code::kOk) FXM_WARN(-1, error);
+  if (code != Code::kOk && !w.host) FXM_WARN(-1, error);  // a host wait throws it to its caller
   sync_->cv.notify_all();
 }
 
 bool NotificationInbox::match(const Notification& n) {
   for (auto it = pending_.begin(); it != pending_.end(); ++it) {
     WaitState& w = **it;
-    if (w.bytes != n.bytes || (!w.peer.empty() && w.peer != n.peer)) continue;
+    if ((!w.any_bytes && w.bytes != n.bytes) || (!w.peer.empty() && w.peer != n.peer)) continue;
     w.sender = n.peer;
+    w.got = n;
     release(w, Code::kOk, "");
     pending_.erase(it);
     return true;
@@ -128,11 +134,11 @@ void NotificationInbox::check_failures(const std::vector<std::shared_ptr<Connect
       if (conns[i] == w.bound) lost = gone[i];
     }
     if (!lost.empty()) {
-      release(w, Code::kPeerLost, who() + what_wait(w) + ": agent " + w.peer + " is gone before sending it (" + lost +
-                                      "); the stream was released");
+      std::string why = ": agent " + w.peer + " is gone before sending it (" + lost + ")";
+      release(w, Code::kPeerLost, who() + what_wait(w) + why + stream_note(w));
     } else if (w.deadline.expired()) {
-      release(w, Code::kTimeout, who() + what_wait(w) + ": it did not arrive within the wait's timeout; the stream "
-                                                         "was released");
+      std::string why = ": it did not arrive within the wait's timeout";
+      release(w, Code::kTimeout, who() + what_wait(w) + why + stream_note(w));
     } else {
       ++it;
       continue;
@@ -200,8 +206,7 @@ NotificationWait NotificationInbox::stream_wait(const std::vector<uint8_t>& byte
     pending_.erase(std::find(pending_.begin(), pending_.end(), w));
     fail(e.code(), -1, e.sys_errno(), who() + what_wait(*w) + ": " + e.what());
   }
-  if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
-  sync_->cv.notify_all();
+  start_watcher();
   if (passed) {
     w->slot = slot;
     block->owner[index] = w;
@@ -215,6 +220,38 @@ NotificationWait NotificationInbox::stream_wait(const std::vector<uint8_t>& byte
   });
   sync_->cv.wait(lock, [&] { return w->released; });  // bounded by the wait's timeout
   return NotificationWait(w);
+}
+
+void NotificationInbox::start_watcher() {  // with the lock held
+  if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+  sync_->cv.notify_all();
+}
+
+// A pending wait like a stream wait's, without a slot: the watcher releases it, this thread waits for that.
+Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, const std::string& peer,
+                                          double timeout_s) {
+  auto w = std::make_shared<WaitState>();
+  w->sync = sync_;
+  w->host = true;
+  w->any_bytes = bytes == nullptr;
+  if (bytes) w->bytes = *bytes;
+  w->peer = peer;
+  w->deadline = Deadline::after_seconds(timeout_s);
+  std::unique_lock<std::mutex> lock(sync_->mu);
+  if (closing_) fail(Code::kClosed, -1, 0, who() + "wait_notification: the agent was closed");
+  pending_.push_back(w);
+  poll();  // one that arrived and is unread matches now
+  if (!w->released) {
+    start_watcher();
+    sync_->cv.wait(lock, [&] { return w->released; });  // bounded by the wait's deadline, and by close
+  }
+  if (w->code != Code::kOk) fail(w->code, -1, 0, w->error);
+  return std::move(w->got);
+}
+
+void NotificationInbox::unread(std::vector<Notification> ns) {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  inbox_.insert(inbox_.begin(), std::make_move_iterator(ns.begin()), std::make_move_iterator(ns.end()));
 }
 
 std::vector<Notification> NotificationInbox::take(double timeout_s) {
@@ -264,8 +301,8 @@ void NotificationInbox::close() {
     if (closing_) return;
     closing_ = true;
     for (auto& w : pending_) {
-      release(*w, Code::kClosed, who() + what_wait(*w) + ": the agent was closed with the wait pending; the stream "
-                                                          "was released");
+      std::string why = ": the agent was closed with the wait pending";
+      release(*w, Code::kClosed, who() + what_wait(*w) + why + stream_note(*w));
     }
     pending_.clear();
     sync_->cv.notify_all();

@@ -33,6 +33,8 @@ struct WaitSync {
 struct WaitState {
   std::shared_ptr<WaitSync> sync;
   std::vector<uint8_t> bytes;
+  bool any_bytes = false;  // a host wait for the next notification of `peer`, whatever its bytes
+  bool host = false;       // a host wait (Agent::wait_notification): no stream involved
   std::string peer;  // "" : from any peer
   Deadline deadline;
   std::shared_ptr<Connection> bound;  // the peer's connection the wait follows (peer set)
@@ -42,6 +44,7 @@ struct WaitState {
   Code code = Code::kOk;
   std::string error;   // "" once released by its notification
   std::string sender;  // who sent the matching notification
+  Notification got;    // the matching notification (host waits)
 };
 
 // The user's view of a wait (Python NotificationWait, C flagcx_mesh_agent_handle_t).
@@ -69,6 +72,12 @@ class NotificationInbox {
   // Queues the wait on `stream` (of the current device) and returns at once.
   NotificationWait stream_wait(const std::vector<uint8_t>& bytes, const std::string& peer, void* stream,
                                double timeout_s);
+  // Waits on the host (up to timeout_s, > 0) for the notification of `peer` with exactly
+  // `bytes` (null: its next one) and returns it, consumed; throws as a stream wait's
+  // wait() does (PeerLost naming the peer, Timeout, Closed).
+  Notification host_wait(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s);
+  // Puts notifications read but not consumed back in front of the unread ones, in order.
+  void unread(std::vector<Notification> ns);
   // What arrived and no wait consumed, waiting up to timeout_s for the first.
   std::vector<Notification> take(double timeout_s);
   // Drops the connections whose peer is gone from the agent's table and closes them, keeping
@@ -88,6 +97,7 @@ class NotificationInbox {
   bool match(const Notification& n);
   void check_failures(const std::vector<std::shared_ptr<Connection>>& conns, const std::vector<std::string>& gone);
   void release(WaitState& w, Code code, const std::string& error);
+  void start_watcher();
   uint64_t* take_slot(uint64_t* value, SlotBlock** block, uint64_t* index);
   void watch();
   std::string who() const;

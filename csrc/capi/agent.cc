@@ -318,4 +318,27 @@ flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, d
   });
 }
 
+flagcx_mesh_result_t flagcx_mesh_agent_wait_notification(flagcx_mesh_agent_t agent, const char* peer,
+                                                         const void* data, size_t data_len, double timeout_s,
+                                                         void* buf, size_t* len) {
+  return guard("flagcx_mesh_agent_wait_notification", [&] {
+    require(agent, "agent");
+    require(peer, "peer");
+    require(len, "len");
+    std::optional<std::vector<uint8_t>> want;
+    if (data) want = bytes_of(data, data_len, "data");
+    std::lock_guard<std::mutex> lock(agent->mu);
+    // What flagcx_mesh_agent_notification took and did not hand out yet goes back to the agent first.
+    agent->a->unread({std::make_move_iterator(agent->pending.begin()), std::make_move_iterator(agent->pending.end())});
+    agent->pending.clear();
+    fxm::agent::Notification n = agent->a->wait_notification(want ? &*want : nullptr, peer, timeout_s);
+    try {
+      give(n.bytes, buf, len);
+    } catch (...) {
+      agent->a->unread({std::move(n)});  // a short buffer leaves it queued
+      throw;
+    }
+  });
+}
+
 }  // extern "C"

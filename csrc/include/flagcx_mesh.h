@@ -318,6 +318,18 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_free(flagcx_mesh_a
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, double timeout_s,
                                                                     char *peer, size_t peer_cap, void *buf,
                                                                     size_t *len);
+/* Waits on the host for agent peer's notification of exactly data_len bytes
+ * at data (data NULL: its next one, whatever its bytes): its bytes into buf
+ * (*len: buf's capacity in, the bytes out), consumed; other notifications stay
+ * for flagcx_mesh_agent_notification. One already arrived and unread returns
+ * at once. Fails with PEER_LOST (flagcx_mesh_last_error names the peer) when
+ * peer is gone before sending it, TIMEOUT after timeout_s (0: the agent's
+ * timeout). A buf too short for it fails
+ * (INVALID_ARGUMENT, *len set to the size needed) and leaves it queued. See
+ * docs/agent.md, "Waiting for a peer's notification". */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_wait_notification(flagcx_mesh_agent_t agent, const char *peer,
+                                                                         const void *data, size_t data_len,
+                                                                         double timeout_s, void *buf, size_t *len);
 
 #ifdef __cplusplus
 }

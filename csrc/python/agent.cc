@@ -409,6 +409,17 @@ void bind_agent(py::module_& m) {
         py::gil_scoped_release release;
         return a.stream_wait_notification(v, peer, reinterpret_cast<void*>(static_cast<uintptr_t>(stream)), timeout);
       }, py::arg("data"), py::arg("stream"), py::arg("peer") = "", py::arg("timeout") = py::none())
+      .def("wait_notification", [](Agent& a, const std::string& peer, const py::object& data,
+                                   std::optional<double> timeout) {
+        std::optional<std::vector<uint8_t>> v;
+        if (!data.is_none()) v = bytes_arg(data, "data");
+        fxm::agent::Notification n;
+        {
+          py::gil_scoped_release release;
+          n = a.wait_notification(v ? &*v : nullptr, peer, timeout.value_or(0.0));
+        }
+        return py::make_tuple(n.peer, fxm::agent::incarnation_hex(n.incarnation), to_bytes(n.bytes));
+      }, py::arg("peer"), py::arg("data") = py::none(), py::arg("timeout") = py::none())
       .def("stats", [](const Agent& a) {
         fxm::agent::AgentStats s = a.stats();
         py::dict rejected;

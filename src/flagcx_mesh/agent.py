@@ -321,6 +321,19 @@ class Agent:
             raise InvalidArgument("stream_wait_notification needs a stream (0: the legacy default stream)")
         return NotificationWait(self._core.stream_wait_notification(data, handle, peer or "", timeout))
 
+    def wait_notification(self, peer: str, timeout: Optional[float] = None,
+                          data: Optional[bytes] = None) -> Notification:
+        """Waits on the host for agent ``peer``'s notification of exactly ``data``
+        (default: its next one, whatever its bytes) and returns it, consumed: other
+        notifications stay for ``notifications()``; one already arrived and unread
+        returns at once. Raises ``PeerLost`` naming ``peer`` when it is gone before
+        sending it, ``MeshTimeout`` after ``timeout`` (None or 0: the agent's timeout; a
+        number > 0; inf: no limit), ``MeshClosed`` when the agent closes. See docs/agent.md,
+        "Waiting for a peer's notification"."""
+        if timeout is not None and not isinstance(timeout, (int, float)):
+            raise InvalidArgument(f"wait_notification: timeout must be a number of seconds or None, got {timeout!r}")
+        return Notification(*self._core.wait_notification(peer, data, timeout))
+
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
         get_answer_bytes_held and get_answer_bytes_peak: the memory answers to peers' reads
