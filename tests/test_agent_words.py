@@ -1,0 +1,87 @@
+"""Agent errors in the agents' words: the exception of an agent op names the peer agent
+(err.peer_name), a failed handle says its own ops and bytes (not the connection's count of
+ops in flight), and no text of an agent's error names a rank, a context or a mesh."""
+
+import os
+import pickle
+import signal
+import time
+
+import numpy as np
+import pytest
+
+from flagcx_mesh import InvalidArgument, MeshError, PeerLost
+from flagcx_mesh.agent import Agent
+from meshutil import spawn_prog
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PROG = os.path.join(HERE, "agent_prog.py")
+SECRET = "agent-test-secret"
+
+pytestmark = pytest.mark.timeout(120)
+
+MESH_WORDS = ("rank 0", "peer 0", "(ctx 0)", "closed its mesh", "wait_counter")
+
+
+def wait_file(path, timeout=30):
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.01)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def assert_agent_words(text):
+    for w in MESH_WORDS:
+        assert w not in text, f"{w!r} in {text!r}"
+
+
+def test_an_agent_op_error_carries_the_peer_agents_name():
+    with Agent("b", SECRET) as b, Agent("a", SECRET) as a:
+        remote = b.register(np.zeros(64, dtype=np.uint8))
+        local = a.register(np.zeros(64, dtype=np.uint8))
+        conn = a.connect(b.metadata(), timeout=10)
+        with pytest.raises(InvalidArgument) as e:
+            conn.write(local, remote, 65)  # beyond both regions
+        assert e.value.peer_name == "b" and e.value.peer == -1, (e.value.peer_name, e.value)
+        back = pickle.loads(pickle.dumps(e.value))
+        assert back.peer_name == "b" and str(back) == str(e.value)
+        with pytest.raises(InvalidArgument) as e:
+            conn.batch_write([(local, 0, remote, 0, 8), (local, 0, remote, 60, 8)])
+        assert e.value.peer_name == "b", e.value
+
+
+def test_an_error_of_no_agent_names_none():
+    assert MeshError("x").peer_name == ""
+    with pytest.raises(InvalidArgument) as e:
+        Agent("", SECRET)
+    assert e.value.peer_name == ""
+
+
+def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path, monkeypatch):
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    target = spawn_prog(PROG, "serve", tmp_path, "frozen", 1, env=dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp"))
+    try:
+        with Agent("decode", SECRET, timeout=30) as a:
+            conn = a.connect(wait_file(tmp_path / "frozen.meta"))
+            remote = wait_file(tmp_path / "frozen.user")
+            local = a.register(np.ones(1 << 20, dtype=np.uint8))
+            conn.write(local, remote, 4096).wait(20)
+            target.send_signal(signal.SIGSTOP)  # it reads nothing more: 64 MiB cannot all be acknowledged
+            handles = [conn.batch_write([(local, 0, remote, 0, 1 << 19), (local, 0, remote, 0, 1 << 19)])
+                       for _ in range(64)]
+            assert not handles[-1].done()
+            target.send_signal(signal.SIGKILL)
+            target.communicate(timeout=30)
+            with pytest.raises(PeerLost) as e:
+                handles[-1].wait(30)
+            text = str(e.value)
+            assert e.value.peer_name == "frozen", text
+            assert "its 2 op(s) (1048576 bytes) did not complete" in text, text
+            assert "agent frozen" in text, text
+            assert_agent_words(text)
+    finally:
+        if target.poll() is None:
+            target.kill()
+            target.communicate(timeout=30)
