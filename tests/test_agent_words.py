@@ -85,3 +85,37 @@ def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path
         if target.poll() is None:
             target.kill()
             target.communicate(timeout=30)
+
+
+def wait_rejected(agent, reason, at_least=1, limit=20.0):
+    end = time.monotonic() + limit
+    while True:
+        got = agent.stats()["rejected"].get(reason, 0)
+        if got >= at_least or time.monotonic() > end:
+            return got
+        time.sleep(0.02)
+
+
+def test_a_wrong_secret_is_counted_as_bad_authentication():
+    from flagcx_mesh import ProtocolError
+    with Agent("b", SECRET) as b, Agent("a", "another secret") as a:
+        with pytest.raises(ProtocolError, match="does not prove the secret"):
+            a.connect(b.metadata(), timeout=10)
+        assert wait_rejected(b, "bad authentication") == 1, b.stats()
+        assert b.stats()["rejected"].get("truncated header", 0) == 0, b.stats()
+
+
+def test_corrupt_metadata_says_so_and_gives_the_incarnations_in_full():
+    with Agent("b", SECRET) as b, Agent("a", SECRET) as a:
+        md = bytearray(b.metadata())
+        at = md.find(bytes.fromhex(b.incarnation[:12]))
+        assert at > 0, (b.incarnation, md)
+        md[at + 15] ^= 0xFF  # the incarnation's last byte: its first 12 digits stay the same
+        with pytest.raises(InvalidArgument) as e:
+            a.connect(bytes(md), timeout=10)
+        text = str(e.value)
+        assert "the metadata is corrupt" in text, text
+        mine = md[at:at + 16].hex()
+        assert mine in text, text
+        assert bytes(md[at:at + 15]).hex() in text.replace(mine, ""), text  # the live one, in full too
+        assert b.peers() == [] and a.peers() == []
