@@ -1,6 +1,8 @@
 """Agent errors in the agents' words: the exception of an agent op names the peer agent
 (err.peer_name), a failed handle says its own ops and bytes (not the connection's count of
-ops in flight), and no text of an agent's error names a rank, a context or a mesh."""
+ops in flight), no text of an agent's error or of its engine's log names a rank, a context or a
+mesh, a wrong secret is counted as bad authentication and metadata naming another incarnation
+gives both in full."""
 
 import os
 import pickle
@@ -59,7 +61,7 @@ def test_an_error_of_no_agent_names_none():
     assert e.value.peer_name == ""
 
 
-def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path, monkeypatch):
+def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path, monkeypatch, capfd):
     monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
     target = spawn_prog(PROG, "serve", tmp_path, "frozen", 1, env=dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp"))
     try:
@@ -81,6 +83,13 @@ def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path
             assert "its 2 op(s) (1048576 bytes) did not complete" in text, text
             assert "agent frozen" in text, text
             assert_agent_words(text)
+            # the engine's log line of the loss is said of the agents too
+            log = capfd.readouterr().err
+            lost = [line for line in log.splitlines() if " lost" in line and "WARN" in line]
+            assert lost, log
+            for line in lost:
+                assert "[rank" not in line and "peer 0" not in line, line
+                assert "agent decode: connection to agent frozen" in line and "agent frozen lost" in line, line
     finally:
         if target.poll() is None:
             target.kill()

@@ -93,7 +93,8 @@ void Connection::start() {
   std::lock_guard<std::mutex> lock(state_mu_);
   if (!closed_why_.empty() || engine_) return;
   if (!joined_locked()) fail(Code::kProtocol, -1, 0, who() + ": started before every tcp lane joined");
-  engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s());
+  engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s(),
+                                     Engine::Words{who() + ": ", "agent " + peer_.name});
   ready_.store(true, std::memory_order_release);
 }
 
@@ -353,7 +354,12 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
     if (err == 0) return Issued::kDone;
-    FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
+    if (err == ESRCH) {  // no process of that pid: the peer is gone, and tcp says so to the call
+      FXM_WARN(-1, who() + ": agent " + peer_.name + "'s process is gone (" + p->name() + ": " + errno_text(err) +
+                       "); this op goes to tcp, which fails it once the connection's loss is seen");
+    } else {
+      FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
+    }
     p = &v.tcp();
   }
   if (batch->single) return post(p, v, op, is_read);
@@ -532,16 +538,6 @@ void Connection::flush(const Deadline& deadline) {
   }
 }
 
-namespace {
-
-void replace_all(std::string* s, const std::string& from, const std::string& to) {
-  for (size_t at = s->find(from); at != std::string::npos; at = s->find(from, at + to.size())) {
-    s->replace(at, from.size(), to);
-  }
-}
-
-}  // namespace
-
 // The engine's words name its pair ("rank 0: ... peer 0 (ctx 0)", "wait_counter: 5998 op(s) to
 // peer 0 not completed", "closed its mesh"): they are said of the agents and of this call here.
 void Connection::fail_call(const Error& e, const std::string& call, const Handle* handle) const {
@@ -559,10 +555,7 @@ void Connection::fail_call(const Error& e, const std::string& call, const Handle
       cause.replace(0, 14, mine + ": ");
     }
   }
-  replace_all(&cause, " (ctx 0)", "");
-  replace_all(&cause, "peer 0 closed its mesh", "agent " + peer_.name + " closed the connection");
-  replace_all(&cause, "closed its mesh", "closed the connection");
-  replace_all(&cause, "peer 0", "agent " + peer_.name);
+  cause = said_of_pair(cause, "agent " + peer_.name);
   std::string g = gone();
   bool said_goodbye = ready_.load(std::memory_order_acquire) && engine_->peer_closed(kPeer);
   if ((e.code() == Code::kClosed || said_goodbye) && !g.empty()) cause = g;  // not the engine's "closed its mesh"
