@@ -128,3 +128,38 @@ def test_corrupt_metadata_says_so_and_gives_the_incarnations_in_full():
         assert mine in text, text
         assert bytes(md[at:at + 15]).hex() in text.replace(mine, ""), text  # the live one, in full too
         assert b.peers() == [] and a.peers() == []
+
+
+def test_the_c_abi_gives_the_peer_agents_name_of_the_last_error():
+    import ctypes
+
+    import flagcx_mesh
+    lib = ctypes.CDLL(flagcx_mesh.get_library())
+    vp, sz = ctypes.c_void_p, ctypes.c_size_t
+    lib.flagcx_mesh_agent_create.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_char_p, ctypes.c_double]
+    lib.flagcx_mesh_agent_connect.argtypes = [vp, ctypes.c_char_p, sz, ctypes.c_double, ctypes.POINTER(vp)]
+    lib.flagcx_mesh_agent_path_to.argtypes = [vp, ctypes.c_char_p, sz, ctypes.c_char_p, sz, ctypes.c_char_p,
+                                              ctypes.POINTER(sz)]
+    lib.flagcx_mesh_agent_conn_release.argtypes = [vp]
+    lib.flagcx_mesh_agent_destroy.argtypes = [vp]
+    lib.flagcx_mesh_last_error.restype = ctypes.c_char_p
+    lib.flagcx_mesh_last_error_peer_name.restype = ctypes.c_char_p
+    with Agent("b", SECRET) as b, Agent("c", SECRET) as c:
+        remote = bytes(b.register(np.zeros(64, dtype=np.uint8)))
+        foreign = bytes(c.register(np.zeros(64, dtype=np.uint8)))  # no region of agent a
+        a, conn = vp(), vp()
+        assert lib.flagcx_mesh_agent_create(ctypes.byref(a), b"a", SECRET.encode(), 10.0) == 0
+        try:
+            md = b.metadata()
+            assert lib.flagcx_mesh_agent_connect(a, md, len(md), 10.0, ctypes.byref(conn)) == 0
+            assert lib.flagcx_mesh_last_error_peer_name() == b""
+            buf, n = ctypes.create_string_buffer(64), sz(64)
+            rc = lib.flagcx_mesh_agent_path_to(conn, remote, len(remote), foreign, len(foreign), buf, ctypes.byref(n))
+            assert rc == 1, lib.flagcx_mesh_last_error()  # INVALID_ARGUMENT
+            assert lib.flagcx_mesh_last_error_peer_name() == b"b", lib.flagcx_mesh_last_error()
+            n = sz(64)
+            assert lib.flagcx_mesh_agent_path_to(conn, remote, len(remote), None, 0, buf, ctypes.byref(n)) == 0
+            assert lib.flagcx_mesh_last_error_peer_name() == b""  # cleared by the success
+            lib.flagcx_mesh_agent_conn_release(conn)
+        finally:
+            lib.flagcx_mesh_agent_destroy(a)
