@@ -114,11 +114,14 @@ class Handle {
   Handle() = default;
   // pending: in flight until the connection's async op count reaches `target`
   // (else completed when issued: synchronous paths).
-  Handle(std::shared_ptr<Connection> conn, uint64_t target, bool pending, bool is_read, size_t count)
-      : conn_(std::move(conn)), target_(target), pending_(pending), is_read_(is_read), count_(count) {}
+  Handle(std::shared_ptr<Connection> conn, uint64_t target, bool pending, bool is_read, size_t count,
+         uint64_t bytes = 0)
+      : conn_(std::move(conn)), target_(target), pending_(pending), is_read_(is_read), count_(count), bytes_(bytes) {}
   bool done() const;  // complete, or failed (wait() then says why)
   void wait(double timeout_s) const;  // <= 0: the agent's timeout
   std::string call() const;  // "write of 3 transfer(s) to agent b" (made when asked: not on the op's path)
+  size_t count() const { return count_; }  // its ops
+  uint64_t bytes() const { return bytes_; }  // the bytes of its ops
 
  private:
   std::shared_ptr<Connection> conn_;  // null: a handle of no call
@@ -126,6 +129,7 @@ class Handle {
   bool pending_ = false;
   bool is_read_ = false;
   size_t count_ = 0;
+  uint64_t bytes_ = 0;
 };
 
 struct Notification {

@@ -94,7 +94,8 @@ void Connection::start() {
   std::lock_guard<std::mutex> lock(state_mu_);
   if (!closed_why_.empty() || engine_) return;
   if (!joined_locked()) fail(Code::kProtocol, -1, 0, who() + ": started before every tcp lane joined");
-  engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s());
+  engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s(),
+                                     Engine::Words{who() + ": ", "agent " + peer_.name});
   ready_.store(true, std::memory_order_release);
 }
 
@@ -311,7 +312,7 @@ void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bo
                                           (err == 0 ? " was deregistered there" : " cannot be read back (" + errno_text(err) + ")"));
 }
 
-std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* local) {
+std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* local) try {
   int device = -1;
   if (local) {
     bool entered = false;
@@ -322,6 +323,8 @@ std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* loca
   std::lock_guard<std::mutex> lock(op_mu_);
   last_remote_ = nullptr;
   return view_of(remote, device).path->name();
+} catch (const Error& e) {
+  rethrow_naming(e, peer_.name);
 }
 
 // A synchronous path that fails hands the op to tcp; while tcp ops are in
@@ -352,7 +355,12 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
     if (err == 0) return Issued::kDone;
-    FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
+    if (err == ESRCH) {  // no process of that pid: the peer is gone, and tcp says so to the call
+      FXM_WARN(-1, who() + ": agent " + peer_.name + "'s process is gone (" + p->name() + ": " + errno_text(err) +
+                       "); this op goes to tcp, which fails it once the connection's loss is seen");
+    } else {
+      FXM_WARN(-1, who() + ": " + p->name() + " failed (" + errno_text(err) + "); this op goes over tcp");
+    }
     p = &v.tcp();
   }
   if (batch->single) return post(p, v, op, is_read);
@@ -452,7 +460,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
 }
 
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
-                            StreamArg stream) {
+                            StreamArg stream) try {
   const char* call = is_read ? "read" : "write";
   if (ended()) fail(lost_code(), -1, 0, who() + ": " + call + ": " + gone());
   std::vector<Checked> checked;
@@ -476,7 +484,11 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   } catch (const Error& e) {
     fail_call(e, call);
   }
-  return Handle(shared_from_this(), async ? async_issued_.load() : 0, async, is_read, ops.size());
+  uint64_t bytes = 0;
+  for (const Xfer& x : ops) bytes += x.size;
+  return Handle(shared_from_this(), async ? async_issued_.load() : 0, async, is_read, ops.size(), bytes);
+} catch (const Error& e) {
+  rethrow_naming(e, peer_.name);
 }
 
 void Connection::notify(const std::vector<uint8_t>& bytes) {
@@ -515,7 +527,7 @@ void Connection::wait(uint64_t target, const Deadline& deadline, const Handle& d
   try {
     engine().wait_counter(target, deadline);
   } catch (const Error& e) {
-    fail_call(e, describe.call());
+    fail_call(e, describe.call(), &describe);
   }
 }
 
@@ -527,17 +539,32 @@ void Connection::flush(const Deadline& deadline) {
   }
 }
 
-// The engine's words name its pair ("rank 0: ... peer 0"): they are said of the agents here.
-void Connection::fail_call(const Error& e, const std::string& call) const {
+// The engine's words name its pair ("rank 0: ... peer 0 (ctx 0)", "wait_counter: 5998 op(s) to
+// peer 0 not completed", "closed its mesh"): they are said of the agents and of this call here.
+void Connection::fail_call(const Error& e, const std::string& call, const Handle* handle) const {
   std::string cause = e.what();
   if (cause.rfind("rank 0: ", 0) == 0) cause.erase(0, 8);
-  for (size_t at = cause.find("peer 0"); at != std::string::npos; at = cause.find("peer 0", at)) {
-    cause.replace(at, 6, "agent " + peer_.name);
+  if (handle) {  // the connection's count of ops in flight is no fact of this handle: its own are
+    std::string mine = "its " + std::to_string(handle->count()) + " op(s) (" + std::to_string(handle->bytes()) +
+                       " bytes) did not complete";
+    size_t end = cause.find(" not completed");
+    if (cause.rfind("wait_counter: ", 0) == 0 && end != std::string::npos) {
+      cause.replace(0, end + 14, mine);
+    } else if (cause.rfind("wait_counter(", 0) == 0 && e.code() == Code::kTimeout) {
+      cause = mine + " in time";
+    } else if (cause.rfind("wait_counter: ", 0) == 0) {
+      cause.replace(0, 14, mine + ": ");
+    }
   }
+  cause = said_of_pair(cause, "agent " + peer_.name);
   std::string g = gone();
   bool said_goodbye = ready_.load(std::memory_order_acquire) && engine_->peer_closed(kPeer);
   if ((e.code() == Code::kClosed || said_goodbye) && !g.empty()) cause = g;  // not the engine's "closed its mesh"
-  fail(e.code() == Code::kClosed ? lost_code() : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
+  try {
+    fail(e.code() == Code::kClosed ? lost_code() : e.code(), -1, e.sys_errno(), who() + ": " + call + ": " + cause);
+  } catch (const Error& named) {
+    rethrow_naming(named, peer_.name);
+  }
 }
 
 // ------------------------------------------------------------ Handle

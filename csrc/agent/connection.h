@@ -112,7 +112,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   };
   std::map<const PeerView*, CookieRef> cookie_refs_;  // per view (views_ never drops one), from its descriptor
   cma::PeerCookies peer_cookies_;             // the peer's cookie table, mapped on first use
-  [[noreturn]] void fail_call(const Error& e, const std::string& call) const;
+  // Throws the engine's error `e` as this call's, in the agents' words, naming the peer agent;
+  // `handle`: the call's handle, whose ops and bytes its words give.
+  [[noreturn]] void fail_call(const Error& e, const std::string& call, const Handle* handle = nullptr) const;
   std::string who() const;
   Engine& engine() const;
 

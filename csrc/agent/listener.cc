@@ -245,7 +245,15 @@ bool Listener::fill(Incoming& in, uint8_t* buf, size_t want) {
   tcp::IoResult r = tcp::read_some(in.fd.get(), buf + in.got, want - in.got);
   in.got += r.done;
   if (!r.ok()) {
-    reject(in, wire::Reject::kTruncated);
+    // A dialer that read this agent's proof and hangs up before sending its own found that
+    // proof wrong: it holds another secret (read_answer() in handshake.cc closes then).
+    bool left_unproved = in.stage == Incoming::kProof && in.got == 0 &&
+                         (r.kind == tcp::IoResult::kClosed || (r.kind == tcp::IoResult::kError && r.err == ECONNRESET));
+    if (left_unproved) {
+      reject(in, wire::Reject::kBadAuth, "it hung up on this agent's proof without proving the secret: another secret");
+    } else {
+      reject(in, wire::Reject::kTruncated);
+    }
     return false;
   }
   return in.got == want;
@@ -304,8 +312,9 @@ std::string Listener::judge(const PeerInfo& peer, const Incarnation& expect, wir
   static const Incarnation kAny{};
   *code = wire::Reject::kStaleIncarnation;
   if (expect != kAny && expect != a_.incarnation_) {
-    return "it expects incarnation " + incarnation_hex(expect) + " of agent " + a_.name_ + ", which is now " +
-           incarnation_hex(a_.incarnation_) + " (this agent restarted)";
+    return "it expects incarnation " + wire::mesh_id_hex(expect) + " of agent " + a_.name_ + ", which is " +
+           wire::mesh_id_hex(a_.incarnation_) + " (this agent restarted since its metadata was made, or that"
+           " metadata is corrupt)";
   }
   {
     std::lock_guard<std::mutex> lock(a_.mu_);

@@ -1,6 +1,7 @@
 #include "base/status.h"
 
 #include <cstring>
+#include <utility>
 
 namespace fxm {
 
@@ -18,8 +19,13 @@ const char* code_name(Code code) {
   return "unknown code";
 }
 
-Error::Error(Code code, int peer, int sys_errno, const std::string& what)
-    : std::runtime_error(what), code_(code), peer_(peer), errno_(sys_errno) {}
+Error::Error(Code code, int peer, int sys_errno, const std::string& what, std::string peer_name)
+    : std::runtime_error(what), code_(code), peer_(peer), errno_(sys_errno), peer_name_(std::move(peer_name)) {}
+
+void rethrow_naming(const Error& e, const std::string& peer_name) {
+  if (!e.peer_name().empty()) throw e;
+  throw Error(e.code(), e.peer(), e.sys_errno(), e.what(), peer_name);
+}
 
 void fail(Code code, int peer, int sys_errno, const std::string& what) {
   std::string msg = what;

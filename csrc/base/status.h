@@ -1,6 +1,7 @@
 // Error type of the core: every failure carries a code, the peer rank it
-// concerns (-1 when none), the errno that decided it (0 when none) and a
-// message saying what was being done.
+// concerns (-1 when none), the errno that decided it (0 when none), the name
+// of the agent it concerns ("" when none: mesh errors) and a message saying
+// what was being done.
 #pragma once
 
 #include <stdexcept>
@@ -23,19 +24,23 @@ const char* code_name(Code code);
 
 class Error : public std::runtime_error {
  public:
-  Error(Code code, int peer, int sys_errno, const std::string& what);
+  Error(Code code, int peer, int sys_errno, const std::string& what, std::string peer_name = "");
   Code code() const { return code_; }
   int peer() const { return peer_; }
   int sys_errno() const { return errno_; }
+  const std::string& peer_name() const { return peer_name_; }
 
  private:
   Code code_;
   int peer_;
   int errno_;
+  std::string peer_name_;
 };
 
 // Throws Error; `what` should name the rank, the peer and the operation.
 [[noreturn]] void fail(Code code, int peer, int sys_errno, const std::string& what);
+// Throws `e` again naming the agent it concerns (kept when it names one already).
+[[noreturn]] void rethrow_naming(const Error& e, const std::string& peer_name);
 
 // "errno 111 (Connection refused)"
 std::string errno_text(int err);

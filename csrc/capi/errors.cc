@@ -12,6 +12,7 @@ struct LastError {
   std::string text;
   int peer = -1;
   int sys_errno = 0;
+  std::string peer_name;  // the agent it concerns ("" when none)
 };
 
 LastError& last() {
@@ -22,27 +23,29 @@ LastError& last() {
 }  // namespace
 
 flagcx_mesh_result_t record_error(const char* call, Code code, int peer, int sys_errno,
-                                  const std::string& what) {
+                                  const std::string& what, const std::string& peer_name) {
   LastError& e = last();
   e.text = std::string(call) + ": " + what;
   e.peer = peer;
   e.sys_errno = sys_errno;
+  e.peer_name = peer_name;
   return static_cast<flagcx_mesh_result_t>(code);
 }
 
 void clear_error() {
   LastError& e = last();
-  if (e.text.empty() && e.peer == -1 && e.sys_errno == 0) return;  // the common case: nothing to clear
+  if (e.text.empty() && e.peer == -1 && e.sys_errno == 0 && e.peer_name.empty()) return;  // the common case
   e.text.clear();
   e.peer = -1;
   e.sys_errno = 0;
+  e.peer_name.clear();
 }
 
 flagcx_mesh_result_t current_exception_result(const char* call) {
   try {
     throw;
   } catch (const Error& e) {
-    return record_error(call, e.code(), e.peer(), e.sys_errno(), e.what());
+    return record_error(call, e.code(), e.peer(), e.sys_errno(), e.what(), e.peer_name());
   } catch (const std::bad_alloc&) {
     return record_error(call, Code::kSystem, -1, ENOMEM, "out of memory");
   } catch (const std::exception& e) {
@@ -82,5 +85,6 @@ const char* flagcx_mesh_result_string(flagcx_mesh_result_t result) {
 const char* flagcx_mesh_last_error(void) { return last().text.c_str(); }
 int flagcx_mesh_last_error_peer(void) { return last().peer; }
 int flagcx_mesh_last_error_errno(void) { return last().sys_errno; }
+const char* flagcx_mesh_last_error_peer_name(void) { return last().peer_name.c_str(); }
 
 }  // extern "C"

@@ -11,7 +11,7 @@ namespace fxm::capi {
 
 // Records this thread's last error; returns its code.
 flagcx_mesh_result_t record_error(const char* call, Code code, int peer, int sys_errno,
-                                  const std::string& what);
+                                  const std::string& what, const std::string& peer_name = "");
 void clear_error();
 flagcx_mesh_result_t current_exception_result(const char* call);
 

@@ -20,9 +20,33 @@ namespace fxm {
 
 using wire::FrameType;
 
+namespace {
+
+void replace_all(std::string* s, const std::string& from, const std::string& to) {
+  for (size_t at = s->find(from); at != std::string::npos; at = s->find(from, at + to.size())) {
+    s->replace(at, from.size(), to);
+  }
+}
+
+}  // namespace
+
+std::string said_of_pair(std::string msg, const std::string& peer) {
+  if (msg.rfind("rank 0: ", 0) == 0) msg.erase(0, 8);
+  replace_all(&msg, " (ctx 0)", "");
+  replace_all(&msg, "peer 0 closed its mesh", peer + " closed the connection");
+  replace_all(&msg, "closed its mesh", "closed the connection");
+  replace_all(&msg, "peer 0", peer);
+  return msg;
+}
+
+void Engine::log(LogLevel level, const std::string& msg) const {
+  if (words_.self.empty()) return log_line(level, rank_, msg);
+  log_line(level, -1, words_.self + said_of_pair(msg, words_.peer0));
+}
+
 Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
-               uint64_t max_unreceived, double timeout_s)
-    : rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
+               uint64_t max_unreceived, double timeout_s, Words words)
+    : words_(std::move(words)), rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
       stripe_seq_(total_), stripes_admitted_(total_), lane_landed_(total_ * lanes_), lane_seq_(total_ * lanes_),
       last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_),
@@ -187,7 +211,7 @@ void Engine::refuse_unsent_answer(int s) {
   OutItem& front = out_[s].front();
   std::string why = "a get of " + std::to_string(front.answer_bytes) + " bytes: staging its answer failed: " +
                     front.staged->failure();
-  FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(peer_of(s)));
+  FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + why + " from peer " + std::to_string(peer_of(s)));
   answer_bytes_[s] -= front.answer_bytes;  // the credit taken for it
   failed = std::move(front);
   front = refusal(wire::kRefusedGet | failed.answer_id, why);
@@ -327,7 +351,7 @@ void Engine::lose(int peer, const std::string& why) {
       else ++it;
     }
   }
-  if (!stopping_) FXM_WARN(rank_, "peer " + std::to_string(peer) + " lost: " + why);
+  if (!stopping_) FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "peer " + std::to_string(peer) + " lost: " + why);
   cv_.notify_all();
   if (lanes_ > 1) {
     // One lane's failure is seen here only: the peer's other lanes may wait for this rank's
@@ -349,7 +373,7 @@ void Engine::run() {
     try {
       poll_once();
     } catch (const std::exception& e) {  // never std::terminate the application
-      FXM_WARN(rank_, std::string("progress thread: ") + e.what() + " (retrying)");
+      FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, std::string("progress thread: ") + e.what() + " (retrying)");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }

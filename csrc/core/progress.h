@@ -29,6 +29,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/log.h"
 #include "core/mesh_builder.h"
 #include "core/window.h"
 #include "base/wire.h"
@@ -37,14 +38,30 @@ namespace fxm {
 
 class Backoff;  // base/backoff.h
 
+// An engine's words ("rank 0: ", "peer 0", " (ctx 0)", "closed its mesh") said of a 2-party pair
+// whose peer 0 is `peer` ("agent b"): an agent's connection.
+std::string said_of_pair(std::string msg, const std::string& peer);
+
+// Logs at `level` through the engine's words (its message built only when the level is on).
+#define FXM_ENGINE_LOG(level, msg)                  \
+  do {                                              \
+    if (::fxm::log_enabled(level)) log(level, msg); \
+  } while (0)
+
 class Engine : public Outbox {
  public:
   // max_unreceived: bytes of messages that may wait in one (peer, ctx)
   // mailbox; above it the engine stops reading that connection until recv()
   // drains it (acks and get answers on that connection wait too).
   // timeout_s (the mesh's) bounds each device copy of the progress thread.
+  // words: how its log lines name itself and its peer 0 (an agent's connection: "agent a:
+  // connection to agent b (...): ", "agent b"); empty: "[rank N]" and "peer N", the mesh's.
+  struct Words {
+    std::string self;
+    std::string peer0;
+  };
   Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
-         uint64_t max_unreceived, double timeout_s);
+         uint64_t max_unreceived, double timeout_s, Words words = {});
   ~Engine() override;
 
   // One-sided ops over TCP (the caller validated every argument). The source
@@ -315,6 +332,9 @@ class Engine : public Outbox {
   void fail_if_gone(int peer, const std::string& what) const;
   [[noreturn]] void fail_wait(int peer, const char* doing, const Deadline& deadline) const;
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+  // One log line of this engine, in its words_ when it has them.
+  void log(LogLevel level, const std::string& msg) const;
+  Words words_;
 
   int rank_, nranks_, ncontexts_;
   int total_;  // slots: nranks_ * ncontexts_

@@ -169,7 +169,7 @@ void Engine::on_stripe_header(int c, InConn& in, uint64_t payload) {
   if (w != nullptr && w->kind == WindowKind::kDevice) {  // initiators stripe only to host windows
     in.put = p;
     in.refused = "a stripe of a put to device window #" + std::to_string(p.dst_win) + " (not striped there)";
-    FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(peer_of(c)));
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + in.refused + " from peer " + std::to_string(peer_of(c)));
     return;
   }
   on_put_header(c, in, payload);

@@ -160,7 +160,7 @@ void Engine::run_lane(LaneWorker& w) {
     try {
       poll_lane(w);
     } catch (const std::exception& e) {
-      FXM_WARN(rank_, "tcp lane " + std::to_string(w.lane) + " thread: " + e.what() + " (retrying)");
+      FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "tcp lane " + std::to_string(w.lane) + " thread: " + e.what() + " (retrying)");
       std::this_thread::sleep_for(std::chrono::milliseconds(10));
     }
   }

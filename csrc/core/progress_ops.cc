@@ -37,7 +37,7 @@ void Engine::on_put_header(int s, InConn& in, uint64_t payload) {
       in.dst = w->base + in.put.dst_off;
     }
   }
-  if (!in.refused.empty()) FXM_WARN(rank_, "refused " + in.refused + " from peer " + std::to_string(peer_of(s)));
+  if (!in.refused.empty()) FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + in.refused + " from peer " + std::to_string(peer_of(s)));
 }
 
 // A put to a device window lands in a ring of staging buffers; where they
@@ -152,14 +152,14 @@ bool Engine::grow_message(InConn& in) {
 void Engine::on_message_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   if (!in.refused.empty()) {
-    FXM_WARN(rank_, "dropped " + in.refused + " from peer " + std::to_string(peer));
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "dropped " + in.refused + " from peer " + std::to_string(peer));
     refuse(s, in.refused);
   }
   std::lock_guard<std::mutex> lock(mu_);
   bool below = mailbox_bytes_[s] < max_unreceived_;
   mailbox_bytes_[s] += in.msg.size();
   if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
-    FXM_WARN(rank_, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
                         " (ctx " + std::to_string(s % ncontexts_) +
                         ") wait for recv(); reading that connection pauses until they are received");
   }
@@ -238,7 +238,7 @@ void Engine::apply_put(int s, const wire::PutHeader& put, std::string refused, b
     } else {
       refused = "a signal to window #" + std::to_string(put.sig_win) + " slot " + std::to_string(put.sig_slot) +
                 ": not a signal slot here" + (data ? " (its data landed)" : "");
-      FXM_WARN(rank_, "refused " + refused + " from peer " + std::to_string(peer));
+      FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + refused + " from peer " + std::to_string(peer));
     }
   } else if (!refused.empty() && (put.flags & wire::kPutHasSignal)) {
     refused += "; its signal (window #" + std::to_string(put.sig_win) + " slot " + std::to_string(put.sig_slot) +
@@ -268,7 +268,7 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
     }
     return "";
   } catch (const Error& e) {  // a copy still pending keeps its buffer (InConn::release_stage)
-    FXM_WARN(rank_, e.what());
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());
     return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
            " bytes: " + e.what();
   }
@@ -285,7 +285,7 @@ std::string Engine::wait_landed(InConn& in) {
     }
     return "";
   } catch (const Error& e) {
-    FXM_WARN(rank_, e.what());
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());
     return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
            " bytes: " + e.what();
   }
@@ -420,7 +420,7 @@ void Engine::answer_streamed(int s, Window& w, const wire::GetHeader& g, const s
       answer_bytes_[s] -= g.size;  // the credit taken for it
     }
     std::string why = what + ": staging its answer failed: " + e.what();
-    FXM_WARN(rank_, "refused " + why + " from peer " + std::to_string(s / ncontexts_));
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + why + " from peer " + std::to_string(s / ncontexts_));
     refuse(s, why, wire::kRefusedGet | g.req_id);
     return;
   }

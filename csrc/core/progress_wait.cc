@@ -81,7 +81,7 @@ bool Engine::probe_done(CompletionProbe& p) {
   try {
     return p.done();
   } catch (const Error& e) {
-    FXM_WARN(rank_, std::string("polling a device op: ") + e.what());
+    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, std::string("polling a device op: ") + e.what());
     return true;
   }
 }

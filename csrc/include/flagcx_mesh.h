@@ -59,6 +59,9 @@ FLAGCX_MESH_API const char *flagcx_mesh_last_error(void);
 /* The peer rank (-1: none) and errno (0: none) of this thread's last error. */
 FLAGCX_MESH_API int flagcx_mesh_last_error_peer(void);
 FLAGCX_MESH_API int flagcx_mesh_last_error_errno(void);
+/* The name of the agent this thread's last error concerns (the peer of an agent
+ * connection's call or handle); "" when none. Valid until the next call. */
+FLAGCX_MESH_API const char *flagcx_mesh_last_error_peer_name(void);
 
 /* ---------------------------------------------------------------- unique id */
 

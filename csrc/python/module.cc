@@ -41,7 +41,8 @@ void translate_error(std::exception_ptr p) {
     }
     if (!decoded) throw py::error_already_set();
     py::object text = py::reinterpret_steal<py::object>(decoded);
-    py::object exc = errors.attr("_from_core")(static_cast<int>(e.code()), e.peer(), e.sys_errno(), text);
+    py::object exc = errors.attr("_from_core")(static_cast<int>(e.code()), e.peer(), e.sys_errno(), text,
+                                                e.peer_name());
     PyErr_SetObject(reinterpret_cast<PyObject*>(Py_TYPE(exc.ptr())), exc.ptr());
   }
 }

@@ -5,6 +5,8 @@ Every failure raised by the library is a :class:`MeshError` carrying
 * ``code``  -- a stable integer (the same values as the C API's result codes),
 * ``peer``  -- the rank the failure concerns, or ``-1`` when none,
 * ``errno`` -- the operating-system error that decided it, or ``0``,
+* ``peer_name`` -- the name of the agent the failure concerns, or ``""``
+  when none (mesh errors, and agent errors that concern no one peer),
 
 and a message that names the rank, the peer and what was being done.
 """
@@ -39,15 +41,17 @@ class MeshError(RuntimeError):
 
     code = INTERNAL
 
-    def __init__(self, message: str, *, code: int | None = None, peer: int = -1, errno: int = 0):
+    def __init__(self, message: str, *, code: int | None = None, peer: int = -1, errno: int = 0,
+                 peer_name: str = ""):
         super().__init__(message)
         if code is not None:
             self.code = code
         self.peer = peer
         self.errno = errno
+        self.peer_name = peer_name
 
     def __reduce__(self):
-        return (_rebuild, (self.code, self.peer, self.errno, str(self)))
+        return (_rebuild, (self.code, self.peer, self.errno, str(self), self.peer_name))
 
 
 class InvalidArgument(MeshError, ValueError):
@@ -96,11 +100,11 @@ _BY_CODE = {
 }
 
 
-def _from_core(code: int, peer: int, errno: int, message: str) -> MeshError:
+def _from_core(code: int, peer: int, errno: int, message: str, peer_name: str = "") -> MeshError:
     """Builds the exception for an error raised by the C++ core."""
     cls = _BY_CODE.get(code, MeshError)
-    return cls(message, code=code, peer=peer, errno=errno)
+    return cls(message, code=code, peer=peer, errno=errno, peer_name=peer_name)
 
 
-def _rebuild(code: int, peer: int, errno: int, message: str) -> MeshError:
-    return _from_core(code, peer, errno, message)
+def _rebuild(code: int, peer: int, errno: int, message: str, peer_name: str = "") -> MeshError:
+    return _from_core(code, peer, errno, message, peer_name)
