@@ -278,3 +278,23 @@ def read_published(d: str, name: str, timeout: float = 30.0) -> bytes:
         time.sleep(0.01)
     with open(path, "rb") as f:
         return f.read()
+
+
+def wait_file(path, timeout: float = 30) -> bytes:
+    """The bytes of `path` once it exists (a peer process publishes it); fails after `timeout`."""
+    end = time.monotonic() + timeout
+    while not os.path.exists(path):
+        assert time.monotonic() < end, f"{path} never appeared"
+        time.sleep(0.01)
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def wait_rejected(agent: Any, reason: str, at_least: int = 1, limit: float = 20.0) -> int:
+    """Polls an agent's listener counters until `reason` reaches `at_least` (bounded, not timed)."""
+    end = time.monotonic() + limit
+    while True:
+        got = agent.stats()["rejected"].get(reason, 0)
+        if got >= at_least or time.monotonic() > end:
+            return got
+        time.sleep(0.02)

@@ -13,7 +13,7 @@ import pytest
 
 from flagcx_mesh import InvalidArgument, MeshTimeout, PeerLost
 from flagcx_mesh.agent import Agent
-from meshutil import finish_prog, spawn_prog
+from meshutil import finish_prog, spawn_prog, wait_file
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "agent_prog.py")
@@ -30,13 +30,6 @@ def finish(p, timeout=90):
     return finish_prog(p, timeout=timeout)[0]
 
 
-def wait_file(path, timeout=30):
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < end, f"{path} never appeared"
-        time.sleep(0.01)
-    with open(path, "rb") as f:
-        return f.read()
 
 
 @pytest.mark.parametrize("transport,user_path,shm_path", [

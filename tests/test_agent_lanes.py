@@ -19,7 +19,7 @@ import pytest
 from flagcx_mesh import PeerLost
 from flagcx_mesh.agent import Agent
 import agent_handshake as hs
-from meshutil import acked_since, bytes_acked, fd_count, stream_sockets
+from meshutil import acked_since, bytes_acked, fd_count, stream_sockets, wait_rejected
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "lanes-secret"
@@ -45,11 +45,6 @@ def wait_for(cond, limit=20.0):
         time.sleep(0.01)
 
 
-def wait_rejected(agent, reason, at_least=1, limit=20.0):
-    end = time.monotonic() + limit
-    while agent.stats()["rejected"].get(reason, 0) < at_least and time.monotonic() < end:
-        time.sleep(0.02)
-    return agent.stats()["rejected"].get(reason, 0)
 
 
 @pytest.mark.parametrize("offer_a,offer_b,agreed", [(4, 4, 4), (4, 2, 2), (1, 3, 1), (3, 16, 3)])

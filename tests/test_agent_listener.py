@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from meshutil import wait_rejected
+
 from flagcx_mesh import InvalidArgument, MeshTimeout, PeerLost, ProtocolError
 from flagcx_mesh.agent import Agent
 
@@ -20,14 +22,6 @@ def host_port(agent):
     return host.strip("[]"), int(port)
 
 
-def wait_rejected(agent, reason, at_least=1, limit=20.0):
-    """Polls the listener's counters until `reason` reaches `at_least` (bounded, not timed)."""
-    end = time.monotonic() + limit
-    while True:
-        got = agent.stats()["rejected"].get(reason, 0)
-        if got >= at_least or time.monotonic() > end:
-            return got
-        time.sleep(0.02)
 
 
 def test_wrong_secret_is_refused_both_ways():

@@ -14,7 +14,7 @@ import pytest
 
 from flagcx_mesh import InvalidArgument, MeshError, PeerLost
 from flagcx_mesh.agent import Agent
-from meshutil import spawn_prog
+from meshutil import spawn_prog, wait_file, wait_rejected
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "agent_prog.py")
@@ -25,13 +25,6 @@ pytestmark = pytest.mark.timeout(120)
 MESH_WORDS = ("rank 0", "peer 0", "(ctx 0)", "closed its mesh", "wait_counter")
 
 
-def wait_file(path, timeout=30):
-    end = time.monotonic() + timeout
-    while not os.path.exists(path):
-        assert time.monotonic() < end, f"{path} never appeared"
-        time.sleep(0.01)
-    with open(path, "rb") as f:
-        return f.read()
 
 
 def assert_agent_words(text):
@@ -96,13 +89,6 @@ def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path
             target.communicate(timeout=30)
 
 
-def wait_rejected(agent, reason, at_least=1, limit=20.0):
-    end = time.monotonic() + limit
-    while True:
-        got = agent.stats()["rejected"].get(reason, 0)
-        if got >= at_least or time.monotonic() > end:
-            return got
-        time.sleep(0.02)
 
 
 def test_a_wrong_secret_is_counted_as_bad_authentication():
