@@ -2,7 +2,9 @@
 // "flagcx_mesh WARN 2026-12-05T14:07:01.123456Z pid 4711 [rank 3] message" (UTC).
 #pragma once
 
+#include <cstdint>
 #include <string>
+#include <vector>
 
 #include "base/env.h"
 
@@ -10,6 +12,18 @@ namespace fxm {
 
 bool log_enabled(LogLevel level);
 void log_line(LogLevel level, int rank, const std::string& msg);
+
+// Capture: while on, log lines go to a bounded queue instead of stderr (for a language
+// binding's logger: it drains the queue from a thread of its own, so no line calls into it).
+struct CapturedLine {
+  LogLevel level;
+  std::string text;  // "[rank 3] message" or "message": no level, time or pid
+};
+void log_capture(bool on);
+// Up to `max` captured lines, waiting up to timeout_s for the first; *dropped: lines lost to
+// the queue's bound (kLogCaptureMax) since the last call.
+std::vector<CapturedLine> log_take(double timeout_s, size_t max, uint64_t* dropped);
+constexpr size_t kLogCaptureMax = 10000;
 
 #define FXM_LOG(level, rank, msg)                                 \
   do {                                                            \

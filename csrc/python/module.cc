@@ -8,6 +8,7 @@
 
 #include "bootstrap/sealed_id.h"
 #include "bootstrap/unique_id.h"
+#include "base/log.h"
 #include "base/env.h"
 #include "core/mesh.h"
 #include "base/status.h"
@@ -327,6 +328,20 @@ PYBIND11_MODULE(_core, m) {
         "Why no CUDA driver could be loaded (\"\" when one is).");
   m.def("device_of", [](uintptr_t addr) { return fxm::cuda::device_of(reinterpret_cast<const void*>(addr)); },
         py::arg("addr"), "The CUDA device of the device memory at addr; -1 for host memory or without a CUDA driver.");
+  m.def("log_capture", &fxm::log_capture, py::arg("on"),
+        "On: the core's log lines go to a bounded queue (log_take) instead of stderr.");
+  m.def("log_take", [](double timeout, size_t max) {
+        std::vector<fxm::CapturedLine> lines;
+        uint64_t dropped = 0;
+        {
+          py::gil_scoped_release release;
+          lines = fxm::log_take(timeout, max, &dropped);
+        }
+        py::list out;
+        for (const auto& l : lines) out.append(py::make_tuple(static_cast<int>(l.level), l.text));
+        return py::make_tuple(out, dropped);
+      }, py::arg("timeout"), py::arg("max") = 1000,
+        "([(level 0=error..3=debug, text)], lines dropped since the last call), waiting up to timeout for the first.");
   m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },

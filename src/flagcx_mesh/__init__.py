@@ -23,6 +23,7 @@ from ._paths import get_include, get_library, get_library_dir
 from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id, release_unique_id
 from .window import SignalWindow, Window
 from .agent import Agent, AgentConnection, Handle, Notification, NotificationWait, Region
+from ._logbridge import log_to_python, log_to_stderr
 
 __version__ = "0.3.0"
 
@@ -47,6 +48,8 @@ __all__ = [
     "ProtocolError",
     "SystemCallError",
     "MeshClosed",
+    "log_to_python",
+    "log_to_stderr",
     "get_include",
     "get_library",
     "get_library_dir",
