@@ -120,20 +120,30 @@ flagcx_mesh_result_t flagcx_mesh_agent_metadata(flagcx_mesh_agent_t agent, void*
 namespace {
 
 // Registers host (device false) or CUDA device memory; the descriptor goes to desc.
+void check_desc_out(void* desc, size_t* desc_len) {
+  require(desc_len, "desc_len");
+  if (desc == nullptr) fail(Code::kInvalidArgument, -1, 0, "desc is NULL");
+}
+
+// A new region's descriptor out; one that does not fit is deregistered again (nothing stays
+// registered that the caller cannot name) and the call fails saying the size needed.
+void give_region(flagcx_mesh_agent_t agent, const fxm::agent::RegionDesc& d, void* desc, size_t* desc_len) {
+  std::vector<uint8_t> enc = d.encode();
+  if (*desc_len < enc.size()) {
+    *desc_len = enc.size();
+    agent->a->deregister(d, 0);
+    fail(Code::kInvalidArgument, -1, 0, "desc holds too few bytes; " + std::to_string(enc.size()) + " are needed");
+  }
+  give(enc, desc, desc_len);
+}
+
 flagcx_mesh_result_t register_region(const char* call, flagcx_mesh_agent_t agent, void* base, uint64_t size,
                                      bool device, void* desc, size_t* desc_len) {
   return guard(call, [&] {
     require(agent, "agent");
-    require(desc_len, "desc_len");
-    if (desc == nullptr) fail(Code::kInvalidArgument, -1, 0, "desc is NULL");
-    fxm::agent::RegionDesc d = device ? agent->a->register_device(base, size) : agent->a->register_memory(base, size);
-    std::vector<uint8_t> enc = d.encode();
-    if (*desc_len < enc.size()) {
-      *desc_len = enc.size();
-      agent->a->deregister(d, 0);  // nothing registered when it cannot be returned
-      fail(Code::kInvalidArgument, -1, 0, "desc holds too few bytes; " + std::to_string(enc.size()) + " are needed");
-    }
-    give(enc, desc, desc_len);
+    check_desc_out(desc, desc_len);
+    give_region(agent, device ? agent->a->register_device(base, size) : agent->a->register_memory(base, size), desc,
+                desc_len);
   });
 }
 
@@ -190,16 +200,9 @@ flagcx_mesh_result_t flagcx_mesh_agent_alloc(flagcx_mesh_agent_t agent, uint64_t
   return guard("flagcx_mesh_agent_alloc", [&] {
     require(agent, "agent");
     require(base, "base");
-    require(desc_len, "desc_len");
-    if (desc == nullptr) fail(Code::kInvalidArgument, -1, 0, "desc is NULL");
+    check_desc_out(desc, desc_len);
     fxm::agent::RegionDesc d = agent->a->alloc(size);
-    std::vector<uint8_t> enc = d.encode();
-    if (*desc_len < enc.size()) {
-      *desc_len = enc.size();
-      agent->a->deregister(d, 0);  // nothing allocated when it cannot be returned
-      fail(Code::kInvalidArgument, -1, 0, "desc holds too few bytes; " + std::to_string(enc.size()) + " are needed");
-    }
-    give(enc, desc, desc_len);
+    give_region(agent, d, desc, desc_len);
     *base = agent->a->region_base(d.index);
   });
 }
