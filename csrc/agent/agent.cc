@@ -83,6 +83,13 @@ void Agent::require_open(const char* call) const {
   if (closed_) fail(Code::kClosed, -1, 0, who() + call + ": the agent was closed");
 }
 
+void Agent::check_peer_name(const char* call, const std::string& peer) const {
+  if (peer.empty() || peer.size() > kMaxAgentName) {
+    fail(Code::kInvalidArgument, -1, 0, who() + call + ": a peer name is 1.." + std::to_string(kMaxAgentName) +
+                                            " bytes");
+  }
+}
+
 std::vector<uint8_t> Agent::metadata() const {
   require_open("metadata");
   return Metadata{name_, incarnation_, listen_addr_}.encode();
@@ -486,19 +493,13 @@ NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& byt
                                                  void* stream, double timeout_s) {
   require_open("stream_wait_notification");
   check_call_timeout(timeout_s, who() + "stream_wait_notification: timeout");
-  if (!peer.empty() && peer.size() > kMaxAgentName) {
-    fail(Code::kInvalidArgument, -1, 0, who() + "stream_wait_notification: a peer name is 1.." +
-                                            std::to_string(kMaxAgentName) + " bytes");
-  }
+  if (!peer.empty()) check_peer_name("stream_wait_notification", peer);
   return inbox_->stream_wait(bytes, peer, stream, timeout_s);
 }
 
 Notification Agent::wait_notification(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s) {
   require_open("wait_notification");
-  if (peer.empty() || peer.size() > kMaxAgentName) {
-    fail(Code::kInvalidArgument, -1, 0, who() + "wait_notification: a peer name is 1.." +
-                                            std::to_string(kMaxAgentName) + " bytes");
-  }
+  check_peer_name("wait_notification", peer);
   check_call_timeout(timeout_s, who() + "wait_notification: timeout");
   return inbox_->host_wait(bytes, peer, timeout_s > 0 ? timeout_s : timeout_s_);
 }

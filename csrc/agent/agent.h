@@ -225,6 +225,8 @@ class Agent {
   // Throws Closed naming the call once close() began: every call but the accessors
   // (name, incarnation, address, stats, peers, closed) and close itself.
   void require_open(const char* call) const;
+  // Throws InvalidArgument naming the call unless `peer` is an agent name (1..kMaxAgentName bytes).
+  void check_peer_name(const char* call, const std::string& peer) const;
   double timeout_s() const { return timeout_s_; }
   int tcp_lanes() const { return tcp_lanes_; }  // the lanes this agent offers (FLAGCX_MESH_TCP_LANES)
   // Sockets planned per lane when the default lanes are fitted to RLIMIT_NOFILE (base/env.h):
