@@ -5,7 +5,6 @@
 
 #include <algorithm>
 #include <cerrno>
-#include <cstdlib>
 #include <thread>
 
 #include "base/env.h"
@@ -52,10 +51,6 @@ Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, 
   conns_.send.resize(std::max(1, lanes));
   conns_.recv.resize(std::max(1, lanes));
   add_lane(0, std::move(fd));
-  if (const char* v = std::getenv("FLAGCX_MESH_AGENT_MAX_VIEWS")) {
-    long n = std::strtol(v, nullptr, 10);
-    if (n > 0) max_views_ = static_cast<size_t>(n);
-  }
 }
 
 std::string Connection::lane_refused(int lane) const {
@@ -280,7 +275,9 @@ PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, i
   FXM_INFO(-1, who() + ": region #" + std::to_string(remote.index) + " (" + kind_name(d.kind) + ") from " +
                    (device >= 0 ? "device " + std::to_string(device) : std::string("host memory")) + " over " +
                    v.path->name() + (v.why.empty() ? "" : " (" + v.why + ")"));
-  return views_.emplace(key, Held{std::move(v), remote.window}).first->second.view;
+  PeerView& bound = views_.emplace(key, Held{std::move(v), remote.window}).first->second.view;
+  cookie_refs_.emplace(&bound, CookieRef{d.pid, d.cookie_addr, std::get<2>(key)});  // the seal it is bound to
+  return bound;
 }
 
 // A cma path was chosen while the region was registered; the peer may have
@@ -292,13 +289,7 @@ PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, i
 // (An op racing with the close itself can still land: see docs/agent.md.)
 // The peer's cookie table makes the read a load (cma/cookie_table.h).
 void Connection::check_cookie(const RegionDesc& remote, const PeerView& view, bool mapped) {
-  auto it = cookie_refs_.find(&view);
-  if (it == cookie_refs_.end()) {
-    WindowDesc d;
-    WindowDesc::decode(remote.window, &d);  // (view_of bound this very descriptor to the peer)
-    it = cookie_refs_.emplace(&view, CookieRef{d.pid, d.cookie_addr, window_seal(d, remote.index)}).first;
-  }
-  const CookieRef& ref = it->second;
+  const CookieRef& ref = cookie_refs_.at(&view);  // (bind_view: the descriptor this view was bound for)
   uint64_t now = 0;
   std::string note;
   int err = peer_cookies_.read(ref.pid, ref.addr, &now, &note);
@@ -543,7 +534,7 @@ void Connection::flush(const Deadline& deadline) {
 // peer 0 not completed", "closed its mesh"): they are said of the agents and of this call here.
 void Connection::fail_call(const Error& e, const std::string& call, const Handle* handle) const {
   std::string cause = e.what();
-  if (cause.rfind("rank 0: ", 0) == 0) cause.erase(0, 8);
+  if (cause.rfind("rank 0: ", 0) == 0) cause.erase(0, 8);  // (before the handle's words look at its start)
   if (handle) {  // the connection's count of ops in flight is no fact of this handle: its own are
     std::string mine = "its " + std::to_string(handle->count()) + " op(s) (" + std::to_string(handle->bytes()) +
                        " bytes) did not complete";

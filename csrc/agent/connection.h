@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "base/env.h"
 #include "base/status.h"
 #include "core/progress.h"
 #include "transport/cma/cookie_table.h"
@@ -110,7 +111,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     int32_t pid;
     uint64_t addr, value;
   };
-  std::map<const PeerView*, CookieRef> cookie_refs_;  // per view (views_ never drops one), from its descriptor
+  std::map<const PeerView*, CookieRef> cookie_refs_;  // per view (views_ never drops one): its pid, cookie address and seal
   cma::PeerCookies peer_cookies_;             // the peer's cookie table, mapped on first use
   // Throws the engine's error `e` as this call's, in the agents' words, naming the peer agent;
   // `handle`: the call's handle, whose ops and bytes its words give.
@@ -139,7 +140,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   };
   std::map<ViewKey, Held> views_;  // never drops one: pointers to its views stay valid
   std::set<std::pair<int32_t, uint64_t>> proven_;  // (pid, start time) proven the peer's process (binding.h)
-  size_t max_views_ = 4096;
+  const size_t max_views_ = agent_max_views_env();
   // The descriptor bytes a view was found for, so an op finds it without hashing or allocating:
   // window bytes -> (index, device, view); cleared when it holds 4 * max_views_ entries.
   struct Seen {

@@ -104,6 +104,12 @@ int tcp_lane_spin_us_env() {
   return value;
 }
 
+size_t agent_max_views_env() {
+  const char* s = std::getenv("FLAGCX_MESH_AGENT_MAX_VIEWS");
+  long n = s ? std::strtol(s, nullptr, 10) : 0;
+  return n > 0 ? static_cast<size_t>(n) : 4096;
+}
+
 std::string cuda_path_env() {
   const char* s = std::getenv("FLAGCX_MESH_CUDA_PATH");
   return s ? s : "";

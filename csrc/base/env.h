@@ -22,6 +22,7 @@
 //                        flagcx_mesh_comm_init_from_env (launcher_env())
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <string>
 
@@ -75,6 +76,9 @@ int default_tcp_lanes(uint64_t sockets_per_lane);
 // after each striped put's hand-off (core/progress.h); 0..10000, unset or empty: 50. Throws
 // InvalidArgument on another value.
 int tcp_lane_spin_us_env();
+// FLAGCX_MESH_AGENT_MAX_VIEWS as it is now: the paths one agent connection keeps for the peer's
+// descriptors (agent/connection.h); a whole number > 0, else (unset, empty, malformed) 4096.
+size_t agent_max_views_env();
 // FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_BATCH_COPY as it is now ("" when unset; transport/cuda/copy_batch.h checks it).
