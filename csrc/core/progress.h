@@ -218,7 +218,7 @@ class Engine : public Outbox {
   void wake_lanes();         // every lane worker (not the progress thread)
   void wake_conn(int c) { wake_lane(lane_of(c)); }
   bool owns_conn(int c) const;  // the calling thread is connection c's thread
-  uint8_t* discard_for(int c, size_t* size);
+  uint8_t* discard_for(int c, size_t* size);  // the sink for dropped payload bytes of connection c's thread
   // The window one read of a put's payload lands in, counted in its io while the read runs
   // (progress_recv.cc); enter() is false, and the put refused, once it was deregistered.
   struct WindowIo {
@@ -227,7 +227,7 @@ class Engine : public Outbox {
     ~WindowIo() {
       if (w) w->end_io();
     }
-  };  // the sink for dropped payload bytes of connection c's thread
+  };
   // What an item counts as: puts are acked (a lazy one when asked, see wire::kPutLazyAck), gets answered.
   enum class Count { kNone, kPut, kLazyPut, kGet };
   void enqueue(int s, OutItem&& item, Count counted);
