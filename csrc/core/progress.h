@@ -74,7 +74,8 @@ class Engine : public Outbox {
   void post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uint8_t* dst, uint64_t len,
                 int dst_device = -1) override;
   void issued(int peer, int ctx, PathKind kind) override;
-  void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) override;
+  void issued_n(int peer, int ctx, PathKind kind, uint64_t ops);
+  void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe, uint64_t ops) override;
   // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
   bool poll_probes();  // true when some completed
   bool probe_done(CompletionProbe& p);
@@ -82,6 +83,7 @@ class Engine : public Outbox {
   int64_t stream_ops_pending() const { return stream_ops_.load(); }
   bool wait_stream_ops(const Deadline& deadline);  // false: some remain at the deadline
   void completed(int peer, int ctx, const std::string& error) override;
+  void completed_n(int peer, int ctx, const std::string& error, uint64_t ops);
   // True while ops to (peer, ctx) are in flight on an asynchronous path
   // (*kind: which); a later op to that pair must then take that path too, or
   // wait_idle(), to stay FIFO. Throws PeerLost, naming `op`, when the peer
@@ -437,7 +439,11 @@ class Engine : public Outbox {
   std::atomic<uint64_t> completed_all_{0};
   std::atomic<int64_t> stream_ops_{0};
   std::mutex probe_mu_;  // after mu_, never while holding it
-  std::vector<std::deque<std::unique_ptr<CompletionProbe>>> probes_;  // per slot
+  struct Probed {
+    std::unique_ptr<CompletionProbe> probe;
+    uint64_t ops;  // completing together
+  };
+  std::vector<std::deque<Probed>> probes_;  // per slot
   std::atomic<int64_t> probes_pending_{0};
   // One step of a waiter: polls probes, yields or sleeps, paced by `pace` (one per wait).
   void wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& deadline, const Backoff& pace);

@@ -53,12 +53,14 @@ void Engine::wait_idle(int peer, int ctx, const Deadline& deadline) {
   }
 }
 
-void Engine::issued(int peer, int ctx, PathKind kind) {
+void Engine::issued(int peer, int ctx, PathKind kind) { issued_n(peer, ctx, kind, 1); }
+
+void Engine::issued_n(int peer, int ctx, PathKind kind, uint64_t ops) {
   std::lock_guard<std::mutex> lock(mu_);
-  ++outstanding_[slot(peer, ctx)];
+  outstanding_[slot(peer, ctx)] += ops;
   in_flight_kind_[slot(peer, ctx)] = kind;
-  issued_[peer].fetch_add(1);
-  stream_ops_.fetch_add(1);
+  issued_[peer].fetch_add(ops);
+  stream_ops_.fetch_add(static_cast<int64_t>(ops));
 }
 
 bool Engine::wait_stream_ops(const Deadline& deadline) {
@@ -69,10 +71,10 @@ bool Engine::wait_stream_ops(const Deadline& deadline) {
   return true;
 }
 
-void Engine::issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) {
-  issued(peer, ctx, kind);
+void Engine::issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe, uint64_t ops) {
+  issued_n(peer, ctx, kind, ops);
   std::lock_guard<std::mutex> lock(probe_mu_);
-  probes_[slot(peer, ctx)].push_back(std::move(probe));
+  probes_[slot(peer, ctx)].push_back({std::move(probe), ops});
   probes_pending_.fetch_add(1);
 }
 
@@ -88,18 +90,23 @@ bool Engine::probe_done(CompletionProbe& p) {
 
 bool Engine::poll_probes() {
   if (probes_pending_.load() == 0) return false;
-  std::vector<std::pair<int, std::string>> done;  // (slot, error) per completed op, in order
+  struct Done {
+    int slot;
+    std::string error;
+    uint64_t ops;
+  };
+  std::vector<Done> done;  // per completed probe, in order
   {
     std::lock_guard<std::mutex> lock(probe_mu_);
     for (size_t s = 0; s < probes_.size(); ++s) {
-      while (!probes_[s].empty() && probe_done(*probes_[s].front())) {
-        done.push_back({static_cast<int>(s), probes_[s].front()->error()});
+      while (!probes_[s].empty() && probe_done(*probes_[s].front().probe)) {
+        done.push_back({static_cast<int>(s), probes_[s].front().probe->error(), probes_[s].front().ops});
         probes_[s].pop_front();
       }
     }
   }
   probes_pending_.fetch_sub(static_cast<int64_t>(done.size()));
-  for (auto& [s, error] : done) completed(s / ncontexts_, s % ncontexts_, error);
+  for (const Done& d : done) completed_n(d.slot / ncontexts_, d.slot % ncontexts_, d.error, d.ops);
   return !done.empty();
 }
 
@@ -138,13 +145,15 @@ void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& de
   lock.lock();
 }
 
-void Engine::completed(int peer, int ctx, const std::string& error) {
+void Engine::completed(int peer, int ctx, const std::string& error) { completed_n(peer, ctx, error, 1); }
+
+void Engine::completed_n(int peer, int ctx, const std::string& error, uint64_t ops) {
   if (!error.empty()) {
     std::lock_guard<std::mutex> lock(mu_);
     if (refused_[peer].empty()) refused_[peer] = "an op to peer " + std::to_string(peer) + " failed: " + error;
   }
-  complete(peer, ctx, 1);
-  stream_ops_.fetch_sub(1);
+  complete(peer, ctx, ops);
+  stream_ops_.fetch_sub(static_cast<int64_t>(ops));
 }
 
 void Engine::count_inline(int peer, uint64_t n) {

@@ -108,8 +108,10 @@ class Outbox {
   // failure is reported by the next flush / wait_counter).
   virtual void issued(int peer, int ctx, PathKind kind) = 0;
   virtual void completed(int peer, int ctx, const std::string& error) = 0;
-  // Counts an op as issued; it completes when `probe` says so (polled in issue order per pair).
-  virtual void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe) = 0;
+  // Counts `ops` ops as issued; they complete together when `probe` says so (polled in issue
+  // order per pair): a batch of copies behind one event is one probe, polled once.
+  virtual void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe,
+                            uint64_t ops) = 0;
   // A put whose payload is staged out of device memory while it is sent: the
   // outbox sends only the bytes the payload says are ready (staged_payload.h).
   virtual void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
