@@ -3,8 +3,11 @@ process (cuda-self), for tests/test_agent_batch_fake.py (the fake CUDA driver, w
 copies of one cuMemcpyBatchAsync last to first) and scripts/test-gpu.sh (--device torch).
 
     batched   64 device->device writes of 4 KiB to reversed offsets land; on the fake: one
-              cuMemcpyBatchAsync, no cuMemcpyAsync, one event; a host-memory op in the middle
-              of a batch splits it (two batch calls, one cuMemcpyAsync)
+              batch call (a launch of the copy kernel, or with FLAGCX_MESH_CUDA_BATCH_COPY=driver
+              one cuMemcpyBatchAsync), no cuMemcpyAsync, one event; a host-memory op in the
+              middle of a batch splits it (two batch calls, one cuMemcpyAsync)
+    mixed     one call of ~100 writes of random sizes (1 byte to 300 KiB: several chunks of the
+              kernel) from and to unaligned offsets, in shuffled order: every byte lands
     overlap   ops of one call that touch each other's bytes keep their order: a later write
               to the same bytes wins (write after write), a write that reads what an earlier
               one wrote sees it (read after write), one that overwrites what an earlier one
@@ -12,8 +15,10 @@ copies of one cuMemcpyBatchAsync last to first) and scripts/test-gpu.sh (--devic
               the same local bytes wins
     stream    a batch on a busy stream copies only after the stream's earlier work
     off       (FLAGCX_MESH_CUDA_BATCH_COPY=off) one cuMemcpyAsync per op, one event, same bytes
-    refused   (the fake's cuMemcpyBatchAsync fails) the copies go one at a time, same bytes,
-              and later batches do not call it again
+    refused   (FLAGCX_MESH_CUDA_BATCH_COPY=driver, the fake's cuMemcpyBatchAsync fails) the
+              copies go one at a time, same bytes, and later batches do not call it again
+    no-kernel (the fake's cuLaunchKernel or cuModuleLoadData fails) batches go through
+              cuMemcpyBatchAsync, same bytes, and the kernel is not tried again
 Each prints "<scenario> ok" when it passed; any failure exits non-zero.
 """
 
@@ -21,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 
 from flagcx_mesh.agent import Agent
 from agent_device_prog import HostBuf, check, make_device, pattern, register
@@ -33,7 +39,7 @@ SIZE = 1 << 20
 class Calls:
     """Driver calls made since the last look (fake driver only; None on a real one)."""
 
-    NAMES = ("cuMemcpyBatchAsync", "cuMemcpyAsync", "cuEventRecord")
+    NAMES = ("cuLaunchKernel", "cuMemcpyBatchAsync", "cuMemcpyAsync", "cuEventRecord")
 
     def __init__(self, dev):
         self.cu = getattr(dev, "cu", None)
@@ -51,7 +57,16 @@ class Calls:
         return d
 
 
-def expect_calls(calls: Calls, what: str, **want) -> None:
+def batch_call() -> str:
+    """The driver call that issues a run of copies: the kernel's launch unless told otherwise."""
+    return "cuMemcpyBatchAsync" if os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "driver" else "cuLaunchKernel"
+
+
+def expect_calls(calls: Calls, what: str, batches=None, **want) -> None:
+    """`batches`: how many batch calls (batch_call()); the other one is expected not to be made."""
+    if batches is not None:
+        other = "cuMemcpyBatchAsync" if batch_call() == "cuLaunchKernel" else "cuLaunchKernel"
+        want = {batch_call(): batches, other: 0, **want}
     got = calls.since()
     if got is None:
         return  # a real driver: the bytes are what is checked
@@ -106,7 +121,7 @@ def batched(args, dev) -> None:
     p = Pair(args, dev)
     calls = Calls(dev)
     reversed_writes(p, 64, 1, "64 writes")
-    expect_calls(calls, "one call of 64 device writes", cuMemcpyBatchAsync=1, cuMemcpyAsync=0, cuEventRecord=1)
+    expect_calls(calls, "one call of 64 device writes", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
     src, hsrc = fill(p.lbuf, 2), pattern(3, SIZE)
     p.hbuf.write(0, hsrc)
     ops = [(p.local, 0, p.remote, 0, BLOCK), (p.local, BLOCK, p.remote, BLOCK, BLOCK),
@@ -114,7 +129,7 @@ def batched(args, dev) -> None:
            (p.local, 3 * BLOCK, p.remote, 3 * BLOCK, BLOCK), (p.local, 4 * BLOCK, p.remote, 4 * BLOCK, BLOCK)]
     calls.since()
     p.write(ops)
-    expect_calls(calls, "a host op between device ops", cuMemcpyBatchAsync=2, cuMemcpyAsync=1)
+    expect_calls(calls, "a host op between device ops", batches=2, cuMemcpyAsync=1)
     want = [blk(src, 0), blk(src, 1), blk(hsrc, 0), blk(src, 3), blk(src, 4)]
     check([p.block(p.rbuf, i) for i in range(5)] == want, "a batch split by a host op: wrong bytes")
     p.close()
@@ -131,7 +146,7 @@ def overlap(args, dev) -> None:
              (p.local, 2 * BLOCK, p.remote, 0, BLOCK), (p.local, 3 * BLOCK, p.remote, 2 * BLOCK, BLOCK)])
     check(p.block(p.rbuf, 0) == blk(src, 2), "write after write in one call: the earlier write won")
     check(p.block(p.rbuf, 1) == blk(src, 1) and p.block(p.rbuf, 2) == blk(src, 3), "write after write: wrong bytes")
-    expect_calls(calls, "two runs of two writes", cuMemcpyBatchAsync=2, cuMemcpyAsync=0, cuEventRecord=1)
+    expect_calls(calls, "two runs of two writes", batches=2, cuMemcpyAsync=0, cuEventRecord=1)
     # the same memory registered with both agents: a write's source can be an earlier one's destination
     shared = register(p.owner, p.lbuf)
     x = fill(p.lbuf, 5)
@@ -176,12 +191,51 @@ def off(args, dev) -> None:
     p = Pair(args, dev)
     calls = Calls(dev)
     reversed_writes(p, 32, 10, "32 writes, batch copies off")
-    expect_calls(calls, "batch copies off", cuMemcpyBatchAsync=0, cuMemcpyAsync=32, cuEventRecord=1)
+    expect_calls(calls, "batch copies off", cuLaunchKernel=0, cuMemcpyBatchAsync=0, cuMemcpyAsync=32, cuEventRecord=1)
     p.close()
     print("off ok", flush=True)
 
 
+def mixed(args, dev) -> None:
+    p = Pair(args, dev)
+    rng = random.Random(13)
+    sizes, left = [300 << 10], SIZE - (300 << 10) - 64
+    while left > 0:
+        n = min(left, rng.choice([1, 3, 15, 16, 17, 4096, 4099, 65536, 65537, rng.randrange(1, 40000)]))
+        sizes.append(n)
+        left -= n
+    rng.shuffle(sizes)
+    src_at = [sum(sizes[:i]) + 7 for i in range(len(sizes))]  # unaligned
+    order = list(range(len(sizes)))
+    rng.shuffle(order)
+    dst_at, at = [0] * len(sizes), 33
+    for i in order:
+        dst_at[i], at = at, at + sizes[i]
+    src = fill(p.lbuf, 14)
+    p.rbuf.write(0, bytes(SIZE))
+    p.write([(p.local, src_at[i], p.remote, dst_at[i], sizes[i]) for i in range(len(sizes))])
+    got = p.rbuf.read(0, SIZE)
+    for i in range(len(sizes)):
+        check(got[dst_at[i]:dst_at[i] + sizes[i]] == src[src_at[i]:src_at[i] + sizes[i]],
+              f"mixed sizes: write {i} ({sizes[i]} bytes from {src_at[i]} to {dst_at[i]}) did not land")
+    check(got[:33] == bytes(33) and got[at:] == bytes(SIZE - at), "mixed sizes: bytes outside the writes changed")
+    p.close()
+    print("mixed ok", flush=True)
+
+
+def no_kernel(args, dev) -> None:
+    p = Pair(args, dev)
+    calls = Calls(dev)
+    reversed_writes(p, 32, 15, "32 writes, no copy kernel")
+    expect_calls(calls, "no copy kernel", cuMemcpyBatchAsync=1, cuEventRecord=1)
+    reversed_writes(p, 32, 16, "32 more writes")
+    expect_calls(calls, "no copy kernel, later", cuLaunchKernel=0, cuMemcpyBatchAsync=1, cuMemcpyAsync=0)
+    p.close()
+    print("no-kernel ok", flush=True)
+
+
 def refused(args, dev) -> None:
+    check(os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "driver", "run with FLAGCX_MESH_CUDA_BATCH_COPY=driver")
     p = Pair(args, dev)
     calls = Calls(dev)
     reversed_writes(p, 32, 11, "32 writes, the batch call refused")
@@ -193,14 +247,15 @@ def refused(args, dev) -> None:
 
 
 def main() -> None:
-    roles = {"batched": batched, "overlap": overlap, "stream": stream, "off": off, "refused": refused}
+    roles = {"batched": batched, "mixed": mixed, "overlap": overlap, "stream": stream, "off": off,
+             "refused": refused, "no-kernel": no_kernel}
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=[*roles, "all"])
     ap.add_argument("--device", choices=["fake", "torch"], default="fake")
     ap.add_argument("--timeout", type=float, default=30.0)
     args = ap.parse_args()
     dev = make_device(args.device)
-    for name in (["batched", "overlap", "stream"] if args.scenario == "all" else [args.scenario]):
+    for name in (["batched", "mixed", "overlap", "stream"] if args.scenario == "all" else [args.scenario]):
         roles[name](args, dev)
 
 

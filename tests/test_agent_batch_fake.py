@@ -1,9 +1,11 @@
 """An agent call's device copies issued together (transport/cuda/copy_batch.h) on the fake CUDA
-driver, whose cuMemcpyBatchAsync runs the copies of one call last to first: one batch call and
-one event for a call of plain device writes; ops that touch each other's bytes keep their order
-(write after write, read after write, write after read, two reads into the same bytes); a batch
-on a busy stream waits for it; FLAGCX_MESH_CUDA_BATCH_COPY=off and a refused batch call copy one
-op at a time with the same bytes. Each scenario is a process of tests/agent_batch_prog.py; the
+driver, whose copy kernel (transport/cuda/copy_kernel.h) and cuMemcpyBatchAsync run the copies
+of one call last to first: one launch (or batch call) and one event for a call of plain device
+writes, writes of mixed sizes at unaligned offsets; ops that touch each other's bytes keep their
+order (write after write, read after write, write after read, two reads into the same bytes); a
+batch on a busy stream waits for it; FLAGCX_MESH_CUDA_BATCH_COPY=off and a refused batch call
+copy one op at a time with the same bytes; a kernel that cannot be loaded or launched leaves
+batches to cuMemcpyBatchAsync. Each scenario is a process of tests/agent_batch_prog.py; the
 same scenarios run with CUDA tensors on a real GPU from scripts/test-gpu.sh."""
 
 from __future__ import annotations
@@ -30,9 +32,20 @@ def run(scenario, **extra):
     return out + err
 
 
-@pytest.mark.parametrize("scenario", ["batched", "overlap", "stream"])
-def test_one_call_of_device_copies(scenario):
-    run(scenario)
+@pytest.mark.parametrize("how", ["kernel", "driver"])
+@pytest.mark.parametrize("scenario", ["batched", "mixed", "overlap", "stream"])
+def test_one_call_of_device_copies(scenario, how):
+    run(scenario, FLAGCX_MESH_CUDA_BATCH_COPY="auto" if how == "kernel" else "driver")
+
+
+@pytest.mark.parametrize("fail", ["cuLaunchKernel=719", "cuModuleLoadData=218"])
+def test_a_kernel_that_cannot_run_leaves_batches_to_the_driver(fail):
+    out = run("no-kernel", FXM_FAKECUDA_FAIL=fail, FLAGCX_MESH_LOG="info")
+    if fail.startswith("cuLaunchKernel"):
+        assert "launching the copy kernel for 32 device copies failed" in out, out
+        assert out.count("launching the copy kernel") == 1, out  # said once
+    else:
+        assert "loading the copy kernel on device 0" in out and "cuMemcpyBatchAsync" in out, out
 
 
 def test_batch_copies_off_copy_one_op_at_a_time():
@@ -40,6 +53,6 @@ def test_batch_copies_off_copy_one_op_at_a_time():
 
 
 def test_a_refused_batch_call_falls_back_to_one_copy_per_op_and_says_so():
-    out = run("refused", FXM_FAKECUDA_FAIL="cuMemcpyBatchAsync=801")
+    out = run("refused", FXM_FAKECUDA_FAIL="cuMemcpyBatchAsync=801", FLAGCX_MESH_CUDA_BATCH_COPY="driver")
     assert "cuMemcpyBatchAsync of 32 device copies failed" in out and "one at a time" in out, out
     assert out.count("cuMemcpyBatchAsync of") == 1, out  # said once

@@ -23,7 +23,7 @@ using Handle = unsigned long long;  // CUmemGenericAllocationHandle
 
 constexpr CUresult kSuccess = 0, kInvalidValue = 1, kOutOfMemory = 2, kNotInitialized = 3, kDeinitialized = 4,
                    kNoDevice = 100,
-                   kInvalidDevice = 101, kInvalidContext = 201, kInvalidHandle = 400,
+                   kInvalidDevice = 101, kInvalidContext = 201, kInvalidPtx = 218, kInvalidHandle = 400,
                    kNotFound = 500, kNotReady = 600, kIllegalAddress = 700,
                    kHostAlreadyRegistered = 712, kHostNotRegistered = 713, kNotPermitted = 800,
                    kNotSupported = 801;

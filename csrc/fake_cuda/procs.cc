@@ -38,6 +38,9 @@ void cuMemExportToShareableHandle();
 void cuMemImportFromShareableHandle();
 void cuMemcpyAsync();
 void cuMemcpyBatchAsync_v2();
+void cuModuleLoadData();
+void cuModuleGetFunction();
+void cuLaunchKernel();
 void cuMemHostRegister_v2();
 void cuMemHostUnregister();
 void cuMemHostGetDevicePointer_v2();
@@ -96,6 +99,9 @@ const Proc kProcs[] = {
     {"cuMemImportFromShareableHandle", reinterpret_cast<void*>(&cuMemImportFromShareableHandle)},
     {"cuMemcpyAsync", reinterpret_cast<void*>(&cuMemcpyAsync)},
     {"cuMemcpyBatchAsync", reinterpret_cast<void*>(&cuMemcpyBatchAsync_v2)},
+    {"cuModuleLoadData", reinterpret_cast<void*>(&cuModuleLoadData)},
+    {"cuModuleGetFunction", reinterpret_cast<void*>(&cuModuleGetFunction)},
+    {"cuLaunchKernel", reinterpret_cast<void*>(&cuLaunchKernel)},
     {"cuMemHostRegister", reinterpret_cast<void*>(&cuMemHostRegister_v2)},
     {"cuMemHostUnregister", reinterpret_cast<void*>(&cuMemHostUnregister)},
     {"cuMemHostGetDevicePointer", reinterpret_cast<void*>(&cuMemHostGetDevicePointer_v2)},

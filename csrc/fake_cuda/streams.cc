@@ -394,6 +394,12 @@ FAKE_API CUresult cuMemcpyBatchAsync_v2(CUdeviceptr* dsts, CUdeviceptr* srcs, si
   return kSuccess;
 }
 
+CUresult fakecuda::enqueue_on(void* handle, std::function<CUresult()> op) {
+  FAKE_STREAM(s, handle);
+  enqueue(s, std::move(op));
+  return kSuccess;
+}
+
 FAKE_API CUresult cuLaunchHostFunc(void* handle, void (*fn)(void*), void* data) {
   FAKE_ENTER("cuLaunchHostFunc");
   if (!fn) return kInvalidValue;

@@ -3,6 +3,7 @@
 // registered host memory. One lock guards it all (table_lock()).
 #pragma once
 
+#include <functional>
 #include <map>
 #include <string>
 #include <utility>
@@ -77,5 +78,8 @@ void unmap_views(const Range& r);
 // function waited for a lock the caller held); at once when called from a host function
 // (which may make no driver call).
 void wait_host_functions_idle();
+
+// ---- streams.cc: queues `op` on the stream `handle` names (kInvalidHandle when none).
+CUresult enqueue_on(void* handle, std::function<CUresult()> op);
 
 }  // namespace fakecuda

@@ -1,17 +1,20 @@
 #include "transport/cuda/copy_batch.h"
 
+#include <algorithm>
 #include <atomic>
 
 #include "base/env.h"
 #include "base/log.h"
 #include "base/status.h"
+#include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/device_memory.h"
 #include "transport/cuda/streams.h"
 
 namespace fxm::cuda {
 namespace {
 
-std::atomic<bool> batch_failed{false};  // a cuMemcpyBatchAsync failed: copies go one at a time
+std::atomic<bool> batch_failed{false};   // a cuMemcpyBatchAsync failed: no more batch calls
+std::atomic<bool> kernel_failed{false};  // a launch of the copy kernel failed: no more launches
 
 // Disjoint byte ranges [start, end) by start.
 using Ranges = std::map<CUdeviceptr, CUdeviceptr>;
@@ -32,12 +35,24 @@ void insert(Ranges& r, CUdeviceptr a, CUdeviceptr b) {
   r.emplace(a, b);
 }
 
-// Each probe of one batch asks the one event once: the first that sees it done tells the others.
+// A batch's completion: its one event, and the copy lists its kernels read until then.
 struct BatchDone {
   int ordinal;
   SharedEvent event;
   bool done = false;
   std::string error;
+  std::vector<std::unique_ptr<CopyList>> lists;
+  ~BatchDone() {
+    if (done || lists.empty()) return;
+    bool finished = false;
+    try {
+      finished = event && event_done(event);
+    } catch (const Error&) {
+    }
+    if (!finished) {
+      for (auto& l : lists) l.release();  // the device may still read them: never reused
+    }
+  }
 };
 
 class BatchProbe : public CompletionProbe {
@@ -50,6 +65,7 @@ class BatchProbe : public CompletionProbe {
     if (r == kErrNotReady) return false;
     if (r != kSuccess) b_->error = "a device copy failed on its stream: " + result_text(r);
     b_->done = true;
+    b_->lists.clear();
     return true;
   }
   std::string error() const override { return b_->error; }
@@ -58,19 +74,31 @@ class BatchProbe : public CompletionProbe {
   std::shared_ptr<BatchDone> b_;
 };
 
+void warn_once(std::atomic<bool>& failed, int peer, const std::string& what) {
+  if (!failed.exchange(true)) FXM_WARN(peer, what);
+}
+
 }  // namespace
 
-bool batch_copy_enabled(const Driver& d) {
-  if (!d.cuMemcpyBatchAsync13 && !d.cuMemcpyBatchAsync12) return false;
-  if (batch_failed.load(std::memory_order_relaxed)) return false;
+BatchCopy batch_copy_mode(const Driver& d, int ordinal) {
   std::string v = cuda_batch_copy_env();
-  if (v.empty() || v == "auto" || v == "on") return true;
-  if (v == "off") return false;
-  static std::once_flag told;
-  std::call_once(told, [&] {
-    FXM_WARN(-1, "FLAGCX_MESH_CUDA_BATCH_COPY=" + v + " is neither auto nor off: taken as auto");
-  });
-  return true;
+  bool driver_batch = (d.cuMemcpyBatchAsync13 || d.cuMemcpyBatchAsync12) && !batch_failed.load();
+  if (v == "off") return BatchCopy::kOne;
+  if (v == "driver") return driver_batch ? BatchCopy::kDriver : BatchCopy::kOne;
+  if (!v.empty() && v != "auto" && v != "on" && v != "kernel") {
+    static std::once_flag told;
+    std::call_once(told, [&] {
+      FXM_WARN(-1, "FLAGCX_MESH_CUDA_BATCH_COPY=" + v + " is none of auto, kernel, driver, off: taken as auto");
+    });
+  }
+  std::string why;
+  bool kernel = !kernel_failed.load() && copy_kernel_ready(ordinal, &why);
+  if (!why.empty()) {
+    FXM_INFO(-1, why + "; batches of device copies go " +
+                     (driver_batch ? "through cuMemcpyBatchAsync" : "one cuMemcpyAsync a copy"));
+  }
+  if (kernel) return BatchCopy::kKernel;
+  return driver_batch ? BatchCopy::kDriver : BatchCopy::kOne;
 }
 
 bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCopy& c) {
@@ -82,8 +110,35 @@ bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCo
   return true;
 }
 
+// One sort instead of a map per copy: the ends of every range, swept in address order; a
+// range that starts before a range it may not overlap has ended is a conflict. (Copies
+// touching their own bytes count too: the ordered walk below then decides.)
+bool CopyBatch::disjoint(size_t from) const {
+  struct End {
+    CUdeviceptr start, end;
+    bool written;
+  };
+  std::vector<End> ends;
+  ends.reserve(2 * (copies_.size() - from));
+  for (size_t i = from; i < copies_.size(); ++i) {
+    const BatchedCopy& c = copies_[i];
+    if (c.len == 0) continue;
+    ends.push_back({c.dst, c.dst + c.len, true});
+    ends.push_back({c.src, c.src + c.len, false});
+  }
+  std::sort(ends.begin(), ends.end(), [](const End& a, const End& b) { return a.start < b.start; });
+  CUdeviceptr any_end = 0, written_end = 0;
+  for (const End& e : ends) {
+    if (e.start < written_end || (e.written && e.start < any_end)) return false;
+    any_end = std::max(any_end, e.end);
+    if (e.written) written_end = std::max(written_end, e.end);
+  }
+  return true;
+}
+
 size_t CopyBatch::run_end(size_t from) const {
   if (copies_.size() - from <= 1) return copies_.size();  // one copy: nothing to order it against
+  if (disjoint(from)) return copies_.size();
   Ranges written, read;
   size_t i = from;
   for (; i < copies_.size(); ++i) {
@@ -112,17 +167,41 @@ bool CopyBatch::batch_call(const Driver& d, size_t from, size_t to) {
                    : d.cuMemcpyBatchAsync12(dsts.data(), srcs.data(), sizes.data(), n, &attr, &attr_at, 1,
                                             &failed_at, stream_);
   if (r == kSuccess) return true;
-  if (!batch_failed.exchange(true)) {
-    FXM_WARN(peer_, "cuMemcpyBatchAsync of " + std::to_string(n) + " device copies failed (" + result_text(r) +
-                        "): device copies are issued one at a time from now on");
+  warn_once(batch_failed, peer_, "cuMemcpyBatchAsync of " + std::to_string(n) + " device copies failed (" +
+                                     result_text(r) + "): device copies are issued one at a time from now on");
+  return false;
+}
+
+// The run's copies into a page-locked list, and one launch that reads it.
+bool CopyBatch::kernel_call(size_t from, size_t to) {
+  size_t n = to - from;
+  std::unique_ptr<CopyList> list = copy_list(n, ordinal_);
+  KernelCopy* e = list->entries();
+  uint64_t longest = 0;
+  for (size_t i = 0; i < n; ++i) {
+    const BatchedCopy& c = copies_[from + i];
+    e[i] = {c.dst, c.src, c.len};
+    longest = std::max<uint64_t>(longest, c.len);
   }
+  CUresult r = launch_copies(ordinal_, stream_, *list, n, longest);
+  if (r == kSuccess) {
+    lists_.push_back(std::move(list));
+    return true;
+  }
+  warn_once(kernel_failed, peer_, "launching the copy kernel for " + std::to_string(n) + " device copies failed (" +
+                                      result_text(r) + "): batches go through the driver's copies from now on");
   return false;
 }
 
 // A run is idempotent (no copy reads or writes what another writes): after a
-// failed batch call its copies are issued again one at a time.
+// failed kernel launch or batch call its copies are issued again another way.
 size_t CopyBatch::issue_run(const Driver& d, size_t from, size_t to, std::string* error) {
-  if (to - from > 1 && batch_copy_enabled(d) && batch_call(d, from, to)) return to;
+  if (to - from > 1) {
+    BatchCopy mode = batch_copy_mode(d, ordinal_);
+    if (mode == BatchCopy::kKernel && kernel_call(from, to)) return to;
+    if (mode == BatchCopy::kKernel) mode = batch_copy_mode(d, ordinal_);  // the launch failed
+    if (mode == BatchCopy::kDriver && batch_call(d, from, to)) return to;
+  }
   for (size_t i = from; i < to; ++i) {
     const BatchedCopy& c = copies_[i];
     CUresult r = d.cuMemcpyAsync(c.dst, c.src, c.len, stream_);
@@ -132,6 +211,22 @@ size_t CopyBatch::issue_run(const Driver& d, size_t from, size_t to, std::string
     }
   }
   return to;
+}
+
+// One probe per stretch of copies on one path, all completing with the batch's one event.
+void CopyBatch::count_issued(size_t issued) {
+  auto done = std::make_shared<BatchDone>();
+  done->ordinal = ordinal_;
+  done->lists = std::move(lists_);  // (should the record throw, the lists are never reused)
+  lists_.clear();
+  done->event = record_event(ordinal_, stream_);
+  if (fence_) fence_->after(stream_, done->event);
+  for (size_t i = 0; i < issued;) {
+    size_t j = i + 1;
+    while (j < issued && copies_[j].kind == copies_[i].kind) ++j;
+    outbox_->issued_probe(peer_, ctx_, copies_[i].kind, std::make_unique<BatchProbe>(done), j - i);
+    i = j;
+  }
 }
 
 size_t CopyBatch::issue(std::string* error) {
@@ -146,16 +241,8 @@ size_t CopyBatch::issue(std::string* error) {
     issued = got;
     if (got < end) break;
   }
-  if (issued > 0) {
-    auto done = std::make_shared<BatchDone>();
-    done->ordinal = ordinal_;
-    done->event = record_event(ordinal_, stream_);
-    if (fence_) fence_->after(stream_, done->event);
-    for (size_t i = 0; i < issued; ++i) {
-      outbox_->issued_probe(peer_, ctx_, copies_[i].kind, std::make_unique<BatchProbe>(done));
-    }
-  }
-  copies_.clear();
+  if (issued > 0) count_issued(issued);
+  clear();
   return issued;
 }
 

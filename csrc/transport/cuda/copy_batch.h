@@ -2,20 +2,23 @@
 // microseconds per cuMemcpyAsync and one more per event (on the H200 machine
 // 7.1 and 1.1 us, docs/gpu.md "Batched device copies"), which bounds a batch
 // of small blocks far below the copy engines. A CopyBatch queues the plain
-// copies of one call (same device, stream and fence), then issues them with
-// one cuMemcpyBatchAsync per run of copies that touch none of each other's
-// bytes (the driver does not order copies within one call; runs follow each
-// other in stream order), records one event after the last, and counts each
-// copy as one op of its (peer, context) completing with that event.
-// Without cuMemcpyBatchAsync (drivers before 12.8), or with
-// FLAGCX_MESH_CUDA_BATCH_COPY=off, each copy is one cuMemcpyAsync; the one
-// event stays.
+// copies of one call (same device, stream and fence), then issues each run of
+// copies that touch none of each other's bytes (neither a kernel nor the
+// driver's batch call orders the copies it is given; runs follow each other
+// in stream order) as one launch of the copy kernel (copy_kernel.h), or one
+// cuMemcpyBatchAsync, records one event after the last, and counts the
+// batch's copies as ops of their (peer, context) completing with that event
+// (one probe, polled once). FLAGCX_MESH_CUDA_BATCH_COPY picks: auto (the
+// kernel, else the driver's batch call, else one cuMemcpyAsync a copy),
+// kernel, driver, off (one cuMemcpyAsync a copy); the one event stays.
 #pragma once
 
 #include <map>
+#include <memory>
 #include <string>
 #include <vector>
 
+#include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/driver.h"
 #include "transport/path.h"
 
@@ -41,13 +44,19 @@ class CopyBatch {
   // issued and counted: all, unless the driver refused one (then *error says
   // why, and it and the copies after it were neither issued nor counted).
   size_t issue(std::string* error);
-  void clear() { copies_.clear(); }
+  void clear() {
+    copies_.clear();
+    lists_.clear();
+  }
 
  private:
   // The end of the run of copies that starts at `from` (none overlaps another's bytes).
   size_t run_end(size_t from) const;
+  bool disjoint(size_t from) const;  // no copy from `from` on touches bytes another writes
   size_t issue_run(const Driver& d, size_t from, size_t to, std::string* error);
   bool batch_call(const Driver& d, size_t from, size_t to);
+  bool kernel_call(size_t from, size_t to);
+  void count_issued(size_t issued);
 
   Outbox* outbox_;
   int peer_, ctx_;
@@ -55,10 +64,11 @@ class CopyBatch {
   CUstream stream_ = nullptr;
   StreamFence* fence_ = nullptr;
   std::vector<BatchedCopy> copies_;
+  std::vector<std::unique_ptr<CopyList>> lists_;  // the kernel's, until the batch's event completed
 };
 
-// Whether batches call cuMemcpyBatchAsync: the driver has it, FLAGCX_MESH_CUDA_BATCH_COPY
-// is not "off", and no such call failed in this process yet.
-bool batch_copy_enabled(const Driver& d);
+// How runs of copies are issued (FLAGCX_MESH_CUDA_BATCH_COPY, and what failed in this process).
+enum class BatchCopy { kKernel, kDriver, kOne };
+BatchCopy batch_copy_mode(const Driver& d, int ordinal);
 
 }  // namespace fxm::cuda

@@ -27,8 +27,22 @@ bool resolve(GetProcAddress gpa, const char* name, void** out, std::string* erro
   return false;
 }
 
+// The kernel entry points (every driver since CUDA 4 has them; a fake driver may not).
+void resolve_kernel_calls(GetProcAddress gpa, Driver& d) {
+  std::string ignored;
+  void* fn[3] = {};
+  if (!resolve(gpa, "cuModuleLoadData", &fn[0], &ignored) || !resolve(gpa, "cuModuleGetFunction", &fn[1], &ignored) ||
+      !resolve(gpa, "cuLaunchKernel", &fn[2], &ignored)) {
+    return;
+  }
+  d.cuModuleLoadData = reinterpret_cast<decltype(d.cuModuleLoadData)>(fn[0]);
+  d.cuModuleGetFunction = reinterpret_cast<decltype(d.cuModuleGetFunction)>(fn[1]);
+  d.cuLaunchKernel = reinterpret_cast<decltype(d.cuLaunchKernel)>(fn[2]);
+}
+
 // The entry points a driver may lack, each in the ABI of the driver's own version.
 void resolve_optional(GetProcAddress gpa, Driver& d) {
+  resolve_kernel_calls(gpa, d);
   int version = 0;
   if (d.cuDriverGetVersion(&version) != kSuccess || version < 12080) return;
   void* fn = nullptr;

@@ -23,6 +23,8 @@ using CUstream = void*;
 using CUevent = void*;
 using CUmemGenericAllocationHandle = unsigned long long;
 using CUhostFn = void (*)(void* user_data);
+using CUmodule = void*;
+using CUfunction = void*;
 
 constexpr CUresult kSuccess = 0;
 constexpr CUresult kErrInvalidValue = 1;
@@ -146,6 +148,12 @@ struct Driver {
   // at most one of the two is set, in the ABI of the driver's version.
   MemcpyBatch13 cuMemcpyBatchAsync13;
   MemcpyBatch12 cuMemcpyBatchAsync12;
+  // Optional: kernels loaded from PTX (copy_kernel.h); null where the driver lacks one.
+  CUresult (*cuModuleLoadData)(CUmodule* m, const void* image);
+  CUresult (*cuModuleGetFunction)(CUfunction* f, CUmodule m, const char* name);
+  CUresult (*cuLaunchKernel)(CUfunction f, unsigned grid_x, unsigned grid_y, unsigned grid_z, unsigned block_x,
+                             unsigned block_y, unsigned block_z, unsigned shared_bytes, CUstream s, void** params,
+                             void** extra);
 };
 
 // The loaded driver, or nullptr (then driver_error() says why).
