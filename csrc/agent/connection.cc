@@ -29,9 +29,9 @@ std::string range_text(uint64_t off, uint64_t size) {
 
 }  // namespace
 
-// One transfer, checked: the local window (entered until the call issued it) and the remote region.
+// One transfer, checked: the local window (held by the call's LocalWindows) and the remote region.
 struct Connection::Checked {
-  std::shared_ptr<Window> local;
+  const Window* local = nullptr;
   const Xfer* x = nullptr;
 };
 
@@ -39,10 +39,12 @@ struct Connection::Checked {
 // and their ops, for the fallback of any the driver refuses. A call of one op
 // has nothing to issue together: its copy is posted as the mesh's put is.
 struct Connection::Batch {
-  Batch(Outbox* outbox, bool is_read, bool single) : copies(outbox, kPeer, kCtx), is_read(is_read), single(single) {}
+  Batch(Outbox* outbox, bool is_read, bool single, Deadline deadline)
+      : copies(outbox, kPeer, kCtx), is_read(is_read), single(single), deadline(deadline) {}
   cuda::CopyBatch copies;
   bool is_read;
   bool single;
+  Deadline deadline;  // of the call's device, staged and stream-ordered ops
   std::vector<std::pair<PeerView*, PathOp>> ops;
 };
 
@@ -164,11 +166,11 @@ uint64_t Connection::ping() { return engine_->ping(kPeer); }
 
 bool Connection::answered(uint64_t mark) const { return engine_->acks_heard(kPeer) > mark; }
 
-Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* call, long op) const {
-  std::string which = op < 0 ? std::string(call) : std::string(call) + " op " + std::to_string(op);
-  if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + which + ": a descriptor is missing");
+Connection::Checked Connection::check(const Xfer& x, const char* call, long op, LocalWindows* locals) const {
+  auto which = [&] { return op < 0 ? std::string(call) : std::string(call) + " op " + std::to_string(op); };
+  if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + which() + ": a descriptor is missing");
   const RegionDesc& r = *x.remote;
-  auto what = [&] { return who() + ": " + which + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
+  auto what = [&] { return who() + ": " + which() + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
   if (r.agent != peer_.name) {
     fail(Code::kInvalidArgument, -1, 0, what() + "to a region of agent " + r.agent + ", not of this connection's peer");
   }
@@ -185,16 +187,39 @@ Connection::Checked Connection::check(const Xfer& x, bool is_read, const char* c
   }
   Checked c;
   c.x = &x;
-  bool entered = false;
-  c.local = agent_->window_for(*x.local, call, &entered);
-  c.local->leave();  // deregister() flushes this agent's connections before it closes a region
+  c.local = locals->of(*agent_, *x.local, call);
   if (!in_range(x.local_off, x.size, c.local->size)) {
     fail(Code::kInvalidArgument, -1, 0, what() + "at local " + range_text(x.local_off, x.size) +
                                             ": out of range of local region #" + std::to_string(x.local->index) +
                                             " (" + std::to_string(c.local->size) + " bytes)");
   }
-  (void)is_read;
   return c;
+}
+
+// Each local region of a call looked up once (a batch names few regions many times): by its
+// descriptor's address, the last one first, then the few before it, then a map.
+const Window* Connection::LocalWindows::of(const Agent& agent, const RegionDesc& d, const char* call) {
+  constexpr size_t kScanned = 16;
+  if (last_desc == &d) return last;
+  const Window* found = nullptr;
+  for (size_t i = 0; i < held.size() && i < kScanned && !found; ++i) {
+    if (descs[i] == &d) found = held[i].get();
+  }
+  if (!found && held.size() > kScanned) {
+    auto it = more.find(&d);
+    if (it != more.end()) found = it->second;
+  }
+  if (!found) {
+    bool entered = false;
+    std::shared_ptr<Window> w = agent.window_for(d, call, &entered);
+    w->leave();  // deregister() flushes this agent's connections before it closes a region
+    found = w.get();
+    if (held.size() >= kScanned) more.emplace(&d, found);
+    descs.push_back(&d);
+    held.push_back(std::move(w));
+  }
+  last_desc = &d;
+  return last = found;
 }
 
 // A descriptor that the peer's proven process says is not its registration (binding.h), naming
@@ -334,7 +359,7 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   op.local_device = device;
   Path* p = v.path.get();
   bool device_op = device >= 0 || is_device_path(p->kind()) || p->kind() == PathKind::kStaged;
-  if (device_op || stream.set) op.deadline = Deadline::after_seconds(agent_->timeout_s());
+  if (device_op || stream.set) op.deadline = batch->deadline;
   if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
   order_on(stream, p, device, &op);
   bool checked = cookie_checked_ == &v;  // once per region and call (a batch names few)
@@ -432,7 +457,7 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
 // would have been one at a time).
 void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
                            bool* on_device) {
-  Batch batch(&engine(), is_read, checked.size() == 1);
+  Batch batch(&engine(), is_read, checked.size() == 1, Deadline::after_seconds(agent_->timeout_s()));
   try {
     for (const Checked& c : checked) {
       if (c.x->size == 0) continue;
@@ -456,8 +481,9 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   if (ended()) fail(lost_code(), -1, 0, who() + ": " + call + ": " + gone());
   std::vector<Checked> checked;
   checked.reserve(ops.size());
+  LocalWindows locals;
   for (size_t i = 0; i < ops.size(); ++i) {
-    checked.push_back(check(ops[i], is_read, call, ops.size() > 1 ? static_cast<long>(i) : -1));
+    checked.push_back(check(ops[i], call, ops.size() > 1 ? static_cast<long>(i) : -1, &locals));
   }
   std::lock_guard<std::mutex> lock(op_mu_);
   cookie_checked_ = nullptr;

@@ -14,6 +14,7 @@
 #include <set>
 #include <string>
 #include <string_view>
+#include <unordered_map>
 #include <vector>
 
 #include "agent/agent.h"
@@ -90,8 +91,16 @@ class Connection : public std::enable_shared_from_this<Connection> {
  private:
   bool joined_locked() const;  // lanes_joined() with state_mu_ held
   struct Checked;
+  struct LocalWindows {  // one call's local regions, each looked up once
+    const Window* of(const Agent& agent, const RegionDesc& d, const char* call);
+    std::vector<const RegionDesc*> descs;
+    std::vector<std::shared_ptr<Window>> held;
+    std::unordered_map<const RegionDesc*, const Window*> more;  // past the first few
+    const RegionDesc* last_desc = nullptr;
+    const Window* last = nullptr;
+  };
   // op: the op's index in a batch of several (its errors name it), -1 for a call of one op.
-  Checked check(const Xfer& x, bool is_read, const char* call, long op = -1) const;
+  Checked check(const Xfer& x, const char* call, long op, LocalWindows* locals) const;
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
   [[noreturn]] void fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const;

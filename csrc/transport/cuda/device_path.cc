@@ -38,7 +38,7 @@ int DevicePath::copy(const PathOp& op, void* dst, const void* src) {
   if (op.wait_here) {
     cuda::wait_for_stream(ordinal_, s, op.deadline, std::string("a copy over ") + path_name(kind_));
   } else if (!signal) {
-    outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, std::move(after)));
+    outbox_->issued_probe(peer_, op.ctx, kind_, cuda::event_probe(ordinal_, std::move(after)), 1);
   }
   return 0;
 }
@@ -48,7 +48,7 @@ Queued DevicePath::queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) 
   if (op.sig != nullptr || op.wait_here || op.local_device < 0 || !remote_on_device_ || remote_ == nullptr) {
     return Queued::kNo;
   }
-  cuda::use_device(ordinal_);
+  if (batch->size() == 0) cuda::use_device(ordinal_);  // (CopyBatch::issue makes it current again)
   auto local = reinterpret_cast<cuda::CUdeviceptr>(op.local);
   auto remote = reinterpret_cast<cuda::CUdeviceptr>(remote_ + op.remote_off);
   cuda::BatchedCopy c{is_get ? local : remote, is_get ? remote : local, op.len, kind_};
