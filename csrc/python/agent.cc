@@ -2,6 +2,7 @@
 // AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
 // that may block releases the GIL. The admission policy from Python is a set
 // of names (a Python callback on the listener thread could deadlock a close).
+#include <cstring>
 #include <memory>
 #include <optional>
 #include <string>
@@ -251,6 +252,88 @@ PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bo
   return PyHandle(issue(c, xs, is_read, notif, stream), self);
 }
 
+// The regions a table names by index: one Region / descriptor, or a sequence of them.
+std::vector<SharedDesc> region_list(const py::handle& regions, const char* which) {
+  std::vector<SharedDesc> out;
+  if (PyList_Check(regions.ptr()) || PyTuple_Check(regions.ptr())) {
+    py::sequence seq = py::reinterpret_borrow<py::sequence>(regions);
+    out.reserve(seq.size());
+    for (size_t i = 0; i < seq.size(); ++i) {
+      std::string name = std::string(which) + "[" + std::to_string(i) + "]";
+      out.push_back(decoded_region(descriptor_arg(seq[i], name.c_str())));
+    }
+  } else {
+    out.push_back(decoded_region(descriptor_arg(regions, which)));
+  }
+  if (out.empty()) fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(which) + " names no region");
+  return out;
+}
+
+// One cell of an (n, 3) or (n, 5) table of 8-byte integers, by its strides; a negative one is refused.
+struct TableView {
+  const char* base;
+  py::ssize_t rows, cols, row_stride, col_stride;
+  bool is_signed;
+  uint64_t at(py::ssize_t r, py::ssize_t c, const char* name) const {
+    const char* p = base + r * row_stride + c * col_stride;
+    int64_t v;
+    std::memcpy(&v, p, 8);
+    if (is_signed && v < 0) {
+      fxm::fail(fxm::Code::kInvalidArgument, -1, 0, arg_name(name, static_cast<long>(r)) + " is negative (" +
+                                                      std::to_string(v) + ")");
+    }
+    return static_cast<uint64_t>(v);
+  }
+};
+
+TableView table_view(const py::buffer_info& b) {
+  bool eight = b.itemsize == 8 && (b.format == "q" || b.format == "Q" || b.format == "l" || b.format == "L" ||
+                                   b.format == "<q" || b.format == "<Q" || b.format == "=q" || b.format == "=Q");
+  if (!eight || b.ndim != 2 || (b.shape[1] != 3 && b.shape[1] != 5)) {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+              "table must be an (n, 5) or (n, 3) array of 64-bit integers (int64 or uint64), got format '" +
+                  b.format + "', " + std::to_string(b.ndim) + " dimension(s)" +
+                  (b.ndim == 2 ? ", " + std::to_string(b.shape[1]) + " columns" : std::string()));
+  }
+  return {static_cast<const char*>(b.ptr), b.shape[0], b.shape[1], b.strides[0], b.strides[1],
+          b.format.back() == 'q' || b.format.back() == 'l'};
+}
+
+// A table of ops: rows (local_index, local_offset, remote_index, remote_offset, size), or
+// (local_offset, remote_offset, size) with one region on each side; decoded here, no Python
+// object per op. Indices name entries of `locals` / `remotes`.
+PyHandle transfer_table(const py::handle& self, Connection& c, const py::object& locals, const py::object& remotes,
+                        const py::object& table, bool is_read, const py::object& notif,
+                        const std::optional<uint64_t>& stream) {
+  std::vector<SharedDesc> l = region_list(locals, "local"), r = region_list(remotes, "remote");
+  if (!PyObject_CheckBuffer(table.ptr())) {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string("table must be an array (numpy, a CPU torch tensor, a "
+                                                              "buffer), not ") + Py_TYPE(table.ptr())->tp_name);
+  }
+  py::buffer_info b = py::reinterpret_borrow<py::buffer>(table).request();
+  TableView t = table_view(b);
+  bool indexed = t.cols == 5;
+  if (!indexed && (l.size() != 1 || r.size() != 1)) {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "a table of 3 columns names one local and one remote region; "
+                                                  "give 5 columns (with region indices) for several");
+  }
+  std::vector<fxm::agent::Xfer> xs(static_cast<size_t>(t.rows));
+  for (py::ssize_t i = 0; i < t.rows; ++i) {
+    uint64_t li = indexed ? t.at(i, 0, "local index") : 0, ri = indexed ? t.at(i, 2, "remote index") : 0;
+    if (li >= l.size() || ri >= r.size()) {
+      bool local = li >= l.size();
+      fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+                arg_name(local ? "local index" : "remote index", static_cast<long>(i)) + " " +
+                    std::to_string(local ? li : ri) + " names no region (" + std::to_string(local ? l.size() : r.size()) +
+                    " given)");
+    }
+    py::ssize_t at = indexed ? 1 : 0;
+    xs[i] = {l[li].get(), t.at(i, at, "local offset"), r[ri].get(), t.at(i, at + (indexed ? 2 : 1), "remote offset"),
+             t.at(i, at + (indexed ? 3 : 2), "size")};
+  }
+  return PyHandle(issue(c, xs, is_read, notif, stream), self);
+}
+
 // One op, its fields as arguments (write() and read(): no list or tuple to build and take apart,
 // every argument checked here, not in Python: the per-call cost of a blocking connector). It holds
 // its descriptors: another thread's lookup may drop them from the cache while this call runs.
@@ -300,6 +383,8 @@ void bind_connection(py::module_& m) {
       .def("gone", &Connection::gone)
       .def("transfer", with_self(&transfer), py::arg("ops"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none())  // a handle keeps its connection (and so its agent) alive
+      .def("transfer_table", with_self(&transfer_table), py::arg("locals"), py::arg("remotes"), py::arg("table"),
+           py::arg("is_read"), py::arg("notification") = py::none(), py::arg("stream") = py::none())
       .def("transfer_one", with_self(&transfer_one), py::arg("local"), py::arg("remote"), py::arg("size"),
            py::arg("local_offset"), py::arg("remote_offset"), py::arg("is_read"), py::arg("notification") = py::none(),
            py::arg("stream") = py::none())

@@ -39,6 +39,15 @@ def _op_list(ops: Iterable[Op]) -> list:
     return ops if type(ops) is list else list(ops)
 
 
+def _table(table):
+    """A table of ops as the core reads it: a buffer; a torch tensor through its numpy view."""
+    if type(table).__module__.startswith("torch") and hasattr(table, "numpy"):
+        if getattr(table, "device", None) is not None and table.device.type != "cpu":
+            raise InvalidArgument(f"table must be in host memory, not on {table.device}")
+        return table.numpy()
+    return table
+
+
 def _stream(stream) -> Optional[int]:
     return stream if stream is None else _cuda.stream_handle(stream)
 
@@ -204,6 +213,22 @@ class AgentConnection:
 
     def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         return self._core.transfer(_op_list(ops), True, notification, _cuda.stream_handle(stream))
+
+    def write_blocks(self, local, remote, table, notification: Optional[bytes] = None, stream=None) -> Handle:
+        """Many ops in one call, as a table rather than a list of tuples: the KV blocks of a request.
+
+        ``table`` is an (n, 5) array of 64-bit integers (numpy, a CPU torch tensor, anything with
+        the buffer protocol), one op a row: (local_index, local_offset, remote_index,
+        remote_offset, size), the indices naming entries of ``local`` and ``remote`` (sequences of
+        Regions or descriptors); or an (n, 3) array (local_offset, remote_offset, size) when
+        ``local`` and ``remote`` are one region each. The table is read in C++, no Python object
+        per op; every op is checked before any byte moves, and errors name the row as ``op N``.
+        What follows is ``batch_write``'s: one submission per path, the notification after the data."""
+        return self._core.transfer_table(local, remote, _table(table), False, notification, _stream(stream))
+
+    def read_blocks(self, local, remote, table, notification: Optional[bytes] = None, stream=None) -> Handle:
+        """``write_blocks``' reads: each row's bytes of ``remote`` land in ``local``."""
+        return self._core.transfer_table(local, remote, _table(table), True, notification, _stream(stream))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
