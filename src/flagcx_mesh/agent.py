@@ -14,6 +14,7 @@ docs/agent.md.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Iterable, Optional, Sequence, Union
 
 from . import _core
@@ -40,12 +41,21 @@ def _op_list(ops: Iterable[Op]) -> list:
 
 
 def _table(table):
-    """A table of ops as the core reads it: a buffer; a torch tensor through its numpy view."""
-    if type(table).__module__.startswith("torch") and hasattr(table, "numpy"):
-        if getattr(table, "device", None) is not None and table.device.type != "cpu":
-            raise InvalidArgument(f"table must be in host memory, not on {table.device}")
-        return table.numpy()
-    return table
+    """A table of ops as the core reads it: a buffer. A torch tensor (which has none) is viewed
+    through ctypes, without numpy; the caller keeps it alive for the call (the core reads the
+    table before it returns)."""
+    if not type(table).__module__.startswith("torch") or not hasattr(table, "data_ptr"):
+        return table
+    if table.device.type != "cpu":
+        raise InvalidArgument(f"table must be in host memory, not on {table.device}")
+    if str(table.dtype) not in ("torch.int64", "torch.uint64") or table.dim() != 2 or table.shape[1] not in (3, 5):
+        raise InvalidArgument(f"table must be an (n, 5) or (n, 3) tensor of 64-bit integers, got {table.dtype} "
+                              f"of shape {tuple(table.shape)}")
+    if not table.is_contiguous():
+        raise InvalidArgument("table must be a contiguous tensor (call .contiguous())")
+    rows, cols = table.shape
+    cell = ctypes.c_int64 if str(table.dtype) == "torch.int64" else ctypes.c_uint64
+    return ((cell * cols) * rows).from_address(table.data_ptr()) if rows else ((cell * cols) * 0)()
 
 
 def _stream(stream) -> Optional[int]:

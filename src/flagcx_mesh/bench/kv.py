@@ -11,9 +11,12 @@ the prefill (flagcx_mesh.vllm.transfer.KVTransfer holding a request's blocks); a
 is the decode, which fetches them into blocks of its own. Block ids are shuffled on both sides
 (nothing merges: one 64 KiB op per block and layer, as in a long-running engine). Time: from
 the decode's fetch to its completion (data landed and notified), median of --reps requests.
-The reference: the same bytes as one contiguous write per layer between two plain agents of
-the same processes (registered buffers of the same size), over the same forced path, median of
---reps; the ratio is KV / contiguous. Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
+The references, measured in the same run: the same bytes as one contiguous write per layer
+between two plain agents of the same processes (registered buffers of the same size), over the
+same forced path, median of --reps (the ratio KV / contiguous); and, in the prefill process
+alone, the local gather of the same blocks (per layer, `index_copy_` of the blocks picked with
+`index_select`, on the cache viewed as uint8 and as int64; median of --reps), which no transfer
+between processes can beat (the ratio KV / gather). Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
 tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged).
 """
 
@@ -147,6 +150,31 @@ def _contiguous(args, conn, local, remote, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def _sync(torch, args) -> None:
+    if args.device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _gather_ms(torch, args, tokens: int, dtype, rng) -> float:
+    """Median ms of one process copying a request's blocks between two caches of the same shape
+    (every layer: shuffled source blocks onto shuffled destination blocks), viewed as `dtype`."""
+    n, k = _blocks(args), tokens // args.block_size
+    row = args.heads * args.block_size * 2 * args.head_size * 2 // torch.tensor([], dtype=dtype).element_size()
+    src = [torch.ones(n, row, dtype=dtype, device=args.device) for _ in range(args.layers)]
+    dst = [torch.zeros(n, row, dtype=dtype, device=args.device) for _ in range(args.layers)]
+    times = []
+    for _ in range(args.reps):
+        si = torch.tensor(rng.sample(range(n), k), device=args.device)
+        di = torch.tensor(rng.sample(range(n), k), device=args.device)
+        _sync(torch, args)
+        t0 = time.perf_counter()
+        for s, d in zip(src, dst):
+            d.index_copy_(0, di, s.index_select(0, si))
+        _sync(torch, args)
+        times.append((time.perf_counter() - t0) * 1e3)
+    return statistics.median(times)
+
+
 def _register_time(torch, args, agent, reps: int = 5) -> float:
     """Median ms of registering (then deregistering) a 256 MiB buffer on --device."""
     buf = torch.zeros(256 << 20, dtype=torch.uint8, device=args.device)
@@ -195,7 +223,9 @@ def _measure_path(args, path: str) -> Dict[str, object]:
             nbytes = tokens * args.layers * args.heads * 2 * args.head_size * 2
             k, r = statistics.median(kv), statistics.median(ref)
             row["tokens"][str(tokens)] = {"bytes": nbytes, "kv_ms": k * 1e3, "kv_gbs": nbytes / k / 1e9,
-                                          "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9}
+                                          "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9,
+                                          "gather_uint8_ms": _gather_ms(torch, args, tokens, torch.uint8, rng),
+                                          "gather_int64_ms": _gather_ms(torch, args, tokens, torch.int64, rng)}
         _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
         if child.wait(timeout=120) != 0:
             raise SystemExit(f"bench kv: the decode process failed (exit {child.returncode})")
@@ -216,7 +246,7 @@ def _report(data: dict, args) -> None:
     print(f"one request's KV, prefill -> decode ({args.layers} layers, {args.heads} KV heads, head size "
           f"{args.head_size}, bf16, blocks of {args.block_size} tokens; {args.device}; median of {args.reps})")
     print(f"  {'path':>9}{'taken':>10}{'tokens':>8}{'MiB':>8}{'KV ms':>9}{'KV GB/s':>9}"
-          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}")
+          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}{'gather u8/i64 ms':>18}{'gather u8/KV':>14}")
     for path, row in data["paths"].items():
         print(f"  {path}: register 256 MiB {row['register_256MiB_ms']:.3f} ms (median of 5), "
               f"connect {row['connect_ms']:.2f} ms")
@@ -224,7 +254,8 @@ def _report(data: dict, args) -> None:
         for tokens, f in row["tokens"].items():
             print(f"  {path:>9}{row['path']:>10}{tokens:>8}{f['bytes'] / 2**20:>8.0f}{f['kv_ms']:>9.2f}"
                   f"{f['kv_gbs']:>9.2f}{f['contiguous_ms']:>11.2f}{f['contiguous_gbs']:>13.2f}"
-                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}")
+                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}"
+                  f"{f['gather_uint8_ms']:>10.3f}/{f['gather_int64_ms']:<7.3f}{f['gather_uint8_ms'] / f['kv_ms']:>14.2f}")
 
 
 def main(argv: List[str]) -> int:

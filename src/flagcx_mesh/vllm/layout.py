@@ -131,34 +131,53 @@ def describe_layers(kv_caches: Dict[str, object], num_blocks: int, block_dim: in
     return storages, layers
 
 
-def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> List[int]:
-    out = [int(b) for b in ids]
-    bad = [b for b in out if not 0 <= b < num_blocks]
-    if bad:
-        raise LayoutError(f"{what}: block ids {bad[:4]} out of range (0..{num_blocks - 1})")
-    return out
+def write_rows(src: LayerGeometry, src_index: int, dst: LayerGeometry, dst_index: int,
+               src_blocks: Sequence[int], dst_blocks: Sequence[int]):
+    """The rows of an agent op table (``AgentConnection.write_blocks``: an (n, 5) int64 torch
+    tensor of (local_index, local_offset, remote_index, remote_offset, size)) that copy the
+    source blocks of one layer onto the destination blocks, pairwise, from region ``src_index``
+    to region ``dst_index``; runs of consecutive block ids on both sides merge into one row where
+    blocks are dense on both sides. Built with tensor operations: no Python object per block."""
+    import torch
+
+    src.check_matches(dst)
+    if len(src_blocks) != len(dst_blocks):
+        raise LayoutError(f"layer {src.name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+    sb = block_id_tensor(src_blocks, src.num_blocks, f"layer {src.name} (source)")
+    db = block_id_tensor(dst_blocks, dst.num_blocks, f"layer {dst.name} (destination)")
+    dense = len(src.runs) == 1 and len(dst.runs) == 1 and \
+        src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
+    n = len(sb)
+    if dense and n > 1:  # a run starts where either side's next id is not the one after
+        breaks = torch.nonzero((sb[1:] != sb[:-1] + 1) | (db[1:] != db[:-1] + 1)).flatten() + 1
+        starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+        lengths = torch.diff(torch.cat([starts, torch.tensor([n])]))
+    else:
+        starts, lengths = torch.arange(n), torch.ones(n, dtype=torch.int64)
+    k = len(src.runs)
+    rows = torch.empty((len(starts) * k, 5), dtype=torch.int64)
+    rows[:, 0] = src_index
+    rows[:, 1] = (sb[starts, None] * src.block_stride + torch.tensor(src.runs)[None, :]).reshape(-1)
+    rows[:, 2] = dst_index
+    rows[:, 3] = (db[starts, None] * dst.block_stride + torch.tensor(dst.runs)[None, :]).reshape(-1)
+    rows[:, 4] = (lengths[:, None] * src.run_bytes).expand(-1, k).reshape(-1)
+    return rows
+
+
+def block_id_tensor(ids: Sequence[int], num_blocks: int, what: str):
+    """Block ids as an int64 tensor, each checked to be in 0..num_blocks-1."""
+    import torch
+
+    t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+    bad = t[(t < 0) | (t >= num_blocks)]
+    if len(bad):
+        raise LayoutError(f"{what}: block ids {bad[:4].tolist()} out of range (0..{num_blocks - 1})")
+    return t
 
 
 def write_ops(src: LayerGeometry, src_region, dst: LayerGeometry, dst_region,
               src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list:
-    """Agent batch ops ``(local, local_off, remote, remote_off, size)`` that copy the source
-    blocks of one layer onto the destination blocks, pairwise; runs of consecutive block ids
-    on both sides merge into one op where blocks are dense on both sides."""
-    src.check_matches(dst)
-    if len(src_blocks) != len(dst_blocks):
-        raise LayoutError(f"layer {src.name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
-    sb = check_block_ids(src_blocks, src.num_blocks, f"layer {src.name} (source)")
-    db = check_block_ids(dst_blocks, dst.num_blocks, f"layer {dst.name} (destination)")
-    dense = len(src.runs) == 1 and len(dst.runs) == 1 and \
-        src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
-    ops = []
-    i = 0
-    while i < len(sb):
-        n = 1
-        while dense and i + n < len(sb) and sb[i + n] == sb[i] + n and db[i + n] == db[i] + n:
-            n += 1
-        for rs, rd in zip(src.runs, dst.runs):
-            ops.append((src_region, rs + sb[i] * src.block_stride, dst_region, rd + db[i] * dst.block_stride,
-                        src.run_bytes * n))
-        i += n
-    return ops
+    """``write_rows`` as agent batch ops ``(local, local_off, remote, remote_off, size)``."""
+    regions = (src_region, dst_region)
+    return [(regions[0], lo, regions[1], ro, n)
+            for _, lo, _, ro, n in write_rows(src, 0, dst, 0, src_blocks, dst_blocks).tolist()]

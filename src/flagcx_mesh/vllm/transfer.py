@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
-from .layout import LayerGeometry, LayoutError, describe_layers, write_ops
+from .layout import LayerGeometry, LayoutError, describe_layers, write_rows
 
 log = logging.getLogger("flagcx_mesh.vllm")
 
@@ -394,17 +394,16 @@ class KVTransfer:
         if layout is None:
             return self._refuse(peer, f, "no layout was received on this connection")
         try:
-            layer_ops = self._push_ops(held.blocks, [int(b) for b in f["dst"]], layout)
+            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
         tag = str(f["tag"])
         done = protocol.encode("D", tag=tag)
         handles = []
         try:
-            for i, ops in enumerate(layer_ops):  # one batch per layer, the notification last
-                last = i == len(layer_ops) - 1
-                handles.append(conn.batch_write(ops, notification=done if last else None))
-            if not layer_ops:
+            if len(table):  # every layer's blocks in one call, the notification after them
+                handles.append(conn.write_blocks(self._regions, layout[0], table, notification=done))
+            else:
                 conn.notify(done)
         except MeshError as e:
             self._count("pushes_failed")
@@ -421,7 +420,10 @@ class KVTransfer:
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
-    def _push_ops(self, held_blocks: List[int], dst: List[int], layout) -> List[list]:
+    def _push_table(self, held_blocks: List[int], dst: List[int], layout):
+        """The op table (write_rows) of every layer's blocks of a request."""
+        import torch
+
         regions, peer_layers = layout
         if len(dst) > len(held_blocks):
             raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
@@ -433,10 +435,8 @@ class KVTransfer:
                 raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
-            ops = write_ops(g, self._regions[g.region], pg, regions[pg.region], src, dst)
-            if ops:
-                out.append(ops)
-        return out
+            out.append(write_rows(g, g.region, pg, pg.region, src, dst))
+        return torch.cat(out) if out else torch.empty((0, 5), dtype=torch.int64)
 
     def _on_release(self, req: str, why: str) -> None:
         held = self._held.get(req)
