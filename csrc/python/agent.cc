@@ -287,8 +287,9 @@ struct TableView {
 };
 
 TableView table_view(const py::buffer_info& b) {
-  bool eight = b.itemsize == 8 && (b.format == "q" || b.format == "Q" || b.format == "l" || b.format == "L" ||
-                                   b.format == "<q" || b.format == "<Q" || b.format == "=q" || b.format == "=Q");
+  std::string f = b.format;
+  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f.erase(0, 1);  // little-endian here
+  bool eight = b.itemsize == 8 && (f == "q" || f == "Q" || f == "l" || f == "L");
   if (!eight || b.ndim != 2 || (b.shape[1] != 3 && b.shape[1] != 5)) {
     fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
               "table must be an (n, 5) or (n, 3) array of 64-bit integers (int64 or uint64), got format '" +
@@ -296,7 +297,7 @@ TableView table_view(const py::buffer_info& b) {
                   (b.ndim == 2 ? ", " + std::to_string(b.shape[1]) + " columns" : std::string()));
   }
   return {static_cast<const char*>(b.ptr), b.shape[0], b.shape[1], b.strides[0], b.strides[1],
-          b.format.back() == 'q' || b.format.back() == 'l'};
+          f == "q" || f == "l"};
 }
 
 // A table of ops: rows (local_index, local_offset, remote_index, remote_offset, size), or
