@@ -3,7 +3,7 @@ contiguous agent write of the same bytes on the same path, measured in the same 
 
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
                                    [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
-                                   [--reps 5] [--json PATH]
+                                   [--reps 5] [--json PATH] [--plot PNG]
 
 The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
 tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
@@ -34,6 +34,7 @@ import tempfile
 import time
 from typing import Dict, List
 
+from ._plot import save_plot
 from ._ranks import save_json
 
 SECRET = "bench-kv"
@@ -50,6 +51,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--reps", type=int, default=5, help="requests timed per figure; each figure is their median (default 5)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
+    p.add_argument("--plot", metavar="PNG", help="a plot of GB/s over request size per path: the KV request, the "
+                   "contiguous write and the local gathers (needs matplotlib)")
     p.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -258,6 +261,23 @@ def _report(data: dict, args) -> None:
                   f"{f['gather_uint8_ms']:>10.3f}/{f['gather_int64_ms']:<7.3f}{f['gather_uint8_ms'] / f['kv_ms']:>14.2f}")
 
 
+def plot(data: dict, args) -> bool:
+    """--plot: per path, the request's GB/s beside the contiguous write's and the local gathers'."""
+    panels = []
+    for path, row in data["paths"].items():
+        series: Dict[str, Dict[str, float]] = {"KV request": {}, "contiguous write": {}, "local gather (uint8)": {},
+                                               "local gather (int64)": {}}
+        for f in row["tokens"].values():
+            at = str(f["bytes"])
+            series["KV request"][at] = f["kv_gbs"]
+            series["contiguous write"][at] = f["contiguous_gbs"]
+            series["local gather (uint8)"][at] = f["bytes"] / f["gather_uint8_ms"] / 1e6
+            series["local gather (int64)"][at] = f["bytes"] / f["gather_int64_ms"] / 1e6
+        panels.append((f"{path} (taken: {row['path']})", series))
+    return save_plot(args.plot, f"one request's KV, prefill -> decode ({args.device}, blocks of {args.block_size} "
+                                f"tokens, {args.heads} KV heads)", panels)
+
+
 def main(argv: List[str]) -> int:
     args = _parse(argv)
     if args.role == "decode":
@@ -265,4 +285,5 @@ def main(argv: List[str]) -> int:
     data = {"device": args.device, "paths": {p: _measure_path(args, p) for p in args.paths}}
     _report(data, args)
     save_json(data, args.json)
+    plot(data, args)
     return 0
