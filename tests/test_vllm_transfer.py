@@ -20,7 +20,7 @@ if os.environ.get("FXM_REQUIRE_TORCH") != "1":
 import torch  # noqa: E402
 
 from flagcx_mesh.vllm import protocol  # noqa: E402
-from flagcx_mesh.vllm.layout import LayoutError, describe_layers, layer_geometry, write_ops  # noqa: E402
+from flagcx_mesh.vllm.layout import LayoutError, describe_layers, layer_geometry, request_rows, write_ops  # noqa: E402
 from flagcx_mesh.vllm.transfer import KVTransfer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -95,6 +95,26 @@ def test_write_ops_merge_consecutive_blocks_only_where_dense():
     kvl, bdim = make_kv_caches([0], 16, layout="legacy")
     (gl,) = describe_layers(kvl, 16, bdim)[1]
     assert len(write_ops(gl, b"L", gl, b"R", [3, 4], [0, 1])) == 4  # K and V of each block
+
+
+def test_a_request_table_is_each_layer_s_ops_in_order_whatever_the_layers_shapes():
+    """request_rows computes layers of one shape together: its rows must be, layer after layer,
+    exactly write_ops' ops of each layer (dense and K/V-split layers mixed in one request)."""
+    import random
+
+    kv, _ = make_kv_caches([0, 1, 2], 32, layout="vllm")
+    _, dense = describe_layers(kv, 32)
+    kvl, bdim = make_kv_caches([0, 1], 32, layout="legacy")
+    _, split = describe_layers(kvl, 32, bdim)
+    layers = [dense[0], split[0], dense[1], dense[2], split[1]]
+    rng = random.Random(3)
+    for blocks in ([], [5], [3, 4, 5, 9, 10, 0], rng.sample(range(32), 20)):
+        dst = rng.sample(range(32), len(blocks))
+        pairs = [(g, i, g, 10 + i) for i, g in enumerate(layers)]
+        got = [tuple(r) for r in request_rows(pairs, blocks, dst).tolist()]
+        want = [(i, lo, 10 + i, ro, n) for i, g in enumerate(layers)
+                for _, lo, _, ro, n in write_ops(g, None, g, None, blocks, dst)]
+        assert got == want, blocks
 
 
 def test_mismatched_layouts_and_bad_block_ids_are_refused():

@@ -137,16 +137,47 @@ def write_rows(src: LayerGeometry, src_index: int, dst: LayerGeometry, dst_index
     tensor of (local_index, local_offset, remote_index, remote_offset, size)) that copy the
     source blocks of one layer onto the destination blocks, pairwise, from region ``src_index``
     to region ``dst_index``; runs of consecutive block ids on both sides merge into one row where
-    blocks are dense on both sides. Built with tensor operations: no Python object per block."""
+    blocks are dense on both sides."""
+    return request_rows([(src, src_index, dst, dst_index)], src_blocks, dst_blocks)
+
+
+def request_rows(layers: Sequence[Tuple[LayerGeometry, int, LayerGeometry, int]], src_blocks: Sequence[int],
+                 dst_blocks: Sequence[int]):
+    """``write_rows`` of every (source layer, its region index, destination layer, its region
+    index) of a request, layer after layer, as one tensor. Layers of one shape (the usual case:
+    every layer of a model alike) are computed together with tensor operations: a request's
+    table costs a few dozen of them, not a Python object per block or a pass per layer."""
     import torch
 
-    src.check_matches(dst)
     if len(src_blocks) != len(dst_blocks):
-        raise LayoutError(f"layer {src.name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
-    sb = block_id_tensor(src_blocks, src.num_blocks, f"layer {src.name} (source)")
-    db = block_id_tensor(dst_blocks, dst.num_blocks, f"layer {dst.name} (destination)")
+        name = layers[0][0].name if layers else "?"
+        raise LayoutError(f"layer {name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+    groups: Dict[tuple, List[int]] = {}
+    for i, (src, _, dst, _) in enumerate(layers):
+        src.check_matches(dst)
+        groups.setdefault(_shape_key(src, dst), []).append(i)
+    out = [None] * len(layers)
+    for members in groups.values():
+        rows = _group_rows([layers[i] for i in members], src_blocks, dst_blocks)
+        for j, i in enumerate(members):
+            out[i] = rows[j]
+    return torch.cat([r.reshape(-1, 5) for r in out]) if out else torch.empty((0, 5), dtype=torch.int64)
+
+
+def _shape_key(src: LayerGeometry, dst: LayerGeometry) -> tuple:
     dense = len(src.runs) == 1 and len(dst.runs) == 1 and \
         src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
+    return (dense, src.run_bytes, len(src.runs), src.num_blocks, dst.num_blocks)
+
+
+def _group_rows(layers, src_blocks, dst_blocks):
+    """(layers, rows per layer, 5): the rows of layers of one shape (_shape_key)."""
+    import torch
+
+    src0, _, dst0, _ = layers[0]
+    dense = _shape_key(src0, dst0)[0]
+    sb = block_id_tensor(src_blocks, src0.num_blocks, f"layer {src0.name} (source)")
+    db = block_id_tensor(dst_blocks, dst0.num_blocks, f"layer {dst0.name} (destination)")
     n = len(sb)
     if dense and n > 1:  # a run starts where either side's next id is not the one after
         breaks = torch.nonzero((sb[1:] != sb[:-1] + 1) | (db[1:] != db[:-1] + 1)).flatten() + 1
@@ -154,14 +185,21 @@ def write_rows(src: LayerGeometry, src_index: int, dst: LayerGeometry, dst_index
         lengths = torch.diff(torch.cat([starts, torch.tensor([n])]))
     else:
         starts, lengths = torch.arange(n), torch.ones(n, dtype=torch.int64)
-    k = len(src.runs)
-    rows = torch.empty((len(starts) * k, 5), dtype=torch.int64)
-    rows[:, 0] = src_index
-    rows[:, 1] = (sb[starts, None] * src.block_stride + torch.tensor(src.runs)[None, :]).reshape(-1)
-    rows[:, 2] = dst_index
-    rows[:, 3] = (db[starts, None] * dst.block_stride + torch.tensor(dst.runs)[None, :]).reshape(-1)
-    rows[:, 4] = (lengths[:, None] * src.run_bytes).expand(-1, k).reshape(-1)
-    return rows
+
+    def per_layer(values):  # (layers, 1, 1)
+        return torch.tensor(values, dtype=torch.int64).reshape(-1, 1, 1)
+
+    src_runs = torch.tensor([s.runs for s, _, _, _ in layers], dtype=torch.int64)[:, None, :]  # (L, 1, k)
+    dst_runs = torch.tensor([d.runs for _, _, d, _ in layers], dtype=torch.int64)[:, None, :]
+    src_at = sb[starts][None, :, None] * per_layer([s.block_stride for s, _, _, _ in layers]) + src_runs
+    dst_at = db[starts][None, :, None] * per_layer([d.block_stride for _, _, d, _ in layers]) + dst_runs
+    rows = torch.empty(src_at.shape + (5,), dtype=torch.int64)  # (L, runs, k, 5)
+    rows[..., 0] = per_layer([si for _, si, _, _ in layers])
+    rows[..., 1] = src_at
+    rows[..., 2] = per_layer([di for _, _, _, di in layers])
+    rows[..., 3] = dst_at
+    rows[..., 4] = (lengths * src0.run_bytes)[None, :, None]
+    return rows.reshape(len(layers), -1, 5)
 
 
 def block_id_tensor(ids: Sequence[int], num_blocks: int, what: str):

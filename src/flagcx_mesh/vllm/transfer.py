@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
-from .layout import LayerGeometry, LayoutError, describe_layers, write_rows
+from .layout import LayerGeometry, LayoutError, describe_layers, request_rows
 
 log = logging.getLogger("flagcx_mesh.vllm")
 
@@ -171,7 +171,7 @@ class KVTransfer:
 
     def __init__(self, name: str, kv_caches: dict, num_blocks: int, *, secret=None, block_dim: int = 0,
                  hold_timeout: float = 120.0, fetch_timeout: float = 120.0, connect_timeout: float = 10.0,
-                 push_timeout: float = 60.0, poll_interval: float = 0.005):
+                 push_timeout: float = 60.0, poll_interval: float = 0.001):
         storages, self.layers = describe_layers(kv_caches, num_blocks, block_dim)
         self.num_blocks = num_blocks
         self.hold_timeout, self.fetch_timeout = float(hold_timeout), float(fetch_timeout)
@@ -421,22 +421,20 @@ class KVTransfer:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
     def _push_table(self, held_blocks: List[int], dst: List[int], layout):
-        """The op table (write_rows) of every layer's blocks of a request."""
-        import torch
-
+        """The op table (layout.request_rows) of every layer's blocks of a request."""
         regions, peer_layers = layout
         if len(dst) > len(held_blocks):
             raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
         src = held_blocks[len(held_blocks) - len(dst):]
-        out = []
+        pairs = []
         for g in self.layers:
             pg = peer_layers.get(g.name)
             if pg is None:
                 raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
-            out.append(write_rows(g, g.region, pg, pg.region, src, dst))
-        return torch.cat(out) if out else torch.empty((0, 5), dtype=torch.int64)
+            pairs.append((g, g.region, pg, pg.region))
+        return request_rows(pairs, src, dst)
 
     def _on_release(self, req: str, why: str) -> None:
         held = self._held.get(req)
