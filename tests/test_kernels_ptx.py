@@ -1,6 +1,8 @@
 """The PTX the library embeds (csrc/transport/cuda/kernels/*.ptx.inc) is what its CUDA source
-compiles to: scripts/gen-kernels.sh --check regenerates it with nvcc and compares. Needs nvcc
-(any CUDA 12 or 13); without it the check cannot run and the test says so."""
+compiles to, and assembles as the ISA it declares: scripts/gen-kernels.sh --check regenerates it
+with nvcc, assembles it with ptxas for sm_75 and compares. Needs the nvcc release that made it
+(recorded in the file); without nvcc, or with another release, the check cannot run and the test
+says so."""
 
 import os
 import shutil
@@ -17,6 +19,8 @@ pytestmark = pytest.mark.timeout(120)
 def test_the_embedded_ptx_is_what_its_source_compiles_to():
     p = subprocess.run(["bash", os.path.join(ROOT, "scripts", "gen-kernels.sh"), "--check"], capture_output=True,
                        text=True, timeout=100)
+    if p.returncode == 3:
+        pytest.skip(p.stderr.strip())
     assert p.returncode == 0, p.stdout + p.stderr
 
 

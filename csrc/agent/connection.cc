@@ -44,7 +44,8 @@ struct Connection::Batch {
   cuda::CopyBatch copies;
   bool is_read;
   bool single;
-  Deadline deadline;  // of the call's device, staged and stream-ordered ops
+  Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
+  static constexpr size_t kRenewEvery = 256;  // a clock read per op cost more than the op's issue
   std::vector<std::pair<PeerView*, PathOp>> ops;
 };
 
@@ -459,8 +460,10 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
                            bool* on_device) {
   Batch batch(&engine(), is_read, checked.size() == 1, Deadline::after_seconds(agent_->timeout_s()));
   try {
+    size_t n = 0;
     for (const Checked& c : checked) {
       if (c.x->size == 0) continue;
+      if (++n % Batch::kRenewEvery == 0) batch.deadline = Deadline::after_seconds(agent_->timeout_s());  // waits measured from near their op
       Issued how = issue(c, is_read, stream, &batch);
       *async = *async || how != Issued::kDone;
       *on_device = *on_device || how == Issued::kDevice;

@@ -78,7 +78,7 @@ class Engine : public Outbox {
   void issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<CompletionProbe> probe, uint64_t ops) override;
   // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
   bool poll_probes();  // true when some completed
-  bool probe_done(CompletionProbe& p);
+  bool probe_done(CompletionProbe& p, std::string* error);
   // Ops counted by issued() and not completed yet (queued on CUDA streams).
   int64_t stream_ops_pending() const { return stream_ops_.load(); }
   bool wait_stream_ops(const Deadline& deadline);  // false: some remain at the deadline

@@ -78,12 +78,16 @@ void Engine::issued_probe(int peer, int ctx, PathKind kind, std::unique_ptr<Comp
   probes_pending_.fetch_add(1);
 }
 
-// A probe that throws (no driver context any more) counts as done: its error is in the log.
-bool Engine::probe_done(CompletionProbe& p) {
+// A probe that throws (no driver context any more) counts as done, failed with what it threw
+// (its ops are not reported as landed); the error is in the log too.
+bool Engine::probe_done(CompletionProbe& p, std::string* error) {
   try {
-    return p.done();
+    bool done = p.done();
+    if (done) *error = p.error();
+    return done;
   } catch (const Error& e) {
     FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, std::string("polling a device op: ") + e.what());
+    *error = std::string("polling its completion failed: ") + e.what();
     return true;
   }
 }
@@ -98,9 +102,10 @@ bool Engine::poll_probes() {
   std::vector<Done> done;  // per completed probe, in order
   {
     std::lock_guard<std::mutex> lock(probe_mu_);
+    std::string error;
     for (size_t s = 0; s < probes_.size(); ++s) {
-      while (!probes_[s].empty() && probe_done(*probes_[s].front().probe)) {
-        done.push_back({static_cast<int>(s), probes_[s].front().probe->error(), probes_[s].front().ops});
+      while (!probes_[s].empty() && probe_done(*probes_[s].front().probe, &error)) {
+        done.push_back({static_cast<int>(s), error, probes_[s].front().ops});
         probes_[s].pop_front();
       }
     }

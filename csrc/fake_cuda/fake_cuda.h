@@ -75,6 +75,7 @@ int current_device();
 
 // ---- counts.cc: calls per entry point (fakecuda_call_count)
 void count_call(const char* name);
+extern "C" unsigned long long fakecuda_call_count(const char* name);
 
 // The checks every entry point starts with: counted, initialised, then an injected failure.
 #define FAKE_ENTER(name)                                              \

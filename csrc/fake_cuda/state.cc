@@ -33,6 +33,7 @@ struct State {
   bool environment_read = false;
   bool forked = false;  // a child forked after cuInit: its streams' threads are gone
   std::map<std::string, CUresult> failures;
+  std::map<std::string, long> failures_from;  // the call from which each fails (1: every call)
   Context contexts[kMaxDevices];
 };
 
@@ -58,8 +59,9 @@ std::string base_name(std::string name) {
   return name;
 }
 
-// FXM_FAKECUDA_FAIL="cuIpcGetMemHandle=1,cuMemCreate=801"
-bool parse_failures(const char* text, std::map<std::string, CUresult>* out) {
+// FXM_FAKECUDA_FAIL="cuIpcGetMemHandle=1,cuMemCreate=801,cuLaunchKernel=719@2": an entry
+// point fails with that code, from its Nth call on where "@N" follows (from the first otherwise).
+bool parse_failures(const char* text, std::map<std::string, CUresult>* out, std::map<std::string, long>* from) {
   std::string all = text ? text : "";
   size_t pos = 0;
   while (pos < all.size()) {
@@ -72,8 +74,16 @@ bool parse_failures(const char* text, std::map<std::string, CUresult>* out) {
     if (eq == std::string::npos || eq == 0) return false;
     char* tail = nullptr;
     long code = std::strtol(item.c_str() + eq + 1, &tail, 10);
-    if (*tail != '\0' || tail == item.c_str() + eq + 1) return false;
+    if (tail == item.c_str() + eq + 1) return false;
+    long nth = 1;
+    if (*tail == '@') {
+      char* at = tail + 1;
+      nth = std::strtol(at, &tail, 10);
+      if (tail == at || nth < 1) return false;
+    }
+    if (*tail != '\0') return false;
     (*out)[base_name(item.substr(0, eq))] = static_cast<CUresult>(code);
+    (*from)[base_name(item.substr(0, eq))] = nth;
   }
   return true;
 }
@@ -98,7 +108,7 @@ CUresult read_environment(State& s) {
   s.host_unregister_us_per_mib = unregister_us;
   s.copy_to_device_delay_ms = delay;
   s.copy_from_device_delay_ms = from_delay;
-  if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures)) return kInvalidValue;
+  if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures, &s.failures_from)) return kInvalidValue;
   s.devices = static_cast<int>(devices);
   s.granularity = static_cast<size_t>(gran);
   const char* memops = std::getenv("FXM_FAKECUDA_NO_STREAM_MEMOPS");
@@ -154,7 +164,9 @@ CUresult injected_failure(const char* name) {
   State& s = state();
   if (s.failures.empty()) return kSuccess;  // written once, before the first cuInit returns
   auto it = s.failures.find(name);
-  return it == s.failures.end() ? kSuccess : it->second;
+  if (it == s.failures.end()) return kSuccess;
+  long from = s.failures_from[name];  // (this call is counted already: FAKE_ENTER)
+  return from <= 1 || static_cast<long>(fakecuda_call_count(name)) >= from ? it->second : kSuccess;
 }
 
 void* primary_context(int device) { return &state().contexts[device]; }

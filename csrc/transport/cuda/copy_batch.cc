@@ -15,6 +15,9 @@ namespace {
 
 std::atomic<bool> batch_failed{false};   // a cuMemcpyBatchAsync failed: no more batch calls
 std::atomic<bool> kernel_failed{false};  // a launch of the copy kernel failed: no more launches
+// The longest copy the kernel takes: a longer one is one cuMemcpyAsync (the copy engines move it
+// at full speed), so a grid is never a few long copies' chunks times many short copies.
+constexpr uint64_t kKernelLongest = 4 << 20;
 
 // Disjoint byte ranges [start, end) by start.
 using Ranges = std::map<CUdeviceptr, CUdeviceptr>;
@@ -136,9 +139,11 @@ bool CopyBatch::disjoint(size_t from) const {
   return true;
 }
 
+// The sweep runs once per batch: when the whole batch is disjoint it is one run; otherwise the
+// ordered walk cuts it (a sweep per run would make a batch of many runs quadratic).
 size_t CopyBatch::run_end(size_t from) const {
   if (copies_.size() - from <= 1) return copies_.size();  // one copy: nothing to order it against
-  if (disjoint(from)) return copies_.size();
+  if (from == 0 && disjoint(0)) return copies_.size();
   Ranges written, read;
   size_t i = from;
   for (; i < copies_.size(); ++i) {
@@ -175,22 +180,51 @@ bool CopyBatch::batch_call(const Driver& d, size_t from, size_t to) {
 // The run's copies into a page-locked list, and one launch that reads it.
 bool CopyBatch::kernel_call(size_t from, size_t to) {
   size_t n = to - from;
-  std::unique_ptr<CopyList> list = copy_list(n, ordinal_);
+  for (size_t i = from; i < to; ++i) {
+    if (!copies_[i].kernel) return false;  // an end the kernel's device cannot dereference: the driver copies
+  }
+  std::vector<size_t> small;  // by the kernel; longer ones by the copy engines (the run is disjoint: any order)
+  small.reserve(n);
+  for (size_t i = from; i < to; ++i) {
+    if (copies_[i].len <= kKernelLongest) small.push_back(i);
+  }
+  if (small.size() < 2) return false;
+  std::unique_ptr<CopyList> list;
+  try {
+    list = copy_list(small.size(), ordinal_);
+  } catch (const Error& e) {  // no page-locked memory for the list: this run goes through the driver
+    FXM_WARN(peer_, std::string("a list for the copy kernel: ") + e.what() + "; " + std::to_string(n) +
+                        " copies go through the driver");
+    return false;
+  }
   KernelCopy* e = list->entries();
   uint64_t longest = 0;
-  for (size_t i = 0; i < n; ++i) {
-    const BatchedCopy& c = copies_[from + i];
-    e[i] = {c.dst, c.src, c.len};
+  for (size_t k = 0; k < small.size(); ++k) {
+    const BatchedCopy& c = copies_[small[k]];
+    e[k] = {c.dst, c.src, c.len};
     longest = std::max<uint64_t>(longest, c.len);
   }
-  CUresult r = launch_copies(ordinal_, stream_, *list, n, longest);
+  CUresult r = launch_copies(ordinal_, stream_, *list, small.size(), longest);
   if (r == kSuccess) {
     lists_.push_back(std::move(list));
-    return true;
+    return long_copies(from, to);
   }
   warn_once(kernel_failed, peer_, "launching the copy kernel for " + std::to_string(n) + " device copies failed (" +
                                       result_text(r) + "): batches go through the driver's copies from now on");
   return false;
+}
+
+// The run's copies the kernel left (longer than kKernelLongest), one cuMemcpyAsync each. The
+// kernel's launch is already queued: a refusal here is an error of the run.
+bool CopyBatch::long_copies(size_t from, size_t to) {
+  const Driver& d = *driver();
+  for (size_t i = from; i < to; ++i) {
+    const BatchedCopy& c = copies_[i];
+    if (c.len <= kKernelLongest) continue;
+    CUresult r = d.cuMemcpyAsync(c.dst, c.src, c.len, stream_);
+    if (r != kSuccess) fail(Code::kSystem, peer_, 0, std::string("cuMemcpyAsync over ") + path_name(c.kind) + ": " + result_text(r));
+  }
+  return true;
 }
 
 // A run is idempotent (no copy reads or writes what another writes): after a

@@ -31,6 +31,7 @@ struct BatchedCopy {
   CUdeviceptr src = 0;
   size_t len = 0;
   PathKind kind = PathKind::kCudaIpc;  // the path the op is counted on
+  bool kernel = true;  // both ends can be dereferenced by a kernel on the batch's device
 };
 
 class CopyBatch {
@@ -44,8 +45,12 @@ class CopyBatch {
   // issued and counted: all, unless the driver refused one (then *error says
   // why, and it and the copies after it were neither issued nor counted).
   size_t issue(std::string* error);
+  // Empties the batch. Lists still here belong to kernels that were launched but whose
+  // completion was never recorded (an error on the way): the device may read them, so they are
+  // never reused (leaked).
   void clear() {
     copies_.clear();
+    for (auto& l : lists_) l.release();
     lists_.clear();
   }
 
@@ -56,6 +61,7 @@ class CopyBatch {
   size_t issue_run(const Driver& d, size_t from, size_t to, std::string* error);
   bool batch_call(const Driver& d, size_t from, size_t to);
   bool kernel_call(size_t from, size_t to);
+  bool long_copies(size_t from, size_t to);
   void count_issued(size_t issued);
 
   Outbox* outbox_;

@@ -44,8 +44,7 @@ class PooledList : public CopyList {
       return;
     }
     const Driver* d = driver();
-    if (d) d->cuMemHostUnregister(host_);
-    std::free(host_);
+    if (d && d->cuMemHostUnregister(host_) == kSuccess) std::free(host_);  // else kept: still registered
   }
   KernelCopy* entries() override { return static_cast<KernelCopy*>(host_); }
   CUdeviceptr device_address() const override { return dev_; }
@@ -86,6 +85,24 @@ std::map<int, Loaded>& kernels() {
   return *k;
 }
 
+// One launch of nothing on a stream of its own, waited for: the first launch of a module the
+// driver loads lazily blocks behind a pending cuStreamWaitValue64 of the context (gpu.md,
+// "Traps"), so it is made here, when a device path is set up, not behind a user's wait.
+CUresult warm_up(const Driver& d, CUfunction fn, int ordinal) {
+  std::unique_ptr<CopyList> list = copy_list(1, ordinal);
+  list->entries()[0] = {0, 0, 0};
+  CUstream s = nullptr;
+  CUresult r = d.cuStreamCreate(&s, kStreamNonBlocking);
+  if (r != kSuccess) return r;
+  CUdeviceptr copies = list->device_address();
+  uint64_t chunk = kChunk;
+  void* params[] = {&copies, &chunk};
+  r = d.cuLaunchKernel(fn, 1, 1, 1, kThreads, 1, 1, 0, s, params, nullptr);
+  CUresult synced = d.cuStreamSynchronize(s);  // (the list lives until the launch is done)
+  d.cuStreamDestroy(s);
+  return r != kSuccess ? r : synced;
+}
+
 Loaded load(int ordinal) {
   Loaded l;
   l.tried = true;
@@ -102,6 +119,15 @@ Loaded load(int ordinal) {
   CUmodule m = nullptr;
   CUresult r = d->cuModuleLoadData(&m, kCopyBlocksPtx);
   if (r == kSuccess) r = d->cuModuleGetFunction(&l.fn, m, "fxm_copy_blocks");
+  if (r == kSuccess) {
+    try {
+      r = warm_up(*d, l.fn, ordinal);
+    } catch (const Error& e) {  // no page-locked memory for its list
+      l.fn = nullptr;
+      l.why = "warming up the copy kernel on device " + std::to_string(ordinal) + ": " + e.what();
+      return l;
+    }
+  }
   if (r != kSuccess) {
     l.fn = nullptr;
     l.why = "loading the copy kernel on device " + std::to_string(ordinal) + ": " + result_text(r);

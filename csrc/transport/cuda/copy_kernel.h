@@ -37,8 +37,9 @@ class CopyList {
 // A list of room for n copies, for device `ordinal`. Throws Error when no page-locked memory can be had.
 std::unique_ptr<CopyList> copy_list(size_t n, int ordinal);
 
-// Whether the copy kernel is loaded on device `ordinal` (loaded on the first call; when it
-// cannot be, *why says why, once per device, and later calls answer false at once).
+// Whether the copy kernel is loaded on device `ordinal` (loaded and launched once, empty, on the
+// first call; when it cannot be, *why says why, once per device, and later calls answer false
+// at once). Device paths call it when they are set up (copy_batch.h: batch_copy_mode).
 bool copy_kernel_ready(int ordinal, std::string* why);
 
 // Launches the kernel for the n copies of `list` on stream s of device `ordinal` (current).

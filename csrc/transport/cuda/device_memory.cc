@@ -330,6 +330,7 @@ std::unique_ptr<PeerMapping> PeerMapping::import_vmm(const DeviceExport& e, uint
   use_device(my_ordinal);
   std::unique_ptr<PeerMapping> m(new PeerMapping());
   m->ordinal_ = my_ordinal;
+  m->kernel_device_ = my_ordinal;  // cuMemSetAccess below grants this device alone
   int64_t first = e.vmm.front().offset;
   uint64_t span = static_cast<uint64_t>(e.vmm.back().offset - first) + e.vmm.back().size;
   check(d.cuMemAddressReserve(&m->reserved_, span, 0, 0, 0),
@@ -361,6 +362,7 @@ struct IpcOpen {
   CUdeviceptr base = 0;
   int users = 0;
   uint64_t size = 0;  // of the allocation, as the driver says
+  int device = -1;    // whose context opened it (peer access enabled for that one alone)
 };
 struct IpcTable {
   std::mutex mu;
@@ -391,7 +393,7 @@ std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, uint64
       fail(Code::kSystem, -1, 0, "the size of the allocation a peer's IPC handle opens is unknown: " +
                                      (r != kSuccess ? result_text(r) : std::string("its base is not the pointer opened")));
     }
-    it = t.open.emplace(key, IpcOpen{p, 0, len}).first;
+    it = t.open.emplace(key, IpcOpen{p, 0, len, my_ordinal}).first;
   }
   const IpcOpen& o = it->second;
   if (e.ipc_offset > o.size || size > o.size - e.ipc_offset) {
@@ -407,6 +409,7 @@ std::unique_ptr<PeerMapping> PeerMapping::open_ipc(const DeviceExport& e, uint64
   ++it->second.users;
   std::unique_ptr<PeerMapping> m(new PeerMapping());
   m->ordinal_ = my_ordinal;
+  m->kernel_device_ = it->second.device;
   m->ipc_base_ = it->second.base;
   m->window_base_ = reinterpret_cast<uint8_t*>(m->ipc_base_ + e.ipc_offset);
   return m;

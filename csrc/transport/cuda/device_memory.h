@@ -95,11 +95,15 @@ class PeerMapping {
   static std::unique_ptr<PeerMapping> open_ipc(const DeviceExport& e, uint64_t size, int my_ordinal);
   ~PeerMapping();
   uint8_t* window_base() const { return window_base_; }
+  // The device whose kernels may dereference the mapping (access was granted, or peer access
+  // enabled, for that context alone); copies by the driver need no such thing.
+  int kernel_device() const { return kernel_device_; }
 
  private:
   PeerMapping() = default;
   uint8_t* window_base_ = nullptr;
   int ordinal_ = -1;
+  int kernel_device_ = -1;
   CUdeviceptr ipc_base_ = 0;  // opened IPC allocation (closed through the shared table)
   CUdeviceptr reserved_ = 0;
   uint64_t reserved_size_ = 0;

@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include "base/env.h"
+#include "base/log.h"
 #include "base/status.h"
 #include "transport/binding.h"
 #include "transport/cuda/copy_batch.h"
@@ -51,11 +52,26 @@ Queued DevicePath::queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) 
   if (batch->size() == 0) cuda::use_device(ordinal_);  // (CopyBatch::issue makes it current again)
   auto local = reinterpret_cast<cuda::CUdeviceptr>(op.local);
   auto remote = reinterpret_cast<cuda::CUdeviceptr>(remote_ + op.remote_off);
-  cuda::BatchedCopy c{is_get ? local : remote, is_get ? remote : local, op.len, kind_};
+  // A kernel on ordinal_ reads and writes both ends: the local memory must be on that device and
+  // the peer's mapped for it (cuda-self: the window is on ordinal_ itself).
+  bool kernel = op.local_device == ordinal_ && (!mapping_ || mapping_->kernel_device() == ordinal_);
+  cuda::BatchedCopy c{is_get ? local : remote, is_get ? remote : local, op.len, kind_, kernel};
   return batch->add(ordinal_, stream_for(op), op.fence, c) ? Queued::kYes : Queued::kBatchFirst;
 }
 
 namespace {
+
+// Loads the copy kernel for `ordinal` now, when the path is set up, rather than at the first
+// batch (copy_kernel.h: a first launch can block behind a user's stream wait).
+template <typename P>
+std::unique_ptr<Path> with_batches_ready(std::unique_ptr<P> p, int ordinal) {
+  try {
+    if (const cuda::Driver* d = cuda::driver()) cuda::batch_copy_mode(*d, ordinal);
+  } catch (const Error& e) {  // the path works without it: batches then go through the driver
+    FXM_INFO(-1, std::string("the copy kernel is not ready on device ") + std::to_string(ordinal) + ": " + e.what());
+  }
+  return p;
+}
 
 bool same_host(const PathRequest& req, const WindowDesc& d) { return d.host == req.host && d.pid_ns == req.pid_ns; }
 
@@ -93,8 +109,9 @@ std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDe
     return nullptr;
   }
   int ordinal = d.kind == WindowKind::kDevice ? d.dev.ordinal : req.device;
-  return std::make_unique<DevicePath>(PathKind::kCudaSelf, req.peer, ordinal, reinterpret_cast<uint8_t*>(d.addr),
-                                      nullptr, req.outbox, d.kind == WindowKind::kDevice);
+  auto path = std::make_unique<DevicePath>(PathKind::kCudaSelf, req.peer, ordinal, reinterpret_cast<uint8_t*>(d.addr),
+                                           nullptr, req.outbox, d.kind == WindowKind::kDevice);
+  return with_batches_ready(std::move(path), ordinal);
 }
 
 std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
@@ -109,8 +126,9 @@ std::unique_ptr<Path> make_cuda_vmm_path(const PathRequest& req, const WindowDes
   try {
     auto m = cuda::PeerMapping::import_vmm(d.dev, d.size, std::move(fds), copy_device(req, d));
     uint8_t* base = m->window_base();
-    return std::make_unique<DevicePath>(PathKind::kCudaVmm, req.peer, copy_device(req, d), base, std::move(m),
-                                        req.outbox);
+    auto path = std::make_unique<DevicePath>(PathKind::kCudaVmm, req.peer, copy_device(req, d), base, std::move(m),
+                                             req.outbox);
+    return with_batches_ready(std::move(path), copy_device(req, d));
   } catch (const Error& e) {
     *why = std::string("cuda-vmm refused: ") + e.what();
     return nullptr;
@@ -142,8 +160,9 @@ std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDes
       }
     }
     uint8_t* base = m->window_base();
-    return std::make_unique<DevicePath>(PathKind::kCudaIpc, req.peer, copy_device(req, d), base, std::move(m),
-                                        req.outbox);
+    auto path = std::make_unique<DevicePath>(PathKind::kCudaIpc, req.peer, copy_device(req, d), base, std::move(m),
+                                             req.outbox);
+    return with_batches_ready(std::move(path), copy_device(req, d));
   } catch (const Error& e) {
     *why = std::string("cuda-ipc refused: ") + e.what();
     return nullptr;
