@@ -88,18 +88,26 @@ bool Engine::probe_done(CompletionProbe& p) {
 
 bool Engine::poll_probes() {
   if (probes_pending_.load() == 0) return false;
-  std::vector<std::pair<int, std::string>> done;  // (slot, error) per completed op, in order
+  std::vector<ProbeEnd> done;  // per completed op, in order
   {
     std::lock_guard<std::mutex> lock(probe_mu_);
     for (size_t s = 0; s < probes_.size(); ++s) {
       while (!probes_[s].empty() && probe_done(*probes_[s].front())) {
-        done.push_back({static_cast<int>(s), probes_[s].front()->error()});
+        CompletionProbe& p = *probes_[s].front();
+        done.push_back({static_cast<int>(s), p.error(), p.peer_lost()});
         probes_[s].pop_front();
       }
     }
   }
   probes_pending_.fetch_sub(static_cast<int64_t>(done.size()));
-  for (auto& [s, error] : done) completed(s / ncontexts_, s % ncontexts_, error);
+  for (ProbeEnd& e : done) {
+    int peer = e.slot / ncontexts_;
+    if (e.lost) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (refused_[peer].empty()) refused_lost_[peer] = 1;
+    }
+    completed(peer, e.slot % ncontexts_, e.error);
+  }
   return !done.empty();
 }
 
