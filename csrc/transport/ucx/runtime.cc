@@ -15,6 +15,9 @@
 namespace fxm::ucx {
 namespace {
 
+// How long the progress thread spins after the last op was posted while ops are in flight.
+constexpr int64_t kSpinAfterOpNs = 200'000'000;
+
 // How long closing an endpoint may wait for UCX (force close: no answer from the peer is awaited).
 constexpr double kCloseSeconds = 2.0;
 
@@ -155,22 +158,31 @@ void Runtime::read_transports() {
   std::free(buf);
 }
 
+int64_t Runtime::now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
 void Runtime::progress_locked() {
   while (api_->ucp_worker_progress(worker_) != 0) {
   }
 }
 
-// Progresses the worker; sleeps on its event fd once armed (else a short nap).
+// Progresses the worker: without sleeping while ops are in flight, else sleeping on
+// its event fd once armed (or a short nap where there is none).
 void Runtime::run() {
   running_ = true;
   while (!stopping_.load()) {
+    bool busy = busy_.load() > 0 && now_ns() - last_op_ns_.load(std::memory_order_relaxed) < kSpinAfterOpNs;
     bool armed = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
       progress_locked();
-      armed = efd_ >= 0 && api_->ucp_worker_arm(worker_) == kOk;
+      armed = !busy && efd_ >= 0 && api_->ucp_worker_arm(worker_) == kOk;
     }
-    if (armed) {
+    if (busy) {
+      std::this_thread::yield();
+    } else if (armed) {
       pollfd p{efd_, POLLIN, 0};
       ::poll(&p, 1, 20);
     } else {

@@ -3,7 +3,10 @@
 // runtime's lock (the worker is SERIALIZED). A thread progresses the worker
 // while the process runs: over UCX's tcp the target's bytes land in its own
 // ucp_worker_progress(), so a target that never calls into the library must
-// still progress. It sleeps on the worker's event fd when UCX offers one.
+// still progress. While this process has ops in flight (Busy) it progresses
+// without sleeping; otherwise it sleeps on the worker's event fd when UCX
+// offers one. (It spins at most kSpinAfterOpNs after the last op was posted:
+// ops nobody waits for do not keep a core busy; a waiter progresses itself.)
 // Endpoints are made per peer worker address and shared by the paths to that
 // peer; a peer's failure (UCP_ERR_HANDLING_MODE_PEER) marks its endpoint,
 // whose later ops fail at once.
@@ -87,6 +90,20 @@ class Runtime {
   std::unique_ptr<Registration> map(void* base, uint64_t size, std::string* why);
   // Under mu(): progresses the worker until it has nothing to do.
   void progress_locked();
+  // Held by each op in flight (its completion probe): the progress thread does not sleep meanwhile.
+  class Busy {
+   public:
+    explicit Busy(Runtime* rt) : rt_(rt) {
+      rt_->busy_.fetch_add(1);
+      rt_->last_op_ns_.store(now_ns(), std::memory_order_relaxed);
+    }
+    ~Busy() { rt_->busy_.fetch_sub(1); }
+    Busy(const Busy&) = delete;
+    Busy& operator=(const Busy&) = delete;
+
+   private:
+    Runtime* rt_;
+  };
 
  private:
   Runtime() = default;
@@ -106,6 +123,9 @@ class Runtime {
   std::string describe_;
   std::mutex mu_;
   std::vector<std::pair<std::string, std::weak_ptr<Endpoint>>> endpoints_;  // by peer address
+  static int64_t now_ns();
+  std::atomic<int64_t> busy_{0};
+  std::atomic<int64_t> last_op_ns_{0};
   std::atomic<bool> stopping_{false};
   std::atomic<bool> running_{false};
 };

@@ -20,7 +20,7 @@ using ucx::Runtime;
 class FlushProbe : public CompletionProbe {
  public:
   FlushProbe(Runtime* rt, std::shared_ptr<ucx::Endpoint> ep, std::shared_ptr<ucx::FlushGroup> g)
-      : rt_(rt), ep_(std::move(ep)), g_(std::move(g)) {}
+      : rt_(rt), busy_(rt), ep_(std::move(ep)), g_(std::move(g)) {}
   bool done() override {
     std::lock_guard<std::mutex> lock(rt_->mu());
     if (!g_->issued) issue();
@@ -51,6 +51,7 @@ class FlushProbe : public CompletionProbe {
     if (s != ucx::kOk) g_->error = "ucx: flush to " + ep_->peer() + ": " + ucx::status_text(s);
   }
   Runtime* rt_;
+  Runtime::Busy busy_;
   std::shared_ptr<ucx::Endpoint> ep_;
   std::shared_ptr<ucx::FlushGroup> g_;
 };
@@ -59,7 +60,7 @@ class FlushProbe : public CompletionProbe {
 class RequestProbe : public CompletionProbe {
  public:
   RequestProbe(Runtime* rt, std::shared_ptr<ucx::Endpoint> ep, void* request)
-      : rt_(rt), ep_(std::move(ep)), request_(request) {}
+      : rt_(rt), busy_(rt), ep_(std::move(ep)), request_(request) {}
   bool done() override {
     std::lock_guard<std::mutex> lock(rt_->mu());
     if (request_ == nullptr) return true;
@@ -76,6 +77,7 @@ class RequestProbe : public CompletionProbe {
 
  private:
   Runtime* rt_;
+  Runtime::Busy busy_;
   std::shared_ptr<ucx::Endpoint> ep_;
   void* request_;
   std::string error_;
