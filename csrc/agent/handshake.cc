@@ -2,7 +2,6 @@
 
 #include <poll.h>
 
-#include <algorithm>
 #include <cstring>
 
 #include "base/env.h"
@@ -36,11 +35,11 @@ std::vector<uint8_t> encode_ident(const Ident& id) {
   uint8_t token[sizeof(id.token)];
   std::memcpy(token, &id.token, sizeof(token));
   b.insert(b.end(), token, token + sizeof(token));
-  if (!id.ucx_worker.empty()) {
-    uint16_t n = static_cast<uint16_t>(std::min(id.ucx_worker.size(), kMaxUcxWorker));
+  if (!id.ucx_worker.empty() && id.ucx_worker.size() <= kMaxUcxWorker) {
+    size_t n = id.ucx_worker.size();
     b.push_back(static_cast<uint8_t>(n & 0xff));
     b.push_back(static_cast<uint8_t>(n >> 8));
-    b.insert(b.end(), id.ucx_worker.begin(), id.ucx_worker.begin() + n);
+    b.insert(b.end(), id.ucx_worker.begin(), id.ucx_worker.end());
   }
   return b;
 }

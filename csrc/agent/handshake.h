@@ -19,7 +19,7 @@
 
 namespace fxm::agent::hs {
 
-constexpr size_t kMaxUcxWorker = 2048;  // a UCX worker address (transport/ucx), at most
+constexpr size_t kMaxUcxWorker = 8192;  // a UCX worker address (transport/ucx), at most (a longer one is not sent)
 constexpr size_t kMaxIdent = 256 + 2 + kMaxUcxWorker;
 constexpr size_t kMaxVerdict = 1024;
 
