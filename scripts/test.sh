@@ -11,7 +11,8 @@
 #      torch and the test extras' dependencies from a venv kept for later runs and other clones,
 #      $FXM_TORCH_VENV (default ~/.cache/flagcx_mesh/venv-torch-2.13.0-pyX.Y; none: into the main venv)
 #      the whole suite, torch/torchrun tests required (FXM_REQUIRE_TORCH=1), and the two-host
-#      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`):
+#      tests in network namespaces too (FXM_REQUIRE_NETNS=1: needs root and `ip netns`), and the
+#      ucx path's tests with the [ucx] extra's libucx wheel (FXM_REQUIRE_UCX=1: a missing UCX fails):
 #      $FXM_TEST_JOBS pytest-xdist workers (default 4: many tests wait on deadlines and child processes, so 4 beat 3 and 3 beat 2 on 2 cores),
 #      then the `serial` files of ALONE_FILES alone
 #      (/dev/shm's names, the host's network), the other `serial` files in the background beside stages 4 to 6
@@ -231,6 +232,17 @@ make_venv "$VENV" "$WHEEL[test]" "$TORCH_PIN" || die "installing into $VENV fail
 # The C API tests build the example with CMake; without a system cmake, use PyPI's in the venv.
 command -v cmake >/dev/null || timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" cmake \
     || die "installing cmake into $VENV failed"
+# UCX for the ucx path's tests: the [ucx] extra (the libucx wheel). Without it those tests fail
+# (FXM_REQUIRE_UCX=1), and this stage says so plainly.
+mapfile -t UCX_DEPS < <(toml_list project.optional-dependencies.ucx)
+step "UCX: the [ucx] extra (${UCX_DEPS[*]:-none listed}) into $VENV"
+if [ ${#UCX_DEPS[@]} -gt 0 ] && timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" "${UCX_DEPS[@]}"; then
+    "$VENV/bin/python" -c 'import flagcx_mesh._ucx as u; i = u.info()
+print("UCX", i["version"], "from", i["library"], "-", ", ".join(i["transports"])) if i["loaded"] else print("UCX NOT LOADED:", i["error"])'
+else
+    echo "UCX NOT INSTALLED: pip could not install ${UCX_DEPS[*]:-the [ucx] extra}; the ucx tests fail (FXM_REQUIRE_UCX=1)"
+    failed+=("installing the [ucx] extra")
+fi
 # FlagCX's sources, where they can be had (FLAGCX_SRC: a FlagCX 0c721293 tree, patched or not), make
 # tests/test_flagcx_check.py and the check stage below run; its json header then comes from PyPI.
 HAVE_FLAGCX=0
@@ -239,7 +251,7 @@ if [ -n "${FLAGCX_SRC:-}" ] && [ -f "$FLAGCX_SRC/flagcx/flagcx.cc" ]; then
     timeout 300 "$VENV/bin/python" -m pip install "${PIP_FLAGS[@]}" nlohmann-json || failed+=("installing nlohmann-json")
 fi
 main_suite() {  # main_suite NAME PYTEST-ARGS...: exit 5 (a selection with no test in it) passes
-    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
+    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 FXM_REQUIRE_UCX=1 timeout -k 10 1800 "$VENV/bin/pytest" -q --timeout-method=thread \
         -p no:cacheprovider "${@:2}"
     local rc=$?
     [ $rc -eq 0 ] || [ $rc -eq 5 ] || failed+=("$1")
@@ -275,7 +287,7 @@ fi
 # The other serial files, in the background from here (their output in build/serial-beside.log,
 # shown after the MPI stages): the MPI and vLLM stages touch nothing that they watch.
 serial_beside() {
-    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 timeout -k 10 900 "$VENV/bin/pytest" -q --timeout-method=thread \
+    FXM_REQUIRE_TORCH=1 FXM_REQUIRE_NETNS=1 FXM_REQUIRE_UCX=1 timeout -k 10 900 "$VENV/bin/pytest" -q --timeout-method=thread \
         -p no:cacheprovider -m "serial and not alone" "${SERIAL_BESIDE[@]}" "$@"
     local rc=$?
     [ $rc -eq 0 ] || [ $rc -eq 5 ]

@@ -20,13 +20,14 @@ SERIAL_FILES = {
     "test_soak.py",            # many meshes at once, long
     "test_onesided_races.py",  # crash races and a PID namespace
     "test_agent_churn.py",     # 8 decode processes in churn for 10 s (FLAGCX_MESH_AGENT_CHURN_S)
+    "test_ucx_netns.py",       # network namespaces and veth pairs of the host (the ucx path)
 }
 SLOW_FILES = {"test_soak.py", "test_netns_faults.py"}
 # Of the serial files, those that watch or change what the MPI and vLLM stages of
 # scripts/test.sh use too (every fxm- name in /dev/shm; links and namespaces of the host's
 # network) run alone; the test command runs the other serial files beside those stages, whose
 # programs touch nothing the others watch (their own descriptors, threads and children).
-ALONE_FILES = {"test_shm_names.py", "test_netns.py", "test_netns_faults.py"}
+ALONE_FILES = {"test_shm_names.py", "test_netns.py", "test_netns_faults.py", "test_ucx_netns.py"}
 assert ALONE_FILES <= SERIAL_FILES
 
 

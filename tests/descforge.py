@@ -14,6 +14,7 @@ from dataclasses import dataclass, field, replace
 from typing import List, Tuple
 
 M64 = (1 << 64) - 1
+UCX_BLOCK = 0x55  # the tag of a description's optional UCX block (csrc/transport/path.cc)
 
 
 def _s(b: bytes) -> bytes:
@@ -40,8 +41,20 @@ class Win:
     why_no_vmm: bytes = b""
     fd_socket: bytes = b""
     fd_token: int = 0
+    # The optional UCX block (transport/ucx): present only when ucx_rkey is not empty.
+    ucx_rkey: bytes = b""
+    ucx_transports: bytes = b""
+    ucx_worker: bytes = b""
 
     def encode(self) -> bytes:
+        return self.encode_fixed() + self.encode_ucx()
+
+    def encode_ucx(self) -> bytes:
+        if not self.ucx_rkey:
+            return b""
+        return bytes([UCX_BLOCK]) + _s(self.ucx_rkey) + _s(self.ucx_transports) + _s(self.ucx_worker)
+
+    def encode_fixed(self) -> bytes:
         return (struct.pack("<IQQi", self.kind, self.size, self.addr, self.pid) + _s(self.host) + _s(self.ns) +
                 _s(self.shm_name) + struct.pack("<QQiB", self.cookie_addr, self.cookie, self.ordinal, self.ipc) +
                 self.ipc_handle + struct.pack("<QI", self.ipc_offset, len(self.vmm)) +
@@ -73,9 +86,14 @@ class Win:
             off += 16
         why_ipc, why_vmm, sock = string(), string(), string()
         (token,) = struct.unpack_from("<Q", b, off)
+        off += 8
         del strs
+        ucx = [b"", b"", b""]
+        if off < len(b) and b[off] == UCX_BLOCK:
+            off += 1
+            ucx = [string(), string(), string()]
         return Win(kind, size, addr, pid, host, ns, shm, cookie_addr, cookie, ordinal, bool(ipc), handle, ipc_offset,
-                   vmm, why_ipc, why_vmm, sock, token)
+                   vmm, why_ipc, why_vmm, sock, token, *ucx)
 
     def seal(self, index: int) -> int:
         enc = self.encode()  # canonical: the IPC flag 0 or 1

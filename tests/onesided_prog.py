@@ -117,6 +117,8 @@ def expected_path(kind: str, me: int, peer: int) -> str:
         return "self"
     if kind == "signal":
         return "shm"
+    if t == "ucx":
+        return "ucx"
     if kind == "user" or t == "cma":
         return "cma"
     return "shm"  # library window, shm or auto

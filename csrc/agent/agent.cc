@@ -17,6 +17,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "core/window_setup.h"
+#include "transport/ucx/ucx_path.h"
 
 namespace fxm::agent {
 namespace {
@@ -143,6 +144,7 @@ RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_n
   set_cookie(w.get());
   WindowDesc d = describe_local(*w, host_, shm_name);
   if (w->dev) describe_device(w, &d);
+  if (w->kind != WindowKind::kSignal && !w->dev) w->ucx_reg = register_with_ucx(w->base, w->size, &d, false);
   seal_window(*w, d);  // peers bind the descriptor to this registration (transport/binding.h)
   w->own.set({-1, w->index, w->nonce, reinterpret_cast<uint64_t>(w->base), w->size});
   windows_.add(w);
@@ -224,6 +226,7 @@ void Agent::deregister(const RegionDesc& region, double timeout_s) {
   revoke(*w, deadline);
   uint32_t busy = std::max(w->users.load(), w->cut_off.load());  // still inside, or cut off already
   if (w->seg) w->seg->unlink();
+  w->ucx_reg.reset();  // UCX's mapping goes before the memory it maps
   w->seg.reset();
   drop_exports(*w);
   if (busy != 0) {
@@ -388,6 +391,7 @@ std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Metadata*
   require_open("connect");
   hs::Ident me{name_, expect ? expect->incarnation : Incarnation{}};
   me.lanes = static_cast<uint8_t>(tcp_lanes_);
+  me.ucx_worker = ucx_worker_address();  // "" unless UCX is wanted (transport/ucx/ucx_path.h)
   crypto::random_bytes(reinterpret_cast<uint8_t*>(&me.token), sizeof(me.token));
   hs::Dialed got = hs::dial(to, me, incarnation_, key_, d, who());
   int lanes = std::min(tcp_lanes_, got.lanes);
@@ -418,6 +422,7 @@ std::shared_ptr<Connection> Agent::dial(const tcp::SockAddr& to, const Metadata*
 
 void Agent::join_lanes(Connection& c, const tcp::SockAddr& to, hs::Ident me, const Deadline& d) {
   me.lanes = static_cast<uint8_t>(c.tcp_lanes());
+  me.ucx_worker.clear();  // lane 0 carried it
   std::vector<hs::Dialed> lanes = hs::dial_lanes(to, me, incarnation_, key_, d, who());
   for (size_t k = 0; k < lanes.size(); ++k) c.add_lane(static_cast<int>(k + 1), std::move(lanes[k].fd));
 }

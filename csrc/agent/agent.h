@@ -45,6 +45,7 @@ struct PeerInfo {
   std::string name;
   Incarnation incarnation{};
   std::string address;  // where it connected from, or where we connected to
+  std::string ucx_worker;  // its UCX worker address, from the handshake ("" when it sent none)
 };
 
 // A registered region as peers address it. encode() gives the bytes an

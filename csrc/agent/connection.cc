@@ -286,6 +286,7 @@ PeerView& Connection::bind_view(const RegionDesc& remote, const WindowDesc& d, i
   req.peer_socket = conns_.recv[0].get();
   req.proven = &proven_;  // the socket-table scan once per process of the peer
   req.peer_is_agent = true;
+  req.ucx_worker = peer_.ucx_worker;  // from the handshake, never from the descriptor (transport/ucx)
   req.peer_id = "agent " + peer_.name;  // (its words: a cuda-ipc claim is keyed by the proven process)
   req.fd_fetch_ms = static_cast<int>(std::clamp(agent_->timeout_s() * 1000.0, 1.0, 5000.0));
   PathChoice c = choose_path(req, d);
@@ -388,7 +389,7 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   }
   if (q == Queued::kYes) {
     batch->ops.emplace_back(&v, op);
-    return Issued::kDevice;
+    return Issued::kUnordered;
   }
   issue_batch(batch);
   return post(p, v, op, is_read);
@@ -450,14 +451,14 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
     FXM_WARN(-1, who() + ": " + p->name() + " failed (" + e.what() + "); this op goes over " + v.tcp().name());
     return post(&v.tcp(), v, op, is_read);
   }
-  return is_device_path(p->kind()) ? Issued::kDevice : Issued::kEngine;
+  return is_device_path(p->kind()) || p->kind() == PathKind::kUcx ? Issued::kUnordered : Issued::kEngine;
 }
 
 // The ops in order; device copies in batches. An op that fails to issue
 // fails the call; the copies queued before it are issued first (as they
 // would have been one at a time).
 void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
-                           bool* on_device) {
+                           bool* unordered) {
   Batch batch(&engine(), is_read, checked.size() == 1, Deadline::after_seconds(agent_->timeout_s()));
   try {
     size_t n = 0;
@@ -466,7 +467,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
       if (++n % Batch::kRenewEvery == 0) batch.deadline = Deadline::after_seconds(agent_->timeout_s());  // waits measured from near their op
       Issued how = issue(c, is_read, stream, &batch);
       *async = *async || how != Issued::kDone;
-      *on_device = *on_device || how == Issued::kDevice;
+      *unordered = *unordered || how == Issued::kUnordered;
     }
     issue_batch(&batch);
   } catch (const Error&) {
@@ -491,11 +492,11 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   std::lock_guard<std::mutex> lock(op_mu_);
   cookie_checked_ = nullptr;
   last_remote_ = nullptr;
-  bool async = false, on_device = false;
+  bool async = false, unordered = false;
   try {
-    issue_all(checked, is_read, stream, &async, &on_device);
+    issue_all(checked, is_read, stream, &async, &unordered);
     if (notification) {  // after the data: what the socket does not order (reads, device copies) completes first
-      if ((is_read || on_device) && async) {
+      if ((is_read || unordered) && async) {
         engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
       }
       engine().post_message(kPeer, kCtx, notification->data(), notification->size(),

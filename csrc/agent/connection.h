@@ -104,12 +104,14 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
   [[noreturn]] void fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const;
-  enum class Issued { kDone, kEngine, kDevice };  // done at once; in flight on the engine / on a device stream
+  // Done at once; in flight on the engine's sockets (ordered before a notification sent after them);
+  // in flight elsewhere (a device stream, UCX), which a notification waits for.
+  enum class Issued { kDone, kEngine, kUnordered };
   struct Batch;  // one call's device copies, issued together
   Issued issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch);
   void issue_batch(Batch* batch);
   void issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
-                 bool* on_device);
+                 bool* unordered);
   void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
   // cma, shm and device paths: throws once the peer closed the region (`mapped`: shm and device

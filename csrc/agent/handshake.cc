@@ -12,6 +12,19 @@ namespace fxm::agent::hs {
 using wire::kConnHeaderSize;
 using wire::kHelloSize;
 
+namespace {
+
+// The optional UCX block after the identity's fixed part (at `base`): a 2-byte length and that many bytes.
+bool decode_ucx_worker(const std::vector<uint8_t>& b, size_t base, std::string* out) {
+  if (b.size() < base + 2) return false;
+  size_t n = b[base] | static_cast<size_t>(b[base + 1]) << 8;
+  if (n == 0 || n > kMaxUcxWorker || b.size() != base + 2 + n) return false;
+  out->assign(b.begin() + static_cast<long>(base + 2), b.end());
+  return true;
+}
+
+}  // namespace
+
 std::vector<uint8_t> encode_ident(const Ident& id) {
   std::vector<uint8_t> b;
   b.push_back(static_cast<uint8_t>(id.name.size()));
@@ -22,12 +35,20 @@ std::vector<uint8_t> encode_ident(const Ident& id) {
   uint8_t token[sizeof(id.token)];
   std::memcpy(token, &id.token, sizeof(token));
   b.insert(b.end(), token, token + sizeof(token));
+  if (!id.ucx_worker.empty() && id.ucx_worker.size() <= kMaxUcxWorker) {
+    size_t n = id.ucx_worker.size();
+    b.push_back(static_cast<uint8_t>(n & 0xff));
+    b.push_back(static_cast<uint8_t>(n >> 8));
+    b.insert(b.end(), id.ucx_worker.begin(), id.ucx_worker.end());
+  }
   return b;
 }
 
 bool decode_ident(const std::vector<uint8_t>& b, Ident* out) {
   constexpr size_t kTail = 2 + sizeof(out->token);  // lanes, lane, token
-  if (b.empty() || b.size() != 1u + b[0] + out->expect.size() + kTail || b[0] == 0) return false;
+  if (b.empty() || b[0] == 0) return false;
+  size_t base = 1u + b[0] + out->expect.size() + kTail;
+  if (b.size() != base && !decode_ucx_worker(b, base, &out->ucx_worker)) return false;
   out->name.assign(b.begin() + 1, b.begin() + 1 + b[0]);
   const uint8_t* p = b.data() + 1 + b[0];
   std::memcpy(out->expect.data(), p, out->expect.size());
@@ -139,7 +160,7 @@ PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<
     fail_dial(Code::kProtocol, who, to, "the answer names another lane, lane count or connection than this one");
   }
   *lanes = theirs.lanes;
-  return {theirs.name, h.mesh_id, to.str()};
+  return {theirs.name, h.mesh_id, to.str(), theirs.ucx_worker};
 }
 
 // The acceptor's verdict: "" admitted, else its reason (thrown).

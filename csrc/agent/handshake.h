@@ -19,7 +19,8 @@
 
 namespace fxm::agent::hs {
 
-constexpr size_t kMaxIdent = 256;
+constexpr size_t kMaxUcxWorker = 8192;  // a UCX worker address (transport/ucx), at most (a longer one is not sent)
+constexpr size_t kMaxIdent = 256 + 2 + kMaxUcxWorker;
 constexpr size_t kMaxVerdict = 1024;
 
 struct Ident {
@@ -28,6 +29,11 @@ struct Ident {
   uint8_t lanes = 1;     // lane 0: the lanes this side offers; a lane > 0: the connection's
   uint8_t lane = 0;      // which socket of the connection this is
   uint64_t token = 0;    // the connector's random tag of the connection (the acceptor echoes it)
+  // Lane 0, when this side wants UCX (transport/ucx): its worker address, the one its peer's ucx
+  // paths connect to (so a region descriptor never names the worker). Encoded after the rest
+  // (2-byte length, then the bytes) only when set; an acceptor sends its own only to a connector
+  // that sent one, so peers without UCX see the identity block they always saw.
+  std::string ucx_worker;
 };
 std::vector<uint8_t> encode_ident(const Ident& id);
 bool decode_ident(const std::vector<uint8_t>& b, Ident* out);

@@ -27,6 +27,7 @@
 #include "agent/name_probe.h"
 #include "agent/stream_wait.h"
 #include "base/log.h"
+#include "transport/ucx/ucx_path.h"
 #include "base/status.h"
 #include "core/pending_bound.h"
 
@@ -293,6 +294,7 @@ void Listener::answer(Incoming& in) {
   me.lanes = theirs.lane == 0 ? static_cast<uint8_t>(a_.tcp_lanes_) : theirs.lanes;  // lane 0: this side's offer
   me.lane = theirs.lane;
   me.token = theirs.token;
+  if (theirs.lane == 0 && !theirs.ucx_worker.empty()) me.ucx_worker = ucx_worker_address();
   in.my_ident = hs::encode_ident(me);
   wire::encode(hs::header(wire::Role::kAgentAccept, a_.incarnation_, static_cast<uint32_t>(in.my_ident.size())),
                in.answer);
@@ -336,7 +338,7 @@ void Listener::on_proof(Incoming& in) {
   if (!crypto::equal_ct(want.data(), in.proof, want.size())) return reject(in, wire::Reject::kBadAuth);
   hs::Ident theirs;
   hs::decode_ident(in.ident, &theirs);
-  PeerInfo peer{theirs.name, in.h.mesh_id, in.from.str()};
+  PeerInfo peer{theirs.name, in.h.mesh_id, in.from.str(), theirs.ucx_worker};
   if (theirs.lane == 0) return admit(in, peer, theirs);
   join_lane(in, peer, theirs);
 }

@@ -71,6 +71,8 @@ struct Reader {
     off += n;
     return s;
   }
+  // True while bytes are left to read (an optional block follows).
+  bool more() const { return ok() && off < b.size(); }
   // True when every byte was read (else records the trailing bytes).
   bool at_end() {
     if (ok() && off != b.size()) error = std::to_string(b.size() - off) + " trailing bytes";

@@ -61,6 +61,11 @@ void require_valid_env() {
   if (!env_config().error.empty()) fail(Code::kInvalidArgument, -1, 0, env_config().error);
 }
 
+std::string ucx_lib_env() {
+  const char* s = std::getenv("FLAGCX_MESH_UCX_LIB");
+  return s ? s : "";
+}
+
 std::string transport_env() {
   const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
   return s ? s : "";

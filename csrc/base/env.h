@@ -5,10 +5,13 @@
 //   FLAGCX_MESH_ROOT_IDLE_TIMEOUT  seconds a rendezvous root waits for its
 //                        first join before it ends (default 600)
 //   FLAGCX_MESH_LOG      error | warn | info | debug (default warn)
-//   FLAGCX_MESH_TRANSPORT  auto | tcp | cma | shm: forces the one-sided path;
+//   FLAGCX_MESH_TRANSPORT  auto | tcp | cma | shm | ucx: forces the one-sided path;
 //                        read at every window registration (transport_env())
 //   FLAGCX_MESH_CUDA_PATH  auto | cuda-vmm | cuda-ipc | staged: forces the
 //                        path to device windows (cuda_path_env())
+//   FLAGCX_MESH_UCX_LIB  the libucp to load (ucx_lib_env(); default: the libucx
+//                        wheel's, else libucp.so.0); set, it also turns UCX on
+//                        for automatic selection (transport/ucx/ucx_path.h)
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
 //   FLAGCX_MESH_CUDA_BATCH_COPY  auto | off: whether an agent's batch of device
 //                        copies is issued with cuMemcpyBatchAsync (cuda_batch_copy_env())
@@ -64,6 +67,8 @@ double build_timeout_s(double seconds, const char* what);
 // FLAGCX_MESH_TRANSPORT as it is now ("" when unset): windows registered
 // later in the same process may use another value (tests and benchmarks do).
 std::string transport_env();
+// FLAGCX_MESH_UCX_LIB as it is now ("" when unset).
+std::string ucx_lib_env();
 // FLAGCX_MESH_TCP_LANES as it is now: the tcp connections this rank offers per (peer, context),
 // 1..kMaxTcpLanes; unset or empty: default_tcp_lanes(). Throws InvalidArgument on another value.
 constexpr int kMaxTcpLanes = 16;

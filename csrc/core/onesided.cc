@@ -13,6 +13,7 @@
 #include "transport/signal_ops.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
+#include "transport/ucx/ucx_path.h"
 #include "base/status.h"
 
 namespace fxm {
@@ -166,6 +167,7 @@ void OneSided::finish_registration(Window& w) const {
 std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d = describe_local(w, host_, shm_name);
   if (w.dev) export_device(w, &d);
+  if (w.kind != WindowKind::kSignal && !w.dev) w.ucx_reg = register_with_ucx(w.base, w.size, &d, true);
   seal_window(w, d);
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);
@@ -227,6 +229,7 @@ PeerView OneSided::view_of(const Window& w, int peer, const WindowDesc& d, uint6
   req.device = w.device;
   req.outbox = engine_;
   req.fd_fetch_ms = static_cast<int>(std::clamp(op_timeout_s_ * 1000.0, 1.0, 5000.0));
+  req.ucx_worker = d.ucx_worker;  // the mesh's descriptions come through its bootstrap, not an application
   size_t s = static_cast<size_t>(peer) * ncontexts_;
   if (conns_ != nullptr && s < conns_->send.size()) req.peer_socket = conns_->send[s].get();
   PathChoice c = choose_path(req, d);
@@ -290,6 +293,7 @@ void OneSided::deregister(uint32_t index, const Deadline& deadline) {
     std::lock_guard<std::mutex> lock(w->host_reg_mu);
     w->host_reg.reset();
   }
+  w->ucx_reg.reset();  // UCX's mapping goes before the memory it maps
   w->seg.reset();  // unmapped once no Python view of it remains
   w->dev.reset();  // released when the library allocated it
   if (w->cut_off.load() != 0) {  // a frame ended (its rest discarded) before the deadline
@@ -452,13 +456,15 @@ bool OneSided::move_data(const PutArgs& a, Window& local, const PeerView& v, boo
   if (p->synchronous_for(op)) {
     int err = is_get ? p->get(op) : p->put(op);
     if (err == 0) return true;
-    FXM_WARN(rank_, std::string(is_get ? "process_vm_readv" : "process_vm_writev") + " to peer " +
-                        std::to_string(a.peer) + " failed (" + errno_text(err) + "); this op goes over tcp");
+    std::string what = p->kind() != PathKind::kCma ? std::string(p->name()) + (is_get ? " get" : " put")
+                                                    : is_get ? "process_vm_readv" : "process_vm_writev";
+    FXM_WARN(rank_, what + " to peer " + std::to_string(a.peer) + " failed (" + errno_text(err) +
+                        "); this op goes over tcp");
     p = &v.tcp();
   }
   if (is_get) p->get(op);
-  else p->put(op);  // the signal travels with the data (or from the stream)
-  *signal_done = op.sig != nullptr;
+  else p->put(op);  // the signal travels with the data (or from the stream), except on ucx
+  *signal_done = op.sig != nullptr && p->carries_signal();
   return false;
 }
 

@@ -53,7 +53,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows), open_answers_(total_),
       out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
-      in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks),
+      in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks), refused_lost_(nranks),
       queued_msg_(nranks * ncontexts), get_bytes_(nranks * ncontexts), answer_bytes_(nranks * ncontexts),
       applied_(nranks * ncontexts), acked_out_(nranks * ncontexts), acked_in_(nranks * ncontexts),
       lazy_unreq_(nranks * ncontexts), ack_now_(nranks * ncontexts), lazy_since_(nranks * ncontexts),

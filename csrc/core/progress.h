@@ -79,6 +79,12 @@ class Engine : public Outbox {
   // Completes the probed ops that are done, in issue order per pair (cheap when there are none).
   bool poll_probes();  // true when some completed
   bool probe_done(CompletionProbe& p, std::string* error);
+  struct ProbeEnd {
+    int slot;
+    std::string error;
+    bool lost;
+    uint64_t ops;
+  };
   // Ops counted by issued() and not completed yet (queued on CUDA streams).
   int64_t stream_ops_pending() const { return stream_ops_.load(); }
   bool wait_stream_ops(const Deadline& deadline);  // false: some remain at the deadline
@@ -417,6 +423,7 @@ class Engine : public Outbox {
   std::vector<PathKind> in_flight_kind_;  // per slot: the path they are on (one at a time)
   std::vector<uint64_t> acks_due_;     // per slot: puts not yet acknowledged (gets are answered)
   std::vector<std::string> refused_;   // per peer: ops refused or failed that nobody was told of yet
+  std::vector<uint8_t> refused_lost_;  // per peer: the first of those failed with the peer's loss (PeerLost)
   std::vector<uint64_t> queued_msg_;   // per slot: message bytes waiting to be written
   std::vector<uint64_t> applied_;      // per slot: ops from that peer applied here
   std::vector<uint64_t> acked_out_;    // per slot: applied count last acked

@@ -365,7 +365,9 @@ void Engine::fail_if_refused(int lo, int hi, const char* doing) {
     if (refused_[p].empty()) continue;
     std::string why = std::move(refused_[p]);
     refused_[p].clear();
-    fail(Code::kInvalidArgument, p, 0, who() + doing + ": " + why);
+    Code code = refused_lost_[p] ? Code::kPeerLost : Code::kInvalidArgument;
+    refused_lost_[p] = 0;
+    fail(code, p, 0, who() + doing + ": " + why);
   }
 }
 

@@ -94,24 +94,26 @@ bool Engine::probe_done(CompletionProbe& p, std::string* error) {
 
 bool Engine::poll_probes() {
   if (probes_pending_.load() == 0) return false;
-  struct Done {
-    int slot;
-    std::string error;
-    uint64_t ops;
-  };
-  std::vector<Done> done;  // per completed probe, in order
+  std::vector<ProbeEnd> done;  // per completed probe, in order
   {
     std::lock_guard<std::mutex> lock(probe_mu_);
     std::string error;
     for (size_t s = 0; s < probes_.size(); ++s) {
       while (!probes_[s].empty() && probe_done(*probes_[s].front().probe, &error)) {
-        done.push_back({static_cast<int>(s), error, probes_[s].front().ops});
+        done.push_back({static_cast<int>(s), error, probes_[s].front().probe->peer_lost(), probes_[s].front().ops});
         probes_[s].pop_front();
       }
     }
   }
   probes_pending_.fetch_sub(static_cast<int64_t>(done.size()));
-  for (const Done& d : done) completed_n(d.slot / ncontexts_, d.slot % ncontexts_, d.error, d.ops);
+  for (ProbeEnd& e : done) {
+    int peer = e.slot / ncontexts_;
+    if (e.lost) {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (refused_[peer].empty()) refused_lost_[peer] = 1;
+    }
+    completed_n(peer, e.slot % ncontexts_, e.error, e.ops);
+  }
   return !done.empty();
 }
 

@@ -16,12 +16,12 @@ bool Window::wait_io(const Deadline& deadline) const {
 std::string Window::mode() const {
   // How this rank reaches the other ranks' copies: the most common path.
   // Remote paths first: "self" (or "cuda-self") only when every peer is in this process.
-  int count[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  int count[9] = {0, 0, 0, 0, 0, 0, 0, 0, 0};
   for (const PeerView& v : peers) ++count[static_cast<int>(v.path->kind())];
   PathKind best = kind == WindowKind::kDevice ? PathKind::kCudaSelf : PathKind::kSelf;
   int most = 0;
   for (PathKind p : {PathKind::kShm, PathKind::kCma, PathKind::kTcp, PathKind::kCudaVmm, PathKind::kCudaIpc,
-                     PathKind::kStaged}) {
+                     PathKind::kStaged, PathKind::kUcx}) {
     if (count[static_cast<int>(p)] > most) {
       best = p;
       most = count[static_cast<int>(p)];

@@ -22,6 +22,7 @@
 #include "transport/path.h"
 #include "transport/self/own_windows.h"
 #include "transport/shm/segment.h"
+#include "transport/ucx/runtime.h"
 
 namespace fxm {
 
@@ -82,6 +83,8 @@ struct Window {
   std::unique_ptr<cuda::HostRegistration> host_reg;
   std::vector<cuda::SharedEvent> stream_waits;
   std::vector<PeerView> peers;
+  // Its registration with UCX (transport/ucx), when UCX is wanted; unmapped with the window.
+  std::unique_ptr<ucx::Registration> ucx_reg;
   uint64_t nslots() const { return kind == WindowKind::kSignal ? size / 8 : 0; }
   // Ops: false once closing. The engine landing a peer's frame passes
   // while_closing (peers may write until the close collective): false once dead.

@@ -17,6 +17,8 @@
 #include "transport/cuda/device_memory.h"
 #include "transport/cuda/driver.h"
 #include "transport/cuda/staged_payload.h"
+#include "transport/ucx/runtime.h"
+#include "transport/ucx/ucx_path.h"
 
 namespace py = pybind11;
 using fxm::Mesh;
@@ -342,6 +344,26 @@ PYBIND11_MODULE(_core, m) {
         return py::make_tuple(out, dropped);
       }, py::arg("timeout"), py::arg("max") = 1000,
         "([(level 0=error..3=debug, text)], lines dropped since the last call), waiting up to timeout for the first.");
+  m.def("_ucx_set_wheel_library", &fxm::ucx::set_wheel_library, py::arg("path"),
+        "The libucp of the libucx wheel (set by the package at import, before UCX is first opened).");
+  m.def("ucx_info", [] {
+        std::string why;
+        fxm::ucx::Runtime* rt = nullptr;
+        {
+          py::gil_scoped_release release;
+          rt = fxm::ucx::Runtime::get(&why);
+        }
+        py::dict d;
+        d["loaded"] = rt != nullptr;
+        d["library"] = fxm::ucx::library().path;
+        d["version"] = fxm::ucx::library().version;
+        d["transports"] = rt ? rt->transports() : std::vector<std::string>{};
+        d["describe"] = rt ? rt->describe() : std::string();
+        d["error"] = why;
+        return d;
+      }, "Opens UCX (once per process) and says what was loaded: library, version, transports, or why not.");
+  m.def("_ucx_common_network_transport", &fxm::common_network_transport, py::arg("mine"), py::arg("theirs"),
+        "The network transport automatic selection would take ucx for (\"\" when none; test helper).");
   m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },

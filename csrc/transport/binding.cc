@@ -210,6 +210,9 @@ std::string first_difference(const WindowDesc& a, const WindowDesc& b) {
   }
   if (a.fd_socket != b.fd_socket) return "fd server";
   if (a.fd_token != b.fd_token) return "fd token";
+  if (a.ucx_rkey != b.ucx_rkey) return "UCX rkey";
+  if (a.ucx_transports != b.ucx_transports) return "UCX transports";
+  if (a.ucx_worker != b.ucx_worker) return "UCX worker address";
   return "";
 }
 

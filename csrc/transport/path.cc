@@ -13,6 +13,7 @@
 #include "transport/self/self_path.h"
 #include "transport/shm/shm_path.h"
 #include "transport/tcp/tcp_path.h"
+#include "transport/ucx/ucx_path.h"
 
 namespace fxm {
 
@@ -26,6 +27,7 @@ const char* path_name(PathKind k) {
     case PathKind::kCudaVmm: return "cuda-vmm";
     case PathKind::kCudaIpc: return "cuda-ipc";
     case PathKind::kStaged: return "staged";
+    case PathKind::kUcx: return "ucx";
   }
   return "?";
 }
@@ -45,8 +47,9 @@ ForcedTransport forced_transport() {
   if (s == "tcp") return ForcedTransport::kTcp;
   if (s == "cma") return ForcedTransport::kCma;
   if (s == "shm") return ForcedTransport::kShm;
+  if (s == "ucx") return ForcedTransport::kUcx;
   if (!s.empty() && s != "auto") {
-    fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_TRANSPORT=" + s + " is not one of auto, tcp, cma, shm");
+    fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_TRANSPORT=" + s + " is not one of auto, tcp, cma, shm, ucx");
   }
   return ForcedTransport::kAuto;
 }
@@ -72,7 +75,8 @@ const std::string& pid_namespace() {
 }
 
 const std::vector<PathFactory>& path_factories() {
-  static const std::vector<PathFactory> order{make_self_path, make_shm_path, make_cma_path, make_tcp_path};
+  static const std::vector<PathFactory> order{make_self_path, make_shm_path, make_cma_path, make_ucx_path,
+                                              make_tcp_path};
   return order;
 }
 
@@ -105,6 +109,8 @@ PathChoice choose_path(const PathRequest& request, const WindowDesc& d) {
 
 // Strings of a description (host ids, names, reasons) are at most this long.
 constexpr size_t kMaxDescString = 4096;
+// The tag of the optional UCX block at a description's end.
+constexpr uint8_t kUcxBlock = 0x55;
 
 std::vector<uint8_t> WindowDesc::encode() const {
   bytes::Writer w;
@@ -130,6 +136,12 @@ std::vector<uint8_t> WindowDesc::encode() const {
   w.str(dev.why_no_vmm);
   w.str(fd_socket);
   w.put<uint64_t>(fd_token);
+  if (!ucx_rkey.empty()) {  // the UCX block: absent from descriptions of windows without UCX
+    w.put<uint8_t>(kUcxBlock);
+    w.str(ucx_rkey);
+    w.str(ucx_transports);
+    w.str(ucx_worker);
+  }
   return std::move(w.b);
 }
 
@@ -158,6 +170,13 @@ bool WindowDesc::decode(const std::vector<uint8_t>& b, WindowDesc* out) {
   out->dev.why_no_vmm = r.str(kMaxDescString);
   out->fd_socket = r.str(kMaxDescString);
   out->fd_token = r.get<uint64_t>();
+  if (r.more()) {
+    if (r.get<uint8_t>() != kUcxBlock) return false;
+    out->ucx_rkey = r.str(kMaxDescString);
+    out->ucx_transports = r.str(kMaxDescString);
+    out->ucx_worker = r.str(kMaxDescString);
+    if (out->ucx_rkey.empty()) return false;
+  }
   if (kind < 1 || kind > 4) return false;
   out->kind = static_cast<WindowKind>(kind);
   return r.at_end();

@@ -31,8 +31,8 @@ namespace fxm {
 enum class WindowKind : uint32_t { kUser = 1, kShm = 2, kSignal = 3, kDevice = 4 };
 const char* kind_name(WindowKind k);
 
-// FLAGCX_MESH_TRANSPORT: auto (default) | tcp | cma | shm
-enum class ForcedTransport { kAuto, kTcp, kCma, kShm };
+// FLAGCX_MESH_TRANSPORT: auto (default) | tcp | cma | shm | ucx
+enum class ForcedTransport { kAuto, kTcp, kCma, kShm, kUcx };
 ForcedTransport forced_transport();  // throws InvalidArgument on a bad value
 
 // FLAGCX_MESH_CUDA_PATH: auto (default) | cuda-vmm | cuda-ipc | staged: forces
@@ -46,6 +46,7 @@ enum class PathKind : uint8_t {
   kCudaVmm = 5,   // the peer's cuMem mappings imported from fds
   kCudaIpc = 6,   // the peer's allocation opened from a legacy IPC handle
   kStaged = 7,    // through host memory and the tcp path (any host)
+  kUcx = 8,       // libucp's one-sided puts and gets (transport/ucx)
 };
 const char* path_name(PathKind k);
 inline bool is_device_path(PathKind k) { return k >= PathKind::kCudaSelf && k <= PathKind::kCudaIpc; }
@@ -64,6 +65,13 @@ struct WindowDesc {
   cuda::DeviceExport dev;    // device windows: how peers reach the memory
   std::string fd_socket;     // device windows with cuMem mappings: where their fds are served
   uint64_t fd_token = 0;     // ... to those who send this token
+  // Windows registered with UCX (transport/ucx): the packed rkey, the transports the owner's
+  // UCX offers ("tcp/eth0,sysv/memory") and, from a mesh rank, its worker address (an agent's
+  // travels in its connection's handshake). Encoded after the rest, only when an rkey is set,
+  // so descriptions of windows without UCX keep their former encoding.
+  std::string ucx_rkey;
+  std::string ucx_transports;
+  std::string ucx_worker;
   std::vector<uint8_t> encode() const;
   static bool decode(const std::vector<uint8_t>& b, WindowDesc* out);
 };
@@ -84,6 +92,9 @@ class CompletionProbe {
   virtual ~CompletionProbe() = default;
   virtual bool done() = 0;  // true once the op completed, or failed (then error() says why)
   virtual std::string error() const { return ""; }
+  // True when the failure is the peer's loss (its flush or get failed with the endpoint): the
+  // wait that reports it fails with PeerLost, not as a refused op.
+  virtual bool peer_lost() const { return false; }
 };
 
 namespace cuda {
@@ -214,6 +225,9 @@ struct PathRequest {
   // Processes already proven to be the peer's on this connection, as (pid, start time): the
   // socket-table scan is done once per process (binding.h); null: each time.
   std::set<std::pair<int32_t, uint64_t>>* proven = nullptr;
+  // The peer's UCX worker address, as this rank's own channel to it carried it (the mesh's
+  // bootstrap, an agent connection's handshake), never a description's claim; "" if none.
+  std::string ucx_worker;
   // Set by choose_path(): what the description was proven to be (binding.h).
   const struct Binding* binding = nullptr;
 };
@@ -223,7 +237,7 @@ struct PathRequest {
 // nullptr with *why set (or left empty: "not applicable, say nothing") when
 // the path cannot reach that window.
 using PathFactory = std::unique_ptr<Path> (*)(const PathRequest& req, const WindowDesc& d, std::string* why);
-const std::vector<PathFactory>& path_factories();  // self, shm, cma, tcp
+const std::vector<PathFactory>& path_factories();  // self, shm, cma, ucx, tcp
 const std::vector<PathFactory>& device_path_factories();  // cuda-self, cuda-vmm, cuda-ipc, staged
 
 struct PathChoice {

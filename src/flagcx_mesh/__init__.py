@@ -24,6 +24,9 @@ from .mesh import UNIQUE_ID_SIZE, Mesh, get_unique_id, release_unique_id
 from .window import SignalWindow, Window
 from .agent import Agent, AgentConnection, Handle, Notification, NotificationWait, Region
 from ._logbridge import log_to_python, log_to_stderr
+from . import _ucx
+
+_ucx.tell_core()  # the [ucx] extra's libucp, where installed (docs/rdma.md)
 
 __version__ = "0.3.0"
 

@@ -246,7 +246,7 @@ class AgentConnection:
 
     def path_to(self, remote: Desc, local: Optional[Desc] = None) -> str:
         """The path transfers to ``remote`` take from ``local`` (default: from host
-        memory): self, shm, cma or tcp; with device memory on either side cuda-self,
+        memory): self, shm, cma, ucx or tcp; with device memory on either side cuda-self,
         cuda-vmm, cuda-ipc or staged. Chosen on first use; why a better one was not
         taken is logged (FLAGCX_MESH_LOG=info)."""
         return self._core.path_to(_desc(remote), None if local is None else _desc(local))

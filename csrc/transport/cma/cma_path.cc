@@ -18,6 +18,10 @@ std::unique_ptr<Path> make_cma_path(const PathRequest& req, const WindowDesc& d,
     return nullptr;
   }
   if (d.kind == WindowKind::kSignal) return nullptr;  // atomics need a shared mapping
+  if (req.forced == ForcedTransport::kUcx) {
+    *why = "FLAGCX_MESH_TRANSPORT=ucx";
+    return nullptr;
+  }
   // binding.h: the pid is the peer's process, and the seal it keeps matches this description
   // (its address, size and window index are what the peer registered).
   *why = req.binding ? req.binding->for_cma() : "not bound to the peer";

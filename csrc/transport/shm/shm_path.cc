@@ -46,8 +46,8 @@ std::unique_ptr<Path> make_shm_path(const PathRequest& req, const WindowDesc& d,
     return nullptr;
   }
   bool signal = d.kind == WindowKind::kSignal;
-  if (req.forced == ForcedTransport::kCma && !signal) {
-    *why = "FLAGCX_MESH_TRANSPORT=cma";
+  if ((req.forced == ForcedTransport::kCma || req.forced == ForcedTransport::kUcx) && !signal) {
+    *why = req.forced == ForcedTransport::kCma ? "FLAGCX_MESH_TRANSPORT=cma" : "FLAGCX_MESH_TRANSPORT=ucx";
     return nullptr;
   }
   uint64_t nslots = d.size / 8;

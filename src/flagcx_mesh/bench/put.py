@@ -39,7 +39,7 @@ from ._plot import save_plot
 from ._ranks import run_ranks, save_json
 from ._sizes import parse_size, size_name
 
-TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp"}
+TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp", "ucx": "ucx"}  # ucx: the [ucx] extra (docs/rdma.md)
 TARGET_BYTES = 256 << 20  # per size and transport (--bytes), bounded by the repetition limits
 _budget = TARGET_BYTES    # this process's --bytes (rank_entry sets it)
 
@@ -323,6 +323,11 @@ def rank_entry(argv: List[str]) -> int:
     return 0
 
 
+def _reference(data: dict, name: str, k: str) -> float:
+    """A ratio's denominator: a limit measured in the run (memcpy, socket, streams) or another path's figure."""
+    return data[name + "_gbs"][k] if name + "_gbs" in data else data[name]["bandwidth_gbs"][k]
+
+
 def _report(data: dict, args) -> None:
     ts = args.transports
     print("put bandwidth, rank 0 -> rank 1 on this host (GB/s, flush included)")
@@ -331,15 +336,15 @@ def _report(data: dict, args) -> None:
     print(f"  (tcp: {data.get('tcp_lanes', 1)} lane(s) per pair, FLAGCX_MESH_TCP_LANES; socket: one raw TCP "
           f"connection; {sx}: {n} connections at once, one thread each)")
     head = f"  {'size':>8}" + "".join(f"{t:>9}" for t in ts) + f"{'memcpy':>9}{'socket':>9}{sx:>11}"
-    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket"), ("tcp", "streams")]
-    ratios = [(a, b) for a, b in ratios if a in ts]
+    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket"), ("tcp", "streams"), ("ucx", "tcp")]
+    ratios = [(a, b) for a, b in ratios if a in ts and (b + "_gbs" in data or b in ts)]
     label = {"streams": sx}
     print(head + "".join(f"{a + '/' + label.get(b, b):>15}" for a, b in ratios))
     for s in args.sizes:
         k = str(s)
         line = f"  {size_name(s):>8}" + "".join(f"{data[t]['bandwidth_gbs'][k]:>9.2f}" for t in ts)
         line += f"{data['memcpy_gbs'][k]:>9.2f}{data['socket_gbs'][k]:>9.2f}{data['streams_gbs'][k]:>11.2f}"
-        line += "".join(f"{data[a]['bandwidth_gbs'][k] / data[b + '_gbs'][k]:>15.2f}" for a, b in ratios)
+        line += "".join(f"{data[a]['bandwidth_gbs'][k] / _reference(data, b, k):>15.2f}" for a, b in ratios)
         print(line)
     print("put_signal latency, 8 bytes, one way (median of a ping-pong, us): " +
           ", ".join(f"{t} {data[t]['latency_us']:.1f}" for t in ts) +

@@ -1,0 +1,259 @@
+#include "transport/ucx/runtime.h"
+
+#include <poll.h>
+
+#include <chrono>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <thread>
+
+#include "base/clock.h"
+#include "base/log.h"
+#include "base/status.h"
+
+namespace fxm::ucx {
+namespace {
+
+// How long the progress thread spins after the last op was posted while ops are in flight.
+constexpr int64_t kSpinAfterOpNs = 200'000'000;
+
+// How long closing an endpoint may wait for UCX (force close: no answer from the peer is awaited).
+constexpr double kCloseSeconds = 2.0;
+
+// Waits for a request of UCX's under the runtime's lock, progressing the worker; "" or UCX's text.
+std::string wait_request(Runtime* rt, void* request, double seconds) {
+  if (request == nullptr) return "";
+  if (is_error(request)) return status_text(status_of(request));
+  Deadline deadline = Deadline::after_seconds(seconds);
+  Status s = kInProgress;
+  while ((s = rt->api().ucp_request_check_status(request)) == kInProgress && !deadline.expired()) {
+    rt->progress_locked();
+  }
+  if (s == kInProgress) return "no answer within " + std::to_string(seconds) + " s";  // left to UCX
+  rt->api().ucp_request_free(request);
+  return s == kOk ? "" : status_text(s);
+}
+
+// The resources ucp_context_print_info() lists ("#      resource 1  :  md 1  dev 1  flags -- tcp/eth0").
+std::vector<std::string> parse_resources(const std::string& info) {
+  std::vector<std::string> out;
+  size_t at = 0;
+  while (at < info.size()) {
+    size_t end = info.find('\n', at);
+    if (end == std::string::npos) end = info.size();
+    std::string line = info.substr(at, end - at);
+    at = end + 1;
+    size_t flags = line.find("flags -- ");
+    if (line.find("resource") == std::string::npos || flags == std::string::npos) continue;
+    std::string tl = line.substr(flags + 9);
+    while (!tl.empty() && (tl.back() == ' ' || tl.back() == '\r')) tl.pop_back();
+    if (!tl.empty()) out.push_back(tl);
+  }
+  return out;
+}
+
+}  // namespace
+
+// ------------------------------------------------------------ Endpoint
+
+Endpoint::~Endpoint() {
+  if (ep_ == nullptr) return;
+  std::lock_guard<std::mutex> lock(rt_->mu());
+  RequestParams p;
+  p.op_attr_mask = kOpFlags;
+  p.flags = kCloseForce;
+  std::string error = wait_request(rt_, rt_->api().ucp_ep_close_nbx(ep_, &p), kCloseSeconds);
+  if (!error.empty()) FXM_INFO(-1, "ucx: closing the endpoint to " + peer_ + ": " + error);
+}
+
+std::string Endpoint::failure() const {
+  Status s = failed_.load();
+  return s == kOk ? "" : status_text(s);
+}
+
+std::shared_ptr<FlushGroup> Endpoint::open_group() {
+  if (!open_ || open_->issued) open_ = std::make_shared<FlushGroup>();
+  return open_;
+}
+
+void Endpoint::on_error(void* arg, Ep, Status status) {
+  auto* e = static_cast<Endpoint*>(arg);
+  e->failed_.store(status);
+  FXM_WARN(-1, "ucx: the endpoint to " + e->peer_ + " failed: " + status_text(status));
+}
+
+// ------------------------------------------------------------ Registration
+
+Registration::~Registration() {
+  std::lock_guard<std::mutex> lock(rt_->mu());
+  Status s = rt_->api().ucp_mem_unmap(rt_->context(), memh_);
+  if (s != kOk) FXM_INFO(-1, "ucx: ucp_mem_unmap: " + status_text(s));
+}
+
+// ------------------------------------------------------------ Runtime
+
+Runtime* Runtime::get(std::string* why) {
+  static std::string error;
+  static Runtime* rt = [] {
+    const Library& lib = library();
+    if (!lib.api) {
+      error = lib.error;
+      return static_cast<Runtime*>(nullptr);
+    }
+    auto* r = new Runtime();  // lives as long as the process: endpoints and registrations may outlive any owner
+    if (!r->open(lib, &error)) {
+      delete r;
+      r = nullptr;
+      FXM_WARN(-1, "ucx: " + error);
+      return r;
+    }
+    FXM_INFO(-1, "ucx: " + r->describe());
+    std::thread([r] { r->run(); }).detach();
+    std::atexit([] { Runtime::get(nullptr)->stop(); });
+    return r;
+  }();
+  if (!rt && why) *why = error;
+  return rt;
+}
+
+bool Runtime::open(const Library& lib, std::string* why) {
+  api_ = lib.api;
+  ConfigT* config = nullptr;
+  Status s = api_->ucp_config_read(nullptr, nullptr, &config);
+  if (s != kOk) return *why = "ucp_config_read: " + status_text(s), false;
+  Params params;
+  params.features = kFeatureRma | kFeatureWakeup;
+  s = api_->ucp_init_version(lib.major, lib.minor, &params, config, &context_);
+  if (s != kOk) {  // no transport with wake-up events: the progress thread polls instead
+    params.features = kFeatureRma;
+    s = api_->ucp_init_version(lib.major, lib.minor, &params, config, &context_);
+  }
+  api_->ucp_config_release(config);
+  if (s != kOk) return *why = "ucp_init: " + status_text(s), false;
+  WorkerParams wp;
+  s = api_->ucp_worker_create(context_, &wp, &worker_);
+  if (s != kOk) return *why = "ucp_worker_create: " + status_text(s), false;
+  if ((params.features & kFeatureWakeup) == 0 || api_->ucp_worker_get_efd(worker_, &efd_) != kOk) efd_ = -1;
+  AddressT* addr = nullptr;
+  size_t len = 0;
+  s = api_->ucp_worker_get_address(worker_, &addr, &len);
+  if (s != kOk) return *why = "ucp_worker_get_address: " + status_text(s), false;
+  address_.assign(reinterpret_cast<const char*>(addr), len);
+  api_->ucp_worker_release_address(worker_, addr);
+  read_transports();
+  describe_ = "UCX " + lib.version + " from " + lib.path + ", transports ";
+  for (size_t i = 0; i < transports_.size(); ++i) describe_ += (i ? ", " : "") + transports_[i];
+  return true;
+}
+
+void Runtime::read_transports() {
+  char* buf = nullptr;
+  size_t len = 0;
+  FILE* f = ::open_memstream(&buf, &len);
+  if (f == nullptr) return;
+  api_->ucp_context_print_info(context_, f);
+  std::fclose(f);
+  transports_ = parse_resources(std::string(buf, len));
+  std::free(buf);
+}
+
+int64_t Runtime::now_ns() {
+  return std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now().time_since_epoch())
+      .count();
+}
+
+void Runtime::progress_locked() {
+  while (api_->ucp_worker_progress(worker_) != 0) {
+  }
+}
+
+// Progresses the worker: without sleeping while ops are in flight, else sleeping on
+// its event fd once armed (or a short nap where there is none).
+void Runtime::run() {
+  running_ = true;
+  while (!stopping_.load()) {
+    bool busy = busy_.load() > 0 && now_ns() - last_op_ns_.load(std::memory_order_relaxed) < kSpinAfterOpNs;
+    bool armed = false;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      progress_locked();
+      armed = !busy && efd_ >= 0 && api_->ucp_worker_arm(worker_) == kOk;
+    }
+    if (busy) {
+      std::this_thread::yield();
+    } else if (armed) {
+      pollfd p{efd_, POLLIN, 0};
+      ::poll(&p, 1, 20);
+    } else {
+      std::this_thread::sleep_for(std::chrono::microseconds(50));
+    }
+  }
+  running_ = false;
+}
+
+void Runtime::stop() {
+  stopping_ = true;
+  while (running_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
+}
+
+std::shared_ptr<Endpoint> Runtime::endpoint(const std::string& address, const std::string& peer) {
+  std::vector<std::shared_ptr<Endpoint>> seen;  // released after the lock (the last reference closes one)
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = endpoints_.begin(); it != endpoints_.end();) {
+    std::shared_ptr<Endpoint> e = it->second.lock();
+    seen.push_back(e);
+    if (!e) {
+      it = endpoints_.erase(it);
+      continue;
+    }
+    if (it->first == address && e->failure().empty()) return e;
+    ++it;
+  }
+  // The handler's argument exists before the endpoint: the Endpoint first, its handle set after.
+  auto e = std::make_shared<Endpoint>(this, peer);
+  Ep ep = nullptr;
+  Status s = create_ep(address, e.get(), true, &ep);
+  if (s != kOk) {  // no transport to the peer detects its failure (shared memory): the connection's loss does
+    FXM_INFO(-1, "ucx: no transport to " + peer + " detects a peer's failure (" + status_text(s) +
+                     "); its endpoint is made without (the connection's loss still fails its ops)");
+    s = create_ep(address, e.get(), false, &ep);
+  }
+  if (s != kOk) {
+    fail(Code::kPeerLost, -1, 0, "ucx: connecting to " + peer + "'s worker: ucp_ep_create: " + status_text(s));
+  }
+  e->set_ep(ep);
+  endpoints_.push_back({address, e});
+  return e;
+}
+
+Status Runtime::create_ep(const std::string& address, Endpoint* e, bool peer_errors, Ep* ep) {
+  EpParams p;
+  p.address = reinterpret_cast<const AddressT*>(address.data());
+  p.err_mode = peer_errors ? kErrModePeer : kErrModeNone;
+  p.err_cb = &Endpoint::on_error;
+  p.err_arg = e;
+  return api_->ucp_ep_create(worker_, &p, ep);
+}
+
+std::unique_ptr<Registration> Runtime::map(void* base, uint64_t size, std::string* why) {
+  std::lock_guard<std::mutex> lock(mu_);
+  MemMapParams p;
+  p.address = base;
+  p.length = size;
+  Mem memh = nullptr;
+  Status s = api_->ucp_mem_map(context_, &p, &memh);
+  if (s != kOk) return *why = "ucp_mem_map: " + status_text(s), nullptr;
+  void* packed = nullptr;
+  size_t len = 0;
+  s = api_->ucp_rkey_pack(context_, memh, &packed, &len);
+  if (s != kOk) {
+    api_->ucp_mem_unmap(context_, memh);
+    return *why = "ucp_rkey_pack: " + status_text(s), nullptr;
+  }
+  std::string rkey(static_cast<const char*>(packed), len);
+  api_->ucp_rkey_buffer_release(packed);
+  return std::make_unique<Registration>(this, memh, std::move(rkey));
+}
+
+}  // namespace fxm::ucx
