@@ -161,6 +161,7 @@ def test_a_peer_killed_mid_batch_fails_the_batch_without_a_hang(pair):
     t.start()
     assert started.wait(120)
     pair.target.send_signal(signal.SIGKILL)
+    pair.target.wait(30)
     t.join(180)
     assert not t.is_alive(), "the batches did not end after the peer was killed"
     assert outcome and isinstance(outcome[0], PeerLost), f"expected PeerLost, got {outcome!r}"
