@@ -12,8 +12,9 @@ is the decode, which fetches them into blocks of its own. Block ids are shuffled
 (nothing merges: one 64 KiB op per block and layer, as in a long-running engine). Time: from
 the decode's fetch to its completion (data landed and notified), median of --reps requests.
 The reference: the same bytes as one contiguous write per layer between two plain agents of
-the same processes (registered buffers of the same size), over the same forced path, median of
---reps; the ratio is KV / contiguous. Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
+the same processes (registered buffers as large as the caches; each layer's share to bytes of its
+own, so that the reference moves as many distinct bytes as the request), over the same forced
+path, interleaved with the requests, median of --reps; the ratio is KV / contiguous. Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
 tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged).
 """
 
@@ -88,8 +89,8 @@ def _read(d: str, name: str, timeout: float = 120.0) -> bytes:
 
 
 def _plain_pair_region(torch, args, agent):
-    """A contiguous buffer as large as one layer's cache, registered with a plain agent."""
-    buf = torch.ones(_layer_bytes(args), dtype=torch.uint8, device=args.device)
+    """A contiguous buffer as large as every layer's cache, registered with a plain agent."""
+    buf = torch.ones(_layer_bytes(args) * args.layers, dtype=torch.uint8, device=args.device)
     return buf, agent.register(buf)
 
 
@@ -138,10 +139,11 @@ def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
 
 
 def _contiguous(args, conn, local, remote, tokens: int) -> float:
-    """The same bytes as one write per layer (a layer's share each), issued at once, then waited."""
+    """The same bytes as one write per layer (a layer's share each, each to bytes of its own, as
+    the request's blocks are), issued at once, then waited."""
     per_layer = tokens // args.block_size * args.heads * args.block_size * 2 * args.head_size * 2
     t0 = time.perf_counter()
-    handles = [conn.write(local, remote, per_layer) for _ in range(args.layers)]
+    handles = [conn.write(local, remote, per_layer, i * per_layer, i * per_layer) for i in range(args.layers)]
     for h in handles:
         h.wait(120)
     return time.perf_counter() - t0
