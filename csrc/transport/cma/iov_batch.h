@@ -10,7 +10,8 @@
 // touches bytes an earlier op of the run writes (writes: the peer's bytes;
 // reads: this process's), and runs follow each other. A later op over the
 // same bytes therefore lands after the earlier one, as it did one call at a
-// time.
+// time. (Into this very process, where an op may read what an earlier one wrote, each op is a
+// call of its own.)
 //
 // Partial transfers. process_vm_* may move fewer bytes than asked (a page of
 // the peer that is not mapped, the kernel's cap per call): the batch goes on
@@ -20,6 +21,7 @@
 #pragma once
 
 #include <sys/types.h>
+#include <unistd.h>
 
 #include <cstddef>
 #include <cstdint>
@@ -55,6 +57,7 @@ class IovBatch {
   uint64_t written_start(const Op& op) const { return is_read_ ? reinterpret_cast<uint64_t>(op.local) : op.remote; }
 
   pid_t pid_ = 0;
+  pid_t self_ = ::getpid();
   bool is_read_ = false;
   bool overlap_ = false;  // issue(): some ops overlap, so runs are cut where they do
   std::vector<Op> ops_;
