@@ -14,7 +14,10 @@ the decode's fetch to its completion (data landed and notified), median of --rep
 The reference: the same bytes as one contiguous write per layer between two plain agents of
 the same processes (registered buffers as large as the caches; each layer's share to bytes of its
 own, so that the reference moves as many distinct bytes as the request), over the same forced
-path, interleaved with the requests, median of --reps; the ratio is KV / contiguous. Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
+path, interleaved with the requests, median of --reps; the ratio is KV / contiguous. Between
+them, the agents' own share: the same blocks (shuffled the same way, between the plain agents'
+buffers) as one batch_write per layer of op lists built beforehand, median of --reps, and
+batch / contiguous (GB/s over GB/s: 1.0 is a batch as fast as the contiguous write). Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
 tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged).
 """
 
@@ -149,6 +152,28 @@ def _contiguous(args, conn, local, remote, tokens: int) -> float:
     return time.perf_counter() - t0
 
 
+def _batch_ops(args, local, remote, tokens: int, rng) -> List[list]:
+    """The request's blocks as one op list per layer between the plain agents' buffers (each
+    layer's share of its own, blocks shuffled on both sides, as the connector's are)."""
+    block = args.heads * args.block_size * 2 * args.head_size * 2
+    n = tokens // args.block_size
+    layers = []
+    for i in range(args.layers):
+        base = i * n * block
+        src, dst = rng.sample(range(n), n), rng.sample(range(n), n)
+        layers.append([(local, base + s * block, remote, base + d * block, block) for s, d in zip(src, dst)])
+    return layers
+
+
+def _batch(conn, layers) -> float:
+    """The same blocks as one batch_write per layer (op lists built beforehand), issued at once, then waited."""
+    t0 = time.perf_counter()
+    handles = [conn.batch_write(ops) for ops in layers]
+    for h in handles:
+        h.wait(120)
+    return time.perf_counter() - t0
+
+
 def _register_time(torch, args, agent, reps: int = 5) -> float:
     """Median ms of registering (then deregistering) a 256 MiB buffer on --device."""
     buf = torch.zeros(256 << 20, dtype=torch.uint8, device=args.device)
@@ -189,15 +214,18 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                                   "register_256MiB_ms": _register_time(torch, args, plain), "tokens": {}}
         rng, i = random.Random(0), 0
         for tokens in args.tokens:
-            kv, ref = [], []
+            kv, ref, bat = [], [], []
+            layers = _batch_ops(args, local, remote, tokens, rng)
             for _ in range(args.reps):
                 kv.append(_request(args, d, x, i, tokens, rng))
                 i += 1
                 ref.append(_contiguous(args, conn, local, remote, tokens))
+                bat.append(_batch(conn, layers))
             nbytes = tokens * args.layers * args.heads * 2 * args.head_size * 2
-            k, r = statistics.median(kv), statistics.median(ref)
+            k, r, b = statistics.median(kv), statistics.median(ref), statistics.median(bat)
             row["tokens"][str(tokens)] = {"bytes": nbytes, "kv_ms": k * 1e3, "kv_gbs": nbytes / k / 1e9,
-                                          "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9}
+                                          "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9,
+                                          "batch_ms": b * 1e3, "batch_gbs": nbytes / b / 1e9}
         _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
         if child.wait(timeout=120) != 0:
             raise SystemExit(f"bench kv: the decode process failed (exit {child.returncode})")
@@ -218,7 +246,7 @@ def _report(data: dict, args) -> None:
     print(f"one request's KV, prefill -> decode ({args.layers} layers, {args.heads} KV heads, head size "
           f"{args.head_size}, bf16, blocks of {args.block_size} tokens; {args.device}; median of {args.reps})")
     print(f"  {'path':>9}{'taken':>10}{'tokens':>8}{'MiB':>8}{'KV ms':>9}{'KV GB/s':>9}"
-          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}")
+          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}{'batch ms':>10}{'batch/contig':>14}")
     for path, row in data["paths"].items():
         print(f"  {path}: register 256 MiB {row['register_256MiB_ms']:.3f} ms (median of 5), "
               f"connect {row['connect_ms']:.2f} ms")
@@ -226,7 +254,8 @@ def _report(data: dict, args) -> None:
         for tokens, f in row["tokens"].items():
             print(f"  {path:>9}{row['path']:>10}{tokens:>8}{f['bytes'] / 2**20:>8.0f}{f['kv_ms']:>9.2f}"
                   f"{f['kv_gbs']:>9.2f}{f['contiguous_ms']:>11.2f}{f['contiguous_gbs']:>13.2f}"
-                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}")
+                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}{f['batch_ms']:>10.2f}"
+                  f"{f['batch_gbs'] / f['contiguous_gbs']:>14.2f}")
 
 
 def main(argv: List[str]) -> int:
