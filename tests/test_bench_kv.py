@@ -27,6 +27,6 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
         for tokens in ("64", "128"):
             f = row["tokens"][tokens]
             assert f["bytes"] == int(tokens) * 3 * 2 * 2 * 16 * 2  # tokens x layers x heads x (K, V) x head x bf16
-            assert f["kv_ms"] > 0 and f["contiguous_ms"] > 0
-    assert "KV/contig" in r.stdout
+            assert f["kv_ms"] > 0 and f["contiguous_ms"] > 0 and f["batch_ms"] > 0
+    assert "KV/contig" in r.stdout and "batch/contig" in r.stdout
     assert list(scratch.iterdir()) == []  # each path's exchange folder removed

@@ -11,6 +11,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "transport/binding.h"
+#include "transport/cma/iov_batch.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
 #include "transport/tcp/tcp_path.h"
@@ -38,6 +39,7 @@ struct Connection::Checked {
 // The device copies of one call that wait to be issued together (copy_batch.h),
 // and their ops, for the fallback of any the driver refuses. A call of one op
 // has nothing to issue together: its copy is posted as the mesh's put is.
+// Likewise the cma ops (iov_batch.h): one process_vm_* per up to IOV_MAX of them.
 struct Connection::Batch {
   Batch(Outbox* outbox, bool is_read, bool single, Deadline deadline)
       : copies(outbox, kPeer, kCtx), is_read(is_read), single(single), deadline(deadline) {}
@@ -47,6 +49,9 @@ struct Connection::Batch {
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
   static constexpr size_t kRenewEvery = 256;  // a clock read per op cost more than the op's issue
   std::vector<std::pair<PeerView*, PathOp>> ops;
+  cma::IovBatch iovs;
+  std::vector<std::pair<PeerView*, PathOp>> host_ops;  // the ops in iovs, in order
+  bool host_fell_back = false;  // some host ops went over tcp (the call is then asynchronous)
 };
 
 Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, int lanes, uint64_t token)
@@ -370,6 +375,8 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
     cookie_checked_ = &v;
   }
+  if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
+  issue_host(batch);  // the host ops queued before this one are done first
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
     if (err == 0) return Issued::kDone;
@@ -420,6 +427,40 @@ void Connection::issue_batch(Batch* b) {
   b->ops.clear();
 }
 
+// Queues a synchronous path's op into the call's host batch; false when the path does not batch it.
+bool Connection::queue_host(Path* p, PeerView& v, const PathOp& op, Batch* b) {
+  Queued q = p->queue_host(op, b->is_read, &b->iovs);
+  if (q == Queued::kBatchFirst) {
+    issue_host(b);
+    q = p->queue_host(op, b->is_read, &b->iovs);
+  }
+  if (q != Queued::kYes) return false;
+  b->host_ops.emplace_back(&v, op);
+  return true;
+}
+
+// The queued host ops, in order; those the system call did not do (the peer's process is gone,
+// a page it unmapped) go over tcp, as one op would, and the call waits for them.
+void Connection::issue_host(Batch* b) {
+  if (b->iovs.size() == 0) return;
+  std::vector<std::pair<PeerView*, PathOp>> ops;
+  ops.swap(b->host_ops);
+  int err = 0;
+  size_t done = b->iovs.issue(&err);
+  if (done == ops.size()) return;
+  Path& tcp = ops[done].first->tcp();
+  if (err == ESRCH) {  // no process of that pid: the peer is gone, and tcp says so to the call
+    FXM_WARN(-1, who() + ": agent " + peer_.name + "'s process is gone (cma: " + errno_text(err) + "); " +
+                     std::to_string(ops.size() - done) + " op(s) go to tcp, which fails them once the "
+                     "connection's loss is seen");
+  } else {
+    FXM_WARN(-1, who() + ": cma failed at op " + std::to_string(done) + " of " + std::to_string(ops.size()) +
+                     " queued (" + errno_text(err) + "); it and those after it go over " + tcp.name());
+  }
+  b->host_fell_back = true;
+  for (size_t i = done; i < ops.size(); ++i) post(&ops[i].first->tcp(), *ops[i].first, ops[i].second, b->is_read);
+}
+
 // A device path copies on the op's stream (or the connection's), after the
 // connection's earlier device copies; staged waits for the stream itself; a
 // host path starts once the stream's earlier work is done.
@@ -454,8 +495,8 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
   return is_device_path(p->kind()) || p->kind() == PathKind::kUcx ? Issued::kUnordered : Issued::kEngine;
 }
 
-// The ops in order; device copies in batches. An op that fails to issue
-// fails the call; the copies queued before it are issued first (as they
+// The ops in order; device copies and cma ops in batches. An op that fails
+// to issue fails the call; the ops queued before it are issued first (as they
 // would have been one at a time).
 void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
                            bool* unordered) {
@@ -469,9 +510,12 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
       *async = *async || how != Issued::kDone;
       *unordered = *unordered || how == Issued::kUnordered;
     }
+    issue_host(&batch);
     issue_batch(&batch);
+    *async = *async || batch.host_fell_back;
   } catch (const Error&) {
     try {
+      issue_host(&batch);
       issue_batch(&batch);
     } catch (const Error&) {  // the first error is the call's
     }

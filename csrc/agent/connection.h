@@ -110,6 +110,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   struct Batch;  // one call's device copies, issued together
   Issued issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch);
   void issue_batch(Batch* batch);
+  bool queue_host(Path* p, PeerView& v, const PathOp& op, Batch* batch);
+  void issue_host(Batch* batch);
   void issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
                  bool* unordered);
   void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);

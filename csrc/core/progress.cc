@@ -179,6 +179,52 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   }
 }
 
+// The plain frames queued behind the front item of slot s (with mu_ held): sent with it in one
+// sendmsg (a batch of small puts costs a system call per kGatherIov / 2 frames, not per frame).
+void Engine::gather_behind(int s, std::vector<OutItem*>* items) {
+  const std::deque<OutItem>& q = out_[s];
+  if (q.size() < 2 || q.front().staged) return;
+  uint64_t bytes = q.front().total() - q.front().sent;
+  items->push_back(&out_[s].front());
+  for (size_t k = 1; k < q.size() && 2 * items->size() + 2 <= kGatherIov && bytes < kGatherBytes; ++k) {
+    if (q[k].staged) break;
+    bytes += q[k].total();
+    items->push_back(&out_[s][k]);
+  }
+  if (items->size() == 1) items->clear();
+}
+
+// One sendmsg of what is left of items[0] and the items after it (plain ones, none started).
+ssize_t Engine::send_gathered(int s, const std::vector<OutItem*>& items) {
+  iovec iov[kGatherIov];
+  int n = 0;
+  for (OutItem* it : items) {
+    uint64_t hs = it->head.size();
+    if (it->sent < hs) iov[n++] = {it->head.data() + it->sent, hs - it->sent};
+    uint64_t off = it->sent > hs ? it->sent - hs : 0;
+    if (it->len > off) iov[n++] = {const_cast<uint8_t*>(it->data) + off, it->len - off};
+  }
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = n;
+  ssize_t w;
+  do {
+    w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+  } while (w < 0 && errno == EINTR);
+  if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
+  if (w < 0) {
+    lose(peer_of(s), "writing to its connection" + conn_name(s) + " failed: " + errno_text(errno));
+    return -1;
+  }
+  uint64_t left = static_cast<uint64_t>(w);
+  for (OutItem* it : items) {  // the bytes sent, item by item
+    uint64_t step = std::min(left, it->total() - it->sent);
+    it->sent += step;
+    left -= step;
+  }
+  return w;
+}
+
 void Engine::post_put(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win,
                       uint64_t dst_off, const SignalSpec& sig, bool may_stripe) {
   if (may_stripe && lanes_ > 1 && len >= kStripeMinBytes) return post_striped(peer, ctx, src, len, dst_win, dst_off, sig);
@@ -415,6 +461,7 @@ bool Engine::write_some(int s) {
   std::lock_guard<std::mutex> writer(*write_mu_[s]);
   while (true) {
     OutItem* it = nullptr;
+    std::vector<OutItem*> gathered;  // it and the frames sent with it (gather_behind)
     std::deque<OutItem> dropped;  // declared before the lock: destroyed after it is released
     std::string gone_why;
     {
@@ -427,6 +474,7 @@ bool Engine::write_some(int s) {
         cv_.notify_all();
       }
       if (!out_[s].empty()) it = &out_[s].front();
+      if (it != nullptr) gather_behind(s, &gathered);
     }
     for (OutItem& gone : dropped) {  // a filler waiting for ring slots fails now, naming the peer
       if (gone.staged) gone.staged->cancel("its connection is gone: " + gone_why);
@@ -439,6 +487,11 @@ bool Engine::write_some(int s) {
     if (it->staged && it->staged->failed()) {
       give_up_frame(s, *it);
       continue;  // the next pass drops the queue
+    }
+    if (!gathered.empty()) {
+      if (send_gathered(s, gathered) < 0) return false;
+      if (!pop_sent(s)) return true;  // the socket is full
+      continue;
     }
     ssize_t w = send_item(s, *it);
     if (w < 0) return false;
@@ -457,6 +510,24 @@ bool Engine::write_some(int s) {
   }
 }
 
+
+// After send_gathered: the items sent whole leave the queue; true when all of those gathered did.
+bool Engine::pop_sent(int s) {
+  std::deque<OutItem> done;  // destroyed after mu_ is released (see write_some)
+  std::lock_guard<std::mutex> lock(mu_);
+  while (!out_[s].empty() && !out_[s].front().staged && out_[s].front().sent == out_[s].front().total()) {
+    OutItem& it = out_[s].front();
+    queued_msg_[base_slot(s)] -= it.msg_bytes;
+    answer_bytes_[base_slot(s)] -= it.answer_bytes;
+    done.push_back(std::move(it));
+    out_[s].pop_front();
+  }
+  bool whole = out_[s].empty() || out_[s].front().sent == 0;
+  if (stopping_ || out_[s].empty() || std::any_of(done.begin(), done.end(), [](const OutItem& d) { return d.msg_bytes > 0; })) {
+    cv_.notify_all();
+  }
+  return whole && !done.empty();
+}
 
 void Engine::note_applied(int s, bool lazy) {
   ++applied_[s];

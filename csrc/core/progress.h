@@ -244,6 +244,12 @@ class Engine : public Outbox {
   bool send_direct(int s, OutItem& item);
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
+  // Frames queued behind the front one go with it in one sendmsg (progress.cc), up to these.
+  static constexpr int kGatherIov = 64;
+  static constexpr uint64_t kGatherBytes = 1ull << 20;
+  void gather_behind(int s, std::vector<OutItem*>* items);  // with mu_ held
+  ssize_t send_gathered(int s, const std::vector<OutItem*>& items);
+  bool pop_sent(int s);
   // With mu_ held: the front item of slot s waits for staged bytes not copied yet (no POLLOUT then).
   bool waiting_for_staging(int s) const;
   // A staged put whose copy out of device memory failed mid-frame: the frame cannot be
@@ -279,7 +285,8 @@ class Engine : public Outbox {
   int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
   std::chrono::steady_clock::time_point copies_since_{};  // progress thread: when that wait began
   void read_some(int s);
-  bool read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done);
+  bool read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done, uint8_t* then = nullptr,
+                   size_t then_want = 0);
   bool advance(int s, InConn& in, const uint8_t* data, size_t n, size_t* used);
   void on_header(int s, InConn& in);
   void on_op_header(int s, InConn& in);

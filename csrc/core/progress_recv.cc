@@ -78,6 +78,15 @@ void Engine::read_some(int s) {
       done = std::min(want, in.buffered());
       std::memcpy(where, in.ahead.get() + in.ahead_pos, done);
       in.ahead_pos += done;
+    } else if (in.st == InConn::kPayload && want == in.remaining) {
+      // The payload's end, and what follows it read ahead in the same call: a batch of puts
+      // costs one read per frame, its payload straight into place.
+      if (!in.ahead) in.ahead.reset(new uint8_t[InConn::kReadAhead]);
+      in.ahead_pos = in.ahead_end = 0;
+      if (!read_socket(s, in, where, want, &done, in.ahead.get(), InConn::kReadAhead)) return;
+      in.ahead_end = done > want ? done - want : 0;
+      drained = done < want + InConn::kReadAhead;
+      done = std::min(done, want);
     } else if (in.st == InConn::kPayload && want >= InConn::kReadAhead) {
       if (!read_socket(s, in, where, want, &done)) return;
       drained = done < want;
@@ -101,10 +110,11 @@ void Engine::read_some(int s) {
   }
 }
 
-// One non-blocking read of connection s into `where`; false when nothing came (*done 0) or it
-// closed (before its goodbye: the peer is lost).
-bool Engine::read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done) {
-  tcp::IoResult r = tcp::read_some(conns_->recv[s].get(), where, want);
+// One non-blocking read of connection s into `where` (then, once it is full, into `then`); false
+// when nothing came (*done 0) or it closed (before its goodbye: the peer is lost).
+bool Engine::read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done, uint8_t* then,
+                         size_t then_want) {
+  tcp::IoResult r = tcp::read_some2(conns_->recv[s].get(), where, want, then, then_want);
   *done = r.done;
   if (r.done > 0 && s < total_) ++frames_read_;
   if (r.ok()) return r.done > 0;

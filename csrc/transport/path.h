@@ -135,6 +135,9 @@ namespace cuda {
 class StreamFence;
 class CopyBatch;
 }
+namespace cma {
+class IovBatch;
+}
 
 // Whether a path queued an op into a batch of one call's ops (queue()).
 enum class Queued { kNo, kYes, kBatchFirst };  // not batched / queued / issue the batch, then ask again
@@ -191,6 +194,12 @@ class Path {
   // copy_batch.h): queues a put (get: is_get) into `batch`, which the caller
   // issues. kNo: not this op (a signal, a wait, host memory): put/get it alone.
   virtual Queued queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) {
+    (void)op; (void)is_get; (void)batch;
+    return Queued::kNo;
+  }
+  // The same for synchronous host paths (cma, iov_batch.h): one call's plain
+  // ops to one process go in one iovec list per system call. kNo: put/get it alone.
+  virtual Queued queue_host(const PathOp& op, bool is_get, cma::IovBatch* batch) {
     (void)op; (void)is_get; (void)batch;
     return Queued::kNo;
   }

@@ -4,6 +4,7 @@
 
 #include "base/status.h"
 #include "transport/cma/cma.h"
+#include "transport/cma/iov_batch.h"
 #include "transport/binding.h"
 
 namespace fxm {
@@ -11,6 +12,11 @@ namespace fxm {
 int CmaPath::put(const PathOp& op) { return cma::write(pid_, addr_ + op.remote_off, op.local, op.len); }
 
 int CmaPath::get(const PathOp& op) { return cma::read(pid_, addr_ + op.remote_off, op.local, op.len); }
+
+Queued CmaPath::queue_host(const PathOp& op, bool is_get, cma::IovBatch* batch) {
+  if (op.sig != nullptr) return Queued::kNo;
+  return batch->add(pid_, is_get, op.local, addr_ + op.remote_off, op.len) ? Queued::kYes : Queued::kBatchFirst;
+}
 
 std::unique_ptr<Path> make_cma_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
   if (req.forced == ForcedTransport::kTcp) {

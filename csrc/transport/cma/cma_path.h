@@ -22,6 +22,7 @@ class CmaPath : public Path {
   PathKind kind() const override { return PathKind::kCma; }
   int put(const PathOp& op) override;
   int get(const PathOp& op) override;
+  Queued queue_host(const PathOp& op, bool is_get, cma::IovBatch* batch) override;
 
  private:
   pid_t pid_;

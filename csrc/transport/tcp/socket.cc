@@ -4,6 +4,8 @@
 #include <fcntl.h>
 #include <netinet/tcp.h>
 #include <poll.h>
+#include <sys/socket.h>
+#include <sys/uio.h>
 #include <unistd.h>
 
 #include <cerrno>
@@ -215,10 +217,16 @@ IoResult write_some(int fd, const void* buf, size_t len) {
   }
 }
 
-IoResult read_some(int fd, void* buf, size_t len) {
+IoResult read_some(int fd, void* buf, size_t len) { return read_some2(fd, buf, len, nullptr, 0); }
+
+IoResult read_some2(int fd, void* first, size_t first_len, void* second, size_t second_len) {
   IoResult r;
+  iovec iov[2] = {{first, first_len}, {second, second_len}};
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = second_len > 0 ? 2 : 1;
   while (true) {
-    ssize_t n = ::recv(fd, buf, len, 0);
+    ssize_t n = ::recvmsg(fd, &mh, 0);
     if (n > 0) {
       r.done = static_cast<size_t>(n);
       return r;

@@ -78,5 +78,7 @@ IoResult read_full(int fd, void* buf, size_t len, const Deadline& deadline);
 IoResult write_some(int fd, const void* buf, size_t len);
 // One non-blocking read; kOk with done==0 means "nothing yet".
 IoResult read_some(int fd, void* buf, size_t len);
+// The same into two buffers, filled in order (one system call).
+IoResult read_some2(int fd, void* first, size_t first_len, void* second, size_t second_len);
 
 }  // namespace fxm::tcp

@@ -12,11 +12,16 @@ is the decode, which fetches them into blocks of its own. Block ids are shuffled
 (nothing merges: one 64 KiB op per block and layer, as in a long-running engine). Time: from
 the decode's fetch to its completion (data landed and notified), median of --reps requests.
 The references, measured in the same run: the same bytes as one contiguous write per layer
-between two plain agents of the same processes (registered buffers of the same size), over the
-same forced path, median of --reps (the ratio KV / contiguous); and, in the prefill process
-alone, the local gather of the same blocks (per layer, `index_copy_` of the blocks picked with
-`index_select`, on the cache viewed as uint8 and as int64; median of --reps), which no transfer
-between processes can beat (the ratio KV / gather). Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
+between two plain agents of the same processes (registered buffers as large as the caches; each
+layer's share to bytes of its own, so that the reference moves as many distinct bytes as the
+request), over the same forced path, interleaved with the requests, median of --reps (the ratio
+KV / contiguous); between them, the agents' own share: the same blocks (shuffled the same way,
+between the plain agents' buffers) as one batch_write per layer of op lists built beforehand,
+median of --reps, and batch / contiguous (GB/s over GB/s: 1.0 is a batch as fast as the
+contiguous write); and, in the prefill process alone, the local gather of the same blocks (per
+layer, `index_copy_` of the blocks picked with `index_select`, on the cache viewed as uint8 and
+as int64; median of --reps), which no transfer between processes can beat (gather u8 / KV: 1.0
+is a request as fast as the uint8 gather). Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
 tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged).
 """
 
@@ -94,8 +99,8 @@ def _read(d: str, name: str, timeout: float = 120.0) -> bytes:
 
 
 def _plain_pair_region(torch, args, agent):
-    """A contiguous buffer as large as one layer's cache, registered with a plain agent."""
-    buf = torch.ones(_layer_bytes(args), dtype=torch.uint8, device=args.device)
+    """A contiguous buffer as large as every layer's cache, registered with a plain agent."""
+    buf = torch.ones(_layer_bytes(args) * args.layers, dtype=torch.uint8, device=args.device)
     return buf, agent.register(buf)
 
 
@@ -144,10 +149,33 @@ def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
 
 
 def _contiguous(args, conn, local, remote, tokens: int) -> float:
-    """The same bytes as one write per layer (a layer's share each), issued at once, then waited."""
+    """The same bytes as one write per layer (a layer's share each, each to bytes of its own, as
+    the request's blocks are), issued at once, then waited."""
     per_layer = tokens // args.block_size * args.heads * args.block_size * 2 * args.head_size * 2
     t0 = time.perf_counter()
-    handles = [conn.write(local, remote, per_layer) for _ in range(args.layers)]
+    handles = [conn.write(local, remote, per_layer, i * per_layer, i * per_layer) for i in range(args.layers)]
+    for h in handles:
+        h.wait(120)
+    return time.perf_counter() - t0
+
+
+def _batch_ops(args, local, remote, tokens: int, rng) -> List[list]:
+    """The request's blocks as one op list per layer between the plain agents' buffers (each
+    layer's share of its own, blocks shuffled on both sides, as the connector's are)."""
+    block = args.heads * args.block_size * 2 * args.head_size * 2
+    n = tokens // args.block_size
+    layers = []
+    for i in range(args.layers):
+        base = i * n * block
+        src, dst = rng.sample(range(n), n), rng.sample(range(n), n)
+        layers.append([(local, base + s * block, remote, base + d * block, block) for s, d in zip(src, dst)])
+    return layers
+
+
+def _batch(conn, layers) -> float:
+    """The same blocks as one batch_write per layer (op lists built beforehand), issued at once, then waited."""
+    t0 = time.perf_counter()
+    handles = [conn.batch_write(ops) for ops in layers]
     for h in handles:
         h.wait(120)
     return time.perf_counter() - t0
@@ -218,15 +246,18 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                                   "register_256MiB_ms": _register_time(torch, args, plain), "tokens": {}}
         rng, i = random.Random(0), 0
         for tokens in args.tokens:
-            kv, ref = [], []
+            kv, ref, bat = [], [], []
+            layers = _batch_ops(args, local, remote, tokens, rng)
             for _ in range(args.reps):
                 kv.append(_request(args, d, x, i, tokens, rng))
                 i += 1
                 ref.append(_contiguous(args, conn, local, remote, tokens))
+                bat.append(_batch(conn, layers))
             nbytes = tokens * args.layers * args.heads * 2 * args.head_size * 2
-            k, r = statistics.median(kv), statistics.median(ref)
+            k, r, b = statistics.median(kv), statistics.median(ref), statistics.median(bat)
             row["tokens"][str(tokens)] = {"bytes": nbytes, "kv_ms": k * 1e3, "kv_gbs": nbytes / k / 1e9,
                                           "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9,
+                                          "batch_ms": b * 1e3, "batch_gbs": nbytes / b / 1e9,
                                           "gather_uint8_ms": _gather_ms(torch, args, tokens, torch.uint8, rng),
                                           "gather_int64_ms": _gather_ms(torch, args, tokens, torch.int64, rng)}
         _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
@@ -249,7 +280,8 @@ def _report(data: dict, args) -> None:
     print(f"one request's KV, prefill -> decode ({args.layers} layers, {args.heads} KV heads, head size "
           f"{args.head_size}, bf16, blocks of {args.block_size} tokens; {args.device}; median of {args.reps})")
     print(f"  {'path':>9}{'taken':>10}{'tokens':>8}{'MiB':>8}{'KV ms':>9}{'KV GB/s':>9}"
-          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}{'gather u8/i64 ms':>18}{'gather u8/KV':>14}")
+          f"{'contig ms':>11}{'contig GB/s':>13}{'KV/contig':>11}{'batch ms':>10}{'batch/contig':>14}"
+          f"{'gather u8/i64 ms':>18}{'gather u8/KV':>14}")
     for path, row in data["paths"].items():
         print(f"  {path}: register 256 MiB {row['register_256MiB_ms']:.3f} ms (median of 5), "
               f"connect {row['connect_ms']:.2f} ms")
@@ -257,20 +289,22 @@ def _report(data: dict, args) -> None:
         for tokens, f in row["tokens"].items():
             print(f"  {path:>9}{row['path']:>10}{tokens:>8}{f['bytes'] / 2**20:>8.0f}{f['kv_ms']:>9.2f}"
                   f"{f['kv_gbs']:>9.2f}{f['contiguous_ms']:>11.2f}{f['contiguous_gbs']:>13.2f}"
-                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}"
+                  f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}{f['batch_ms']:>10.2f}"
+                  f"{f['batch_gbs'] / f['contiguous_gbs']:>14.2f}"
                   f"{f['gather_uint8_ms']:>10.3f}/{f['gather_int64_ms']:<7.3f}{f['gather_uint8_ms'] / f['kv_ms']:>14.2f}")
 
 
 def plot(data: dict, args) -> bool:
-    """--plot: per path, the request's GB/s beside the contiguous write's and the local gathers'."""
+    """--plot: per path, the request's GB/s beside the contiguous write's, the batch's and the local gathers'."""
     panels = []
     for path, row in data["paths"].items():
-        series: Dict[str, Dict[str, float]] = {"KV request": {}, "contiguous write": {}, "local gather (uint8)": {},
-                                               "local gather (int64)": {}}
+        series: Dict[str, Dict[str, float]] = {"KV request": {}, "contiguous write": {}, "batch_write per layer": {},
+                                               "local gather (uint8)": {}, "local gather (int64)": {}}
         for f in row["tokens"].values():
             at = str(f["bytes"])
             series["KV request"][at] = f["kv_gbs"]
             series["contiguous write"][at] = f["contiguous_gbs"]
+            series["batch_write per layer"][at] = f["batch_gbs"]
             series["local gather (uint8)"][at] = f["bytes"] / f["gather_uint8_ms"] / 1e6
             series["local gather (int64)"][at] = f["bytes"] / f["gather_int64_ms"] / 1e6
         panels.append((f"{path} (taken: {row['path']})", series))
