@@ -364,7 +364,7 @@ def releases_a_request(p: bytes) -> bool:
 def test_fuzzed_notifications_leave_the_threads_alive_and_honest_requests_complete(pair, caplog):
     import random
 
-    caplog.set_level(logging.WARNING, logger="flagcx_mesh.vllm")
+    caplog.set_level(logging.WARNING, logger="vllm.flagcx_mesh")
     rng = random.Random(34)
     t0 = time.monotonic()
     pre, pkv = pair("p")
@@ -450,7 +450,7 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
 
     pre._start_push = stop_the_decode_then_push
     try:
-        with caplog.at_level(logging.WARNING, logger="flagcx_mesh.vllm"):
+        with caplog.at_level(logging.WARNING, logger="vllm.flagcx_mesh"):
             for r, blocks in reqs.items():
                 pre.hold(r, blocks)
             publish(str(tmp_path), "requests.json", json.dumps(reqs).encode())

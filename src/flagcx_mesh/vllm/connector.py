@@ -31,11 +31,21 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import protocol
 from .scheduler import SchedulerSide
+from .stats import FlagcxMeshKVConnectorStats, FlagcxMeshPromMetrics, counter_changes
 from .transfer import KVTransfer
 
-log = logging.getLogger("flagcx_mesh.vllm")
+log = logging.getLogger("vllm.flagcx_mesh")
 
 __all__ = ["FlagcxMeshConnector", "FlagcxMeshConnectorMetadata", "FlagcxMeshHandshake"]
+
+# kv_connector_extra_config keys this connector reads (others are warned about: a typo must not pass silently)
+KNOWN_KEYS = ("secret", "hold_timeout", "fetch_timeout", "push_timeout", "connect_timeout", "agent_name")
+
+
+def warn_unknown_keys(extra: dict) -> None:
+    for key in sorted(set(extra) - set(KNOWN_KEYS)):
+        log.warning("FlagcxMeshConnector: kv_connector_extra_config key %r is not known (ignored); "
+                    "known keys: %s", key, ", ".join(KNOWN_KEYS))
 
 
 class FlagcxMeshConnectorMetadata(KVConnectorMetadata):
@@ -81,7 +91,9 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         self._transfer: Optional[KVTransfer] = None
         self._load_errors: set = set()
         self._unfetchable: dict = {}  # request id -> local block ids it can never receive
+        self._stats_reported: dict = {}  # the transfer's counters at the last get_kv_connector_stats
         if role == KVConnectorRole.SCHEDULER:
+            warn_unknown_keys(self._extra)
             self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata)
         else:
             self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -153,6 +165,23 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
             recving.add(req_id)
         self._unfetchable.clear()
         return (done.sending or None), (recving or None)
+
+    def get_kv_connector_stats(self) -> Optional[FlagcxMeshKVConnectorStats]:
+        """The worker's counters' increase since its last call (vLLM sums the workers')."""
+        if self._transfer is None:
+            return None
+        now = self._transfer.stats()
+        changes = counter_changes(now, self._stats_reported)
+        self._stats_reported = now
+        return FlagcxMeshKVConnectorStats(data=changes) if changes else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> FlagcxMeshKVConnectorStats:
+        return FlagcxMeshKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return FlagcxMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()

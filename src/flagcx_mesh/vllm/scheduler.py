@@ -19,7 +19,7 @@ from vllm.v1.request import RequestStatus
 
 from . import protocol
 
-log = logging.getLogger("flagcx_mesh.vllm")
+log = logging.getLogger("vllm.flagcx_mesh")
 
 TRANSFER_NAME = "flagcx_mesh-push"
 

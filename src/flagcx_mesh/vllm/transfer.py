@@ -46,7 +46,7 @@ from ..errors import InvalidArgument, MeshError
 from . import protocol
 from .layout import LayerGeometry, LayoutError, describe_layers, write_ops
 
-log = logging.getLogger("flagcx_mesh.vllm")
+log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines show in `vllm serve`
 
 FORGET_AFTER = 4096  # how many served / expired request ids a prefill remembers
 MAX_EARLY = 4096     # wants awaiting their hold at once (more are refused)
@@ -56,10 +56,15 @@ STATS = (  # KVTransfer.stats()
     "unexpected_answers",     # D / F for a request not awaited from that peer (late, or made up)
     "refused",                # F sent: unknown or released request, layout mismatch, bad block ids
     "pushes",                 # pushes issued
+    "pushes_done",            # pushes completed
     "pushes_failed",          # pushes that failed (the decode died or refused)
     "pushes_abandoned",       # pushes past their deadline, abandoned with their connection
     "connections_abandoned",  # connections closed for them
+    "bytes_pushed",           # bytes of the pushes issued
+    "push_seconds",           # seconds the completed pushes took, summed
     "released_served", "released_cancelled", "released_expired", "released_abandoned",
+    "fetches_done",           # decode: fetches whose blocks landed
+    "fetch_seconds",          # decode: seconds those took (asked to done), summed
     "fetches_failed",         # decode: fetches reported as failed (load errors)
 )
 
@@ -136,6 +141,7 @@ class _Fetch:
     conn: object = None
     peer: str = ""
     cancelled: bool = False
+    started: float = 0.0
 
 
 def _incarnation(conn) -> str:
@@ -416,6 +422,7 @@ class KVTransfer:
                                          failed=True))
             return
         self._count("pushes")
+        self._count("bytes_pushed", sum(op[4] for ops in layer_ops for op in ops))
         held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
 
     def _push_deadline(self, held: _Held) -> float:
@@ -488,6 +495,10 @@ class KVTransfer:
                 if not p.failed:
                     self._count("pushes_failed")
                     log.warning("%s: push of %s to %s failed: %s", self.name, req, p.peer, e)
+            else:
+                if not p.failed:
+                    self._count("pushes_done")
+                    self._count("push_seconds", now - p.started)
         held.pushes = still
         return bool(still)
 
@@ -572,7 +583,7 @@ class KVTransfer:
 
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int]) -> None:
         f = _Fetch(tag, md, remote_req, remote[len(remote) - len(local):] if local else [], local,
-                   time.monotonic() + self.fetch_timeout)
+                   time.monotonic() + self.fetch_timeout, started=time.monotonic())
         if len(local) > len(remote):
             return self._fail(f, f"{len(local)} blocks to receive, the prefill holds {len(remote)}")
         if not local:
@@ -625,6 +636,8 @@ class KVTransfer:
             return
         if ok:
             del self._fetches[tag]
+            self._count("fetches_done")
+            self._count("fetch_seconds", time.monotonic() - f.started)
             self._send_quietly(f.conn, protocol.encode("A", req=f.remote_req))
             self._finish(recving=tag)
         else:
