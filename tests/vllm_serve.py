@@ -84,6 +84,11 @@ class Server:
         with open(self.log_path, errors="replace") as f:
             return f"--- the end of {self.name}'s log ---\n" + "".join(f.readlines()[-n:])
 
+    def matching_lines(self, text: str, n: int = 30) -> str:
+        with open(self.log_path, errors="replace") as f:
+            found = [line for line in f if text in line]
+        return f"--- {self.name}: {len(found)} lines with {text!r} ---\n" + "".join(found[-n:])
+
     def wait_up(self, timeout: float = START_TIMEOUT) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
