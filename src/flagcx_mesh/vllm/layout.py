@@ -139,18 +139,55 @@ def check_block_ids(ids: Sequence[int], num_blocks: int, what: str) -> List[int]
     return out
 
 
+WHOLE = (0, 1, 0, 1)  # a part: (source slice, source slices, destination slice, destination slices)
+
+
+def check_part(part: Sequence[int]) -> Tuple[int, int, int, int]:
+    """A part as the want names it: 4 integers, each slice index below its count."""
+    if len(part) != 4 or not all(type(v) is int for v in part):
+        raise LayoutError(f"a part is 4 integers (slice, slices, slice, slices), not {list(part)[:8]}")
+    si, sn, di, dn = part
+    if not (0 <= si < sn and 0 <= di < dn):
+        raise LayoutError(f"part {list(part)}: a slice index out of range")
+    return si, sn, di, dn
+
+
+def check_sliced_match(src: LayerGeometry, dst: LayerGeometry, sn: int, dn: int) -> None:
+    """Heterogeneous tensor parallelism: 1/sn of each source block's heads go to 1/dn of each
+    destination block's. Needs one run per block with the heads outermost in it (vLLM 0.33's
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, also cross-layer), heads that
+    divide evenly, and the rest of the block the same on both sides."""
+    for g in (src, dst):
+        if len(g.runs) != 1 or len(g.block_shape) < 3 or g.block_shape[0] != 1:
+            raise LayoutError(f"layer {g.name}: block shape {g.block_shape} in {len(g.runs)} runs: "
+                              "another tensor-parallel size needs one run per block, heads outermost")
+    sh, dh = src.block_shape[1], dst.block_shape[1]
+    if sh % sn or dh % dn or sh // sn != dh // dn or src.block_shape[2:] != dst.block_shape[2:] \
+            or src.element_size != dst.element_size:
+        raise LayoutError(f"layer {src.name}: 1/{sn} of blocks {src.block_shape} here does not fit 1/{dn} of "
+                          f"blocks {dst.block_shape} at the peer (element sizes {src.element_size}, {dst.element_size})")
+
+
 def write_ops(src: LayerGeometry, src_region, dst: LayerGeometry, dst_region,
-              src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list:
+              src_blocks: Sequence[int], dst_blocks: Sequence[int], part: Sequence[int] = WHOLE) -> list:
     """Agent batch ops ``(local, local_off, remote, remote_off, size)`` that copy the source
     blocks of one layer onto the destination blocks, pairwise; runs of consecutive block ids
-    on both sides merge into one op where blocks are dense on both sides."""
-    src.check_matches(dst)
+    on both sides merge into one op where blocks are dense on both sides. ``part`` (another
+    tensor-parallel size on each side): slice ``si`` of ``sn`` of each source block goes to
+    slice ``di`` of ``dn`` of its destination block."""
+    si, sn, di, dn = check_part(part)
+    if (sn, dn) == (1, 1):
+        src.check_matches(dst)
+    else:
+        check_sliced_match(src, dst, sn, dn)
     if len(src_blocks) != len(dst_blocks):
         raise LayoutError(f"layer {src.name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
     sb = check_block_ids(src_blocks, src.num_blocks, f"layer {src.name} (source)")
     db = check_block_ids(dst_blocks, dst.num_blocks, f"layer {dst.name} (destination)")
-    dense = len(src.runs) == 1 and len(dst.runs) == 1 and \
+    dense = len(src.runs) == 1 and len(dst.runs) == 1 and (sn, dn) == (1, 1) and \
         src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
+    size = src.run_bytes // sn
+    src_skip, dst_skip = si * size, di * (dst.run_bytes // dn)
     ops = []
     i = 0
     while i < len(sb):
@@ -158,7 +195,7 @@ def write_ops(src: LayerGeometry, src_region, dst: LayerGeometry, dst_region,
         while dense and i + n < len(sb) and sb[i + n] == sb[i] + n and db[i + n] == db[i] + n:
             n += 1
         for rs, rd in zip(src.runs, dst.runs):
-            ops.append((src_region, rs + sb[i] * src.block_stride, dst_region, rd + db[i] * dst.block_stride,
-                        src.run_bytes * n))
+            ops.append((src_region, rs + src_skip + sb[i] * src.block_stride, dst_region,
+                        rd + dst_skip + db[i] * dst.block_stride, size * n))
         i += n
     return ops

@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
-from .layout import LayerGeometry, LayoutError, describe_layers, write_ops
+from .layout import WHOLE, LayerGeometry, LayoutError, check_part, describe_layers, write_ops
 
 log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines show in `vllm serve`
 
@@ -128,6 +128,8 @@ class _Held:
     pushes: List[_Push] = field(default_factory=list)
     release_when_idle: str = ""  # why, once the pushes in flight are over
     abandoned_peer: str = ""
+    parts: int = 1  # decode ranks that each take a slice of these blocks (another TP size there)
+    acked: Set[str] = field(default_factory=set)  # the decode agents that acknowledged theirs
 
 
 @dataclass
@@ -142,6 +144,7 @@ class _Fetch:
     peer: str = ""
     cancelled: bool = False
     started: float = 0.0
+    part: Tuple[int, ...] = WHOLE
 
 
 def _incarnation(conn) -> str:
@@ -226,14 +229,17 @@ class KVTransfer:
         self._commands.put(("hold", str(req_id), [int(b) for b in block_ids]))
 
     def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str,
-              remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> None:
+              remote_block_ids: Sequence[int], local_block_ids: Sequence[int], part: Sequence[int] = WHOLE) -> None:
         """Decode: ask the prefill agent ``peer_metadata`` to push its request
         ``remote_req_id`` into ``local_block_ids`` (the last ``len(local_block_ids)`` of
         ``remote_block_ids``: blocks this decode already had from its prefix cache are not
-        sent); ``req_id`` then appears in ``poll().recving`` (and ``failed`` on failure)."""
+        sent); ``req_id`` then appears in ``poll().recving`` (and ``failed`` on failure). ``part``
+        (another tensor-parallel size on the prefill): ``(si, sn, di, dn)``, slice ``si`` of ``sn``
+        of the prefill's blocks into slice ``di`` of ``dn`` of these (layout.write_ops)."""
         local = [int(b) for b in local_block_ids]
         remote = [int(b) for b in remote_block_ids]
-        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local))
+        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
+                            check_part(tuple(int(v) for v in part))))
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
@@ -325,8 +331,10 @@ class KVTransfer:
                 self._on_layout(peer, incarnation, f)
             elif kind == "W":
                 self._on_want(peer, incarnation, f, time.monotonic())
-            elif kind in "AC":
-                self._on_release(f["req"], "served" if kind == "A" else "cancelled")
+            elif kind == "A":
+                self._on_ack(peer, f["req"])
+            elif kind == "C":
+                self._on_release(f["req"], "cancelled")
             elif kind in "DF":
                 self._on_answer(peer, f["tag"], kind == "D", str(f.get("why", "")))
         except (KeyError, TypeError, ValueError) as e:
@@ -400,9 +408,11 @@ class KVTransfer:
         if layout is None:
             return self._refuse(peer, f, "no layout was received on this connection")
         try:
-            layer_ops = self._push_ops(held.blocks, [int(b) for b in f["dst"]], layout)
+            part = check_part(f.get("part", WHOLE))
+            layer_ops = self._push_ops(held.blocks, [int(b) for b in f["dst"]], layout, part)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
+        held.parts = max(held.parts, part[1])
         tag = str(f["tag"])
         done = protocol.encode("D", tag=tag)
         handles = []
@@ -428,7 +438,7 @@ class KVTransfer:
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
-    def _push_ops(self, held_blocks: List[int], dst: List[int], layout) -> List[list]:
+    def _push_ops(self, held_blocks: List[int], dst: List[int], layout, part=WHOLE) -> List[list]:
         regions, peer_layers = layout
         if len(dst) > len(held_blocks):
             raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
@@ -440,10 +450,20 @@ class KVTransfer:
                 raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
-            ops = write_ops(g, self._regions[g.region], pg, regions[pg.region], src, dst)
+            ops = write_ops(g, self._regions[g.region], pg, regions[pg.region], src, dst, part)
             if ops:
                 out.append(ops)
         return out
+
+    def _on_ack(self, peer: str, req: str) -> None:
+        """A decode agent took its blocks; with several decode ranks each taking a slice of
+        them, the blocks are released once as many agents as slices acknowledged."""
+        held = self._held.get(req)
+        if held is not None:
+            held.acked.add(peer)
+            if len(held.acked) < held.parts:
+                return
+        self._on_release(req, "served")
 
     def _on_release(self, req: str, why: str) -> None:
         held = self._held.get(req)
@@ -581,9 +601,10 @@ class KVTransfer:
 
     # ---- decode side --------------------------------------------------------------------
 
-    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int]) -> None:
+    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int],
+                   part: Tuple[int, ...] = WHOLE) -> None:
         f = _Fetch(tag, md, remote_req, remote[len(remote) - len(local):] if local else [], local,
-                   time.monotonic() + self.fetch_timeout, started=time.monotonic())
+                   time.monotonic() + self.fetch_timeout, started=time.monotonic(), part=part)
         if len(local) > len(remote):
             return self._fail(f, f"{len(local)} blocks to receive, the prefill holds {len(remote)}")
         if not local:
@@ -599,7 +620,10 @@ class KVTransfer:
                 conn.notify(self._layout_msg)
                 self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
                 self._layout_sent[key] = conn
-            conn.notify(protocol.encode("W", req=remote_req, tag=tag, src=f.src, dst=local))
+            want = dict(req=remote_req, tag=tag, src=f.src, dst=local)
+            if part != WHOLE:
+                want["part"] = list(part)
+            conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
 
