@@ -103,6 +103,24 @@ def test_a_decode_that_restarts_gets_its_kv_again(tmp_path, engines):
     assert "prefill: free blocks 95 of 95" in out_p, out_p
 
 
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 4)])
+def test_another_tensor_parallel_size_on_each_side(tmp_path, engines, prefill_tp, decode_tp):
+    """4 KV heads: each decode rank gets its heads, byte for byte, from the prefill rank(s) that
+    hold them (a slice of one prefill rank's, or all of several ranks'); every prefill rank
+    releases its blocks on the acknowledgements (of every decode rank that took a slice of them),
+    long before the hold timeout."""
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 3, "--wait-for", "dec", "--tp", prefill_tp,
+                "--hold-timeout", 60)
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2", "--tp", decode_tp)
+    out_d, out_p = finish(dec), finish(pre)
+    for i in range(3):
+        assert re.search(rf"loaded d-{i}: \d+ blocks ok", out_d), out_d
+    assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
+    rel = released_after(out_p)
+    assert set(rel) == {"req-0", "req-1", "req-2"} and max(rel.values()) < 60, out_p
+    assert "prefill: free blocks 95 of 95" in out_p, out_p
+
+
 # ---- in this process: the scheduler side's checks, the settings, the stats ---------------------
 
 
