@@ -12,7 +12,9 @@ The scheduler side is scheduler.py; the worker side here drives one
   released (60; never later than ``hold_timeout``),
 - ``connect_timeout``: seconds to reach a prefill's agent (10),
 - ``agent_name``: the prefix of the agents' names (``vllm``; a worker's agent is
-  ``<prefix>-<engine_id>-tp<rank>``).
+  ``<prefix>-<engine_id>-tp<rank>``),
+- ``listen_ports``: ``"P"`` or ``"P-Q"``, the ports the workers' agents listen on (each takes the
+  first free one; default: any free port; ``FLAGCX_MESH_AGENT_PORTS``, where set, wins).
 """
 
 from __future__ import annotations
@@ -39,7 +41,8 @@ log = logging.getLogger("vllm.flagcx_mesh")
 __all__ = ["FlagcxMeshConnector", "FlagcxMeshConnectorMetadata", "FlagcxMeshHandshake"]
 
 # kv_connector_extra_config keys this connector reads (others are warned about: a typo must not pass silently)
-KNOWN_KEYS = ("secret", "hold_timeout", "fetch_timeout", "push_timeout", "connect_timeout", "agent_name")
+KNOWN_KEYS = ("secret", "hold_timeout", "fetch_timeout", "push_timeout", "connect_timeout", "agent_name",
+              "listen_ports")
 
 
 def warn_unknown_keys(extra: dict) -> None:
@@ -131,6 +134,8 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         if self._transfer is not None:
             return
         prefix = str(self._extra.get("agent_name", "vllm"))
+        if self._extra.get("listen_ports") and not os.environ.get("FLAGCX_MESH_AGENT_PORTS"):
+            os.environ["FLAGCX_MESH_AGENT_PORTS"] = str(self._extra["listen_ports"])  # read by the agent
         self._transfer = KVTransfer(
             f"{prefix}-{self.engine_id}-tp{self.tp_rank}", kv_caches, self._kv_cache_config.num_blocks,
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
