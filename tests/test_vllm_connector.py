@@ -101,3 +101,92 @@ def test_a_decode_that_restarts_gets_its_kv_again(tmp_path, engines):
     rel = released_after(out_p)
     assert set(rel) == {"req-0", "req-1"} and max(rel.values()) < 120, out_p
     assert "prefill: free blocks 95 of 95" in out_p, out_p
+
+
+@pytest.mark.parametrize("prefill_tp,decode_tp", [(1, 2), (2, 1), (2, 4)])
+def test_another_tensor_parallel_size_on_each_side(tmp_path, engines, prefill_tp, decode_tp):
+    """4 KV heads: each decode rank gets its heads, byte for byte, from the prefill rank(s) that
+    hold them (a slice of one prefill rank's, or all of several ranks'); every prefill rank
+    releases its blocks on the acknowledgements (of every decode rank that took a slice of them),
+    long before the hold timeout."""
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 3, "--wait-for", "dec", "--tp", prefill_tp,
+                "--hold-timeout", 60)
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2", "--tp", decode_tp)
+    out_d, out_p = finish(dec), finish(pre)
+    for i in range(3):
+        assert re.search(rf"loaded d-{i}: \d+ blocks ok", out_d), out_d
+    assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
+    rel = released_after(out_p)
+    assert set(rel) == {"req-0", "req-1", "req-2"} and max(rel.values()) < 60, out_p
+    assert "prefill: free blocks 95 of 95" in out_p, out_p
+
+
+# ---- in this process: the scheduler side's checks, the settings, the stats ---------------------
+
+
+def scheduler_side(block_size=16, tp=1):
+    from types import SimpleNamespace
+
+    from flagcx_mesh.vllm.connector import FlagcxMeshConnectorMetadata
+    from flagcx_mesh.vllm.scheduler import SchedulerSide
+
+    cfg = SimpleNamespace(cache_config=SimpleNamespace(block_size=block_size),
+                          parallel_config=SimpleNamespace(tensor_parallel_size=tp))
+    return SchedulerSide(cfg, "engine-d", FlagcxMeshConnectorMetadata)
+
+
+def decode_request(req_id, prompt_len, **params):
+    from types import SimpleNamespace
+
+    p = dict(do_remote_prefill=True, remote_agents=["YQ=="], remote_request_id="p-" + req_id,
+             remote_block_ids=[0, 1, 2], **params)
+    return SimpleNamespace(request_id=req_id, prompt_token_ids=list(range(prompt_len)), kv_transfer_params=p)
+
+
+def test_a_prefill_of_another_block_size_is_refused_naming_both_and_computed_here(caplog):
+    side = scheduler_side(block_size=32)
+    same = decode_request("same", 40, block_size=32)
+    other = decode_request("other", 40, block_size=16)
+    with caplog.at_level("ERROR", logger="vllm.flagcx_mesh"):
+        assert side.get_num_new_matched_tokens(same, 0) == (40, True)
+        assert side.get_num_new_matched_tokens(other, 0) == (0, False)
+        assert side.get_num_new_matched_tokens(other, 0) == (0, False)  # asked again: said once
+    said = [r.getMessage() for r in caplog.records if "block_size" in r.getMessage()]
+    assert len(said) == 1 and "block_size 16" in said[0] and "block_size 32" in said[0], said
+    side.update_state_after_alloc(other, None, 0)  # nothing fetched: the prefill is told to release
+    meta = side.build_connector_meta(None)
+    assert not meta.to_fetch and meta.to_release == [(["YQ=="], "p-other")]
+
+
+def test_unknown_extra_config_keys_are_warned_in_one_line_each(caplog):
+    from flagcx_mesh.vllm.connector import KNOWN_KEYS, warn_unknown_keys
+
+    with caplog.at_level("WARNING", logger="vllm.flagcx_mesh"):
+        warn_unknown_keys({"fetch_timout": 5, "hold_timeout": 3})
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "'fetch_timout'" in said[0] and all(k in said[0] for k in KNOWN_KEYS), said
+
+
+def test_connector_stats_add_up_over_workers_and_reach_prometheus_counters():
+    from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+    from flagcx_mesh.vllm.connector import FlagcxMeshConnector
+
+    a = FlagcxMeshConnector.build_kv_connector_stats({"pushes": 2, "bytes_pushed": 4 << 20, "push_seconds": 0.5})
+    b = FlagcxMeshConnector.build_kv_connector_stats({"pushes": 1, "fetches_failed": 1})
+    total = a.aggregate(b)
+    assert total.data == {"pushes": 3, "bytes_pushed": 4 << 20, "push_seconds": 0.5, "fetches_failed": 1}
+    assert total.reduce()["push MB/s"] == 8.0 and not total.is_empty()
+    assert FlagcxMeshConnector.build_kv_connector_stats().is_empty()
+    registry = CollectorRegistry()
+
+    def in_registry(cls):
+        return type(cls.__name__, (cls,), {"__init__": lambda self, *a, **k: cls.__init__(self, *a, registry=registry, **k)})
+
+    types = {Gauge: in_registry(Gauge), Counter: in_registry(Counter), Histogram: in_registry(Histogram)}
+    from types import SimpleNamespace
+    prom = FlagcxMeshConnector.build_prom_metrics(SimpleNamespace(kv_transfer_config=None), types,
+                                                  ["model_name", "engine"], {0: ["m", "0"]})
+    prom.observe(total.data, 0)
+    assert registry.get_sample_value("vllm:flagcx_mesh_pushes_total", {"model_name": "m", "engine": "0"}) == 3
+    assert registry.get_sample_value("vllm:flagcx_mesh_fetches_failed_total", {"model_name": "m", "engine": "0"}) == 1

@@ -25,7 +25,7 @@ from flagcx_mesh.vllm.transfer import KVTransfer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from vllm_kv import block_matches, fill_block, make_kv_caches  # noqa: E402
+from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402
 from forkserver import PIPE, STDOUT, ForkServer  # noqa: E402
 from meshutil import PY, finish_prog, publish  # noqa: E402
 
@@ -128,6 +128,84 @@ def test_mismatched_layouts_and_bad_block_ids_are_refused():
         write_ops(a, b"L", a, b"R", [0, 1], [0])
 
 
+def test_write_ops_of_a_head_slice_for_another_tensor_parallel_size():
+    four = describe_layers(make_kv_caches([0], 8, heads=4)[0], 8)[1][0]
+    two = describe_layers(make_kv_caches([0], 8, heads=2)[0], 8)[1][0]
+    B, half = four.block_bytes, two.block_bytes
+    # decode rank 1 of 2 from a prefill at TP 1: the second half of each prefill block, not merged
+    assert write_ops(four, b"L", two, b"R", [3, 4], [0, 1], (1, 2, 0, 1)) == [
+        (b"L", 3 * B + half, b"R", 0, half), (b"L", 4 * B + half, b"R", half, half)]
+    # prefill rank 1 of 2 into a decode at TP 1: the whole block into the second half
+    assert write_ops(two, b"L", four, b"R", [5], [2], (0, 1, 1, 2)) == [(b"L", 5 * half, b"R", 2 * B + half, half)]
+    with pytest.raises(LayoutError, match="does not fit"):
+        write_ops(four, b"L", two, b"R", [0], [0], (0, 4, 0, 1))  # a quarter of 4 heads is not 2
+    legacy = describe_layers(*make_kv_caches([0], 8, heads=2, layout="legacy"))[1][0]
+    with pytest.raises(LayoutError, match="one run per block"):  # heads are not outermost there
+        write_ops(legacy, b"L", legacy, b"R", [0], [0], (0, 2, 1, 2))
+    with pytest.raises(LayoutError, match="out of range"):
+        write_ops(four, b"L", two, b"R", [0], [0], (2, 2, 0, 1))
+
+
+def fill_heads(kv, seed_of):
+    """Every head of every block: pattern(seed_of(layer, block, head))."""
+    for li, t in enumerate(kv.values()):
+        for b in range(t.shape[0]):
+            for h in range(t.shape[1]):
+                view = t[b, h]
+                view.copy_(pattern(seed_of(li, b, h), view.numel() * view.element_size()).view(t.dtype).reshape(view.shape))
+
+
+def heads_match(kv, block, seed_of_head) -> bool:
+    for li, t in enumerate(kv.values()):
+        for h in range(t.shape[1]):
+            view = t[block, h]
+            if not torch.equal(as_bytes(view), pattern(seed_of_head(li, h), view.numel() * view.element_size())):
+                return False
+    return True
+
+
+def test_two_decode_ranks_take_half_the_heads_each_and_the_prefill_waits_for_both(pair):
+    pre, pkv = pair("p", heads=4, hold_timeout=60)
+    d0, kv0 = pair("d0", heads=2)
+    d1, kv1 = pair("d1", heads=2)
+    fill_heads(pkv, lambda li, b, h: f"{li}/{b}/{h}")
+    pre.hold("r", [5, 6])
+    d0.fetch("t", pre.metadata, "r", [5, 6], [1, 2], (0, 2, 0, 1))
+    assert wait_for(d0, "recving", "t") == {}
+    for dst, src in ((1, 5), (2, 6)):
+        assert heads_match(kv0, dst, lambda li, h: f"{li}/{src}/{h}")
+    time.sleep(0.3)  # the first decode's ack alone does not release the blocks
+    assert "r" not in pre.poll().sending
+    d1.fetch("t", pre.metadata, "r", [5, 6], [3, 4], (1, 2, 0, 1))
+    assert wait_for(d1, "recving", "t") == {}
+    for dst, src in ((3, 5), (4, 6)):
+        assert heads_match(kv1, dst, lambda li, h: f"{li}/{src}/{h + 2}")
+    wait_for(pre, "sending", "r")
+
+
+def test_one_decode_rank_takes_the_heads_of_two_prefill_ranks(pair):
+    p0, pkv0 = pair("p0", heads=2)
+    p1, pkv1 = pair("p1", heads=2)
+    dec, dkv = pair("d", heads=4)
+    fill_heads(pkv0, lambda li, b, h: f"{li}/{b}/{h}")
+    fill_heads(pkv1, lambda li, b, h: f"{li}/{b}/{h + 2}")
+    for p in (p0, p1):
+        p.hold("r", [7])
+    dec.fetch("t0", p0.metadata, "r", [7], [3], (0, 1, 0, 2))
+    dec.fetch("t1", p1.metadata, "r", [7], [3], (0, 1, 1, 2))
+    got, failed, end = set(), {}, time.monotonic() + 20
+    while got != {"t0", "t1"}:  # one poll may report both
+        assert time.monotonic() < end, f"only {got} received"
+        done = dec.poll()
+        got |= done.recving
+        failed.update(done.failed)
+        time.sleep(0.005)
+    assert failed == {}
+    assert heads_match(dkv, 3, lambda li, h: f"{li}/7/{h}")
+    wait_for(p0, "sending", "r")
+    wait_for(p1, "sending", "r")
+
+
 def test_protocol_round_trip_and_refusals():
     kind, f = protocol.decode(protocol.encode("W", req="r", tag="t", dst=[1, 2]))
     assert (kind, f) == ("W", {"req": "r", "tag": "t", "dst": [1, 2]})
@@ -186,8 +264,8 @@ def pair(monkeypatch):
     monkeypatch.setenv("FLAGCX_MESH_AGENT_SECRET", SECRET)
     made = []
 
-    def make(name, **kw):
-        kv, _ = make_kv_caches([0, 1], 16)
+    def make(name, heads=2, **kw):
+        kv, _ = make_kv_caches([0, 1], 16, heads=heads)
         x = KVTransfer(name, kv, 16, **kw)
         made.append(x)
         return x, kv
@@ -384,7 +462,7 @@ def releases_a_request(p: bytes) -> bool:
 def test_fuzzed_notifications_leave_the_threads_alive_and_honest_requests_complete(pair, caplog):
     import random
 
-    caplog.set_level(logging.WARNING, logger="flagcx_mesh.vllm")
+    caplog.set_level(logging.WARNING, logger="vllm.flagcx_mesh")
     rng = random.Random(34)
     t0 = time.monotonic()
     pre, pkv = pair("p")
@@ -470,7 +548,7 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
 
     pre._start_push = stop_the_decode_then_push
     try:
-        with caplog.at_level(logging.WARNING, logger="flagcx_mesh.vllm"):
+        with caplog.at_level(logging.WARNING, logger="vllm.flagcx_mesh"):
             for r, blocks in reqs.items():
                 pre.hold(r, blocks)
             publish(str(tmp_path), "requests.json", json.dumps(reqs).encode())

@@ -3,9 +3,11 @@ FlagcxMeshConnector loaded by vLLM's factory (kv_connector_module_path), one wor
 connector per tensor-parallel rank with KV caches as CPU tensors in vLLM's layout, and a
 stand-in for the model step that writes deterministic KV into every block a prefill computes.
 
-The block contents depend on the prompt's tokens up to the block's end, the rank, the layer and
+Each KV head of a block holds bytes that depend on the prompt's tokens up to the block's end, the
+head (its index in the model: rank r of tp holds heads r * KV_HEADS / tp and up), the layer and
 the block's position in the request (not on block ids, which differ between prefill and
-decode), so a decode can check every byte it received (``check``).
+decode), so a decode can check every byte it received (``check``), whatever the tensor-parallel
+size of each side.
 """
 
 import hashlib
@@ -26,12 +28,12 @@ from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
 
 import flagcx_mesh.vllm.connector as fxm_connector
-from vllm_kv import block_matches, fill_block, make_kv_caches
+from vllm_kv import fill_head, head_matches, make_kv_caches
 
 BLOCK = 16
-HEADS, HEAD_SIZE = 2, 16
+KV_HEADS, HEAD_SIZE = 4, 16  # the model's; each of tp ranks holds KV_HEADS / tp
 TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hidden_size": 64,
-              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": HEADS,
+              "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": KV_HEADS,
               "num_hidden_layers": 2, "vocab_size": 256, "max_position_embeddings": 512,
               "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
 
@@ -48,11 +50,11 @@ def prompt_of(i: int, length: int) -> list:
     return [(i * 31 + k * 7) % 250 + 1 for k in range(length)]
 
 
-def seed(prompt, rank, layer, pos) -> str:
+def seed(prompt, head, layer, pos) -> str:
     """A block's KV depends on the tokens up to its end (as a model's does), so prompts that
     share a prefix share those blocks' contents (and prefix-cache hits hold the right bytes)."""
     key = hashlib.blake2b(bytes(prompt[:(pos + 1) * BLOCK]), digest_size=8).hexdigest()
-    return f"{key}/{rank}/{layer}/{pos}"
+    return f"{key}/{head}/{layer}/{pos}"
 
 
 class Engine:
@@ -75,8 +77,9 @@ class Engine:
                                  device_config=DeviceConfig("cpu"))
         self.config.parallel_config.tensor_parallel_size = tp
         self.tp = tp
+        self.heads = KV_HEADS // tp  # per rank
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
-        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=HEADS, head_size=HEAD_SIZE, dtype=torch.float16)
+        spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD_SIZE, dtype=torch.float16)
         self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
                                              kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)])
         self.sched = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
@@ -89,7 +92,7 @@ class Engine:
         for rank in range(tp):
             fxm_connector.tp_rank_of_this_worker = lambda cfg, r=rank: r
             w = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
-            kv, _ = make_kv_caches(self.layer_names, num_blocks, HEADS, BLOCK, HEAD_SIZE)
+            kv, _ = make_kv_caches(self.layer_names, num_blocks, self.heads, BLOCK, HEAD_SIZE)
             w.register_kv_caches(kv)
             self.workers.append(w)
             self.caches.append(kv)
@@ -133,7 +136,8 @@ class Engine:
         for pos in range(start // BLOCK, (end + BLOCK - 1) // BLOCK):
             for rank, kv in enumerate(self.caches):
                 for li, t in enumerate(kv.values()):
-                    fill_block(t, ids[pos], 0, seed(prompt, rank, li, pos))
+                    for h in range(self.heads):
+                        fill_head(t, ids[pos], h, seed(prompt, rank * self.heads + h, li, pos))
 
     def check(self, req_id):
         """(blocks checked, [(rank, layer, position)] that differ) for a received request."""
@@ -143,7 +147,8 @@ class Engine:
             for rank, kv in enumerate(self.caches):
                 for li, t in enumerate(kv.values()):
                     n += 1
-                    if not block_matches(t, ids[pos], 0, seed(prompt, rank, li, pos)):
+                    if not all(head_matches(t, ids[pos], h, seed(prompt, rank * self.heads + h, li, pos))
+                               for h in range(self.heads)):
                         bad.append((rank, li, pos))
         return n, bad
 

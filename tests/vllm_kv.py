@@ -56,3 +56,14 @@ def fill_block(t, block, block_dim, seed: str) -> None:
 def block_matches(t, block, block_dim, seed: str) -> bool:
     view = block_of(t, block, block_dim)
     return torch.equal(as_bytes(view), pattern(seed, view.numel() * view.element_size(), t.device))
+
+
+def fill_head(t, block, head, seed: str) -> None:
+    """pattern(seed) into one KV head of one block (vLLM 0.33's layout: heads on dim 1)."""
+    view = t[block, head]
+    view.copy_(pattern(seed, view.numel() * view.element_size(), t.device).view(t.dtype).reshape(view.shape))
+
+
+def head_matches(t, block, head, seed: str) -> bool:
+    view = t[block, head]
+    return torch.equal(as_bytes(view), pattern(seed, view.numel() * view.element_size(), t.device))

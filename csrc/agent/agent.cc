@@ -6,6 +6,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <cerrno>
 #include <cstring>
 #include <thread>
 
@@ -65,17 +66,30 @@ Agent::Agent(const AgentOptions& o)
   tcp_lanes_ = tcp_lanes_env(2 * kPlannedConnections);
   tcp_lane_spin_us_env();  // a bad value fails here, not in a connection's engine
   crypto::random_bytes(incarnation_.data(), incarnation_.size());
-  int err = 0;
-  tcp::SockAddr bind = tcp::local_address();
-  bind.set_port(0);
-  listen_fd_ = tcp::listen_on(bind, &listen_addr_, &err);
-  if (!listen_fd_) fail(Code::kSystem, -1, err, who() + "listening on " + bind.str());
+  listen_in_port_range();
   wake_fd_ = ::eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the listener");
   inbox_ = std::make_unique<NotificationInbox>(this);
   closer_ = std::make_unique<Closer>();
   listener_ = std::thread([this] { listen_loop(); });
   FXM_INFO(-1, who() + "incarnation " + incarnation_hex(incarnation_) + " listens on " + listen_addr_.str());
+}
+
+// The listener on the first free port of FLAGCX_MESH_AGENT_PORTS (any free port without it).
+void Agent::listen_in_port_range() {
+  PortRange ports = agent_ports_env();
+  tcp::SockAddr bind = tcp::local_address();
+  int err = 0;
+  for (int port = ports.first; port <= ports.last; ++port) {
+    bind.set_port(static_cast<uint16_t>(port));
+    listen_fd_ = tcp::listen_on(bind, &listen_addr_, &err);
+    if (listen_fd_) return;
+    if (err != EADDRINUSE) break;
+  }
+  std::string where = ports.first == 0 ? bind.str()
+                                       : bind.str() + " (every port of FLAGCX_MESH_AGENT_PORTS=" +
+                                             std::to_string(ports.first) + "-" + std::to_string(ports.last) + ")";
+  fail(Code::kSystem, -1, err, who() + "listening on " + where);
 }
 
 Agent::~Agent() { close(); }

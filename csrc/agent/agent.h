@@ -239,6 +239,7 @@ class Agent {
   friend class Listener;
   friend class NotificationInbox;
   struct Pending;
+  void listen_in_port_range();
   void listen_loop();
   std::shared_ptr<Window> window_for(const RegionDesc& d, const char* op, bool* entered) const;
   void describe_device(const std::shared_ptr<Window>& w, WindowDesc* d);

@@ -115,6 +115,23 @@ size_t agent_max_views_env() {
   return n > 0 ? static_cast<size_t>(n) : 4096;
 }
 
+PortRange agent_ports_env() {
+  const char* s = std::getenv("FLAGCX_MESH_AGENT_PORTS");
+  if (!s || !*s) return {};
+  char* end = nullptr;
+  long first = std::strtol(s, &end, 10), last = first;
+  if (end != s && *end == '-') {
+    const char* rest = end + 1;
+    last = std::strtol(rest, &end, 10);
+    if (end == rest) end = const_cast<char*>(rest) - 1;  // "P-": malformed
+  }
+  if (end == s || *end != '\0' || first < 1 || last > 65535 || first > last) {
+    fail(Code::kInvalidArgument, -1, 0, std::string("FLAGCX_MESH_AGENT_PORTS=") + s +
+                                            ": not a port or a range of ports P-Q (1 to 65535, P <= Q)");
+  }
+  return {static_cast<int>(first), static_cast<int>(last)};
+}
+
 std::string cuda_path_env() {
   const char* s = std::getenv("FLAGCX_MESH_CUDA_PATH");
   return s ? s : "";

@@ -15,6 +15,7 @@
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
 //   FLAGCX_MESH_CUDA_BATCH_COPY  auto | off: whether an agent's batch of device
 //                        copies is issued with cuMemcpyBatchAsync (cuda_batch_copy_env())
+//   FLAGCX_MESH_AGENT_PORTS  P or P-Q: the ports an agent listens on (agent_ports_env())
 //   FLAGCX_MESH_AGENT_COOKIE_TABLE  auto | off: whether an agent keeps its regions'
 //                        cookies in a table its peers map (agent_cookie_table_env())
 //   FLAGCX_MESH_STAGED_CHUNK_BYTES, FLAGCX_MESH_STAGED_INFLIGHT_BYTES  how the
@@ -84,6 +85,13 @@ int tcp_lane_spin_us_env();
 // FLAGCX_MESH_AGENT_MAX_VIEWS as it is now: the paths one agent connection keeps for the peer's
 // descriptors (agent/connection.h); a whole number > 0, else (unset, empty, malformed) 4096.
 size_t agent_max_views_env();
+// FLAGCX_MESH_AGENT_PORTS as it is now: the ports an agent's listener may take, "P" or "P-Q"
+// (1..65535, P <= Q); unset or empty: {0, 0} (any free port). Throws InvalidArgument naming the
+// variable on another value.
+struct PortRange {
+  int first = 0, last = 0;
+};
+PortRange agent_ports_env();
 // FLAGCX_MESH_CUDA_PATH as it is now ("" when unset): forces the path to device windows.
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_BATCH_COPY as it is now ("" when unset; transport/cuda/copy_batch.h checks it).

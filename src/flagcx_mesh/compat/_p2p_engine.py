@@ -12,6 +12,7 @@ See docs/compat.md, "The P2P engine form".
 from __future__ import annotations
 
 import atexit
+import logging
 import os
 import socket
 import threading
@@ -26,6 +27,8 @@ from . import _p2p_table as table
 from ._checks import _is_int
 from ._errors import Result, _raise, _translate
 from ._p2p_memory import resolve
+
+log = logging.getLogger("flagcx_mesh.compat.p2p")
 
 _U64 = 1 << 64
 _POLL_S = 0.2  # the dispatcher's wait per round (a destroy waits at most this for it)
@@ -48,6 +51,39 @@ def default_name() -> str:
     return f"flagcx-p2p-{socket.gethostname()[:64]}-{os.getpid()}-{os.urandom(3).hex()}"
 
 
+def interface_from_env(environ=os.environ) -> Optional[str]:
+    """What ``FLAGCX_MESH_IFNAME`` should say for an engine whose address FlagCX's code advertises,
+    when it is unset: ``VLLM_HOST_IP`` (the address vLLM's ``get_ip()`` advertises), else FlagCX's
+    ``FLAGCX_SOCKET_IFNAME`` (its first interface name or prefix; ``=`` exact matches taken as names;
+    a ``^`` exclusion list is not mapped). None: keep the mesh's own choice."""
+    if environ.get("FLAGCX_MESH_IFNAME"):
+        return None
+    ip = environ.get("VLLM_HOST_IP", "").strip()
+    if ip:
+        return ip
+    ifname = environ.get("FLAGCX_SOCKET_IFNAME", "").strip()
+    if ifname and not ifname.startswith("^"):
+        return ifname.lstrip("=").split(",")[0] or None
+    return None
+
+
+def listen_where_advertised() -> None:
+    """Sets ``FLAGCX_MESH_IFNAME`` from ``interface_from_env`` (read by the core at its first use
+    in the process: an engine made first listens there)."""
+    want = interface_from_env()
+    if want:
+        os.environ["FLAGCX_MESH_IFNAME"] = want
+
+
+def check_secret(secret) -> None:
+    """One line that names the variable and says why, where no secret is given."""
+    if not secret and not os.environ.get("FLAGCX_MESH_AGENT_SECRET"):
+        _raise(None, Result.InvalidArgument,
+               "p2p engine_create: no secret: set FLAGCX_MESH_AGENT_SECRET to the same value in every process "
+               "(FlagCX's engines need none, but a flagcx_mesh engine lets a peer write into its registered "
+               "memory only once the peer proved that secret)")
+
+
 class _Reply:
     """What one table request waits for: the peer it was sent to, then its answer."""
 
@@ -66,10 +102,13 @@ class P2pEngine:
 
     def __init__(self, name: Optional[str] = None, secret=None, timeout: Optional[float] = None):
         what = "engine_create"
+        check_secret(secret)
+        listen_where_advertised()
         try:
             self._agent = Agent(name or default_name(), secret, timeout=timeout or 0.0)
         except Exception as e:  # noqa: BLE001
             _translate(None, e, f"p2p {what}")
+        self._warn_if_not_where_advertised()
         self.name: str = self._agent.name
         self._timeout = timeout
         self._lock = threading.Lock()          # tables, sessions, replies
@@ -95,6 +134,13 @@ class P2pEngine:
     def host(self) -> str:
         """The address the engine listens on (the host part of a session for it)."""
         return self._agent.address.rsplit(":", 1)[0]
+
+    def _warn_if_not_where_advertised(self) -> None:
+        ip = os.environ.get("VLLM_HOST_IP", "").strip()
+        if ip and self.host != ip:
+            log.warning("p2p engine %s listens on %s, but VLLM_HOST_IP=%s is the address vLLM advertises for it "
+                        "(FLAGCX_MESH_IFNAME=%s was read before this engine): peers will not reach it there",
+                        self.name, self.host, ip, os.environ.get("FLAGCX_MESH_IFNAME", ""))
 
     def get_rpc_port(self) -> int:
         """``flagcxP2pRpcGetPort``: the port peers name in "host:port" (the agent's listener)."""

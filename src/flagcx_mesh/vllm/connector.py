@@ -12,7 +12,9 @@ The scheduler side is scheduler.py; the worker side here drives one
   released (60; never later than ``hold_timeout``),
 - ``connect_timeout``: seconds to reach a prefill's agent (10),
 - ``agent_name``: the prefix of the agents' names (``vllm``; a worker's agent is
-  ``<prefix>-<engine_id>-tp<rank>``).
+  ``<prefix>-<engine_id>-tp<rank>``),
+- ``listen_ports``: ``"P"`` or ``"P-Q"``, the ports the workers' agents listen on (each takes the
+  first free one; default: any free port; ``FLAGCX_MESH_AGENT_PORTS``, where set, wins).
 """
 
 from __future__ import annotations
@@ -31,11 +33,22 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 from . import protocol
 from .scheduler import SchedulerSide
+from .stats import FlagcxMeshKVConnectorStats, FlagcxMeshPromMetrics, counter_changes
 from .transfer import KVTransfer
 
-log = logging.getLogger("flagcx_mesh.vllm")
+log = logging.getLogger("vllm.flagcx_mesh")
 
 __all__ = ["FlagcxMeshConnector", "FlagcxMeshConnectorMetadata", "FlagcxMeshHandshake"]
+
+# kv_connector_extra_config keys this connector reads (others are warned about: a typo must not pass silently)
+KNOWN_KEYS = ("secret", "hold_timeout", "fetch_timeout", "push_timeout", "connect_timeout", "agent_name",
+              "listen_ports")
+
+
+def warn_unknown_keys(extra: dict) -> None:
+    for key in sorted(set(extra) - set(KNOWN_KEYS)):
+        log.warning("FlagcxMeshConnector: kv_connector_extra_config key %r is not known (ignored); "
+                    "known keys: %s", key, ", ".join(KNOWN_KEYS))
 
 
 class FlagcxMeshConnectorMetadata(KVConnectorMetadata):
@@ -56,6 +69,23 @@ class FlagcxMeshHandshake(KVConnectorHandshakeMetadata):
     agent_metadata: bytes
     tp_rank: int
     tp_size: int
+
+
+def prefill_sources(rank: int, tp: int, prefill_tp: int):
+    """[(prefill rank, part)] a decode rank ``rank`` of ``tp`` takes its heads from, as
+    NixlConnector maps them: with more decode ranks, slice ``rank % r`` of ``r`` of one prefill
+    rank's heads (r = tp / prefill_tp); with more prefill ranks, all of each of ``r`` prefill
+    ranks' heads into slice j of ``r`` of its own (r = prefill_tp / tp). ValueError where one
+    size does not divide the other (the heads' division is checked per layer at the push)."""
+    if prefill_tp == tp:
+        return [(rank, (0, 1, 0, 1))]
+    if prefill_tp > 0 and tp % prefill_tp == 0:
+        r = tp // prefill_tp
+        return [(rank // r, (rank % r, r, 0, 1))]
+    if tp > 0 and prefill_tp % tp == 0:
+        r = prefill_tp // tp
+        return [(rank * r + j, (0, 1, j, r)) for j in range(r)]
+    raise ValueError(f"tensor parallelism {prefill_tp} on the prefill and {tp} here: neither divides the other")
 
 
 def tp_rank_of_this_worker(vllm_config) -> int:
@@ -81,7 +111,11 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         self._transfer: Optional[KVTransfer] = None
         self._load_errors: set = set()
         self._unfetchable: dict = {}  # request id -> local block ids it can never receive
+        self._stats_reported: dict = {}  # the transfer's counters at the last get_kv_connector_stats
+        self._parts: dict = {}  # request id -> the tags of its fetches still out (from several prefill ranks)
+        self._part_of: dict = {}  # such a fetch's tag -> its request id
         if role == KVConnectorRole.SCHEDULER:
+            warn_unknown_keys(self._extra)
             self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata)
         else:
             self.tp_size = vllm_config.parallel_config.tensor_parallel_size
@@ -100,6 +134,8 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         if self._transfer is not None:
             return
         prefix = str(self._extra.get("agent_name", "vllm"))
+        if self._extra.get("listen_ports") and not os.environ.get("FLAGCX_MESH_AGENT_PORTS"):
+            os.environ["FLAGCX_MESH_AGENT_PORTS"] = str(self._extra["listen_ports"])  # read by the agent
         self._transfer = KVTransfer(
             f"{prefix}-{self.engine_id}-tp{self.tp_rank}", kv_caches, self._kv_cache_config.num_blocks,
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
@@ -119,18 +155,48 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         for req_id, blocks in meta.to_hold.items():
             t.hold(req_id, blocks)
         for req_id, f in meta.to_fetch.items():
-            agents = f["agents"]
-            if len(agents) != self.tp_size:
-                log.error("FlagcxMeshConnector: %s was prefilled with tensor parallelism %d, this engine "
-                          "runs %d; only equal sizes are supported", req_id, len(agents), self.tp_size)
-                self._unfetchable[req_id] = list(f["local"])
-                continue
-            t.fetch(req_id, protocol.unb64(agents[self.tp_rank]), f["remote_req"], f["remote_blocks"], f["local"])
+            self._fetch(t, req_id, f)
         for req_id in meta.to_cancel:
-            t.cancel(req_id)
+            for tag in self._parts.get(req_id, (req_id,)):
+                t.cancel(tag)
         for agents, remote_req in meta.to_release:
-            if len(agents) == self.tp_size:
-                t.release(protocol.unb64(agents[self.tp_rank]), remote_req)
+            try:
+                sources = prefill_sources(self.tp_rank, self.tp_size, len(agents))
+            except ValueError:
+                continue
+            for rank, _ in sources:
+                t.release(protocol.unb64(agents[rank]), remote_req)
+
+    def _fetch(self, t: KVTransfer, req_id: str, f: dict) -> None:
+        """One fetch per prefill rank this rank takes heads from (several: tagged req#part<j>)."""
+        agents = f["agents"]
+        try:
+            sources = prefill_sources(self.tp_rank, self.tp_size, len(agents))
+        except ValueError as e:
+            log.error("FlagcxMeshConnector: %s: %s; its blocks are load errors", req_id, e)
+            self._unfetchable[req_id] = list(f["local"])
+            return
+        tags = [req_id] if len(sources) == 1 else [f"{req_id}#part{j}" for j in range(len(sources))]
+        if len(sources) > 1:
+            self._parts[req_id] = set(tags)
+            self._part_of.update((tag, req_id) for tag in tags)
+        for tag, (rank, part) in zip(tags, sources):
+            t.fetch(tag, protocol.unb64(agents[rank]), f["remote_req"], f["remote_blocks"], f["local"], part)
+
+    def _whole_requests(self, tags) -> set:
+        """The requests whose every fetch (each part) has now been reported."""
+        out = set()
+        for tag in tags:
+            req_id = self._part_of.pop(tag, None)
+            if req_id is None:
+                out.add(tag)
+                continue
+            left = self._parts[req_id]
+            left.discard(tag)
+            if not left:
+                del self._parts[req_id]
+                out.add(req_id)
+        return out
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # loads complete between steps (the request waits in WAITING_FOR_REMOTE_KVS)
@@ -145,7 +211,7 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         if self._transfer is None:
             return None, None
         done = self._transfer.poll()
-        recving = set(done.recving)
+        recving = self._whole_requests(done.recving)
         for req_id, blocks in done.failed.items():
             self._load_errors.update(blocks)
         for req_id, blocks in self._unfetchable.items():
@@ -153,6 +219,23 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
             recving.add(req_id)
         self._unfetchable.clear()
         return (done.sending or None), (recving or None)
+
+    def get_kv_connector_stats(self) -> Optional[FlagcxMeshKVConnectorStats]:
+        """The worker's counters' increase since its last call (vLLM sums the workers')."""
+        if self._transfer is None:
+            return None
+        now = self._transfer.stats()
+        changes = counter_changes(now, self._stats_reported)
+        self._stats_reported = now
+        return FlagcxMeshKVConnectorStats(data=changes) if changes else None
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: Optional[dict] = None) -> FlagcxMeshKVConnectorStats:
+        return FlagcxMeshKVConnectorStats(data=dict(data or {}))
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config, metric_types, labelnames, per_engine_labelvalues):
+        return FlagcxMeshPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def get_block_ids_with_load_errors(self) -> set:
         errors, self._load_errors = self._load_errors, set()

@@ -131,51 +131,86 @@ def describe_layers(kv_caches: Dict[str, object], num_blocks: int, block_dim: in
     return storages, layers
 
 
+WHOLE = (0, 1, 0, 1)  # a part: (source slice, source slices, destination slice, destination slices)
+
+
+def check_part(part: Sequence[int]) -> Tuple[int, int, int, int]:
+    """A part as the want names it: 4 integers, each slice index below its count."""
+    if len(part) != 4 or not all(type(v) is int for v in part):
+        raise LayoutError(f"a part is 4 integers (slice, slices, slice, slices), not {list(part)[:8]}")
+    si, sn, di, dn = part
+    if not (0 <= si < sn and 0 <= di < dn):
+        raise LayoutError(f"part {list(part)}: a slice index out of range")
+    return si, sn, di, dn
+
+
+def check_sliced_match(src: LayerGeometry, dst: LayerGeometry, sn: int, dn: int) -> None:
+    """Heterogeneous tensor parallelism: 1/sn of each source block's heads go to 1/dn of each
+    destination block's. Needs one run per block with the heads outermost in it (vLLM 0.33's
+    ``[num_blocks, num_kv_heads, block_size, 2 * head_size]``, also cross-layer), heads that
+    divide evenly, and the rest of the block the same on both sides."""
+    for g in (src, dst):
+        if len(g.runs) != 1 or len(g.block_shape) < 3 or g.block_shape[0] != 1:
+            raise LayoutError(f"layer {g.name}: block shape {g.block_shape} in {len(g.runs)} runs: "
+                              "another tensor-parallel size needs one run per block, heads outermost")
+    sh, dh = src.block_shape[1], dst.block_shape[1]
+    if sh % sn or dh % dn or sh // sn != dh // dn or src.block_shape[2:] != dst.block_shape[2:] \
+            or src.element_size != dst.element_size:
+        raise LayoutError(f"layer {src.name}: 1/{sn} of blocks {src.block_shape} here does not fit 1/{dn} of "
+                          f"blocks {dst.block_shape} at the peer (element sizes {src.element_size}, {dst.element_size})")
+
+
 def write_rows(src: LayerGeometry, src_index: int, dst: LayerGeometry, dst_index: int,
-               src_blocks: Sequence[int], dst_blocks: Sequence[int]):
+               src_blocks: Sequence[int], dst_blocks: Sequence[int], part: Sequence[int] = WHOLE):
     """The rows of an agent op table (``AgentConnection.write_blocks``: an (n, 5) int64 torch
     tensor of (local_index, local_offset, remote_index, remote_offset, size)) that copy the
     source blocks of one layer onto the destination blocks, pairwise, from region ``src_index``
     to region ``dst_index``; runs of consecutive block ids on both sides merge into one row where
-    blocks are dense on both sides."""
-    return request_rows([(src, src_index, dst, dst_index)], src_blocks, dst_blocks)
+    blocks are dense on both sides. ``part`` (another tensor-parallel size on each side): slice
+    ``si`` of ``sn`` of each source block goes to slice ``di`` of ``dn`` of its destination block."""
+    return request_rows([(src, src_index, dst, dst_index)], src_blocks, dst_blocks, part)
 
 
 def request_rows(layers: Sequence[Tuple[LayerGeometry, int, LayerGeometry, int]], src_blocks: Sequence[int],
-                 dst_blocks: Sequence[int]):
+                 dst_blocks: Sequence[int], part: Sequence[int] = WHOLE):
     """``write_rows`` of every (source layer, its region index, destination layer, its region
     index) of a request, layer after layer, as one tensor. Layers of one shape (the usual case:
     every layer of a model alike) are computed together with tensor operations: a request's
     table costs a few dozen of them, not a Python object per block or a pass per layer."""
     import torch
 
+    part = check_part(part)
     if len(src_blocks) != len(dst_blocks):
         name = layers[0][0].name if layers else "?"
         raise LayoutError(f"layer {name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
     groups: Dict[tuple, List[int]] = {}
     for i, (src, _, dst, _) in enumerate(layers):
-        src.check_matches(dst)
-        groups.setdefault(_shape_key(src, dst), []).append(i)
+        if part[1:4:2] == (1, 1):
+            src.check_matches(dst)
+        else:
+            check_sliced_match(src, dst, part[1], part[3])
+        groups.setdefault(_shape_key(src, dst, part), []).append(i)
     out = [None] * len(layers)
     for members in groups.values():
-        rows = _group_rows([layers[i] for i in members], src_blocks, dst_blocks)
+        rows = _group_rows([layers[i] for i in members], src_blocks, dst_blocks, part)
         for j, i in enumerate(members):
             out[i] = rows[j]
     return torch.cat([r.reshape(-1, 5) for r in out]) if out else torch.empty((0, 5), dtype=torch.int64)
 
 
-def _shape_key(src: LayerGeometry, dst: LayerGeometry) -> tuple:
-    dense = len(src.runs) == 1 and len(dst.runs) == 1 and \
+def _shape_key(src: LayerGeometry, dst: LayerGeometry, part) -> tuple:
+    dense = len(src.runs) == 1 and len(dst.runs) == 1 and part[1:4:2] == (1, 1) and \
         src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
-    return (dense, src.run_bytes, len(src.runs), src.num_blocks, dst.num_blocks)
+    return (dense, src.run_bytes, dst.run_bytes, len(src.runs), src.num_blocks, dst.num_blocks)
 
 
-def _group_rows(layers, src_blocks, dst_blocks):
+def _group_rows(layers, src_blocks, dst_blocks, part):
     """(layers, rows per layer, 5): the rows of layers of one shape (_shape_key)."""
     import torch
 
+    si, sn, di, dn = part
     src0, _, dst0, _ = layers[0]
-    dense = _shape_key(src0, dst0)[0]
+    dense = _shape_key(src0, dst0, part)[0]
     sb = block_id_tensor(src_blocks, src0.num_blocks, f"layer {src0.name} (source)")
     db = block_id_tensor(dst_blocks, dst0.num_blocks, f"layer {dst0.name} (destination)")
     n = len(sb)
@@ -189,16 +224,18 @@ def _group_rows(layers, src_blocks, dst_blocks):
     def per_layer(values):  # (layers, 1, 1)
         return torch.tensor(values, dtype=torch.int64).reshape(-1, 1, 1)
 
-    src_runs = torch.tensor([s.runs for s, _, _, _ in layers], dtype=torch.int64)[:, None, :]  # (L, 1, k)
-    dst_runs = torch.tensor([d.runs for _, _, d, _ in layers], dtype=torch.int64)[:, None, :]
+    size = src0.run_bytes // sn  # the slice of each run that moves, at slice si / di of it
+    src_runs = torch.tensor([s.runs for s, _, _, _ in layers], dtype=torch.int64)[:, None, :] + si * size  # (L, 1, k)
+    dst_runs = torch.tensor([d.runs for _, _, d, _ in layers], dtype=torch.int64)[:, None, :] + \
+        di * (dst0.run_bytes // dn)
     src_at = sb[starts][None, :, None] * per_layer([s.block_stride for s, _, _, _ in layers]) + src_runs
     dst_at = db[starts][None, :, None] * per_layer([d.block_stride for _, _, d, _ in layers]) + dst_runs
     rows = torch.empty(src_at.shape + (5,), dtype=torch.int64)  # (L, runs, k, 5)
-    rows[..., 0] = per_layer([si for _, si, _, _ in layers])
+    rows[..., 0] = per_layer([si_ for _, si_, _, _ in layers])
     rows[..., 1] = src_at
-    rows[..., 2] = per_layer([di for _, _, _, di in layers])
+    rows[..., 2] = per_layer([di_ for _, _, _, di_ in layers])
     rows[..., 3] = dst_at
-    rows[..., 4] = (lengths * src0.run_bytes)[None, :, None]
+    rows[..., 4] = (lengths * size)[None, :, None]
     return rows.reshape(len(layers), -1, 5)
 
 
@@ -214,8 +251,8 @@ def block_id_tensor(ids: Sequence[int], num_blocks: int, what: str):
 
 
 def write_ops(src: LayerGeometry, src_region, dst: LayerGeometry, dst_region,
-              src_blocks: Sequence[int], dst_blocks: Sequence[int]) -> list:
+              src_blocks: Sequence[int], dst_blocks: Sequence[int], part: Sequence[int] = WHOLE) -> list:
     """``write_rows`` as agent batch ops ``(local, local_off, remote, remote_off, size)``."""
     regions = (src_region, dst_region)
     return [(regions[0], lo, regions[1], ro, n)
-            for _, lo, _, ro, n in write_rows(src, 0, dst, 0, src_blocks, dst_blocks).tolist()]
+            for _, lo, _, ro, n in write_rows(src, 0, dst, 0, src_blocks, dst_blocks, part).tolist()]

@@ -5,7 +5,9 @@ Every message is ``MAGIC + kind (1 byte) + JSON``. Decode -> prefill:
 - ``L`` layout: the decode's KV regions (descriptors) and each layer's block geometry; sent
   once per connection, before the first request on it.
 - ``W`` want: "push the blocks of your request ``req`` into my blocks ``dst``" (``src``: the
-  prefill's block ids the decode was told, ``tag``: the decode's own request id).
+  prefill's block ids the decode was told, ``tag``: the decode's own request id; ``part``, where
+  the two sides run another tensor-parallel size: ``[si, sn, di, dn]``, slice ``si`` of ``sn``
+  of each of your blocks' heads into slice ``di`` of ``dn`` of mine).
 - ``A`` ack: the decode saw ``req``'s blocks land; the prefill may free them.
 - ``C`` cancel: the decode will not take ``req`` (aborted); the prefill may free it.
 
@@ -44,7 +46,7 @@ FIELDS = {
     "D": {"tag": "str"},
     "F": {"tag": "str"},
 }
-OPTIONAL = {"W": {"src": "ints"}, "F": {"why": "text"}}
+OPTIONAL = {"W": {"src": "ints", "part": "ints"}, "F": {"why": "text"}}
 WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists"}
 
 

