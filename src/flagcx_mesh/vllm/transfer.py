@@ -431,7 +431,7 @@ class KVTransfer:
                                          failed=True))
             return
         self._count("pushes")
-        self._count("bytes_pushed", sum(op[4] for ops in layer_ops for op in ops))
+        self._count("bytes_pushed", int(table[:, 4].sum()) if len(table) else 0)
         held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
 
     def _push_deadline(self, held: _Held) -> float:
