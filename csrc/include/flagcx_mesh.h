@@ -112,7 +112,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_init_from_env(flagcx_mesh_
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_destroy(flagcx_mesh_comm_t comm);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_rank(flagcx_mesh_comm_t comm, int *rank);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_nranks(flagcx_mesh_comm_t comm, int *nranks);
-/* Collective barrier over the rendezvous root; timeout_s <= 0: the comm's timeout. */
+/* Collective barrier over the rendezvous root; timeout_s 0: the comm's timeout. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_barrier(flagcx_mesh_comm_t comm, double timeout_s);
 
 /* ------------------------------------------------------------------ windows */
@@ -159,6 +159,11 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_describe(flagcx_mesh_com
 
 /* --------------------------------------------------------------- operations */
 
+/* Every timeout_s of a call below (and of the barrier and the agent calls): 0 is the comm's
+ * (the agent's) timeout, a number > 0 is seconds, INFINITY no limit; a negative number or NaN
+ * fails with FLAGCX_MESH_INVALID_ARGUMENT naming the call's timeout (docs/python-api.md,
+ * "Timeouts": the one rule of the library). */
+
 /* Non-blocking, FIFO per peer, thread-safe. Offsets and sizes are in bytes and
  * are checked against both windows before anything is written. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_put(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
@@ -182,7 +187,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_signal(flagcx_mesh_comm_t 
                                                              uint64_t sig_slot, uint64_t *value);
 /* Waits until this rank's slot reached expected: (int64)(value - expected) >= 0,
  * the stream wait's rule (docs/gpu.md). FLAGCX_MESH_TIMEOUT after
- * timeout_s (<= 0: no limit), FLAGCX_MESH_PEER_LOST when the last signaller went away. */
+ * timeout_s, FLAGCX_MESH_PEER_LOST when the last signaller went away. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t expected,
                                                              double timeout_s);
@@ -206,7 +211,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get_on_stream(flagcx_mesh_comm_
                                                                uint64_t size, void *stream);
 /* Queues on stream a wait until this rank's slot is >= expected and returns
  * at once; where the driver has no stream memory operations it waits on the
- * host instead (up to timeout_s, <= 0: no limit). */
+ * host instead (up to timeout_s). */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal_on_stream(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                                        uint64_t sig_slot, uint64_t expected,
                                                                        void *stream, double timeout_s);

@@ -18,6 +18,19 @@
 namespace fxm_py {
 namespace {
 
+// A timeout argument as the core takes it (flagcx_mesh/_timeouts.py's call_timeout, for the
+// one core type Python hands out unwrapped): None is 0.0 (the agent's timeout); anything but
+// a real number is refused naming `what`; the core checks the value.
+double call_timeout(const py::object& timeout, const char* what) {
+  if (timeout.is_none()) return 0.0;
+  if (!PyBool_Check(timeout.ptr()) && (PyFloat_Check(timeout.ptr()) || PyLong_Check(timeout.ptr()) ||
+                                       PyObject_HasAttrString(timeout.ptr(), "__float__"))) {
+    return timeout.cast<double>();
+  }
+  fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+            std::string(what) + " must be a number of seconds or None, got " + py::repr(timeout).cast<std::string>());
+}
+
 using fxm::agent::Agent;
 using fxm::agent::Connection;
 using fxm::agent::Handle;
@@ -326,9 +339,11 @@ void bind_connection(py::module_& m) {
                      "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
                      "MeshTimeout); call names the call.")
       .def("done", [](const PyHandle& p) { return p.h.done(); }, py::call_guard<py::gil_scoped_release>())
-      .def("wait", [](const PyHandle& p, std::optional<double> timeout) { p.h.wait(timeout.value_or(0.0)); },
-           py::arg("timeout") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+      .def("wait", [](const PyHandle& p, const py::object& timeout) {
+        double seconds = call_timeout(timeout, "wait: timeout");
+        py::gil_scoped_release release;
+        p.h.wait(seconds);
+      }, py::arg("timeout") = py::none())
       .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); })
       .def("__repr__", [](const PyHandle& p) {
         py::gil_scoped_release release;

@@ -19,6 +19,7 @@ from typing import Iterable, Optional, Sequence, Union
 from . import _core
 from . import cuda as _cuda
 from .errors import InvalidArgument
+from ._timeouts import call_timeout
 from .mesh import _byte_view
 
 __all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "NotificationWait", "region_info"]
@@ -88,7 +89,7 @@ class _Completion:
         return self._core.done()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._core.wait(timeout)
+        self._core.wait(call_timeout(timeout, "wait: timeout"))
 
 
 # The completion of one write/read call, as the core returns it (no wrapper: a blocking
@@ -189,13 +190,13 @@ class AgentConnection:
         landed (and the notification was sent); raises what ``wait`` would. ``timeout``
         0 or None: the agent's."""
         self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
-                                     _stream(stream), timeout)
+                                     _stream(stream), call_timeout(timeout, "write_sync: timeout"))
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = None) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
         self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
-                                     _stream(stream), timeout)
+                                     _stream(stream), call_timeout(timeout, "read_sync: timeout"))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
@@ -237,7 +238,8 @@ class Agent:
                  header_timeout: float = 5.0, allow: Optional[Iterable[str]] = None):
         if isinstance(secret, bytes):
             secret = secret.decode("latin-1")
-        self._core = _core.AgentCore(name, secret or "", timeout, header_timeout,
+        self._core = _core.AgentCore(name, secret or "", call_timeout(timeout, "Agent: timeout"),
+                                     call_timeout(header_timeout, "Agent: header_timeout") or 5.0,
                                      None if allow is None else set(allow))
         self._regions: dict[int, Region] = {}
 
@@ -284,14 +286,15 @@ class Agent:
         same (nothing lands in it any more; it may hold part of what was landing).
         See docs/agent.md, "Deregistering"."""
         d = _desc(region)
-        self._core.deregister(d, timeout)
+        self._core.deregister(d, call_timeout(timeout, "deregister: timeout"))
         self._regions.pop(_core.region_info(d)["index"], None)
 
     def connect(self, peer: Union[bytes, str], timeout: Optional[float] = None) -> AgentConnection:
         """Connects to the agent whose ``metadata()`` this is, or to "host:port"."""
+        seconds = call_timeout(timeout, "connect: timeout")
         if isinstance(peer, str):
-            return AgentConnection(self._core.connect_address(peer, timeout))
-        return AgentConnection(self._core.connect(bytes(peer), timeout))
+            return AgentConnection(self._core.connect_address(peer, seconds))
+        return AgentConnection(self._core.connect(bytes(peer), seconds))
 
     def connection(self, name: str) -> Optional[AgentConnection]:
         """The open connection to agent ``name`` (either direction), or None."""
@@ -304,7 +307,7 @@ class Agent:
 
     def notifications(self, timeout: Optional[float] = None) -> list:
         """Notifications that arrived, waiting up to ``timeout`` for the first."""
-        return [Notification(*n) for n in self._core.notifications(timeout)]
+        return [Notification(*n) for n in self._core.notifications(call_timeout(timeout, "notifications: timeout"))]
 
     def stream_wait_notification(self, data: bytes, stream, peer: Optional[str] = None,
                                  timeout: Optional[float] = None) -> NotificationWait:
@@ -316,10 +319,11 @@ class Agent:
         stream going on, after ``timeout`` (0: the agent's timeout), when ``peer``
         is gone, or when the agent closes: the returned wait's ``wait()`` raises
         why. See docs/agent.md, "Stream waits on notifications"."""
+        seconds = call_timeout(timeout, "stream_wait_notification: timeout")
         handle = _cuda.stream_handle(stream)
         if handle is None:
             raise InvalidArgument("stream_wait_notification needs a stream (0: the legacy default stream)")
-        return NotificationWait(self._core.stream_wait_notification(data, handle, peer or "", timeout))
+        return NotificationWait(self._core.stream_wait_notification(data, handle, peer or "", seconds))
 
     def wait_notification(self, peer: str, timeout: Optional[float] = None,
                           data: Optional[bytes] = None) -> Notification:
@@ -330,9 +334,8 @@ class Agent:
         sending it, ``MeshTimeout`` after ``timeout`` (None or 0: the agent's timeout; a
         number > 0; inf: no limit), ``MeshClosed`` when the agent closes. See docs/agent.md,
         "Waiting for a peer's notification"."""
-        if timeout is not None and not isinstance(timeout, (int, float)):
-            raise InvalidArgument(f"wait_notification: timeout must be a number of seconds or None, got {timeout!r}")
-        return Notification(*self._core.wait_notification(peer, data, timeout))
+        seconds = call_timeout(timeout, "wait_notification: timeout")
+        return Notification(*self._core.wait_notification(peer, data, seconds))
 
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
