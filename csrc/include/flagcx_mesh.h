@@ -40,13 +40,16 @@ extern "C" {
 typedef enum {
   FLAGCX_MESH_OK = 0,
   FLAGCX_MESH_INVALID_ARGUMENT = 1, /* bad input from the caller; nothing was changed */
-  FLAGCX_MESH_TIMEOUT = 2,          /* a deadline expired */
+  FLAGCX_MESH_TIMED_OUT = 2,        /* a deadline expired */
   FLAGCX_MESH_PEER_LOST = 3,        /* a peer (or the rendezvous root) went away */
   FLAGCX_MESH_PROTOCOL = 4,         /* malformed, foreign or miswired data on the wire */
   FLAGCX_MESH_SYSTEM = 5,           /* a system call failed (see the errno) */
   FLAGCX_MESH_CLOSED = 6,           /* the handle was used after it was closed */
   FLAGCX_MESH_INTERNAL = 7,         /* a bug in this library */
-  FLAGCX_MESH_NUM_RESULTS = 8
+  FLAGCX_MESH_NUM_RESULTS = 8,
+  /* Deprecated alias of FLAGCX_MESH_TIMED_OUT (until 0.4 the code's name, which is also the
+   * environment variable's); kept so that existing programs build; use FLAGCX_MESH_TIMED_OUT. */
+  FLAGCX_MESH_TIMEOUT = FLAGCX_MESH_TIMED_OUT
 } flagcx_mesh_result_t;
 
 /* Runtime version: FLAGCX_MESH_VERSION_CODE of the loaded library. */
@@ -186,7 +189,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get(flagcx_mesh_comm_t comm, in
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t *value);
 /* Waits until this rank's slot reached expected: (int64)(value - expected) >= 0,
- * the stream wait's rule (docs/gpu.md). FLAGCX_MESH_TIMEOUT after
+ * the stream wait's rule (docs/gpu.md). FLAGCX_MESH_TIMED_OUT after
  * timeout_s, FLAGCX_MESH_PEER_LOST when the last signaller went away. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t expected,
