@@ -30,6 +30,13 @@ void expect_magic(bytes::Reader& r, uint32_t magic, const char* what, const char
 
 std::string incarnation_hex(const Incarnation& i) { return wire::mesh_id_hex(i).substr(0, 12); }
 
+void check_notification_size(size_t n, const std::string& what) {
+  if (n <= kMaxNotificationBytes) return;
+  fail(Code::kInvalidArgument, -1, 0,
+       what + ": a notification of " + std::to_string(n) + " bytes exceeds the limit of " +
+           std::to_string(kMaxNotificationBytes) + " bytes (64 MiB): send bulk data with a write");
+}
+
 uint64_t AgentStats::total_rejected() const {
   uint64_t n = 0;
   for (uint64_t v : rejected) n += v;

@@ -234,6 +234,9 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_counter(flagcx_mesh_comm_t
  * when buf is too small they fail with FLAGCX_MESH_INVALID_ARGUMENT and set
  * *len to the size needed. */
 typedef struct flagcx_mesh_agent *flagcx_mesh_agent_t;
+/* The most bytes one notification may hold (64 MiB); a larger one is refused with
+ * FLAGCX_MESH_INVALID_ARGUMENT before anything moves. */
+#define FLAGCX_MESH_AGENT_MAX_NOTIFICATION_BYTES ((size_t)64 << 20)
 typedef struct flagcx_mesh_agent_conn *flagcx_mesh_agent_conn_t;
 typedef struct flagcx_mesh_agent_handle *flagcx_mesh_agent_handle_t;
 

@@ -77,6 +77,23 @@ class Region:
         return f"Region(agent={self._agent.name!r}, index={self.index}, size={self.size}, kind={self.kind})"
 
 
+MAX_NOTIFICATION_BYTES = _core.AGENT_MAX_NOTIFICATION_BYTES  # 64 MiB (docs/agent.md, "Sizes")
+
+
+def _notification(notification):
+    """``notification`` as given, once its size is within MAX_NOTIFICATION_BYTES (InvalidArgument
+    otherwise, before anything moves); the core names one that is not bytes-like."""
+    if notification is None:
+        return None
+    try:
+        size = memoryview(notification).nbytes
+    except TypeError:
+        return notification
+    if size > MAX_NOTIFICATION_BYTES:
+        _core.check_notification_size(size, "notification")
+    return notification
+
+
 class _Completion:
     """What a core handle offers: ``done()`` polls, ``wait(timeout)`` raises its error."""
 
@@ -175,13 +192,13 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, notification,
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, _notification(notification),
                                        _stream(stream))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, notification,
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, _notification(notification),
                                        _stream(stream))
 
     def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
@@ -189,22 +206,22 @@ class AgentConnection:
         """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
         landed (and the notification was sent); raises what ``wait`` would. ``timeout``
         0 or None: the agent's."""
-        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, _notification(notification),
                                      _stream(stream), call_timeout(timeout, "write_sync: timeout"))
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = None) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
-        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, _notification(notification),
                                      _stream(stream), call_timeout(timeout, "read_sync: timeout"))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return self._core.transfer(_op_list(ops), False, notification, _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), False, _notification(notification), _cuda.stream_handle(stream))
 
     def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
-        return self._core.transfer(_op_list(ops), True, notification, _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), True, _notification(notification), _cuda.stream_handle(stream))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
