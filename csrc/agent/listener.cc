@@ -468,6 +468,7 @@ void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail)
 }
 
 void Agent::listen_loop() {
+  LogSpeaker speaker(who());
   Listener l(*this);
   try {
     l.run();
