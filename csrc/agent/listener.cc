@@ -313,8 +313,7 @@ std::string Listener::judge(const PeerInfo& peer, const Incarnation& expect, wir
   *code = wire::Reject::kStaleIncarnation;
   if (expect != kAny && expect != a_.incarnation_) {
     return "it expects incarnation " + wire::mesh_id_hex(expect) + " of agent " + a_.name_ + ", which is " +
-           wire::mesh_id_hex(a_.incarnation_) + " (this agent restarted since its metadata was made, or that"
-           " metadata is corrupt)";
+           wire::mesh_id_hex(a_.incarnation_) + " (this agent restarted since its metadata was made)";
   }
   {
     std::lock_guard<std::mutex> lock(a_.mu_);
