@@ -341,3 +341,23 @@ def test_c_agent_create_refuses_a_negative_or_nan_timeout(lib, bad):
     agent = ctypes.c_void_p()
     assert lib.flagcx_mesh_agent_create(ctypes.byref(agent), b"contract-c-bad", b"s", bad) == 1
     assert b"timeout" in lib.flagcx_mesh_last_error(), lib.flagcx_mesh_last_error()
+
+
+def test_the_core_connect_refuses_a_timeout_of_the_wrong_type_in_a_child():
+    """The core's connect (Agent.connect's binding) with a str timeout ended the process with
+    SIGSEGV in 0.3, where pybind11 refused the argument; run in a child, so that the old crash
+    fails this test and not the test run."""
+    import subprocess
+    import sys
+
+    prog = ("from flagcx_mesh import Agent, InvalidArgument\n"
+            "with Agent('core-a', 's', timeout=5) as a, Agent('core-b', 's', timeout=5) as b:\n"
+            "    for call in (lambda: a._core.connect(b.metadata(), '5'),\n"
+            "                 lambda: a._core.connect_address(b.address, [1])):\n"
+            "        try:\n"
+            "            call()\n"
+            "        except InvalidArgument as e:\n"
+            "            print('refused:', e)\n")
+    p = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    assert p.stdout.count("refused: connect: timeout must be a number of seconds or None") == 2, p.stdout

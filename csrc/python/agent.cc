@@ -390,16 +390,17 @@ void bind_agent(py::module_& m) {
         py::gil_scoped_release release;
         a.deregister(d, timeout);
       }, py::arg("region"), py::arg("timeout") = py::none())
-      .def("connect", [](Agent& a, const py::bytes& md, std::optional<double> timeout_or_none) {
-        double timeout = timeout_or_none.value_or(0.0);
+      .def("connect", [](Agent& a, const py::bytes& md, const py::object& timeout_or_none) {
+        double timeout = call_timeout(timeout_or_none, "connect: timeout");
         std::vector<uint8_t> v = to_vec(md);
         py::gil_scoped_release release;
         return a.connect(v, timeout);
       }, py::arg("metadata"), py::arg("timeout") = py::none(), py::keep_alive<0, 1>())  // a connection keeps its agent
-      .def("connect_address", [](Agent& a, const std::string& address, std::optional<double> timeout) {
-        return a.connect_address(address, timeout.value_or(0.0));
-      }, py::arg("address"), py::arg("timeout") = py::none(),
-           py::call_guard<py::gil_scoped_release>(), py::keep_alive<0, 1>())
+      .def("connect_address", [](Agent& a, const std::string& address, const py::object& timeout_or_none) {
+        double timeout = call_timeout(timeout_or_none, "connect: timeout");
+        py::gil_scoped_release release;
+        return a.connect_address(address, timeout);
+      }, py::arg("address"), py::arg("timeout") = py::none(), py::keep_alive<0, 1>())
       .def("connection", &Agent::connection, py::keep_alive<0, 1>())
       .def("peers", [](const Agent& a) {
         py::list out;
