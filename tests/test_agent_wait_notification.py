@@ -155,7 +155,7 @@ def test_the_c_abi_waits_for_arrival_and_times_out():
             length = ctypes.c_size_t(64)
             start = time.monotonic()
             rc = lib.flagcx_mesh_agent_wait_notification(agent, b"c-source", None, 0, 0.5, buf, ctypes.byref(length))
-            assert rc == 2 and b"c-source" in lib.flagcx_mesh_last_error()  # FLAGCX_MESH_TIMEOUT
+            assert rc == 2 and b"c-source" in lib.flagcx_mesh_last_error()  # FLAGCX_MESH_TIMED_OUT
             assert 0.4 < time.monotonic() - start < 4
             conn.notify(b"twelve bytes")
             short = ctypes.c_size_t(4)

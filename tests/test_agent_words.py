@@ -100,16 +100,37 @@ def test_a_wrong_secret_is_counted_as_bad_authentication():
         assert b.stats()["rejected"].get("truncated header", 0) == 0, b.stats()
 
 
-def test_corrupt_metadata_says_so_and_gives_the_incarnations_in_full():
+def _fnv1a(data: bytes) -> int:
+    h = 2166136261
+    for byte in data:
+        h = ((h ^ byte) * 16777619) & 0xFFFFFFFF
+    return h
+
+
+@pytest.mark.parametrize("at", [0, 4, 20, -6, -1], ids=["magic", "name", "incarnation", "address", "checksum"])
+def test_corrupt_metadata_says_so_naming_no_incarnation(at):
+    """Metadata has a checksum: a changed byte reads as corrupt (a flipped incarnation byte was
+    taken as "restarted, or corrupt": the words could not tell)."""
+    with Agent("b", SECRET) as b, Agent("a", SECRET) as a:
+        md = bytearray(b.metadata())
+        md[at] ^= 0x01
+        with pytest.raises(InvalidArgument, match="not agent metadata" if at == 0 else
+                           r"agent metadata is corrupt: its checksum does not match its \d+ bytes"):
+            a.connect(bytes(md), timeout=10)
+        assert b.peers() == [] and a.peers() == []
+
+
+def test_metadata_of_an_earlier_incarnation_says_restarted_with_both_in_full():
     with Agent("b", SECRET) as b, Agent("a", SECRET) as a:
         md = bytearray(b.metadata())
         at = md.find(bytes.fromhex(b.incarnation[:12]))
         assert at > 0, (b.incarnation, md)
-        md[at + 15] ^= 0xFF  # the incarnation's last byte: its first 12 digits stay the same
+        md[at + 15] ^= 0xFF  # another incarnation of b at its address: its first 12 digits the same
+        md[-4:] = _fnv1a(bytes(md[:-4])).to_bytes(4, "little")
         with pytest.raises(InvalidArgument) as e:
             a.connect(bytes(md), timeout=10)
         text = str(e.value)
-        assert "the metadata is corrupt" in text, text
+        assert "that agent restarted since the metadata was made" in text and "corrupt" not in text, text
         mine = md[at:at + 16].hex()
         assert mine in text, text
         assert bytes(md[at:at + 15]).hex() in text.replace(mine, ""), text  # the live one, in full too

@@ -10,7 +10,7 @@ import subprocess
 import pytest
 
 from flagcx_mesh import config
-from flagcx_mesh.bench import latency
+from flagcx_mesh.bench.onesided import latency
 from meshutil import PY, REPO_ROOT, subprocess_env
 
 pytestmark = pytest.mark.timeout(240)
@@ -55,7 +55,7 @@ def test_a_short_run_prints_figures_for_every_path(tmp_path):
 def test_the_table_keeps_its_columns_with_a_p99_of_seconds(capsys):
     """A loaded host gave a p99 of 15351.81 us: the figure ran into the slash ("99.89 /15351.81")."""
     import argparse
-    from flagcx_mesh.bench import latency as lat
+    from flagcx_mesh.bench.onesided import latency as lat
 
     f = {"min_us": 5.0, "median_us": 99.89, "p99_us": 15351.81}
     run = {"results": {t: dict(f) for t in ("put_signal", "socket", "put_flush", "socket_ack")},

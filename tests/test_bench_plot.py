@@ -5,7 +5,8 @@ import struct
 
 import pytest
 
-from flagcx_mesh.bench import _plot, put, put_cuda
+from flagcx_mesh.bench import _plot
+from flagcx_mesh.bench.onesided import put, put_cuda
 
 SIZES = [4096, 1 << 20, 16 << 20]
 

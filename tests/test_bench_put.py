@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from flagcx_mesh.bench import put
+from flagcx_mesh.bench.onesided import put
 
 
 def test_bytes_sets_the_repetitions_of_every_figure():

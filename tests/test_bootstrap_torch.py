@@ -132,7 +132,7 @@ def test_from_store_bad_arguments():
     with pytest.raises(flagcx_mesh.InvalidArgument, match="rank 2 is not in"):
         Mesh.from_store(store, 2, 2)
     with pytest.raises(flagcx_mesh.InvalidArgument, match="timeout"):
-        Mesh.from_store(store, 1, 2, timeout=0)
+        Mesh.from_store(store, 1, 2, timeout=-1)
 
 
 def test_from_store_world_size_mismatch_is_named():

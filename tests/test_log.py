@@ -1,6 +1,6 @@
 """FLAGCX_MESH_LOG: a value that is no level is refused at the next mesh or agent, naming the
 variable (it was silently taken as warn); every log line carries the level, a UTC timestamp
-with microseconds and the pid."""
+with microseconds and the pid, and in an agent program the agent's name."""
 
 import os
 import re
@@ -50,3 +50,31 @@ def test_every_line_has_level_time_and_pid():
         m = LINE.match(l)
         assert m, l
         assert m.group(2) == pid, l
+
+
+AGENT_PAIR = """
+import flagcx_mesh
+from flagcx_mesh import Agent
+with Agent("log-a", "s", timeout=5) as a, Agent("log-b", "s", timeout=5) as b:
+    m, t = a.register(bytearray(4096)), b.register(bytearray(4096))
+    c = a.connect(b.metadata())
+    c.write(m, t, 16, notification=b"n").wait(5)
+    b.notifications(5)
+    with Agent("log-c", "wrong", timeout=2) as bad:
+        try:
+            bad.connect(b.metadata())
+        except flagcx_mesh.MeshError:
+            pass
+"""
+
+
+@pytest.mark.parametrize("transport", ["auto", "tcp"])
+def test_every_line_of_an_agent_program_names_its_agent(transport):
+    """An agent's lines from layers that do not know it (the interface choice at its start: the
+    listener, connection and handshake lines did) name it: "agent log-a: ...", never a rank."""
+    p = _run(AGENT_PAIR, FLAGCX_MESH_LOG="debug", FLAGCX_MESH_TRANSPORT=transport)
+    assert p.returncode == 0, p.stderr[-2000:]
+    lines = [l for l in p.stderr.splitlines() if l.startswith("flagcx_mesh ")]
+    assert any("interface" in l for l in lines), "the interface choice was not logged"
+    for l in lines:
+        assert re.match(r"^agent log-[abc]: ", l.split(" ", 5)[5]), l

@@ -225,7 +225,7 @@ void Build::boot_failed(int rc, int peer, const std::string& what) const {
     text += " (interrupted by the bootstrap's abort hook at the build deadline)";
   }
   check_deadline(text, peer);
-  fail_at(rc == FLAGCX_MESH_TIMEOUT ? Code::kTimeout : Code::kPeerLost, peer, text);
+  fail_at(rc == FLAGCX_MESH_TIMED_OUT ? Code::kTimeout : Code::kPeerLost, peer, text);
 }
 
 void Build::boot_send(int peer, int tag, const void* data, size_t size, int round) {

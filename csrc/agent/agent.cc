@@ -51,6 +51,7 @@ bool parse_host_port(const std::string& s, tcp::SockAddr* out) {
 
 Agent::Agent(const AgentOptions& o)
     : name_(checked_name(o.name)), header_timeout_s_(o.header_timeout_s), admit_(o.admit), host_(shm::host_id()) {
+  LogSpeaker speaker(who());
   require_valid_env();  // a malformed FLAGCX_MESH_LOG or timeout variable fails here
   std::string secret = o.secret.empty() ? agent_secret_env() : o.secret;
   if (secret.empty()) {

@@ -38,6 +38,11 @@ namespace fxm::agent {
 
 using Incarnation = wire::MeshId;  // random per Agent object (a restart is a new one)
 constexpr size_t kMaxAgentName = 200;  // bytes of an agent's name
+// The most bytes one notification may hold (docs/agent.md, "Sizes"): notifications are control
+// messages; bulk data goes by write. A larger one is refused before anything moves.
+constexpr size_t kMaxNotificationBytes = 64ull << 20;
+// Throws Error(kInvalidArgument) naming `what` when n exceeds kMaxNotificationBytes.
+void check_notification_size(size_t n, const std::string& what);
 std::string incarnation_hex(const Incarnation& i);
 
 // Who is at the other end of a connection (proved by the handshake).

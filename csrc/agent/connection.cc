@@ -557,6 +557,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
 }
 
 void Connection::notify(const std::vector<uint8_t>& bytes) {
+  check_notification_size(bytes.size(), who() + ": notify");
   std::lock_guard<std::mutex> lock(op_mu_);
   try {
     engine().post_message(kPeer, kCtx, bytes.data(), bytes.size(), Deadline::after_seconds(agent_->timeout_s()));

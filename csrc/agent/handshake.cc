@@ -148,13 +148,13 @@ PeerInfo read_answer(int fd, const uint8_t hello[kHelloSize], const std::vector<
   }
   static const Incarnation kAny{};
   if (me.expect != kAny && h.mesh_id != me.expect) {
-    // In full: two incarnations may share the 12 digits that name one elsewhere. Metadata carries
-    // no checksum, so the words cannot tell a restart from damaged bytes: both are said.
+    // In full: two incarnations may share the 12 digits that name one elsewhere. The metadata's
+    // checksum passed (Metadata::decode), so this is a restart, not damaged bytes.
     fail_dial(Code::kInvalidArgument, who, to, "agent " + theirs.name + " there is incarnation " +
                                                    wire::mesh_id_hex(h.mesh_id) + ", not the " +
                                                    wire::mesh_id_hex(me.expect) +
                                                    " the metadata names: that agent restarted since the metadata was"
-                                                   " made, or the metadata is corrupt");
+                                                   " made");
   }
   if (theirs.lane != me.lane || theirs.token != me.token || (me.lane > 0 && theirs.lanes != me.lanes)) {
     fail_dial(Code::kProtocol, who, to, "the answer names another lane, lane count or connection than this one");

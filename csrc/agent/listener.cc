@@ -113,6 +113,10 @@ class Listener {
   void on_awaiting_hangup(const std::vector<pollfd>& fds, size_t first);
   void start(Connection& c);
   void reject(Incoming& in, wire::Reject why, const std::string& detail = "");
+  // reject() in two steps, for a refusal the peer is told: counted before the verdict goes (the
+  // refused peer may read this agent's stats as soon as it has its verdict), closed after it.
+  void count_rejection(wire::Reject why);
+  void close_rejected(Incoming& in, wire::Reject why, const std::string& detail);
   void poll_once();
 
   Agent& a_;
@@ -315,8 +319,7 @@ std::string Listener::judge(const PeerInfo& peer, const Incarnation& expect, wir
   *code = wire::Reject::kStaleIncarnation;
   if (expect != kAny && expect != a_.incarnation_) {
     return "it expects incarnation " + wire::mesh_id_hex(expect) + " of agent " + a_.name_ + ", which is " +
-           wire::mesh_id_hex(a_.incarnation_) + " (this agent restarted since its metadata was made, or that"
-           " metadata is corrupt)";
+           wire::mesh_id_hex(a_.incarnation_) + " (this agent restarted since its metadata was made)";
   }
   {
     std::lock_guard<std::mutex> lock(a_.mu_);
@@ -397,10 +400,11 @@ void Listener::settle(Incoming& in, const PeerInfo& peer, const hs::Ident& their
     why = a_.adopt(c);  // filed before the verdict: what the peer is told is what the table holds
     if (!why.empty()) code = wire::Reject::kStaleIncarnation;
   }
+  if (!why.empty()) count_rejection(code);
   std::vector<uint8_t> v = hs::verdict_frame(why);
   int fd = c ? c->fd() : in.fd.get();
   tcp::IoResult r = tcp::write_full(fd, v.data(), v.size(), Deadline::after_seconds(1));
-  if (!why.empty()) return reject(in, code, why);
+  if (!why.empty()) return close_rejected(in, code, why);
   in.finished = true;
   if (!r.ok()) return c->close("sending the admission failed: " + r.describe());
   if (c->lanes_joined()) return start(*c);
@@ -430,9 +434,10 @@ void Listener::join_lane(Incoming& in, const PeerInfo& peer, const hs::Ident& th
   if (w) why = theirs.lanes == w->conn->tcp_lanes() ? w->conn->lane_refused(theirs.lane)
                                                     : "its connection has " + std::to_string(w->conn->tcp_lanes()) +
                                                           " tcp lanes, not " + std::to_string(theirs.lanes);
+  if (!why.empty()) count_rejection(wire::Reject::kUnknownLane);
   std::vector<uint8_t> v = hs::verdict_frame(why);
   tcp::IoResult r = tcp::write_full(in.fd.get(), v.data(), v.size(), Deadline::after_seconds(1));
-  if (!why.empty()) return reject(in, wire::Reject::kUnknownLane, why);
+  if (!why.empty()) return close_rejected(in, wire::Reject::kUnknownLane, why);
   if (!r.ok()) return reject(in, wire::Reject::kTruncated, "sending the lane's admission failed");
   in.finished = true;
   bool all = false;
@@ -459,10 +464,16 @@ void Listener::start(Connection& c) {
 }
 
 void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail) {
-  {
-    std::lock_guard<std::mutex> lock(a_.mu_);
-    ++a_.stats_.rejected[static_cast<size_t>(why)];
-  }
+  count_rejection(why);
+  close_rejected(in, why, detail);
+}
+
+void Listener::count_rejection(wire::Reject why) {
+  std::lock_guard<std::mutex> lock(a_.mu_);
+  ++a_.stats_.rejected[static_cast<size_t>(why)];
+}
+
+void Listener::close_rejected(Incoming& in, wire::Reject why, const std::string& detail) {
   FXM_INFO(-1, a_.who() + "closed a connection from " + in.from.str() + " to the agent listener: " +
                    wire::reject_name(why) + (detail.empty() ? "" : " (" + detail + ")"));
   in.fd.reset();
@@ -470,6 +481,7 @@ void Listener::reject(Incoming& in, wire::Reject why, const std::string& detail)
 }
 
 void Agent::listen_loop() {
+  LogSpeaker speaker(who());
   Listener l(*this);
   try {
     l.run();

@@ -30,6 +30,13 @@ void expect_magic(bytes::Reader& r, uint32_t magic, const char* what, const char
 
 std::string incarnation_hex(const Incarnation& i) { return wire::mesh_id_hex(i).substr(0, 12); }
 
+void check_notification_size(size_t n, const std::string& what) {
+  if (n <= kMaxNotificationBytes) return;
+  fail(Code::kInvalidArgument, -1, 0,
+       what + ": a notification of " + std::to_string(n) + " bytes exceeds the limit of " +
+           std::to_string(kMaxNotificationBytes) + " bytes (64 MiB): send bulk data with a write");
+}
+
 uint64_t AgentStats::total_rejected() const {
   uint64_t n = 0;
   for (uint64_t v : rejected) n += v;
@@ -86,6 +93,18 @@ RegionDesc RegionDesc::decode(const std::vector<uint8_t>& b) {
   return d;
 }
 
+namespace {
+
+// FNV-1a over the metadata's bytes before its checksum: metadata travels by any channel, and a
+// changed byte must read as corrupt, never as another incarnation, name or address.
+uint32_t metadata_checksum(const uint8_t* p, size_t n) {
+  uint32_t h = 2166136261u;
+  for (size_t i = 0; i < n; ++i) h = (h ^ p[i]) * 16777619u;
+  return h;
+}
+
+}  // namespace
+
 std::vector<uint8_t> Metadata::encode() const {
   bytes::Writer w;
   w.put<uint32_t>(kMetadataMagic);
@@ -94,17 +113,25 @@ std::vector<uint8_t> Metadata::encode() const {
   uint8_t a[tcp::kWireAddrSize];
   tcp::addr_to_wire(address, a);
   w.raw(a, sizeof(a));
+  w.put<uint32_t>(metadata_checksum(w.b.data(), w.b.size()));
   return std::move(w.b);
 }
 
 Metadata Metadata::decode(const std::vector<uint8_t>& b) {
   bytes::Reader r{b};
   expect_magic(r, kMetadataMagic, "agent metadata", "not agent metadata");
+  uint32_t sum = 0;
+  if (b.size() >= 8) std::memcpy(&sum, b.data() + b.size() - 4, 4);
+  if (b.size() < 8 || sum != metadata_checksum(b.data(), b.size() - 4)) {
+    fail(Code::kInvalidArgument, -1, 0, "agent metadata is corrupt: its checksum does not match its " +
+                                            std::to_string(b.size()) + " bytes (they changed on the way)");
+  }
   Metadata m;
   m.name = r.str(kMaxAgentName);
   r.raw(m.incarnation.data(), m.incarnation.size());
   uint8_t a[tcp::kWireAddrSize];
   r.raw(a, sizeof(a));
+  r.get<uint32_t>();  // the checksum, checked above
   r.at_end();
   check(r, "agent metadata");
   if (!tcp::addr_from_wire(a, &m.address)) fail(Code::kInvalidArgument, -1, 0, "agent metadata of " + m.name + ": malformed address");

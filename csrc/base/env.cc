@@ -223,6 +223,11 @@ void check_call_timeout(double seconds, const std::string& what) {
   if (seconds != 0) check_timeout(seconds, what.c_str(), true);
 }
 
+Deadline call_deadline(double seconds, double default_s, const std::string& what) {
+  check_call_timeout(seconds, what);
+  return Deadline::after_seconds(seconds != 0 ? seconds : default_s);
+}
+
 void check_timeout(double seconds, const char* what, bool no_limit_ok) {
   if (std::isfinite(seconds) && seconds > 0) return;
   if (no_limit_ok && std::isinf(seconds) && seconds > 0) return;

@@ -30,6 +30,8 @@
 #include <cstdint>
 #include <string>
 
+#include "base/clock.h"
+
 namespace fxm {
 
 enum class LogLevel : int { kError = 0, kWarn = 1, kInfo = 2, kDebug = 3 };
@@ -61,6 +63,8 @@ void check_timeout(double seconds, const char* what, bool no_limit_ok);
 // An agent call's timeout: 0 keeps the call's default (docs/python-api.md, "Timeouts"), else
 // check_timeout(seconds, what, true); a negative number or NaN is refused naming `what`.
 void check_call_timeout(double seconds, const std::string& what);
+// The deadline of a call's timeout under that rule: 0 is default_s, +inf never.
+Deadline call_deadline(double seconds, double default_s, const std::string& what);
 // A build deadline argument: 0 means default_timeout_s(); anything else must
 // pass check_timeout(seconds, what, false). Returns the seconds to use.
 double build_timeout_s(double seconds, const char* what);

@@ -83,9 +83,19 @@ std::vector<CapturedLine> log_take(double timeout_s, size_t max, uint64_t* dropp
   return out;
 }
 
+namespace {
+thread_local std::string t_speaker;
+}  // namespace
+
+LogSpeaker::LogSpeaker(std::string who) : outer_(std::move(t_speaker)) { t_speaker = std::move(who); }
+LogSpeaker::~LogSpeaker() { t_speaker = std::move(outer_); }
+
 // "flagcx_mesh WARN 2026-12-05T14:07:01.123456Z pid 4711 [rank 3] message": one write per line.
-void log_line(LogLevel level, int rank, const std::string& msg) {
+void log_line(LogLevel level, int rank, const std::string& said) {
   static const char* names[] = {"ERROR", "WARN", "INFO", "DEBUG"};
+  bool spoken = !t_speaker.empty();
+  const std::string& msg = spoken && said.compare(0, t_speaker.size(), t_speaker) != 0 ? t_speaker + said : said;
+  if (spoken) rank = -1;
   const char* name = names[static_cast<int>(level)];
   char now[48];
   format_now(now, sizeof now);

@@ -25,6 +25,21 @@ void log_capture(bool on);
 std::vector<CapturedLine> log_take(double timeout_s, size_t max, uint64_t* dropped);
 constexpr size_t kLogCaptureMax = 10000;
 
+// While alive, this thread's log lines speak as `who` (e.g. "agent prefill-0: "): a line that
+// does not begin with it gets it in front, in place of "[rank r]" too. An agent sets it on its
+// threads, so that lines of layers that do not know the agent (an interface choice, a device
+// copy) name it all the same. Scopes nest; the outer one is back when the inner one ends.
+class LogSpeaker {
+ public:
+  explicit LogSpeaker(std::string who);
+  ~LogSpeaker();
+  LogSpeaker(const LogSpeaker&) = delete;
+  LogSpeaker& operator=(const LogSpeaker&) = delete;
+
+ private:
+  std::string outer_;
+};
+
 #define FXM_LOG(level, rank, msg)                                 \
   do {                                                            \
     if (::fxm::log_enabled(level)) ::fxm::log_line(level, rank, msg); \

@@ -245,6 +245,7 @@ flagcx_mesh_result_t transfer(const char* call, flagcx_mesh_agent_conn_t conn, i
       xs.push_back({&descs[2 * i], ops[i].local_offset, &descs[2 * i + 1], ops[i].remote_offset, ops[i].size});
     }
     std::vector<uint8_t> n;
+    if (notification) fxm::agent::check_notification_size(notification_len, "notification");
     if (notification) n = bytes_of(notification, notification_len, "notification");
     fxm::agent::Handle h = conn->c->transfer(xs, is_read != 0, notification ? &n : nullptr, stream);
     *handle = new flagcx_mesh_agent_handle{std::move(h), std::nullopt};

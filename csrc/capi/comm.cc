@@ -1,6 +1,5 @@
 // The C ABI of a communicator: unique id, init/destroy, windows and one-sided
 // operations, each a thin wrapper over fxm::Mesh through capi::guard.
-#include <cmath>
 #include <cstring>
 #include <memory>
 #include <string>
@@ -12,7 +11,6 @@
 
 struct flagcx_mesh_comm {
   std::unique_ptr<fxm::Mesh> mesh;
-  double timeout_s = 0;  // for barrier() without a timeout of its own
 };
 
 namespace fxm::capi {
@@ -45,7 +43,6 @@ flagcx_mesh_comm_t make_comm(int nranks, const flagcx_mesh_unique_id_t* id, int 
   auto comm = std::make_unique<flagcx_mesh_comm>();
   comm->mesh = std::make_unique<Mesh>(nranks, reinterpret_cast<const uint8_t*>(id->internal),
                                       FLAGCX_MESH_UNIQUE_ID_BYTES, rank, opt);
-  comm->timeout_s = opt.timeout_s;
   return comm.release();
 }
 
@@ -178,12 +175,7 @@ flagcx_mesh_result_t flagcx_mesh_comm_nranks(flagcx_mesh_comm_t comm, int* nrank
 }
 
 flagcx_mesh_result_t flagcx_mesh_barrier(flagcx_mesh_comm_t comm, double timeout_s) {
-  return guard("flagcx_mesh_barrier", [&] {
-    fxm::Mesh& m = mesh_of(comm);
-    if (std::isnan(timeout_s)) fxm::capi::bad("timeout_s is NaN (<= 0: the comm's timeout)");
-    double t = timeout_s > 0 ? timeout_s : comm->timeout_s;
-    m.barrier(t > 0 ? t : fxm::default_timeout_s());
-  });
+  return guard("flagcx_mesh_barrier", [&] { mesh_of(comm).barrier(timeout_s); });
 }
 
 flagcx_mesh_result_t flagcx_mesh_window_register(flagcx_mesh_comm_t comm, void* base, uint64_t size,

@@ -71,7 +71,7 @@ const char* flagcx_mesh_result_string(flagcx_mesh_result_t result) {
   switch (result) {
     case FLAGCX_MESH_OK: return "success";
     case FLAGCX_MESH_INVALID_ARGUMENT: return "invalid argument: bad input from the caller, nothing was changed";
-    case FLAGCX_MESH_TIMEOUT: return "timeout: a deadline expired before the peers answered";
+    case FLAGCX_MESH_TIMED_OUT: return "timed out: a deadline expired before the peers answered";
     case FLAGCX_MESH_PEER_LOST: return "peer lost: a peer or the rendezvous root went away";
     case FLAGCX_MESH_PROTOCOL: return "protocol error: malformed, foreign or miswired data on the wire";
     case FLAGCX_MESH_SYSTEM: return "system error: a system call failed (see the errno)";

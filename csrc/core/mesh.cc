@@ -27,12 +27,6 @@ std::vector<uint8_t> wire_check_payload(const wire::MeshId& id, int src, int dst
   return p;
 }
 
-// An operation's timeout: > 0 seconds, or <= 0 / +inf for no limit; NaN is refused.
-Deadline deadline_for(double timeout_s) {
-  if (std::isnan(timeout_s)) fail(Code::kInvalidArgument, -1, 0, "timeout is NaN (use <= 0 or inf for no limit)");
-  return timeout_s > 0 ? Deadline::after_seconds(timeout_s) : Deadline::never();
-}
-
 void check_args(int nranks, int rank, const MeshOptions& opt) {
   auto bad = [](const std::string& m) { fail(Code::kInvalidArgument, -1, 0, m); };
   if (nranks < 1) bad("nranks must be >= 1, got " + std::to_string(nranks));
@@ -240,16 +234,25 @@ void Mesh::fail_io(const tcp::IoResult& r, int peer, int ctx, const char* doing)
   }
 }
 
+// An operation's timeout, the one rule of every call that takes one (docs/python-api.md,
+// "Timeouts"): 0 is the mesh's timeout, > 0 seconds, +inf no limit; a negative number or NaN
+// is refused naming the call before anything starts.
+Deadline Mesh::deadline_for(double timeout_s, const std::string& call) const {
+  return call_deadline(timeout_s, timeout_s_, who() + call + ": timeout");
+}
+
 void Mesh::send(int peer, const void* data, size_t len, int ctx, double timeout_s) {
+  Deadline deadline = deadline_for(timeout_s, "send");
   std::shared_lock<std::shared_timed_mutex> life(life_mu_);
   check_peer(peer, ctx, "send");
-  engine_->post_message(peer, ctx, data, len, deadline_for(timeout_s));
+  engine_->post_message(peer, ctx, data, len, deadline);
 }
 
 std::vector<uint8_t> Mesh::recv(int peer, int ctx, double timeout_s) {
+  Deadline deadline = deadline_for(timeout_s, "recv");
   std::shared_lock<std::shared_timed_mutex> life(life_mu_);
   check_peer(peer, ctx, "recv");
-  return engine_->recv_message(peer, ctx, deadline_for(timeout_s));
+  return engine_->recv_message(peer, ctx, deadline);
 }
 
 void Mesh::check_open(const char* op) const {
@@ -333,18 +336,18 @@ uint64_t Mesh::read_signal(uint32_t win, uint64_t slot) {
 
 void Mesh::wait_signal(uint32_t win, uint64_t slot, uint64_t expected, double timeout_s) {
   FXM_OPEN("wait_signal");
-  onesided_->wait_signal(win, slot, expected, deadline_for(timeout_s));
+  onesided_->wait_signal(win, slot, expected, deadline_for(timeout_s, "wait_signal"));
 }
 
 void Mesh::wait_signal_on_stream(uint32_t win, uint64_t slot, uint64_t expected, void* stream, double timeout_s) {
   FXM_OPEN("wait_signal");
-  onesided_->wait_signal_on_stream(win, slot, expected, stream, deadline_for(timeout_s));
+  onesided_->wait_signal_on_stream(win, slot, expected, stream, deadline_for(timeout_s, "wait_signal"));
 }
 
 void Mesh::flush(int peer, double timeout_s) {
   FXM_OPEN("flush");
   if (peer < -1 || peer >= nranks_) check_peer(peer, 0, "flush");
-  engine_->flush(peer, deadline_for(timeout_s));
+  engine_->flush(peer, deadline_for(timeout_s, "flush"));
 }
 
 uint64_t Mesh::read_counter() {
@@ -355,7 +358,7 @@ uint64_t Mesh::read_counter() {
 
 void Mesh::wait_counter(uint64_t value, double timeout_s) {
   FXM_OPEN("wait_counter");
-  engine_->wait_counter(value, deadline_for(timeout_s));
+  engine_->wait_counter(value, deadline_for(timeout_s, "wait_counter"));
 }
 
 bootstrap::Parts Mesh::allgather(const std::vector<uint8_t>& mine, double timeout_s) {
@@ -365,9 +368,10 @@ bootstrap::Parts Mesh::allgather(const std::vector<uint8_t>& mine, double timeou
 void Mesh::barrier(double timeout_s) { collective({}, timeout_s, {bootstrap::CallKind::kBarrier, 0}); }
 
 bootstrap::Parts Mesh::collective(const std::vector<uint8_t>& mine, double timeout_s, const bootstrap::Call& call) {
+  Deadline deadline = deadline_for(timeout_s, bootstrap::call_name(call));
   std::shared_lock<std::shared_timed_mutex> life(life_mu_);
   if (closed_) fail(Code::kClosed, -1, 0, who() + bootstrap::call_name(call) + ": the mesh is closed");
-  return boot_->allgather(mine, deadline_for(timeout_s), call);
+  return boot_->allgather(mine, deadline, call);
 }
 
 void Mesh::close() {

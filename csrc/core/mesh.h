@@ -67,7 +67,8 @@ class Mesh {
   // Two-sided messages on the (peer, ctx) connections. send() copies the
   // message into the progress engine's queue and returns (waiting up to
   // timeout_s only while too many bytes are already queued for that pair);
-  // recv() waits up to timeout_s for the next message. <= 0: no limit.
+  // recv() waits up to timeout_s for the next message. Every timeout_s of
+  // an operation: 0 is the mesh's timeout, +inf no limit (deadline_for).
   void send(int peer, const void* data, size_t len, int ctx, double timeout_s);
   std::vector<uint8_t> recv(int peer, int ctx, double timeout_s);
 
@@ -117,6 +118,7 @@ class Mesh {
   [[noreturn]] void fail_build_io(const tcp::IoResult& r, int peer, int ctx, const char* doing,
                                   const Deadline& deadline);
   std::string who() const { return "rank " + std::to_string(rank_) + ": "; }
+  Deadline deadline_for(double timeout_s, const std::string& call) const;
   void keep_for_streams();
 
   int nranks_;

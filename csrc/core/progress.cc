@@ -414,6 +414,7 @@ void Engine::lose(int peer, const std::string& why) {
 // The thread never ends before stop(): what a peer's frames throw fails that
 // peer (read_guarded, write_guarded); anything else is logged and retried.
 void Engine::run() {
+  LogSpeaker speaker(words_.self);  // an agent connection's engine: its agent speaks ("" for a mesh)
   progress_tid_.store(std::this_thread::get_id());
   while (!stopping_) {
     try {

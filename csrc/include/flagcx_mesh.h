@@ -40,13 +40,16 @@ extern "C" {
 typedef enum {
   FLAGCX_MESH_OK = 0,
   FLAGCX_MESH_INVALID_ARGUMENT = 1, /* bad input from the caller; nothing was changed */
-  FLAGCX_MESH_TIMEOUT = 2,          /* a deadline expired */
+  FLAGCX_MESH_TIMED_OUT = 2,        /* a deadline expired */
   FLAGCX_MESH_PEER_LOST = 3,        /* a peer (or the rendezvous root) went away */
   FLAGCX_MESH_PROTOCOL = 4,         /* malformed, foreign or miswired data on the wire */
   FLAGCX_MESH_SYSTEM = 5,           /* a system call failed (see the errno) */
   FLAGCX_MESH_CLOSED = 6,           /* the handle was used after it was closed */
   FLAGCX_MESH_INTERNAL = 7,         /* a bug in this library */
-  FLAGCX_MESH_NUM_RESULTS = 8
+  FLAGCX_MESH_NUM_RESULTS = 8,
+  /* Deprecated alias of FLAGCX_MESH_TIMED_OUT (until 0.4 the code's name, which is also the
+   * environment variable's); kept so that existing programs build; use FLAGCX_MESH_TIMED_OUT. */
+  FLAGCX_MESH_TIMEOUT = FLAGCX_MESH_TIMED_OUT
 } flagcx_mesh_result_t;
 
 /* Runtime version: FLAGCX_MESH_VERSION_CODE of the loaded library. */
@@ -112,7 +115,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_init_from_env(flagcx_mesh_
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_destroy(flagcx_mesh_comm_t comm);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_rank(flagcx_mesh_comm_t comm, int *rank);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_comm_nranks(flagcx_mesh_comm_t comm, int *nranks);
-/* Collective barrier over the rendezvous root; timeout_s <= 0: the comm's timeout. */
+/* Collective barrier over the rendezvous root; timeout_s 0: the comm's timeout. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_barrier(flagcx_mesh_comm_t comm, double timeout_s);
 
 /* ------------------------------------------------------------------ windows */
@@ -159,6 +162,11 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_window_describe(flagcx_mesh_com
 
 /* --------------------------------------------------------------- operations */
 
+/* Every timeout_s of a call below (and of the barrier and the agent calls): 0 is the comm's
+ * (the agent's) timeout, a number > 0 is seconds, INFINITY no limit; a negative number or NaN
+ * fails with FLAGCX_MESH_INVALID_ARGUMENT naming the call's timeout (docs/python-api.md,
+ * "Timeouts": the one rule of the library). */
+
 /* Non-blocking, FIFO per peer, thread-safe. Offsets and sizes are in bytes and
  * are checked against both windows before anything is written. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_put(flagcx_mesh_comm_t comm, int peer, uint32_t src_win,
@@ -181,8 +189,8 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get(flagcx_mesh_comm_t comm, in
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_read_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t *value);
 /* Waits until this rank's slot reached expected: (int64)(value - expected) >= 0,
- * the stream wait's rule (docs/gpu.md). FLAGCX_MESH_TIMEOUT after
- * timeout_s (<= 0: no limit), FLAGCX_MESH_PEER_LOST when the last signaller went away. */
+ * the stream wait's rule (docs/gpu.md). FLAGCX_MESH_TIMED_OUT after
+ * timeout_s, FLAGCX_MESH_PEER_LOST when the last signaller went away. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                              uint64_t sig_slot, uint64_t expected,
                                                              double timeout_s);
@@ -206,7 +214,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_get_on_stream(flagcx_mesh_comm_
                                                                uint64_t size, void *stream);
 /* Queues on stream a wait until this rank's slot is >= expected and returns
  * at once; where the driver has no stream memory operations it waits on the
- * host instead (up to timeout_s, <= 0: no limit). */
+ * host instead (up to timeout_s). */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_signal_on_stream(flagcx_mesh_comm_t comm, uint32_t sig_win,
                                                                        uint64_t sig_slot, uint64_t expected,
                                                                        void *stream, double timeout_s);
@@ -226,6 +234,9 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_wait_counter(flagcx_mesh_comm_t
  * when buf is too small they fail with FLAGCX_MESH_INVALID_ARGUMENT and set
  * *len to the size needed. */
 typedef struct flagcx_mesh_agent *flagcx_mesh_agent_t;
+/* The most bytes one notification may hold (64 MiB); a larger one is refused with
+ * FLAGCX_MESH_INVALID_ARGUMENT before anything moves. */
+#define FLAGCX_MESH_AGENT_MAX_NOTIFICATION_BYTES ((size_t)64 << 20)
 typedef struct flagcx_mesh_agent_conn *flagcx_mesh_agent_conn_t;
 typedef struct flagcx_mesh_agent_handle *flagcx_mesh_agent_handle_t;
 

@@ -85,7 +85,7 @@ typedef int (*flagcx_mesh_net_irecv_v1_fn)(void *ctx, void *recv_comm, void *dat
 
 /* An out-of-band bootstrap, shaped like FlagCX's (bootstrapCollAllGather,
  * bootstrapSend, bootstrapRecv). Every function returns 0 on success,
- * FLAGCX_MESH_TIMEOUT (2) when its deadline expired, any other value on
+ * FLAGCX_MESH_TIMED_OUT (2) when its deadline expired, any other value on
  * failure. timeout_s is what is left of the build's deadline: a bootstrap
  * that supports deadlines fails after it (one that does not may ignore it,
  * as FlagCX's does: then give it an abort hook, or a rank that dies
@@ -169,7 +169,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_net_close_full_mesh(const flagc
 /* flagcx_mesh's own bootstrap (the unique id's rendezvous root), as ops.
  * send/recv are relayed by the root; a recv fails at once when the root
  * reports that a rank failed or was lost. Its ops return flagcx_mesh_result_t
- * values (FLAGCX_MESH_TIMEOUT, FLAGCX_MESH_PEER_LOST, ...). */
+ * values (FLAGCX_MESH_TIMED_OUT, FLAGCX_MESH_PEER_LOST, ...). */
 typedef struct flagcx_mesh_bootstrap *flagcx_mesh_bootstrap_t;
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_bootstrap_init(flagcx_mesh_bootstrap_t *boot, int nranks,
                                                                 const flagcx_mesh_unique_id_t *id, int rank,

@@ -19,6 +19,19 @@
 namespace fxm_py {
 namespace {
 
+// A timeout argument as the core takes it (flagcx_mesh/_timeouts.py's call_timeout, for the
+// one core type Python hands out unwrapped): None is 0.0 (the agent's timeout); anything but
+// a real number is refused naming `what`; the core checks the value.
+double call_timeout(const py::object& timeout, const char* what) {
+  if (timeout.is_none()) return 0.0;
+  if (!PyBool_Check(timeout.ptr()) && (PyFloat_Check(timeout.ptr()) || PyLong_Check(timeout.ptr()) ||
+                                       PyObject_HasAttrString(timeout.ptr(), "__float__"))) {
+    return timeout.cast<double>();
+  }
+  fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
+            std::string(what) + " must be a number of seconds or None, got " + py::repr(timeout).cast<std::string>());
+}
+
 using fxm::agent::Agent;
 using fxm::agent::Connection;
 using fxm::agent::Handle;
@@ -412,9 +425,11 @@ void bind_connection(py::module_& m) {
                      "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
                      "MeshTimeout); call names the call.")
       .def("done", [](const PyHandle& p) { return p.h.done(); }, py::call_guard<py::gil_scoped_release>())
-      .def("wait", [](const PyHandle& p, std::optional<double> timeout) { p.h.wait(timeout.value_or(0.0)); },
-           py::arg("timeout") = py::none(),
-           py::call_guard<py::gil_scoped_release>())
+      .def("wait", [](const PyHandle& p, const py::object& timeout) {
+        double seconds = call_timeout(timeout, "wait: timeout");
+        py::gil_scoped_release release;
+        p.h.wait(seconds);
+      }, py::arg("timeout") = py::none())
       .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); })
       .def("__repr__", [](const PyHandle& p) {
         py::gil_scoped_release release;
@@ -461,16 +476,17 @@ void bind_agent(py::module_& m) {
         py::gil_scoped_release release;
         a.deregister(d, timeout);
       }, py::arg("region"), py::arg("timeout") = py::none())
-      .def("connect", [](Agent& a, const py::bytes& md, std::optional<double> timeout_or_none) {
-        double timeout = timeout_or_none.value_or(0.0);
+      .def("connect", [](Agent& a, const py::bytes& md, const py::object& timeout_or_none) {
+        double timeout = call_timeout(timeout_or_none, "connect: timeout");
         std::vector<uint8_t> v = to_vec(md);
         py::gil_scoped_release release;
         return a.connect(v, timeout);
       }, py::arg("metadata"), py::arg("timeout") = py::none(), py::keep_alive<0, 1>())  // a connection keeps its agent
-      .def("connect_address", [](Agent& a, const std::string& address, std::optional<double> timeout) {
-        return a.connect_address(address, timeout.value_or(0.0));
-      }, py::arg("address"), py::arg("timeout") = py::none(),
-           py::call_guard<py::gil_scoped_release>(), py::keep_alive<0, 1>())
+      .def("connect_address", [](Agent& a, const std::string& address, const py::object& timeout_or_none) {
+        double timeout = call_timeout(timeout_or_none, "connect: timeout");
+        py::gil_scoped_release release;
+        return a.connect_address(address, timeout);
+      }, py::arg("address"), py::arg("timeout") = py::none(), py::keep_alive<0, 1>())
       .def("connection", &Agent::connection, py::keep_alive<0, 1>())
       .def("peers", [](const Agent& a) {
         py::list out;

@@ -10,6 +10,7 @@
 #include "bootstrap/unique_id.h"
 #include "base/log.h"
 #include "base/env.h"
+#include "agent/agent.h"
 #include "core/mesh.h"
 #include "base/status.h"
 #include "base/wire.h"
@@ -286,6 +287,10 @@ void bind_wire(py::module_& m) {
   m.attr("NONCE_SIZE") = fxm::wire::kNonceSize;
   m.attr("MAC_SIZE") = fxm::wire::kMacSize;
   m.attr("UNIQUE_ID_SIZE") = fxm::bootstrap::kUniqueIdSize;
+  m.attr("AGENT_MAX_NOTIFICATION_BYTES") = fxm::agent::kMaxNotificationBytes;
+  m.attr("MAX_MESSAGE_BYTES") = fxm::Engine::kMaxMessageBytes;
+  m.def("check_notification_size", &fxm::agent::check_notification_size, py::arg("nbytes"), py::arg("what"),
+        "InvalidArgument naming what when nbytes exceeds AGENT_MAX_NOTIFICATION_BYTES.");
   m.attr("ROLE_CONNECT") = static_cast<int>(fxm::wire::Role::kConnect);
   m.attr("ROLE_ACCEPT") = static_cast<int>(fxm::wire::Role::kAccept);
   m.attr("ROLE_AGENT_CONNECT") = static_cast<int>(fxm::wire::Role::kAgentConnect);

@@ -39,7 +39,7 @@ int NoDeadlineBoot::recv(void* ctx, int peer, int tag, void* data, size_t size, 
   NoDeadlineBoot* b = boot_of(ctx);
   while (!b->aborted_.load()) {
     int rc = b->inner_.recv(b->inner_.ctx, peer, tag, data, size, kSlice);
-    if (rc == FLAGCX_MESH_TIMEOUT) continue;
+    if (rc == FLAGCX_MESH_TIMED_OUT) continue;
     if (rc != FLAGCX_MESH_PEER_LOST) return rc;
     std::this_thread::sleep_for(std::chrono::duration<double>(kSlice));  // FlagCX would not know: wait on
   }

@@ -20,6 +20,7 @@ from typing import Iterable, Optional, Sequence, Union
 from . import _core
 from . import cuda as _cuda
 from .errors import InvalidArgument
+from ._timeouts import call_timeout
 from .mesh import _byte_view
 
 __all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "NotificationWait", "region_info"]
@@ -95,6 +96,23 @@ class Region:
         return f"Region(agent={self._agent.name!r}, index={self.index}, size={self.size}, kind={self.kind})"
 
 
+MAX_NOTIFICATION_BYTES = _core.AGENT_MAX_NOTIFICATION_BYTES  # 64 MiB (docs/agent.md, "Sizes")
+
+
+def _notification(notification):
+    """``notification`` as given, once its size is within MAX_NOTIFICATION_BYTES (InvalidArgument
+    otherwise, before anything moves); the core names one that is not bytes-like."""
+    if notification is None:
+        return None
+    try:
+        size = memoryview(notification).nbytes
+    except TypeError:
+        return notification
+    if size > MAX_NOTIFICATION_BYTES:
+        _core.check_notification_size(size, "notification")
+    return notification
+
+
 class _Completion:
     """What a core handle offers: ``done()`` polls, ``wait(timeout)`` raises its error."""
 
@@ -107,7 +125,7 @@ class _Completion:
         return self._core.done()
 
     def wait(self, timeout: Optional[float] = None) -> None:
-        self._core.wait(timeout)
+        self._core.wait(call_timeout(timeout, "wait: timeout"))
 
 
 # The completion of one write/read call, as the core returns it (no wrapper: a blocking
@@ -193,13 +211,13 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, notification,
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, _notification(notification),
                                        _stream(stream))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, notification,
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, _notification(notification),
                                        _stream(stream))
 
     def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
@@ -207,22 +225,22 @@ class AgentConnection:
         """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
         landed (and the notification was sent); raises what ``wait`` would. ``timeout``
         0 or None: the agent's."""
-        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
-                                     _stream(stream), timeout)
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, _notification(notification),
+                                     _stream(stream), call_timeout(timeout, "write_sync: timeout"))
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = None) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
-        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
-                                     _stream(stream), timeout)
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, _notification(notification),
+                                     _stream(stream), call_timeout(timeout, "read_sync: timeout"))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return self._core.transfer(_op_list(ops), False, notification, _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), False, _notification(notification), _cuda.stream_handle(stream))
 
     def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
-        return self._core.transfer(_op_list(ops), True, notification, _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), True, _notification(notification), _cuda.stream_handle(stream))
 
     def write_blocks(self, local, remote, table, notification: Optional[bytes] = None, stream=None) -> Handle:
         """Many ops in one call, as a table rather than a list of tuples: the KV blocks of a request.
@@ -272,7 +290,8 @@ class Agent:
                  header_timeout: float = 5.0, allow: Optional[Iterable[str]] = None):
         if isinstance(secret, bytes):
             secret = secret.decode("latin-1")
-        self._core = _core.AgentCore(name, secret or "", timeout, header_timeout,
+        self._core = _core.AgentCore(name, secret or "", call_timeout(timeout, "Agent: timeout"),
+                                     call_timeout(header_timeout, "Agent: header_timeout") or 5.0,
                                      None if allow is None else set(allow))
         self._regions: dict[int, Region] = {}
 
@@ -319,14 +338,15 @@ class Agent:
         same (nothing lands in it any more; it may hold part of what was landing).
         See docs/agent.md, "Deregistering"."""
         d = _desc(region)
-        self._core.deregister(d, timeout)
+        self._core.deregister(d, call_timeout(timeout, "deregister: timeout"))
         self._regions.pop(_core.region_info(d)["index"], None)
 
     def connect(self, peer: Union[bytes, str], timeout: Optional[float] = None) -> AgentConnection:
         """Connects to the agent whose ``metadata()`` this is, or to "host:port"."""
+        seconds = call_timeout(timeout, "connect: timeout")
         if isinstance(peer, str):
-            return AgentConnection(self._core.connect_address(peer, timeout))
-        return AgentConnection(self._core.connect(bytes(peer), timeout))
+            return AgentConnection(self._core.connect_address(peer, seconds))
+        return AgentConnection(self._core.connect(bytes(peer), seconds))
 
     def connection(self, name: str) -> Optional[AgentConnection]:
         """The open connection to agent ``name`` (either direction), or None."""
@@ -339,7 +359,7 @@ class Agent:
 
     def notifications(self, timeout: Optional[float] = None) -> list:
         """Notifications that arrived, waiting up to ``timeout`` for the first."""
-        return [Notification(*n) for n in self._core.notifications(timeout)]
+        return [Notification(*n) for n in self._core.notifications(call_timeout(timeout, "notifications: timeout"))]
 
     def stream_wait_notification(self, data: bytes, stream, peer: Optional[str] = None,
                                  timeout: Optional[float] = None) -> NotificationWait:
@@ -351,10 +371,11 @@ class Agent:
         stream going on, after ``timeout`` (0: the agent's timeout), when ``peer``
         is gone, or when the agent closes: the returned wait's ``wait()`` raises
         why. See docs/agent.md, "Stream waits on notifications"."""
+        seconds = call_timeout(timeout, "stream_wait_notification: timeout")
         handle = _cuda.stream_handle(stream)
         if handle is None:
             raise InvalidArgument("stream_wait_notification needs a stream (0: the legacy default stream)")
-        return NotificationWait(self._core.stream_wait_notification(data, handle, peer or "", timeout))
+        return NotificationWait(self._core.stream_wait_notification(data, handle, peer or "", seconds))
 
     def wait_notification(self, peer: str, timeout: Optional[float] = None,
                           data: Optional[bytes] = None) -> Notification:
@@ -365,9 +386,8 @@ class Agent:
         sending it, ``MeshTimeout`` after ``timeout`` (None or 0: the agent's timeout; a
         number > 0; inf: no limit), ``MeshClosed`` when the agent closes. See docs/agent.md,
         "Waiting for a peer's notification"."""
-        if timeout is not None and not isinstance(timeout, (int, float)):
-            raise InvalidArgument(f"wait_notification: timeout must be a number of seconds or None, got {timeout!r}")
-        return Notification(*self._core.wait_notification(peer, data, timeout))
+        seconds = call_timeout(timeout, "wait_notification: timeout")
+        return Notification(*self._core.wait_notification(peer, data, seconds))
 
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;

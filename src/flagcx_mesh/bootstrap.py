@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import datetime
 import errno
-import math
 import os
 import struct
 import sys
@@ -66,16 +65,10 @@ def default_timeout() -> float:
 
 
 def _seconds(timeout: Optional[float]) -> float:
-    if timeout is None:
-        return default_timeout()
-    try:
-        seconds = float(timeout)
-    except (TypeError, ValueError):
-        raise errors.InvalidArgument(f"bootstrap: timeout must be a number of seconds or None, got {timeout!r}") from None
-    if not (seconds > 0 and math.isfinite(seconds)):
-        raise errors.InvalidArgument(f"bootstrap: timeout must be > 0 and finite, or None "
-                                     f"(FLAGCX_MESH_TIMEOUT), got {timeout!r}")
-    return seconds
+    """A bootstrap's deadline: None or 0 is FLAGCX_MESH_TIMEOUT, else a finite number > 0."""
+    from ._timeouts import build_timeout
+
+    return build_timeout(timeout, "bootstrap: timeout") or default_timeout()
 
 
 def _pack(world: int, uid: Optional[bytes] = None, error: str = "") -> bytes:

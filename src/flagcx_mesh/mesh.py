@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import functools
 import inspect
-import math
 import operator
 from typing import Callable, Dict, List, Optional
 
 from . import _core
 from .errors import InvalidArgument
+from ._timeouts import build_timeout, call_timeout
 from . import cuda as _cuda
 from .window import SignalWindow, Window, WindowLike, index_of
 
@@ -84,6 +84,18 @@ def _names_bad_ints(*names: str):
     return wrap
 
 
+def _bytes_like(data, what: str) -> memoryview:
+    """``data`` as a memoryview (any object with the buffer protocol); anything else (a str, an
+    int: bytes(5) would be five zeros) raises InvalidArgument naming ``what``."""
+    if not isinstance(data, str):
+        try:
+            return memoryview(data)
+        except TypeError:
+            pass
+    raise InvalidArgument(f"{what} must be bytes-like (bytes, bytearray, memoryview, a contiguous array), "
+                          f"not {type(data).__name__}")
+
+
 def _as_int(v):
     """v as an int when it is an integer scalar (numpy, torch, anything with __index__);
     otherwise v itself (bools included), for the range checks to refuse by its own repr."""
@@ -112,32 +124,6 @@ def _byte_view(buffer, what: str) -> memoryview:
         raise InvalidArgument(f"{what}: the buffer must be writable and C-contiguous "
                               f"(readonly={view.readonly}, contiguous={view.c_contiguous})")
     return view.cast("B") if view.ndim != 1 or view.format != "B" else view
-
-
-def _seconds_or_refuse(timeout, what: str, no_limit_ok: bool) -> float:
-    """timeout as float seconds; InvalidArgument for a non-number, NaN, <= 0, or inf
-    unless ``no_limit_ok`` (then inf means no limit)."""
-    try:
-        t = float(timeout)
-    except (TypeError, ValueError):
-        raise InvalidArgument(f"{what} must be a number of seconds or None, got {timeout!r}") from None
-    if t > 0 and (math.isfinite(t) or no_limit_ok):
-        return t
-    allowed = "> 0, inf or None (no limit)" if no_limit_ok else "> 0 and finite, or None (FLAGCX_MESH_TIMEOUT)"
-    raise InvalidArgument(f"{what} must be {allowed}, got {timeout!r}")
-
-
-def _timeout_arg(timeout: Optional[float]) -> float:
-    """An operation's timeout: None or inf wait without limit (0.0 for the core)."""
-    if timeout is None:
-        return 0.0
-    t = _seconds_or_refuse(timeout, "timeout", True)
-    return 0.0 if math.isinf(t) else t
-
-
-def _build_timeout(timeout: Optional[float]) -> float:
-    """The build's deadline: None is FLAGCX_MESH_TIMEOUT (0.0 for the core); never unlimited."""
-    return 0.0 if timeout is None else _seconds_or_refuse(timeout, "Mesh: timeout", False)
 
 
 class Mesh:
@@ -178,8 +164,8 @@ class Mesh:
             bytes(unique_id),
             int(rank),
             contexts=int(contexts),
-            timeout=_build_timeout(timeout),
-            header_timeout=_seconds_or_refuse(header_timeout, "Mesh: header_timeout", False),
+            timeout=build_timeout(timeout, "Mesh: timeout"),
+            header_timeout=build_timeout(header_timeout, "Mesh: header_timeout") or 5.0,
             max_inflight=int(max_inflight),
             max_unreceived=int(max_unreceived),
             epoch=-1 if epoch is None else int(epoch),
@@ -288,6 +274,7 @@ class Mesh:
         return self.describe()
 
     # -- two-sided messages -------------------------------------------------
+    @_names_bad_ints("peer", "context")
     def send(self, peer: int, data, context: int = 0, timeout: Optional[float] = None) -> None:
         """Send one message (any contiguous buffer) to ``peer`` on ``context``.
 
@@ -297,11 +284,13 @@ class Mesh:
         pair (back-pressure). Delivery failures surface in later calls (a lost
         peer raises ``PeerLost``).
         """
-        self._core.send(peer, data, context, _timeout_arg(timeout))
+        seconds = call_timeout(timeout, "send: timeout")
+        self._core.send(peer, _bytes_like(data, "send: data"), context, seconds)
 
+    @_names_bad_ints("peer", "context")
     def recv(self, peer: int, context: int = 0, timeout: Optional[float] = None) -> bytes:
         """Receive the next message from ``peer`` on ``context``."""
-        return self._core.recv(peer, context, _timeout_arg(timeout))
+        return self._core.recv(peer, context, call_timeout(timeout, "recv: timeout"))
 
     # -- windows (collective registration) ----------------------------------
     def register_window(self, buffer) -> Window:
@@ -429,7 +418,7 @@ class Mesh:
         """Wait until every op issued to ``peer`` (default: all peers) has completed at its target."""
         if peer is not None:
             _ints("flush", peer=peer)
-        self._core.flush(-1 if peer is None else peer, _timeout_arg(timeout))
+        self._core.flush(-1 if peer is None else peer, call_timeout(timeout, "flush: timeout"))
 
     def read_counter(self) -> int:
         """How many one-sided ops issued by this rank have completed."""
@@ -438,7 +427,7 @@ class Mesh:
     @_names_bad_ints("value")
     def wait_counter(self, value: int, timeout: Optional[float] = None) -> None:
         """Wait until :meth:`read_counter` >= ``value``."""
-        self._core.wait_counter(value, _timeout_arg(timeout))
+        self._core.wait_counter(value, call_timeout(timeout, "wait_counter: timeout"))
 
     @_names_bad_ints("slot", "window")
     def read_signal(self, slot: int, *, window: Optional[WindowLike] = None) -> int:
@@ -454,20 +443,22 @@ class Mesh:
         With ``stream``, the wait is queued on that CUDA stream (its later work starts once
         the slot is reached) and this returns at once; ``timeout`` then applies only where
         the driver lacks stream memory operations and the wait falls back to the host."""
+        seconds = call_timeout(timeout, "wait_signal: timeout")
         h = _cuda.stream_handle(stream)
         if h is None:
-            self._core.wait_signal(self._sig(window), slot, expected, _timeout_arg(timeout))
+            self._core.wait_signal(self._sig(window), slot, expected, seconds)
         else:
-            self._core.wait_signal_stream(self._sig(window), slot, expected, h, _timeout_arg(timeout))
+            self._core.wait_signal_stream(self._sig(window), slot, expected, h, seconds)
 
     # -- collectives over the bootstrap -------------------------------------
     def allgather(self, data: bytes, timeout: Optional[float] = None) -> List[bytes]:
         """Every rank's ``data``, indexed by rank (small payloads; via the root)."""
-        return self._core.allgather(bytes(data), _timeout_arg(timeout))
+        seconds = call_timeout(timeout, "allgather: timeout")
+        return self._core.allgather(_bytes_like(data, "allgather: data").tobytes(), seconds)
 
     def barrier(self, timeout: Optional[float] = None) -> None:
         """Wait until every rank has reached the barrier."""
-        self._core.barrier(_timeout_arg(timeout))
+        self._core.barrier(call_timeout(timeout, "barrier: timeout"))
 
     # -- lifetime -----------------------------------------------------------
     def close(self) -> None:

@@ -66,7 +66,7 @@ double now() {
 
 std::string outcome(flagcx_mesh_result_t rc, const char *err) {
   if (rc == FLAGCX_MESH_OK) return "completed";
-  if (rc == FLAGCX_MESH_TIMEOUT) return "hung";
+  if (rc == FLAGCX_MESH_TIMED_OUT) return "hung";
   if (rc == FLAGCX_MESH_PROTOCOL && strstr(err, "miswired")) return "miswired";
   return "failed";
 }

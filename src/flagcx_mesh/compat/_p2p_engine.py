@@ -21,6 +21,7 @@ import weakref
 from typing import Dict, List, Optional, Sequence, Tuple
 
 from .. import errors
+from .._timeouts import call_timeout
 from ..agent import Agent, AgentConnection
 from ..mesh import _as_int
 from . import _p2p_table as table
@@ -364,10 +365,13 @@ class P2pConn:
         engine = self._engine
         what = f"batch_write_sync(session {self.session})"
         engine._check_live(what)
+        try:
+            wait = call_timeout(timeout, f"{what}: timeout")  # 0: the agent's, which is the engine's
+        except errors.InvalidArgument as e:
+            _translate(None, e, f"p2p engine {engine.name}: {what}")
         ops, count = self._ops(what, src_vas, dst_vas, sizes)
         if not ops:
             return
-        wait = timeout if timeout is not None else (engine._timeout or 0.0)
         try:
             self._agent_conn.batch_write(ops).wait(wait)
         except Exception as e:  # noqa: BLE001

@@ -29,8 +29,8 @@ import traceback
 import zlib
 from typing import Dict, List
 
-from . import _gpumem
-from .agent_gpu_peers import mooncake_engine, nixl_agent, nixl_register
+from .. import _gpumem
+from ._gpu_peers import mooncake_engine, nixl_agent, nixl_register
 
 SECRET = "bench-agent-gpu"
 
@@ -41,7 +41,7 @@ def _ms(t0: float) -> float:
 
 class FlagcxTarget:
     def __init__(self, buf_factory):
-        from ..agent import Agent
+        from ...agent import Agent
 
         t0 = time.perf_counter()
         self.agent = Agent("bench-gpu-target", SECRET)
@@ -56,7 +56,7 @@ class FlagcxTarget:
         """Joins the bench's 2-rank mesh on a thread (the build is collective: this loop answers meanwhile)."""
         import threading
 
-        from ..mesh import Mesh
+        from ...mesh import Mesh
 
         def join():
             try:

@@ -36,8 +36,9 @@ import threading
 import time
 from typing import Any, Dict, List, Optional
 
-from .. import Mesh, _core, get_unique_id, release_unique_id
-from ._ranks import save_json
+from ... import _core
+from ...mesh import Mesh, get_unique_id, release_unique_id
+from .._ranks import save_json
 
 HANG_GRACE_S = 20.0
 PHASES = ("rendezvous", "connect")  # after listen = before joining: that is --absent

@@ -11,12 +11,12 @@ from __future__ import annotations
 
 from typing import Callable, List, Tuple
 
-from .agent_gpu_peers import XFER_TIMEOUT
+from ._gpu_peers import XFER_TIMEOUT
 
 
 class MeshBeside:
     def __init__(self, target, buf, timeout: float):
-        from ..mesh import Mesh, get_unique_id
+        from ...mesh import Mesh, get_unique_id
 
         uid = get_unique_id()
         target.ask({"op": "mesh", "uid": uid.hex()})  # it joins on a thread of its own

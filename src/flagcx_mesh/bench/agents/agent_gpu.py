@@ -7,7 +7,7 @@ path, beside Mooncake TE and NIXL and beside the mesh's own puts, all measured i
            [--mesh-put auto|on|off] [--rounds 2] [--timeout 120] [--json PATH]
 
 For each tool (flagcx_mesh once per path, then each peer) a target process
-(agent_gpu_target.py) starts its endpoint and registers --region bytes of zeroed device memory;
+(_gpu_target.py) starts its endpoint and registers --region bytes of zeroed device memory;
 this process, the initiator, learns what it needs over a pipe and measures:
 
   setup    start, register of a --region device buffer (filled with a random pattern), connect,
@@ -16,7 +16,7 @@ this process, the initiator, learns what it needs over a pipe and measures:
   request  --count blocks of each --blocks size (wrapping within --region, remote offsets
            reversed) written pipelined (one batch, then its wait) and blocking (a wait per block),
            --bytes per figure, GB/s, the best of --rounds turns; for flagcx_mesh, the mesh's own
-           puts of the same blocks (agent_gpu_mesh.py: the two processes also form a 2-rank mesh
+           puts of the same blocks (_gpu_mesh.py: the two processes also form a 2-rank mesh
            over the same buffers) take turns with the agent's writes
   verify   the target's buffer, read back (crc32 per MiB), equals what the writes must have left
 
@@ -37,10 +37,11 @@ import time
 import zlib
 from typing import Dict, List, Optional
 
-from . import _gpumem, agent_gpu_mesh, agent_gpu_peers
-from ._ranks import save_json
-from ._sizes import parse_size, size_name
-from .agent_gpu_child import Target, TargetFailed
+from .. import _gpumem
+from . import _gpu_mesh, _gpu_peers
+from .._ranks import save_json
+from .._sizes import parse_size, size_name
+from ._gpu_child import Target, TargetFailed
 
 PATHS = ("cuda-ipc", "cuda-vmm", "staged")
 CRC_CHUNK = 1 << 20
@@ -126,7 +127,7 @@ class Run:
         runs = [self.setup_once(f"bench-gpu-init-{k}") for k in range(max(1, self.args.setups))]
         out = {k: (None if runs[0][k] is None else statistics.median(r[k] for r in runs)) for k in runs[0]}
         out["target_start_ms"], out["target_register_ms"] = self.info["start_ms"], self.info["register_ms"]
-        if isinstance(self.tool, agent_gpu_peers.FlagcxTool) and self.args.connects:
+        if isinstance(self.tool, _gpu_peers.FlagcxTool) and self.args.connects:
             times = sorted(self.setup_once(f"bench-gpu-connect-{i}")["connect_ms"] for i in range(self.args.connects))
             out["connect_median_ms"] = statistics.median(times)
             out["connect_p90_ms"] = times[min(len(times) - 1, int(0.9 * len(times)))]
@@ -139,8 +140,8 @@ class Run:
         try:
             local = tool.register(ep, self.buf)
             conn = tool.connect(ep, self.info["info"])
-            if args.mesh_put != "off" and isinstance(tool, agent_gpu_peers.FlagcxTool):
-                beside = agent_gpu_mesh.MeshBeside(self.target, self.buf, args.timeout)
+            if args.mesh_put != "off" and isinstance(tool, _gpu_peers.FlagcxTool):
+                beside = _gpu_mesh.MeshBeside(self.target, self.buf, args.timeout)
             for block in args.block_sizes:
                 out[size_name(block)] = self.request_row(ep, conn, local, beside, block)
         finally:
@@ -293,7 +294,7 @@ def main(argv: List[str]) -> int:
     args = parse(argv)
     mem = _gpumem.make(args.memory)
     pattern = _pattern(args.region_bytes)
-    ours_tool = agent_gpu_peers.FlagcxTool()
+    ours_tool = _gpu_peers.FlagcxTool()
     out: Dict = {"device": "cuda", "memory": args.memory, "flagcx_mesh": {}, "peers": {}}
     print(f"versions: {ours_tool.version}; memory from {args.memory}", flush=True)
     for path in args.path_list:
@@ -304,7 +305,7 @@ def main(argv: List[str]) -> int:
             out["flagcx_mesh"][path] = _failed(path, e)
     for name in args.peer_list:
         try:
-            tool = agent_gpu_peers.load(name, args.mooncake_protocol)
+            tool = _gpu_peers.load(name, args.mooncake_protocol)
             print(f"[{name}] running {tool.version} ({tool.how})", flush=True)
             fig = measure(args, mem, tool, pattern, name, "ipc", {})
         except (Exception, TargetFailed) as e:

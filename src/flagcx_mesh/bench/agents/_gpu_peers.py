@@ -1,5 +1,5 @@
 """The initiators `bench agent --device cuda` drives (agent_gpu.py), one per tool, each against
-a target in another process (agent_gpu_target.py) on the same GPU:
+a target in another process (_gpu_target.py) on the same GPU:
 
   flagcx_mesh  an Agent; connect(metadata); batch_write of (region, offset) ops
   mooncake     Mooncake TE (mooncake-transfer-engine-cuda13), P2PHANDSHAKE, its intra-node
@@ -20,7 +20,7 @@ import os
 import time
 from typing import Callable, List, Tuple
 
-from .agent_peers import _version
+from ._peers import _version
 
 SECRET = "bench-agent-gpu"
 XFER_TIMEOUT = 60.0  # seconds a NIXL transfer may stay in PROC
@@ -65,8 +65,8 @@ class FlagcxTool:
     name, like = "flagcx_mesh", None
 
     def __init__(self):
-        from .. import __version__
-        from ..agent import Agent
+        from ... import __version__
+        from ...agent import Agent
 
         self.Agent, self.version, self.how = Agent, f"flagcx_mesh {__version__}", "agents"
 

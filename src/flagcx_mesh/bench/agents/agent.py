@@ -15,11 +15,11 @@ cma and shm work within one process as between two). Figures:
   request   --count blocks of each --blocks size (wrapping within --region) written pipelined
             (one batch, one wait) and blocking (a wait per block), GB/s, beside memcpy
   mesh      (flagcx_mesh) the mesh's own puts of the same blocks over the same path, beside the
-            agent's writes (agent_mesh.py; --mesh-put off leaves them out); "goals" in the JSON
+            agent's writes (_mesh.py; --mesh-put off leaves them out); "goals" in the JSON
             is the agent over the mesh per path, block size and mode
   churn     a fresh initiator: start, connect, one 4 KiB write, close; per second
 
-Each peer in --peers (agent_peers.py) runs the same figures, and the ratio flagcx_mesh / peer is
+Each peer in --peers (_peers.py) runs the same figures, and the ratio flagcx_mesh / peer is
 printed against the flagcx_mesh path the peer's own transport matches. A peer that cannot run
 (not installed, a library or backend missing) is reported with its reason, never left out.
 """
@@ -32,9 +32,9 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-from . import agent_peers
-from ._ranks import save_json
-from ._sizes import parse_size, size_name
+from . import _peers
+from .._ranks import save_json
+from .._sizes import parse_size, size_name
 
 SECRET = "bench-agent"
 
@@ -71,8 +71,8 @@ class Flagcx:
     name = "flagcx_mesh"
 
     def __init__(self, np, mesh_put: bool = True):
-        from .. import __version__
-        from ..agent import Agent
+        from ... import __version__
+        from ...agent import Agent
 
         self.np, self.Agent, self.version = np, Agent, f"flagcx_mesh {__version__}"
         self.mesh_put = mesh_put
@@ -117,7 +117,7 @@ class Flagcx:
 
     def request(self, block: int, count: int, limit: int, reps: int) -> Dict[str, float]:
         np, Agent = self.np, self.Agent
-        size, offs = agent_peers.layout(block, count, limit)
+        size, offs = _peers.layout(block, count, limit)
         with Agent("bench-target", SECRET) as t, Agent("bench-init", SECRET) as a:
             srcbuf = np.ones(size, np.uint8)
             if os.environ.get("FLAGCX_MESH_TRANSPORT") == "shm":  # shm reaches memory the agent allocated
@@ -155,10 +155,10 @@ class Flagcx:
             return row
 
     def _mesh_beside(self, src, dst):
-        """The mesh's puts beside the agent's writes (agent_mesh.py), unless --mesh-put off."""
+        """The mesh's puts beside the agent's writes (_mesh.py), unless --mesh-put off."""
         if not self.mesh_put:
             return None
-        from .agent_mesh import HostMeshBeside
+        from ._mesh import HostMeshBeside
 
         return HostMeshBeside(src, dst, shm=os.environ.get("FLAGCX_MESH_TRANSPORT") == "shm")
 
@@ -253,7 +253,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     names = [] if args.peers.strip() == "none" else [p for p in args.peers.split(",") if p]
     for name in names:
         try:
-            peer = agent_peers.load(name, np)
+            peer = _peers.load(name, np)
             print(f"[{name}] running {peer.version} ({peer.how})", flush=True)
             fig = _measure(peer, args, name, blocks, region)
         except Exception as e:  # reported, not hidden: the run goes on with the other peers

@@ -29,8 +29,8 @@ import sys
 import time
 from typing import Dict, List, Optional
 
-from ..netbuild import BUILDERS, DEFAULT_TAG_BASE, MODES, OUTCOMES, aggregate, earliest_round_error
-from ._ranks import run_ranks, save_json
+from ...netbuild import BUILDERS, DEFAULT_TAG_BASE, MODES, OUTCOMES, aggregate, earliest_round_error
+from .._ranks import run_ranks, save_json
 
 DEFAULT_JITTER_US = 2000
 DEFAULT_TIMEOUT_S = 1.0
@@ -110,7 +110,7 @@ class _Progress:
 
 
 def _run_builder(boot, mode: str, builder: str, index: int, args: argparse.Namespace, progress) -> List[dict]:
-    from ..netbuild import build_trial
+    from ...netbuild import build_trial
 
     n, rank, out = boot.nranks, boot.rank, []
     counts = {k: 0 for k in OUTCOMES}
@@ -132,8 +132,8 @@ def _run_builder(boot, mode: str, builder: str, index: int, args: argparse.Names
 
 def rank_entry(argv: List[str]) -> int:
     args = _parse_rank(argv)
-    from ..launch import ranks_from_env
-    from ..netbuild import NetBootstrap
+    from ...launch import ranks_from_env
+    from ...netbuild import NetBootstrap
 
     found = ranks_from_env()
     if found is None:

@@ -29,8 +29,8 @@ import sys
 import tempfile
 from typing import Dict, List, Optional
 
-from .._paths import cflags, libs
-from ._ranks import run_program, save_json
+from ..._paths import cflags, libs
+from .._ranks import run_program, save_json
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "latency.c")
 TRANSPORTS = ("shm", "tcp")

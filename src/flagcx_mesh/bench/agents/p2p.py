@@ -25,8 +25,8 @@ import os
 import time
 from typing import Dict, List, Optional
 
-from ._ranks import save_json
-from ._sizes import parse_size, size_name
+from .._ranks import save_json
+from .._sizes import parse_size, size_name
 
 SECRET = "bench-p2p"
 
@@ -96,7 +96,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     args = _parse(list(argv or []))
     import numpy as np
 
-    from ..compat import p2p
+    from ...compat import p2p
 
     out: Dict[str, Dict] = {}
     for transport in [t for t in args.transports.split(",") if t]:

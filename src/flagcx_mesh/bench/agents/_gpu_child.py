@@ -1,4 +1,4 @@
-"""The bench's side of a target process (agent_gpu_target.py): started with two pipes, asked
+"""The bench's side of a target process (_gpu_target.py): started with two pipes, asked
 one JSON line at a time, every answer awaited at most --timeout seconds; a target that fails,
 dies or goes silent raises TargetFailed with its reason and the tail of its log, and is killed."""
 

@@ -36,9 +36,9 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-from ._plot import save_plot
-from ._ranks import run_ranks, save_json
-from ._sizes import parse_size, size_name
+from .._plot import save_plot
+from .._ranks import run_ranks, save_json
+from .._sizes import parse_size, size_name
 
 TARGET_BYTES = 2 << 30  # per size and path
 
@@ -212,7 +212,7 @@ def stream_wait_latency(mesh, torch, iters: int) -> Optional[List[float]]:
 def rank_entry(argv: List[str]) -> int:
     import torch
 
-    from .. import Mesh
+    from ...mesh import Mesh
 
     args = parse(argv, rank=True)
     torch.cuda.init()

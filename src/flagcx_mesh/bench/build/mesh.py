@@ -19,7 +19,7 @@ import statistics
 import time
 from typing import Dict, List, Optional
 
-from ._ranks import run_ranks, save_json
+from .._ranks import run_ranks, save_json
 
 
 def _parse(argv: Optional[List[str]]) -> argparse.Namespace:
@@ -55,7 +55,8 @@ def _time_flagcx(control, nranks: int, contexts: int) -> float:
     mesh's secret (the launcher's id), so no secret goes on the wire in clear."""
     import os
 
-    from .. import Mesh, _core, get_unique_id
+    from ... import _core
+    from ...mesh import Mesh, get_unique_id
 
     shared = bytes.fromhex(os.environ["FLAGCX_MESH_UNIQUE_ID"])
     sealed = _core.seal_unique_id(shared, get_unique_id()) if control.rank == 0 else b""
@@ -95,7 +96,7 @@ def _gloo_store(control):
 
 def rank_entry(argv: List[str]) -> int:
     args = _parse_rank(argv)
-    from .. import Mesh
+    from ...mesh import Mesh
 
     with Mesh.from_launcher(timeout=60) as control:
         torch_ok = _have_torch()

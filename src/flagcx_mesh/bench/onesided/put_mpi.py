@@ -36,7 +36,7 @@ def mpi_put_bandwidth(MPI, comm, size: int, win, buf) -> float:
 
 
 def _mesh_from_comm(comm):
-    from .. import Mesh, get_unique_id
+    from ...mesh import Mesh, get_unique_id
 
     uid = comm.bcast(get_unique_id() if comm.rank == 0 else None, root=0)
     return Mesh(comm.size, uid, comm.rank, timeout=60)

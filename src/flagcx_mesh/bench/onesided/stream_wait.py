@@ -16,7 +16,7 @@ import os
 import tempfile
 from typing import List
 
-from ._ranks import run_program, save_json
+from .._ranks import run_program, save_json
 from .latency import compile_program
 
 SOURCE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stream_wait.c")

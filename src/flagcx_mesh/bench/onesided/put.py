@@ -35,9 +35,9 @@ from typing import Dict, List, Optional
 
 import numpy as np
 
-from ._plot import save_plot
-from ._ranks import run_ranks, save_json
-from ._sizes import parse_size, size_name
+from .._plot import save_plot
+from .._ranks import run_ranks, save_json
+from .._sizes import parse_size, size_name
 
 TRANSPORT_ENV = {"shm": "auto", "cma": "auto", "tcp": "tcp", "ucx": "ucx"}  # ucx: the [ucx] extra (docs/rdma.md)
 TARGET_BYTES = 256 << 20  # per size and transport (--bytes), bounded by the repetition limits
@@ -173,7 +173,7 @@ def memcpy_bandwidth(size: int) -> float:
 
 def _socket_pair(mesh):
     """A TCP connection rank 0 -> rank 1 on the mesh's interface."""
-    from .. import _core
+    from ... import _core
 
     host = _core.local_host().strip("[]")
     if mesh.rank == 1:
@@ -297,7 +297,7 @@ def _measure_transport(mesh, t: str, args) -> Dict[str, object]:
 
 
 def rank_entry(argv: List[str]) -> int:
-    from .. import Mesh
+    from ...mesh import Mesh
 
     args = _parse(argv, "put-rank", rank=True)
     set_bytes_per_figure(args.bytes)
