@@ -525,6 +525,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
 
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
                             StreamArg stream) try {
+  LogSpeaker speaker(agent_->who());  // device-copy lines of this thread name the agent
   const char* call = is_read ? "read" : "write";
   if (ended()) fail(lost_code(), -1, 0, who() + ": " + call + ": " + gone());
   std::vector<Checked> checked;

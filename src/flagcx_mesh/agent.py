@@ -252,11 +252,13 @@ class AgentConnection:
         ``local`` and ``remote`` are one region each. The table is read in C++, no Python object
         per op; every op is checked before any byte moves, and errors name the row as ``op N``.
         What follows is ``batch_write``'s: one submission per path, the notification after the data."""
-        return self._core.transfer_table(local, remote, _table(table), False, notification, _stream(stream))
+        return self._core.transfer_table(local, remote, _table(table), False, _notification(notification),
+                                         _stream(stream))
 
     def read_blocks(self, local, remote, table, notification: Optional[bytes] = None, stream=None) -> Handle:
         """``write_blocks``' reads: each row's bytes of ``remote`` land in ``local``."""
-        return self._core.transfer_table(local, remote, _table(table), True, notification, _stream(stream))
+        return self._core.transfer_table(local, remote, _table(table), True, _notification(notification),
+                                         _stream(stream))
 
     def notify(self, data: bytes) -> None:
         """A notification alone, after the transfers already issued on this connection."""
