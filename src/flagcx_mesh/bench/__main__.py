@@ -1,6 +1,6 @@
 """Benchmarks that print figures and ratios against a peer measured in the same run.
 
-Building a mesh (flagcx_mesh.bench.build):
+Building a mesh (flagcx_mesh.bench.meshbuild):
     python -m flagcx_mesh.bench mesh [-n 8] [--iterations 20] [--contexts 1] [--json PATH]
     python -m flagcx_mesh.bench race [--trials 200] [-n 4] [--jitter-us 2000] [--builders legacy,ordered,tagged]
                                      [--timeout 1.0]   (FlagCX's full-mesh loop vs the fixed builders)
@@ -48,11 +48,11 @@ from .._cli import run_naming_extras
 
 # command -> (module under bench/, function); imported on use (put needs numpy: pip install flagcx_mesh[bench])
 COMMANDS = {
-    "mesh": ("build.mesh", "main"),
-    "mesh-rank": ("build.mesh", "rank_entry"),
-    "race": ("build.race", "main"),
-    "race-rank": ("build.race", "rank_entry"),
-    "soak": ("build.soak", "main"),
+    "mesh": ("meshbuild.mesh", "main"),
+    "mesh-rank": ("meshbuild.mesh", "rank_entry"),
+    "race": ("meshbuild.race", "main"),
+    "race-rank": ("meshbuild.race", "rank_entry"),
+    "soak": ("meshbuild.soak", "main"),
     "put": ("onesided.put", "main"),
     "put-rank": ("onesided.put", "rank_entry"),
     "put-cuda-rank": ("onesided.put_cuda", "rank_entry"),
