@@ -12,6 +12,8 @@ import time
 
 import pytest
 
+import netns_hosts
+
 from meshutil import subprocess_env
 
 pytestmark = pytest.mark.timeout(120)
@@ -20,40 +22,10 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 RANK_PROG = os.path.join(HERE, "rank_prog.py")
 
 
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=check)
-
-
-def _unavailable(why):
-    if os.environ.get("FXM_REQUIRE_NETNS") == "1":
-        pytest.fail(f"network namespaces required (FXM_REQUIRE_NETNS=1) but {why}")
-    pytest.skip(why)
-
-
 @pytest.fixture
 def two_hosts():
     """{"A": (netns, ifname, address), "B": ...}; removed afterwards."""
-    if os.geteuid() != 0:
-        _unavailable("not root")
-    tag = str(os.getpid())[-5:]
-    hosts = {"A": (f"fxm{tag}a", f"fxa{tag}", "198.51.100.1"),
-             "B": (f"fxm{tag}b", f"fxb{tag}", "198.51.100.2")}
-    try:
-        for ns, _, _ in hosts.values():
-            _ip("netns", "add", ns)
-        _ip("link", "add", hosts["A"][1], "type", "veth", "peer", "name", hosts["B"][1])
-        for ns, ifname, addr in hosts.values():
-            _ip("link", "set", ifname, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except (OSError, subprocess.CalledProcessError) as e:
-        for ns, _, _ in hosts.values():
-            _ip("netns", "del", ns, check=False)
-        _unavailable(f"cannot set up network namespaces: {getattr(e, 'stderr', e)}")
-    yield hosts
-    for ns, _, _ in hosts.values():
-        _ip("netns", "del", ns, check=False)
+    yield from netns_hosts.two_hosts("fx", ("198.51.100.1", "198.51.100.2"))
 
 
 def _run_ranks(placement, extra_args=(), env_of=lambda host: {}, timeout=60):

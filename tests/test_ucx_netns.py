@@ -11,43 +11,18 @@ import subprocess
 
 import pytest
 
+import netns_hosts
+
 from test_ucx import PROG, PY, ucx_env, ucx_info  # noqa: F401 (ucx_info: the fixture)
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def _ip(*args, check=True):
-    return subprocess.run(["ip", *args], capture_output=True, text=True, timeout=20, check=check)
 
 
 @pytest.fixture
 def two_hosts():
     """Two network namespaces joined by a veth pair, as tests/test_netns.py makes them:
     {"A": (netns, ifname, address), "B": ...}; removed afterwards."""
-    def unavailable(why):
-        if os.environ.get("FXM_REQUIRE_NETNS") == "1":
-            pytest.fail(f"network namespaces required (FXM_REQUIRE_NETNS=1) but {why}")
-        pytest.skip(why)
-    if os.geteuid() != 0:
-        unavailable("not root")
-    tag = str(os.getpid())[-5:]
-    hosts = {"A": (f"fxu{tag}a", f"fua{tag}", "198.51.100.41"), "B": (f"fxu{tag}b", f"fub{tag}", "198.51.100.42")}
-    try:
-        for ns, _, _ in hosts.values():
-            _ip("netns", "add", ns)
-        _ip("link", "add", hosts["A"][1], "type", "veth", "peer", "name", hosts["B"][1])
-        for ns, ifname, addr in hosts.values():
-            _ip("link", "set", ifname, "netns", ns)
-            _ip("-n", ns, "addr", "add", f"{addr}/24", "dev", ifname)
-            _ip("-n", ns, "link", "set", ifname, "up")
-            _ip("-n", ns, "link", "set", "lo", "up")
-    except (OSError, subprocess.CalledProcessError) as e:
-        for ns, _, _ in hosts.values():
-            _ip("netns", "del", ns, check=False)
-        unavailable(f"cannot set up network namespaces: {getattr(e, 'stderr', e)}")
-    yield hosts
-    for ns, _, _ in hosts.values():
-        _ip("netns", "del", ns, check=False)
+    yield from netns_hosts.two_hosts("fu", ("198.51.100.41", "198.51.100.42"))
 
 
 @pytest.mark.parametrize("scenario", ["integrity", "order"])

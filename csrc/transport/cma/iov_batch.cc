@@ -8,27 +8,10 @@
 #include <map>
 #include <utility>
 
+#include "transport/byte_ranges.h"
+
 namespace fxm::cma {
 namespace {
-
-// Disjoint byte ranges [start, end) by start.
-using Ranges = std::map<uint64_t, uint64_t>;
-
-bool overlaps(const Ranges& r, uint64_t a, uint64_t b) {
-  auto it = r.lower_bound(b);  // the first range starting at or after b cannot overlap
-  return it != r.begin() && std::prev(it)->second > a;
-}
-
-void insert(Ranges& r, uint64_t a, uint64_t b) {
-  auto it = r.lower_bound(a);
-  if (it != r.begin() && std::prev(it)->second >= a) --it;  // merges with the range before
-  while (it != r.end() && it->first <= b) {
-    a = std::min(a, it->first);
-    b = std::max(b, it->second);
-    it = r.erase(it);
-  }
-  r.emplace(a, b);
-}
 
 // Moves `skip` bytes past the front of iovs [*at, end), as a call that moved them leaves it.
 void advance(iovec* iov, size_t* at, size_t skip) {
@@ -70,12 +53,12 @@ size_t IovBatch::run_end(size_t from) const {
   if (pid_ == self_) return from + 1;
   size_t last = std::min(ops_.size(), from + kMaxIov);
   if (!overlap_) return last;
-  Ranges written;
+  ByteRanges written;
   size_t i = from;
   for (; i < last; ++i) {
     uint64_t a = written_start(ops_[i]), b = a + ops_[i].len;
-    if (i > from && overlaps(written, a, b)) break;
-    insert(written, a, b);
+    if (i > from && written.overlaps(a, b)) break;
+    written.add(a, b);
   }
   return i;
 }

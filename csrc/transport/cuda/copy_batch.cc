@@ -4,6 +4,7 @@
 #include <atomic>
 
 #include "base/env.h"
+#include "transport/byte_ranges.h"
 #include "base/log.h"
 #include "base/status.h"
 #include "transport/cuda/copy_kernel.h"
@@ -18,25 +19,6 @@ std::atomic<bool> kernel_failed{false};  // a launch of the copy kernel failed: 
 // The longest copy the kernel takes: a longer one is one cuMemcpyAsync (the copy engines move it
 // at full speed), so a grid is never a few long copies' chunks times many short copies.
 constexpr uint64_t kKernelLongest = 4 << 20;
-
-// Disjoint byte ranges [start, end) by start.
-using Ranges = std::map<CUdeviceptr, CUdeviceptr>;
-
-bool overlaps(const Ranges& r, CUdeviceptr a, CUdeviceptr b) {
-  auto it = r.lower_bound(b);  // the first range starting at or after b cannot overlap
-  return it != r.begin() && std::prev(it)->second > a;
-}
-
-void insert(Ranges& r, CUdeviceptr a, CUdeviceptr b) {
-  auto it = r.lower_bound(a);
-  if (it != r.begin() && std::prev(it)->second >= a) --it;  // merges with the range before
-  while (it != r.end() && it->first <= b) {
-    a = std::min(a, it->first);
-    b = std::max(b, it->second);
-    it = r.erase(it);
-  }
-  r.emplace(a, b);
-}
 
 // A batch's completion: its one event, and the copy lists its kernels read until then.
 struct BatchDone {
@@ -144,14 +126,14 @@ bool CopyBatch::disjoint(size_t from) const {
 size_t CopyBatch::run_end(size_t from) const {
   if (copies_.size() - from <= 1) return copies_.size();  // one copy: nothing to order it against
   if (from == 0 && disjoint(0)) return copies_.size();
-  Ranges written, read;
+  ByteRanges written, read;
   size_t i = from;
   for (; i < copies_.size(); ++i) {
     const BatchedCopy& c = copies_[i];
     CUdeviceptr d0 = c.dst, d1 = c.dst + c.len, s0 = c.src, s1 = c.src + c.len;
-    if (i > from && (overlaps(written, d0, d1) || overlaps(read, d0, d1) || overlaps(written, s0, s1))) break;
-    insert(written, d0, d1);
-    insert(read, s0, s1);
+    if (i > from && (written.overlaps(d0, d1) || read.overlaps(d0, d1) || written.overlaps(s0, s1))) break;
+    written.add(d0, d1);
+    read.add(s0, s1);
   }
   return i;
 }
