@@ -21,7 +21,7 @@ from . import _core
 from . import cuda as _cuda
 from .errors import InvalidArgument
 from ._timeouts import call_timeout
-from .mesh import _byte_view
+from ._args import _byte_view
 
 __all__ = ["Agent", "AgentConnection", "Region", "Handle", "Notification", "NotificationWait", "region_info"]
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Tuple
 
-from ..mesh import _as_int
+from .._args import _as_int
 from ..window import Window
 from ._errors import _U64, SLOT_BYTES, Result, _raise
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Sequence, Tuple
 
-from ..mesh import _as_int
+from .._args import _as_int
 from ..window import Window
 from ._checks import _Checks, _ints
 from ._errors import Result, _translate

@@ -23,7 +23,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 from .. import errors
 from .._timeouts import call_timeout
 from ..agent import Agent, AgentConnection
-from ..mesh import _as_int
+from .._args import _as_int
 from . import _p2p_table as table
 from ._checks import _is_int
 from ._errors import Result, _raise, _translate

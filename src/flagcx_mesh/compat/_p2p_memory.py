@@ -11,7 +11,7 @@ from typing import Any, NamedTuple, Optional
 
 from .. import _core
 from .. import cuda as _cuda
-from ..mesh import _as_int
+from .._args import _as_int
 from ._checks import _is_int
 
 _U64 = 1 << 64

@@ -6,7 +6,7 @@ from typing import Optional
 
 from .. import _core, errors
 from .. import cuda as _cuda
-from ..mesh import _as_int
+from .._args import _as_int
 from ._checks import _Checks, _is_int, _Reg
 from ._errors import SLOT_BYTES, Result, _translate
 

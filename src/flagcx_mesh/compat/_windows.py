@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Optional, Sequence
 
 from .. import cuda as _cuda
-from ..mesh import _as_int
+from .._args import _as_int
 from ._checks import _Checks, _is_int, _ints
 from ._errors import SLOT_BYTES, Result, _translate
 
