@@ -28,7 +28,7 @@ from . import _ucx
 
 _ucx.tell_core()  # the [ucx] extra's libucp, where installed (docs/rdma.md)
 
-__version__ = "0.3.0"
+__version__ = "0.4.0"
 
 __all__ = [
     "Mesh",
