@@ -509,6 +509,8 @@ std::vector<Notification> Agent::notifications(double timeout_s) {
   return inbox_->take(timeout_s);
 }
 
+void Agent::wake_notifications() { inbox_->wake(); }
+
 NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
                                                  void* stream, double timeout_s) {
   require_open("stream_wait_notification");

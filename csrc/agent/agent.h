@@ -208,6 +208,9 @@ class Agent {
   // timeout_s for the first one (0: only those already there).
   // (A notification that a pending stream wait matches goes to that wait instead.)
   std::vector<Notification> notifications(double timeout_s);
+  // Makes a notifications() call waiting in another thread return now (with what arrived,
+  // maybe nothing); with none waiting, the next call returns at once (wakes do not add up).
+  void wake_notifications();
   // Queues on `stream` (of the current device; 0: the legacy default stream) a
   // wait that holds the stream's later work until a notification of exactly
   // `bytes` (from agent `peer`, "" : any) arrived; one already here and unread

@@ -266,7 +266,7 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
         return out;
       }
     }
-    if (d.expired() || agent_->closed()) return {};
+    if (d.expired() || agent_->closed() || woken_.exchange(false, std::memory_order_acq_rel)) return {};
     sweep();
     std::this_thread::sleep_for(kPollPace);
   }

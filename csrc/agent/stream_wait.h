@@ -10,6 +10,7 @@
 // agent closes: the stream always proceeds, and the wait's error says why.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
@@ -78,8 +79,11 @@ class NotificationInbox {
   Notification host_wait(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s);
   // Puts notifications read but not consumed back in front of the unread ones, in order.
   void unread(std::vector<Notification> ns);
-  // What arrived and no wait consumed, waiting up to timeout_s for the first.
+  // What arrived and no wait consumed, waiting up to timeout_s for the first, or until wake().
   std::vector<Notification> take(double timeout_s);
+  // Makes a take() waiting in another thread return now (with what is there, maybe nothing); with
+  // none waiting, the next take() returns at once. Wakes do not add up.
+  void wake() { woken_.store(true, std::memory_order_release); }
   // Drops the connections whose peer is gone from the agent's table and closes them, keeping
   // the notifications they still hold (for take() and the waits). take() and the listener
   // (ten times a second) call it, so peers that come and go do not keep their sockets.
@@ -109,6 +113,7 @@ class NotificationInbox {
   std::vector<std::unique_ptr<SlotBlock>> blocks_;
   std::thread watcher_;
   bool closing_ = false;
+  std::atomic<bool> woken_{false};  // wake(): the next (or waiting) take() returns
 };
 
 }  // namespace fxm::agent

@@ -322,6 +322,14 @@ flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, d
   });
 }
 
+// No lock: the call it wakes holds the agent's.
+flagcx_mesh_result_t flagcx_mesh_agent_wake_notifications(flagcx_mesh_agent_t agent) {
+  return guard("flagcx_mesh_agent_wake_notifications", [&] {
+    require(agent, "agent");
+    agent->a->wake_notifications();
+  });
+}
+
 flagcx_mesh_result_t flagcx_mesh_agent_wait_notification(flagcx_mesh_agent_t agent, const char* peer,
                                                          const void* data, size_t data_len, double timeout_s,
                                                          void* buf, size_t* len) {

@@ -345,6 +345,11 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_wait_notification(flagcx_
                                                                          const void *data, size_t data_len,
                                                                          double timeout_s, void *buf, size_t *len);
 
+/* Makes a flagcx_mesh_agent_notification waiting in another thread return now (TIMED_OUT when
+ * nothing had come); with none waiting, the next one returns at once. Wakes do not add up. For a
+ * thread that waits on notifications and takes work from other threads too. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_wake_notifications(flagcx_mesh_agent_t agent);
+
 #ifdef __cplusplus
 }
 #endif

@@ -493,6 +493,7 @@ void bind_agent(py::module_& m) {
         for (const auto& p : a.peers()) out.append(py::make_tuple(p.name, fxm::agent::incarnation_hex(p.incarnation), p.address));
         return out;
       })
+      .def("wake_notifications", &Agent::wake_notifications)
       .def("notifications", [](Agent& a, std::optional<double> timeout_or_none) {
         double timeout = timeout_or_none.value_or(0.0);
         std::vector<fxm::agent::Notification> got;

@@ -363,6 +363,13 @@ class Agent:
         """Notifications that arrived, waiting up to ``timeout`` for the first."""
         return [Notification(*n) for n in self._core.notifications(call_timeout(timeout, "notifications: timeout"))]
 
+    def wake_notifications(self) -> None:
+        """Makes a ``notifications()`` call waiting in another thread return now (with what
+        arrived, maybe nothing); with none waiting, the next call returns at once (wakes do not
+        add up). For a thread that waits on notifications and also takes work from others.
+        After ``close()`` it does nothing."""
+        self._core.wake_notifications()
+
     def stream_wait_notification(self, data: bytes, stream, peer: Optional[str] = None,
                                  timeout: Optional[float] = None) -> NotificationWait:
         """Queues on ``stream`` (a torch.cuda.Stream, a stream handle, 0: the legacy

@@ -180,7 +180,7 @@ class KVTransfer:
 
     def __init__(self, name: str, kv_caches: dict, num_blocks: int, *, secret=None, block_dim: int = 0,
                  hold_timeout: float = 120.0, fetch_timeout: float = 120.0, connect_timeout: float = 10.0,
-                 push_timeout: float = 60.0, poll_interval: float = 0.001):
+                 push_timeout: float = 60.0, poll_interval: float = 0.005):
         storages, self.layers = describe_layers(kv_caches, num_blocks, block_dim)
         self.num_blocks = num_blocks
         self.hold_timeout, self.fetch_timeout = float(hold_timeout), float(fetch_timeout)
@@ -227,6 +227,7 @@ class KVTransfer:
         """Prefill: keep ``req_id``'s blocks for a decode until it took them, cancelled, or
         ``hold_timeout`` passed; the request then appears in ``poll().sending``."""
         self._commands.put(("hold", str(req_id), [int(b) for b in block_ids]))
+        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str,
               remote_block_ids: Sequence[int], local_block_ids: Sequence[int], part: Sequence[int] = WHOLE) -> None:
@@ -240,16 +241,19 @@ class KVTransfer:
         remote = [int(b) for b in remote_block_ids]
         self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
                             check_part(tuple(int(v) for v in part))))
+        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
         request is still reported in ``recving`` once no byte can land in its blocks any more."""
         self._commands.put(("cancel", str(req_id)))
+        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def release(self, peer_metadata: bytes, remote_req_id: str) -> None:
         """Decode: a request that will never be fetched (aborted before its blocks were
         allocated); the prefill releases its blocks now instead of at its timeout."""
         self._commands.put(("release", bytes(peer_metadata), str(remote_req_id)))
+        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def poll(self) -> Finished:
         """What completed since the last poll (see :class:`Finished`)."""
@@ -273,6 +277,8 @@ class KVTransfer:
     def close(self) -> None:
         """Stops the thread and closes the agent (peers' pending handles fail with PeerLost)."""
         self._stop.set()
+        if not self.agent.closed:
+            self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
         for c in list(self._closing.values()):  # connections abandoned: their engines stop first

@@ -1,0 +1,85 @@
+"""agent.wake_notifications(): a notifications() call waiting in another thread returns at once
+(what arrived, maybe nothing); a wake with no one waiting makes the next call return at once;
+wakes do not add up (the call after the one that consumed it waits and gets what arrives); after
+close() it does nothing. The vLLM connector's transfer thread is woken so by its commands."""
+
+import threading
+import time
+
+import pytest
+
+from flagcx_mesh import Agent
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def waiting(agent, timeout):
+    """notifications(timeout) in a thread: (thread, box of its result)."""
+    box = []
+    t = threading.Thread(target=lambda: box.append(agent.notifications(timeout)), daemon=True)
+    t.start()
+    return t, box
+
+
+def test_a_waiting_call_returns_when_woken():
+    with Agent("wake-a", "s", timeout=10) as a:
+        t, box = waiting(a, 30)
+        time.sleep(0.2)
+        assert t.is_alive()  # it waits
+        a.wake_notifications()
+        t.join(10)
+        assert not t.is_alive() and box == [[]]  # woken long before its 30 s
+
+
+def test_a_wake_with_no_waiter_is_kept_for_the_next_call_only():
+    with Agent("wake-b", "s", timeout=10) as a, Agent("wake-c", "s", timeout=10) as b:
+        conn = b.connect(a.metadata())
+        a.wake_notifications()
+        a.wake_notifications()  # does not add up
+        t, box = waiting(a, 30)
+        t.join(10)
+        assert not t.is_alive() and box == [[]]
+        t, box = waiting(a, 30)  # the wake was consumed: this one waits for what arrives
+        time.sleep(0.2)
+        assert t.is_alive()
+        conn.notify(b"kv")
+        t.join(10)
+        assert not t.is_alive() and [n.data for n in box[0]] == [b"kv"]
+
+
+def test_after_close_a_wake_does_nothing():
+    a = Agent("wake-d", "s", timeout=10)
+    a.close()
+    a.wake_notifications()
+
+
+def test_the_c_abi_wakes_a_waiting_notification_call():
+    """flagcx_mesh_agent_wake_notifications: a flagcx_mesh_agent_notification waiting in another
+    thread returns TIMED_OUT (nothing came) at once, not after its 30 s."""
+    import ctypes
+
+    import flagcx_mesh
+
+    lib = ctypes.CDLL(flagcx_mesh.get_library())
+    vp, d = ctypes.c_void_p, ctypes.c_double
+    lib.flagcx_mesh_agent_create.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_char_p, d]
+    lib.flagcx_mesh_agent_notification.argtypes = [vp, d, ctypes.c_char_p, ctypes.c_size_t, vp,
+                                                   ctypes.POINTER(ctypes.c_size_t)]
+    lib.flagcx_mesh_agent_wake_notifications.argtypes = [vp]
+    lib.flagcx_mesh_agent_destroy.argtypes = [vp]
+    agent = vp()
+    assert lib.flagcx_mesh_agent_create(ctypes.byref(agent), b"wake-c-abi", b"s", 10.0) == 0
+    got = []
+
+    def wait():
+        buf, n = ctypes.create_string_buffer(64), ctypes.c_size_t(64)
+        got.append(lib.flagcx_mesh_agent_notification(agent, 30.0, None, 0, buf, ctypes.byref(n)))
+
+    t = threading.Thread(target=wait, daemon=True)
+    t.start()
+    time.sleep(0.2)
+    assert t.is_alive()
+    assert lib.flagcx_mesh_agent_wake_notifications(agent) == 0
+    t.join(10)
+    assert not t.is_alive() and got == [2]  # FLAGCX_MESH_TIMED_OUT, long before 30 s
+    assert lib.flagcx_mesh_agent_destroy(agent) == 0
