@@ -22,6 +22,7 @@ import pytest
 
 import flagcx_mesh
 from flagcx_mesh import Agent, InvalidArgument, Mesh, MeshClosed, MeshTimeout, compat
+from test_agent_timeouts import CALLS as AGENT_CALL_TIMEOUTS, pair  # noqa: F401 (pair: the fixture)
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -160,22 +161,10 @@ def test_every_mesh_call_after_close_raises_closed(closed_mesh, call):
 # -- agents: every call that takes a timeout, with the types test_agent_timeouts.py leaves out
 
 
-@pytest.fixture(scope="module")
-def agents():
-    with Agent("contract-a", "s", timeout=10) as a, Agent("contract-b", "s", timeout=10) as b:
-        mine = a.register(bytearray(4096))
-        theirs = b.register(bytearray(4096))
-        yield a, b, a.connect(b.metadata()), mine, theirs
-
-
+# test_agent_timeouts.py's calls (its `pair` fixture: two agents, a connection, a region each),
+# and the two that take a timeout beside them
 AGENT_TIMEOUTS = {
-    "Handle.wait": lambda a, b, c, m, t, to: c.write(m, t, 16).wait(to),
-    "write_sync": lambda a, b, c, m, t, to: c.write_sync(m, t, 16, timeout=to),
-    "read_sync": lambda a, b, c, m, t, to: c.read_sync(m, t, 16, timeout=to),
-    "connect": lambda a, b, c, m, t, to: a.connect(b.metadata(), timeout=to),
-    "notifications": lambda a, b, c, m, t, to: a.notifications(to),
-    "wait_notification": lambda a, b, c, m, t, to: a.wait_notification("contract-b", timeout=to),
-    "stream_wait_notification": lambda a, b, c, m, t, to: a.stream_wait_notification(b"x", 0, timeout=to),
+    **AGENT_CALL_TIMEOUTS,
     "deregister": lambda a, b, c, m, t, to: a.deregister(m, to),
     "Region.deregister": lambda a, b, c, m, t, to: m.deregister(to),
 }
@@ -183,9 +172,9 @@ AGENT_TIMEOUTS = {
 
 @pytest.mark.parametrize("bad", BAD_TIMEOUTS, ids=BAD_IDS)
 @pytest.mark.parametrize("call", sorted(AGENT_TIMEOUTS))
-def test_agent_calls_refuse_a_bad_timeout_naming_it(agents, call, bad):
+def test_agent_calls_refuse_a_bad_timeout_naming_it(pair, call, bad):
     with pytest.raises(InvalidArgument, match=r"timeout must be"):
-        AGENT_TIMEOUTS[call](*agents, bad)
+        AGENT_TIMEOUTS[call](*pair, bad)
 
 
 def test_agent_constructor_refuses_a_bad_timeout():
