@@ -34,17 +34,12 @@ bool IovBatch::add(pid_t pid, bool is_read, uint8_t* local, uint64_t remote_addr
   return true;
 }
 
-// Sorting the written ranges once is cheaper than a range map per op when, as in a request's
-// KV, no two ops touch the same bytes.
+// The written ranges only: what a call reads from the other side may overlap.
 bool IovBatch::any_overlap() const {
-  std::vector<std::pair<uint64_t, uint64_t>> r;
-  r.reserve(ops_.size());
-  for (const Op& op : ops_) r.emplace_back(written_start(op), written_start(op) + op.len);
-  std::sort(r.begin(), r.end());
-  for (size_t i = 1; i < r.size(); ++i) {
-    if (r[i].first < r[i - 1].second) return true;
-  }
-  return false;
+  std::vector<ByteSpan> written;
+  written.reserve(ops_.size());
+  for (const Op& op : ops_) written.push_back({written_start(op), written_start(op) + op.len, true});
+  return any_conflict(written);
 }
 
 size_t IovBatch::run_end(size_t from) const {

@@ -95,30 +95,17 @@ bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCo
   return true;
 }
 
-// One sort instead of a map per copy: the ends of every range, swept in address order; a
-// range that starts before a range it may not overlap has ended is a conflict. (Copies
-// touching their own bytes count too: the ordered walk below then decides.)
+// One sort instead of a map per copy (copies touching their own bytes count as a conflict
+// too: the ordered walk below then decides).
 bool CopyBatch::disjoint(size_t from) const {
-  struct End {
-    CUdeviceptr start, end;
-    bool written;
-  };
-  std::vector<End> ends;
-  ends.reserve(2 * (copies_.size() - from));
+  std::vector<ByteSpan> spans;
+  spans.reserve(2 * (copies_.size() - from));
   for (size_t i = from; i < copies_.size(); ++i) {
     const BatchedCopy& c = copies_[i];
-    if (c.len == 0) continue;
-    ends.push_back({c.dst, c.dst + c.len, true});
-    ends.push_back({c.src, c.src + c.len, false});
+    spans.push_back({c.dst, c.dst + c.len, true});
+    spans.push_back({c.src, c.src + c.len, false});
   }
-  std::sort(ends.begin(), ends.end(), [](const End& a, const End& b) { return a.start < b.start; });
-  CUdeviceptr any_end = 0, written_end = 0;
-  for (const End& e : ends) {
-    if (e.start < written_end || (e.written && e.start < any_end)) return false;
-    any_end = std::max(any_end, e.end);
-    if (e.written) written_end = std::max(written_end, e.end);
-  }
-  return true;
+  return !any_conflict(spans);
 }
 
 // The sweep runs once per batch: when the whole batch is disjoint it is one run; otherwise the
