@@ -44,8 +44,13 @@ std::vector<uint8_t> to_vec(const py::bytes& b) {
 
 // A bytes-like argument (bytes, bytearray, memoryview, a numpy array: anything with a buffer)
 // copied out; anything else (a str included: no encoding is guessed) is refused naming it.
-std::vector<uint8_t> bytes_arg(const py::handle& o, const char* name) {
-  if (PyBytes_Check(o.ptr())) return to_vec(py::reinterpret_borrow<py::bytes>(o));
+// `check_size` (if any) sees the byte count before anything is copied, and throws to refuse it.
+using SizeCheck = void (*)(size_t n, const std::string& what);
+std::vector<uint8_t> bytes_arg(const py::handle& o, const char* name, SizeCheck check_size = nullptr) {
+  if (PyBytes_Check(o.ptr())) {
+    if (check_size) check_size(static_cast<size_t>(PyBytes_GET_SIZE(o.ptr())), name);
+    return to_vec(py::reinterpret_borrow<py::bytes>(o));
+  }
   if (PyUnicode_Check(o.ptr()) || !PyObject_CheckBuffer(o.ptr())) {
     fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(name) + " must be bytes-like (bytes, bytearray, "
                                                     "memoryview), not " + Py_TYPE(o.ptr())->tp_name);
@@ -54,6 +59,14 @@ std::vector<uint8_t> bytes_arg(const py::handle& o, const char* name) {
   if (PyObject_GetBuffer(o.ptr(), &view, PyBUF_C_CONTIGUOUS) != 0) {
     PyErr_Clear();
     fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string(name) + " must be a C-contiguous buffer");
+  }
+  if (check_size) {
+    try {
+      check_size(static_cast<size_t>(view.len), name);
+    } catch (...) {
+      PyBuffer_Release(&view);
+      throw;
+    }
   }
   const uint8_t* p = static_cast<const uint8_t*>(view.buf);
   std::vector<uint8_t> out(p, p + view.len);
@@ -158,7 +171,7 @@ struct PyHandle {
 // What a call takes beside its ops: its notification (bytes or None) and its stream (handle or None).
 struct CallArgs {
   CallArgs(const py::object& notif, const std::optional<uint64_t>& stream) : has_notification(!notif.is_none()) {
-    if (has_notification) notification = bytes_arg(notif, "notification");
+    if (has_notification) notification = bytes_arg(notif, "notification", &fxm::agent::check_notification_size);
     on.set = stream.has_value();
     on.stream = reinterpret_cast<void*>(static_cast<uintptr_t>(stream.value_or(0)));
   }

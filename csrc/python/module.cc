@@ -289,8 +289,6 @@ void bind_wire(py::module_& m) {
   m.attr("UNIQUE_ID_SIZE") = fxm::bootstrap::kUniqueIdSize;
   m.attr("AGENT_MAX_NOTIFICATION_BYTES") = fxm::agent::kMaxNotificationBytes;
   m.attr("MAX_MESSAGE_BYTES") = fxm::Engine::kMaxMessageBytes;
-  m.def("check_notification_size", &fxm::agent::check_notification_size, py::arg("nbytes"), py::arg("what"),
-        "InvalidArgument naming what when nbytes exceeds AGENT_MAX_NOTIFICATION_BYTES.");
   m.attr("ROLE_CONNECT") = static_cast<int>(fxm::wire::Role::kConnect);
   m.attr("ROLE_ACCEPT") = static_cast<int>(fxm::wire::Role::kAccept);
   m.attr("ROLE_AGENT_CONNECT") = static_cast<int>(fxm::wire::Role::kAgentConnect);

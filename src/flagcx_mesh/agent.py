@@ -99,20 +99,6 @@ class Region:
 MAX_NOTIFICATION_BYTES = _core.AGENT_MAX_NOTIFICATION_BYTES  # 64 MiB (docs/agent.md, "Sizes")
 
 
-def _notification(notification):
-    """``notification`` as given, once its size is within MAX_NOTIFICATION_BYTES (InvalidArgument
-    otherwise, before anything moves); the core names one that is not bytes-like."""
-    if notification is None:
-        return None
-    try:
-        size = memoryview(notification).nbytes
-    except TypeError:
-        return notification
-    if size > MAX_NOTIFICATION_BYTES:
-        _core.check_notification_size(size, "notification")
-    return notification
-
-
 class _Completion:
     """What a core handle offers: ``done()`` polls, ``wait(timeout)`` raises its error."""
 
@@ -211,13 +197,13 @@ class AgentConnection:
         ``remote`` region (at ``remote_offset``). ``stream`` (a torch.cuda.Stream,
         a handle, 0: the legacy default stream): the copy starts after the work
         queued on it so far."""
-        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, _notification(notification),
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, False, notification,
                                        _stream(stream))
 
     def read(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
              notification: Optional[bytes] = None, stream=None) -> Handle:
         """Copies ``size`` bytes of the peer's ``remote`` region into ``local``."""
-        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, _notification(notification),
+        return self._core.transfer_one(local, remote, size, local_offset, remote_offset, True, notification,
                                        _stream(stream))
 
     def write_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
@@ -225,22 +211,22 @@ class AgentConnection:
         """``write(...).wait(timeout)`` in one call, without a handle: returns once the bytes
         landed (and the notification was sent); raises what ``wait`` would. ``timeout``
         0 or None: the agent's."""
-        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, _notification(notification),
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, False, notification,
                                      _stream(stream), call_timeout(timeout, "write_sync: timeout"))
 
     def read_sync(self, local: Desc, remote: Desc, size: int, local_offset: int = 0, remote_offset: int = 0,
                   notification: Optional[bytes] = None, stream=None, timeout: Optional[float] = None) -> None:
         """``read(...).wait(timeout)`` in one call, without a handle."""
-        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, _notification(notification),
+        self._core.transfer_one_sync(local, remote, size, local_offset, remote_offset, True, notification,
                                      _stream(stream), call_timeout(timeout, "read_sync: timeout"))
 
     def batch_write(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
         """Every op (local, local_offset, remote, remote_offset, size) is checked
         before any byte moves; the notification follows the data."""
-        return self._core.transfer(_op_list(ops), False, _notification(notification), _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), False, notification, _cuda.stream_handle(stream))
 
     def batch_read(self, ops: Iterable[Op], notification: Optional[bytes] = None, stream=None) -> Handle:
-        return self._core.transfer(_op_list(ops), True, _notification(notification), _cuda.stream_handle(stream))
+        return self._core.transfer(_op_list(ops), True, notification, _cuda.stream_handle(stream))
 
     def write_blocks(self, local, remote, table, notification: Optional[bytes] = None, stream=None) -> Handle:
         """Many ops in one call, as a table rather than a list of tuples: the KV blocks of a request.
@@ -252,12 +238,12 @@ class AgentConnection:
         ``local`` and ``remote`` are one region each. The table is read in C++, no Python object
         per op; every op is checked before any byte moves, and errors name the row as ``op N``.
         What follows is ``batch_write``'s: one submission per path, the notification after the data."""
-        return self._core.transfer_table(local, remote, _table(table), False, _notification(notification),
+        return self._core.transfer_table(local, remote, _table(table), False, notification,
                                          _stream(stream))
 
     def read_blocks(self, local, remote, table, notification: Optional[bytes] = None, stream=None) -> Handle:
         """``write_blocks``' reads: each row's bytes of ``remote`` land in ``local``."""
-        return self._core.transfer_table(local, remote, _table(table), True, _notification(notification),
+        return self._core.transfer_table(local, remote, _table(table), True, notification,
                                          _stream(stream))
 
     def notify(self, data: bytes) -> None:
