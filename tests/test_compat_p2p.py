@@ -94,6 +94,89 @@ def test_write_lands_at_offsets_and_across_adjacent_registrations(pair):
     assert np.array_equal(dst, want)
 
 
+def spy_calls(conn, monkeypatch) -> list:
+    """Which agent call each batch_write_sync made: 'write_blocks' (the table, read by numpy) or
+    'batch_write' (per-entry ops)."""
+    calls, agent_conn = [], conn._agent_conn
+    for name in ("write_blocks", "batch_write"):
+        def spy(*args, _real=getattr(agent_conn, name), _name=name):
+            calls.append(_name)
+            return _real(*args)
+        monkeypatch.setattr(agent_conn, name, spy)
+    return calls
+
+
+def test_a_large_batch_goes_as_one_table(pair, monkeypatch):
+    """4096 scattered blocks over two registrations a side (numpy arrays and lists, some entries
+    of size 0) go through one write_blocks call; every byte lands where its entry says."""
+    target, writer = pair
+    block, count = 256, 4096
+    dst, src = np.zeros(block * count, np.uint8), np.random.default_rng(5).integers(0, 255, block * count,
+                                                                                       dtype=np.uint8)
+    half = dst.nbytes // 2
+    for engine, buf in ((target, dst), (writer, src)):
+        engine.register(addr(buf), half)
+        engine.register(addr(buf) + half, half)
+    conn = writer.get_conn(session(target))
+    calls = spy_calls(conn, monkeypatch)
+    perm = np.random.default_rng(6).permutation(count)
+    sizes = np.full(count, block, np.uint64)
+    sizes[::97] = 0                                   # skipped, whatever their addresses
+    conn.batch_write_sync(addr(src) + np.arange(count, dtype=np.uint64) * block,
+                          [addr(dst) + int(p) * block for p in perm], sizes)
+    assert calls == ["write_blocks"]
+    want = np.zeros_like(dst).reshape(count, block)
+    moved = sizes > 0
+    want[perm[moved]] = src.reshape(count, block)[moved]
+    assert np.array_equal(dst.reshape(count, block), want)
+
+
+def test_a_large_batch_across_registrations_or_outside_them_goes_entry_by_entry(pair, monkeypatch):
+    """An entry across two adjacent registrations is split, one outside every registration refuses
+    the call (nothing written), one with a negative address is refused naming it: the table path
+    leaves each of them to the per-entry checks."""
+    target, writer = pair
+    dst, src = np.zeros(1 << 16, np.uint8), (np.arange(1 << 16) % 251).astype(np.uint8)
+    half = dst.nbytes // 2
+    target.register(addr(dst), half)
+    target.register(addr(dst) + half, half)
+    writer.register(src)
+    conn = writer.get_conn(session(target))
+    calls = spy_calls(conn, monkeypatch)
+    n = 32
+    srcs, dsts, sizes = [addr(src) + 64 * i for i in range(n)], [addr(dst) + 64 * i for i in range(n)], [64] * n
+    dsts[5] = addr(dst) + half - 10                     # across the two registrations
+    conn.batch_write_sync(srcs, dsts, sizes)
+    assert calls == ["batch_write"]
+    assert np.array_equal(dst[half - 10:half + 54], src[320:384])
+    dst[:] = 0
+    dsts[5] = addr(dst) + dst.nbytes - 32               # past the end of the peer's memory
+    refused(Result.InvalidArgument, "entry 5: dst_va .* nothing was written", conn.batch_write_sync,
+            srcs, dsts, sizes)
+    refused(Result.InvalidArgument, "entry 3: src_va -1 is not an integer", conn.batch_write_sync,
+            srcs[:3] + [-1] + srcs[4:], [addr(dst)] * n, sizes)
+    assert dst.sum() == 0
+
+
+def test_locate_all_matches_pieces():
+    """The table's vectorized lookup agrees with the per-entry one on every edge: before the
+    first range, at a range's first and last byte, across a gap, past 2^64."""
+    spans = [table.Span(1000, 100, b"a"), table.Span(1100, 50, b"b"), table.Span(2000, 10, b"c"),
+             table.Span((1 << 64) - 16, 16, b"d")]
+    t = table.AddressTable(spans)
+    cases = [(999, 1), (1000, 1), (1000, 100), (1000, 101), (1099, 1), (1149, 1), (1150, 1),
+             (2000, 10), (2005, 6), ((1 << 64) - 16, 16), ((1 << 64) - 1, 1), ((1 << 64) - 1, 2)]
+    for a, n in cases:
+        got = t.locate_all(np.array([a], np.uint64), np.array([n], np.uint64))
+        one = t.pieces(a, n)
+        if one is not None and len(one) == 1:
+            assert got is not None, (a, n)
+            assert got[0][got[1][0]] is one[0][0] and got[2][0] == one[0][1], (a, n)
+        else:
+            assert got is None, (a, n)
+    assert table.AddressTable().locate_all(np.array([5], np.uint64), np.array([1], np.uint64)) is None
+
+
 def test_the_call_returns_once_the_bytes_landed(monkeypatch):
     """Over tcp the bytes travel after the call issued them: batch_write_sync returns only once
     the target has them all (FlagCX's "sync")."""

@@ -32,6 +32,7 @@ from ._p2p_memory import resolve
 log = logging.getLogger("flagcx_mesh.compat.p2p")
 
 _U64 = 1 << 64
+_TABLE_MIN = 16  # entries from which batch_write_sync reads its batch with numpy (write_blocks)
 _POLL_S = 0.2  # the dispatcher's wait per round (a destroy waits at most this for it)
 NOT_SERVING = "its engine has not started its RPC server (flagcxP2pStartRpcServer / start_rpc_server)"
 
@@ -369,14 +370,51 @@ class P2pConn:
             wait = call_timeout(timeout, f"{what}: timeout")  # 0: the agent's, which is the engine's
         except errors.InvalidArgument as e:
             _translate(None, e, f"p2p engine {engine.name}: {what}")
-        ops, count = self._ops(what, src_vas, dst_vas, sizes)
-        if not ops:
-            return
+        blocks = self._blocks(src_vas, dst_vas, sizes)
+        if blocks is not None:
+            count = len(blocks[2])
+        else:
+            ops, count = self._ops(what, src_vas, dst_vas, sizes)
+            if not ops:
+                return
         try:
-            self._agent_conn.batch_write(ops).wait(wait)
+            if blocks is not None:
+                self._agent_conn.write_blocks(*blocks).wait(wait)
+            else:
+                self._agent_conn.batch_write(ops).wait(wait)
         except Exception as e:  # noqa: BLE001
             _translate(None, e, f"p2p engine {engine.name}: {what} of {count} range(s) "
                                 f"to agent {self.peer_name}")
+
+    def _blocks(self, src_vas, dst_vas, sizes):
+        """The batch as ``write_blocks`` arguments (local descriptors, remote descriptors, an (n, 5)
+        table), read by numpy without a Python object per entry, when it has at least
+        ``_TABLE_MIN`` entries of plain integers, each inside one registration on either side.
+        None otherwise: ``_ops`` then checks every entry (and refuses, splits or asks the peer's
+        table again) one at a time."""
+        try:
+            if len(src_vas) < _TABLE_MIN:
+                return None
+            import numpy as np
+            columns = [np.asarray(v) for v in (src_vas, dst_vas, sizes)]
+        except Exception:  # noqa: BLE001 (no numpy, no len, ragged: the per-entry path says why)
+            return None
+        if any(c.ndim != 1 or c.dtype.kind not in "iu" or len(c) != len(columns[0]) for c in columns):
+            return None
+        if any(c.dtype.kind == "i" and len(c) and c.min() < 0 for c in columns):
+            return None
+        src, dst, nbytes = (c.astype(np.uint64) for c in columns)
+        keep = nbytes > 0
+        if not keep.all():
+            src, dst, nbytes = src[keep], dst[keep], nbytes[keep]
+        if len(nbytes) == 0:
+            return None
+        local = self._engine._local.locate_all(src, nbytes)
+        remote = self._remote.locate_all(dst, nbytes)
+        if local is None or remote is None:
+            return None
+        rows = np.stack([local[1], local[2], remote[1], remote[2], nbytes.astype(np.int64)], axis=1)
+        return [s.descriptor if s.region is None else s.region for s in local[0]], [s.descriptor for s in remote[0]], rows
 
     def _ops(self, what: str, src_vas, dst_vas, sizes) -> Tuple[list, int]:
         """The agent ops of a batch and its number of non-empty entries; every entry checked."""

@@ -57,6 +57,7 @@ class AddressTable:
     def __init__(self, spans: Sequence[Span] = ()):
         ordered = sorted(spans, key=lambda s: s.base)
         self._state: Tuple[List[int], List[Span]] = ([s.base for s in ordered], ordered)
+        self._arrays = None  # (state, bases, last bytes) as numpy arrays, made by locate_all
 
     def __len__(self) -> int:
         return len(self._state[1])
@@ -89,6 +90,30 @@ class AddressTable:
             if addr + size <= s.base + s.size:
                 return s.descriptor, addr - s.base
         return None
+
+    def locate_all(self, addrs, sizes):
+        """(spans, indices into them, offsets), the last two numpy int64 arrays, when every
+        [addrs[i], addrs[i] + sizes[i]) lies in one range; None when some does not (``pieces``
+        then tells, one entry at a time). ``spans`` is the list the indices name (the table as it
+        was for this call, whatever ``add`` does meanwhile).
+        ``addrs`` and ``sizes`` are numpy uint64 arrays of one length, every size > 0."""
+        import numpy as np
+
+        state = self._state
+        if self._arrays is None or self._arrays[0] is not state:
+            bases = np.array(state[0], dtype=np.uint64)
+            lasts = np.array([s.end - 1 for s in state[1]], dtype=np.uint64)  # end may be 2^64
+            self._arrays = (state, bases, lasts)
+        _, bases, lasts = self._arrays
+        if len(bases) == 0:
+            return None
+        index = np.searchsorted(bases, addrs, side="right").astype(np.int64) - 1
+        if (index < 0).any():
+            return None
+        ends = addrs + (sizes - np.uint64(1))  # the last byte; wraps past 2^64 when too large
+        if (ends < addrs).any() or (ends > lasts[index]).any():
+            return None
+        return state[1], index, (addrs - bases[index]).astype(np.int64)
 
     def pieces(self, addr: int, size: int) -> Optional[List[Piece]]:
         """(span, offset, length) covering [addr, addr + size) in address order, or None."""

@@ -10,11 +10,13 @@ every layer, the blocks scattered (block i to block count-1-i, so no run coalesc
 
   get_conn   connect + the region-table request and answer (ms, first session)
   p2p        conn.batch_write_sync(src_vas, dst_vas, sizes): absolute addresses mapped to
-             regions on both sides, then one agent batch and its wait (GB/s, median us per call)
-  agent      conn.batch_write(ops).wait() with the (region, offset) ops built beforehand: the
-             same bytes, without the mapping (GB/s, median us per call)
+             regions on both sides, then one agent call and its wait (GB/s, median us per call)
+  agent      conn.write_blocks(local, remote, table).wait() with the (n, 5) table built
+             beforehand: the same bytes, without the mapping (GB/s, median us per call)
 The two are called in alternation, --reps times each.
-  mapping    the address mapping alone (checks, both tables, the ops built), us per entry
+  mapping    the address mapping alone (checks, both tables, the agent call's arguments built:
+             the numpy table from 16 entries, per-entry ops below or when an entry spans two
+             registrations), us per entry
   ratio      p2p / agent throughput
 """
 
@@ -71,19 +73,22 @@ def _one(np, p2p, block: int, count: int, layers: int, reps: int) -> Dict[str, f
             src_vas += [s.ctypes.data + i * block for i in range(count)]
             dst_vas += [d.ctypes.data + (count - 1 - i) * block for i in range(count)]
         sizes = [block] * len(src_vas)
-        regs_t = {s.base: s.descriptor for s in target._local.spans()}
-        regs_w = {s.base: s.descriptor for s in writer._local.spans()}
-        ops = [(regs_w[s.ctypes.data], i * block, regs_t[d.ctypes.data], (count - 1 - i) * block, block)
-               for d, s in zip(dst, src) for i in range(count)]
+        regs_t = [s.descriptor for s in target._local.spans()]
+        regs_w = [s.descriptor for s in writer._local.spans()]
+        index_t = {s.base: i for i, s in enumerate(target._local.spans())}
+        index_w = {s.base: i for i, s in enumerate(writer._local.spans())}
+        rows = np.array([(index_w[s.ctypes.data], i * block, index_t[d.ctypes.data], (count - 1 - i) * block, block)
+                         for d, s in zip(dst, src) for i in range(count)], dtype=np.int64)
         agent_conn = conn._agent_conn
         conn.batch_write_sync(src_vas, dst_vas, sizes)  # paths chosen, pages touched
         if reps <= 0:
             reps = max(9, min(101, (256 << 20) // (block * len(sizes))))
         p2p_s, agent_s = _medians(lambda: conn.batch_write_sync(src_vas, dst_vas, sizes),
-                                  lambda: agent_conn.batch_write(ops).wait(120), reps)
-        map_s = _medians(lambda: conn._ops("bench", src_vas, dst_vas, sizes), lambda: None, reps)[0]
+                                  lambda: agent_conn.write_blocks(regs_w, regs_t, rows).wait(120), reps)
+        map_s = _medians(lambda: conn._blocks(src_vas, dst_vas, sizes) or conn._ops("bench", src_vas, dst_vas, sizes),
+                         lambda: None, reps)[0]
         nbytes = block * len(sizes)
-        return {"path": agent_conn.path_to(ops[0][2]), "entries": len(sizes), "reps": reps,
+        return {"path": agent_conn.path_to(regs_t[0]), "entries": len(sizes), "reps": reps,
                 "get_conn_ms": get_conn_ms, "p2p_GBps": nbytes / p2p_s / 1e9, "agent_GBps": nbytes / agent_s / 1e9,
                 "p2p_us": p2p_s * 1e6, "agent_us": agent_s * 1e6,
                 "mapping_us_per_entry": map_s * 1e6 / len(sizes)}
