@@ -16,7 +16,8 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
     scratch = tmp_path / "tmp"  # where the bench makes its exchange folders
     scratch.mkdir()
     r = subprocess.run([sys.executable, "-m", "flagcx_mesh.bench", "kv", "--tokens", "64,128", "--paths", "cma,tcp",
-                        "--layers", "3", "--heads", "2", "--head-size", "16", "--reps", "2", "--json", str(out)],
+                        "--layers", "3", "--heads", "2", "--head-size", "16", "--reps", "2", "--peers", "none",
+                        "--json", str(out)],
                        capture_output=True, text=True, timeout=240, env=dict(os.environ, TMPDIR=str(scratch)))
     assert r.returncode == 0, r.stdout + r.stderr
     data = json.loads(out.read_text())
@@ -30,3 +31,26 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
             assert f["kv_ms"] > 0 and f["contiguous_ms"] > 0 and f["batch_ms"] > 0
     assert "KV/contig" in r.stdout and "batch/contig" in r.stdout
     assert list(scratch.iterdir()) == []  # each path's exchange folder removed
+    assert "peers" not in data and "peers," not in r.stdout
+
+
+def test_bench_kv_sets_the_peers_beside_the_request(tmp_path):
+    """--peers: bench agent's harness moves the request's blocks (tokens / block size x layers
+    blocks of a layer's block bytes) with the agent and each peer; one that is not installed is
+    reported NOT RUN with its reason, never as a figure."""
+    out = tmp_path / "kv.json"
+    r = subprocess.run([sys.executable, "-m", "flagcx_mesh.bench", "kv", "--tokens", "64", "--paths", "cma",
+                        "--layers", "2", "--heads", "2", "--head-size", "16", "--reps", "1",
+                        "--peers", "nixl,mooncake", "--json", str(out)],
+                       capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    tools = json.loads(out.read_text())["peers"]["64"]
+    assert set(tools) == {"flagcx_mesh agent", "nixl", "mooncake"}
+    ours = tools["flagcx_mesh agent"]
+    assert ours["ms"] > 0 and abs(ours["GBps"] * ours["ms"] * 1e6 - 4 * 2 * 2048) < 1  # 4 blocks x 2 layers x 2 KiB
+    for name in ("nixl", "mooncake"):
+        f = tools[name]
+        if "error" in f:
+            assert f"{name} NOT RUN: {f['error']}" in r.stdout
+        else:
+            assert f["ms"] > 0 and f"{name} " in r.stdout

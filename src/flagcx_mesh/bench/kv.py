@@ -3,7 +3,7 @@ contiguous agent write of the same bytes on the same path, measured in the same 
 
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
                                    [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
-                                   [--reps 5] [--json PATH] [--plot PNG]
+                                   [--reps 5] [--peers nixl,mooncake | none] [--json PATH] [--plot PNG]
 
 The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
 tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
@@ -22,7 +22,11 @@ contiguous write); and, in the prefill process alone, the local gather of the sa
 layer, `index_copy_` of the blocks picked with `index_select`, on the cache viewed as uint8 and
 as int64; median of --reps), which no transfer between processes can beat (gather u8 / KV: 1.0
 is a request as fast as the uint8 gather). Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
-tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged).
+tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged). With --peers (default
+nixl,mooncake), NIXL and Mooncake TE move the same blocks (one batch of blocks x layers blocks of a
+layer's block bytes, scattered) through `bench agent`'s harness, started by this run after the
+paths (kv_peers.py): their ms per request beside the KV request's; a peer not installed is
+printed NOT RUN with its reason.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ import tempfile
 import time
 from typing import Dict, List
 
+from . import kv_peers
 from ._plot import save_plot
 from ._ranks import save_json
 
@@ -55,6 +60,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--head-size", type=int, default=128, help="head size (default 128)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
     p.add_argument("--reps", type=int, default=5, help="requests timed per figure; each figure is their median (default 5)")
+    p.add_argument("--peers", default="nixl,mooncake", help="other tools moving the same blocks in the same run "
+                   "(bench agent's harness), comma-separated, or none (default nixl,mooncake)")
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--plot", metavar="PNG", help="a plot of GB/s over request size per path: the KV request, the "
                    "contiguous write and the local gathers (needs matplotlib)")
@@ -62,6 +69,7 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.tokens = [int(t) for t in a.tokens.split(",") if t]
+    a.peer_list = [] if a.peers.strip() == "none" else [x for x in a.peers.split(",") if x]
     a.paths = [x for x in a.paths.split(",") if x] or (["cma", "tcp"] if a.device == "cpu"
                                                        else ["cuda-ipc", "cuda-vmm", "staged"])
     return a
@@ -317,7 +325,10 @@ def main(argv: List[str]) -> int:
     if args.role == "decode":
         return decode(args)
     data = {"device": args.device, "paths": {p: _measure_path(args, p) for p in args.paths}}
+    if args.peer_list:
+        data["peers"] = {str(t): kv_peers.measure(args, t) for t in args.tokens}
     _report(data, args)
+    kv_peers.report(data, args)
     save_json(data, args.json)
     plot(data, args)
     return 0
