@@ -19,6 +19,8 @@ copies of one cuMemcpyBatchAsync last to first) and scripts/test-gpu.sh (--devic
               copies go one at a time, same bytes, and later batches do not call it again
     no-kernel (the fake's cuLaunchKernel or cuModuleLoadData fails) batches go through
               cuMemcpyBatchAsync, same bytes, and the kernel is not tried again
+    cross-device (two devices) the user's memory on device 1, the owner's on device 0: the
+              kernel cannot take the run, which goes through one cuMemcpyBatchAsync
 Each prints "<scenario> ok" when it passed; any failure exits non-zero.
 """
 
@@ -76,11 +78,12 @@ def expect_calls(calls: Calls, what: str, batches=None, **want) -> None:
 class Pair:
     """Two agents, a connection, an owner's device region and the user's device and host regions."""
 
-    def __init__(self, args, dev):
+    def __init__(self, args, dev, lbuf=None):
         self.dev, self.timeout = dev, args.timeout
         self.owner = Agent("owner", SECRET, timeout=args.timeout)
         self.user = Agent("user", SECRET, timeout=args.timeout)
-        self.rbuf, self.lbuf, self.hbuf = dev.buffer("ipc", SIZE), dev.buffer("ipc", SIZE), HostBuf(SIZE)
+        self.rbuf, self.hbuf = dev.buffer("ipc", SIZE), HostBuf(SIZE)
+        self.lbuf = dev.buffer("ipc", SIZE) if lbuf is None else lbuf
         self.remote = register(self.owner, self.rbuf)
         self.local = register(self.user, self.lbuf)
         self.host = register(self.user, self.hbuf)
@@ -246,9 +249,40 @@ def refused(args, dev) -> None:
     print("refused ok", flush=True)
 
 
+def second_device_buffer(dev, n: int):
+    """n zeroed bytes on device 1 (the fake with FXM_FAKECUDA_DEVICES=2, or a second GPU)."""
+    if getattr(dev, "cu", None) is not None:
+        import fakecuda
+        from agent_device_prog import FakeBuf
+
+        cu = fakecuda.FakeCuda(device=1)
+        buf = FakeBuf(cu, cu.alloc(n), n)
+        buf.write(0, bytes(n))
+        return buf
+    import torch
+    from agent_device_prog import TorchBuf
+
+    check(torch.cuda.device_count() >= 2, "cross-device needs a second GPU")
+    return TorchBuf(torch.zeros(n, dtype=torch.uint8, device="cuda:1"))
+
+
+def cross_device(args, dev) -> None:
+    """The user's memory on device 1, the owner's region on device 0, in one process (cuda-self,
+    copies on device 0): the copy kernel on device 0 is not given memory of device 1 (no peer
+    access was asked for it), so the run goes to the driver's batch call, one for the run, not
+    one cuMemcpyAsync per copy; every block lands."""
+    p = Pair(args, dev, lbuf=second_device_buffer(dev, SIZE))
+    calls = Calls(dev)
+    reversed_writes(p, 32, 17, "32 writes from device 1's memory")
+    expect_calls(calls, "a run the kernel cannot take", cuLaunchKernel=0, cuMemcpyBatchAsync=1, cuMemcpyAsync=0,
+                 cuEventRecord=1)
+    p.close()
+    print("cross-device ok", flush=True)
+
+
 def main() -> None:
     roles = {"batched": batched, "mixed": mixed, "overlap": overlap, "stream": stream, "off": off,
-             "refused": refused, "no-kernel": no_kernel}
+             "refused": refused, "no-kernel": no_kernel, "cross-device": cross_device}
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=[*roles, "all"])
     ap.add_argument("--device", choices=["fake", "torch"], default="fake")

@@ -50,6 +50,12 @@ def test_a_kernel_that_cannot_run_leaves_batches_to_the_driver(fail):
         assert out.count("loading the copy kernel") == 1, out
 
 
+def test_a_run_the_kernel_cannot_reach_goes_through_the_driver_batch():
+    """Memory of another device than the one copying: not the kernel, one cuMemcpyBatchAsync for
+    the run rather than a cuMemcpyAsync per copy."""
+    run("cross-device", FXM_FAKECUDA_DEVICES="2")
+
+
 def test_batch_copies_off_copy_one_op_at_a_time():
     run("off", FLAGCX_MESH_CUDA_BATCH_COPY="off")
 

@@ -63,11 +63,15 @@ void warn_once(std::atomic<bool>& failed, int peer, const std::string& what) {
   if (!failed.exchange(true)) FXM_WARN(peer, what);
 }
 
+bool driver_batch_usable(const Driver& d) {
+  return (d.cuMemcpyBatchAsync13 || d.cuMemcpyBatchAsync12) && !batch_failed.load();
+}
+
 }  // namespace
 
 BatchCopy batch_copy_mode(const Driver& d, int ordinal) {
   std::string v = cuda_batch_copy_env();
-  bool driver_batch = (d.cuMemcpyBatchAsync13 || d.cuMemcpyBatchAsync12) && !batch_failed.load();
+  bool driver_batch = driver_batch_usable(d);
   if (v == "off") return BatchCopy::kOne;
   if (v == "driver") return driver_batch ? BatchCopy::kDriver : BatchCopy::kOne;
   if (!v.empty() && v != "auto" && v != "on" && v != "kernel") {
@@ -202,7 +206,9 @@ size_t CopyBatch::issue_run(const Driver& d, size_t from, size_t to, std::string
   if (to - from > 1) {
     BatchCopy mode = batch_copy_mode(d, ordinal_);
     if (mode == BatchCopy::kKernel && kernel_call(from, to)) return to;
-    if (mode == BatchCopy::kKernel) mode = batch_copy_mode(d, ordinal_);  // the launch failed
+    // The kernel did not take the run (an end its device cannot reach, or its launch failed):
+    // the driver's batch call, where there is one, rather than a copy call per copy.
+    if (mode == BatchCopy::kKernel) mode = driver_batch_usable(d) ? BatchCopy::kDriver : BatchCopy::kOne;
     if (mode == BatchCopy::kDriver && batch_call(d, from, to)) return to;
   }
   for (size_t i = from; i < to; ++i) {
