@@ -58,6 +58,9 @@ def measure(args, tokens: int) -> Dict[str, Dict]:
         return {name: {"error": f"bench agent did not finish: {e}"} for name in args.peer_list}
     finally:
         os.unlink(out)
+    for line in p.stdout.splitlines():  # the harness's own lines: each tool's figures, NOT RUN reasons
+        if line.startswith("["):
+            print(f"  bench agent {line}", flush=True)
     if not data:
         tail = (p.stdout + p.stderr).strip().splitlines()[-3:]
         return {name: {"error": f"bench agent exited {p.returncode}: {' | '.join(tail)}"} for name in args.peer_list}
