@@ -177,3 +177,31 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
 ])
 def test_automatic_choice_takes_ucx_only_for_a_common_network_transport(mine, theirs, want):
     assert _core._ucx_common_network_transport(mine, theirs) == want
+
+
+@pytest.mark.parametrize("tls, cuda", [
+    (["self/memory", "tcp/eth0", "sysv/memory", "cma/memory"], ""),
+    (["tcp/lo", "cuda_copy/cuda", "cuda_ipc/cuda", "sysv/memory"], "cuda_copy,cuda_ipc"),
+    (["rc_mlx5/mlx5_0:1", "gdr_copy/gdr_copy", "cuda_copy/cuda", "cuda_copy/cuda"], "gdr_copy,cuda_copy"),
+    ([], ""),
+])
+def test_device_memory_goes_to_ucx_only_where_it_offers_a_cuda_transport(tls, cuda):
+    assert _core._ucx_device_memory_transports(tls) == cuda
+
+
+@pytest.mark.parametrize("mode", ["forced", "automatic"])
+def test_device_memory_on_ucx_without_a_cuda_transport(ucx_info, mode):
+    """Fake-driver device regions (the CPU cannot touch them, and this UCX has no cuda transport):
+    FLAGCX_MESH_TRANSPORT=ucx takes device memory too, so each pair with device memory on either
+    side is refused naming why (it used to take cuda-self, ignoring the forced transport);
+    automatic selection keeps cuda-self and never hands the device region to UCX."""
+    import fakecuda
+    if "cuda_copy" in ",".join(ucx_info["transports"]):
+        pytest.skip("this UCX offers cuda transports: device memory would go to it")
+    env = ucx_env("tcp")
+    env.update(fakecuda.env())
+    if mode == "automatic":
+        env.pop("FLAGCX_MESH_TRANSPORT")
+        env["FLAGCX_MESH_UCX_LIB"] = ucx_info["library"].split(" (")[0]
+    p = run(["device-fake"], env, timeout=120)
+    assert p.returncode == 0 and "device-fake ok" in p.stdout, f"{p.stdout}\n{p.stderr[-6000:]}"

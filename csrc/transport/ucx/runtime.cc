@@ -236,11 +236,15 @@ Status Runtime::create_ep(const std::string& address, Endpoint* e, bool peer_err
   return api_->ucp_ep_create(worker_, &p, ep);
 }
 
-std::unique_ptr<Registration> Runtime::map(void* base, uint64_t size, std::string* why) {
+std::unique_ptr<Registration> Runtime::map(void* base, uint64_t size, bool cuda, std::string* why) {
   std::lock_guard<std::mutex> lock(mu_);
   MemMapParams p;
   p.address = base;
   p.length = size;
+  if (cuda) {
+    p.field_mask |= kMapMemoryType;
+    p.memory_type = kMemoryCuda;
+  }
   Mem memh = nullptr;
   Status s = api_->ucp_mem_map(context_, &p, &memh);
   if (s != kOk) return *why = "ucp_mem_map: " + status_text(s), nullptr;

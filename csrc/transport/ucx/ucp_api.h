@@ -65,11 +65,16 @@ struct EpParams {                // ucp_ep_params_t
   uint8_t rest[500] = {};
 };
 
-constexpr uint64_t kMapAddress = 1u << 0, kMapLength = 1u << 1;
+constexpr uint64_t kMapAddress = 1u << 0, kMapLength = 1u << 1, kMapMemoryType = 1u << 4;
+constexpr int kMemoryHost = 0;  // UCS_MEMORY_TYPE_HOST
+constexpr int kMemoryCuda = 1;  // UCS_MEMORY_TYPE_CUDA
 struct MemMapParams {  // ucp_mem_map_params_t
   uint64_t field_mask = kMapAddress | kMapLength;
   void* address = nullptr;
   size_t length = 0;
+  unsigned flags = 0;
+  unsigned prot = 0;
+  int memory_type = kMemoryHost;  // read only with kMapMemoryType in field_mask
   uint8_t rest[500] = {};
 };
 
