@@ -70,4 +70,18 @@ for chunk in 1048576 16777216; do
   step "bench-put-staged-chunk-$chunk" env FLAGCX_MESH_STAGED_CHUNK_BYTES=$chunk "$py" -m flagcx_mesh.bench put \
     --device cuda --paths staged --sizes 1M,16M,64M,256M --json "$logs/bench-put-staged-chunk-$chunk.json"
 done
+# device memory over the ucx path (docs/rdma.md): two agent processes with CUDA tensors, forced ucx, once over
+# UCX's cuda_copy/cuda_ipc/sm and once over tcp + cuda_copy: every byte of random writes, batches and reads,
+# a batch ordered on a busy stream, write_blocks of 4096 x 64 KiB (GB/s); then the same KV-shaped writes
+# in `bench agent` beside NIXL on the same UCX_TLS. Needs a libucx wheel built with CUDA
+# (pip install --no-deps libucx-cu13 / libucx-cu12, or the [ucx-cu13] extra); skipped, saying so, without it.
+ucx_why=$("$py" -c 'import flagcx_mesh._ucx as u; i = u.info(); print("" if i["loaded"] and any(t.startswith("cuda_copy") for t in i["transports"]) else (i["error"] or "this UCX offers no cuda transport: " + ", ".join(i["transports"])))' 2>&1 | tail -n 1)
+if [ -z "$ucx_why" ]; then
+  step ucx-device timeout 900 "$py" tests/ucx_device_prog.py all --timeout 300
+  step bench-agent-cuda-ucx env UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.bench agent --device cuda \
+    --paths ucx --blocks 64K --count 4096 --region 256M --bytes 2G --peers nixl --mesh-put off \
+    --json "$logs/bench-agent-cuda-ucx.json"
+else
+  echo "== ucx-device: SKIPPED: $ucx_why" | tee -a "$logs/summary.txt"
+fi
 exit $status

@@ -106,8 +106,18 @@ void UcxPath::check_healthy(const char* op) const {
   if (!lost.empty()) fail(Code::kPeerLost, peer_, 0, std::string("ucx: ") + op + " to " + ep_->peer() + ": " + lost);
 }
 
-void* UcxPath::post_put(const PathOp& op) {
+// The local buffer's memory type, told to UCX for device memory (not left to its detection).
+ucx::RequestParams UcxPath::params_for(const PathOp& op) {
   ucx::RequestParams p;
+  if (op.local_device >= 0) {
+    p.op_attr_mask |= ucx::kOpMemoryType;
+    p.memory_type = ucx::kMemoryCuda;
+  }
+  return p;
+}
+
+void* UcxPath::post_put(const PathOp& op) {
+  ucx::RequestParams p = params_for(op);
   void* r = rt_->api().ucp_put_nbx(ep_->ep(), op.local, op.len, remote_base_ + op.remote_off,
                                    static_cast<ucx::Rkey>(rkey_), &p);
   if (ucx::is_error(r)) {
@@ -156,7 +166,7 @@ int UcxPath::get(const PathOp& op) {
   void* r = nullptr;
   {
     std::lock_guard<std::mutex> lock(rt_->mu());
-    ucx::RequestParams p;
+    ucx::RequestParams p = params_for(op);
     r = rt_->api().ucp_get_nbx(ep_->ep(), op.local, op.len, remote_base_ + op.remote_off,
                                static_cast<ucx::Rkey>(rkey_), &p);
   }

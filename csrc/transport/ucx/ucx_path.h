@@ -21,6 +21,7 @@
 namespace fxm {
 
 namespace ucx {
+struct RequestParams;
 class Endpoint;
 class Registration;
 class Runtime;
@@ -40,6 +41,7 @@ class UcxPath : public Path {
 
  private:
   void check_healthy(const char* op) const;
+  static ucx::RequestParams params_for(const PathOp& op);
   void* post_put(const PathOp& op);  // under the runtime's lock: ucp_put_nbx, or throws
   int put_and_flush(const PathOp& op);
   ucx::Runtime* rt_;
