@@ -85,10 +85,11 @@ class Target:
         return self.p.returncode, f"{out}\n{err}"
 
 
-@pytest.mark.parametrize("tls", TLS)
+@pytest.mark.parametrize("tls, error_mode", [("tcp", "peer"), ("sm", "peer"), ("tcp", "none")])
 @pytest.mark.parametrize("scenario", ["integrity", "order"])
-def test_agents_over_ucx(ucx_info, tls, scenario):
+def test_agents_over_ucx(ucx_info, tls, error_mode, scenario):
     env = ucx_env(tls)
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = error_mode
     t = Target(env)
     try:
         p = run(["initiator", scenario], env, stdin=t.line)
@@ -99,8 +100,12 @@ def test_agents_over_ucx(ucx_info, tls, scenario):
 
 
 @pytest.mark.parametrize("tls", TLS)
-def test_target_killed_mid_batch_fails_the_batch_with_peer_lost(ucx_info, tls):
+@pytest.mark.parametrize("error_mode", ["peer", "none"])
+def test_target_killed_mid_batch_fails_the_batch_with_peer_lost(ucx_info, tls, error_mode):
+    """With UCX's peer error handling (the default) and without it (FLAGCX_MESH_UCX_ERROR_MODE=none:
+    the connection's loss alone tells)."""
     env = ucx_env(tls)
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = error_mode
     t = Target(env)
     init = subprocess.Popen([PY, PROG, "initiator", "kill"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -166,6 +171,26 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
     p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "REFUSED InvalidArgument" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
     assert "FLAGCX_MESH_TRANSPORT=ucx" in p.stdout and "libucp-missing.so.0" in p.stdout, p.stdout
+
+
+def test_a_bad_ucx_error_mode_is_refused_naming_it(ucx_info):
+    env = ucx_env("tcp")
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = "sometimes"
+    code = """
+import numpy as np
+from flagcx_mesh import MeshError
+from flagcx_mesh.agent import Agent
+with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
+    r = b.register(np.zeros(4096, np.uint8))
+    c = a.connect(b.metadata(), timeout=10)
+    try:
+        print("PATH", c.path_to(r))
+    except MeshError as e:
+        print("REFUSED", type(e).__name__, e)
+"""
+    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "REFUSED InvalidArgument" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
+    assert "FLAGCX_MESH_UCX_ERROR_MODE=sometimes is not one of peer, none" in p.stdout, p.stdout
 
 
 @pytest.mark.parametrize("mine, theirs, want", [

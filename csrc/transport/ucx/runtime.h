@@ -89,8 +89,8 @@ class Runtime {
   // Registers [base, base + size), CUDA memory when `cuda` (UCX is told its memory type, not left
   // to detect it); nullptr with *why (UCX's text) when it cannot.
   std::unique_ptr<Registration> map(void* base, uint64_t size, bool cuda, std::string* why);
-  // Under mu(): progresses the worker until it has nothing to do.
-  void progress_locked();
+  // Under mu(): progresses the worker until it has nothing to do; true when it did something.
+  bool progress_locked();
   // Held by each op in flight (its completion probe): the progress thread does not sleep meanwhile.
   class Busy {
    public:
