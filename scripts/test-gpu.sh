@@ -3,7 +3,7 @@
 #   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
 # Installs the package from this tree (and builds the test doubles into build/test-doubles, outside
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
-# fake-driver tests, 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
+# fake-driver tests, device memory over the ucx path (tests/ucx_device_prog.py, when a CUDA-enabled libucx is installed), 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
 # the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py), agents with CUDA tensors between two
 # processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), batched device copies (tests/agent_batch_prog.py all), the PD example and the vLLM connector's transfer part on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
@@ -81,6 +81,9 @@ if [ -z "$ucx_why" ]; then
   step bench-agent-cuda-ucx env UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.bench agent --device cuda \
     --paths ucx --blocks 64K --count 4096 --region 256M --bytes 2G --peers nixl --mesh-put off \
     --json "$logs/bench-agent-cuda-ucx.json"
+  # a 2-rank mesh's device windows (a cuMem window as the source, torch tensors as the targets) over ucx
+  step mesh-device-ucx env FLAGCX_MESH_TRANSPORT=ucx UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.launch -n 2 \
+    --timeout 300 -- "$py" tests/gpu_prog.py integrity --device torch --expect-alloc ucx --expect-user ucx
 else
   echo "== ucx-device: SKIPPED: $ucx_why" | tee -a "$logs/summary.txt"
 fi
