@@ -3,7 +3,8 @@ scripts/test-gpu.sh (needs torch with CUDA and a libucx wheel built with CUDA: l
 
     ucx_device_prog.py all [--tls LIST ...] [--timeout S]
         for each UCX_TLS value (default "cuda_copy,cuda_ipc,sm,self" and "tcp,cuda_copy"): a
-        target and an initiator process, both with FLAGCX_MESH_TRANSPORT=ucx and that UCX_TLS;
+        target and an initiator process, both with FLAGCX_MESH_TRANSPORT=ucx and that UCX_TLS
+        (with tcp: UCX_NET_DEVICES=lo unless set);
         prints "<tls>: ok" and the figures, exits non-zero when a run failed or hung
     ucx_device_prog.py target     registers CUDA tensors "small" (4 MiB, zeros) and "kv"
                                   (256 MiB, zeros) and a host array "host" (4 MiB, zeros),
@@ -197,6 +198,8 @@ def initiator() -> None:
 
 def one_run(tls: str, timeout: float) -> bool:
     env = {**os.environ, "FLAGCX_MESH_TRANSPORT": "ucx", "UCX_TLS": tls}
+    if "tcp" in tls.split(","):  # both processes are on this host: UCX's tcp over loopback
+        env.setdefault("UCX_NET_DEVICES", "lo")
     me = os.path.abspath(__file__)
     t = subprocess.Popen([sys.executable, me, "target"], env=env, stdout=subprocess.PIPE,
                          stderr=subprocess.PIPE, text=True)
