@@ -205,6 +205,10 @@ def one_run(tls: str, timeout: float) -> bool:
                          stderr=subprocess.PIPE, text=True)
     try:
         first = t.stdout.readline()
+        for _ in range(100):  # UCX writes its own warnings to stdout: the target's line is the JSON one
+            if first.startswith("{") or not first:
+                break
+            first = t.stdout.readline()
         if not first.startswith("{"):
             print(f"{tls}: FAILED: the target said {first!r}\n{t.stderr.read()[-4000:]}", flush=True)
             return False
