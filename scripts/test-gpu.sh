@@ -3,7 +3,7 @@
 #   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
 # Installs the package from this tree (and builds the test doubles into build/test-doubles, outside
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
-# fake-driver tests, 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
+# fake-driver tests, device memory over the ucx path (tests/ucx_device_prog.py, when a CUDA-enabled libucx is installed), 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
 # the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py), agents with CUDA tensors between two
 # processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), batched device copies (tests/agent_batch_prog.py all), the PD example and the vLLM connector's transfer part on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
@@ -70,4 +70,21 @@ for chunk in 1048576 16777216; do
   step "bench-put-staged-chunk-$chunk" env FLAGCX_MESH_STAGED_CHUNK_BYTES=$chunk "$py" -m flagcx_mesh.bench put \
     --device cuda --paths staged --sizes 1M,16M,64M,256M --json "$logs/bench-put-staged-chunk-$chunk.json"
 done
+# device memory over the ucx path (docs/rdma.md): two agent processes with CUDA tensors, forced ucx, once over
+# UCX's cuda_copy/cuda_ipc/sm and once over tcp + cuda_copy: every byte of random writes, batches and reads,
+# a batch ordered on a busy stream, write_blocks of 4096 x 64 KiB (GB/s); then the same KV-shaped writes
+# in `bench agent` beside NIXL on the same UCX_TLS. Needs a libucx wheel built with CUDA
+# (pip install --no-deps libucx-cu13 / libucx-cu12, or the [ucx-cu13] extra); skipped, saying so, without it.
+ucx_why=$("$py" -c 'import flagcx_mesh._ucx as u; i = u.info(); print("" if i["loaded"] and any(t.startswith("cuda_copy") for t in i["transports"]) else (i["error"] or "this UCX offers no cuda transport: " + ", ".join(i["transports"])))' 2>&1 | tail -n 1)
+if [ -z "$ucx_why" ]; then
+  step ucx-device timeout 900 "$py" tests/ucx_device_prog.py all --timeout 300
+  step bench-agent-cuda-ucx env UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.bench agent --device cuda \
+    --paths ucx --blocks 64K --count 4096 --region 256M --bytes 2G --peers nixl --mesh-put off \
+    --json "$logs/bench-agent-cuda-ucx.json"
+  # a 2-rank mesh's device windows (a cuMem window as the source, torch tensors as the targets) over ucx
+  step mesh-device-ucx env FLAGCX_MESH_TRANSPORT=ucx UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.launch -n 2 \
+    --timeout 300 -- "$py" tests/gpu_prog.py integrity --device torch --expect-alloc ucx --expect-user ucx
+else
+  echo "== ucx-device: SKIPPED: $ucx_why" | tee -a "$logs/summary.txt"
+fi
 exit $status

@@ -44,3 +44,19 @@ def test_the_references_receiver_takes_exactly_its_transfers(size):
     finally:
         a.close()
         b.close()
+
+
+@pytest.mark.timeout(30)
+def test_the_streams_ucx_opened_are_counted_from_this_process_tcp_connections():
+    """bench put counts UCX's streams as this process's new established TCP connections: a
+    loopback connection opened here adds two (its two ends), a closed one leaves."""
+    before = put.tcp_connections()
+    server = socket.create_server(("127.0.0.1", 0))
+    client = socket.create_connection(server.getsockname())
+    accepted, _ = server.accept()
+    try:
+        assert len(put.tcp_connections() - before) == 2
+    finally:
+        for s in (client, accepted, server):
+            s.close()
+    assert len(put.tcp_connections() - before) == 0

@@ -85,10 +85,11 @@ class Target:
         return self.p.returncode, f"{out}\n{err}"
 
 
-@pytest.mark.parametrize("tls", TLS)
+@pytest.mark.parametrize("tls, error_mode", [("tcp", "peer"), ("sm", "peer"), ("tcp", "none")])
 @pytest.mark.parametrize("scenario", ["integrity", "order"])
-def test_agents_over_ucx(ucx_info, tls, scenario):
+def test_agents_over_ucx(ucx_info, tls, error_mode, scenario):
     env = ucx_env(tls)
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = error_mode
     t = Target(env)
     try:
         p = run(["initiator", scenario], env, stdin=t.line)
@@ -99,8 +100,12 @@ def test_agents_over_ucx(ucx_info, tls, scenario):
 
 
 @pytest.mark.parametrize("tls", TLS)
-def test_target_killed_mid_batch_fails_the_batch_with_peer_lost(ucx_info, tls):
+@pytest.mark.parametrize("error_mode", ["peer", "none"])
+def test_target_killed_mid_batch_fails_the_batch_with_peer_lost(ucx_info, tls, error_mode):
+    """With UCX's peer error handling (the default) and without it (FLAGCX_MESH_UCX_ERROR_MODE=none:
+    the connection's loss alone tells)."""
     env = ucx_env(tls)
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = error_mode
     t = Target(env)
     init = subprocess.Popen([PY, PROG, "initiator", "kill"], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)
@@ -168,6 +173,26 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
     assert "FLAGCX_MESH_TRANSPORT=ucx" in p.stdout and "libucp-missing.so.0" in p.stdout, p.stdout
 
 
+def test_a_bad_ucx_error_mode_is_refused_naming_it(ucx_info):
+    env = ucx_env("tcp")
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = "sometimes"
+    code = """
+import numpy as np
+from flagcx_mesh import MeshError
+from flagcx_mesh.agent import Agent
+with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
+    r = b.register(np.zeros(4096, np.uint8))
+    c = a.connect(b.metadata(), timeout=10)
+    try:
+        print("PATH", c.path_to(r))
+    except MeshError as e:
+        print("REFUSED", type(e).__name__, e)
+"""
+    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "REFUSED InvalidArgument" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
+    assert "FLAGCX_MESH_UCX_ERROR_MODE=sometimes is not one of peer, none" in p.stdout, p.stdout
+
+
 @pytest.mark.parametrize("mine, theirs, want", [
     (["self/memory", "tcp/eth0", "sysv/memory", "posix/memory", "cma/memory"], ["tcp/eth0", "cma/memory"], ""),
     (["tcp/eth0", "rc_mlx5/mlx5_0:1", "ud_verbs/mlx5_0:1"], ["rc_mlx5/mlx5_2:1", "tcp/eth1"], "rc_mlx5"),
@@ -177,3 +202,31 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
 ])
 def test_automatic_choice_takes_ucx_only_for_a_common_network_transport(mine, theirs, want):
     assert _core._ucx_common_network_transport(mine, theirs) == want
+
+
+@pytest.mark.parametrize("tls, cuda", [
+    (["self/memory", "tcp/eth0", "sysv/memory", "cma/memory"], ""),
+    (["tcp/lo", "cuda_copy/cuda", "cuda_ipc/cuda", "sysv/memory"], "cuda_copy,cuda_ipc"),
+    (["rc_mlx5/mlx5_0:1", "gdr_copy/gdr_copy", "cuda_copy/cuda", "cuda_copy/cuda"], "gdr_copy,cuda_copy"),
+    ([], ""),
+])
+def test_device_memory_goes_to_ucx_only_where_it_offers_a_cuda_transport(tls, cuda):
+    assert _core._ucx_device_memory_transports(tls) == cuda
+
+
+@pytest.mark.parametrize("mode", ["forced", "automatic"])
+def test_device_memory_on_ucx_without_a_cuda_transport(ucx_info, mode):
+    """Fake-driver device regions (the CPU cannot touch them, and this UCX has no cuda transport):
+    FLAGCX_MESH_TRANSPORT=ucx takes device memory too, so each pair with device memory on either
+    side is refused naming why (it used to take cuda-self, ignoring the forced transport);
+    automatic selection keeps cuda-self and never hands the device region to UCX."""
+    import fakecuda
+    if "cuda_copy" in ",".join(ucx_info["transports"]):
+        pytest.skip("this UCX offers cuda transports: device memory would go to it")
+    env = ucx_env("tcp")
+    env.update(fakecuda.env())
+    if mode == "automatic":
+        env.pop("FLAGCX_MESH_TRANSPORT")
+        env["FLAGCX_MESH_UCX_LIB"] = ucx_info["library"].split(" (")[0]
+    p = run(["device-fake"], env, timeout=120)
+    assert p.returncode == 0 and "device-fake ok" in p.stdout, f"{p.stdout}\n{p.stderr[-6000:]}"

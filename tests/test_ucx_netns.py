@@ -2,15 +2,21 @@
 tests/test_netns.py makes them; agents in each, FLAGCX_MESH_TRANSPORT=ucx over UCX's tcp on the
 veth pair only (UCX_NET_DEVICES). Needs root and `ip netns` (FXM_REQUIRE_NETNS=1 fails instead of
 skipping) and UCX (tests/test_ucx.py's ucx_info). A serial file run alone (tests/conftest.py).
+
+The same through a lossy link: 10 % of the packets arriving on each veth dropped by nft
+(tests/netns_faults.py's rules; needs `nft`, FXM_REQUIRE_NFT=1 fails instead of skipping): every
+byte still lands and reads back, each process finishes within its bound, nothing hangs.
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
+import time
 
 import pytest
 
+import netns_faults
 import netns_hosts
 
 from test_ucx import PROG, PY, ucx_env, ucx_info  # noqa: F401 (ucx_info: the fixture)
@@ -25,11 +31,33 @@ def two_hosts():
     yield from netns_hosts.two_hosts("fu", ("198.51.100.41", "198.51.100.42"))
 
 
-@pytest.mark.parametrize("scenario", ["integrity", "order"])
-def test_agents_across_two_netns_hosts_over_ucx_tcp(ucx_info, two_hosts, scenario):
-    """The target in one namespace, the initiator in the other: UCX's tcp over the veth pair only."""
+@pytest.fixture
+def lossy_hosts():
+    """Two namespaces with nft chains (tests/netns_faults.py), 10 % of the packets arriving on
+    each veth dropped; removed afterwards."""
+    why = netns_faults.missing_tools()
+    if why:
+        if os.environ.get("FXM_REQUIRE_NFT") == "1":
+            pytest.fail(f"nft fault tests required (FXM_REQUIRE_NFT=1) but {why}")
+        pytest.skip(why)
+    try:
+        hosts = netns_faults.make_hosts()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+    try:
+        netns_faults.set_drop(hosts, LOSS_PERCENT)
+        yield hosts
+    finally:
+        netns_faults.remove_hosts(hosts)
+
+
+LOSS_PERCENT = 10
+
+
+def run_across(hosts, scenario):
+    """tests/ucx_prog.py's target on host B, its initiator running `scenario` on host A."""
     def env_on(host):
-        ns, ifname, _ = two_hosts[host]
+        ns, ifname, _ = hosts[host]
         env = ucx_env("tcp")
         env.update(UCX_NET_DEVICES=ifname, FLAGCX_MESH_IFNAME=ifname)
         return env, ["ip", "netns", "exec", ns]
@@ -48,7 +76,25 @@ def test_agents_across_two_netns_hosts_over_ucx_tcp(ucx_info, two_hosts, scenari
         assert p.returncode == 0 and f"{scenario} ok" in p.stdout, f"{p.stdout}\n{p.stderr[-6000:]}"
         out, err = target.communicate(timeout=60)
         assert target.returncode == 0 and "target ok" in out, f"{out}\n{err[-4000:]}"
+        return p.stdout
     finally:
         if target.poll() is None:
             target.kill()
             target.communicate()
+
+
+@pytest.mark.parametrize("scenario", ["integrity", "order"])
+def test_agents_across_two_netns_hosts_over_ucx_tcp(ucx_info, two_hosts, scenario):
+    """The target in one namespace, the initiator in the other: UCX's tcp over the veth pair only."""
+    run_across(two_hosts, scenario)
+
+
+@pytest.mark.parametrize("scenario", ["integrity", "order"])
+def test_agents_over_ucx_tcp_through_10_percent_loss(ucx_info, lossy_hosts, scenario):
+    """10 % of the packets dropped both ways all along (the agents' own connection too): every
+    write, batch and read of the scenario completes within its 30 s wait with every byte right
+    (the target checks the sha256 after each notification, the initiator reads all back), and
+    the initiator finishes within its 150 s bound."""
+    t0 = time.monotonic()
+    run_across(lossy_hosts, scenario)
+    print(f"{scenario} over UCX tcp through {LOSS_PERCENT} % loss: {time.monotonic() - t0:.1f} s")

@@ -17,6 +17,14 @@ UCX_TLS set by the test).
                    write must fail at once
     ucx_prog.py fuzz           two agents in this process: every byte of a ucx region's descriptor
                                flipped (tests/test_peer_binding.py's fuzz, on the ucx path)
+    ucx_prog.py device-fake    two agents in this process with device regions of the fake CUDA
+                               driver (FLAGCX_MESH_CUDA_DRIVER set by the test), whose memory UCX
+                               cannot reach (no cuda transport here): with FLAGCX_MESH_TRANSPORT=ucx
+                               every pair with device memory on either side is refused naming why
+                               (device memory is no longer left to the cuda paths), host -> host
+                               still takes ucx; without it (FLAGCX_MESH_UCX_LIB: automatic) the
+                               device pairs keep cuda-self and the device region is not handed
+                               to UCX
 Each prints "<scenario> ok" when it passed; any failure exits non-zero.
 """
 
@@ -166,6 +174,8 @@ def main() -> None:
         return target()
     if sys.argv[1] == "fuzz":
         return fuzz()
+    if sys.argv[1] == "device-fake":
+        return device_fake()
     a, conn, remote = connect()
     with a:
         {"integrity": integrity, "order": order, "kill": kill}[sys.argv[2]](a, conn, remote)
@@ -218,6 +228,37 @@ def fuzz() -> None:
             fail("no flipped descriptor was refused")
         conn.write(src, first, N).wait(10)
         print(f"fuzz ok: {len(first.descriptor)} bytes flipped, {refused} ops refused", flush=True)
+
+
+def device_fake() -> None:
+    import os
+
+    from flagcx_mesh import InvalidArgument
+    from gpu_prog import FakeDevice
+
+    forced = os.environ.get("FLAGCX_MESH_TRANSPORT") == "ucx"
+    dev = FakeDevice()
+    with Agent("target", SECRET, timeout=10) as b, Agent("initiator", SECRET, timeout=10) as a:
+        conn = a.connect(b.metadata(), timeout=10)
+        remote = {"dev": b.register(dev.buffer(N)), "host": b.register(np.zeros(N, np.uint8))}
+        local = {"dev": a.register(dev.buffer(N)), "host": a.register(np.zeros(N, np.uint8))}
+        for lk, rk in (("dev", "dev"), ("host", "dev"), ("dev", "host"), ("host", "host")):
+            try:
+                path = conn.path_to(remote[rk], local[lk])
+            except InvalidArgument as e:
+                path = f"refused: {e}"
+            print(f"{lk} -> {rk}: {path}", flush=True)
+            if lk == rk == "host":
+                if forced and path != "ucx":
+                    fail(f"host -> host: {path}, not ucx")
+            elif not forced and path != "cuda-self":
+                fail(f"{lk} -> {rk}: {path}, not cuda-self (automatic selection keeps the cuda paths on one host)")
+            elif forced:
+                side = "the peer's window" if lk == "host" else "this rank's copy"
+                if not path.startswith("refused") or "FLAGCX_MESH_TRANSPORT=ucx" not in path or \
+                        f"{side} is device memory and UCX here offers no transport for CUDA memory" not in path:
+                    fail(f"{lk} -> {rk}: {path} (a forced ucx must refuse naming why)")
+        print("device-fake ok", flush=True)
 
 
 if __name__ == "__main__":

@@ -159,7 +159,7 @@ RegionDesc Agent::add_region(std::shared_ptr<Window> w, const std::string& shm_n
   set_cookie(w.get());
   WindowDesc d = describe_local(*w, host_, shm_name);
   if (w->dev) describe_device(w, &d);
-  if (w->kind != WindowKind::kSignal && !w->dev) w->ucx_reg = register_with_ucx(w->base, w->size, &d, false);
+  if (w->kind != WindowKind::kSignal) w->ucx_reg = register_with_ucx(w->base, w->size, w->dev != nullptr, &d, false);
   seal_window(*w, d);  // peers bind the descriptor to this registration (transport/binding.h)
   w->own.set({-1, w->index, w->nonce, reinterpret_cast<uint64_t>(w->base), w->size});
   windows_.add(w);

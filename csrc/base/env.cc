@@ -66,6 +66,11 @@ std::string ucx_lib_env() {
   return s ? s : "";
 }
 
+std::string ucx_error_mode_env() {
+  const char* s = std::getenv("FLAGCX_MESH_UCX_ERROR_MODE");
+  return s ? s : "";
+}
+
 std::string transport_env() {
   const char* s = std::getenv("FLAGCX_MESH_TRANSPORT");
   return s ? s : "";

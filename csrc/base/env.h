@@ -12,6 +12,8 @@
 //   FLAGCX_MESH_UCX_LIB  the libucp to load (ucx_lib_env(); default: the libucx
 //                        wheel's, else libucp.so.0); set, it also turns UCX on
 //                        for automatic selection (transport/ucx/ucx_path.h)
+//   FLAGCX_MESH_UCX_ERROR_MODE  peer | none: UCX's error handling on the ucx path's
+//                        endpoints (ucx_error_mode_env(); transport/ucx/runtime.h)
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
 //   FLAGCX_MESH_CUDA_BATCH_COPY  auto | off: whether an agent's batch of device
 //                        copies is issued with cuMemcpyBatchAsync (cuda_batch_copy_env())
@@ -74,6 +76,7 @@ double build_timeout_s(double seconds, const char* what);
 std::string transport_env();
 // FLAGCX_MESH_UCX_LIB as it is now ("" when unset).
 std::string ucx_lib_env();
+std::string ucx_error_mode_env();
 // FLAGCX_MESH_TCP_LANES as it is now: the tcp connections this rank offers per (peer, context),
 // 1..kMaxTcpLanes; unset or empty: default_tcp_lanes(). Throws InvalidArgument on another value.
 constexpr int kMaxTcpLanes = 16;

@@ -167,7 +167,7 @@ void OneSided::finish_registration(Window& w) const {
 std::vector<uint8_t> OneSided::describe_for_peers(Window& w, const std::string& shm_name) const {
   WindowDesc d = describe_local(w, host_, shm_name);
   if (w.dev) export_device(w, &d);
-  if (w.kind != WindowKind::kSignal && !w.dev) w.ucx_reg = register_with_ucx(w.base, w.size, &d, true);
+  if (w.kind != WindowKind::kSignal) w.ucx_reg = register_with_ucx(w.base, w.size, w.dev != nullptr, &d, true);
   seal_window(w, d);
   std::vector<uint8_t> mine(4);
   std::memcpy(mine.data(), &w.index, 4);

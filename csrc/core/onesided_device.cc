@@ -82,7 +82,7 @@ void OneSided::prepare_device_op(const PutArgs& a, const Window& local, const Pa
   bool device_path = is_device_path(p.kind()) || p.kind() == PathKind::kStaged;
   if (!pair_busy && op->fence && is_device_path(p.kind())) op->fence->forget();  // idle pair: no stream wait
   if (device_path || a.stream_set) op->deadline = op_deadline(a);  // host paths never wait: no clock read
-  if (local.kind == WindowKind::kDevice && !device_path) {
+  if (local.kind == WindowKind::kDevice && !device_path && p.kind() != PathKind::kUcx) {  // (UCX moves either)
     fail(Code::kInvalidArgument, a.peer, 0, who() + (is_get ? "get" : "put") + " (peer " + std::to_string(a.peer) +
                                                 "): window #" + std::to_string(local.index) +
                                                 " is device memory and the peer's window is host memory; "

@@ -367,6 +367,9 @@ PYBIND11_MODULE(_core, m) {
       }, "Opens UCX (once per process) and says what was loaded: library, version, transports, or why not.");
   m.def("_ucx_common_network_transport", &fxm::common_network_transport, py::arg("mine"), py::arg("theirs"),
         "The network transport automatic selection would take ucx for (\"\" when none; test helper).");
+  m.def("_ucx_device_memory_transports", &fxm::device_memory_transports, py::arg("transports"),
+        "The transports among these that move CUDA memory, \",\"-joined (\"\" when none: device memory is not "
+        "registered with UCX; test helper).");
   m.def("default_timeout", [] { return fxm::default_timeout_s(); },
         "FLAGCX_MESH_TIMEOUT as the core read it (seconds; default 60).");
   m.def("local_address", [] { return fxm::tcp::local_address_reason(); },

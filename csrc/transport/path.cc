@@ -82,7 +82,7 @@ const std::vector<PathFactory>& path_factories() {
 
 const std::vector<PathFactory>& device_path_factories() {
   static const std::vector<PathFactory> order{make_cuda_self_path, make_cuda_vmm_path, make_cuda_ipc_path,
-                                              make_staged_path};
+                                              make_ucx_path, make_staged_path};
   return order;
 }
 

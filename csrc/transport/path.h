@@ -247,7 +247,7 @@ struct PathRequest {
 // the path cannot reach that window.
 using PathFactory = std::unique_ptr<Path> (*)(const PathRequest& req, const WindowDesc& d, std::string* why);
 const std::vector<PathFactory>& path_factories();  // self, shm, cma, ucx, tcp
-const std::vector<PathFactory>& device_path_factories();  // cuda-self, cuda-vmm, cuda-ipc, staged
+const std::vector<PathFactory>& device_path_factories();  // cuda-self, cuda-vmm, cuda-ipc, ucx, staged
 
 struct PathChoice {
   std::unique_ptr<Path> path;

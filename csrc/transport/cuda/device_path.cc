@@ -87,9 +87,15 @@ const char* forced_name(ForcedCudaPath f) {
   }
 }
 
+// FLAGCX_MESH_TRANSPORT=ucx takes device memory too, unless FLAGCX_MESH_CUDA_PATH names a device path.
+bool forced_ucx(const PathRequest& req) {
+  return req.forced == ForcedTransport::kUcx && req.forced_cuda == ForcedCudaPath::kAuto;
+}
+
 // Empty, or why a device path cannot map the peer's copy at all.
 std::string mappable(const PathRequest& req, const WindowDesc& d, ForcedCudaPath self) {
   if (req.forced_cuda != ForcedCudaPath::kAuto && req.forced_cuda != self) return forced_name(req.forced_cuda);
+  if (forced_ucx(req)) return "FLAGCX_MESH_TRANSPORT=ucx";
   if (d.kind != WindowKind::kDevice) return "the peer's copy is host memory";
   if (!same_host(req, d)) return "peer is on another host";
   if (cuda::driver() == nullptr) return cuda::driver_error();
@@ -102,6 +108,10 @@ std::string mappable(const PathRequest& req, const WindowDesc& d, ForcedCudaPath
 // (a peer may claim this process's pid with any address).
 std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
   if (d.pid != static_cast<int32_t>(::getpid()) || !same_host(req, d) || cuda::driver() == nullptr) return nullptr;
+  if (forced_ucx(req) && req.peer != req.me) {  // (a mesh rank's own copy stays here)
+    *why = "cuda-self refused: FLAGCX_MESH_TRANSPORT=ucx";
+    return nullptr;
+  }
   if (!is_own_window({req.peer_is_agent ? -1 : req.peer, req.win_index, d.cookie, d.addr, d.size})) {
     *why = "cuda-self refused: " + std::string(req.peer_is_agent ? "the peer agent" : "rank " + std::to_string(req.peer)) +
            " names this process but no window #" +

@@ -9,6 +9,7 @@
 #include <thread>
 
 #include "base/clock.h"
+#include "base/env.h"
 #include "base/log.h"
 #include "base/status.h"
 
@@ -17,6 +18,10 @@ namespace {
 
 // How long the progress thread spins after the last op was posted while ops are in flight.
 constexpr int64_t kSpinAfterOpNs = 200'000'000;
+
+// How long the progress thread spins after the worker last had something to do (a target
+// receiving a stream of puts over UCX's tcp: the next bytes come before a sleep would end).
+constexpr int64_t kSpinAfterProgressNs = 1'000'000;
 
 // How long closing an endpoint may wait for UCX (force close: no answer from the peer is awaited).
 constexpr double kCloseSeconds = 2.0;
@@ -163,21 +168,25 @@ int64_t Runtime::now_ns() {
       .count();
 }
 
-void Runtime::progress_locked() {
-  while (api_->ucp_worker_progress(worker_) != 0) {
-  }
+bool Runtime::progress_locked() {
+  bool any = false;
+  while (api_->ucp_worker_progress(worker_) != 0) any = true;
+  return any;
 }
 
 // Progresses the worker: without sleeping while ops are in flight, else sleeping on
 // its event fd once armed (or a short nap where there is none).
 void Runtime::run() {
   running_ = true;
+  int64_t last_progress_ns = 0;
   while (!stopping_.load()) {
-    bool busy = busy_.load() > 0 && now_ns() - last_op_ns_.load(std::memory_order_relaxed) < kSpinAfterOpNs;
+    int64_t now = now_ns();
+    bool busy = (busy_.load() > 0 && now - last_op_ns_.load(std::memory_order_relaxed) < kSpinAfterOpNs) ||
+                now - last_progress_ns < kSpinAfterProgressNs;
     bool armed = false;
     {
       std::lock_guard<std::mutex> lock(mu_);
-      progress_locked();
+      if (progress_locked()) last_progress_ns = now;
       armed = !busy && efd_ >= 0 && api_->ucp_worker_arm(worker_) == kOk;
     }
     if (busy) {
@@ -197,6 +206,20 @@ void Runtime::stop() {
   while (running_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
+namespace {
+
+// FLAGCX_MESH_UCX_ERROR_MODE: peer (default: UCX fails a dead peer's endpoint and its requests) or
+// none (over UCX's tcp, peer error handling makes UCX emulate puts with active messages, about half
+// the rate: docs/rdma.md; a dead peer is then seen by the connection's loss alone). Else refused.
+bool peer_error_handling() {
+  std::string mode = ucx_error_mode_env();
+  if (mode.empty() || mode == "peer") return true;
+  if (mode == "none") return false;
+  fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_UCX_ERROR_MODE=" + mode + " is not one of peer, none");
+}
+
+}  // namespace
+
 std::shared_ptr<Endpoint> Runtime::endpoint(const std::string& address, const std::string& peer) {
   std::vector<std::shared_ptr<Endpoint>> seen;  // released after the lock (the last reference closes one)
   std::lock_guard<std::mutex> lock(mu_);
@@ -213,8 +236,9 @@ std::shared_ptr<Endpoint> Runtime::endpoint(const std::string& address, const st
   // The handler's argument exists before the endpoint: the Endpoint first, its handle set after.
   auto e = std::make_shared<Endpoint>(this, peer);
   Ep ep = nullptr;
-  Status s = create_ep(address, e.get(), true, &ep);
-  if (s != kOk) {  // no transport to the peer detects its failure (shared memory): the connection's loss does
+  bool peer_errors = peer_error_handling();
+  Status s = create_ep(address, e.get(), peer_errors, &ep);
+  if (s != kOk && peer_errors) {  // no transport to the peer detects its failure (shared memory): the connection's loss does
     FXM_INFO(-1, "ucx: no transport to " + peer + " detects a peer's failure (" + status_text(s) +
                      "); its endpoint is made without (the connection's loss still fails its ops)");
     s = create_ep(address, e.get(), false, &ep);
@@ -236,11 +260,15 @@ Status Runtime::create_ep(const std::string& address, Endpoint* e, bool peer_err
   return api_->ucp_ep_create(worker_, &p, ep);
 }
 
-std::unique_ptr<Registration> Runtime::map(void* base, uint64_t size, std::string* why) {
+std::unique_ptr<Registration> Runtime::map(void* base, uint64_t size, bool cuda, std::string* why) {
   std::lock_guard<std::mutex> lock(mu_);
   MemMapParams p;
   p.address = base;
   p.length = size;
+  if (cuda) {
+    p.field_mask |= kMapMemoryType;
+    p.memory_type = kMemoryCuda;
+  }
   Mem memh = nullptr;
   Status s = api_->ucp_mem_map(context_, &p, &memh);
   if (s != kOk) return *why = "ucp_mem_map: " + status_text(s), nullptr;

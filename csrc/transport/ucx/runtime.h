@@ -86,10 +86,11 @@ class Runtime {
   const std::string& describe() const { return describe_; }
   // The endpoint to a peer worker (shared while one lives and has not failed); throws Error naming `peer`.
   std::shared_ptr<Endpoint> endpoint(const std::string& address, const std::string& peer);
-  // Registers [base, base + size); nullptr with *why (UCX's text) when it cannot.
-  std::unique_ptr<Registration> map(void* base, uint64_t size, std::string* why);
-  // Under mu(): progresses the worker until it has nothing to do.
-  void progress_locked();
+  // Registers [base, base + size), CUDA memory when `cuda` (UCX is told its memory type, not left
+  // to detect it); nullptr with *why (UCX's text) when it cannot.
+  std::unique_ptr<Registration> map(void* base, uint64_t size, bool cuda, std::string* why);
+  // Under mu(): progresses the worker until it has nothing to do; true when it did something.
+  bool progress_locked();
   // Held by each op in flight (its completion probe): the progress thread does not sleep meanwhile.
   class Busy {
    public:

@@ -65,19 +65,31 @@ struct EpParams {                // ucp_ep_params_t
   uint8_t rest[500] = {};
 };
 
-constexpr uint64_t kMapAddress = 1u << 0, kMapLength = 1u << 1;
+constexpr uint64_t kMapAddress = 1u << 0, kMapLength = 1u << 1, kMapMemoryType = 1u << 4;
+constexpr int kMemoryHost = 0;  // UCS_MEMORY_TYPE_HOST
+constexpr int kMemoryCuda = 1;  // UCS_MEMORY_TYPE_CUDA
 struct MemMapParams {  // ucp_mem_map_params_t
   uint64_t field_mask = kMapAddress | kMapLength;
   void* address = nullptr;
   size_t length = 0;
+  unsigned flags = 0;
+  unsigned prot = 0;
+  int memory_type = kMemoryHost;  // read only with kMapMemoryType in field_mask
   uint8_t rest[500] = {};
 };
 
-constexpr uint32_t kOpFlags = 1u << 4;    // UCP_OP_ATTR_FIELD_FLAGS
-constexpr uint32_t kCloseForce = 1u << 0;  // UCP_EP_CLOSE_FLAG_FORCE
-struct RequestParams {                     // ucp_request_param_t
+constexpr uint32_t kOpFlags = 1u << 4;       // UCP_OP_ATTR_FIELD_FLAGS
+constexpr uint32_t kOpMemoryType = 1u << 6;  // UCP_OP_ATTR_FIELD_MEMORY_TYPE
+constexpr uint32_t kCloseForce = 1u << 0;    // UCP_EP_CLOSE_FLAG_FORCE
+struct RequestParams {                       // ucp_request_param_t
   uint32_t op_attr_mask = 0;
   uint32_t flags = 0;
+  void* request = nullptr;
+  void* cb = nullptr;
+  uint64_t datatype = 0;
+  void* user_data = nullptr;
+  void* reply_buffer = nullptr;
+  int memory_type = kMemoryHost;  // of the local buffer: read only with kOpMemoryType
   uint8_t rest[500] = {};
 };
 

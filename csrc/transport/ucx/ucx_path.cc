@@ -106,8 +106,18 @@ void UcxPath::check_healthy(const char* op) const {
   if (!lost.empty()) fail(Code::kPeerLost, peer_, 0, std::string("ucx: ") + op + " to " + ep_->peer() + ": " + lost);
 }
 
-void* UcxPath::post_put(const PathOp& op) {
+// The local buffer's memory type, told to UCX for device memory (not left to its detection).
+ucx::RequestParams UcxPath::params_for(const PathOp& op) {
   ucx::RequestParams p;
+  if (op.local_device >= 0) {
+    p.op_attr_mask |= ucx::kOpMemoryType;
+    p.memory_type = ucx::kMemoryCuda;
+  }
+  return p;
+}
+
+void* UcxPath::post_put(const PathOp& op) {
+  ucx::RequestParams p = params_for(op);
   void* r = rt_->api().ucp_put_nbx(ep_->ep(), op.local, op.len, remote_base_ + op.remote_off,
                                    static_cast<ucx::Rkey>(rkey_), &p);
   if (ucx::is_error(r)) {
@@ -156,7 +166,7 @@ int UcxPath::get(const PathOp& op) {
   void* r = nullptr;
   {
     std::lock_guard<std::mutex> lock(rt_->mu());
-    ucx::RequestParams p;
+    ucx::RequestParams p = params_for(op);
     r = rt_->api().ucp_get_nbx(ep_->ep(), op.local, op.len, remote_base_ + op.remote_off,
                                static_cast<ucx::Rkey>(rkey_), &p);
   }
@@ -181,6 +191,23 @@ std::unique_ptr<Path> refuse(const PathRequest& req, const std::string& reason, 
   return nullptr;
 }
 
+// Empty, or why UCX here cannot move this op's device memory (either side's).
+std::string device_memory_refusal(const PathRequest& req, const WindowDesc& d, const Runtime& rt) {
+  if (d.kind != WindowKind::kDevice && req.device < 0) return "";
+  if (!device_memory_transports(rt.transports()).empty()) return "";
+  return std::string(req.device >= 0 ? "this rank's copy" : "the peer's window") +
+         " is device memory and UCX here offers no transport for CUDA memory (cuda_copy, cuda_ipc, gdr_copy: "
+         "a UCX built with CUDA, and UCX_TLS naming one if set); it offers " + join_transports(rt.transports());
+}
+
+std::string what_moves(const PathRequest& req, const WindowDesc& d, const Runtime& rt, const std::string& net) {
+  std::string s = "ucx: " + rt.describe();
+  if (d.kind == WindowKind::kDevice || req.device >= 0) {
+    s += "; device memory through " + device_memory_transports(rt.transports());
+  }
+  return s + (net.empty() ? "" : "; network transport " + net);
+}
+
 }  // namespace
 
 std::unique_ptr<Path> make_ucx_path(const PathRequest& req, const WindowDesc& d, std::string* why) {
@@ -191,9 +218,16 @@ std::unique_ptr<Path> make_ucx_path(const PathRequest& req, const WindowDesc& d,
     if (why) *why = "ucx: signal windows take the core's own paths";
     return nullptr;
   }
+  bool device = d.kind == WindowKind::kDevice || req.kind == WindowKind::kDevice;
+  if (device && req.forced_cuda != ForcedCudaPath::kAuto) {  // the device path named takes precedence
+    if (why) *why = "ucx: FLAGCX_MESH_CUDA_PATH names the path to device memory";
+    return nullptr;
+  }
   std::string error;
   Runtime* rt = Runtime::get(&error);
   if (rt == nullptr) return refuse(req, error, why);
+  std::string no_device = device_memory_refusal(req, d, *rt);
+  if (!no_device.empty()) return refuse(req, no_device, why);
   if (d.ucx_rkey.empty()) return refuse(req, "the peer did not register this window with UCX", why);
   // On one host, the description is bound as a mapping is (binding.h: the peer's process, the seal
   // of its registration); across hosts nothing here can read the seal (docs/rdma.md, "Binding").
@@ -212,17 +246,22 @@ std::unique_ptr<Path> make_ucx_path(const PathRequest& req, const WindowDesc& d,
     ucx::Status s = rt->api().ucp_ep_rkey_unpack(ep->ep(), d.ucx_rkey.data(), &rkey);
     if (s != ucx::kOk) return refuse(req, "the description's rkey: ucp_ep_rkey_unpack: " + ucx::status_text(s), why);
   }
-  if (why) *why = "ucx: " + rt->describe() + (net.empty() ? "" : "; network transport " + net);
+  if (why) *why = what_moves(req, d, *rt, net);
   return std::make_unique<UcxPath>(rt, std::move(ep), rkey, d.addr, req.outbox, req.peer);
 }
 
 bool ucx_wanted() { return transport_env() == "ucx" || !ucx_lib_env().empty(); }
 
-std::unique_ptr<ucx::Registration> register_with_ucx(void* base, uint64_t size, WindowDesc* d, bool with_worker) {
+std::unique_ptr<ucx::Registration> register_with_ucx(void* base, uint64_t size, bool cuda, WindowDesc* d,
+                                                     bool with_worker) {
   if (!ucx_wanted() || size == 0) return nullptr;
   std::string why;
   Runtime* rt = Runtime::get(&why);
-  std::unique_ptr<ucx::Registration> reg = rt ? rt->map(base, size, &why) : nullptr;
+  if (rt && cuda && device_memory_transports(rt->transports()).empty()) {
+    rt = nullptr;
+    why = "it is device memory and UCX here offers no transport for CUDA memory (cuda_copy, cuda_ipc, gdr_copy)";
+  }
+  std::unique_ptr<ucx::Registration> reg = rt ? rt->map(base, size, cuda, &why) : nullptr;
   if (!reg) {
     FXM_WARN(-1, "ucx: a window of " + std::to_string(size) + " bytes is not registered with UCX: " + why);
     return nullptr;
@@ -262,6 +301,17 @@ std::string common_network_transport(const std::vector<std::string>& mine, const
     if (is_network(tl) && other.count(tl)) return tl;
   }
   return "";
+}
+
+std::string device_memory_transports(const std::vector<std::string>& tls) {
+  static const std::set<std::string> cuda{"cuda_copy", "cuda_ipc", "gdr_copy"};
+  std::set<std::string> seen;
+  std::string s;
+  for (const std::string& t : tls) {
+    std::string tl = transport_name(t);
+    if (cuda.count(tl) && seen.insert(tl).second) s += (s.empty() ? "" : ",") + tl;
+  }
+  return s;
 }
 
 std::string join_transports(const std::vector<std::string>& tls) {

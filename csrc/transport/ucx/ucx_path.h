@@ -21,6 +21,7 @@
 namespace fxm {
 
 namespace ucx {
+struct RequestParams;
 class Endpoint;
 class Registration;
 class Runtime;
@@ -40,6 +41,7 @@ class UcxPath : public Path {
 
  private:
   void check_healthy(const char* op) const;
+  static ucx::RequestParams params_for(const PathOp& op);
   void* post_put(const PathOp& op);  // under the runtime's lock: ucp_put_nbx, or throws
   int put_and_flush(const PathOp& op);
   ucx::Runtime* rt_;
@@ -57,8 +59,11 @@ std::unique_ptr<Path> make_ucx_path(const PathRequest& req, const WindowDesc& d,
 bool ucx_wanted();
 // Registers a window with UCX and fills the description's UCX fields (rkey,
 // transports; with_worker: this process's worker address, for the mesh).
-// nullptr (and the fields left empty, said in the log) when UCX cannot.
-std::unique_ptr<ucx::Registration> register_with_ucx(void* base, uint64_t size, WindowDesc* d, bool with_worker);
+// Device memory (cuda) is registered as CUDA memory, and only where UCX offers
+// a transport for it (device_memory_transports). nullptr (and the fields left
+// empty, said in the log) when UCX cannot.
+std::unique_ptr<ucx::Registration> register_with_ucx(void* base, uint64_t size, bool cuda, WindowDesc* d,
+                                                     bool with_worker);
 // This process's worker address when UCX is wanted and opens, else "".
 std::string ucx_worker_address();
 
@@ -66,6 +71,9 @@ std::string ucx_worker_address();
 // self or a GPU copy) that both sides' UCX offer, by transport name, "" when
 // none ("tcp/eth0", "rc_mlx5/mlx5_0:1", ...).
 std::string common_network_transport(const std::vector<std::string>& mine, const std::vector<std::string>& theirs);
+// The transports among `tls` that move CUDA memory (cuda_copy, cuda_ipc, gdr_copy), by name,
+// ","-joined; "" when none (a UCX built without CUDA, or UCX_TLS without them).
+std::string device_memory_transports(const std::vector<std::string>& tls);
 // "a,b" <-> {"a", "b"}: how the transports travel in a description.
 std::string join_transports(const std::vector<std::string>& tls);
 std::vector<std::string> split_transports(const std::string& s);

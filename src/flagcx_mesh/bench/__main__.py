@@ -23,7 +23,7 @@ Agents (flagcx_mesh.bench.agents):
                                      [--peers mooncake,nixl | none]
                                      (agents: setup, request-shaped batches, churn; vs memcpy, and vs
                                      Mooncake TE and NIXL in the same run where they are installed)
-    python -m flagcx_mesh.bench agent --device cuda [--memory torch|driver] [--paths cuda-ipc,cuda-vmm,staged]
+    python -m flagcx_mesh.bench agent --device cuda [--memory torch|driver] [--paths cuda-ipc,cuda-vmm,staged,ucx]
                                      [--peers mooncake,nixl | none]   (GPU memory, the target in a child
                                      process; vs Mooncake TE, NIXL and the mesh's own puts, same run)
     python -m flagcx_mesh.bench p2p [--blocks 4K,64K,1M] [--count 64] [--layers 4] [--transports cma,tcp]

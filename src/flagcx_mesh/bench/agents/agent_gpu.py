@@ -20,7 +20,8 @@ this process, the initiator, learns what it needs over a pipe and measures:
            over the same buffers) take turns with the agent's writes
   verify   the target's buffer, read back (crc32 per MiB), equals what the writes must have left
 
-Paths: FLAGCX_MESH_CUDA_PATH forced in both processes; cuda-vmm's target memory is cuMem memory
+Paths: FLAGCX_MESH_CUDA_PATH forced in both processes (ucx: FLAGCX_MESH_TRANSPORT=ucx, with the UCX_TLS
+of the bench's environment; not among the default paths); cuda-vmm's target memory is cuMem memory
 (torch with expandable segments in the target, or the driver's cuMem). Goals printed as ratios
 (above 1: met): register 256 MiB <= 1 ms, connect <= 2 ms, and each path's GB/s at least the
 mesh's own puts of the same blocks on that path, measured beside them.
@@ -43,7 +44,7 @@ from .._ranks import save_json
 from .._sizes import parse_size, size_name
 from ._gpu_child import Target, TargetFailed
 
-PATHS = ("cuda-ipc", "cuda-vmm", "staged")
+PATHS = ("cuda-ipc", "cuda-vmm", "staged")  # the default; "ucx" may be named too
 CRC_CHUNK = 1 << 20
 GOAL_REGISTER_MS, GOAL_CONNECT_MS = 1.0, 2.0
 
@@ -233,6 +234,8 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
 
 
 def _path_env(args, path: str) -> Dict[str, str]:
+    if path == "ucx":
+        return {"FLAGCX_MESH_TRANSPORT": "ucx"}
     env = {"FLAGCX_MESH_CUDA_PATH": path}
     if path == "cuda-vmm" and args.memory == "torch":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"

@@ -17,7 +17,10 @@ and prints the ratios. The TCP reference is measured twice: on one socket, and o
 ``--streams N`` sockets at once (one sending thread per socket, each size split
 evenly over them; default: the tcp lanes the mesh uses, ``FLAGCX_MESH_TCP_LANES``),
 which is what that many connections per pair can reach at best; the table prints tcp
-(over its lanes) against both. With ``--batch N`` (default 2000) it also issues N puts of
+(over its lanes) against both. With ``ucx`` among the transports (UCX over its tcp:
+``UCX_TLS=tcp``) the TCP connections UCX opened for the puts are counted (rank 0's new
+established sockets while ucx ran) and raw TCP is measured once more on that many sockets, so
+ucx, the tcp path and raw TCP are compared with the same number of streams in one run. With ``--batch N`` (default 2000) it also issues N puts of
 ``--batch-size`` bytes three ways (a loop of put, batch_put of a list, batch_put of a
 uint64 array) and prints their bandwidth side by side. ``put-mpi`` (under mpiexec, with mpi4py) measures
 MPI_Put (passive target: Lock, Put x N, Flush) next to flagcx_mesh.
@@ -283,7 +286,33 @@ def _recv_exact(sock, buf: bytearray) -> None:
 
 # ---------------------------------------------------------------- rank programs
 
+def tcp_connections() -> set:
+    """The inodes of this process's established TCP connections (/proc: its socket fds that
+    /proc/self/net/tcp{,6} lists in state 01)."""
+    mine = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            mine.add(link[8:-1])
+    established = set()
+    for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
+        try:
+            with open(table) as f:
+                rows = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for row in rows:
+            cols = row.split()
+            if len(cols) > 9 and cols[3] == "01":
+                established.add(cols[9])
+    return mine & established
+
+
 def _measure_transport(mesh, t: str, args) -> Dict[str, object]:
+    before = tcp_connections()
     src, dst = _windows(mesh, t, max(args.sizes))
     sig = mesh.signal_window(2)
     row: Dict[str, object] = {"mode": dst.mode, "paths": dst.paths[1 - mesh.rank][0]}
@@ -291,9 +320,25 @@ def _measure_transport(mesh, t: str, args) -> Dict[str, object]:
     if args.batch > 0:
         row["batch_gbs"] = batch_bandwidth(mesh, src, dst, args.batch, args.batch_size)
     row["latency_us"] = put_signal_latency(mesh, src, dst, sig, args.latency_iters // (4 if t == "tcp" else 1))
+    if t == "ucx":  # the streams UCX's tcp opened, as rank 0 counts them (both ranks take its count)
+        row["tcp_streams"] = int(mesh.allgather(str(len(tcp_connections() - before)).encode())[0])
     for w in (src, dst, sig):
         w.close()
     return row
+
+
+def _ucx_streams_reference(mesh, out: Dict[str, object], args) -> None:
+    """Raw TCP on as many sockets as UCX used (when it used any), beside the other references."""
+    n = out["ucx"]["tcp_streams"] if "ucx" in out else 0
+    if n < 1:
+        return
+    socks = _socket_pairs(mesh, n)
+    try:
+        out["ucx_streams"] = n
+        out["ucx_streams_gbs"] = {str(s): streams_bandwidth(mesh, socks, s) for s in args.sizes}
+    finally:
+        for sk in socks:
+            sk.close()
 
 
 def rank_entry(argv: List[str]) -> int:
@@ -315,6 +360,7 @@ def rank_entry(argv: List[str]) -> int:
         finally:
             for sk in socks:
                 sk.close()
+        _ucx_streams_reference(mesh, out, args)
         if mesh.rank == 0:
             out["memcpy_gbs"] = {str(s): memcpy_bandwidth(s) for s in args.sizes}
             with open(args.out, "w") as f:
@@ -335,15 +381,21 @@ def _report(data: dict, args) -> None:
     sx = f"socket x{n}"
     print(f"  (tcp: {data.get('tcp_lanes', 1)} lane(s) per pair, FLAGCX_MESH_TCP_LANES; socket: one raw TCP "
           f"connection; {sx}: {n} connections at once, one thread each)")
+    ux = f"socket x{data['ucx_streams']}" if "ucx_streams" in data else ""
+    if ux:
+        print(f"  (ucx: UCX opened {data['ucx_streams']} TCP connection(s) to the peer; {ux}: raw TCP on as many)")
     head = f"  {'size':>8}" + "".join(f"{t:>9}" for t in ts) + f"{'memcpy':>9}{'socket':>9}{sx:>11}"
-    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket"), ("tcp", "streams"), ("ucx", "tcp")]
+    head += f"{ux + ' (ucx)':>18}" if ux else ""
+    ratios = [("shm", "memcpy"), ("cma", "memcpy"), ("tcp", "socket"), ("tcp", "streams"), ("ucx", "tcp"),
+              ("ucx", "ucx_streams")]
     ratios = [(a, b) for a, b in ratios if a in ts and (b + "_gbs" in data or b in ts)]
-    label = {"streams": sx}
+    label = {"streams": sx, "ucx_streams": ux}
     print(head + "".join(f"{a + '/' + label.get(b, b):>15}" for a, b in ratios))
     for s in args.sizes:
         k = str(s)
         line = f"  {size_name(s):>8}" + "".join(f"{data[t]['bandwidth_gbs'][k]:>9.2f}" for t in ts)
         line += f"{data['memcpy_gbs'][k]:>9.2f}{data['socket_gbs'][k]:>9.2f}{data['streams_gbs'][k]:>11.2f}"
+        line += f"{data['ucx_streams_gbs'][k]:>18.2f}" if ux else ""
         line += "".join(f"{data[a]['bandwidth_gbs'][k] / _reference(data, b, k):>15.2f}" for a, b in ratios)
         print(line)
     print("put_signal latency, 8 bytes, one way (median of a ping-pong, us): " +
@@ -380,5 +432,7 @@ def plot(data: dict, args) -> bool:
     series["ref: raw socket"] = data["socket_gbs"]
     if "streams_gbs" in data:
         series[f"ref: raw socket x{data['streams']}"] = data["streams_gbs"]
+    if "ucx_streams_gbs" in data:
+        series[f"ref: raw socket x{data['ucx_streams']} (ucx's)"] = data["ucx_streams_gbs"]
     return save_plot(args.plot, "flagcx_mesh put bandwidth, 2 ranks on one host (flush included)",
                      [("host memory", series)])
