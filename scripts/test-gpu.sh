@@ -73,13 +73,16 @@ done
 # device memory over the ucx path (docs/rdma.md): two agent processes with CUDA tensors, forced ucx, once over
 # UCX's cuda_copy/cuda_ipc/sm and once over tcp + cuda_copy: every byte of random writes, batches and reads,
 # a batch ordered on a busy stream, write_blocks of 4096 x 64 KiB (GB/s); then the same KV-shaped writes
-# in `bench agent` beside NIXL on the same UCX_TLS. Needs a libucx wheel built with CUDA
+# in `bench agent` beside NIXL. Needs a libucx wheel built with CUDA
 # (pip install --no-deps libucx-cu13 / libucx-cu12, or the [ucx-cu13] extra); skipped, saying so, without it.
 ucx_why=$("$py" -c 'import flagcx_mesh._ucx as u; i = u.info(); print("" if i["loaded"] and any(t.startswith("cuda_copy") for t in i["transports"]) else (i["error"] or "this UCX offers no cuda transport: " + ", ".join(i["transports"])))' 2>&1 | tail -n 1)
 if [ -z "$ucx_why" ]; then
   step ucx-device timeout 900 "$py" tests/ucx_device_prog.py all --timeout 300
-  step bench-agent-cuda-ucx env UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.bench agent --device cuda \
-    --paths ucx --blocks 64K --count 4096 --region 256M --bytes 2G --peers nixl --mesh-put off \
+  # UCX_TLS left to UCX: NIXL's UCX backend does not start with shared memory and cuda alone (no
+  # transport there detects a peer's failure); for the same UCX as NIXL's, FLAGCX_MESH_UCX_LIB names
+  # the libucp of the nixl wheel (docs/rdma.md)
+  step bench-agent-cuda-ucx "$py" -m flagcx_mesh.bench agent --device cuda \
+    --paths ucx --blocks 64K,16K --count 4096 --region 256M --bytes 2G --peers nixl --mesh-put off \
     --json "$logs/bench-agent-cuda-ucx.json"
   # a 2-rank mesh's device windows (a cuMem window as the source, torch tensors as the targets) over ucx
   step mesh-device-ucx env FLAGCX_MESH_TRANSPORT=ucx UCX_TLS=cuda_copy,cuda_ipc,sm,self "$py" -m flagcx_mesh.launch -n 2 \
