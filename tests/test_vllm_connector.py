@@ -121,6 +121,55 @@ def test_another_tensor_parallel_size_on_each_side(tmp_path, engines, prefill_tp
     assert "prefill: free blocks 95 of 95" in out_p, out_p
 
 
+
+@pytest.mark.parametrize("kv_heads,prefill_tp,decode_tp", [(1, 1, 2), (1, 2, 1), (2, 1, 4), (2, 4, 2)])
+def test_replicated_kv_heads(tmp_path, engines, kv_heads, prefill_tp, decode_tp):
+    """More ranks than KV heads on one side or both (vLLM replicates each head over several
+    ranks): each decode rank gets its heads, byte for byte, from a prefill rank holding them;
+    every prefill rank releases its blocks long before the hold timeout, those no decode rank
+    reads from (a replica the decode does not need) on the decode's word."""
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 3, "--wait-for", "dec", "--tp", prefill_tp,
+                "--hold-timeout", 60, "--kv-heads", kv_heads)
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2", "--tp", decode_tp,
+                "--kv-heads", kv_heads)
+    out_d, out_p = finish(dec), finish(pre)
+    for i, blocks in enumerate((2, 3, 3)):  # 20, 33 and 46 tokens
+        assert f"loaded d-{i}: {decode_tp * 2 * blocks} blocks ok" in out_d, out_d  # ranks x layers x blocks
+    assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
+    rel = released_after(out_p)
+    assert set(rel) == {"req-0", "req-1", "req-2"} and max(rel.values()) < 60, out_p
+    assert "prefill: free blocks 95 of 95" in out_p, out_p
+
+
+def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engines):
+    """Two KV cache groups (vLLM's hybrid memory allocator on: the connector declares
+    SupportsHMA): layers 0 and 2 attend fully, layers 1 and 3 over a window of 32 tokens, each
+    pair sharing one KV cache tensor. A full-attention layer receives every block of the prompt,
+    a sliding-window layer the blocks of its window (at most cdiv(32, 16) + 1 = 3), each by its
+    own group's block ids, every byte checked; req-4 starts with req-3's first block, which the
+    decode then has in its prefix cache."""
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 5, "--wait-for", "dec", "--window", 32,
+                "--tp", 2, "--shared-prefix", "3,4")
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2,3,4", "--window", 32,
+                "--tp", 2, "--one-by-one")
+    out_d, out_p = finish(dec), finish(pre)
+    assert "kv cache groups: 2, connector supports HMA: True" in out_d, out_d
+    assert "kv cache groups: 2, connector supports HMA: True" in out_p, out_p
+    # 20, 33, 46, 59 and 16 + 22 tokens: every block of group 0, the window's of group 1
+    for i, (full, window) in enumerate(((2, 2), (3, 3), (3, 3), (4, 3))):
+        assert f"fetching d-{i}: [{full}, {window}] of [{full}, {window}] blocks" in out_d, out_d
+    # req-4 (16 + 22 tokens) shares req-3's first block: a prefix-cache hit only where vLLM finds
+    # it for both groups (the window's blocks of d-3 may be gone): 2 or 3 blocks of group 0
+    assert re.search(r"fetching d-4: \[[23], 3\] of \[3, 3\] blocks", out_d), out_d
+    # checked: 2 ranks x (2 full-attention layers x the prompt's blocks + 2 sliding-window layers
+    # x the blocks of the last token's window: from position (tokens - 32) // 16 on)
+    for i, n in enumerate((2 * (4 + 4), 2 * (6 + 6), 2 * (6 + 6), 2 * (8 + 6), 2 * (6 + 6))):
+        assert f"loaded d-{i}: {n} blocks ok" in out_d, out_d
+    assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
+    rel = released_after(out_p)
+    assert set(rel) == {f"req-{i}" for i in range(5)} and max(rel.values()) < 60, out_p
+    assert "prefill: free blocks 95 of 95" in out_p, out_p
+
 # ---- in this process: the scheduler side's checks, the settings, the stats ---------------------
 
 
