@@ -207,6 +207,22 @@ def test_a_prefill_of_another_block_size_is_refused_naming_both_and_computed_her
     assert not meta.to_fetch and meta.to_release == [(["YQ=="], "p-other")]
 
 
+def test_a_group_that_is_neither_full_attention_nor_a_sliding_window_is_refused_at_start():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from flagcx_mesh.vllm.scheduler import window_sizes
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m"], mamba)])
+    with pytest.raises(ValueError, match="group 1 .*MambaSpec"):
+        window_sizes(cfg, 16)
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], mamba)])
+    assert window_sizes(one, 16) == [0]  # one group: moved as before, whatever it holds
+
+
 def test_unknown_extra_config_keys_are_warned_in_one_line_each(caplog):
     from flagcx_mesh.vllm.connector import KNOWN_KEYS, warn_unknown_keys
 

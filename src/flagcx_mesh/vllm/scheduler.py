@@ -192,10 +192,20 @@ class SchedulerSide:
 
 def window_sizes(kv_cache_config, block_size: int) -> List[int]:
     """Blocks each transfer group moves (groups.window_blocks: 0 for a group that keeps every
-    block); one group (0) without a kv_cache_config or with one group."""
+    block); one group (0) without a kv_cache_config or with one group. ValueError for a group of
+    several that is neither full attention nor a sliding window (a Mamba state, chunked local
+    attention, ...): its blocks do not line up with the prompt's positions as these do."""
     if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1:
         return [0]
-    from vllm.v1.kv_cache_interface import SlidingWindowSpec
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, SlidingWindowSpec
 
-    return [kv_groups.window_blocks(g.kv_cache_spec.sliding_window, g.kv_cache_spec.block_size)
-            if isinstance(g.kv_cache_spec, SlidingWindowSpec) else 0 for g in kv_cache_config.transfer_groups]
+    out = []
+    for i, g in enumerate(kv_cache_config.transfer_groups):
+        spec = g.kv_cache_spec
+        if not isinstance(spec, (FullAttentionSpec, SlidingWindowSpec)):
+            raise ValueError(f"FlagcxMeshConnector: KV cache group {i} ({', '.join(g.layer_names[:2])}, ...) is "
+                             f"{type(spec).__name__}: with several groups only full-attention and sliding-window "
+                             "groups can be moved")
+        out.append(kv_groups.window_blocks(spec.sliding_window, spec.block_size)
+                   if isinstance(spec, SlidingWindowSpec) else 0)
+    return out
