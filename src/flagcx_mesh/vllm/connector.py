@@ -84,8 +84,11 @@ def tp_rank_of_this_worker(vllm_config) -> int:
 
 
 def kv_heads_of(vllm_config) -> Optional[int]:
-    """The model's KV heads (heads.py; None where the config does not say)."""
+    """The model's KV heads as its KV cache holds them (heads.py): 1 for MLA (one latent, on
+    every rank); None where the config does not say."""
     try:
+        if vllm_config.model_config.use_mla:
+            return 1
         return int(vllm_config.model_config.get_total_num_kv_heads())
     except Exception:  # noqa: BLE001 - no model config (a test's), or one that cannot tell
         return None

@@ -42,6 +42,8 @@ def prefill_sources(rank: int, tp: int, prefill_tp: int, kv_heads: Optional[int]
     running ``prefill_tp`` ranks; ``kv_heads``: the model's KV heads (None: as many as the larger
     tensor-parallel size, so nothing is replicated). ValueError where the heads do not divide
     evenly (the block shapes are checked per layer at the push)."""
+    if tp == prefill_tp:  # rank to rank, whatever the heads
+        return [(rank, (0, 1, 0, 1))]
     heads = kv_heads or max(tp, prefill_tp)
     try:
         first, n = heads_of_rank(rank, tp, heads)

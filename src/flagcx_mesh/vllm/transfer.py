@@ -460,7 +460,7 @@ class KVTransfer:
             dst_groups = split(dst, [len(dst)] if counts is None else counts)
         except ValueError as e:
             raise LayoutError(str(e)) from None
-        if len(dst_groups) != len(held) or max(self.layer_group, default=0) >= len(held):
+        if len(dst_groups) != len(held) or max(self.layer_group, default=0) + 1 != len(held):
             raise LayoutError(f"blocks of {len(dst_groups)} KV cache groups asked for, {len(held)} held "
                               f"(layers of {max(self.layer_group, default=0) + 1} groups here)")
         pairs: List[list] = [[] for _ in held]
