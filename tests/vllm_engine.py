@@ -184,8 +184,9 @@ class Engine:
             for pos in self.positions(req_id, li):
                 for rank, kv in enumerate(self.caches):
                     n += 1
-                    if ids[pos] == 0 or not all(head_matches(kv[name], ids[pos], h, seed(prompt, self._head(rank, h), li, pos))
-                                                for h in range(self.heads)):
+                    if ids[pos] == 0 or not all(
+                            head_matches(kv[name], ids[pos], h, seed(prompt, self._head(rank, h), li, pos))
+                            for h in range(self.heads)):
                         bad.append((rank, li, pos))
         return n, bad
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from typing import List, Optional, Tuple
 
-Part = Tuple[int, int, int, int]  # layout.check_part: (source slice, source slices, destination slice, destination slices)
+Part = Tuple[int, int, int, int]  # layout.check_part: (source slice, slices, destination slice, slices)
 
 
 def heads_of_rank(rank: int, tp: int, kv_heads: int) -> Tuple[int, int]:

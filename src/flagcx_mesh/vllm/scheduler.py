@@ -41,7 +41,7 @@ class SchedulerSide:
         self._to_release: List[Tuple[List[str], str]] = []
         self._fetching: set = set()  # decode requests whose fetch went to the workers
         self._held: set = set()  # prefill requests whose blocks the workers hold
-        self._refused: set = set()  # decode requests computed here: their prefill ran another block size or other KV cache groups
+        self._refused: set = set()  # decode requests computed here: another block size or KV cache groups
         self._all_groups = len(kv_cache_config.kv_cache_groups) if kv_cache_config is not None else 1
         self.windows = window_sizes(kv_cache_config, self.block_size)  # per transfer group (groups.py)
         self._select = kv_cache_config.select_transfer_block_ids if self._all_groups > 1 else tuple

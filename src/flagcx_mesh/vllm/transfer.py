@@ -146,7 +146,6 @@ class _Fetch:
     cancelled: bool = False
     started: float = 0.0
     part: Tuple[int, ...] = WHOLE
-    readers: int = 0  # decode ranks that read from this prefill rank (0: as the part's slices say)
 
 
 def _incarnation(conn) -> str:
@@ -454,27 +453,18 @@ class KVTransfer:
         slice of each block's heads into a slice of the peer's, layout.write_ops), each layer
         with its KV cache group's blocks: ``dst`` cut into groups of ``counts`` blocks (None: one
         group), each the tail of that group's held blocks."""
-        regions, peer_layers = layout
         held = as_groups(held_blocks)
         try:
             dst_groups = split(dst, [len(dst)] if counts is None else counts)
         except ValueError as e:
             raise LayoutError(str(e)) from None
-        if len(dst_groups) != len(held) or max(self.layer_group, default=0) + 1 != len(held):
-            raise LayoutError(f"blocks of {len(dst_groups)} KV cache groups asked for, {len(held)} held "
-                              f"(layers of {max(self.layer_group, default=0) + 1} groups here)")
-        pairs: List[list] = [[] for _ in held]
-        for g, group in zip(self.layers, self.layer_group):
-            pg = peer_layers.get(g.name)
-            if pg is None:
-                raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
-            if not 0 <= pg.region < len(regions):
-                raise LayoutError(f"layer {g.name}: region {pg.region} not described")
-            pairs[group].append((g, g.region, pg, pg.region))
+        pairs = self._layer_pairs(layout, len(held))
+        if len(dst_groups) != len(held):
+            raise LayoutError(f"blocks of {len(dst_groups)} KV cache groups asked for, {len(held)} held")
         tables = []
         for i, (src, d) in enumerate(zip(held, dst_groups)):
             if len(d) > len(src):
-                raise LayoutError(f"{len(d)} blocks asked for, {len(src)} held" + (f" (group {i})" if len(held) > 1 else ""))
+                raise LayoutError(f"{len(d)} blocks asked for, {len(src)} held" + (f" (group {i})" if i else ""))
             if d and pairs[i]:
                 tables.append(request_rows(pairs[i], src[len(src) - len(d):], d, part))
         if len(tables) == 1:
@@ -482,6 +472,23 @@ class KVTransfer:
         import torch
 
         return torch.cat(tables) if tables else torch.empty((0, 5), dtype=torch.int64)
+
+    def _layer_pairs(self, layout, groups: int) -> List[list]:
+        """Per KV cache group, (layer here, its region, the peer's layer, its region) of each of
+        its layers; LayoutError for a layer the peer lacks, or layers of another number of groups."""
+        regions, peer_layers = layout
+        if max(self.layer_group, default=0) + 1 != groups:
+            raise LayoutError(f"blocks of {groups} KV cache groups held, layers of "
+                              f"{max(self.layer_group, default=0) + 1} groups here")
+        pairs: List[list] = [[] for _ in range(groups)]
+        for g, group in zip(self.layers, self.layer_group):
+            pg = peer_layers.get(g.name)
+            if pg is None:
+                raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
+            if not 0 <= pg.region < len(regions):
+                raise LayoutError(f"layer {g.name}: region {pg.region} not described")
+            pairs[group].append((g, g.region, pg, pg.region))
+        return pairs
 
     def _on_ack(self, peer: str, req: str) -> None:
         """A decode agent took its blocks; with several decode ranks each taking a slice of
@@ -631,8 +638,9 @@ class KVTransfer:
 
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
                    part: Tuple[int, ...] = WHOLE, readers: int = 0) -> None:
-        f = _Fetch(tag, md, remote_req, [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)], local,
-                   time.monotonic() + self.fetch_timeout, started=time.monotonic(), part=part, readers=readers)
+        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
+        f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
+                   started=time.monotonic(), part=part)
         if len(local) != len(remote):
             return self._fail(f, f"blocks of {len(local)} KV cache groups to receive, the prefill holds {len(remote)}")
         if any(len(lg) > len(r) for lg, r in zip(local, remote)):
