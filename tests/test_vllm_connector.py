@@ -207,6 +207,19 @@ def test_a_prefill_of_another_block_size_is_refused_naming_both_and_computed_her
     assert not meta.to_fetch and meta.to_release == [(["YQ=="], "p-other")]
 
 
+def test_a_prefill_of_another_number_of_kv_cache_groups_is_computed_here(caplog):
+    side = scheduler_side()  # one group
+    hybrid = decode_request("hybrid", 40)
+    hybrid.kv_transfer_params["remote_block_ids"] = [[0, 1, 2], [1, 2]]
+    with caplog.at_level("ERROR", logger="vllm.flagcx_mesh"):
+        assert side.get_num_new_matched_tokens(hybrid, 0) == (0, False)
+        assert side.get_num_new_matched_tokens(decode_request("plain", 40), 0) == (40, True)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "with 2 KV cache groups, this decode has 1" in said[0], said
+    side.update_state_after_alloc(hybrid, None, 0)  # nothing fetched: the prefill is told to release
+    assert side.build_connector_meta(None).to_release == [(["YQ=="], "p-hybrid")]
+
+
 def test_a_group_that_is_neither_full_attention_nor_a_sliding_window_is_refused_at_start():
     import torch
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
