@@ -141,15 +141,17 @@ def test_replicated_kv_heads(tmp_path, engines, kv_heads, prefill_tp, decode_tp)
     assert "prefill: free blocks 95 of 95" in out_p, out_p
 
 
-def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engines):
+@pytest.mark.parametrize("prefill_tp", [2, 1])
+def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engines, prefill_tp):
     """Two KV cache groups (vLLM's hybrid memory allocator on: the connector declares
     SupportsHMA): layers 0 and 2 attend fully, layers 1 and 3 over a window of 32 tokens, each
     pair sharing one KV cache tensor. A full-attention layer receives every block of the prompt,
     a sliding-window layer the blocks of its window (at most cdiv(32, 16) + 1 = 3), each by its
     own group's block ids, every byte checked; req-4 starts with req-3's first block, which the
-    decode then has in its prefix cache."""
+    decode then has in its prefix cache. The decode runs TP 2; the prefill TP 2, or TP 1 (each
+    decode rank then takes half the heads of every block of each group)."""
     pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 5, "--wait-for", "dec", "--window", 32,
-                "--tp", 2, "--shared-prefix", "3,4")
+                "--tp", prefill_tp, "--shared-prefix", "3,4")
     dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2,3,4", "--window", 32,
                 "--tp", 2, "--one-by-one")
     out_d, out_p = finish(dec), finish(pre)
