@@ -265,7 +265,7 @@ vllm_serve_stage() {  # vllm_serve_stage SETUP-STATUS
         rm -rf build/vllm-serve-logs  # the servers' logs, kept for a look after a failure
         PYTHONPATH=$site${PYTHONPATH:+:$PYTHONPATH} FXM_EXPECT_PKG_DIR=$site FXM_REQUIRE_VLLM_SERVE=1 \
             FXM_VLLM_SERVE_LOGS=$PWD/build/vllm-serve-logs \
-            timeout -k 10 900 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider tests/test_vllm_serve.py
+            timeout -k 10 1200 "$dir/bin/pytest" -q --timeout-method=thread -p no:cacheprovider tests/test_vllm_serve.py
         rc=$?
     } 9> "$dir.lock"
     echo "(vllm serve tests: $((SECONDS - t0)) s)"

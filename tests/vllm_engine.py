@@ -4,10 +4,16 @@ connector per tensor-parallel rank with KV caches as CPU tensors in vLLM's layou
 stand-in for the model step that writes deterministic KV into every block a prefill computes.
 
 Each KV head of a block holds bytes that depend on the prompt's tokens up to the block's end, the
-head (its index in the model: rank r of tp holds heads r * KV_HEADS / tp and up), the layer and
+head (its index in the model: rank r of tp holds heads r * kv_heads / tp and up, or where tp is
+larger than kv_heads the one head r // (tp / kv_heads), replicated), the layer and
 the block's position in the request (not on block ids, which differ between prefill and
 decode), so a decode can check every byte it received (``check``), whatever the tensor-parallel
 size of each side.
+
+``window``: a hybrid model (vLLM's hybrid memory allocator): layers 0, 2, ... attend fully (KV
+cache group 0), layers 1, 3, ... over a sliding window of ``window`` tokens (group 1), each pair
+sharing one KV cache tensor as vLLM lays them out; ``check`` then checks a sliding-window layer's
+blocks in the window.
 """
 
 import hashlib
@@ -22,7 +28,7 @@ from vllm.sampling_params import SamplingParams
 from vllm.utils.hashing import get_hash_fn_by_name
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
 from vllm.v1.core.sched.scheduler import Scheduler
-from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
 from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 from vllm.v1.request import Request, RequestStatus
 from vllm.v1.structured_output import StructuredOutputManager
@@ -38,12 +44,17 @@ TINY_LLAMA = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "hid
               "rms_norm_eps": 1e-5, "torch_dtype": "float16"}
 
 
-def model_dir(d):
-    path = os.path.join(d, "tiny-llama")
+def model_dir(d, kv_heads=KV_HEADS):
+    path = os.path.join(d, f"tiny-llama-{kv_heads}kv")
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(TINY_LLAMA, f)
+        json.dump(dict(TINY_LLAMA, num_key_value_heads=kv_heads), f)
     return path
+
+
+def first_head(rank, tp, kv_heads):
+    """The model's index of rank ``rank``'s first KV head (vLLM's split, replicated heads included)."""
+    return rank * kv_heads // tp if tp <= kv_heads else rank // (tp // kv_heads)
 
 
 def prompt_of(i: int, length: int) -> list:
@@ -63,8 +74,8 @@ class Engine:
     connector fills its blocks)."""
 
     def __init__(self, workdir, role, engine_id, *, tp=1, num_blocks=96, layers=2, writes=None,
-                 extra=None, failure_policy="recompute"):
-        mc = ModelConfig(model=model_dir(workdir), tokenizer=None, skip_tokenizer_init=True, dtype="float16",
+                 extra=None, failure_policy="recompute", kv_heads=KV_HEADS, window=0):
+        mc = ModelConfig(model=model_dir(workdir, kv_heads), tokenizer=None, skip_tokenizer_init=True, dtype="float16",
                          max_model_len=256, seed=0)
         sc = SchedulerConfig(max_num_seqs=16, max_num_batched_tokens=512, max_model_len=256,
                              is_encoder_decoder=False)
@@ -76,12 +87,19 @@ class Engine:
         self.config = VllmConfig(model_config=mc, cache_config=cc, scheduler_config=sc, kv_transfer_config=kvt,
                                  device_config=DeviceConfig("cpu"))
         self.config.parallel_config.tensor_parallel_size = tp
-        self.tp = tp
-        self.heads = KV_HEADS // tp  # per rank
+        if window:  # a platform without the hybrid allocator (a CPU) made vLLM turn it off; a GPU keeps it
+            self.config.scheduler_config.disable_hybrid_kv_cache_manager = False
+        self.tp, self.kv_heads, self.window = tp, kv_heads, window
+        self.heads = max(1, kv_heads // tp)  # per rank
         self.layer_names = [f"model.layers.{i}.self_attn.attn" for i in range(layers)]
         spec = FullAttentionSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD_SIZE, dtype=torch.float16)
-        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[],
-                                             kv_cache_groups=[KVCacheGroupSpec(self.layer_names, spec)])
+        self.group_of = [i % 2 if window else 0 for i in range(layers)]  # each layer's KV cache group
+        groups = [KVCacheGroupSpec(self.layer_names, spec)]
+        if window:
+            sw = SlidingWindowSpec(block_size=BLOCK, num_kv_heads=self.heads, head_size=HEAD_SIZE,
+                                   dtype=torch.float16, sliding_window=window)
+            groups = [KVCacheGroupSpec(self.layer_names[0::2], spec), KVCacheGroupSpec(self.layer_names[1::2], sw)]
+        self.kv_cache_config = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=groups)
         self.sched = Scheduler(self.config, self.kv_cache_config, StructuredOutputManager(self.config),
                                block_size=BLOCK, hash_block_size=BLOCK, log_stats=False)
         hash_fn = get_hash_fn_by_name(self.config.cache_config.prefix_caching_hash_algo)
@@ -93,6 +111,9 @@ class Engine:
             fxm_connector.tp_rank_of_this_worker = lambda cfg, r=rank: r
             w = KVConnectorFactory.create_connector(self.config, KVConnectorRole.WORKER, self.kv_cache_config)
             kv, _ = make_kv_caches(self.layer_names, num_blocks, self.heads, BLOCK, HEAD_SIZE)
+            if window:  # a sliding-window layer shares the tensor of the full-attention layer before it
+                for a, b in zip(self.layer_names[0::2], self.layer_names[1::2]):
+                    kv[b] = kv[a]
             w.register_kv_caches(kv)
             self.workers.append(w)
             self.caches.append(kv)
@@ -126,29 +147,46 @@ class Engine:
         r = self.sched.requests.get(req_id)
         return None if r is None else r.status
 
-    def block_ids(self, req_id):
-        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[0])
+    def block_ids(self, req_id, group=0):
+        return list(self.sched.kv_cache_manager.get_block_ids(req_id)[group])
 
     def _write_kv(self, req_id, start, count):
-        """The model step: every block holding a position in [start, start+count) of the prompt."""
-        prompt, ids = self.prompts[req_id], self.block_ids(req_id)
+        """The model step: every block holding a position in [start, start+count) of the prompt
+        (a sliding-window layer's: those vLLM still keeps, not its null block)."""
+        prompt = self.prompts[req_id]
         end = min(start + count, len(prompt))
-        for pos in range(start // BLOCK, (end + BLOCK - 1) // BLOCK):
-            for rank, kv in enumerate(self.caches):
-                for li, t in enumerate(kv.values()):
+        for li, name in enumerate(self.layer_names):
+            ids = self.block_ids(req_id, self.group_of[li])
+            for pos in range(start // BLOCK, (end + BLOCK - 1) // BLOCK):
+                for rank, kv in enumerate(self.caches):
                     for h in range(self.heads):
-                        fill_head(t, ids[pos], h, seed(prompt, rank * self.heads + h, li, pos))
+                        if ids[pos] != 0:
+                            fill_head(kv[name], ids[pos], h, seed(prompt, self._head(rank, h), li, pos))
+
+    def _head(self, rank, h):
+        return first_head(rank, self.tp, self.kv_heads) + h
+
+    def positions(self, req_id, layer):
+        """The prompt's block positions a decode must have received for ``layer``: all of them, or
+        for a sliding-window layer those holding the window of the last prompt token (which the
+        decode computes itself)."""
+        n = len(self.prompts[req_id])
+        last = (n - 1) // BLOCK
+        first = max(0, n - 1 - (self.window - 1)) // BLOCK if self.group_of[layer] else 0
+        return range(first, last + 1)
 
     def check(self, req_id):
         """(blocks checked, [(rank, layer, position)] that differ) for a received request."""
-        prompt, ids = self.prompts[req_id], self.block_ids(req_id)
+        prompt = self.prompts[req_id]
         bad, n = [], 0
-        for pos in range((len(prompt) + BLOCK - 1) // BLOCK):
-            for rank, kv in enumerate(self.caches):
-                for li, t in enumerate(kv.values()):
+        for li, name in enumerate(self.layer_names):
+            ids = self.block_ids(req_id, self.group_of[li])
+            for pos in self.positions(req_id, li):
+                for rank, kv in enumerate(self.caches):
                     n += 1
-                    if not all(head_matches(t, ids[pos], h, seed(prompt, rank * self.heads + h, li, pos))
-                               for h in range(self.heads)):
+                    if ids[pos] == 0 or not all(
+                            head_matches(kv[name], ids[pos], h, seed(prompt, self._head(rank, h), li, pos))
+                            for h in range(self.heads)):
                         bad.append((rank, li, pos))
         return n, bad
 

@@ -19,6 +19,9 @@ prompt and kv_transfer_params as DIR/req-<i>.json.
         "decode: free blocks F of F"
     --die-on-push     prefill: exits (status 9) right after issuing the first layer of a push
     --die-after-want  decode: takes no answer and exits (status 9) once it asked for its blocks
+    --kv-heads H      the model's KV heads (4; fewer than --tp: replicated on several ranks)
+    --window W        a hybrid model: every other layer attends over a sliding window of W tokens
+                      (two KV cache groups; "fetching" then prints each group's blocks)
 """
 
 import argparse
@@ -53,7 +56,18 @@ def parse():
     p.add_argument("--die-on-push", action="store_true")
     p.add_argument("--die-after-want", action="store_true")
     p.add_argument("--timeout", type=float, default=90.0)
+    p.add_argument("--kv-heads", type=int, default=4)
+    p.add_argument("--window", type=int, default=0)
     return p.parse_args()
+
+
+def model_args(a) -> dict:
+    return dict(kv_heads=a.kv_heads, window=a.window, layers=4 if a.window else 2)
+
+
+def count(ids):
+    """A block list's length, or each group's (a list of lists)."""
+    return [len(g) for g in ids] if ids and isinstance(ids[0], list) else len(ids)
 
 
 def ints(text):
@@ -99,6 +113,13 @@ def die_on_first_push(engine):
         x._start_push = start_then_die
 
 
+def say_groups(e) -> None:
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    hma = KVConnectorFactory.supports_hma_config(e.config.kv_transfer_config)  # else vLLM turns HMA off
+    print(f"kv cache groups: {len(e.kv_cache_config.kv_cache_groups)}, connector supports HMA: {hma}", flush=True)
+
+
 def shut_down(e, role, problems) -> int:
     """Checks every block is free again, prints the count and each problem, shuts the engine
     down; the exit status (1 with any problem)."""
@@ -113,7 +134,8 @@ def shut_down(e, role, problems) -> int:
 
 def prefill(a) -> int:
     deadline = time.monotonic() + a.timeout
-    e = Engine(a.dir, "kv_producer", "prefill", tp=a.tp, extra={"hold_timeout": a.hold_timeout})
+    e = Engine(a.dir, "kv_producer", "prefill", tp=a.tp, extra={"hold_timeout": a.hold_timeout}, **model_args(a))
+    say_groups(e)
     if a.die_on_push:
         die_on_first_push(e)
     for name in filter(None, a.wait_for.split(",")):
@@ -148,7 +170,8 @@ def prefill(a) -> int:
 
 def decode(a) -> int:
     deadline = time.monotonic() + a.timeout
-    e = Engine(a.dir, "kv_consumer", a.name, tp=a.tp, extra={"fetch_timeout": a.fetch_timeout})
+    e = Engine(a.dir, "kv_consumer", a.name, tp=a.tp, extra={"fetch_timeout": a.fetch_timeout}, **model_args(a))
+    say_groups(e)
     publish(a.dir, f"{a.name}.ready", {})
     mid = {f"d-{i}" for i in ints(a.abort_mid)}
     early = {f"d-{i}" for i in ints(a.abort_early)}
@@ -173,7 +196,7 @@ def decode(a) -> int:
         meta = out.kv_connector_metadata
         asked.extend(meta.to_fetch)
         for r, f in meta.to_fetch.items():
-            print(f"fetching {r}: {len(f['local'])} of {len(f['remote_blocks'])} blocks", flush=True)
+            print(f"fetching {r}: {count(f['local'])} of {count(f['remote_blocks'])} blocks", flush=True)
         for r in mid & set(meta.to_fetch):
             engine.abort(r)
             print(f"aborted {r}", flush=True)

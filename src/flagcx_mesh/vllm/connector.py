@@ -22,16 +22,19 @@ from __future__ import annotations
 import logging
 import os
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
+from . import groups as kv_groups
 from . import protocol
+from .heads import prefill_sources, ranks_to_release, readers
 from .scheduler import SchedulerSide
 from .stats import FlagcxMeshKVConnectorStats, FlagcxMeshPromMetrics, counter_changes
 from .transfer import KVTransfer
@@ -56,7 +59,7 @@ class FlagcxMeshConnectorMetadata(KVConnectorMetadata):
     (prefill), blocks to fetch, fetches to cancel, prefills to release (decode)."""
 
     def __init__(self):
-        self.to_hold: dict = {}      # request id -> block ids
+        self.to_hold: dict = {}      # request id -> block ids (a list, or one per KV cache group)
         self.to_fetch: dict = {}     # request id -> {local, remote_req, remote_blocks, agents}
         self.to_cancel: set = set()  # request ids
         self.to_release: list = []   # (agents, remote request id)
@@ -71,23 +74,6 @@ class FlagcxMeshHandshake(KVConnectorHandshakeMetadata):
     tp_size: int
 
 
-def prefill_sources(rank: int, tp: int, prefill_tp: int):
-    """[(prefill rank, part)] a decode rank ``rank`` of ``tp`` takes its heads from, as
-    NixlConnector maps them: with more decode ranks, slice ``rank % r`` of ``r`` of one prefill
-    rank's heads (r = tp / prefill_tp); with more prefill ranks, all of each of ``r`` prefill
-    ranks' heads into slice j of ``r`` of its own (r = prefill_tp / tp). ValueError where one
-    size does not divide the other (the heads' division is checked per layer at the push)."""
-    if prefill_tp == tp:
-        return [(rank, (0, 1, 0, 1))]
-    if prefill_tp > 0 and tp % prefill_tp == 0:
-        r = tp // prefill_tp
-        return [(rank // r, (rank % r, r, 0, 1))]
-    if tp > 0 and prefill_tp % tp == 0:
-        r = prefill_tp // tp
-        return [(rank * r + j, (0, 1, j, r)) for j in range(r)]
-    raise ValueError(f"tensor parallelism {prefill_tp} on the prefill and {tp} here: neither divides the other")
-
-
 def tp_rank_of_this_worker(vllm_config) -> int:
     """This worker's tensor-parallel rank (0 when tensor parallelism is off)."""
     if vllm_config.parallel_config.tensor_parallel_size == 1:
@@ -97,7 +83,27 @@ def tp_rank_of_this_worker(vllm_config) -> int:
     return get_tensor_model_parallel_rank()
 
 
-class FlagcxMeshConnector(KVConnectorBase_V1):
+def kv_heads_of(vllm_config) -> Optional[int]:
+    """The model's KV heads as its KV cache holds them (heads.py): 1 for MLA (one latent, on
+    every rank); None where the config does not say."""
+    try:
+        if vllm_config.model_config.use_mla:
+            return 1
+        return int(vllm_config.model_config.get_total_num_kv_heads())
+    except Exception:  # noqa: BLE001 - no model config (a test's), or one that cannot tell
+        return None
+
+
+def layer_groups(kv_caches: dict, kv_cache_config) -> Tuple[dict, dict]:
+    """(the layers to register, {layer: its KV cache group}): with several groups (HMA) the
+    layers of the transfer groups, each with its group's index among them; else every layer, group 0."""
+    if kv_cache_config is None or len(kv_cache_config.kv_cache_groups) == 1:
+        return kv_caches, {}
+    index = kv_cache_config.transfer_group_index_by_layer
+    return {n: t for n, t in kv_caches.items() if n in index}, {n: index[n] for n in kv_caches if n in index}
+
+
+class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def supports_sleep_mode(cls, kv_transfer_config) -> bool:
         return False  # the agents hold the KV buffers registered; sleep mode would free them
@@ -116,10 +122,12 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         self._part_of: dict = {}  # such a fetch's tag -> its request id
         if role == KVConnectorRole.SCHEDULER:
             warn_unknown_keys(self._extra)
-            self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata)
+            self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata,
+                                            kv_cache_config)
         else:
             self.tp_size = vllm_config.parallel_config.tensor_parallel_size
             self.tp_rank = tp_rank_of_this_worker(vllm_config)
+            self.kv_heads = kv_heads_of(vllm_config)
             self._secret = self._extra.get("secret") or os.environ.get("FLAGCX_MESH_AGENT_SECRET")
             if not self._secret:
                 raise ValueError("FlagcxMeshConnector: set FLAGCX_MESH_AGENT_SECRET (or "
@@ -136,11 +144,12 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         prefix = str(self._extra.get("agent_name", "vllm"))
         if self._extra.get("listen_ports") and not os.environ.get("FLAGCX_MESH_AGENT_PORTS"):
             os.environ["FLAGCX_MESH_AGENT_PORTS"] = str(self._extra["listen_ports"])  # read by the agent
+        kv_caches, groups = layer_groups(kv_caches, self._kv_cache_config)
         self._transfer = KVTransfer(
             f"{prefix}-{self.engine_id}-tp{self.tp_rank}", kv_caches, self._kv_cache_config.num_blocks,
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
             fetch_timeout=self._setting("fetch_timeout", 120), push_timeout=self._setting("push_timeout", 60),
-            connect_timeout=self._setting("connect_timeout", 10))
+            connect_timeout=self._setting("connect_timeout", 10), layer_groups=groups)
         log.info("FlagcxMeshConnector: agent %s registered %d layers", self._transfer.name, len(kv_caches))
 
     def get_handshake_metadata(self) -> Optional[FlagcxMeshHandshake]:
@@ -161,27 +170,39 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
                 t.cancel(tag)
         for agents, remote_req in meta.to_release:
             try:
-                sources = prefill_sources(self.tp_rank, self.tp_size, len(agents))
+                ranks = self._ranks_to_tell(len(agents))
             except ValueError:
                 continue
-            for rank, _ in sources:
+            for rank in ranks:
                 t.release(protocol.unb64(agents[rank]), remote_req)
 
+    def _ranks_to_tell(self, prefill_tp: int) -> list:
+        """The prefill ranks this rank tells to release a request it does not fetch: those it
+        reads from and those no decode rank reads from that fall to it (heads.py)."""
+        sources = prefill_sources(self.tp_rank, self.tp_size, prefill_tp, self.kv_heads)
+        return [rank for rank, _ in sources] + ranks_to_release(self.tp_rank, self.tp_size, prefill_tp, self.kv_heads)
+
     def _fetch(self, t: KVTransfer, req_id: str, f: dict) -> None:
-        """One fetch per prefill rank this rank takes heads from (several: tagged req#part<j>)."""
+        """One fetch per prefill rank this rank takes heads from (several: tagged req#part<j>);
+        the prefill ranks no decode rank reads from (replicated heads) are told to release."""
         agents = f["agents"]
         try:
-            sources = prefill_sources(self.tp_rank, self.tp_size, len(agents))
+            sources = prefill_sources(self.tp_rank, self.tp_size, len(agents), self.kv_heads)
+            unread = ranks_to_release(self.tp_rank, self.tp_size, len(agents), self.kv_heads)
         except ValueError as e:
             log.error("FlagcxMeshConnector: %s: %s; its blocks are load errors", req_id, e)
-            self._unfetchable[req_id] = list(f["local"])
+            self._unfetchable[req_id] = kv_groups.flat(kv_groups.as_groups(f["local"]))
             return
         tags = [req_id] if len(sources) == 1 else [f"{req_id}#part{j}" for j in range(len(sources))]
         if len(sources) > 1:
             self._parts[req_id] = set(tags)
             self._part_of.update((tag, req_id) for tag in tags)
         for tag, (rank, part) in zip(tags, sources):
-            t.fetch(tag, protocol.unb64(agents[rank]), f["remote_req"], f["remote_blocks"], f["local"], part)
+            n = readers(rank, self.tp_size, len(agents), self.kv_heads)
+            t.fetch(tag, protocol.unb64(agents[rank]), f["remote_req"], f["remote_blocks"], f["local"], part,
+                    readers=n if n != part[1] else 0)
+        for rank in unread:
+            t.release(protocol.unb64(agents[rank]), f["remote_req"])
 
     def _whole_requests(self, tags) -> set:
         """The requests whose every fetch (each part) has now been reported."""
@@ -265,6 +286,11 @@ class FlagcxMeshConnector(KVConnectorBase_V1):
         return self._scheduler.build_connector_meta(scheduler_output)
 
     def request_finished(self, request, block_ids):
+        assert self._scheduler is not None
+        return self._scheduler.request_finished(request, block_ids)
+
+    def request_finished_all_groups(self, request, block_ids):
+        """SupportsHMA: the request's block ids per KV cache group (groups.py)."""
         assert self._scheduler is not None
         return self._scheduler.request_finished(request, block_ids)
 

@@ -7,7 +7,9 @@ Every message is ``MAGIC + kind (1 byte) + JSON``. Decode -> prefill:
 - ``W`` want: "push the blocks of your request ``req`` into my blocks ``dst``" (``src``: the
   prefill's block ids the decode was told, ``tag``: the decode's own request id; ``part``, where
   the two sides run another tensor-parallel size: ``[si, sn, di, dn]``, slice ``si`` of ``sn``
-  of each of your blocks' heads into slice ``di`` of ``dn`` of mine).
+  of each of your blocks' heads into slice ``di`` of ``dn`` of mine; ``readers``: how many decode
+  agents read this request from you, each acknowledging its own; ``groups``, where the model has
+  several KV cache groups: how many of ``dst`` are each group's, in order).
 - ``A`` ack: the decode saw ``req``'s blocks land; the prefill may free them.
 - ``C`` cancel: the decode will not take ``req`` (aborted); the prefill may free it.
 
@@ -37,7 +39,7 @@ MAX_ID_CHARS = 4096          # a request id or tag (vLLM's are tens of character
 
 # The fields each kind must carry, and those it may carry (more are ignored): "str" (an id: at
 # most MAX_ID_CHARS), "text" (a string), "ints" (a list of integers >= 0), "strs" (a list of
-# strings), "lists" (a list of lists).
+# strings), "lists" (a list of lists), "count" (an integer >= 0).
 FIELDS = {
     "L": {"regions": "strs", "layers": "lists"},
     "W": {"req": "str", "tag": "str", "dst": "ints"},
@@ -46,8 +48,8 @@ FIELDS = {
     "D": {"tag": "str"},
     "F": {"tag": "str"},
 }
-OPTIONAL = {"W": {"src": "ints", "part": "ints"}, "F": {"why": "text"}}
-WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists"}
+OPTIONAL = {"W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count"}, "F": {"why": "text"}}
+WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists", "count": "an integer >= 0"}
 
 
 class ProtocolViolation(ValueError):
@@ -77,6 +79,8 @@ def is_count(v) -> bool:
 
 
 def _fits(v, want: str) -> bool:
+    if want == "count":
+        return is_count(v)
     if want in ("str", "text"):
         return isinstance(v, str) and (want == "text" or len(v) <= MAX_ID_CHARS)
     return isinstance(v, list) and all(

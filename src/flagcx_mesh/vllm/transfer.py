@@ -44,6 +44,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
+from .groups import Groups, as_groups, flat, split
 from .layout import WHOLE, LayerGeometry, LayoutError, check_part, describe_layers, request_rows
 
 log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines show in `vllm serve`
@@ -123,12 +124,12 @@ class _Push:
 
 @dataclass
 class _Held:
-    blocks: List[int]
+    blocks: Groups  # per KV cache group (groups.py)
     deadline: float
     pushes: List[_Push] = field(default_factory=list)
     release_when_idle: str = ""  # why, once the pushes in flight are over
     abandoned_peer: str = ""
-    parts: int = 1  # decode ranks that each take a slice of these blocks (another TP size there)
+    parts: int = 1  # decode ranks that read these blocks (another TP size there, or replicated heads)
     acked: Set[str] = field(default_factory=set)  # the decode agents that acknowledged theirs
 
 
@@ -137,8 +138,8 @@ class _Fetch:
     tag: str
     peer_metadata: bytes
     remote_req: str
-    src: List[int]
-    dst: List[int]
+    src: Groups  # per KV cache group (groups.py)
+    dst: Groups
     deadline: float
     conn: object = None
     peer: str = ""
@@ -176,12 +177,14 @@ class KVTransfer:
     ``block_dim``; ``num_blocks``: blocks per layer; ``name``: this worker's agent name;
     ``secret``: what both ends prove (default ``FLAGCX_MESH_AGENT_SECRET``); ``push_timeout``:
     seconds a push may take before it is abandoned (a push is abandoned at its request's hold
-    deadline in any case)."""
+    deadline in any case). ``layer_groups``: each layer's KV cache group (``{layer name: index}``;
+    default: one group), whose block ids that layer's blocks take (groups.py)."""
 
     def __init__(self, name: str, kv_caches: dict, num_blocks: int, *, secret=None, block_dim: int = 0,
                  hold_timeout: float = 120.0, fetch_timeout: float = 120.0, connect_timeout: float = 10.0,
-                 push_timeout: float = 60.0, poll_interval: float = 0.005):
+                 push_timeout: float = 60.0, poll_interval: float = 0.005, layer_groups: Optional[dict] = None):
         storages, self.layers = describe_layers(kv_caches, num_blocks, block_dim)
+        self.layer_group = [int((layer_groups or {}).get(g.name, 0)) for g in self.layers]
         self.num_blocks = num_blocks
         self.hold_timeout, self.fetch_timeout = float(hold_timeout), float(fetch_timeout)
         self.push_timeout = float(push_timeout)
@@ -223,24 +226,26 @@ class KVTransfer:
 
     # ---- the public side: commands in, results out -------------------------------------
 
-    def hold(self, req_id: str, block_ids: Sequence[int]) -> None:
-        """Prefill: keep ``req_id``'s blocks for a decode until it took them, cancelled, or
-        ``hold_timeout`` passed; the request then appears in ``poll().sending``."""
-        self._commands.put(("hold", str(req_id), [int(b) for b in block_ids]))
+    def hold(self, req_id: str, block_ids: Sequence) -> None:
+        """Prefill: keep ``req_id``'s blocks (a list, or one per KV cache group: groups.py) for a
+        decode until it took them, cancelled, or ``hold_timeout`` passed; the request then appears
+        in ``poll().sending``."""
+        self._commands.put(("hold", str(req_id), as_groups(block_ids)))
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
-    def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str,
-              remote_block_ids: Sequence[int], local_block_ids: Sequence[int], part: Sequence[int] = WHOLE) -> None:
+    def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str, remote_block_ids: Sequence,
+              local_block_ids: Sequence, part: Sequence[int] = WHOLE, readers: int = 0) -> None:
         """Decode: ask the prefill agent ``peer_metadata`` to push its request
         ``remote_req_id`` into ``local_block_ids`` (the last ``len(local_block_ids)`` of
         ``remote_block_ids``: blocks this decode already had from its prefix cache are not
         sent); ``req_id`` then appears in ``poll().recving`` (and ``failed`` on failure). ``part``
         (another tensor-parallel size on the prefill): ``(si, sn, di, dn)``, slice ``si`` of ``sn``
-        of the prefill's blocks into slice ``di`` of ``dn`` of these (layout.write_ops)."""
-        local = [int(b) for b in local_block_ids]
-        remote = [int(b) for b in remote_block_ids]
+        of the prefill's blocks into slice ``di`` of ``dn`` of these (layout.write_ops); ``readers``:
+        how many decode ranks read from that prefill rank (heads.readers; 0: ``sn``). Block ids: a
+        list, or one per KV cache group (groups.py), the same number of groups on both sides."""
+        local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
         self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
-                            check_part(tuple(int(v) for v in part))))
+                            check_part(tuple(int(v) for v in part)), int(readers)))
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def cancel(self, req_id: str) -> None:
@@ -358,7 +363,7 @@ class KVTransfer:
 
     # ---- prefill side -------------------------------------------------------------------
 
-    def _cmd_hold(self, req: str, blocks: List[int]) -> None:
+    def _cmd_hold(self, req: str, blocks: Groups) -> None:
         if req in self._gone:  # the decode cancelled before the prefill's worker heard of it
             self._finish(sending=req)
             return
@@ -415,10 +420,10 @@ class KVTransfer:
             return self._refuse(peer, f, "no layout was received on this connection")
         try:
             part = check_part(f.get("part", WHOLE))
-            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout, part)
+            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout, part, f.get("groups"))
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
-        held.parts = max(held.parts, part[1])
+        held.parts = max(held.parts, f.get("readers") or part[1])
         tag = str(f["tag"])
         done = protocol.encode("D", tag=tag)
         handles = []
@@ -443,22 +448,47 @@ class KVTransfer:
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
-    def _push_table(self, held_blocks: List[int], dst: List[int], layout, part=WHOLE):
+    def _push_table(self, held_blocks, dst: List[int], layout, part=WHOLE, counts=None):
         """The op table (layout.request_rows) of every layer's blocks of a request (``part``: a
-        slice of each block's heads into a slice of the peer's, layout.write_ops)."""
+        slice of each block's heads into a slice of the peer's, layout.write_ops), each layer
+        with its KV cache group's blocks: ``dst`` cut into groups of ``counts`` blocks (None: one
+        group), each the tail of that group's held blocks."""
+        held = as_groups(held_blocks)
+        try:
+            dst_groups = split(dst, [len(dst)] if counts is None else counts)
+        except ValueError as e:
+            raise LayoutError(str(e)) from None
+        pairs = self._layer_pairs(layout, len(held))
+        if len(dst_groups) != len(held):
+            raise LayoutError(f"blocks of {len(dst_groups)} KV cache groups asked for, {len(held)} held")
+        tables = []
+        for i, (src, d) in enumerate(zip(held, dst_groups)):
+            if len(d) > len(src):
+                raise LayoutError(f"{len(d)} blocks asked for, {len(src)} held" + (f" (group {i})" if i else ""))
+            if d and pairs[i]:
+                tables.append(request_rows(pairs[i], src[len(src) - len(d):], d, part))
+        if len(tables) == 1:
+            return tables[0]
+        import torch
+
+        return torch.cat(tables) if tables else torch.empty((0, 5), dtype=torch.int64)
+
+    def _layer_pairs(self, layout, groups: int) -> List[list]:
+        """Per KV cache group, (layer here, its region, the peer's layer, its region) of each of
+        its layers; LayoutError for a layer the peer lacks, or layers of another number of groups."""
         regions, peer_layers = layout
-        if len(dst) > len(held_blocks):
-            raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
-        src = held_blocks[len(held_blocks) - len(dst):]
-        pairs = []
-        for g in self.layers:
+        if max(self.layer_group, default=0) + 1 != groups:
+            raise LayoutError(f"blocks of {groups} KV cache groups held, layers of "
+                              f"{max(self.layer_group, default=0) + 1} groups here")
+        pairs: List[list] = [[] for _ in range(groups)]
+        for g, group in zip(self.layers, self.layer_group):
             pg = peer_layers.get(g.name)
             if pg is None:
                 raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
-            pairs.append((g, g.region, pg, pg.region))
-        return request_rows(pairs, src, dst, part)
+            pairs[group].append((g, g.region, pg, pg.region))
+        return pairs
 
     def _on_ack(self, peer: str, req: str) -> None:
         """A decode agent took its blocks; with several decode ranks each taking a slice of
@@ -606,13 +636,17 @@ class KVTransfer:
 
     # ---- decode side --------------------------------------------------------------------
 
-    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: List[int], local: List[int],
-                   part: Tuple[int, ...] = WHOLE) -> None:
-        f = _Fetch(tag, md, remote_req, remote[len(remote) - len(local):] if local else [], local,
-                   time.monotonic() + self.fetch_timeout, started=time.monotonic(), part=part)
-        if len(local) > len(remote):
-            return self._fail(f, f"{len(local)} blocks to receive, the prefill holds {len(remote)}")
-        if not local:
+    def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
+                   part: Tuple[int, ...] = WHOLE, readers: int = 0) -> None:
+        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
+        f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
+                   started=time.monotonic(), part=part)
+        if len(local) != len(remote):
+            return self._fail(f, f"blocks of {len(local)} KV cache groups to receive, the prefill holds {len(remote)}")
+        if any(len(lg) > len(r) for lg, r in zip(local, remote)):
+            return self._fail(f, f"{[len(g) for g in local]} blocks to receive, the prefill holds "
+                                 f"{[len(g) for g in remote]}")
+        if not any(local):
             self._finish(recving=tag)
             return
         self._fetches[tag] = f
@@ -625,9 +659,13 @@ class KVTransfer:
                 conn.notify(self._layout_msg)
                 self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
                 self._layout_sent[key] = conn
-            want = dict(req=remote_req, tag=tag, src=f.src, dst=local)
+            want = dict(req=remote_req, tag=tag, src=flat(f.src), dst=flat(local))
+            if len(local) > 1:
+                want["groups"] = [len(g) for g in local]
             if part != WHOLE:
                 want["part"] = list(part)
+            if readers:
+                want["readers"] = readers
             conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
@@ -677,7 +715,7 @@ class KVTransfer:
         self._count("fetches_failed")
         if not f.cancelled:
             log.warning("%s: receiving %s failed: %s", self.name, f.tag, why)
-        self._finish(recving=f.tag, failed=None if f.cancelled else f.dst)
+        self._finish(recving=f.tag, failed=None if f.cancelled else flat(f.dst))
 
     def _check_fetches(self, now: float) -> None:
         for f in list(self._fetches.values()):
