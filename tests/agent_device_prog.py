@@ -18,6 +18,10 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     self                 two agents in this process: every pair takes cuda-self
     dereg-owner DIR NAME a device region deregistered and freed while a staged read's answer is
     dereg-reader DIR NAME  copied down from it (slowed): the reader still gets the right bytes
+    blocks DIR NAME      batches of staged writes (write_blocks, one frame a batch): 1 to 100,000
+                         blocks, mixed sizes, blocks straddling chunks, every byte checked; bad
+                         blocks refused with nothing written (serve answers "sha R OFF LEN HEX")
+    blocks-lost DIR NAME (stdin-driven) a 64 MiB batch to a target stopped, then killed: PeerLost
     pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
 Each role prints "<role> ok" when it passed; any failure exits non-zero.
 """
@@ -25,6 +29,7 @@ Each role prints "<role> ok" when it passed; any failure exits non-zero.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -78,6 +83,9 @@ class FakeDevice:
         """cuMem fds this process exported so far."""
         return self.cu.calls("cuMemExportToShareableHandle")
 
+    def calls(self, name: str):
+        return self.cu.calls(name)
+
     def stream(self):
         return self.cu.stream()
 
@@ -108,6 +116,9 @@ class TorchDevice:
 
     def exports(self):
         return None  # the real driver counts nothing for us
+
+    def calls(self, name: str):
+        return None
 
     def stream(self):
         import torch
@@ -181,6 +192,12 @@ def serve(args, dev) -> None:
                     want = pattern(seed, ln)
                     bad = [i for i in range(ln) if got[i] != want[i]][:3] if got != want else []
                     answer = "ok" if not bad else f"bad {r} at {[off + i for i in bad]}"
+                elif words[0] == "sha":  # sha R OFF LEN HEX: the bytes' SHA-256 is HEX
+                    r, off, ln = words[1], int(words[2]), int(words[3])
+                    got = hashlib.sha256(bufs[r].read(off, ln)).hexdigest()
+                    answer = "ok" if got == words[4] else f"bad {r}: sha256 {got}"
+                elif words[0] == "calls":  # the driver calls this process made (fake driver only)
+                    answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in ("cuLaunchKernel", "cuMemcpyAsync"))
                 elif words[0] == "dereg":
                     a.deregister(regions[words[1]])
                     answer = "ok"
@@ -318,6 +335,109 @@ def pending(args, dev) -> None:
     print("pending ok", flush=True)
 
 
+def expect_sha(a: Agent, conn, image: bytearray, what: str, timeout: float) -> None:
+    """The target's ipc region holds `image`, every byte."""
+    conn.notify(f"sha ipc 0 {len(image)} {hashlib.sha256(image).hexdigest()}".encode())
+    reply = answer(a, timeout)
+    check(reply == "ok", f"{what}: {reply}")
+
+
+def target_calls(a: Agent, conn, timeout: float) -> dict:
+    conn.notify(b"calls")
+    words = answer(a, timeout).split()
+    check(words[0] == "ok", f"calls: {words}")
+    return {k: (None if v == "None" else int(v)) for k, v in (w.split("=") for w in words[1:])}
+
+
+def blocks_table(rng, n: int, slot: int, max_size: int, size: int = SIZE):
+    """n writes of random sizes (1..max_size; max_size alone when fixed) into slots of their own
+    (`slot` bytes apart) in shuffled order, from random local places: an (n, 3) table."""
+    sizes = rng.integers(1, max_size + 1, n) if max_size < slot else np.full(n, slot)
+    t = np.zeros((n, 3), dtype=np.int64)
+    t[:, 0] = rng.integers(0, size - sizes + 1)
+    t[:, 1] = rng.permutation(n) * slot
+    t[:, 2] = sizes
+    return t
+
+
+def blocks_role(args, dev) -> None:
+    """Batches of staged writes (write_blocks over staged, one frame a batch): 1 block, blocks
+    straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536 in the tests), mixed
+    sizes, 100,000 blocks (two frames); every byte checked at the target. On the fake driver the
+    initiator gathers each chunk with one launch and the target scatters each with one. A block
+    crossing the region's end is refused naming the op, nothing written; a batch to a region the
+    target deregistered is refused there naming the block and the peer, nothing written."""
+    rng = np.random.default_rng(35)
+    with Agent(args.name + "-blocks", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+        lbuf.write(0, src)
+        local, remote = register(a, lbuf), remotes["ipc"]
+        path = conn.path_to(remote, local)
+        check(path == "staged", f"the batch must take staged (FLAGCX_MESH_CUDA_PATH), not {path}")
+        image = bytearray(SIZE)
+        kernel = os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY", "auto") in ("auto", "kernel")
+
+        def write(what, t):
+            conn.write_blocks(local, remote, t).wait(args.timeout)
+            for lo, ro, n in t.tolist():
+                image[ro:ro + n] = src[lo:lo + n]
+            expect_sha(a, conn, image, what, args.timeout)
+
+        write("one block", np.array([[100, 5000, 3000]]))
+        write("mixed sizes", blocks_table(rng, 300, 3000, 2999))
+        mine, theirs = dev.calls("cuLaunchKernel"), target_calls(a, conn, args.timeout)
+        t = blocks_table(rng, 200, 3001, 3001)  # 600,200 bytes: 10 chunks of 64 KiB, blocks straddling them
+        write("blocks straddling chunks", t)
+        chunks = (int(t[:, 2].sum()) + 65535) // 65536
+        if mine is not None and kernel and os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES") == "65536":
+            after = target_calls(a, conn, args.timeout)
+            check(dev.calls("cuLaunchKernel") - mine == chunks, f"{chunks} gathers expected, "
+                  f"{dev.calls('cuLaunchKernel') - mine} launches made")
+            check(after["cuLaunchKernel"] - theirs["cuLaunchKernel"] == chunks and
+                  after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
+                  f"the target: one scatter launch per chunk ({chunks}) and no copy expected: {theirs} -> {after}")
+        write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
+        bad_table = np.array([[0, 0, 4096], [0, SIZE - 100, 200]])
+        msg = refused("a block crossing the region's end", lambda: conn.write_blocks(local, remote, bad_table))
+        check("op 1" in msg and "out of range" in msg, msg)
+        expect_sha(a, conn, image, "after a refused batch", args.timeout)
+        ask(a, conn, "dereg ipc", args.timeout)
+        msg = refused("a batch to a deregistered region",
+                      lambda: conn.write_blocks(local, remote, blocks_table(rng, 10, 4096, 4096)).wait(args.timeout))
+        one_frame = os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") != "off"  # off: a staged put per op
+        check(("block 0 of a batch of 10 staged writes" in msg or not one_frame) and "deregistered" in msg
+              and "agent " + args.name in msg, msg)
+        expect_sha(a, conn, image, "after a batch the target refused", args.timeout)
+        print("blocks refused: " + msg.splitlines()[0], flush=True)
+        conn.notify(b"bye")
+    print("blocks ok", flush=True)
+
+
+def blocks_lost(args, dev) -> None:
+    """A batch of 4096 staged writes (64 MiB) to a target that stops reading and is killed: the
+    call fails with PeerLost naming it, within its timeout."""
+    with Agent(args.name + "-lost", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        local, remote = register(a, lbuf), remotes["ipc"]
+        conn.write_blocks(local, remote, np.array([[0, 0, 4096], [4096, 4096, 4096]])).wait(args.timeout)
+        print("ready", flush=True)
+        sys.stdin.readline()  # the target is stopped now
+        t = np.zeros((4096, 3), dtype=np.int64)
+        t[:, 0] = t[:, 1] = (np.arange(4096) % 64) * 16384
+        t[:, 2] = 16384
+        print("issuing", flush=True)
+        try:
+            conn.write_blocks(local, remote, t).wait(args.timeout)
+            raise SystemExit("FAILED: a batch to a killed target completed")
+        except flagcx_mesh.PeerLost as e:
+            check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
+            print(f"lost: {str(e).splitlines()[0]}", flush=True)
+    print("blocks-lost ok", flush=True)
+
+
 def stream_role(args, dev) -> None:
     """Writes and reads ordered on a busy stream: a write copies what the stream put in its
     source first, a read lands after the stream cleared its destination."""
@@ -448,7 +568,8 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner", "dereg-reader"])
+    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner",
+                                    "dereg-reader", "blocks", "blocks-lost"])
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
@@ -459,7 +580,8 @@ def main() -> None:
     dev = None if args.role == "pair" else make_device(args.device)
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
-             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader}
+             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
+             "blocks-lost": blocks_lost}
     roles[args.role](args, dev)
 
 

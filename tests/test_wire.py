@@ -62,7 +62,7 @@ def test_encode_layout_is_fixed_little_endian():
     raw = _core._wire_encode(header(epoch=0x01020304, src=3, dst=1, context=2))
     assert isinstance(raw, bytes) and len(raw) == HDR
     magic, version, role = struct.unpack_from("<IHH", raw, 0)
-    assert (magic, version, role) == (CONN_MAGIC, 4, _core.ROLE_CONNECT) and _core.WIRE_VERSION == 4
+    assert (magic, version, role) == (CONN_MAGIC, 5, _core.ROLE_CONNECT) and _core.WIRE_VERSION == 5
     assert raw[0:4] == b"FXMH"
     assert raw[8:24] == MESH_ID
     assert struct.unpack_from("<IiiIII", raw, 24) == (0x01020304, 3, 1, 2, 4, 3)

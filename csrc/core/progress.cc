@@ -244,6 +244,20 @@ void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
+void Engine::post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+                             std::vector<wire::BlockEntry> blocks) {
+  wire::BlocksHeader h;
+  h.count = static_cast<uint32_t>(blocks.size());
+  h.bytes = payload->len();
+  uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
+  OutItem it{frame(FrameType::kPutBlocks, &h, list + h.bytes), nullptr, h.bytes, 0, 0};
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
+  it.head.insert(it.head.end(), raw, raw + list);  // the list goes with the headers, before the bytes
+  payload->set_waker([this] { wake(); });
+  it.staged = std::move(payload);
+  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
+}
+
 bool Engine::waiting_for_staging(int s) const {
   if (out_[s].empty() || !out_[s].front().staged) return false;
   return out_[s].front().staged->waiting_for_bytes();

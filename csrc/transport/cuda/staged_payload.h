@@ -30,7 +30,9 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/staging.h"
+#include "transport/cuda/streams.h"
 
 namespace fxm::cuda {
 
@@ -74,6 +76,13 @@ class StagedPayload {
   // posts the frame). A failed copy (Error, the deadline) throws; once the frame
   // was posted the payload is given up first (the engine cannot complete it).
   void fill(int ordinal, const uint8_t* src, const Deadline& deadline, const std::function<void()>& posted);
+  // The same for a payload gathered from many places (staged_batch.h): `copy` queues the copies
+  // of chunk i into `dst` on device `ordinal` and returns the event after them (keeping in *list
+  // what they read until then). Up to kFillAhead chunks are in flight, each published once its
+  // event completed, in order; `posted` runs after the first. Failures as fill()'s.
+  using ChunkCopy = std::function<SharedEvent(uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list)>;
+  static constexpr size_t kFillAhead = 4;
+  void fill_queued(int ordinal, const Deadline& deadline, const std::function<void()>& posted, const ChunkCopy& copy);
 
   // Get answers (bounded false, staged_answer.cc). The source: `len` bytes at
   // `src` in device memory of `ordinal` (-1: host memory). Nothing is copied yet.

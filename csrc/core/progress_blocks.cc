@@ -1,0 +1,176 @@
+// Batches of staged writes at the target (kPutBlocks: base/wire.h, sent by
+// transport/cuda/staged_batch.h). The frame's block list lands first; then
+// every block is checked against the window it names (registered here, device
+// memory, all on one device, inside the window): a batch with one bad block is
+// refused whole, and none of its bytes lands. The bytes that follow land
+// through the staging ring a staged put uses (take_landing_ring, kLandingBuffers
+// pinned buffers of a chunk each); each full buffer is scattered into the
+// windows by one launch of the copy kernel on the landing stream (or the
+// driver's copies), while the next one fills. The frame is one op: acknowledged
+// (or refused) once, after every scatter completed.
+#include <algorithm>
+#include <cstring>
+
+#include "base/log.h"
+#include "base/status.h"
+#include "core/progress_items.h"
+#include "transport/cuda/copy_batch.h"
+#include "transport/cuda/staging.h"
+
+namespace fxm {
+
+using wire::FrameType;
+
+void Engine::on_blocks_header(int s, InConn& in, uint64_t payload) {
+  std::memcpy(&in.blocks_head, in.buf, sizeof(in.blocks_head));
+  const wire::BlocksHeader& h = in.blocks_head;
+  uint64_t list = uint64_t{h.count} * sizeof(wire::BlockEntry);
+  if (h.count == 0 || h.count > wire::kMaxBlocksPerFrame || payload < list || payload - list != h.bytes) {
+    lose(peer_of(s), "protocol error: a batch of staged writes whose block list does not fit its frame");
+    in.closed = true;
+    return;
+  }
+  in.blocks_peer = peer_of(s);
+  in.blocks.resize(h.count);
+}
+
+namespace {
+
+std::string block_words(const std::vector<wire::BlockEntry>& blocks, size_t i) {
+  const wire::BlockEntry& b = blocks[i];
+  return "block " + std::to_string(i) + " of a batch of " + std::to_string(blocks.size()) + " staged writes (" +
+         std::to_string(b.len) + " bytes to window #" + std::to_string(b.win) + " at offset " + std::to_string(b.off) +
+         ")";
+}
+
+}  // namespace
+
+// Every block before any byte lands; the windows named stay entered until the frame ends (reset()).
+std::string Engine::check_blocks(InConn& in) {
+  int device = -1;
+  uint64_t sum = 0;
+  in.block_windows.assign(in.blocks.size(), nullptr);
+  for (size_t i = 0; i < in.blocks.size(); ++i) {
+    const wire::BlockEntry& b = in.blocks[i];
+    Window* w = nullptr;
+    for (Window* e : in.entered_once) {
+      if (e->index == b.win) w = e;
+    }
+    if (w == nullptr) {
+      w = windows_->find(b.win);
+      if (!w) return block_words(in.blocks, i) + ": no such window here";
+      if (!w->enter(true)) return block_words(in.blocks, i) + ": the window was deregistered here";
+      in.entered_once.push_back(w);
+    }
+    if (w->kind != WindowKind::kDevice) return block_words(in.blocks, i) + ": not device memory here";
+    if (device >= 0 && w->device != device) {
+      return block_words(in.blocks, i) + ": on device " + std::to_string(w->device) + ", the batch's blocks before it on device " +
+             std::to_string(device);
+    }
+    device = w->device;
+    if (b.off > w->size || b.len > w->size - b.off) {
+      return block_words(in.blocks, i) + ": out of range (" + std::to_string(w->size) + " bytes here)";
+    }
+    in.block_windows[i] = w;
+    sum += b.len;
+  }
+  if (sum != in.blocks_head.bytes) {
+    return op_words(in) + ": its blocks add up to " + std::to_string(sum) + " bytes";
+  }
+  if (sum == 0) return "";
+  std::string failed = take_landing_ring(in, sum, nullptr, device);
+  return failed.empty() ? "" : op_words(in) + ": " + failed;
+}
+
+// The list lands in place; then the bytes in the ring's buffer being filled (a full one is
+// scattered first). A refused batch's bytes go to the sink.
+uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
+  uint64_t at = in.total - in.remaining;
+  uint64_t list = in.blocks.size() * sizeof(wire::BlockEntry);
+  if (at < list) {
+    *want = static_cast<size_t>(std::min<uint64_t>(*want, list - at));
+    return reinterpret_cast<uint8_t*>(in.blocks.data()) + at;
+  }
+  if (!in.blocks_checked) {
+    in.blocks_checked = true;
+    in.refused = check_blocks(in);
+    if (!in.refused.empty()) {
+      FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + in.refused + " from peer " + std::to_string(in.blocks_peer));
+    }
+  }
+  if (!in.refused.empty() || in.stage.empty()) return nullptr;
+  uint64_t filled = at - list - in.landed;
+  if (filled == in.staged) {
+    std::string failed = land_on_device(in, filled);
+    if (!failed.empty()) {
+      in.refused = failed;
+      return nullptr;
+    }
+    filled = 0;
+  }
+  *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
+  return in.stage[in.filling].buf.get() + filled;
+}
+
+// The pieces of the blocks the buffer's n bytes belong to (a block straddling buffers is cut at
+// their ends), copied while every window they go to is still registered (Window::begin_io).
+cuda::SharedEvent Engine::scatter_blocks(InConn& in, uint64_t n) {
+  InConn::Landing& full = in.stage[in.filling];
+  const uint8_t* buf = full.buf.get();
+  std::vector<cuda::KernelCopy> copies;
+  for (uint64_t k = 0; k < n && in.block_at < in.blocks.size();) {
+    const wire::BlockEntry& b = in.blocks[in.block_at];
+    uint64_t take = std::min(n - k, b.len - in.block_off);
+    if (take > 0) {
+      uint8_t* dst = in.block_windows[in.block_at]->base + b.off + in.block_off;
+      copies.push_back({reinterpret_cast<cuda::CUdeviceptr>(dst), reinterpret_cast<cuda::CUdeviceptr>(buf + k), take});
+    }
+    k += take;
+    in.block_off += take;
+    if (in.block_off == b.len) {
+      ++in.block_at;
+      in.block_off = 0;
+    }
+  }
+  size_t begun = 0;
+  for (; begun < in.entered_once.size() && in.entered_once[begun]->begin_io(); ++begun) {
+  }
+  auto end_io = [&] {
+    for (size_t k = 0; k < begun; ++k) in.entered_once[k]->end_io();
+  };
+  if (begun < in.entered_once.size()) {
+    in.entered_once[begun]->cut_off.fetch_add(1);
+    end_io();
+    fail(Code::kInvalidArgument, in.blocks_peer, 0,
+         "window #" + std::to_string(in.entered_once[begun]->index) + " was deregistered here while the batch was landing");
+  }
+  std::unique_ptr<cuda::CopyList> list;
+  cuda::SharedEvent done;
+  try {
+    done = cuda::copy_run(in.device, cuda::landing_stream(in.device), copies, cuda::device_addressable(buf), &list,
+                          landing_what(in));
+  } catch (...) {
+    if (list) list.release();  // a launch may have read it: never reused
+    end_io();
+    throw;
+  }
+  end_io();
+  full.list = std::move(list);
+  return done;
+}
+
+// The last buffer's scatter, then every scatter completed, before the one ack (or refusal).
+void Engine::on_blocks_done(int s, InConn& in) {
+  if (!in.blocks_checked) {  // (a list with no bytes after it)
+    in.blocks_checked = true;
+    in.refused = check_blocks(in);
+  }
+  std::string refused = in.refused;
+  if (refused.empty() && !in.stage.empty()) {
+    refused = land_on_device(in, in.blocks_head.bytes - in.landed);
+    if (refused.empty()) refused = wait_landed(in);
+  }
+  apply_put(s, wire::PutHeader{}, refused, true);
+}
+
+}  // namespace fxm
