@@ -497,4 +497,4 @@ def test_a_rank_of_the_previous_wire_version_is_answered_and_named():
     assert (magic, version, role) == (0x484D5846, _core.WIRE_VERSION, _core.ROLE_ACCEPT) and version == 5
     assert answers[0][8:24] == bytes(16), "the answer names no mesh id"
     msg = str(info.value)
-    assert "unsupported version: 1 (a rank of another flagcx_mesh build? this one speaks wire version 4)" in msg, msg
+    assert "unsupported version: 1 (a rank of another flagcx_mesh build? this one speaks wire version 5)" in msg, msg

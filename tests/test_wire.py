@@ -107,7 +107,8 @@ def test_encode_rejects_bad_mesh_id_length():
     (dict(version=1), {}, "unsupported version"),  # before the key proofs
     (dict(version=2), {}, "unsupported version"),  # before lazy acks
     (dict(version=3), {}, "unsupported version"),  # before the agents' tcp lanes
-    (dict(version=5), {}, "unsupported version"),
+    (dict(version=4), {}, "unsupported version"),  # before the batches of staged writes (kPutBlocks)
+    (dict(version=6), {}, "unsupported version"),
     (dict(version=0), {}, "unsupported version"),
     (dict(role=_core.ROLE_ACCEPT), {}, "bad role"),
     (dict(role=0), {}, "bad role"),
