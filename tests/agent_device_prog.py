@@ -18,10 +18,12 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     self                 two agents in this process: every pair takes cuda-self
     dereg-owner DIR NAME a device region deregistered and freed while a staged read's answer is
     dereg-reader DIR NAME  copied down from it (slowed): the reader still gets the right bytes
-    blocks DIR NAME      batches of staged writes (write_blocks, one frame a batch): 1 to 100,000
-                         blocks, mixed sizes, blocks straddling chunks, every byte checked; bad
-                         blocks refused with nothing written (serve answers "sha R OFF LEN HEX")
-    blocks-lost DIR NAME (stdin-driven) a 64 MiB batch to a target stopped, then killed: PeerLost
+    blocks DIR NAME      batches of staged writes and reads (write_blocks, read_blocks, one frame a
+                         batch): 1 to 100,000 blocks, mixed sizes, blocks straddling chunks, every
+                         byte checked; bad blocks refused with nothing written (serve answers
+                         "sha R OFF LEN HEX")
+    blocks-lost DIR NAME (stdin-driven) a 64 MiB batch to (--expect read: from) a target stopped,
+                         then killed: PeerLost
     pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
 Each role prints "<role> ok" when it passed; any failure exits non-zero.
 """
@@ -361,12 +363,13 @@ def blocks_table(rng, n: int, slot: int, max_size: int, size: int = SIZE):
 
 
 def blocks_role(args, dev) -> None:
-    """Batches of staged writes (write_blocks over staged, one frame a batch): 1 block, blocks
-    straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536 in the tests), mixed
-    sizes, 100,000 blocks (two frames); every byte checked at the target. On the fake driver the
-    initiator gathers each chunk with one launch and the target scatters each with one. A block
-    crossing the region's end is refused naming the op, nothing written; a batch to a region the
-    target deregistered is refused there naming the block and the peer, nothing written."""
+    """Batches of staged writes and reads (write_blocks / read_blocks over staged, one frame a
+    batch): 1 block, blocks straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536
+    in the tests), mixed sizes, 100,000 blocks (two frames); every byte checked at the target
+    (writes) or here (reads). On the fake driver the side that gathers makes one launch per chunk
+    and so does the side that scatters. A block crossing the region's end is refused naming the
+    op, nothing written; a batch to (from) a region the target deregistered is refused there
+    naming the block and the peer, nothing written."""
     rng = np.random.default_rng(35)
     with Agent(args.name + "-blocks", SECRET, timeout=args.timeout) as a:
         conn, remotes = connect(args, a)
@@ -399,6 +402,35 @@ def blocks_role(args, dev) -> None:
                   after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
                   f"the target: one scatter launch per chunk ({chunks}) and no copy expected: {theirs} -> {after}")
         write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
+        back = dev.buffer("ipc", SIZE)
+        into = register(a, back)
+
+        def read(what, t, count=False):
+            """t: (local slot, remote place, size) rows; the blocks read back land in their slots."""
+            back.write(0, bytes(SIZE))
+            want = bytearray(SIZE)
+            for lo, ro, n in t.tolist():
+                want[lo:lo + n] = image[ro:ro + n]
+            mine, theirs = dev.calls("cuLaunchKernel"), target_calls(a, conn, args.timeout)
+            conn.read_blocks(into, remote, t).wait(args.timeout)
+            check(back.read(0, SIZE) == bytes(want), f"{what}: wrong bytes read back")
+            if count and mine is not None and kernel and os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES") == "65536":
+                after, chunks = target_calls(a, conn, args.timeout), (int(t[:, 2].sum()) + 65535) // 65536
+                check(dev.calls("cuLaunchKernel") - mine == chunks, f"{what}: {chunks} scatters expected here, "
+                      f"{dev.calls('cuLaunchKernel') - mine} launches made")
+                check(after["cuLaunchKernel"] - theirs["cuLaunchKernel"] == chunks and
+                      after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
+                      f"{what}: the target: one gather launch per chunk ({chunks}), no copy: {theirs} -> {after}")
+
+        def swapped(t):  # the same rows as reads: local slots where the writes' remote places were
+            r = t.copy()
+            r[:, 0], r[:, 1] = t[:, 1], rng.integers(0, SIZE - t[:, 2] + 1)
+            return r
+
+        read("one block read", np.array([[7000, 5000, 3000]]))
+        read("reads straddling chunks", swapped(blocks_table(rng, 200, 3001, 3001)), count=True)
+        read("mixed-size reads", swapped(blocks_table(rng, 300, 3000, 2999)))
+        read("100,000 reads", swapped(blocks_table(rng, 100_000, 8, 8)))
         bad_table = np.array([[0, 0, 4096], [0, SIZE - 100, 200]])
         msg = refused("a block crossing the region's end", lambda: conn.write_blocks(local, remote, bad_table))
         check("op 1" in msg and "out of range" in msg, msg)
@@ -409,6 +441,10 @@ def blocks_role(args, dev) -> None:
         one_frame = os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") != "off"  # off: a staged put per op
         check(("block 0 of a batch of 10 staged writes" in msg or not one_frame) and "deregistered" in msg
               and "agent " + args.name in msg, msg)
+        rmsg = refused("a batch of reads from a deregistered region",
+                       lambda: conn.read_blocks(into, remote, blocks_table(rng, 10, 4096, 4096)).wait(args.timeout))
+        check(("block 0 of a batch of 10 staged reads" in rmsg or not one_frame) and "deregistered" in rmsg
+              and "agent " + args.name in rmsg, rmsg)
         expect_sha(a, conn, image, "after a batch the target refused", args.timeout)
         print("blocks refused: " + msg.splitlines()[0], flush=True)
         conn.notify(b"bye")
@@ -416,8 +452,8 @@ def blocks_role(args, dev) -> None:
 
 
 def blocks_lost(args, dev) -> None:
-    """A batch of 4096 staged writes (64 MiB) to a target that stops reading and is killed: the
-    call fails with PeerLost naming it, within its timeout."""
+    """A batch of 4096 staged writes (64 MiB; --expect read: reads) to (from) a target that stops
+    reading and is killed: the call fails with PeerLost naming it, within its timeout."""
     with Agent(args.name + "-lost", SECRET, timeout=args.timeout) as a:
         conn, remotes = connect(args, a)
         lbuf = dev.buffer("ipc", SIZE)
@@ -430,7 +466,10 @@ def blocks_lost(args, dev) -> None:
         t[:, 2] = 16384
         print("issuing", flush=True)
         try:
-            conn.write_blocks(local, remote, t).wait(args.timeout)
+            if args.expect == "read":
+                conn.read_blocks(local, remote, t).wait(args.timeout)
+            else:
+                conn.write_blocks(local, remote, t).wait(args.timeout)
             raise SystemExit("FAILED: a batch to a killed target completed")
         except flagcx_mesh.PeerLost as e:
             check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")

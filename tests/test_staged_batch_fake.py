@@ -1,11 +1,12 @@
-"""A call's staged writes as one op (transport/cuda/staged_batch.h, core/progress_blocks.cc) on the
-fake CUDA driver: write_blocks over staged (FLAGCX_MESH_CUDA_PATH=staged) gathers each chunk of
-the batch with one launch of the copy kernel, sends one frame and the target scatters each chunk
-with one launch; 1 block, blocks straddling the chunks, mixed sizes and 100,000 blocks land byte
-for byte, with the kernel and with the driver's copies; a block crossing the region's end is
-refused naming the op, a batch to a region the target deregistered is refused there naming the
-block and the peer, nothing written either time; a target killed mid-batch fails the call with
-PeerLost. Each role is a process of tests/agent_device_prog.py (blocks, blocks-lost); the same
+"""A call's staged writes (reads) as one op (transport/cuda/staged_batch.h, core/progress_blocks.cc)
+on the fake CUDA driver: write_blocks over staged (FLAGCX_MESH_CUDA_PATH=staged) gathers each
+chunk of the batch with one launch of the copy kernel, sends one frame and the target scatters
+each chunk with one launch (read_blocks: one request, the target gathers, this side scatters);
+1 block, blocks straddling the chunks, mixed sizes and 100,000 blocks land byte for byte, with
+the kernel, with the driver's copies and with batching off; a block crossing the region's end is
+refused naming the op, a batch to (from) a region the target deregistered is refused there
+naming the block and the peer, nothing written either time; a target killed mid-batch fails the
+call with PeerLost. Each role is a process of tests/agent_device_prog.py (blocks, blocks-lost); the same
 roles run with CUDA tensors on a real GPU from scripts/test-gpu.sh."""
 
 from __future__ import annotations
@@ -32,14 +33,15 @@ def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(
         got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
     finally:
         finish(server, "serve")
-    if copies != "off":  # off: each op a staged put of its own, refused as one
+    if copies != "off":  # off: each op a staged put (get) of its own, refused as one
         assert "block 0 of a batch of 10 staged writes" in got, got
 
 
-def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path):
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op):
     env = staged_env()
     server = spawn("serve", tmp_path, "owner", env=env)
-    client = spawn("blocks-lost", tmp_path, "owner", env=env, stdin=subprocess.PIPE)
+    client = spawn("blocks-lost", tmp_path, "owner", "--expect", op, env=env, stdin=subprocess.PIPE)
     try:
         assert client.stdout.readline().strip() == "ready"
         server.send_signal(signal.SIGSTOP)  # it reads nothing more: 64 MiB cannot all be sent

@@ -41,10 +41,11 @@ struct Connection::Checked {
 // and their ops, for the fallback of any the driver refuses. A call of one op
 // has nothing to issue together: its copy is posted as the mesh's put is.
 // Likewise the cma ops (iov_batch.h): one process_vm_* per up to IOV_MAX of them.
-// The staged writes likewise: one kPutBlocks frame (staged_batch.h) per run of them.
+// The staged writes (reads) likewise: one kPutBlocks (kGetBlocks) frame (staged_batch.h) per run of them.
 struct Connection::Batch {
   Batch(Outbox* outbox, bool is_read, bool single, Deadline deadline)
-      : copies(outbox, kPeer, kCtx), staged(outbox, kPeer), is_read(is_read), single(single), deadline(deadline) {}
+      : copies(outbox, kPeer, kCtx), staged(outbox, kPeer, is_read, Engine::kMaxGetBytesInFlight), is_read(is_read),
+        single(single), deadline(deadline) {}
   cuda::CopyBatch copies;
   cuda::StagedBatch staged;
   bool is_read;
@@ -378,8 +379,8 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
     cookie_checked_ = &v;
   }
-  if (!is_read && !batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
-  issue_staged(batch);  // the staged writes queued before this op go first
+  if (!batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
+  issue_staged(batch);  // the staged ops queued before this op go first
   if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
   issue_host(batch);  // the host ops queued before this one are done first
   if (p->synchronous()) {
@@ -432,7 +433,7 @@ void Connection::issue_batch(Batch* b) {
   b->ops.clear();
 }
 
-// Queues a staged write into the call's staged batch; false when the path does not batch it.
+// Queues a staged write (read) into the call's staged batch; false when the path does not batch it.
 bool Connection::queue_staged(Path* p, const PathOp& op, Batch* b) {
   Queued q = p->queue_staged(op, &b->staged);
   if (q == Queued::kBatchFirst) {
@@ -442,7 +443,7 @@ bool Connection::queue_staged(Path* p, const PathOp& op, Batch* b) {
   return q == Queued::kYes;
 }
 
-// The queued staged writes as one op, counted before it is posted (its ack may come at once).
+// The queued staged writes (reads) as one op, counted before it is posted (its ack may come at once).
 void Connection::issue_staged(Batch* b) {
   if (b->staged.size() == 0) return;
   ++async_issued_;

@@ -100,6 +100,8 @@ class Engine : public Outbox {
                        uint64_t dst_off, const SignalSpec& sig) override;
   void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
                        std::vector<wire::BlockEntry> blocks) override;
+  void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, std::shared_ptr<const ScatterList> into,
+                       int device) override;
 
   // Two-sided messages. The message is copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
@@ -314,7 +316,14 @@ class Engine : public Outbox {
   // through the staging ring, each full buffer scattered by one launch; one ack for the frame.
   void on_blocks_header(int s, InConn& in, uint64_t payload);
   uint8_t* blocks_spot(InConn& in, size_t* want);
-  std::string check_blocks(InConn& in);  // "" or why the batch is refused
+  // "" or why the batch is refused; `land`: a batch of writes, whose landing ring it takes.
+  std::string check_blocks(InConn& in, bool land);
+  // A batch of staged reads (kGetBlocks): its list lands, then it is answered like a get, its
+  // chunks gathered out of the windows by one launch each (or refused naming the bad block).
+  void on_get_blocks_header(int s, InConn& in, uint64_t payload);
+  void on_get_blocks_request(int s, InConn& in);
+  // Queues a streamed answer (answer_streamed, answer_blocks) once its payload is set up.
+  void queue_answer(int s, std::shared_ptr<cuda::StagedPayload> p, uint64_t req_id, uint64_t size);
   // Queues the scatter of the n bytes in the buffer being filled: one launch (or the driver's copies).
   cuda::SharedEvent scatter_blocks(InConn& in, uint64_t n);
   void on_blocks_done(int s, InConn& in);
@@ -421,6 +430,7 @@ class Engine : public Outbox {
     uint8_t* dst;
     uint64_t len;
     int device;  // >= 0: dst is device memory, landed through the staging ring
+    std::shared_ptr<const ScatterList> scatter;  // a batch of reads: where each block lands (dst: the first)
   };
   std::map<uint64_t, PendingGet> gets_;
   // Get credits, per (peer, ctx). A target copies each answer when it reads the request, so

@@ -66,6 +66,8 @@ struct Engine::InConn {
   // A kPutBlocks frame (progress_blocks.cc): its list, the windows it entered (left at reset),
   // whether the list was checked, and the block the next landed byte belongs to.
   wire::BlocksHeader blocks_head;
+  wire::GetBlocksHeader get_blocks;  // a kGetBlocks request's header
+  std::shared_ptr<const ScatterList> scatter;  // where the landed bytes go, block after block
   int blocks_peer = -1;  // the peer that sent it (for log lines)
   std::vector<wire::BlockEntry> blocks;
   std::vector<Window*> block_windows;  // per block (entered once per distinct window: entered_once)
@@ -109,6 +111,7 @@ struct Engine::InConn {
     for (Window* w : entered_once) w->leave();
     entered_once.clear();
     block_windows.clear();
+    scatter.reset();
     std::vector<wire::BlockEntry>().swap(blocks);
     blocks_checked = false;
     block_at = 0;

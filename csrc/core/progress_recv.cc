@@ -20,6 +20,7 @@ size_t op_header_size(FrameType t) {
     case FrameType::kStripe: return sizeof(wire::PutHeader);
     case FrameType::kGetReq: return sizeof(wire::GetHeader);
     case FrameType::kPutBlocks: return sizeof(wire::BlocksHeader);
+    case FrameType::kGetBlocks: return sizeof(wire::GetBlocksHeader);
     case FrameType::kGetResp:
     case FrameType::kAck:
     case FrameType::kRefused: return 8;
@@ -190,6 +191,10 @@ void Engine::on_op_header(int s, InConn& in) {
       break;
     case FrameType::kPutBlocks:
       on_blocks_header(s, in, payload);
+      if (in.closed) return;
+      break;
+    case FrameType::kGetBlocks:
+      on_get_blocks_header(s, in, payload);
       if (in.closed) return;
       break;
     case FrameType::kStripe:

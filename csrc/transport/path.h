@@ -86,6 +86,9 @@ struct SignalSpec {
   uint64_t value = 0;
 };
 
+// Where the bytes of a batch's blocks go, in order: (address, length) each.
+using ScatterList = std::vector<std::pair<uint8_t*, uint64_t>>;
+
 // The completion of an asynchronous op that the engine polls (a CUDA event
 // recorded after a copy): done() is true once the op completed.
 class CompletionProbe {
@@ -132,6 +135,10 @@ class Outbox {
   // the order of `blocks` (window, offset, length each), which the frame carries before them.
   virtual void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
                                std::vector<wire::BlockEntry> blocks) = 0;
+  // A batch of staged reads as one get: the peer's `blocks` land, in order, at `into` (device
+  // memory of `device`, one destination a block), through pinned staging.
+  virtual void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks,
+                               std::shared_ptr<const ScatterList> into, int device) = 0;
   // Waits until the ops issued to (peer, ctx) completed (throws on loss or expiry).
   virtual void wait_idle(int peer, int ctx, const Deadline& deadline) = 0;
 };
@@ -209,8 +216,9 @@ class Path {
     (void)op; (void)is_get; (void)batch;
     return Queued::kNo;
   }
-  // The staged path: queues a plain write (no signal, no stream, device memory to a device
-  // window) into the call's staged batch (staged_batch.h), which the caller issues. kNo: post it alone.
+  // The staged path: queues a plain write or read (no signal, no stream, device memory and a
+  // device window) into the call's staged batch (staged_batch.h), which the caller issues. kNo:
+  // post it alone.
   virtual Queued queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
     (void)op; (void)batch;
     return Queued::kNo;

@@ -204,8 +204,8 @@ int StagedPath::put(const PathOp& op) {
   return 0;
 }
 
-// Device memory to a device window, without a signal or a stream: one block of the call's
-// batch (staged_batch.h). FLAGCX_MESH_CUDA_BATCH_COPY=off sends each op alone, as before.
+// Device memory and a device window, without a signal or a stream: one block of the call's
+// batch of writes or reads (staged_batch.h). FLAGCX_MESH_CUDA_BATCH_COPY=off sends each op alone.
 Queued StagedPath::queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
   if (op.sig != nullptr || op.stream_set || op.wait_here || op.local_device < 0 || remote_device_ < 0 ||
       op.len == 0 || cuda_batch_copy_env() == "off") {

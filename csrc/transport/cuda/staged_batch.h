@@ -10,6 +10,10 @@
 // with one launch and acknowledges the frame once (core/progress_blocks.cc): one completion
 // for the batch here. A batch holds the blocks of one source device to windows of one device
 // of the peer, at most wire::kMaxBlocksPerFrame of them; more make several frames.
+// Reads likewise (is_read): one kGetBlocks request names the blocks, the target gathers them
+// chunk by chunk (one launch a chunk) into the answer's ring, and each chunk that lands here is
+// scattered into the blocks' destinations by one launch; a read batch's frames hold at most
+// `max_bytes` (the engine's get credit), and the call waits for each one's answer.
 #pragma once
 
 #include <cstdint>
@@ -24,36 +28,47 @@
 
 namespace fxm::cuda {
 
+// The pieces of the blocks (at places[k].first, places[k].second bytes, starting at starts[k] in
+// the frame's bytes) that the frame's bytes [from, to) cover, as copies into (gather: `gather`
+// true) or out of `chunk` (the pinned buffer holding those bytes); a block straddling either end
+// is cut there. Shared by the initiator's gathers and the target's answers.
+std::vector<KernelCopy> chunk_pieces(const ScatterList& places, const std::vector<uint64_t>& starts, uint64_t from,
+                                     uint64_t to, uint8_t* chunk, bool gather);
+
 class StagedBatch {
  public:
-  StagedBatch(Outbox* outbox, int peer) : outbox_(outbox), peer_(peer) {}
+  StagedBatch(Outbox* outbox, int peer, bool is_read = false, uint64_t max_bytes = UINT64_MAX)
+      : outbox_(outbox), peer_(peer), is_read_(is_read), max_bytes_(max_bytes) {}
+  bool is_read() const { return is_read_; }
   // Queues a plain write of op.len bytes of device memory (op.local on op.local_device) to
   // window `win` of the peer at op.remote_off, on device `remote_device` there. False when the
   // batch holds blocks of another context or device, or is full: issue() it first.
   bool add(const PathOp& op, uint32_t win, int remote_device);
-  size_t size() const { return blocks_.size(); }
+  size_t size() const { return places_.size(); }
   // Posts the queued blocks as one frame (the op is counted then: *posted true) and returns once
-  // every byte is on the host (the sources may be reused). Empties the batch. Throws Error (the
+  // every byte is on the host (the sources may be reused); reads: once every byte landed here
+  // (a read that failed lets the copies already queued end first). Empties the batch. Throws Error (the
   // deadline, the peer lost, a copy the driver refused), naming the peer; before the frame was
   // posted nothing was sent, after it the connection is shut (staged_payload.h).
   void issue(const Deadline& deadline, bool* posted);
 
  private:
-  struct Block {
-    const uint8_t* src;
-    uint64_t at;  // where its bytes start in the frame's bytes
-    uint64_t len;
-  };
+
   // Queues the copies of chunk i of the frame's bytes into `dst` (see StagedPayload::fill_queued).
   SharedEvent gather(uint64_t chunk, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) const;
+  void issue_write(const Deadline& deadline, bool* posted);
+  void issue_read(const Deadline& deadline, bool* posted);
   void clear();
 
   Outbox* outbox_;
   int peer_;
+  bool is_read_;
+  uint64_t max_bytes_;
   int ctx_ = 0;
   int device_ = -1;         // the blocks' device here
   int remote_device_ = -1;  // the device of the windows they go to
-  std::vector<Block> blocks_;             // (the gather's: entries_ goes with the frame once posted)
+  ScatterList places_;            // each block's bytes here (the gather's: entries_ goes with the frame)
+  std::vector<uint64_t> starts_;  // where each block's bytes start in the frame's bytes
   std::vector<wire::BlockEntry> entries_;
   uint64_t bytes_ = 0;
 };

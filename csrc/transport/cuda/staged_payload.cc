@@ -121,6 +121,7 @@ StagedPayload::~StagedPayload() {
   for (size_t k = events_done_; k < events_.size(); ++k) {
     if (!event_done(events_[k])) {
       new HostBuffer(buffer_of(k));  // deliberately kept: a copy down may still write it
+      if (k < lists_.size() && lists_[k]) new std::shared_ptr<CopyList>(lists_[k]);  // and its list be read
       copying = true;
     }
   }
