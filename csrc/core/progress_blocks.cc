@@ -8,6 +8,9 @@
 // windows by one launch of the copy kernel on the landing stream (or the
 // driver's copies), while the next one fills. The frame is one op: acknowledged
 // (or refused) once, after every scatter completed.
+// Batches of staged reads (kGetBlocks) are checked the same way and answered
+// as a streamed get whose chunks are gathered out of the windows by one launch
+// each; the initiator scatters each landing buffer of the answer likewise.
 #include <algorithm>
 #include <cstring>
 
