@@ -322,6 +322,9 @@ class Engine : public Outbox {
   // chunks gathered out of the windows by one launch each (or refused naming the bad block).
   void on_get_blocks_header(int s, InConn& in, uint64_t payload);
   void on_get_blocks_request(int s, InConn& in);
+  void answer_blocks(int s, const wire::GetBlocksHeader& h, std::vector<Window*> windows,
+                     std::shared_ptr<const ScatterList> places, std::shared_ptr<std::vector<uint64_t>> starts,
+                     int device);
   // Queues a streamed answer (answer_streamed, answer_blocks) once its payload is set up.
   void queue_answer(int s, std::shared_ptr<cuda::StagedPayload> p, uint64_t req_id, uint64_t size);
   // Queues the scatter of the n bytes in the buffer being filled: one launch (or the driver's copies).

@@ -211,16 +211,39 @@ bool block_starts(const ScatterList& places, uint64_t bytes, std::vector<uint64_
   return at == bytes;
 }
 
+// Each copy out of the windows runs inside their io (Window::begin_io: false once one was
+// deregistered, and the answer gives up); they are left once no copy reads them any more.
+void guard_windows(cuda::StagedPayload& p, const std::vector<Window*>& windows) {
+  p.guard_source(
+      [windows] {
+        for (size_t k = 0; k < windows.size(); ++k) {
+          if (windows[k]->begin_io()) continue;
+          windows[k]->cut_off.fetch_add(1);
+          while (k-- > 0) windows[k]->end_io();
+          return false;
+        }
+        return true;
+      },
+      [windows] {
+        for (Window* w : windows) w->end_io();
+      });
+  p.hold_source([windows] {
+    for (Window* w : windows) w->leave();
+  });
+}
+
 }  // namespace
 
 // Checked whole (a bad block refuses the get, naming it); then answered as a streamed get whose
 // chunks are gathered out of the windows, which stay entered until the last chunk was copied.
 void Engine::on_get_blocks_request(int s, InConn& in) {
   const wire::GetBlocksHeader h = in.get_blocks;
-  std::string what = "a batch of " + std::to_string(h.count) + " staged reads (" + std::to_string(h.bytes) + " bytes)";
-  std::string why = check_blocks(in, false);
   auto starts = std::make_shared<std::vector<uint64_t>>();
-  if (why.empty() && !block_starts(*in.scatter, h.bytes, starts.get())) why = what + ": its blocks do not add up to it";
+  std::string why = check_blocks(in, false);
+  if (why.empty() && !block_starts(*in.scatter, h.bytes, starts.get())) {
+    why = "a batch of " + std::to_string(h.count) + " staged reads: its blocks do not add up to " +
+          std::to_string(h.bytes) + " bytes";
+  }
   if (!why.empty()) {
     FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + why + " from peer " + std::to_string(peer_of(s)));
     refuse(s, why, wire::kRefusedGet | h.req_id);
@@ -232,41 +255,30 @@ void Engine::on_get_blocks_request(int s, InConn& in) {
     return;
   }
   std::vector<Window*> windows;
-  windows.swap(in.entered_once);  // left by the answer, once no copy reads them any more
-  int device = in.block_windows[0]->device;
-  std::shared_ptr<const ScatterList> places = in.scatter;
+  windows.swap(in.entered_once);  // now the answer's (guard_windows)
+  answer_blocks(s, h, std::move(windows), in.scatter, std::move(starts), in.block_windows[0]->device);
+}
+
+void Engine::answer_blocks(int s, const wire::GetBlocksHeader& h, std::vector<Window*> windows,
+                           std::shared_ptr<const ScatterList> places, std::shared_ptr<std::vector<uint64_t>> starts,
+                           int device) {
   std::shared_ptr<cuda::StagedPayload> p;
   try {
-    Deadline deadline = Deadline::after_seconds(timeout_s_);
-    p = std::make_shared<cuda::StagedPayload>(this, peer_of(s), h.bytes, device, deadline, false);
-    p->guard_source(
-        [windows] {  // each copy out of them runs inside their io (Window::begin_io)
-          for (size_t k = 0; k < windows.size(); ++k) {
-            if (windows[k]->begin_io()) continue;
-            windows[k]->cut_off.fetch_add(1);
-            while (k-- > 0) windows[k]->end_io();
-            return false;
-          }
-          return true;
-        },
-        [windows] {
-          for (Window* w : windows) w->end_io();
-        });
-    p->hold_source([windows] {
-      for (Window* w : windows) w->leave();
-    });
-    windows.clear();
-  } catch (const std::exception& e) {
+    p = std::make_shared<cuda::StagedPayload>(this, peer_of(s), h.bytes, device,
+                                              Deadline::after_seconds(timeout_s_), false);
+  } catch (const std::exception& e) {  // Error or bad_alloc: nothing was sent
     for (Window* w : windows) w->leave();
     {
       std::lock_guard<std::mutex> lock(mu_);
-      answer_bytes_[s] -= h.bytes;
+      answer_bytes_[s] -= h.bytes;  // the credit taken for it
     }
-    refuse(s, what + ": staging its answer failed: " + e.what(), wire::kRefusedGet | h.req_id);
+    refuse(s, "a batch of " + std::to_string(h.count) + " staged reads: staging its answer failed: " + e.what(),
+           wire::kRefusedGet | h.req_id);
     return;
   }
-  uint64_t chunk = p->chunk(), total = h.bytes;
+  guard_windows(*p, windows);
   p->count_in(&answer_held_, &answer_peak_);
+  uint64_t chunk = p->chunk(), total = h.bytes;
   p->answer_gathered(
       device,
       [places, starts, chunk, total, device](uint64_t i, uint8_t* dst, std::unique_ptr<cuda::CopyList>* list) {

@@ -86,6 +86,14 @@ BatchCopy batch_copy_mode(const Driver& d, int ordinal) {
   return driver_batch ? BatchCopy::kDriver : BatchCopy::kOne;
 }
 
+void prepare_copy_kernel(int ordinal) {
+  try {
+    if (const Driver* d = driver()) batch_copy_mode(*d, ordinal);
+  } catch (const Error& e) {  // the paths work without it: batches then go through the driver
+    FXM_INFO(-1, std::string("the copy kernel is not ready on device ") + std::to_string(ordinal) + ": " + e.what());
+  }
+}
+
 bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCopy& c) {
   if (!copies_.empty() && (ordinal != ordinal_ || s != stream_ || fence != fence_)) return false;
   ordinal_ = ordinal;

@@ -77,6 +77,12 @@ class CopyBatch {
 // How runs of copies are issued (FLAGCX_MESH_CUDA_BATCH_COPY, and what failed in this process).
 enum class BatchCopy { kKernel, kDriver, kOne };
 BatchCopy batch_copy_mode(const Driver& d, int ordinal);
+// Loads the copy kernel for `ordinal` now (batch_copy_mode), where the driver is there: device
+// paths when they are set up, device windows when registered (a batch of staged ops lands in
+// them from the progress thread). A first launch can block behind a stream wait of the context
+// (docs/gpu.md, "Traps"), so it is made before any could be queued. A kernel that cannot load
+// is said at info: batches then go through the driver.
+void prepare_copy_kernel(int ordinal);
 
 // One run of copies (none touches another's bytes) on stream s of device `ordinal`, between its
 // memory and page-locked host memory mapped for it (the staged path's gathers and scatters,

@@ -66,11 +66,7 @@ namespace {
 // batch (copy_kernel.h: a first launch can block behind a user's stream wait).
 template <typename P>
 std::unique_ptr<Path> with_batches_ready(std::unique_ptr<P> p, int ordinal) {
-  try {
-    if (const cuda::Driver* d = cuda::driver()) cuda::batch_copy_mode(*d, ordinal);
-  } catch (const Error& e) {  // the path works without it: batches then go through the driver
-    FXM_INFO(-1, std::string("the copy kernel is not ready on device ") + std::to_string(ordinal) + ": " + e.what());
-  }
+  cuda::prepare_copy_kernel(ordinal);
   return p;
 }
 
