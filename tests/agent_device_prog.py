@@ -24,6 +24,8 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
                          "sha R OFF LEN HEX")
     blocks-lost DIR NAME (stdin-driven) a 64 MiB batch to (--expect read: from) a target stopped,
                          then killed: PeerLost
+    blocks-forged DIR NAME  a forged batch frame with a block past the region's end: refused by
+                         the target whole, nothing landed
     pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
 Each role prints "<role> ok" when it passed; any failure exits non-zero.
 """
@@ -477,6 +479,57 @@ def blocks_lost(args, dev) -> None:
     print("blocks-lost ok", flush=True)
 
 
+def connected_tcp_fds():
+    """This process's connected TCP sockets (an agent with one connection of one lane: its fds)."""
+    import socket
+
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                s.getpeername()
+                out.append(int(name))
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return out
+
+
+def blocks_forged(args, dev) -> None:
+    """A peer that writes a batch frame (kPutBlocks) of its own naming a block past the region's
+    end, which this library's initiator never sends: the target checks every block before any
+    lands, refuses the batch (its log names the block) and leaves the region as it was, checked by
+    a second agent (the first one's connection is out of step after the forgery)."""
+    import socket
+    import struct
+
+    from flagcx_mesh.agent import region_info
+
+    with Agent(args.name + "-forger", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        local, remote = register(a, dev.buffer("ipc", SIZE)), remotes["ipc"]
+        conn.write_blocks(local, remote, np.array([[0, 0, 4096], [0, 8192, 4096]])).wait(args.timeout)  # zeros
+        fds = connected_tcp_fds()
+        check(fds, "no connected socket found")
+        win = region_info(remote)["index"]
+        body = struct.pack("<IIQ", 2, 0, 32) + struct.pack("<IIQQ", win, 0, 0, 16) + \
+            struct.pack("<IIQQ", win, 0, SIZE - 8, 16) + b"\xab" * 32
+        s = socket.socket(fileno=os.dup(fds[0]))
+        s.sendall(struct.pack("<IHHQ", 0x464D5846, 12, 0, len(body)) + body)
+        s.close()
+        time.sleep(1.0)  # the target reads it before this agent's goodbye
+    with Agent(args.name + "-checker", SECRET, timeout=args.timeout) as b:
+        conn, _ = connect(args, b)
+        expect_sha(b, conn, bytearray(SIZE), "after a forged batch with a block past the end", args.timeout)
+        conn.notify(b"bye")
+    print("blocks-forged ok", flush=True)
+
+
 def stream_role(args, dev) -> None:
     """Writes and reads ordered on a busy stream: a write copies what the stream put in its
     source first, a read lands after the stream cleared its destination."""
@@ -608,7 +661,7 @@ def run_pair(args, dev) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner",
-                                    "dereg-reader", "blocks", "blocks-lost"])
+                                    "dereg-reader", "blocks", "blocks-lost", "blocks-forged"])
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
@@ -620,7 +673,7 @@ def main() -> None:
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
-             "blocks-lost": blocks_lost}
+             "blocks-lost": blocks_lost, "blocks-forged": blocks_forged}
     roles[args.role](args, dev)
 
 
