@@ -368,8 +368,9 @@ def blocks_role(args, dev) -> None:
     """Batches of staged writes and reads (write_blocks / read_blocks over staged, one frame a
     batch): 1 block, blocks straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536
     in the tests), mixed sizes, 100,000 blocks (two frames); every byte checked at the target
-    (writes) or here (reads). On the fake driver the side that gathers makes one launch per chunk
-    and so does the side that scatters. A block crossing the region's end is refused naming the
+    (writes) or here (reads); blocks of one batch landing on each other's bytes land in call order
+    (the later wins). On the fake driver the side that gathers makes one launch per chunk and so
+    does the side that scatters. A block crossing the region's end is refused naming the
     op, nothing written; a batch to (from) a region the target deregistered is refused there
     naming the block and the peer, nothing written."""
     rng = np.random.default_rng(35)
@@ -404,6 +405,10 @@ def blocks_role(args, dev) -> None:
                   after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
                   f"the target: one scatter launch per chunk ({chunks}) and no copy expected: {theirs} -> {after}")
         write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
+        # blocks of one batch landing on each other's bytes: the later wins, as one op after the
+        # other (one launch does not order its copies; the fake's runs them last to first)
+        write("writes onto the same bytes", np.array([[0, 50000, 4096], [10000, 50000, 4096],
+                                                      [20000, 52048, 4096], [30000, 60000, 100]]))
         back = dev.buffer("ipc", SIZE)
         into = register(a, back)
 
@@ -433,6 +438,7 @@ def blocks_role(args, dev) -> None:
         read("reads straddling chunks", swapped(blocks_table(rng, 200, 3001, 3001)), count=True)
         read("mixed-size reads", swapped(blocks_table(rng, 300, 3000, 2999)))
         read("100,000 reads", swapped(blocks_table(rng, 100_000, 8, 8)))
+        read("reads into the same bytes", np.array([[7000, 0, 4096], [7000, 8192, 4096], [9000, 20000, 100]]))
         bad_table = np.array([[0, 0, 4096], [0, SIZE - 100, 200]])
         msg = refused("a block crossing the region's end", lambda: conn.write_blocks(local, remote, bad_table))
         check("op 1" in msg and "out of range" in msg, msg)

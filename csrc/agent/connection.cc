@@ -443,17 +443,14 @@ bool Connection::queue_staged(Path* p, const PathOp& op, Batch* b) {
   return q == Queued::kYes;
 }
 
-// The queued staged writes (reads) as one op, counted before it is posted (its ack may come at once).
+// The queued staged writes (reads) as one op a frame, each counted before it is posted (its ack
+// may come at once).
 void Connection::issue_staged(Batch* b) {
   if (b->staged.size() == 0) return;
-  ++async_issued_;
-  bool posted = false;
-  try {
-    b->staged.issue(b->deadline, &posted);
-  } catch (const Error&) {
-    if (!posted) --async_issued_;  // nothing was sent
-    throw;
-  }
+  b->staged.issue(b->deadline, [this](int n) {
+    if (n > 0) ++async_issued_;
+    else --async_issued_;  // that frame was not posted
+  });
 }
 
 // Queues a synchronous path's op into the call's host batch; false when the path does not batch it.

@@ -17,6 +17,7 @@
 #pragma once
 
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <vector>
 
@@ -40,25 +41,36 @@ class StagedBatch {
   StagedBatch(Outbox* outbox, int peer, bool is_read = false, uint64_t max_bytes = UINT64_MAX)
       : outbox_(outbox), peer_(peer), is_read_(is_read), max_bytes_(max_bytes) {}
   bool is_read() const { return is_read_; }
-  // Queues a plain write of op.len bytes of device memory (op.local on op.local_device) to
-  // window `win` of the peer at op.remote_off, on device `remote_device` there. False when the
-  // batch holds blocks of another context or device, or is full: issue() it first.
+  // Queues a plain write (read) of op.len bytes of device memory (op.local on op.local_device)
+  // to (from) window `win` of the peer at op.remote_off, on device `remote_device` there. False
+  // when the batch holds blocks of another context or device, or is full: issue() it first.
   bool add(const PathOp& op, uint32_t win, int remote_device);
-  size_t size() const { return places_.size(); }
-  // Posts the queued blocks as one frame (the op is counted then: *posted true) and returns once
-  // every byte is on the host (the sources may be reused); reads: once every byte landed here
-  // (a read that failed lets the copies already queued end first). Empties the batch. Throws Error (the
-  // deadline, the peer lost, a copy the driver refused), naming the peer; before the frame was
-  // posted nothing was sent, after it the connection is shut (staged_payload.h).
-  void issue(const Deadline& deadline, bool* posted);
+  size_t size() const { return frame_.places.size(); }
+  // Posts the queued blocks as one frame, or as several in order where blocks of the batch land
+  // on each other's bytes (one launch does not order its copies: a later one must still win),
+  // and returns once every byte is on the host (the sources may be reused); reads: once every
+  // byte landed here (a read that failed lets the copies already queued end first). `count(+1)`
+  // runs before each frame is posted (the op it is), `count(-1)` if that post failed. Empties the
+  // batch. Throws Error (the deadline, the peer lost, a copy the driver refused), naming the
+  // peer; before a frame was posted nothing of it was sent, after it the connection is shut
+  // (staged_payload.h).
+  using Count = std::function<void(int)>;
+  void issue(const Deadline& deadline, const Count& count);
 
  private:
-
+  struct Frame {
+    ScatterList places;            // each block's bytes here
+    std::vector<uint64_t> starts;  // where each block's bytes start in the frame's bytes
+    std::vector<wire::BlockEntry> entries;
+    std::vector<uint64_t> keys;    // where each block lands, as one number (overlap checks)
+    uint64_t bytes = 0;
+  };
+  // The runs of blocks none of which lands on bytes another one of its run lands on.
+  std::vector<Frame> disjoint_runs();
   // Queues the copies of chunk i of the frame's bytes into `dst` (see StagedPayload::fill_queued).
-  SharedEvent gather(uint64_t chunk, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) const;
-  void issue_write(const Deadline& deadline, bool* posted);
-  void issue_read(const Deadline& deadline, bool* posted);
-  void clear();
+  SharedEvent gather(const Frame& f, uint64_t chunk, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) const;
+  void issue_write(Frame f, const Deadline& deadline, const Count& count);
+  void issue_read(Frame f, const Deadline& deadline, const Count& count);
 
   Outbox* outbox_;
   int peer_;
@@ -67,10 +79,7 @@ class StagedBatch {
   int ctx_ = 0;
   int device_ = -1;         // the blocks' device here
   int remote_device_ = -1;  // the device of the windows they go to
-  ScatterList places_;            // each block's bytes here (the gather's: entries_ goes with the frame)
-  std::vector<uint64_t> starts_;  // where each block's bytes start in the frame's bytes
-  std::vector<wire::BlockEntry> entries_;
-  uint64_t bytes_ = 0;
+  Frame frame_;
 };
 
 }  // namespace fxm::cuda
