@@ -31,7 +31,7 @@ step() {  # step NAME CMD...: runs CMD, logs to NAME.log, remembers a failure
 }
 { date -u; nvidia-smi --query-gpu=name,driver_version --format=csv,noheader; uname -r; } >"$logs/machine.txt" 2>&1
 step install "$py" -m pip install -q --no-deps --no-build-isolation -C cmake.define.FXM_TEST_DOUBLES=ON .
-step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py tests/test_agent_device_fake.py tests/test_agent_stream_wait_fake.py tests/test_agent_batch_fake.py
+step gpu-tests "$py" -m pytest -q -p no:cacheprovider --timeout-method=thread tests/test_gpu.py tests/test_gpu_fake.py tests/test_agent_device_fake.py tests/test_agent_stream_wait_fake.py tests/test_agent_batch_fake.py tests/test_staged_batch_fake.py
 step staged-traffic-4 env FLAGCX_MESH_CUDA_PATH=staged "$py" -m flagcx_mesh.launch -n 4 --timeout 900 -- \
   "$py" tests/staged_traffic_prog.py staged_traffic --device torch --max-size 8388608 --ops 200 --round-timeout 600
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json" --plot "$logs/bench-put-cuda.png"
@@ -43,6 +43,9 @@ step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles c
 # once the wait was released, and each release's cause and time are printed ("<scenario> ok" per scenario)
 step agent-stream-wait "$py" tests/agent_stream_wait_prog.py all "$logs" --device torch --timeout 30
 step agent-batch "$py" tests/agent_batch_prog.py all --device torch --timeout 30
+# batches of staged writes (one frame a call, gathered and scattered by the copy kernel): every byte
+step agent-staged-blocks env FLAGCX_MESH_CUDA_PATH=staged FLAGCX_MESH_STAGED_CHUNK_BYTES=65536 \
+  "$py" tests/agent_device_prog.py pair --device torch --roles blocks --timeout 60
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)
@@ -68,6 +71,13 @@ step bench-agent-cuda-batch-off env FLAGCX_MESH_CUDA_BATCH_COPY=off "$py" -m fla
 # agents on host memory beside the mesh's own puts (cma, shm, tcp: the agent's tcp lanes against the mesh's)
 step bench-agent-host "$py" -m flagcx_mesh.bench agent --transports cma,shm,tcp --peers none \
   --json "$logs/bench-agent-host.json"
+# a request's KV over staged as one batch, beside pinned D2H / H2D and raw loopback TCP of the same
+# run ([staged refs] lines); then a staged put per block (FLAGCX_MESH_CUDA_BATCH_COPY=off), as before
+step bench-agent-staged-batch "$py" -m flagcx_mesh.bench agent --device cuda --paths staged --blocks 64K,16K \
+  --count 4096 --peers none --mesh-put off --json "$logs/bench-agent-staged-batch.json"
+step bench-agent-staged-batch-off env FLAGCX_MESH_CUDA_BATCH_COPY=off "$py" -m flagcx_mesh.bench agent --device cuda \
+  --paths staged --blocks 64K,16K --count 4096 --peers none --mesh-put off \
+  --json "$logs/bench-agent-staged-batch-off.json"
 # the staged path's other half of its goal (raw loopback TCP), and its chunk size either side of the default
 step bench-put-host "$py" -m flagcx_mesh.bench put --sizes 1M,16M,64M,256M --batch 0 --json "$logs/bench-put-host.json"
 for chunk in 1048576 16777216; do

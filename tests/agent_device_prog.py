@@ -18,6 +18,14 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     self                 two agents in this process: every pair takes cuda-self
     dereg-owner DIR NAME a device region deregistered and freed while a staged read's answer is
     dereg-reader DIR NAME  copied down from it (slowed): the reader still gets the right bytes
+    blocks DIR NAME      batches of staged writes and reads (write_blocks, read_blocks, one frame a
+                         batch): 1 to 100,000 blocks, mixed sizes, blocks straddling chunks, every
+                         byte checked; bad blocks refused with nothing written (serve answers
+                         "sha R OFF LEN HEX")
+    blocks-lost DIR NAME (stdin-driven) a 64 MiB batch to (--expect read: from) a target stopped,
+                         then killed: PeerLost
+    blocks-forged DIR NAME  a forged batch frame with a block past the region's end: refused by
+                         the target whole, nothing landed
     pair                 runs each of --roles against its own serve process (scripts/test-gpu.sh)
 Each role prints "<role> ok" when it passed; any failure exits non-zero.
 """
@@ -25,6 +33,7 @@ Each role prints "<role> ok" when it passed; any failure exits non-zero.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import os
 import sys
 import time
@@ -78,6 +87,9 @@ class FakeDevice:
         """cuMem fds this process exported so far."""
         return self.cu.calls("cuMemExportToShareableHandle")
 
+    def calls(self, name: str):
+        return self.cu.calls(name)
+
     def stream(self):
         return self.cu.stream()
 
@@ -108,6 +120,9 @@ class TorchDevice:
 
     def exports(self):
         return None  # the real driver counts nothing for us
+
+    def calls(self, name: str):
+        return None
 
     def stream(self):
         import torch
@@ -181,6 +196,12 @@ def serve(args, dev) -> None:
                     want = pattern(seed, ln)
                     bad = [i for i in range(ln) if got[i] != want[i]][:3] if got != want else []
                     answer = "ok" if not bad else f"bad {r} at {[off + i for i in bad]}"
+                elif words[0] == "sha":  # sha R OFF LEN HEX: the bytes' SHA-256 is HEX
+                    r, off, ln = words[1], int(words[2]), int(words[3])
+                    got = hashlib.sha256(bufs[r].read(off, ln)).hexdigest()
+                    answer = "ok" if got == words[4] else f"bad {r}: sha256 {got}"
+                elif words[0] == "calls":  # the driver calls this process made (fake driver only)
+                    answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in ("cuLaunchKernel", "cuMemcpyAsync"))
                 elif words[0] == "dereg":
                     a.deregister(regions[words[1]])
                     answer = "ok"
@@ -318,6 +339,203 @@ def pending(args, dev) -> None:
     print("pending ok", flush=True)
 
 
+def expect_sha(a: Agent, conn, image: bytearray, what: str, timeout: float) -> None:
+    """The target's ipc region holds `image`, every byte."""
+    conn.notify(f"sha ipc 0 {len(image)} {hashlib.sha256(image).hexdigest()}".encode())
+    reply = answer(a, timeout)
+    check(reply == "ok", f"{what}: {reply}")
+
+
+def target_calls(a: Agent, conn, timeout: float) -> dict:
+    conn.notify(b"calls")
+    words = answer(a, timeout).split()
+    check(words[0] == "ok", f"calls: {words}")
+    return {k: (None if v == "None" else int(v)) for k, v in (w.split("=") for w in words[1:])}
+
+
+def blocks_table(rng, n: int, slot: int, max_size: int, size: int = SIZE):
+    """n writes of random sizes (1..max_size; max_size alone when fixed) into slots of their own
+    (`slot` bytes apart) in shuffled order, from random local places: an (n, 3) table."""
+    sizes = rng.integers(1, max_size + 1, n) if max_size < slot else np.full(n, slot)
+    t = np.zeros((n, 3), dtype=np.int64)
+    t[:, 0] = rng.integers(0, size - sizes + 1)
+    t[:, 1] = rng.permutation(n) * slot
+    t[:, 2] = sizes
+    return t
+
+
+def blocks_role(args, dev) -> None:
+    """Batches of staged writes and reads (write_blocks / read_blocks over staged, one frame a
+    batch): 1 block, blocks straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536
+    in the tests), mixed sizes, 100,000 blocks (two frames); every byte checked at the target
+    (writes) or here (reads); blocks of one batch landing on each other's bytes land in call order
+    (the later wins). On the fake driver the side that gathers makes one launch per chunk and so
+    does the side that scatters. A block crossing the region's end is refused naming the
+    op, nothing written; a batch to (from) a region the target deregistered is refused there
+    naming the block and the peer, nothing written."""
+    rng = np.random.default_rng(35)
+    with Agent(args.name + "-blocks", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+        lbuf.write(0, src)
+        local, remote = register(a, lbuf), remotes["ipc"]
+        path = conn.path_to(remote, local)
+        check(path == "staged", f"the batch must take staged (FLAGCX_MESH_CUDA_PATH), not {path}")
+        image = bytearray(SIZE)
+        kernel = os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY", "auto") in ("auto", "kernel")
+
+        def write(what, t):
+            conn.write_blocks(local, remote, t).wait(args.timeout)
+            for lo, ro, n in t.tolist():
+                image[ro:ro + n] = src[lo:lo + n]
+            expect_sha(a, conn, image, what, args.timeout)
+
+        write("one block", np.array([[100, 5000, 3000]]))
+        write("mixed sizes", blocks_table(rng, 300, 3000, 2999))
+        mine, theirs = dev.calls("cuLaunchKernel"), target_calls(a, conn, args.timeout)
+        t = blocks_table(rng, 200, 3001, 3001)  # 600,200 bytes: 10 chunks of 64 KiB, blocks straddling them
+        write("blocks straddling chunks", t)
+        chunks = (int(t[:, 2].sum()) + 65535) // 65536
+        if mine is not None and kernel and os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES") == "65536":
+            after = target_calls(a, conn, args.timeout)
+            check(dev.calls("cuLaunchKernel") - mine == chunks, f"{chunks} gathers expected, "
+                  f"{dev.calls('cuLaunchKernel') - mine} launches made")
+            check(after["cuLaunchKernel"] - theirs["cuLaunchKernel"] == chunks and
+                  after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
+                  f"the target: one scatter launch per chunk ({chunks}) and no copy expected: {theirs} -> {after}")
+        write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
+        # blocks of one batch landing on each other's bytes: the later wins, as one op after the
+        # other (one launch does not order its copies; the fake's runs them last to first)
+        write("writes onto the same bytes", np.array([[0, 50000, 4096], [10000, 50000, 4096],
+                                                      [20000, 52048, 4096], [30000, 60000, 100]]))
+        back = dev.buffer("ipc", SIZE)
+        into = register(a, back)
+
+        def read(what, t, count=False):
+            """t: (local slot, remote place, size) rows; the blocks read back land in their slots."""
+            back.write(0, bytes(SIZE))
+            want = bytearray(SIZE)
+            for lo, ro, n in t.tolist():
+                want[lo:lo + n] = image[ro:ro + n]
+            mine, theirs = dev.calls("cuLaunchKernel"), target_calls(a, conn, args.timeout)
+            conn.read_blocks(into, remote, t).wait(args.timeout)
+            check(back.read(0, SIZE) == bytes(want), f"{what}: wrong bytes read back")
+            if count and mine is not None and kernel and os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES") == "65536":
+                after, chunks = target_calls(a, conn, args.timeout), (int(t[:, 2].sum()) + 65535) // 65536
+                check(dev.calls("cuLaunchKernel") - mine == chunks, f"{what}: {chunks} scatters expected here, "
+                      f"{dev.calls('cuLaunchKernel') - mine} launches made")
+                check(after["cuLaunchKernel"] - theirs["cuLaunchKernel"] == chunks and
+                      after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
+                      f"{what}: the target: one gather launch per chunk ({chunks}), no copy: {theirs} -> {after}")
+
+        def swapped(t):  # the same rows as reads: local slots where the writes' remote places were
+            r = t.copy()
+            r[:, 0], r[:, 1] = t[:, 1], rng.integers(0, SIZE - t[:, 2] + 1)
+            return r
+
+        read("one block read", np.array([[7000, 5000, 3000]]))
+        read("reads straddling chunks", swapped(blocks_table(rng, 200, 3001, 3001)), count=True)
+        read("mixed-size reads", swapped(blocks_table(rng, 300, 3000, 2999)))
+        read("100,000 reads", swapped(blocks_table(rng, 100_000, 8, 8)))
+        read("reads into the same bytes", np.array([[7000, 0, 4096], [7000, 8192, 4096], [9000, 20000, 100]]))
+        bad_table = np.array([[0, 0, 4096], [0, SIZE - 100, 200]])
+        msg = refused("a block crossing the region's end", lambda: conn.write_blocks(local, remote, bad_table))
+        check("op 1" in msg and "out of range" in msg, msg)
+        expect_sha(a, conn, image, "after a refused batch", args.timeout)
+        ask(a, conn, "dereg ipc", args.timeout)
+        msg = refused("a batch to a deregistered region",
+                      lambda: conn.write_blocks(local, remote, blocks_table(rng, 10, 4096, 4096)).wait(args.timeout))
+        one_frame = os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") != "off"  # off: a staged put per op
+        check(("block 0 of a batch of 10 staged writes" in msg or not one_frame) and "deregistered" in msg
+              and "agent " + args.name in msg, msg)
+        rmsg = refused("a batch of reads from a deregistered region",
+                       lambda: conn.read_blocks(into, remote, blocks_table(rng, 10, 4096, 4096)).wait(args.timeout))
+        check(("block 0 of a batch of 10 staged reads" in rmsg or not one_frame) and "deregistered" in rmsg
+              and "agent " + args.name in rmsg, rmsg)
+        expect_sha(a, conn, image, "after a batch the target refused", args.timeout)
+        print("blocks refused: " + msg.splitlines()[0], flush=True)
+        conn.notify(b"bye")
+    print("blocks ok", flush=True)
+
+
+def blocks_lost(args, dev) -> None:
+    """A batch of 4096 staged writes (64 MiB; --expect read: reads) to (from) a target that stops
+    reading and is killed: the call fails with PeerLost naming it, within its timeout."""
+    with Agent(args.name + "-lost", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        local, remote = register(a, lbuf), remotes["ipc"]
+        conn.write_blocks(local, remote, np.array([[0, 0, 4096], [4096, 4096, 4096]])).wait(args.timeout)
+        print("ready", flush=True)
+        sys.stdin.readline()  # the target is stopped now
+        t = np.zeros((4096, 3), dtype=np.int64)
+        t[:, 0] = t[:, 1] = (np.arange(4096) % 64) * 16384
+        t[:, 2] = 16384
+        print("issuing", flush=True)
+        try:
+            if args.expect == "read":
+                conn.read_blocks(local, remote, t).wait(args.timeout)
+            else:
+                conn.write_blocks(local, remote, t).wait(args.timeout)
+            raise SystemExit("FAILED: a batch to a killed target completed")
+        except flagcx_mesh.PeerLost as e:
+            check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
+            print(f"lost: {str(e).splitlines()[0]}", flush=True)
+    print("blocks-lost ok", flush=True)
+
+
+def connected_tcp_fds():
+    """This process's connected TCP sockets (an agent with one connection of one lane: its fds)."""
+    import socket
+
+    out = []
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
+                s.getpeername()
+                out.append(int(name))
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return out
+
+
+def blocks_forged(args, dev) -> None:
+    """A peer that writes a batch frame (kPutBlocks) of its own naming a block past the region's
+    end, which this library's initiator never sends: the target checks every block before any
+    lands, refuses the batch (its log names the block) and leaves the region as it was, checked by
+    a second agent (the first one's connection is out of step after the forgery)."""
+    import socket
+    import struct
+
+    from flagcx_mesh.agent import region_info
+
+    with Agent(args.name + "-forger", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        local, remote = register(a, dev.buffer("ipc", SIZE)), remotes["ipc"]
+        conn.write_blocks(local, remote, np.array([[0, 0, 4096], [0, 8192, 4096]])).wait(args.timeout)  # zeros
+        fds = connected_tcp_fds()
+        check(fds, "no connected socket found")
+        win = region_info(remote)["index"]
+        body = struct.pack("<IIQ", 2, 0, 32) + struct.pack("<IIQQ", win, 0, 0, 16) + \
+            struct.pack("<IIQQ", win, 0, SIZE - 8, 16) + b"\xab" * 32
+        s = socket.socket(fileno=os.dup(fds[0]))
+        s.sendall(struct.pack("<IHHQ", 0x464D5846, 12, 0, len(body)) + body)
+        s.close()
+        time.sleep(1.0)  # the target reads it before this agent's goodbye
+    with Agent(args.name + "-checker", SECRET, timeout=args.timeout) as b:
+        conn, _ = connect(args, b)
+        expect_sha(b, conn, bytearray(SIZE), "after a forged batch with a block past the end", args.timeout)
+        conn.notify(b"bye")
+    print("blocks-forged ok", flush=True)
+
+
 def stream_role(args, dev) -> None:
     """Writes and reads ordered on a busy stream: a write copies what the stream put in its
     source first, a read lands after the stream cleared its destination."""
@@ -448,7 +666,8 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner", "dereg-reader"])
+    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner",
+                                    "dereg-reader", "blocks", "blocks-lost", "blocks-forged"])
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
@@ -459,7 +678,8 @@ def main() -> None:
     dev = None if args.role == "pair" else make_device(args.device)
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
-             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader}
+             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
+             "blocks-lost": blocks_lost, "blocks-forged": blocks_forged}
     roles[args.role](args, dev)
 
 

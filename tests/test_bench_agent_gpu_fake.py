@@ -1,6 +1,7 @@
 """`python -m flagcx_mesh.bench agent --device cuda` on the fake CUDA driver: the target in a child
-process, every device path measured, the bytes checked at the target, a peer that cannot run
-reported with its reason (docs/benchmarks.md, "Agents on GPU memory")."""
+process, every device path measured, the bytes checked at the target, staged's references of the
+same run (raw loopback TCP; pinned copies need torch) and its ratio to them, a peer that cannot
+run reported with its reason (docs/benchmarks.md, "Agents on GPU memory")."""
 
 import json
 import os
@@ -41,6 +42,13 @@ def test_every_device_path_moves_and_verifies_its_bytes(tmp_path):
         goal = fig["goals"][path]["64 KiB_blocking_GBps_over_mesh_put"]
         assert goal == pytest.approx(req["blocking_GBps"] / mesh["blocking_GBps"]), (path, goal)
     assert fig["goals"]["cuda-vmm"]["register_goal_over_ms"] > 0
+    # staged's references of the same run (no pinned copies without torch: raw loopback TCP alone)
+    refs = fig["staged_refs"]
+    assert refs["tcp_1_lane_GBps"] > 0 and refs["tcp_4_lanes_GBps"] > 0 and refs["pinned_d2h_GBps"] is None
+    assert refs["reference_GBps"] == refs["tcp_1_lane_GBps"]
+    staged = fig["flagcx_mesh"]["staged"]["request"]["64 KiB"]["pipelined_GBps"]
+    assert refs["ratios"]["64 KiB_pipelined_GBps_over_reference"] == pytest.approx(staged / refs["reference_GBps"])
+    assert "[staged refs] raw loopback TCP" not in p.stdout and "[staged refs] pinned D2H n/a" in p.stdout
 
 
 def test_mesh_put_off_leaves_the_mesh_out_and_says_so(tmp_path):

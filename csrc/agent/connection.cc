@@ -14,6 +14,7 @@
 #include "transport/cma/iov_batch.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
+#include "transport/cuda/staged_batch.h"
 #include "transport/tcp/tcp_path.h"
 
 namespace fxm::agent {
@@ -40,10 +41,13 @@ struct Connection::Checked {
 // and their ops, for the fallback of any the driver refuses. A call of one op
 // has nothing to issue together: its copy is posted as the mesh's put is.
 // Likewise the cma ops (iov_batch.h): one process_vm_* per up to IOV_MAX of them.
+// The staged writes (reads) likewise: one kPutBlocks (kGetBlocks) frame (staged_batch.h) per run of them.
 struct Connection::Batch {
   Batch(Outbox* outbox, bool is_read, bool single, Deadline deadline)
-      : copies(outbox, kPeer, kCtx), is_read(is_read), single(single), deadline(deadline) {}
+      : copies(outbox, kPeer, kCtx), staged(outbox, kPeer, is_read, Engine::kMaxGetBytesInFlight), is_read(is_read),
+        single(single), deadline(deadline) {}
   cuda::CopyBatch copies;
+  cuda::StagedBatch staged;
   bool is_read;
   bool single;
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
@@ -375,6 +379,8 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
     cookie_checked_ = &v;
   }
+  if (!batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
+  issue_staged(batch);  // the staged ops queued before this op go first
   if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
   issue_host(batch);  // the host ops queued before this one are done first
   if (p->synchronous()) {
@@ -425,6 +431,26 @@ void Connection::issue_batch(Batch* b) {
     for (size_t i = issued; i < n; ++i) post(&b->ops[i].first->tcp(), *b->ops[i].first, b->ops[i].second, b->is_read);
   }
   b->ops.clear();
+}
+
+// Queues a staged write (read) into the call's staged batch; false when the path does not batch it.
+bool Connection::queue_staged(Path* p, const PathOp& op, Batch* b) {
+  Queued q = p->queue_staged(op, &b->staged);
+  if (q == Queued::kBatchFirst) {
+    issue_staged(b);
+    q = p->queue_staged(op, &b->staged);
+  }
+  return q == Queued::kYes;
+}
+
+// The queued staged writes (reads) as one op a frame, each counted before it is posted (its ack
+// may come at once).
+void Connection::issue_staged(Batch* b) {
+  if (b->staged.size() == 0) return;
+  b->staged.issue(b->deadline, [this](int n) {
+    if (n > 0) ++async_issued_;
+    else --async_issued_;  // that frame was not posted
+  });
 }
 
 // Queues a synchronous path's op into the call's host batch; false when the path does not batch it.
@@ -510,11 +536,13 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
       *async = *async || how != Issued::kDone;
       *unordered = *unordered || how == Issued::kUnordered;
     }
+    issue_staged(&batch);
     issue_host(&batch);
     issue_batch(&batch);
     *async = *async || batch.host_fell_back;
   } catch (const Error&) {
     try {
+      issue_staged(&batch);
       issue_host(&batch);
       issue_batch(&batch);
     } catch (const Error&) {  // the first error is the call's

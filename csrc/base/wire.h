@@ -17,8 +17,8 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire format assumes li
 constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
 constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
 // 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq);
-// 4: the agents' identity block carries their tcp lanes (agent/handshake.h)
-constexpr uint16_t kVersion = 4;
+// 4: the agents' identity block carries their tcp lanes (agent/handshake.h); 5: kPutBlocks, kGetBlocks
+constexpr uint16_t kVersion = 5;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -132,6 +132,8 @@ enum class FrameType : uint16_t {
   kAdmit = 9,      // agents: the acceptor's verdict after the proofs ("" admitted, else why not)
   kStripe = 10,    // PutHeader + data on a lane > 0: one part of a striped put (sig_slot: its number)
   kAckReq = 11,    // no body: ack now every op from it applied so far (lazy ones too), even none new (a ping)
+  kPutBlocks = 12, // BlocksHeader + count BlockEntry + the blocks' bytes in list order: one op (one ack)
+  kGetBlocks = 13, // GetBlocksHeader + count BlockEntry: one get, answered by one kGetResp (list order)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
 // Set in a kRefused number: it refuses get request (number & ~kRefusedGet),
@@ -167,7 +169,34 @@ struct GetHeader {
   uint64_t size = 0;
   uint64_t req_id = 0;
 };
+// After a kPutBlocks frame header (16 bytes): a batch of staged writes as one op. The frame's
+// length is 16 + 24 * count + bytes; `bytes` is the sum of the entries' lengths. The target
+// checks every entry against its registered window before any byte lands, lands them all (or
+// none is applied) and acknowledges the frame once (core/progress_blocks.cc).
+struct BlocksHeader {
+  uint32_t count = 0;
+  uint32_t flags = 0;  // 0 (reserved)
+  uint64_t bytes = 0;
+};
+struct BlockEntry {
+  uint32_t win = 0;
+  uint32_t pad = 0;
+  uint64_t off = 0;
+  uint64_t len = 0;
+};
+constexpr uint32_t kMaxBlocksPerFrame = 65536;  // a larger batch is several frames
+// After a kGetBlocks frame header (24 bytes): a batch of staged reads as one get. The frame's
+// length is 24 + 24 * count; the answer (kGetResp, req_id) carries the blocks' bytes in list
+// order, or a kRefused (kRefusedGet | req_id) names the first bad block.
+struct GetBlocksHeader {
+  uint32_t count = 0;
+  uint32_t pad = 0;
+  uint64_t bytes = 0;
+  uint64_t req_id = 0;
+};
 static_assert(sizeof(PutHeader) == 40 && sizeof(GetHeader) == 32, "fixed op header sizes");
+static_assert(sizeof(BlocksHeader) == 16 && sizeof(BlockEntry) == 24 && sizeof(GetBlocksHeader) == 24,
+              "fixed block list sizes");
 struct FrameHeader {
   FrameType type = FrameType::kMessage;
   uint16_t flags = 0;

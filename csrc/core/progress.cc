@@ -244,6 +244,40 @@ void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
+void Engine::post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+                             std::vector<wire::BlockEntry> blocks) {
+  wire::BlocksHeader h;
+  h.count = static_cast<uint32_t>(blocks.size());
+  h.bytes = payload->len();
+  uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
+  OutItem it{frame(FrameType::kPutBlocks, &h, list + h.bytes), nullptr, h.bytes, 0, 0};
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
+  it.head.insert(it.head.end(), raw, raw + list);  // the list goes with the headers, before the bytes
+  payload->set_waker([this] { wake(); });
+  it.staged = std::move(payload);
+  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
+}
+
+void Engine::post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks,
+                             std::shared_ptr<const ScatterList> into, int device) {
+  wire::GetBlocksHeader h;
+  h.count = static_cast<uint32_t>(blocks.size());
+  for (const wire::BlockEntry& b : blocks) h.bytes += b.len;
+  int s = slot(peer, ctx);
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    wait_get_credit(lock, peer, s, h.bytes);
+    get_bytes_[s] += h.bytes;
+    h.req_id = next_req_++;
+    gets_[h.req_id] = {peer, ctx, into->front().first, h.bytes, device, std::move(into)};
+  }
+  uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
+  OutItem it{frame(FrameType::kGetBlocks, &h, list), nullptr, 0, 0, 0};
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
+  it.head.insert(it.head.end(), raw, raw + list);
+  enqueue(s, std::move(it), Count::kGet);
+}
+
 bool Engine::waiting_for_staging(int s) const {
   if (out_[s].empty() || !out_[s].front().staged) return false;
   return out_[s].front().staged->waiting_for_bytes();
@@ -283,7 +317,7 @@ void Engine::post_get(int peer, int ctx, uint32_t src_win, uint64_t src_off, uin
     wait_get_credit(lock, peer, s, len);
     get_bytes_[s] += len;
     g.req_id = next_req_++;
-    gets_[g.req_id] = {peer, ctx, dst, len, dst_device};
+    gets_[g.req_id] = {peer, ctx, dst, len, dst_device, nullptr};
   }
   enqueue(s, {frame(FrameType::kGetReq, &g, 0), nullptr, 0, 0, 0}, Count::kGet);
 }

@@ -98,6 +98,10 @@ class Engine : public Outbox {
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
   void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
                        uint64_t dst_off, const SignalSpec& sig) override;
+  void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+                       std::vector<wire::BlockEntry> blocks) override;
+  void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, std::shared_ptr<const ScatterList> into,
+                       int device) override;
 
   // Two-sided messages. The message is copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
@@ -306,6 +310,26 @@ class Engine : public Outbox {
   // Waits until every copy up of the payload is done: "" or why not.
   std::string wait_landed(InConn& in);
   static std::string landing_what(const InConn& in);  // what its copies up are, for errors
+  static std::string op_words(const InConn& in);      // "a put of N bytes", for errors
+  // A batch of staged writes (kPutBlocks, progress_blocks.cc): its list lands first; then every
+  // block is checked against its window (nothing lands unless all pass) and its bytes land
+  // through the staging ring, each full buffer scattered by one launch; one ack for the frame.
+  void on_blocks_header(int s, InConn& in, uint64_t payload);
+  uint8_t* blocks_spot(InConn& in, size_t* want);
+  // "" or why the batch is refused; `land`: a batch of writes, whose landing ring it takes.
+  std::string check_blocks(InConn& in, bool land);
+  // A batch of staged reads (kGetBlocks): its list lands, then it is answered like a get, its
+  // chunks gathered out of the windows by one launch each (or refused naming the bad block).
+  void on_get_blocks_header(int s, InConn& in, uint64_t payload);
+  void on_get_blocks_request(int s, InConn& in);
+  void answer_blocks(int s, const wire::GetBlocksHeader& h, std::vector<Window*> windows,
+                     std::shared_ptr<const ScatterList> places, std::shared_ptr<std::vector<uint64_t>> starts,
+                     int device);
+  // Queues a streamed answer (answer_streamed, answer_blocks) once its payload is set up.
+  void queue_answer(int s, std::shared_ptr<cuda::StagedPayload> p, uint64_t req_id, uint64_t size);
+  // Queues the scatter of the n bytes in the buffer being filled: one launch (or the driver's copies).
+  cuda::SharedEvent scatter_blocks(InConn& in, uint64_t n);
+  void on_blocks_done(int s, InConn& in);
   bool get_pending(uint64_t req_id) const;  // takes mu_
   void land_get_answer(int s, InConn& in);
   uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
@@ -409,6 +433,7 @@ class Engine : public Outbox {
     uint8_t* dst;
     uint64_t len;
     int device;  // >= 0: dst is device memory, landed through the staging ring
+    std::shared_ptr<const ScatterList> scatter;  // a batch of reads: where each block lands (dst: the first)
   };
   std::map<uint64_t, PendingGet> gets_;
   // Get credits, per (peer, ctx). A target copies each answer when it reads the request, so

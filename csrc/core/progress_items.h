@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "core/progress.h"
+#include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/staged_payload.h"
 #include "transport/cuda/streams.h"
 
@@ -52,6 +53,7 @@ struct Engine::InConn {
   struct Landing {
     std::shared_ptr<uint8_t> buf;
     std::shared_ptr<void> copied;  // the event after its copy up (empty: none pending)
+    std::shared_ptr<cuda::CopyList> list;  // a scatter's kernel list, read until `copied` completed
   };
   std::vector<Landing> stage;
   size_t filling = 0;   // the buffer the next bytes go to
@@ -61,6 +63,18 @@ struct Engine::InConn {
   int device = -1;
   uint64_t total = 0, remaining = 0;
   std::vector<uint8_t> msg;  // a message or refusal: grows as its bytes arrive (see grow_message)
+  // A kPutBlocks frame (progress_blocks.cc): its list, the windows it entered (left at reset),
+  // whether the list was checked, and the block the next landed byte belongs to.
+  wire::BlocksHeader blocks_head;
+  wire::GetBlocksHeader get_blocks;  // a kGetBlocks request's header
+  std::shared_ptr<const ScatterList> scatter;  // where the landed bytes go, block after block
+  int blocks_peer = -1;  // the peer that sent it (for log lines)
+  std::vector<wire::BlockEntry> blocks;
+  std::vector<Window*> block_windows;  // per block (entered once per distinct window: entered_once)
+  std::vector<Window*> entered_once;
+  bool blocks_checked = false;
+  size_t block_at = 0;       // the block the next scattered byte belongs to
+  uint64_t block_off = 0;    // bytes of it scattered already
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
   // Bytes read ahead from the socket (one recv takes in a small frame whole, or several):
@@ -76,7 +90,10 @@ struct Engine::InConn {
   // read (a put cut short or timed out): those are deliberately kept.
   void release_stage() {
     for (Landing& l : stage) {
-      if (l.copied && !cuda::event_done(l.copied)) new std::shared_ptr<uint8_t>(l.buf);
+      if (l.copied && !cuda::event_done(l.copied)) {
+        new std::shared_ptr<uint8_t>(l.buf);
+        if (l.list) new std::shared_ptr<cuda::CopyList>(l.list);
+      }
     }
     stage.clear();
     filling = 0;
@@ -91,6 +108,14 @@ struct Engine::InConn {
     release_stage();
     if (entered) entered->leave();
     entered = nullptr;
+    for (Window* w : entered_once) w->leave();
+    entered_once.clear();
+    block_windows.clear();
+    scatter.reset();
+    std::vector<wire::BlockEntry>().swap(blocks);
+    blocks_checked = false;
+    block_at = 0;
+    block_off = 0;
     refused.clear();
     std::vector<uint8_t>().swap(msg);
   }

@@ -53,7 +53,7 @@ std::string Engine::take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int d
   try {
     uint64_t chunk = std::min(n, cuda::staged_chunk_bytes());
     uint64_t count = std::min<uint64_t>(kLandingBuffers, (n + chunk - 1) / chunk);
-    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr});
+    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr, nullptr});
     in.staged = chunk;
   } catch (const Error& e) {
     in.release_stage();
@@ -86,6 +86,7 @@ void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
   if (bad.empty() && get.device >= 0 && payload > 0) {  // into device memory: through the landing ring
     std::string failed = take_landing_ring(in, payload, get.dst, get.device);
     if (!failed.empty()) in.refused = "a get of " + std::to_string(payload) + " bytes: " + failed;
+    in.scatter = get.scatter;  // a batch of reads: each buffer scattered into its blocks
   }
   if (bad.empty()) return;  // landing_spot() finds the buffer, as long as the get is pending
   lose(s / ncontexts_, "protocol error: " + bad);
@@ -99,6 +100,7 @@ uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
     *want = static_cast<size_t>(std::min<uint64_t>(*want, in.msg.size() - at));
     return in.msg.data() + at;
   }
+  if (in.f.type == FrameType::kPutBlocks || in.f.type == FrameType::kGetBlocks) return blocks_spot(in, want);
   if (in.device_at != nullptr) return staging_spot(in, want);
   if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + at : nullptr;
   if (!in.refused.empty()) return nullptr;  // its landing ring could not be had: discarded
@@ -191,6 +193,10 @@ void Engine::on_payload_done(int s, InConn& in) {
   int peer = s / ncontexts_;
   if (in.f.type == FrameType::kMessage) {
     on_message_done(s, in);
+  } else if (in.f.type == FrameType::kPutBlocks) {
+    on_blocks_done(s, in);
+  } else if (in.f.type == FrameType::kGetBlocks) {
+    on_get_blocks_request(s, in);
   } else if (in.f.type == FrameType::kStripe) {
     return on_stripe_done(s, in);  // resets it
   } else if (in.f.type == FrameType::kPut) {
@@ -257,7 +263,9 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
       InConn::Landing& full = in.stage[in.filling];
       WindowIo io;  // a put's copy up is queued only while its window is registered (window.h)
       if (in.entered && !io.enter(in)) return in.refused;
-      full.copied = cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));
+      full.copied = in.scatter
+                        ? scatter_blocks(in, n)
+                        : cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));
       in.landed += n;
       in.filling = (in.filling + 1) % in.stage.size();
     }
@@ -269,8 +277,7 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
     return "";
   } catch (const Error& e) {  // a copy still pending keeps its buffer (InConn::release_stage)
     FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());
-    return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
-           " bytes: " + e.what();
+    return op_words(in) + ": " + e.what();
   }
 }
 
@@ -286,12 +293,21 @@ std::string Engine::wait_landed(InConn& in) {
     return "";
   } catch (const Error& e) {
     FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());
-    return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
-           " bytes: " + e.what();
+    return op_words(in) + ": " + e.what();
   }
 }
 
+std::string Engine::op_words(const InConn& in) {
+  if (in.f.type == FrameType::kPutBlocks) {
+    return "a batch of " + std::to_string(in.blocks.size()) + " staged writes (" +
+           std::to_string(in.blocks_head.bytes) + " bytes)";
+  }
+  return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +
+         " bytes";
+}
+
 std::string Engine::landing_what(const InConn& in) {
+  if (in.f.type == FrameType::kPutBlocks) return "landing " + op_words(in) + " on device " + std::to_string(in.device);
   if (in.f.type == FrameType::kPut) {
     return "landing a staged put in device window #" + std::to_string(in.put.dst_win);
   }
@@ -426,10 +442,14 @@ void Engine::answer_streamed(int s, Window& w, const wire::GetHeader& g, const s
     refuse(s, why, wire::kRefusedGet | g.req_id);
     return;
   }
-  uint64_t id = g.req_id;
-  OutItem it{frame(FrameType::kGetResp, &id, g.size), nullptr, g.size, 0, 0};
-  it.answer_bytes = g.size;
-  it.answer_id = g.req_id;
+  queue_answer(s, std::move(p), g.req_id, g.size);
+}
+
+void Engine::queue_answer(int s, std::shared_ptr<cuda::StagedPayload> p, uint64_t req_id, uint64_t size) {
+  uint64_t id = req_id;
+  OutItem it{frame(FrameType::kGetResp, &id, size), nullptr, size, 0, 0};
+  it.answer_bytes = size;
+  it.answer_id = req_id;
   p->set_waker([this] { wake(); });
   {
     std::lock_guard<std::mutex> lock(mu_);

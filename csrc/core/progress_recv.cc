@@ -19,6 +19,8 @@ size_t op_header_size(FrameType t) {
     case FrameType::kPut:
     case FrameType::kStripe: return sizeof(wire::PutHeader);
     case FrameType::kGetReq: return sizeof(wire::GetHeader);
+    case FrameType::kPutBlocks: return sizeof(wire::BlocksHeader);
+    case FrameType::kGetBlocks: return sizeof(wire::GetBlocksHeader);
     case FrameType::kGetResp:
     case FrameType::kAck:
     case FrameType::kRefused: return 8;
@@ -170,7 +172,10 @@ void Engine::on_op_header(int s, InConn& in) {
   }
   // The answers to this pair's earlier gets are the window as of their requests: copied whole
   // before a later put (or a message, after which the application may write) is acted on.
-  if (s < total_ && (in.f.type == FrameType::kPut || in.f.type == FrameType::kMessage)) snapshot_answers(s);
+  if (s < total_ && (in.f.type == FrameType::kPut || in.f.type == FrameType::kPutBlocks ||
+                     in.f.type == FrameType::kMessage)) {
+    snapshot_answers(s);
+  }
   switch (in.f.type) {
     case FrameType::kMessage:
       if (payload > kMaxMessageBytes) {
@@ -183,6 +188,14 @@ void Engine::on_op_header(int s, InConn& in) {
     case FrameType::kPut:
       on_put_header(s, in, payload);
       if ((in.put.flags & wire::kPutStriped) && !on_striped_header(s, in)) return;
+      break;
+    case FrameType::kPutBlocks:
+      on_blocks_header(s, in, payload);
+      if (in.closed) return;
+      break;
+    case FrameType::kGetBlocks:
+      on_get_blocks_header(s, in, payload);
+      if (in.closed) return;
       break;
     case FrameType::kStripe:
       on_stripe_header(s, in, payload);

@@ -5,6 +5,7 @@
 
 #include "base/clock.h"
 #include "transport/binding.h"
+#include "transport/cuda/copy_batch.h"
 #include "transport/cuda/fd_pass.h"
 
 namespace fxm {
@@ -45,6 +46,7 @@ std::shared_ptr<Window> wrap_device_window(void* base, uint64_t size) {
   w->device = w->dev->ordinal();
   w->base = w->dev->base();
   w->size = size;
+  cuda::prepare_copy_kernel(w->device);  // batches of staged ops land in it (copy_batch.h)
   return w;
 }
 

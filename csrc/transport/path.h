@@ -23,6 +23,7 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "base/wire.h"
 #include "transport/cuda/device_memory.h"
 
 namespace fxm {
@@ -85,6 +86,9 @@ struct SignalSpec {
   uint64_t value = 0;
 };
 
+// Where the bytes of a batch's blocks go, in order: (address, length) each.
+using ScatterList = std::vector<std::pair<uint8_t*, uint64_t>>;
+
 // The completion of an asynchronous op that the engine polls (a CUDA event
 // recorded after a copy): done() is true once the op completed.
 class CompletionProbe {
@@ -127,6 +131,14 @@ class Outbox {
   // outbox sends only the bytes the payload says are ready (staged_payload.h).
   virtual void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
                                uint64_t dst_off, const SignalSpec& sig) = 0;
+  // A batch of staged writes as one op (staged_batch.h): the payload holds the blocks' bytes in
+  // the order of `blocks` (window, offset, length each), which the frame carries before them.
+  virtual void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+                               std::vector<wire::BlockEntry> blocks) = 0;
+  // A batch of staged reads as one get: the peer's `blocks` land, in order, at `into` (device
+  // memory of `device`, one destination a block), through pinned staging.
+  virtual void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks,
+                               std::shared_ptr<const ScatterList> into, int device) = 0;
   // Waits until the ops issued to (peer, ctx) completed (throws on loss or expiry).
   virtual void wait_idle(int peer, int ctx, const Deadline& deadline) = 0;
 };
@@ -134,6 +146,7 @@ class Outbox {
 namespace cuda {
 class StreamFence;
 class CopyBatch;
+class StagedBatch;
 }
 namespace cma {
 class IovBatch;
@@ -201,6 +214,13 @@ class Path {
   // ops to one process go in one iovec list per system call. kNo: put/get it alone.
   virtual Queued queue_host(const PathOp& op, bool is_get, cma::IovBatch* batch) {
     (void)op; (void)is_get; (void)batch;
+    return Queued::kNo;
+  }
+  // The staged path: queues a plain write or read (no signal, no stream, device memory and a
+  // device window) into the call's staged batch (staged_batch.h), which the caller issues. kNo:
+  // post it alone.
+  virtual Queued queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
+    (void)op; (void)batch;
     return Queued::kNo;
   }
   // The window was closed: drop what the path maps (it then serves no op).

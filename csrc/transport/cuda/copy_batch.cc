@@ -90,6 +90,14 @@ BatchCopy batch_copy_mode(const Driver& d, int ordinal) {
   return driver_batch ? BatchCopy::kDriver : BatchCopy::kOne;
 }
 
+void prepare_copy_kernel(int ordinal) {
+  try {
+    if (const Driver* d = driver()) batch_copy_mode(*d, ordinal);
+  } catch (const Error& e) {  // the paths work without it: batches then go through the driver
+    FXM_INFO(-1, std::string("the copy kernel is not ready on device ") + std::to_string(ordinal) + ": " + e.what());
+  }
+}
+
 bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCopy& c) {
   if (!copies_.empty() && (ordinal != ordinal_ || s != stream_ || fence != fence_)) return false;
   ordinal_ = ordinal;
@@ -236,6 +244,50 @@ void CopyBatch::count_issued(size_t issued) {
     outbox_->issued_probe(peer_, ctx_, copies_[i].kind, std::make_unique<BatchProbe>(done), j - i);
     i = j;
   }
+}
+
+namespace {
+
+// The run's copies in one list and one launch; false (nothing queued) where it cannot be.
+bool launch_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, std::unique_ptr<CopyList>* list) {
+  std::unique_ptr<CopyList> l;
+  try {
+    l = copy_list(copies.size(), ordinal);
+  } catch (const Error& e) {
+    FXM_WARN(-1, std::string("a list for the copy kernel: ") + e.what() + "; these copies go through the driver");
+    return false;
+  }
+  uint64_t longest = 0;
+  KernelCopy* e = l->entries();
+  for (size_t k = 0; k < copies.size(); ++k) {
+    e[k] = copies[k];
+    longest = std::max<uint64_t>(longest, copies[k].len);
+  }
+  CUresult r = launch_copies(ordinal, s, *l, copies.size(), longest);
+  if (r == kSuccess) {
+    *list = std::move(l);
+    return true;
+  }
+  warn_once(kernel_failed, -1, "launching the copy kernel for " + std::to_string(copies.size()) +
+                                   " staged copies failed (" + result_text(r) +
+                                   "): batches go through the driver's copies from now on");
+  return false;
+}
+
+}  // namespace
+
+SharedEvent copy_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool kernel_ok,
+                     std::unique_ptr<CopyList>* list, const std::string& doing) {
+  const Driver& d = need_driver(doing);
+  use_device(ordinal);
+  bool kernel = kernel_ok && copies.size() > 1 && batch_copy_mode(d, ordinal) == BatchCopy::kKernel;
+  if (!kernel || !launch_run(ordinal, s, copies, list)) {
+    for (const KernelCopy& c : copies) {
+      CUresult r = d.cuMemcpyAsync(c.dst, c.src, c.len, s);
+      if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
+    }
+  }
+  return record_event(ordinal, s);
 }
 
 size_t CopyBatch::issue(std::string* error) {

@@ -20,6 +20,7 @@
 
 #include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/driver.h"
+#include "transport/cuda/streams.h"
 #include "transport/path.h"
 
 namespace fxm::cuda {
@@ -76,5 +77,21 @@ class CopyBatch {
 // How runs of copies are issued (FLAGCX_MESH_CUDA_BATCH_COPY, and what failed in this process).
 enum class BatchCopy { kKernel, kDriver, kOne };
 BatchCopy batch_copy_mode(const Driver& d, int ordinal);
+// Loads the copy kernel for `ordinal` now (batch_copy_mode), where the driver is there: device
+// paths when they are set up, device windows when registered (a batch of staged ops lands in
+// them from the progress thread). A first launch can block behind a stream wait of the context
+// (docs/gpu.md, "Traps"), so it is made before any could be queued. A kernel that cannot load
+// is said at info: batches then go through the driver.
+void prepare_copy_kernel(int ordinal);
+
+// One run of copies (none touches another's bytes) on stream s of device `ordinal`, between its
+// memory and page-locked host memory mapped for it (the staged path's gathers and scatters,
+// staged_batch.h): one launch of the copy kernel where the mode allows it and `kernel_ok` (the
+// host ends are device-addressable as they are), else one cuMemcpyAsync a copy. Returns an event
+// recorded after them; *list then holds the kernel's list, to be dropped only once that event
+// completed (release() it, never reused, when that is not known). Throws Error naming `doing`
+// when the driver refuses a copy (nothing of the run is then known to have happened).
+SharedEvent copy_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool kernel_ok,
+                     std::unique_ptr<CopyList>* list, const std::string& doing);
 
 }  // namespace fxm::cuda

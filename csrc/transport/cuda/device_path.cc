@@ -8,6 +8,7 @@
 #include "transport/binding.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/fd_pass.h"
+#include "transport/cuda/staged_batch.h"
 #include "transport/cuda/staged_payload.h"
 #include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
@@ -65,11 +66,7 @@ namespace {
 // batch (copy_kernel.h: a first launch can block behind a user's stream wait).
 template <typename P>
 std::unique_ptr<Path> with_batches_ready(std::unique_ptr<P> p, int ordinal) {
-  try {
-    if (const cuda::Driver* d = cuda::driver()) cuda::batch_copy_mode(*d, ordinal);
-  } catch (const Error& e) {  // the path works without it: batches then go through the driver
-    FXM_INFO(-1, std::string("the copy kernel is not ready on device ") + std::to_string(ordinal) + ": " + e.what());
-  }
+  cuda::prepare_copy_kernel(ordinal);
   return p;
 }
 
@@ -179,8 +176,12 @@ std::unique_ptr<Path> make_cuda_ipc_path(const PathRequest& req, const WindowDes
   }
 }
 
-std::unique_ptr<Path> make_staged_path(const PathRequest& req, const WindowDesc&, std::string*) {
-  return std::make_unique<StagedPath>(req.outbox, req.peer, req.win_index);
+// From device memory, its batches gather with the copy kernel: loaded now (with_batches_ready).
+std::unique_ptr<Path> make_staged_path(const PathRequest& req, const WindowDesc& d, std::string*) {
+  auto path = std::make_unique<StagedPath>(req.outbox, req.peer, req.win_index,
+                                           d.kind == WindowKind::kDevice ? d.dev.ordinal : -1);
+  if (req.device < 0 || cuda::driver() == nullptr) return path;
+  return with_batches_ready(std::move(path), req.device);
 }
 
 // ------------------------------------------------------------ staged
@@ -207,6 +208,16 @@ int StagedPath::put(const PathOp& op) {
     outbox_->post_put_staged(peer_, op.ctx, payload, win_, op.remote_off, op.sig ? *op.sig : kNone);
   });
   return 0;
+}
+
+// Device memory and a device window, without a signal or a stream: one block of the call's
+// batch of writes or reads (staged_batch.h). FLAGCX_MESH_CUDA_BATCH_COPY=off sends each op alone.
+Queued StagedPath::queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
+  if (op.sig != nullptr || op.stream_set || op.wait_here || op.local_device < 0 || remote_device_ < 0 ||
+      op.len == 0 || cuda_batch_copy_env() == "off") {
+    return Queued::kNo;
+  }
+  return batch->add(op, win_, remote_device_) ? Queued::kYes : Queued::kBatchFirst;
 }
 
 // A get into device memory: the engine lands the answer through its ring of

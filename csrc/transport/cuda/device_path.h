@@ -50,10 +50,16 @@ class DevicePath : public Path {
 
 class StagedPath : public TcpPath {
  public:
-  StagedPath(Outbox* outbox, int peer, uint32_t win) : TcpPath(outbox, peer, win) {}
+  // remote_device: the device the peer's window is on (its description's), -1 for host memory.
+  StagedPath(Outbox* outbox, int peer, uint32_t win, int remote_device = -1)
+      : TcpPath(outbox, peer, win), remote_device_(remote_device) {}
   PathKind kind() const override { return PathKind::kStaged; }
   int put(const PathOp& op) override;
   int get(const PathOp& op) override;
+  Queued queue_staged(const PathOp& op, cuda::StagedBatch* batch) override;
+
+ private:
+  int remote_device_;
 };
 
 std::unique_ptr<Path> make_cuda_self_path(const PathRequest& req, const WindowDesc& d, std::string* why);

@@ -20,6 +20,12 @@ void StagedPayload::answer_from(int ordinal, const uint8_t* src, const Deadline&
   copy_timeout_s_ = std::max(1.0, deadline.seconds_left());  // each copy's (copies start as the socket drains)
 }
 
+void StagedPayload::answer_gathered(int ordinal, ChunkCopy gather, const Deadline& deadline) {
+  answer_from(ordinal, nullptr, deadline);
+  std::lock_guard<std::mutex> lock(mu_);
+  gather_ = std::move(gather);
+}
+
 // Pinned for a device's copies down, plain heap memory for host bytes.
 HostBuffer StagedPayload::answer_buffer(uint64_t n) {
   HostBuffer b = copies_on_ >= 0 ? staging_buffer(n, copies_on_) : HostBuffer(new uint8_t[n], std::default_delete<uint8_t[]>());
@@ -46,7 +52,17 @@ bool StagedPayload::copy_chunk(uint64_t i, uint8_t* dst) {
     return false;
   }
   try {
-    if (copies_on_ < 0) {
+    if (gather_) {
+      copies_by_ = Deadline::after_seconds(copy_timeout_s_);
+      std::unique_ptr<CopyList> list;
+      try {
+        events_.push_back(gather_(i, dst, &list));
+      } catch (...) {
+        if (list) list.release();  // a launch may read it: never reused
+        throw;
+      }
+      lists_.push_back(std::move(list));
+    } else if (copies_on_ < 0) {
       std::memcpy(dst, src_ + i * chunk_, chunk_len(i));
     } else {
       copies_by_ = Deadline::after_seconds(copy_timeout_s_);
@@ -134,6 +150,7 @@ bool StagedPayload::poll_copies() {
       give_up_locked("its copy from the device failed: " + result_text(r));
       break;
     }
+    if (events_done_ < lists_.size()) lists_[events_done_].reset();  // the kernel read it
     ++events_done_;
   }
   if (events_done_ == before) return false;

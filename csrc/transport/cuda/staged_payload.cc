@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstdlib>
+#include <deque>
 #include <map>
 #include <utility>
 
@@ -120,6 +121,7 @@ StagedPayload::~StagedPayload() {
   for (size_t k = events_done_; k < events_.size(); ++k) {
     if (!event_done(events_[k])) {
       new HostBuffer(buffer_of(k));  // deliberately kept: a copy down may still write it
+      if (k < lists_.size() && lists_[k]) new std::shared_ptr<CopyList>(lists_[k]);  // and its list be read
       copying = true;
     }
   }
@@ -169,6 +171,57 @@ void StagedPayload::fill(int ordinal, const uint8_t* src, const Deadline& deadli
       posted();
       started = true;
     }
+  }
+}
+
+namespace {
+
+struct ChunkInFlight {
+  uint64_t i;
+  SharedEvent done;
+  std::unique_ptr<CopyList> list;
+};
+
+}  // namespace
+
+void StagedPayload::fill_queued(int ordinal, const Deadline& deadline, const std::function<void()>& posted,
+                                const ChunkCopy& copy) {
+  std::deque<ChunkInFlight> flying;
+  bool started = !posted;
+  size_t depth = std::max<size_t>(1, std::min<size_t>(kFillAhead, ring_.size()));
+  auto finish_oldest = [&] {
+    ChunkInFlight& f = flying.front();
+    wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
+    publish(f.i * chunk_ + chunk_len(f.i));
+    flying.pop_front();
+    if (!started) {
+      posted();
+      started = true;
+    }
+  };
+  try {
+    for (uint64_t i = 0; i < chunks(); ++i) {
+      if (flying.size() >= depth) finish_oldest();
+      uint8_t* dst = slot_for(i, deadline);
+      ChunkInFlight f{i, nullptr, nullptr};
+      try {
+        f.done = copy(i, dst, &f.list);
+      } catch (const Error&) {
+        keep_slot(i);  // copies queued before the one refused may still write it
+        if (f.list) f.list.release();
+        throw;
+      }
+      flying.push_back(std::move(f));
+    }
+    while (!flying.empty()) finish_oldest();
+  } catch (const Error& e) {
+    for (ChunkInFlight& f : flying) {  // copies that may still write their slot or read their list
+      if (event_done(f.done)) continue;
+      keep_slot(f.i);
+      f.list.release();
+    }
+    if (started) give_up(e.what());
+    throw;
   }
 }
 

@@ -30,7 +30,9 @@
 #include <vector>
 
 #include "base/clock.h"
+#include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/staging.h"
+#include "transport/cuda/streams.h"
 
 namespace fxm::cuda {
 
@@ -74,11 +76,21 @@ class StagedPayload {
   // posts the frame). A failed copy (Error, the deadline) throws; once the frame
   // was posted the payload is given up first (the engine cannot complete it).
   void fill(int ordinal, const uint8_t* src, const Deadline& deadline, const std::function<void()>& posted);
+  // The same for a payload gathered from many places (staged_batch.h): `copy` queues the copies
+  // of chunk i into `dst` on device `ordinal` and returns the event after them (keeping in *list
+  // what they read until then). Up to kFillAhead chunks are in flight, each published once its
+  // event completed, in order; `posted` runs after the first. Failures as fill()'s.
+  using ChunkCopy = std::function<SharedEvent(uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list)>;
+  static constexpr size_t kFillAhead = 4;
+  void fill_queued(int ordinal, const Deadline& deadline, const std::function<void()>& posted, const ChunkCopy& copy);
 
   // Get answers (bounded false, staged_answer.cc). The source: `len` bytes at
   // `src` in device memory of `ordinal` (-1: host memory). Nothing is copied yet.
   static constexpr uint64_t kAnswerChunks = 4;  // the ring of an answer, in chunks
   void answer_from(int ordinal, const uint8_t* src, const Deadline& deadline);
+  // An answer gathered from many places (a batch of staged reads): chunk i is queued by
+  // `gather` (as fill_queued's `copy`) on device `ordinal` instead of copied from one source.
+  void answer_gathered(int ordinal, ChunkCopy gather, const Deadline& deadline);
   // What keeps the source alive (the engine: leaving the window the answer is
   // read from), run once every copy completed (or when the payload goes);
   // never while a copy may still read the source (the source stays held).
@@ -142,6 +154,8 @@ class StagedPayload {
   const HostBuffer& buffer_of(uint64_t i) const;
   void give_up_locked(const std::string& why);
   std::vector<std::shared_ptr<void>> events_;  // answers from device memory: one per chunk queued
+  std::vector<std::shared_ptr<CopyList>> lists_;  // beside events_: a gather's kernel list (or none)
+  ChunkCopy gather_;  // answer_gathered()'s
   size_t events_done_ = 0;
   int copies_on_ = -1;  // the device answers are copied from (-1: host memory)
   Deadline copies_by_ = Deadline::never();  // the last copy queued must complete by then

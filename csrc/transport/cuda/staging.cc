@@ -49,7 +49,11 @@ uint8_t* allocate(uint64_t bytes, int ordinal) {
   const Driver* d = driver();
   if (d != nullptr) {
     use_device(ordinal);
-    d->cuMemHostRegister(p, bytes, kHostRegisterPortable);  // pinned where it works; pageable otherwise
+    // Mapped for the devices too (the copy kernel gathers into it and scatters out of it); pinned
+    // alone where mapping is refused, pageable where neither works.
+    if (d->cuMemHostRegister(p, bytes, kHostRegisterPortable | kHostRegisterDeviceMap) != kSuccess) {
+      d->cuMemHostRegister(p, bytes, kHostRegisterPortable);
+    }
   }
   return static_cast<uint8_t*>(p);
 }
@@ -71,6 +75,14 @@ void give_back(uint64_t bytes, uint8_t* p) {
 }
 
 }  // namespace
+
+bool device_addressable(const uint8_t* p) {
+  const Driver* d = driver();
+  if (d == nullptr || !d->cuMemHostGetDevicePointer) return false;
+  CUdeviceptr dev = 0;
+  return d->cuMemHostGetDevicePointer(&dev, const_cast<uint8_t*>(p), 0) == kSuccess &&
+         dev == reinterpret_cast<CUdeviceptr>(p);
+}
 
 HostBuffer staging_buffer(uint64_t n, int ordinal) {
   if (n > kMaxBytes) {  // size_class() would not end; no window is that large

@@ -19,4 +19,8 @@ using HostBuffer = std::shared_ptr<uint8_t>;
 // kInvalidArgument for n over 2^48.
 HostBuffer staging_buffer(uint64_t n, int ordinal);
 
+// True when a kernel of the current device may use the staging buffer at `p` at that same
+// address (registered and mapped for the device, as the driver answers under unified addressing).
+bool device_addressable(const uint8_t* p);
+
 }  // namespace fxm::cuda

@@ -180,6 +180,24 @@ class TorchMem:
         torch.cuda.synchronize()
         return nbytes * reps / (time.perf_counter() - t0) / 1e9
 
+    def pinned_gbps(self, nbytes: int, reps: int = 10):
+        """(device -> pinned host, pinned host -> device) GB/s of nbytes copies (the staged path's two stages)."""
+        import time
+
+        torch = self.torch
+        dev = torch.ones(nbytes, dtype=torch.uint8, device="cuda")
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        out = []
+        for dst, src in ((host, dev), (dev, host)):
+            dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                dst.copy_(src, non_blocking=True)
+            torch.cuda.synchronize()
+            out.append(nbytes * reps / (time.perf_counter() - t0) / 1e9)
+        return tuple(out)
+
     def sync(self) -> None:
         self.torch.cuda.synchronize()
 

@@ -20,6 +20,9 @@ this process, the initiator, learns what it needs over a pipe and measures:
            over the same buffers) take turns with the agent's writes
   verify   the target's buffer, read back (crc32 per MiB), equals what the writes must have left
 
+With staged among --paths, the references of a staged batch follow, measured in the same run
+(_staged_refs.py): pinned D2H and H2D copies and raw loopback TCP over 1 and 4 lanes, and each
+block size's ratio to min(pinned, raw TCP over 1 lane) (goal: 0.8 from 64 MiB a batch).
 Paths: FLAGCX_MESH_CUDA_PATH forced in both processes (ucx: FLAGCX_MESH_TRANSPORT=ucx, with the UCX_TLS
 of the bench's environment; not among the default paths); cuda-vmm's target memory is cuMem memory
 (torch with expandable segments in the target, or the driver's cuMem). Goals printed as ratios
@@ -39,7 +42,7 @@ import zlib
 from typing import Dict, List, Optional
 
 from .. import _gpumem
-from . import _gpu_mesh, _gpu_peers
+from . import _gpu_mesh, _gpu_peers, _staged_refs
 from .._ranks import save_json
 from .._sizes import parse_size, size_name
 from ._gpu_child import Target, TargetFailed
@@ -320,6 +323,10 @@ def main(argv: List[str]) -> int:
     if args.mesh_put == "off":
         print("[mesh put] NOT RUN: --mesh-put off", flush=True)
     out["copy_GBps"] = {size_name(b): mem.copy_gbps(b * args.count) for b in args.block_sizes}
+    staged = out["flagcx_mesh"].get("staged")
+    if staged is not None and "error" not in staged:
+        refs = _staged_refs.references(mem, max(b * args.count for b in args.block_sizes))
+        out["staged_refs"] = {**refs, "ratios": _staged_refs.report(staged, refs, args.count)}
     out["goals"] = goals(out["flagcx_mesh"])
     save_json(out, args.json)
     bad = [p for p, f in out["flagcx_mesh"].items() if "error" in f or f.get("verify") != "ok"]

@@ -1,0 +1,92 @@
+"""The references a staged batch is read by, measured in the same run (bench agent --device cuda
+with staged among --paths): pinned copies (device -> pinned host, pinned host -> device) and raw
+TCP over loopback, one connection (the lane a staged batch's frame takes) and four. The goal of a
+staged batch of 64 MiB and up: at least 0.8x the slower of its two stages, i.e. min(the pinned
+copies' pipelined rate min(D2H, H2D), raw TCP over the same lanes)."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from typing import Dict, Optional
+
+GOAL = 0.8
+CHUNK = 1 << 20
+
+
+def _drain(conn: socket.socket, n: int, buf: memoryview) -> None:
+    got = 0
+    while got < n:
+        k = conn.recv_into(buf, min(len(buf), n - got))
+        if k == 0:
+            raise ConnectionError("the loopback sender closed early")
+        got += k
+
+
+def tcp_loopback_gbps(nbytes: int, lanes: int = 1) -> float:
+    """nbytes sent over `lanes` loopback connections at once (nbytes / lanes each), GB/s."""
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(lanes)
+    pairs = []
+    for _ in range(lanes):
+        c = socket.create_connection(srv.getsockname())
+        s, _ = srv.accept()
+        pairs.append((c, s))
+    srv.close()
+    each = nbytes // lanes
+    data = memoryview(bytearray(CHUNK))
+    sinks = [memoryview(bytearray(CHUNK)) for _ in range(lanes)]
+
+    def send(c: socket.socket) -> None:
+        left = each
+        while left > 0:
+            c.sendall(data[:min(CHUNK, left)])
+            left -= min(CHUNK, left)
+
+    threads = [threading.Thread(target=send, args=(c,)) for c, _ in pairs]
+    threads += [threading.Thread(target=_drain, args=(s, each, sinks[i])) for i, (_, s) in enumerate(pairs)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    took = time.perf_counter() - t0
+    for c, s in pairs:
+        c.close()
+        s.close()
+    return each * lanes / took / 1e9
+
+
+def references(mem, nbytes: int) -> Dict[str, Optional[float]]:
+    """Pinned D2H and H2D GB/s (None without torch) and raw loopback TCP over 1 and 4 lanes."""
+    d2h, h2d = mem.pinned_gbps(nbytes) if hasattr(mem, "pinned_gbps") else (None, None)
+    out = {"pinned_d2h_GBps": d2h, "pinned_h2d_GBps": h2d,
+           "tcp_1_lane_GBps": max(tcp_loopback_gbps(nbytes, 1) for _ in range(2)),
+           "tcp_4_lanes_GBps": max(tcp_loopback_gbps(nbytes, 4) for _ in range(2))}
+    pinned = min(d2h, h2d) if d2h and h2d else None
+    out["pinned_pipelined_GBps"] = pinned
+    out["reference_GBps"] = min(x for x in (pinned, out["tcp_1_lane_GBps"]) if x) if pinned else out["tcp_1_lane_GBps"]
+    return out
+
+
+def _f(v: Optional[float]) -> str:
+    return "n/a" if v is None else f"{v:.2f}"
+
+
+def report(staged: Dict, refs: Dict, count: int) -> Dict[str, Optional[float]]:
+    """Prints each block size's staged GB/s beside the references and their ratio (goal: >= 0.8)."""
+    print(f"[staged refs] pinned D2H {_f(refs['pinned_d2h_GBps'])} GB/s, H2D {_f(refs['pinned_h2d_GBps'])} GB/s; "
+          f"raw loopback TCP 1 lane {_f(refs['tcp_1_lane_GBps'])} GB/s, 4 lanes {_f(refs['tcp_4_lanes_GBps'])} GB/s "
+          f"(a staged batch's frame takes 1 lane); reference min(pinned, tcp 1 lane) {_f(refs['reference_GBps'])} GB/s",
+          flush=True)
+    ratios: Dict[str, Optional[float]] = {}
+    for name, r in staged.get("request", {}).items():
+        for mode in ("pipelined_GBps", "blocking_GBps"):
+            ref = refs["reference_GBps"]
+            ratios[f"{name}_{mode}_over_reference"] = r[mode] / ref if ref else None
+        print(f"[staged refs] {count} x {name}: pipelined {r['pipelined_GBps']:.2f} GB/s = "
+              f"{_f(ratios[f'{name}_pipelined_GBps_over_reference'])}x the reference "
+              f"(goal >= {GOAL}), blocking {_f(ratios[f'{name}_blocking_GBps_over_reference'])}x", flush=True)
+    return ratios

@@ -1,0 +1,73 @@
+"""A call's staged writes (reads) as one op (transport/cuda/staged_batch.h, core/progress_blocks.cc)
+on the fake CUDA driver: write_blocks over staged (FLAGCX_MESH_CUDA_PATH=staged) gathers each
+chunk of the batch with one launch of the copy kernel, sends one frame and the target scatters
+each chunk with one launch (read_blocks: one request, the target gathers, this side scatters);
+1 block, blocks straddling the chunks, mixed sizes and 100,000 blocks land byte for byte, with
+the kernel, with the driver's copies and with batching off; a block crossing the region's end is
+refused naming the op, a batch to (from) a region the target deregistered is refused there
+naming the block and the peer, nothing written either time; a forged frame naming a block past
+the region's end is refused whole by the target, nothing landed; a target killed mid-batch fails
+the call with PeerLost. Each role is a process of tests/agent_device_prog.py (blocks, blocks-lost); the same
+roles run with CUDA tensors on a real GPU from scripts/test-gpu.sh."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+
+import pytest
+
+from test_agent_device_fake import fake_env, finish, spawn
+
+pytestmark = pytest.mark.timeout(180)
+
+
+def staged_env(**extra):
+    return fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_STAGED_CHUNK_BYTES="65536", **extra)
+
+
+@pytest.mark.parametrize("copies", ["auto", "driver", "off"])
+def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(tmp_path, copies):
+    env = staged_env(FLAGCX_MESH_CUDA_BATCH_COPY=copies)
+    server = spawn("serve", tmp_path, "owner", env=env)
+    try:
+        got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
+    finally:
+        finish(server, "serve")
+    if copies != "off":  # off: each op a staged put (get) of its own, refused as one
+        assert "block 0 of a batch of 10 staged writes" in got, got
+
+
+def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the_target(tmp_path):
+    """The initiator never sends such a block (it checks ranges first): a frame written on the
+    connection's socket by hand shows the target's own check, before any byte lands."""
+    env = staged_env(FLAGCX_MESH_TCP_LANES="1")
+    server = spawn("serve", tmp_path, "owner", env=env)
+    try:
+        finish(spawn("blocks-forged", tmp_path, "owner", env=env), "blocks-forged")
+    finally:
+        served = finish(server, "serve")
+    assert "refused block 1 of a batch of 2 staged writes (16 bytes to window #" in served, served
+    assert f"at offset {(1 << 20) - 8}): out of range (1048576 bytes here)" in served, served
+
+
+@pytest.mark.parametrize("op", ["write", "read"])
+def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op):
+    env = staged_env()
+    server = spawn("serve", tmp_path, "owner", env=env)
+    client = spawn("blocks-lost", tmp_path, "owner", "--expect", op, env=env, stdin=subprocess.PIPE)
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        server.send_signal(signal.SIGSTOP)  # it reads nothing more: 64 MiB cannot all be sent
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        assert client.stdout.readline().strip() == "issuing"
+        server.send_signal(signal.SIGKILL)
+        server.communicate(timeout=30)
+        got = finish(client, "blocks-lost")
+        assert "lost:" in got, got
+    finally:
+        for p in (server, client):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
