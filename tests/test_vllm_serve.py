@@ -157,8 +157,14 @@ def test_connector_stats_in_metrics(pd):
     assert metric(dec, "vllm:flagcx_mesh_fetch_seconds_total") > 0
 
 
+def unseen(p, salt: int):
+    """`p` with another first token: a prompt no earlier test sent, so no block of it is in either
+    server's prefix cache (a decode that holds a prompt's blocks fetches nothing for it)."""
+    return [(p[0] + salt) % 253 + 3] + p[1:]
+
+
 def test_prefill_killed_while_a_decode_fetches_ends_in_recompute(pd):
-    p = prompts()[5]
+    p = unseen(prompts()[5], 101)
     want = plain_outputs(pd, [p])[0]
     params = complete(pd.prefill.url, p, 1, kv_transfer_params={"do_remote_decode": True})["kv_transfer_params"]
     pd.prefill.signal(signal.SIGSTOP)  # its agent cannot answer; then it dies
