@@ -489,20 +489,13 @@ def connected_tcp_fds():
     """This process's connected TCP sockets (an agent with one connection of one lane: its fds)."""
     import socket
 
+    from meshutil import stream_fds
+
     out = []
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.family in (socket.AF_INET, socket.AF_INET6):
-                s.getpeername()
-                out.append(int(name))
-        except OSError:
-            pass
-        finally:
-            s.close()
+    for fd, s in stream_fds():
+        if s.family in (socket.AF_INET, socket.AF_INET6):
+            out.append(fd)
+        s.close()
     return out
 
 

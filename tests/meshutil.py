@@ -144,9 +144,9 @@ def recv_up_to(s: socket.socket, n: int) -> bytes:
     return got
 
 
-def stream_sockets():
-    """A socket object on a duplicate of each connected TCP stream fd of this process (the caller
-    closes those it keeps; the others are closed here)."""
+def stream_fds():
+    """(fd, a socket object on a duplicate of it) for each connected stream socket of this process
+    (the caller closes the sockets it keeps; the others are closed here)."""
     for name in os.listdir("/proc/self/fd"):
         try:
             s = socket.socket(fileno=os.dup(int(name)))
@@ -154,11 +154,18 @@ def stream_sockets():
             continue
         try:
             if s.type == socket.SOCK_STREAM and s.getpeername():
-                yield s
+                yield int(name), s
                 continue
         except OSError:
             pass
         s.close()
+
+
+def stream_sockets():
+    """A socket object on a duplicate of each connected stream fd of this process (the caller
+    closes those it keeps; the others are closed here)."""
+    for _, s in stream_fds():
+        yield s
 
 
 def bytes_acked(sock: socket.socket) -> int:

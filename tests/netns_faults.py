@@ -69,6 +69,22 @@ def make_hosts() -> Dict[str, Host]:
     return hosts
 
 
+def hosts_or_skip() -> Dict[str, Host]:
+    """make_hosts() for a test, or the test skipped saying what is missing (failed instead where
+    FXM_REQUIRE_NFT=1, as in CI)."""
+    import pytest
+
+    why = missing_tools()
+    if why:
+        if os.environ.get("FXM_REQUIRE_NFT") == "1":
+            pytest.fail(f"nft fault tests required (FXM_REQUIRE_NFT=1) but {why}")
+        pytest.skip(why)
+    try:
+        return make_hosts()
+    except RuntimeError as e:
+        pytest.skip(str(e))
+
+
 def remove_hosts(hosts: Dict[str, Host]) -> None:
     for ns, _, _ in hosts.values():
         _run("ip", "netns", "del", ns, check=False)

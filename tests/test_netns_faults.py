@@ -5,7 +5,6 @@ land whole (or fail naming a peer) through 10 % loss and a blackhole. Needs root
 skipped (with the reason) where one is missing, unless FXM_REQUIRE_NFT=1 makes that a
 failure. The script mode with figures: python tests/netns_faults.py --trials 20."""
 
-import os
 
 import pytest
 
@@ -18,15 +17,7 @@ DEADLINE = 30.0
 
 @pytest.fixture(scope="module")
 def hosts():
-    why = netns_faults.missing_tools()
-    if why:
-        if os.environ.get("FXM_REQUIRE_NFT") == "1":
-            pytest.fail(f"nft fault tests required (FXM_REQUIRE_NFT=1) but {why}")
-        pytest.skip(why)
-    try:
-        h = netns_faults.make_hosts()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    h = netns_faults.hosts_or_skip()
     yield h
     netns_faults.remove_hosts(h)
 

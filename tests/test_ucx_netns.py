@@ -10,7 +10,6 @@ byte still lands and reads back, each process finishes within its bound, nothing
 
 from __future__ import annotations
 
-import os
 import subprocess
 import time
 
@@ -35,15 +34,7 @@ def two_hosts():
 def lossy_hosts():
     """Two namespaces with nft chains (tests/netns_faults.py), 10 % of the packets arriving on
     each veth dropped; removed afterwards."""
-    why = netns_faults.missing_tools()
-    if why:
-        if os.environ.get("FXM_REQUIRE_NFT") == "1":
-            pytest.fail(f"nft fault tests required (FXM_REQUIRE_NFT=1) but {why}")
-        pytest.skip(why)
-    try:
-        hosts = netns_faults.make_hosts()
-    except RuntimeError as e:
-        pytest.skip(str(e))
+    hosts = netns_faults.hosts_or_skip()
     try:
         netns_faults.set_drop(hosts, LOSS_PERCENT)
         yield hosts
