@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "agent/doorbell.h"
 #include "base/env.h"
 #include "base/status.h"
 #include "core/progress.h"
@@ -133,6 +134,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Engine& engine() const;
 
   Agent* agent_;
+  std::shared_ptr<Doorbell> bell_;  // the agent's: rung as a notification lands, the peer ends, or this closes
   PeerInfo peer_;
   bool initiated_;
   uint64_t token_;
