@@ -44,7 +44,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
-from .layout import WHOLE, LayerGeometry, LayoutError, check_part, describe_layers, request_rows
+from .layout import WHOLE, LayerGeometry, LayoutError, RowPlan, block_id_tensor, check_part, describe_layers
 
 log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines show in `vllm serve`
 
@@ -125,6 +125,7 @@ class _Push:
 class _Held:
     blocks: List[int]
     deadline: float
+    ids: object = None  # the blocks as an int64 tensor, made at hold time (the source half of each push)
     pushes: List[_Push] = field(default_factory=list)
     release_when_idle: str = ""  # why, once the pushes in flight are over
     abandoned_peer: str = ""
@@ -212,6 +213,7 @@ class KVTransfer:
         self._closing: Dict[Tuple[str, str], _Closing] = {}
         self._after_close: Dict[Tuple[str, str], List[Tuple[str, dict, str]]] = {}
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
+        self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each prefill got it on
@@ -362,7 +364,11 @@ class KVTransfer:
         if req in self._gone:  # the decode cancelled before the prefill's worker heard of it
             self._finish(sending=req)
             return
-        self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout)
+        try:
+            ids = block_id_tensor(blocks, self.num_blocks, f"request {req}")
+        except LayoutError:
+            ids = None  # refused to whoever asks for them (_push_table says why)
+        self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout, ids)
         for peer, f, _ in self._early.pop(req, []):
             self._start_push(req, peer, f)
 
@@ -371,7 +377,9 @@ class KVTransfer:
         layers = {g.name: g for g in (LayerGeometry.from_wire(w) for w in f["layers"])}  # LayoutError: ignored
         for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
             del self._peer_layouts[key]
+            self._plans.pop(key, None)
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
+        self._plans.pop((peer, incarnation), None)
 
     def _prune_layouts(self) -> None:
         """Forgets the layouts of decodes whose connection closed (they send it again)."""
@@ -379,6 +387,7 @@ class KVTransfer:
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
                 del self._peer_layouts[key]
+                self._plans.pop(key, None)
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = f["req"]
@@ -415,7 +424,9 @@ class KVTransfer:
             return self._refuse(peer, f, "no layout was received on this connection")
         try:
             part = check_part(f.get("part", WHOLE))
-            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout, part)
+            plan = self._row_plan((peer, incarnation), layout, part)
+            table = self._push_table(held.blocks if held.ids is None else held.ids, [int(b) for b in f["dst"]],
+                                     layout, part, plan)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
         held.parts = max(held.parts, part[1])
@@ -443,13 +454,27 @@ class KVTransfer:
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
-    def _push_table(self, held_blocks: List[int], dst: List[int], layout, part=WHOLE):
+    def _push_table(self, held_blocks, dst: List[int], layout, part=WHOLE, plan: Optional[RowPlan] = None):
         """The op table (layout.request_rows) of every layer's blocks of a request (``part``: a
-        slice of each block's heads into a slice of the peer's, layout.write_ops)."""
-        regions, peer_layers = layout
+        slice of each block's heads into a slice of the peer's, layout.write_ops); ``plan``: the
+        layout's RowPlan for ``part`` (_row_plan), made here when not given."""
         if len(dst) > len(held_blocks):
             raise LayoutError(f"{len(dst)} blocks asked for, {len(held_blocks)} held")
         src = held_blocks[len(held_blocks) - len(dst):]
+        return (plan or RowPlan(self._layer_pairs(layout), part)).rows(src, dst)
+
+    def _row_plan(self, key: Tuple[str, str], layout, part) -> RowPlan:
+        """The RowPlan of this worker's layers onto a decode's layout for ``part``: made at the
+        first push to that layout, kept while the layout is (LayoutError when they do not fit)."""
+        plans = self._plans.setdefault(key, {})
+        plan = plans.get(part)
+        if plan is None:
+            plan = plans[part] = RowPlan(self._layer_pairs(layout), part)
+        return plan
+
+    def _layer_pairs(self, layout) -> list:
+        """(this layer, its region, the decode's layer of that name, its region) of every layer."""
+        regions, peer_layers = layout
         pairs = []
         for g in self.layers:
             pg = peer_layers.get(g.name)
@@ -458,7 +483,7 @@ class KVTransfer:
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
             pairs.append((g, g.region, pg, pg.region))
-        return request_rows(pairs, src, dst, part)
+        return pairs
 
     def _on_ack(self, peer: str, req: str) -> None:
         """A decode agent took its blocks; with several decode ranks each taking a slice of
