@@ -590,6 +590,15 @@ void Connection::take_notifications(std::vector<Notification>* out) {
   }
 }
 
+bool Connection::help_read() {
+  if (!ready_.load(std::memory_order_acquire) || stopped_.load(std::memory_order_acquire)) return false;
+  return engine_->may_help() && engine_->help_read();
+}
+
+void Connection::unpark() {
+  if (ready_.load(std::memory_order_acquire) && !stopped_.load(std::memory_order_acquire)) engine_->unpark();
+}
+
 bool Connection::reached(uint64_t target) const { return engine().completed() >= target; }
 
 void Connection::wait(uint64_t target, const Deadline& deadline, const Handle& describe) const {

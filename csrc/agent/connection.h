@@ -62,6 +62,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void notify(const std::vector<uint8_t>& bytes);
   // Non-blocking: appends the notifications that arrived.
   void take_notifications(std::vector<Notification>* out);
+  // A waiter for notifications reads the connection itself (Engine::help_read: lane 0, when no
+  // other thread reads it, never with device regions here); true when it read some frames.
+  bool help_read();
+  // That waiter stops reading and sleeps: the progress thread reads lane 0 again (Engine::unpark).
+  void unpark();
   // Closes (kBye to the peer, engine stopped); `why` is what later calls say.
   void close(const std::string& why);
   // close(), because this agent closed: later calls on it raise Closed ("this agent was

@@ -259,13 +259,14 @@ Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, con
   std::unique_lock<std::mutex> lock(sync_->mu);
   if (closing_) fail(Code::kClosed, -1, 0, who() + "wait_notification: the agent was closed");
   pending_.push_back(w);
+  Clock::time_point since = Clock::now();
   while (true) {  // bounded by the wait's deadline (poll() releases it then), and by close
     uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
     poll();  // one that arrived and is unread matches at once
     if (w->released) break;
     Deadline until = w->deadline.min(Deadline::after_seconds(kLookAtLeastEveryS));
     lock.unlock();
-    agent_->bell_->wait(seen, until);
+    await_news(peer, seen, until, since);
     lock.lock();
   }
   if (w->code != Code::kOk) fail(w->code, -1, 0, w->error);
@@ -282,12 +283,36 @@ void NotificationInbox::unread(std::vector<Notification> ns) {
   inbox_.insert(inbox_.begin(), std::make_move_iterator(ns.begin()), std::make_move_iterator(ns.end()));
 }
 
+std::vector<std::shared_ptr<Connection>> NotificationInbox::connections_of(const std::string& peer) const {
+  std::vector<std::shared_ptr<Connection>> out;
+  std::lock_guard<std::mutex> lock(agent_->mu_);
+  for (const auto& c : agent_->conns_) {
+    if (peer.empty() || c->peer().name == peer) out.push_back(c);
+  }
+  return out;
+}
+
+void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const Deadline& until,
+                                   Clock::time_point since) {
+  std::vector<std::shared_ptr<Connection>> conns;
+  if (Clock::now() - since < Engine::kHelpSpin) conns = connections_of(peer);
+  while (!conns.empty() && Clock::now() - since < Engine::kHelpSpin && !until.expired()) {
+    bool read = false;
+    for (const auto& c : conns) read = c->help_read() || read;
+    if (read || agent_->bell_->rings() != seen) return;  // something came: drain it
+    std::this_thread::yield();
+  }
+  for (const auto& c : conns) c->unpark();  // this thread reads no more: the progress thread does
+  agent_->bell_->wait(seen, until);
+}
+
 std::vector<Notification> NotificationInbox::take(double timeout_s) {
   Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
+  Clock::time_point since = Clock::now();
   while (true) {
     uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
     {
-      std::lock_guard<std::mutex> lock(sync_->mu);
+      std::unique_lock<std::mutex> lock(sync_->mu);
       poll();
       if (!inbox_.empty()) {
         std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
@@ -297,7 +322,7 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
     }
     if (d.expired() || agent_->closed() || woken_.exchange(false, std::memory_order_acq_rel)) return {};
     sweep();
-    agent_->bell_->wait(seen, d.min(Deadline::after_seconds(kLookAtLeastEveryS)));
+    await_news("", seen, d.min(Deadline::after_seconds(kLookAtLeastEveryS)), since);
   }
 }
 
