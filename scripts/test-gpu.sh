@@ -3,7 +3,7 @@
 #   bash scripts/test-gpu.sh [LOG_DIR]        (default: $OUT, else ./gpu-logs)
 # Installs the package from this tree (and builds the test doubles into build/test-doubles, outside
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
-# fake-driver tests, device memory over the ucx path (tests/ucx_device_prog.py, when a CUDA-enabled libucx is installed), 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`,
+# fake-driver tests, device memory over the ucx path (tests/ucx_device_prog.py, when a CUDA-enabled libucx is installed), 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`, `bench notify --device cuda`,
 # the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py), agents with CUDA tensors between two
 # processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), batched device copies (tests/agent_batch_prog.py all), the PD example and the vLLM connector's transfer part on the GPU; every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
@@ -68,6 +68,11 @@ step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/benc
 step bench-agent-cuda "$py" -m flagcx_mesh.bench agent --device cuda --bytes 1G --json "$logs/bench-agent-cuda.json"
 step bench-agent-cuda-batch-off env FLAGCX_MESH_CUDA_BATCH_COPY=off "$py" -m flagcx_mesh.bench agent --device cuda \
   --bytes 1G --paths cuda-ipc,cuda-vmm --peers none --mesh-put off --json "$logs/bench-agent-cuda-batch-off.json"
+# an 8-byte write's notification, one way (ping-pong between two processes), on host and device memory,
+# beside NIXL's (as vLLM drives it, and without its progress thread) where nixl is importable (PYTHONPATH)
+step bench-notify-cuda "$py" -m flagcx_mesh.bench notify --device cuda --json "$logs/bench-notify-cuda.json"
+step bench-notify-cuda-nixl-nopt "$py" -m flagcx_mesh.bench notify --device cuda --nixl-progress-thread off \
+  --json "$logs/bench-notify-cuda-nixl-nopt.json"
 # agents on host memory beside the mesh's own puts (cma, shm, tcp: the agent's tcp lanes against the mesh's)
 step bench-agent-host "$py" -m flagcx_mesh.bench agent --transports cma,shm,tcp --peers none \
   --json "$logs/bench-agent-host.json"

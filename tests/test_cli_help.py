@@ -13,7 +13,7 @@ from flagcx_mesh import _cli
 from flagcx_mesh.bench import __main__ as bench_main
 
 # the user-facing benchmarks (the others are their child programs, started by them)
-BENCHMARKS = ("mesh", "put", "put-mpi", "race", "latency", "soak", "stream-wait", "agent", "p2p", "kv")
+BENCHMARKS = ("mesh", "put", "put-mpi", "race", "latency", "soak", "stream-wait", "agent", "p2p", "kv", "notify")
 INTERNAL = {"mesh-rank", "put-rank", "put-cuda-rank", "race-rank", "agent-gpu-target"}
 
 

@@ -396,6 +396,45 @@ def wait_for_fetch(dec, pre, remote_req, remote, local):
     return wait_for(dec, "recving", "t")
 
 
+def test_a_decode_layout_s_row_plan_is_made_once_and_serves_every_push(pair):
+    """The layers' checks and per-layer tensors of a push (layout.RowPlan) are made at the first
+    push to a decode's layout and reused by the next; the held blocks' ids are a tensor from the
+    hold on; every block of both requests lands."""
+    pre, pkv = pair("p")
+    dec, dkv = pair("d")
+    for li, t in enumerate(pkv.values()):
+        for b in range(16):
+            fill_block(t, b, 0, f"{li}/{b}")
+    pre.hold("r1", [3, 4, 9])
+    dec.fetch("t1", pre.metadata, "r1", [3, 4, 9], [0, 1, 2])
+    assert wait_for(dec, "recving", "t1") == {}
+    (plans,) = pre._plans.values()
+    (plan,) = plans.values()
+    pre.hold("r2", [12, 5])
+    dec.fetch("t2", pre.metadata, "r2", [12, 5], [7, 8])
+    assert wait_for(dec, "recving", "t2") == {}
+    assert list(pre._plans.values()) == [{(0, 1, 0, 1): plan}]  # the same plan object
+    for li, t in enumerate(dkv.values()):
+        for dst, src in ((0, 3), (1, 4), (2, 9), (7, 12), (8, 5)):
+            assert block_matches(t, dst, 0, f"{li}/{src}"), (li, dst)
+
+
+def test_a_want_s_integers_are_bounded_and_its_block_ids_checked():
+    """decode() checks after parsing (no hook per integer): an integer of more than 20 digits
+    anywhere, a negative or non-integer id, a bool, are refused as before."""
+    M = protocol.MAGIC
+
+    def want(dst, **extra):
+        return M + b"W" + json.dumps({"req": "r", "tag": "t", "dst": dst, **extra}).encode()
+
+    assert protocol.decode(want(list(range(512)), src=list(range(512))))[1]["dst"] == list(range(512))
+    assert protocol.decode(want([10**20 - 1]))[1]["dst"] == [10**20 - 1]
+    for bad in (want([10**20]), want([1], x=[[-(10**21)]]), want([1], x={"y": 10**25}), want([-1]),
+                want([True]), want([1, "2"]), want([1, None])):
+        with pytest.raises(protocol.ProtocolViolation):
+            protocol.decode(bad)
+
+
 def test_fetch_after_hold_and_garbage_notifications_are_ignored(pair):
     pre, pkv = pair("p")
     dec, dkv = pair("d")

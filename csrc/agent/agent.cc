@@ -114,6 +114,7 @@ std::vector<uint8_t> Agent::metadata() const {
 AgentStats Agent::stats() const {
   std::lock_guard<std::mutex> lock(mu_);
   AgentStats s = stats_;
+  s.notification_drains = inbox_->drains();
   for (const auto& c : conns_) {
     Engine::AnswerCounts a = c->answer_counts();
     s.answer_bytes_held += a.held;

@@ -28,6 +28,7 @@
 #include <thread>
 #include <vector>
 
+#include "agent/doorbell.h"
 #include "base/clock.h"
 #include "base/wire.h"
 #include "core/window.h"
@@ -154,6 +155,9 @@ struct AgentStats {
   // connection's answers held at once (bounded per peer: docs/agent.md).
   uint64_t answer_bytes_held = 0;
   uint64_t answer_bytes_peak = 0;
+  // The times the threads waiting for notifications drained the connections: once per arrival,
+  // wake or deadline (agent/doorbell.h), not once per tick.
+  uint64_t notification_drains = 0;
   uint64_t total_rejected() const;
   // The counters by name, in the order stats() documents them (docs/agent.md): the
   // Python dict and the C ABI's JSON are both made from this list.
@@ -309,6 +313,9 @@ class Agent {
   std::mutex exports_mu_;
   std::map<uint64_t, std::weak_ptr<Window>> exports_;  // token -> region
   std::unique_ptr<cuda::FdServer> fd_server_;
+  // What wakes the inbox's waiters (doorbell.h): rung by every connection's engine as a
+  // notification lands or its peer ends (shared: a connection may outlive this agent).
+  std::shared_ptr<Doorbell> bell_ = std::make_shared<Doorbell>();
   std::unique_ptr<NotificationInbox> inbox_;  // notifications not yet read, and the stream waits on them
   std::unique_ptr<Closer> closer_;  // closes retired connections off the listener's thread
 };

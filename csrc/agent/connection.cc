@@ -59,7 +59,7 @@ struct Connection::Batch {
 };
 
 Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, int lanes, uint64_t token)
-    : agent_(agent), peer_(std::move(peer)), initiated_(initiated), token_(token) {
+    : agent_(agent), bell_(agent->bell_), peer_(std::move(peer)), initiated_(initiated), token_(token) {
   conns_.send.resize(std::max(1, lanes));
   conns_.recv.resize(std::max(1, lanes));
   add_lane(0, std::move(fd));
@@ -102,7 +102,8 @@ void Connection::start() {
   if (!closed_why_.empty() || engine_) return;
   if (!joined_locked()) fail(Code::kProtocol, -1, 0, who() + ": started before every tcp lane joined");
   engine_ = std::make_unique<Engine>(0, 1, 1, &conns_, &agent_->windows_, 1ull << 30, agent_->timeout_s(),
-                                     Engine::Words{who() + ": ", "agent " + peer_.name});
+                                     Engine::Words{who() + ": ", "agent " + peer_.name},
+                                     [bell = bell_] { bell->ring(); });
   ready_.store(true, std::memory_order_release);
 }
 
@@ -150,6 +151,7 @@ void Connection::retire(const std::string& why) {
   std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
   if (closed_why_.empty()) closed_why_ = why;
   closed_.store(true, std::memory_order_release);
+  bell_->ring();  // a wait on this peer's notification fails now
   if (!engine_) {  // never started: the peer sees the end now, not at the last reference (the fds stay
     for (tcp::Fd& f : conns_.recv) {  // valid for a verdict the listener may be writing on lane 0)
       if (f) ::shutdown(f.get(), SHUT_RDWR);
@@ -614,6 +616,15 @@ void Connection::take_notifications(std::vector<Notification>* out) {
       return;
     }
   }
+}
+
+bool Connection::help_read() {
+  if (!ready_.load(std::memory_order_acquire) || stopped_.load(std::memory_order_acquire)) return false;
+  return engine_->may_help() && engine_->help_read();
+}
+
+void Connection::unpark() {
+  if (ready_.load(std::memory_order_acquire) && !stopped_.load(std::memory_order_acquire)) engine_->unpark();
 }
 
 bool Connection::reached(uint64_t target) const { return engine().completed() >= target; }

@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "agent/agent.h"
+#include "agent/doorbell.h"
 #include "base/env.h"
 #include "base/status.h"
 #include "core/progress.h"
@@ -61,6 +62,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void notify(const std::vector<uint8_t>& bytes);
   // Non-blocking: appends the notifications that arrived.
   void take_notifications(std::vector<Notification>* out);
+  // A waiter for notifications reads the connection itself (Engine::help_read: lane 0, when no
+  // other thread reads it, never with device regions here); true when it read some frames.
+  bool help_read();
+  // That waiter stops reading and sleeps: the progress thread reads lane 0 again (Engine::unpark).
+  void unpark();
   // Closes (kBye to the peer, engine stopped); `why` is what later calls say.
   void close(const std::string& why);
   // close(), because this agent closed: later calls on it raise Closed ("this agent was
@@ -135,6 +141,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Engine& engine() const;
 
   Agent* agent_;
+  std::shared_ptr<Doorbell> bell_;  // the agent's: rung as a notification lands, the peer ends, or this closes
   PeerInfo peer_;
   bool initiated_;
   uint64_t token_;

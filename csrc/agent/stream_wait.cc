@@ -16,7 +16,9 @@ namespace {
 
 constexpr uint64_t kSlotsPerBlock = 512;  // one 4 KiB page of 8-byte slots
 constexpr double kCloseWaitS = 5.0;       // close waits this long for streams still on a slot
-constexpr auto kPollPace = std::chrono::microseconds(200);
+// A waiter is woken by the agent's doorbell (doorbell.h) when something it waits for may have
+// happened; it looks again at least this often all the same (a safety net, not a pace).
+constexpr double kLookAtLeastEveryS = 0.1;
 
 // The bytes as the user wrote them when printable, else in hex (at most 64 bytes shown).
 std::string shown(const std::vector<uint8_t>& b) {
@@ -103,6 +105,7 @@ void NotificationInbox::release(WaitState& w, Code code, const std::string& erro
   w.bound.reset();
   if (code != Code::kOk && !w.host) FXM_WARN(-1, error);  // a host wait throws it to its caller
   sync_->cv.notify_all();
+  agent_->bell_->ring();  // a host wait sleeps on the doorbell
 }
 
 bool NotificationInbox::match(const Notification& n) {
@@ -148,6 +151,7 @@ void NotificationInbox::check_failures(const std::vector<std::shared_ptr<Connect
 }
 
 void NotificationInbox::poll() {
+  drains_.fetch_add(1, std::memory_order_relaxed);
   std::vector<std::shared_ptr<Connection>> conns;
   {
     std::lock_guard<std::mutex> lock(agent_->mu_);
@@ -169,6 +173,15 @@ void NotificationInbox::poll() {
   check_failures(conns, gone);
 }
 
+// The earliest deadline of the pending waits, and no later than kLookAtLeastEveryS (lock held).
+Deadline NotificationInbox::next_look() const {
+  Deadline d = Deadline::after_seconds(kLookAtLeastEveryS);
+  for (const auto& w : pending_) d = d.min(w->deadline);
+  return d;
+}
+
+// Drains and matches whenever the doorbell rang (a notification landed, a peer ended) or a wait's
+// deadline came, while waits are pending.
 void NotificationInbox::watch() {
   std::unique_lock<std::mutex> lock(sync_->mu);
   while (!closing_) {
@@ -176,9 +189,11 @@ void NotificationInbox::watch() {
       sync_->cv.wait(lock);
       continue;
     }
+    uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
     poll();
+    Deadline until = next_look();
     lock.unlock();
-    std::this_thread::sleep_for(kPollPace);
+    agent_->bell_->wait(seen, until);
     lock.lock();
   }
 }
@@ -225,9 +240,13 @@ NotificationWait NotificationInbox::stream_wait(const std::vector<uint8_t>& byte
 void NotificationInbox::start_watcher() {  // with the lock held
   if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
   sync_->cv.notify_all();
+  agent_->bell_->ring();  // a watcher asleep on the doorbell looks at the new wait's deadline
 }
 
-// A pending wait like a stream wait's, without a slot: the watcher releases it, this thread waits for that.
+// A pending wait like a stream wait's, without a slot. This thread drains and matches itself each
+// time the doorbell rings (no watcher between the arrival and it); whoever else drains the
+// connections meanwhile (a notifications() call, the watcher of stream waits, another host wait)
+// may release it instead, and rings the doorbell doing so.
 Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, const std::string& peer,
                                           double timeout_s) {
   auto w = std::make_shared<WaitState>();
@@ -240,13 +259,23 @@ Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, con
   std::unique_lock<std::mutex> lock(sync_->mu);
   if (closing_) fail(Code::kClosed, -1, 0, who() + "wait_notification: the agent was closed");
   pending_.push_back(w);
-  poll();  // one that arrived and is unread matches now
-  if (!w->released) {
-    start_watcher();
-    sync_->cv.wait(lock, [&] { return w->released; });  // bounded by the wait's deadline, and by close
+  Clock::time_point since = Clock::now();
+  while (true) {  // bounded by the wait's deadline (poll() releases it then), and by close
+    uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
+    poll();  // one that arrived and is unread matches at once
+    if (w->released) break;
+    Deadline until = w->deadline.min(Deadline::after_seconds(kLookAtLeastEveryS));
+    lock.unlock();
+    await_news(peer, seen, until, since);
+    lock.lock();
   }
   if (w->code != Code::kOk) fail(w->code, -1, 0, w->error);
   return std::move(w->got);
+}
+
+void NotificationInbox::wake() {
+  woken_.store(true, std::memory_order_release);
+  agent_->bell_->ring();
 }
 
 void NotificationInbox::unread(std::vector<Notification> ns) {
@@ -254,11 +283,36 @@ void NotificationInbox::unread(std::vector<Notification> ns) {
   inbox_.insert(inbox_.begin(), std::make_move_iterator(ns.begin()), std::make_move_iterator(ns.end()));
 }
 
+std::vector<std::shared_ptr<Connection>> NotificationInbox::connections_of(const std::string& peer) const {
+  std::vector<std::shared_ptr<Connection>> out;
+  std::lock_guard<std::mutex> lock(agent_->mu_);
+  for (const auto& c : agent_->conns_) {
+    if (peer.empty() || c->peer().name == peer) out.push_back(c);
+  }
+  return out;
+}
+
+void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const Deadline& until,
+                                   Clock::time_point since) {
+  std::vector<std::shared_ptr<Connection>> conns;
+  if (Clock::now() - since < Engine::kHelpSpin) conns = connections_of(peer);
+  while (!conns.empty() && Clock::now() - since < Engine::kHelpSpin && !until.expired()) {
+    bool read = false;
+    for (const auto& c : conns) read = c->help_read() || read;
+    if (read || agent_->bell_->rings() != seen) return;  // something came: drain it
+    std::this_thread::yield();
+  }
+  for (const auto& c : conns) c->unpark();  // this thread reads no more: the progress thread does
+  agent_->bell_->wait(seen, until);
+}
+
 std::vector<Notification> NotificationInbox::take(double timeout_s) {
   Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
+  Clock::time_point since = Clock::now();
   while (true) {
+    uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
     {
-      std::lock_guard<std::mutex> lock(sync_->mu);
+      std::unique_lock<std::mutex> lock(sync_->mu);
       poll();
       if (!inbox_.empty()) {
         std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
@@ -268,7 +322,7 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
     }
     if (d.expired() || agent_->closed() || woken_.exchange(false, std::memory_order_acq_rel)) return {};
     sweep();
-    std::this_thread::sleep_for(kPollPace);
+    await_news("", seen, d.min(Deadline::after_seconds(kLookAtLeastEveryS)), since);
   }
 }
 
@@ -307,6 +361,7 @@ void NotificationInbox::close() {
     pending_.clear();
     sync_->cv.notify_all();
   }
+  agent_->bell_->ring();  // a take() asleep on the doorbell returns
   if (watcher_.joinable()) watcher_.join();
   Deadline d = Deadline::after_seconds(kCloseWaitS);
   for (auto& b : blocks_) {

@@ -83,7 +83,7 @@ class NotificationInbox {
   std::vector<Notification> take(double timeout_s);
   // Makes a take() waiting in another thread return now (with what is there, maybe nothing); with
   // none waiting, the next take() returns at once. Wakes do not add up.
-  void wake() { woken_.store(true, std::memory_order_release); }
+  void wake();
   // Drops the connections whose peer is gone from the agent's table and closes them, keeping
   // the notifications they still hold (for take() and the waits). take() and the listener
   // (ten times a second) call it, so peers that come and go do not keep their sockets.
@@ -91,6 +91,8 @@ class NotificationInbox {
   // wait queuing on a stream), nothing is done and false returned; the listener never waits
   // on the inbox, so no call on it can keep the listener from its peers.
   bool sweep(bool wait = true);
+  // The times a waiter drained the connections (AgentStats::notification_drains).
+  uint64_t drains() const { return drains_.load(std::memory_order_relaxed); }
   // Releases every pending wait (kClosed) and stops the watcher; the slots stay
   // mapped while a stream still sits on one (bounded wait, then they are kept).
   void close();
@@ -102,6 +104,13 @@ class NotificationInbox {
   void check_failures(const std::vector<std::shared_ptr<Connection>>& conns, const std::vector<std::string>& gone);
   void release(WaitState& w, Code code, const std::string& error);
   void start_watcher();
+  Deadline next_look() const;
+  // Without the inbox's lock: returns once there may be news for a wait that drained at doorbell
+  // count `seen`, or at `until`. For the first Engine::kHelpSpin since `since` it reads the
+  // connections of `peer` ("": all) itself (no wake-up of the progress thread nor of this one
+  // when the notification comes then), later it sleeps on the doorbell.
+  void await_news(const std::string& peer, uint64_t seen, const Deadline& until, Clock::time_point since);
+  std::vector<std::shared_ptr<Connection>> connections_of(const std::string& peer) const;
   uint64_t* take_slot(uint64_t* value, SlotBlock** block, uint64_t* index);
   void watch();
   std::string who() const;
@@ -114,6 +123,7 @@ class NotificationInbox {
   std::thread watcher_;
   bool closing_ = false;
   std::atomic<bool> woken_{false};  // wake(): the next (or waiting) take() returns
+  std::atomic<uint64_t> drains_{0};
 };
 
 }  // namespace fxm::agent

@@ -45,8 +45,8 @@ void Engine::log(LogLevel level, const std::string& msg) const {
 }
 
 Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
-               uint64_t max_unreceived, double timeout_s, Words words)
-    : words_(std::move(words)), rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
+               uint64_t max_unreceived, double timeout_s, Words words, ArrivalHook arrival)
+    : words_(std::move(words)), arrival_(std::move(arrival)), rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
       stripe_seq_(total_), stripes_admitted_(total_), lane_landed_(total_ * lanes_), lane_seq_(total_ * lanes_),
       last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_),
@@ -366,8 +366,15 @@ void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, con
   if (stopping_) fail(Code::kClosed, peer, 0, what + ": the mesh was closed");
   fail_if_gone(peer, what + ": ");
   queued_msg_[s] += len;
-  out_[s].push_back(std::move(it));
+  bool idle = out_[s].empty();
+  if (!idle) out_[s].push_back(std::move(it));
   lock.unlock();
+  if (idle && send_direct(s, it)) {  // written by this thread, as a put's frame is: no wake-up on the way
+    std::lock_guard<std::mutex> sent(mu_);
+    queued_msg_[s] -= len;
+    cv_.notify_all();
+    return;
+  }
   wake();
 }
 
@@ -433,6 +440,7 @@ void Engine::lose(int peer, const std::string& why) {
   }
   if (!stopping_) FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "peer " + std::to_string(peer) + " lost: " + why);
   cv_.notify_all();
+  arrived();
   if (lanes_ > 1) {
     // One lane's failure is seen here only: the peer's other lanes may wait for this rank's
     // lane 0 (a stripe for its first part, or the reverse), which sends nothing more now. Its

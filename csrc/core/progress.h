@@ -21,6 +21,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -56,12 +57,17 @@ class Engine : public Outbox {
   // timeout_s (the mesh's) bounds each device copy of the progress thread.
   // words: how its log lines name itself and its peer 0 (an agent's connection: "agent a:
   // connection to agent b (...): ", "agent b"); empty: "[rank N]" and "peer N", the mesh's.
+  // arrival: called (on the thread that read it, no lock of the engine held) each time a
+  // message lands in a mailbox and when a peer says goodbye or is lost: what a waiter outside
+  // the engine (an agent's notification inbox, agent/doorbell.h) is woken by instead of
+  // polling recv_message. It must not block nor call into the engine.
   struct Words {
     std::string self;
     std::string peer0;
   };
+  using ArrivalHook = std::function<void()>;
   Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTable* windows,
-         uint64_t max_unreceived, double timeout_s, Words words = {});
+         uint64_t max_unreceived, double timeout_s, Words words = {}, ArrivalHook arrival = {});
   ~Engine() override;
 
   // One-sided ops over TCP (the caller validated every argument). The source
@@ -103,7 +109,8 @@ class Engine : public Outbox {
   void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, std::shared_ptr<const ScatterList> into,
                        int device) override;
 
-  // Two-sided messages. The message is copied into the queue; while more
+  // Two-sided messages. The message is written by the calling thread when nothing is queued
+  // before it (send_direct), else copied into the queue; while more
   // than kMaxQueuedMessageBytes of messages wait on that (peer, ctx), the
   // call waits for the queue to drain, up to `deadline`.
   static constexpr uint64_t kMaxQueuedMessageBytes = 64ull << 20;
@@ -351,6 +358,7 @@ class Engine : public Outbox {
   // little); false when that allocation failed (in.refused says so).
   bool grow_message(InConn& in);
   void on_message_done(int s, InConn& in);
+  void on_bye(int s, int peer);
   // Reads and handles frames of slot s; what throws fails that peer only.
   void read_guarded(int s);
   void write_guarded(int s);
@@ -374,6 +382,10 @@ class Engine : public Outbox {
   // One log line of this engine, in its words_ when it has them.
   void log(LogLevel level, const std::string& msg) const;
   Words words_;
+  ArrivalHook arrival_;  // may be empty (a mesh's engine)
+  void arrived() const {
+    if (arrival_) arrival_();
+  }
 
   int rank_, nranks_, ncontexts_;
   int total_;  // slots: nranks_ * ncontexts_

@@ -157,16 +157,19 @@ void Engine::on_message_done(int s, InConn& in) {
     FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "dropped " + in.refused + " from peer " + std::to_string(peer));
     refuse(s, in.refused);
   }
-  std::lock_guard<std::mutex> lock(mu_);
-  bool below = mailbox_bytes_[s] < max_unreceived_;
-  mailbox_bytes_[s] += in.msg.size();
-  if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
-    FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " + std::to_string(peer) +
-                        " (ctx " + std::to_string(s % ncontexts_) +
-                        ") wait for recv(); reading that connection pauses until they are received");
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bool below = mailbox_bytes_[s] < max_unreceived_;
+    mailbox_bytes_[s] += in.msg.size();
+    if (below && mailbox_bytes_[s] >= max_unreceived_) {  // log the transition only
+      FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, std::to_string(mailbox_bytes_[s]) + " bytes of messages from peer " +
+                                                 std::to_string(peer) + " (ctx " + std::to_string(s % ncontexts_) +
+                                                 ") wait for recv(); reading that connection pauses until they are received");
+    }
+    mailbox_[s].push_back({std::move(in.msg), in.refused});
+    cv_.notify_all();
   }
-  mailbox_[s].push_back({std::move(in.msg), in.refused});
-  cv_.notify_all();
+  arrived();  // after the lock: the hook's waiter drains the mailbox through recv_message
 }
 
 bool Engine::on_ack(int s, const uint8_t* buf) {

@@ -156,6 +156,23 @@ void Engine::on_header(int s, InConn& in) {
   if (oplen == 0) on_op_header(s, in);
 }
 
+// A goodbye on connection s: a lane's makes its close clean; lane 0's count the peer's.
+void Engine::on_bye(int s, int peer) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    bye_conn_[s] = true;
+    if (s >= total_) return;
+    if (++bye_count_[peer] == ncontexts_) bye_[peer] = true;
+    // Waits on this peer now fail ("closed its mesh"): an answer it still sends after its
+    // goodbye must not land in a buffer its get's caller was told is given up.
+    for (auto it = gets_.begin(); it != gets_.end();) {
+      if (slot(it->second.peer, it->second.ctx) == s) drop_get(&it);
+      else ++it;
+    }
+  }
+  arrived();
+}
+
 void Engine::on_op_header(int s, InConn& in) {
   int peer = peer_of(s);
   uint64_t payload = in.f.length - in.need;
@@ -228,23 +245,10 @@ void Engine::on_op_header(int s, InConn& in) {
       ack_now_[s] = kAckAsked;
       in.reset();
       return;
-    case FrameType::kBye: {
-      std::lock_guard<std::mutex> lock(mu_);
-      bye_conn_[s] = true;
-      if (s >= total_) {  // a lane's goodbye: its close is clean; lane 0's count the peer's
-        in.reset();
-        return;
-      }
-      if (++bye_count_[peer] == ncontexts_) bye_[peer] = true;
-      // Waits on this peer now fail ("closed its mesh"): an answer it still sends after its
-      // goodbye must not land in a buffer its get's caller was told is given up.
-      for (auto it = gets_.begin(); it != gets_.end();) {
-        if (slot(it->second.peer, it->second.ctx) == s) drop_get(&it);
-        else ++it;
-      }
+    case FrameType::kBye:
+      on_bye(s, peer);
       in.reset();
       return;
-    }
     default:
       lose(peer, "protocol error: unknown frame type " + std::to_string(static_cast<int>(in.f.type)));
       in.closed = true;

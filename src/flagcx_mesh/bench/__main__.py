@@ -28,6 +28,10 @@ Agents (flagcx_mesh.bench.agents):
                                      process; vs Mooncake TE, NIXL and the mesh's own puts, same run)
     python -m flagcx_mesh.bench p2p [--blocks 4K,64K,1M] [--count 64] [--layers 4] [--transports cma,tcp]
                                      (the P2P engine form's batch_write_sync vs the agent's batch, same run)
+    python -m flagcx_mesh.bench notify [--device cpu|cuda] [--paths cma,tcp,cuda-ipc,cuda-vmm] [--iters 1000]
+                                     [--rounds 5] [--peers nixl | none]   (an 8-byte write and its
+                                     notification, ping-pong between two processes: one way, median and
+                                     p99, vs NIXL's make_prepped_xfer + get_new_notifs, same run)
 
 The vLLM connector (flagcx_mesh.bench.kv):
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
@@ -62,6 +66,7 @@ COMMANDS = {
     "agent": ("agents.agent", "main"),
     "agent-gpu-target": ("agents._gpu_target", "main"),
     "p2p": ("agents.p2p", "main"),
+    "notify": ("agents.notify", "main"),
     "kv": ("kv", "main"),
 }
 

@@ -176,26 +176,49 @@ def request_rows(layers: Sequence[Tuple[LayerGeometry, int, LayerGeometry, int]]
     """``write_rows`` of every (source layer, its region index, destination layer, its region
     index) of a request, layer after layer, as one tensor. Layers of one shape (the usual case:
     every layer of a model alike) are computed together with tensor operations: a request's
-    table costs a few dozen of them, not a Python object per block or a pass per layer."""
-    import torch
+    table costs a few dozen of them, not a Python object per block or a pass per layer. A
+    connector that pushes many requests between the same layouts keeps a :class:`RowPlan`."""
+    return RowPlan(layers, part).rows(src_blocks, dst_blocks)
 
-    part = check_part(part)
-    if len(src_blocks) != len(dst_blocks):
-        name = layers[0][0].name if layers else "?"
-        raise LayoutError(f"layer {name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
-    groups: Dict[tuple, List[int]] = {}
-    for i, (src, _, dst, _) in enumerate(layers):
-        if part[1:4:2] == (1, 1):
-            src.check_matches(dst)
-        else:
-            check_sliced_match(src, dst, part[1], part[3])
-        groups.setdefault(_shape_key(src, dst, part), []).append(i)
-    out = [None] * len(layers)
-    for members in groups.values():
-        rows = _group_rows([layers[i] for i in members], src_blocks, dst_blocks, part)
-        for j, i in enumerate(members):
-            out[i] = rows[j]
-    return torch.cat([r.reshape(-1, 5) for r in out]) if out else torch.empty((0, 5), dtype=torch.int64)
+
+class RowPlan:
+    """``request_rows`` between one pairing of layers (``layers``: (source layer, its region
+    index, destination layer, its region index)) and one ``part``, with what depends on them
+    alone done once: the layers' checks (LayoutError), their grouping by shape and each group's
+    per-layer constants. ``rows(src_blocks, dst_blocks)`` then costs only the tensor operations
+    on the request's block ids."""
+
+    def __init__(self, layers: Sequence[Tuple[LayerGeometry, int, LayerGeometry, int]], part: Sequence[int] = WHOLE):
+        self.part = check_part(part)
+        self.layers = list(layers)
+        groups: Dict[tuple, List[int]] = {}
+        for i, (src, _, dst, _) in enumerate(self.layers):
+            if self.part[1:4:2] == (1, 1):
+                src.check_matches(dst)
+            else:
+                check_sliced_match(src, dst, self.part[1], self.part[3])
+            groups.setdefault(_shape_key(src, dst, self.part), []).append(i)
+        self._groups = [(members, _Group([self.layers[i] for i in members], self.part)) for members in groups.values()]
+
+    def rows(self, src_blocks, dst_blocks):
+        """The (n, 5) int64 table of the request: every layer's rows, layer after layer.
+        ``src_blocks`` / ``dst_blocks``: sequences of block ids or int64 tensors of them."""
+        import torch
+
+        if len(src_blocks) != len(dst_blocks):
+            name = self.layers[0][0].name if self.layers else "?"
+            raise LayoutError(f"layer {name}: {len(src_blocks)} source blocks for {len(dst_blocks)} destination blocks")
+        if not self.layers:
+            return torch.empty((0, 5), dtype=torch.int64)
+        ids = _RequestIds(src_blocks, dst_blocks)
+        if len(self._groups) == 1:  # every layer alike: the group's rows are the table
+            return self._groups[0][1].rows(ids).reshape(-1, 5)
+        out = [None] * len(self.layers)
+        for members, group in self._groups:
+            rows = group.rows(ids)
+            for j, i in enumerate(members):
+                out[i] = rows[j]
+        return torch.cat([r.reshape(-1, 5) for r in out])
 
 
 def _shape_key(src: LayerGeometry, dst: LayerGeometry, part) -> tuple:
@@ -204,39 +227,81 @@ def _shape_key(src: LayerGeometry, dst: LayerGeometry, part) -> tuple:
     return (dense, src.run_bytes, dst.run_bytes, len(src.runs), src.num_blocks, dst.num_blocks)
 
 
-def _group_rows(layers, src_blocks, dst_blocks, part):
-    """(layers, rows per layer, 5): the rows of layers of one shape (_shape_key)."""
-    import torch
+class _RequestIds:
+    """One request's block ids as tensors, checked against each block count once, and the runs
+    of consecutive ids on both sides (start, length), made once for every group that merges."""
 
-    si, sn, di, dn = part
-    src0, _, dst0, _ = layers[0]
-    dense = _shape_key(src0, dst0, part)[0]
-    sb = block_id_tensor(src_blocks, src0.num_blocks, f"layer {src0.name} (source)")
-    db = block_id_tensor(dst_blocks, dst0.num_blocks, f"layer {dst0.name} (destination)")
-    n = len(sb)
-    if dense and n > 1:  # a run starts where either side's next id is not the one after
-        breaks = torch.nonzero((sb[1:] != sb[:-1] + 1) | (db[1:] != db[:-1] + 1)).flatten() + 1
-        starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
-        lengths = torch.diff(torch.cat([starts, torch.tensor([n])]))
-    else:
-        starts, lengths = torch.arange(n), torch.ones(n, dtype=torch.int64)
+    def __init__(self, src_blocks, dst_blocks):
+        self.src, self.dst = src_blocks, dst_blocks
+        self._checked: Dict[tuple, object] = {}
+        self._runs = None
 
-    def per_layer(values):  # (layers, 1, 1)
-        return torch.tensor(values, dtype=torch.int64).reshape(-1, 1, 1)
+    def checked(self, side: str, num_blocks: int, what: str):
+        key = (side, num_blocks)
+        if key not in self._checked:
+            self._checked[key] = block_id_tensor(self.src if side == "src" else self.dst, num_blocks, what)
+        return self._checked[key]
 
-    size = src0.run_bytes // sn  # the slice of each run that moves, at slice si / di of it
-    src_runs = torch.tensor([s.runs for s, _, _, _ in layers], dtype=torch.int64)[:, None, :] + si * size  # (L, 1, k)
-    dst_runs = torch.tensor([d.runs for _, _, d, _ in layers], dtype=torch.int64)[:, None, :] + \
-        di * (dst0.run_bytes // dn)
-    src_at = sb[starts][None, :, None] * per_layer([s.block_stride for s, _, _, _ in layers]) + src_runs
-    dst_at = db[starts][None, :, None] * per_layer([d.block_stride for _, _, d, _ in layers]) + dst_runs
-    rows = torch.empty(src_at.shape + (5,), dtype=torch.int64)  # (L, runs, k, 5)
-    rows[..., 0] = per_layer([si_ for _, si_, _, _ in layers])
-    rows[..., 1] = src_at
-    rows[..., 2] = per_layer([di_ for _, _, _, di_ in layers])
-    rows[..., 3] = dst_at
-    rows[..., 4] = (lengths * size)[None, :, None]
-    return rows.reshape(len(layers), -1, 5)
+    def runs(self, sb, db):
+        """(starts, lengths): a run starts where either side's next id is not the one after."""
+        import torch
+
+        if self._runs is None:
+            n = len(sb)
+            if n > 1:
+                breaks = torch.nonzero((sb[1:] != sb[:-1] + 1) | (db[1:] != db[:-1] + 1)).flatten() + 1
+                starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
+                lengths = torch.diff(starts, append=torch.tensor([n]))
+            else:
+                starts, lengths = torch.arange(n), torch.ones(n, dtype=torch.int64)
+            self._runs = (starts, lengths)
+        return self._runs
+
+
+class _Group:
+    """Layers of one shape (_shape_key): their per-layer constants, as tensors made once."""
+
+    def __init__(self, layers, part):
+        import torch
+
+        si, sn, di, dn = part
+        src0, _, dst0, _ = layers[0]
+        self.dense = _shape_key(src0, dst0, part)[0]
+        self.src0, self.dst0 = src0, dst0
+        self.size = src0.run_bytes // sn  # the slice of each run that moves, at slice si / di of it
+
+        def per_layer(values):  # (layers, 1, 1)
+            return torch.tensor(values, dtype=torch.int64).reshape(-1, 1, 1)
+
+        self.src_runs = torch.tensor([s.runs for s, _, _, _ in layers], dtype=torch.int64)[:, None, :] + si * self.size
+        self.dst_runs = torch.tensor([d.runs for _, _, d, _ in layers], dtype=torch.int64)[:, None, :] + \
+            di * (dst0.run_bytes // dn)
+        self.src_stride = per_layer([s.block_stride for s, _, _, _ in layers])
+        self.dst_stride = per_layer([d.block_stride for _, _, d, _ in layers])
+        self.src_index = per_layer([i for _, i, _, _ in layers])
+        self.dst_index = per_layer([i for _, _, _, i in layers])
+        self.count = len(layers)
+
+    def rows(self, ids: _RequestIds):
+        """(layers, rows per layer, 5): this group's rows of the request."""
+        import torch
+
+        sb = ids.checked("src", self.src0.num_blocks, f"layer {self.src0.name} (source)")
+        db = ids.checked("dst", self.dst0.num_blocks, f"layer {self.dst0.name} (destination)")
+        if self.dense:
+            starts, lengths = ids.runs(sb, db)
+            sb, db = sb[starts], db[starts]
+        else:
+            lengths = torch.ones(len(sb), dtype=torch.int64)
+        src_at = sb[None, :, None] * self.src_stride + self.src_runs
+        dst_at = db[None, :, None] * self.dst_stride + self.dst_runs
+        rows = torch.empty(src_at.shape + (5,), dtype=torch.int64)  # (L, runs, k, 5)
+        rows[..., 0] = self.src_index
+        rows[..., 1] = src_at
+        rows[..., 2] = self.dst_index
+        rows[..., 3] = dst_at
+        rows[..., 4] = (lengths * self.size)[None, :, None]
+        return rows.reshape(self.count, -1, 5)
 
 
 def block_id_tensor(ids: Sequence[int], num_blocks: int, what: str):
@@ -244,6 +309,8 @@ def block_id_tensor(ids: Sequence[int], num_blocks: int, what: str):
     import torch
 
     t = torch.as_tensor(ids, dtype=torch.int64).reshape(-1)
+    if len(t) == 0 or (int(t.min()) >= 0 and int(t.max()) < num_blocks):
+        return t
     bad = t[(t < 0) | (t >= num_blocks)]
     if len(bad):
         raise LayoutError(f"{what}: block ids {bad[:4].tolist()} out of range (0..{num_blocks - 1})")

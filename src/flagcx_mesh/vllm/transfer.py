@@ -45,7 +45,7 @@ from ..agent import Agent
 from ..errors import InvalidArgument, MeshError
 from . import protocol
 from .groups import Groups, as_groups, flat, split
-from .layout import WHOLE, LayerGeometry, LayoutError, check_part, describe_layers, request_rows
+from .layout import WHOLE, LayerGeometry, LayoutError, RowPlan, block_id_tensor, check_part, describe_layers
 
 log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines show in `vllm serve`
 
@@ -68,6 +68,11 @@ STATS = (  # KVTransfer.stats()
     "fetch_seconds",          # decode: seconds those took (asked to done), summed
     "fetches_failed",         # decode: fetches reported as failed (load errors)
 )
+
+
+def _tensors(held_blocks) -> bool:
+    """Whether held block ids are one tensor per group (made at hold time) rather than lists."""
+    return isinstance(held_blocks, list) and bool(held_blocks) and hasattr(held_blocks[0], "dtype")
 
 
 class _Throttled:
@@ -126,6 +131,7 @@ class _Push:
 class _Held:
     blocks: Groups  # per KV cache group (groups.py)
     deadline: float
+    ids: object = None  # the blocks as an int64 tensor per group, made at hold time (the source half of each push)
     pushes: List[_Push] = field(default_factory=list)
     release_when_idle: str = ""  # why, once the pushes in flight are over
     abandoned_peer: str = ""
@@ -215,6 +221,7 @@ class KVTransfer:
         self._closing: Dict[Tuple[str, str], _Closing] = {}
         self._after_close: Dict[Tuple[str, str], List[Tuple[str, dict, str]]] = {}
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
+        self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each prefill got it on
@@ -367,7 +374,11 @@ class KVTransfer:
         if req in self._gone:  # the decode cancelled before the prefill's worker heard of it
             self._finish(sending=req)
             return
-        self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout)
+        try:
+            ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in as_groups(blocks)]
+        except (LayoutError, ValueError):
+            ids = None  # refused to whoever asks for them (_push_table says why)
+        self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout, ids)
         for peer, f, _ in self._early.pop(req, []):
             self._start_push(req, peer, f)
 
@@ -376,7 +387,9 @@ class KVTransfer:
         layers = {g.name: g for g in (LayerGeometry.from_wire(w) for w in f["layers"])}  # LayoutError: ignored
         for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
             del self._peer_layouts[key]
+            self._plans.pop(key, None)
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
+        self._plans.pop((peer, incarnation), None)
 
     def _prune_layouts(self) -> None:
         """Forgets the layouts of decodes whose connection closed (they send it again)."""
@@ -384,6 +397,7 @@ class KVTransfer:
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
                 del self._peer_layouts[key]
+                self._plans.pop(key, None)
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = f["req"]
@@ -420,7 +434,9 @@ class KVTransfer:
             return self._refuse(peer, f, "no layout was received on this connection")
         try:
             part = check_part(f.get("part", WHOLE))
-            table = self._push_table(held.blocks, [int(b) for b in f["dst"]], layout, part, f.get("groups"))
+            plans = self._row_plans((peer, incarnation), layout, part, len(held.blocks))
+            table = self._push_table(held.blocks if held.ids is None else held.ids, [int(b) for b in f["dst"]],
+                                     layout, part, f.get("groups"), plans)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
         held.parts = max(held.parts, f.get("readers") or part[1])
@@ -448,30 +464,46 @@ class KVTransfer:
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
 
-    def _push_table(self, held_blocks, dst: List[int], layout, part=WHOLE, counts=None):
+    def _push_table(self, held_blocks, dst: List[int], layout, part=WHOLE, counts=None, plans=None):
         """The op table (layout.request_rows) of every layer's blocks of a request (``part``: a
         slice of each block's heads into a slice of the peer's, layout.write_ops), each layer
         with its KV cache group's blocks: ``dst`` cut into groups of ``counts`` blocks (None: one
-        group), each the tail of that group's held blocks."""
-        held = as_groups(held_blocks)
+        group), each the tail of that group's held blocks (``held_blocks``: block ids as groups
+        (groups.py), or one int64 tensor per group, made at hold time). ``plans``: the layout's
+        RowPlan per group for ``part`` (_row_plans), made here when not given."""
+        held = list(held_blocks) if _tensors(held_blocks) else as_groups(held_blocks)
         try:
             dst_groups = split(dst, [len(dst)] if counts is None else counts)
         except ValueError as e:
             raise LayoutError(str(e)) from None
-        pairs = self._layer_pairs(layout, len(held))
+        if plans is None:
+            plans = self._make_plans(layout, part, len(held))
         if len(dst_groups) != len(held):
             raise LayoutError(f"blocks of {len(dst_groups)} KV cache groups asked for, {len(held)} held")
         tables = []
         for i, (src, d) in enumerate(zip(held, dst_groups)):
             if len(d) > len(src):
                 raise LayoutError(f"{len(d)} blocks asked for, {len(src)} held" + (f" (group {i})" if i else ""))
-            if d and pairs[i]:
-                tables.append(request_rows(pairs[i], src[len(src) - len(d):], d, part))
+            if d and plans[i] is not None:
+                tables.append(plans[i].rows(src[len(src) - len(d):], d))
         if len(tables) == 1:
             return tables[0]
         import torch
 
         return torch.cat(tables) if tables else torch.empty((0, 5), dtype=torch.int64)
+
+    def _row_plans(self, key: Tuple[str, str], layout, part, groups: int) -> list:
+        """The RowPlans (one per KV cache group; None for a group without layers) of this worker's
+        layers onto a decode's layout for ``part``: made at the first push to that layout, kept
+        while the layout is (LayoutError when they do not fit)."""
+        plans = self._plans.setdefault(key, {})
+        made = plans.get((part, groups))
+        if made is None:
+            made = plans[(part, groups)] = self._make_plans(layout, part, groups)
+        return made
+
+    def _make_plans(self, layout, part, groups: int) -> list:
+        return [RowPlan(pairs, part) if pairs else None for pairs in self._layer_pairs(layout, groups)]
 
     def _layer_pairs(self, layout, groups: int) -> List[list]:
         """Per KV cache group, (layer here, its region, the peer's layer, its region) of each of
