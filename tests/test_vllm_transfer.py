@@ -409,11 +409,13 @@ def test_a_decode_layout_s_row_plan_is_made_once_and_serves_every_push(pair):
     dec.fetch("t1", pre.metadata, "r1", [3, 4, 9], [0, 1, 2])
     assert wait_for(dec, "recving", "t1") == {}
     (plans,) = pre._plans.values()
-    (plan,) = plans.values()
+    (made,) = plans.values()  # one RowPlan per KV cache group: one group here
+    assert len(made) == 1 and made[0] is not None
     pre.hold("r2", [12, 5])
     dec.fetch("t2", pre.metadata, "r2", [12, 5], [7, 8])
     assert wait_for(dec, "recving", "t2") == {}
-    assert list(pre._plans.values()) == [{(0, 1, 0, 1): plan}]  # the same plan object
+    (again,) = pre._plans.values()
+    assert list(again) == [((0, 1, 0, 1), 1)] and again[((0, 1, 0, 1), 1)][0] is made[0]  # the same plan object
     for li, t in enumerate(dkv.values()):
         for dst, src in ((0, 3), (1, 4), (2, 9), (7, 12), (8, 5)):
             assert block_matches(t, dst, 0, f"{li}/{src}"), (li, dst)
