@@ -327,18 +327,22 @@ def _measure_transport(mesh, t: str, args) -> Dict[str, object]:
     return row
 
 
-def _ucx_streams_reference(mesh, out: Dict[str, object], args) -> None:
-    """Raw TCP on as many sockets as UCX used (when it used any), beside the other references."""
-    n = out["ucx"]["tcp_streams"] if "ucx" in out else 0
-    if n < 1:
-        return
+def _streams_gbs(mesh, n: int, sizes) -> Dict[str, float]:
+    """Raw TCP over n socket pairs made for it (every rank calls it alike), GB/s per size."""
     socks = _socket_pairs(mesh, n)
     try:
-        out["ucx_streams"] = n
-        out["ucx_streams_gbs"] = {str(s): streams_bandwidth(mesh, socks, s) for s in args.sizes}
+        return {str(s): streams_bandwidth(mesh, socks, s) for s in sizes}
     finally:
         for sk in socks:
             sk.close()
+
+
+def _ucx_streams_reference(mesh, out: Dict[str, object], args) -> None:
+    """Raw TCP on as many sockets as UCX used (when it used any), beside the other references."""
+    n = out["ucx"]["tcp_streams"] if "ucx" in out else 0
+    if n >= 1:
+        out["ucx_streams"] = n
+        out["ucx_streams_gbs"] = _streams_gbs(mesh, n, args.sizes)
 
 
 def rank_entry(argv: List[str]) -> int:
@@ -352,14 +356,8 @@ def rank_entry(argv: List[str]) -> int:
             out["socket_gbs"] = {str(s): socket_bandwidth(mesh, sock, s) for s in args.sizes}
             out["socket_latency_us"] = socket_latency(mesh, sock, args.latency_iters // 4)
         out["tcp_lanes"] = mesh.tcp_lanes
-        streams = args.streams or mesh.tcp_lanes
-        socks = _socket_pairs(mesh, streams)
-        try:
-            out["streams"] = streams
-            out["streams_gbs"] = {str(s): streams_bandwidth(mesh, socks, s) for s in args.sizes}
-        finally:
-            for sk in socks:
-                sk.close()
+        out["streams"] = args.streams or mesh.tcp_lanes
+        out["streams_gbs"] = _streams_gbs(mesh, out["streams"], args.sizes)
         _ucx_streams_reference(mesh, out, args)
         if mesh.rank == 0:
             out["memcpy_gbs"] = {str(s): memcpy_bandwidth(s) for s in args.sizes}
