@@ -76,9 +76,13 @@ def test_a_failed_handle_says_its_own_ops_and_bytes_and_names_the_agent(tmp_path
             assert "its 2 op(s) (1048576 bytes) did not complete" in text, text
             assert "agent frozen" in text, text
             assert_agent_words(text)
-            # the engine's log line of the loss is said of the agents too
-            log = capfd.readouterr().err
-            lost = [line for line in log.splitlines() if " lost" in line and "WARN" in line]
+            # the engine's log line of the loss is said of the agents too (written by the thread
+            # that saw the loss: the failed wait may come back first, so it is looked for a while)
+            log, lost, until = "", [], time.monotonic() + 10
+            while not lost and time.monotonic() < until:
+                log += capfd.readouterr().err
+                lost = [line for line in log.splitlines() if " lost" in line and "WARN" in line]
+                time.sleep(0.05)
             assert lost, log
             for line in lost:
                 assert "[rank" not in line and "peer 0" not in line, line
