@@ -255,31 +255,3 @@ def test_pd_at_another_block_size_outputs_equal_a_plain_instance(pd):
         got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
     assert got == want, pd.connector_lines()
     assert metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total") - fetched >= len(ps)
-
-
-def external_tokens(url) -> float:
-    return metric(get(url + "/metrics"), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
-
-
-def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd):
-    """Another tensor-parallel size under vllm serve: the tiny model's 2 KV heads, both on the
-    prefill's one rank, one on each of the decode's two; outputs equal the prefill's own answers
-    and the decode counts the prompt tokens as fetched."""
-    if pd.prefill.block_size != 64:
-        pd.prefill.stop()
-        pd.prefill = pd.start("prefill-64", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
-    pd.decode.stop()
-    pd.decode = pd.start("decode-tp2", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20),
-                         block_size=64, tp=2)
-    for s in (pd.prefill, pd.decode):
-        s.wait_up()
-    pd.proxy.stop()
-    pd.proxy = pd.start_proxy("proxy-tp2")
-    ps = prompts()
-    want = plain_outputs(pd, ps)
-    before = external_tokens(pd.decode.url)
-    with ThreadPoolExecutor(len(ps)) as pool:
-        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
-    assert got == want, pd.connector_lines()
-    assert external_tokens(pd.decode.url) - before >= sum(PROMPT_LENGTHS) - len(ps), pd.connector_lines()
-    assert "2 lines" in pd.decode.matching_lines("registered 2 layers"), pd.connector_lines()  # one agent a rank
