@@ -14,6 +14,7 @@ from __future__ import annotations
 import os
 import socket
 import subprocess
+from collections import Counter
 
 import numpy as np
 import pytest
@@ -44,13 +45,27 @@ def pattern(n, seed):
 
 
 def lane_socket(mesh, peer, lane, ctx=0):
-    """A socket object on (a duplicate of) this rank's send connection of that lane."""
-    port = mesh.tcp_lane_ports(peer, ctx)[lane]
+    """A socket object on (a duplicate of) this rank's send connection of that lane. Both ranks
+    are threads of this process, and a socket of the other rank may have the same local port
+    number (connected to another remote port): the lanes all go to the peer's one listening
+    port, the remote port most of the candidates share, which tells them apart."""
+    ports = mesh.tcp_lane_ports(peer, ctx)
+    cands = []
     for s in stream_sockets():
-        if s.getsockname()[1] == port:
-            return s
-        s.close()
-    raise AssertionError(f"no socket with local port {port} (lane {lane})")
+        if s.getsockname()[1] in ports:
+            cands.append(s)
+        else:
+            s.close()
+    remote = Counter(s.getpeername()[1] for s in cands).most_common(1)[0][0] if cands else None
+    chosen = None
+    for s in cands:
+        if chosen is None and s.getsockname()[1] == ports[lane] and s.getpeername()[1] == remote:
+            chosen = s
+        else:
+            s.close()
+    if chosen is None:
+        raise AssertionError(f"no socket with local port {ports[lane]} to port {remote} (lane {lane})")
+    return chosen
 
 
 def test_the_mesh_reports_the_lanes_the_variable_sets(lanes4):
