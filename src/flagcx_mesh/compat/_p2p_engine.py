@@ -414,7 +414,8 @@ class P2pConn:
         if local is None or remote is None:
             return None
         rows = np.stack([local[1], local[2], remote[1], remote[2], nbytes.astype(np.int64)], axis=1)
-        return [s.descriptor if s.region is None else s.region for s in local[0]], [s.descriptor for s in remote[0]], rows
+        local_regions = [s.descriptor if s.region is None else s.region for s in local[0]]
+        return local_regions, [s.descriptor for s in remote[0]], rows
 
     def _ops(self, what: str, src_vas, dst_vas, sizes) -> Tuple[list, int]:
         """The agent ops of a batch and its number of non-empty entries; every entry checked."""

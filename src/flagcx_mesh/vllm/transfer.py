@@ -70,11 +70,6 @@ STATS = (  # KVTransfer.stats()
 )
 
 
-def _tensors(held_blocks) -> bool:
-    """Whether held block ids are one tensor per group (made at hold time) rather than lists."""
-    return isinstance(held_blocks, list) and bool(held_blocks) and hasattr(held_blocks[0], "dtype")
-
-
 class _Throttled:
     """A warning at most once per ``every`` seconds; the lines it held back are counted in
     the next one."""
@@ -375,8 +370,8 @@ class KVTransfer:
             self._finish(sending=req)
             return
         try:
-            ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in as_groups(blocks)]
-        except (LayoutError, ValueError):
+            ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in blocks]  # hold() made the groups
+        except LayoutError:
             ids = None  # refused to whoever asks for them (_push_table says why)
         self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout, ids)
         for peer, f, _ in self._early.pop(req, []):
@@ -468,10 +463,11 @@ class KVTransfer:
         """The op table (layout.request_rows) of every layer's blocks of a request (``part``: a
         slice of each block's heads into a slice of the peer's, layout.write_ops), each layer
         with its KV cache group's blocks: ``dst`` cut into groups of ``counts`` blocks (None: one
-        group), each the tail of that group's held blocks (``held_blocks``: block ids as groups
-        (groups.py), or one int64 tensor per group, made at hold time). ``plans``: the layout's
-        RowPlan per group for ``part`` (_row_plans), made here when not given."""
-        held = list(held_blocks) if _tensors(held_blocks) else as_groups(held_blocks)
+        group), each the tail of that group's held blocks (``held_blocks``: one list of block ids
+        per group (groups.py; hold() makes them), or one int64 tensor per group, made at hold
+        time). ``plans``: the layout's RowPlan per group for ``part`` (_row_plans), made here when
+        not given."""
+        held = list(held_blocks)
         try:
             dst_groups = split(dst, [len(dst)] if counts is None else counts)
         except ValueError as e:
