@@ -1,6 +1,7 @@
 """Ranks as threads in one process (the constructor releases the GIL while it blocks)."""
 
 import math
+import os
 import threading
 import time
 
@@ -380,4 +381,42 @@ def test_collective_after_a_timed_out_one_never_returns_stale_data():
         # rank 0 must get its own new contribution back, or an error: never stale data
         assert isinstance(got[0], MeshError) or got[0][0] == b"mine-0", got
     finally:
+        close_all(meshes)
+
+
+def thread_names() -> list:
+    names = []
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    return names
+
+
+def test_the_library_threads_carry_names(monkeypatch):
+    """What `top -H`, `ps -L` and a debugger show: a mesh's progress thread and tcp lane workers,
+    an agent's listener, each named (fxm-...), so that a stalled process's threads can be told
+    apart from the application's."""
+    from flagcx_mesh.agent import Agent
+
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    monkeypatch.setenv("FLAGCX_MESH_TCP_LANES", "2")
+    meshes = build_all(2)
+    agent = Agent("named-threads", "s")
+    try:
+        deadline = time.monotonic() + 10  # each thread names itself as it starts
+        while True:
+            names = thread_names()
+            if names.count("fxm-progress") >= 2 and {"fxm-lane", "fxm-listen"} <= set(names):
+                break
+            if time.monotonic() > deadline:
+                break
+            time.sleep(0.01)
+        assert names.count("fxm-progress") >= 2, names
+        assert "fxm-lane" in names, names
+        assert "fxm-listen" in names, names
+    finally:
+        agent.close()
         close_all(meshes)

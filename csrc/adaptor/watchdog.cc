@@ -1,10 +1,14 @@
 #include "adaptor/watchdog.h"
+#include "base/thread_name.h"
 
 namespace fxm::adaptor {
 
 Watchdog::Watchdog(const flagcx_mesh_bootstrap_ops_t& boot, const Deadline& deadline)
     : boot_(boot), deadline_(deadline) {
-  if (boot_.abort) thread_ = std::thread([this] { run(); });
+  if (boot_.abort) thread_ = std::thread([this] {
+    name_this_thread("fxm-watchdog");
+    run();
+  });
 }
 
 void Watchdog::stop() {

@@ -19,6 +19,7 @@
 #include "base/status.h"
 #include "core/window_setup.h"
 #include "transport/ucx/ucx_path.h"
+#include "base/thread_name.h"
 
 namespace fxm::agent {
 namespace {
@@ -72,7 +73,10 @@ Agent::Agent(const AgentOptions& o)
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the listener");
   inbox_ = std::make_unique<NotificationInbox>(this);
   closer_ = std::make_unique<Closer>();
-  listener_ = std::thread([this] { listen_loop(); });
+  listener_ = std::thread([this] {
+    name_this_thread("fxm-listen");
+    listen_loop();
+  });
   FXM_INFO(-1, who() + "incarnation " + incarnation_hex(incarnation_) + " listens on " + listen_addr_.str());
 }
 

@@ -3,6 +3,7 @@
 #include <system_error>
 
 #include "agent/connection.h"
+#include "base/thread_name.h"
 
 namespace fxm::agent {
 
@@ -46,7 +47,10 @@ void Closer::close(std::shared_ptr<Connection> c, std::string why) {
       if (running_) return;
       if (thread_.joinable()) thread_.join();  // the last one ended: it takes the lock no more
       try {
-        thread_ = std::thread([this] { run(); });
+        thread_ = std::thread([this] {
+          name_this_thread("fxm-closer");
+          run();
+        });
         running_ = true;
         return;
       } catch (const std::system_error&) {  // no thread to be had: closed here, as below

@@ -10,6 +10,7 @@
 #include "base/log.h"
 #include "core/window.h"
 #include "transport/cuda/device_memory.h"
+#include "base/thread_name.h"
 
 namespace fxm::agent {
 namespace {
@@ -238,7 +239,10 @@ NotificationWait NotificationInbox::stream_wait(const std::vector<uint8_t>& byte
 }
 
 void NotificationInbox::start_watcher() {  // with the lock held
-  if (!watcher_.joinable()) watcher_ = std::thread([this] { watch(); });
+  if (!watcher_.joinable()) watcher_ = std::thread([this] {
+    name_this_thread("fxm-streamwait");
+    watch();
+  });
   sync_->cv.notify_all();
   agent_->bell_->ring();  // a watcher asleep on the doorbell looks at the new wait's deadline
 }

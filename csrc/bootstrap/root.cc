@@ -10,6 +10,7 @@
 
 #include "base/log.h"
 #include "bootstrap/root_state.h"
+#include "base/thread_name.h"
 
 namespace fxm::bootstrap {
 namespace root_impl {
@@ -360,7 +361,10 @@ void Root::check_deadlines() {
 
 void start_root(tcp::Fd listener, const UniqueId& id) {
   auto root = std::make_shared<root_impl::Root>(std::move(listener), id);
-  std::thread([root] { root->run(); }).detach();
+  std::thread([root] {
+    name_this_thread("fxm-root");
+    root->run();
+  }).detach();
 }
 
 }  // namespace fxm::bootstrap

@@ -15,6 +15,7 @@
 #include "core/progress_items.h"
 #include "transport/signal_ops.h"
 #include "base/status.h"
+#include "base/thread_name.h"
 
 namespace fxm {
 
@@ -68,7 +69,10 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
   if (wake_fd_ < 0) fail(Code::kSystem, -1, errno, who() + "eventfd for the progress thread");
   try {
     start_lane_workers();
-    thread_ = std::thread([this] { run(); });
+    thread_ = std::thread([this] {
+      name_this_thread("fxm-progress");
+      run();
+    });
   } catch (...) {
     stopping_ = true;
     join_lane_workers();

@@ -37,6 +37,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "core/progress_items.h"
+#include "base/thread_name.h"
 
 namespace fxm {
 
@@ -98,7 +99,10 @@ void Engine::start_lane_workers() {
   try {
     for (auto& w : lane_workers_) {
       LaneWorker* worker = w.get();
-      w->thread = std::thread([this, worker] { run_lane(*worker); });
+      w->thread = std::thread([this, worker] {
+        name_this_thread("fxm-lane");
+        run_lane(*worker);
+      });
     }
   } catch (...) {  // a thread that could not be started: stop those that were
     stopping_ = true;

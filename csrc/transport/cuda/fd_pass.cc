@@ -14,6 +14,7 @@
 
 #include "base/clock.h"
 #include "base/status.h"
+#include "base/thread_name.h"
 
 namespace fxm::cuda {
 namespace {
@@ -224,7 +225,10 @@ FdServer::FdServer(FdLookup lookup) : lookup_(std::move(lookup)) {
     ::close(listen_fd_);
     fail(Code::kSystem, -1, err, "eventfd for the server of cuMem fds");
   }
-  thread_ = std::thread([this] { serve(); });
+  thread_ = std::thread([this] {
+    name_this_thread("fxm-fdserver");
+    serve();
+  });
 }
 
 FdServer::~FdServer() {

@@ -12,6 +12,7 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "base/status.h"
+#include "base/thread_name.h"
 
 namespace fxm::ucx {
 namespace {
@@ -114,7 +115,10 @@ Runtime* Runtime::get(std::string* why) {
       return r;
     }
     FXM_INFO(-1, "ucx: " + r->describe());
-    std::thread([r] { r->run(); }).detach();
+    std::thread([r] {
+      name_this_thread("fxm-ucx");
+      r->run();
+    }).detach();
     std::atexit([] { Runtime::get(nullptr)->stop(); });
     return r;
   }();
