@@ -417,6 +417,8 @@ def test_the_library_threads_carry_names(monkeypatch):
         assert names.count("fxm-progress") >= 2, names
         assert "fxm-lane" in names, names
         assert "fxm-listen" in names, names
+        with open(f"/proc/self/task/{threading.get_native_id()}/comm") as f:
+            assert not f.read().startswith("fxm-")  # named inside each new thread, not the caller
     finally:
         agent.close()
         close_all(meshes)
