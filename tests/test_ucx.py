@@ -85,7 +85,7 @@ class Target:
         return self.p.returncode, f"{out}\n{err}"
 
 
-@pytest.mark.parametrize("tls, error_mode", [("tcp", "peer"), ("sm", "peer"), ("tcp", "none")])
+@pytest.mark.parametrize("tls, error_mode", [("tcp", "peer"), ("sm", "peer"), ("tcp", "auto")])
 @pytest.mark.parametrize("scenario", ["integrity", "order"])
 def test_agents_over_ucx(ucx_info, tls, error_mode, scenario):
     env = ucx_env(tls)
@@ -100,10 +100,11 @@ def test_agents_over_ucx(ucx_info, tls, error_mode, scenario):
 
 
 @pytest.mark.parametrize("tls", TLS)
-@pytest.mark.parametrize("error_mode", ["peer", "none"])
+@pytest.mark.parametrize("error_mode", ["peer", "auto"])
 def test_target_killed_mid_batch_fails_the_batch_with_peer_lost(ucx_info, tls, error_mode):
-    """With UCX's peer error handling (the default) and without it (FLAGCX_MESH_UCX_ERROR_MODE=none:
-    the connection's loss alone tells)."""
+    """With UCX's peer error handling and without it (auto, the default, is none here, as
+    FLAGCX_MESH_UCX_ERROR_MODE=none would be: no network transport but tcp; the connection's
+    loss alone tells, and the endpoint is closed without force)."""
     env = ucx_env(tls)
     env["FLAGCX_MESH_UCX_ERROR_MODE"] = error_mode
     t = Target(env)
@@ -190,7 +191,44 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
 """
     p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert "REFUSED InvalidArgument" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
-    assert "FLAGCX_MESH_UCX_ERROR_MODE=sometimes is not one of peer, none" in p.stdout, p.stdout
+    assert "FLAGCX_MESH_UCX_ERROR_MODE=sometimes is not one of auto, peer, none" in p.stdout, p.stdout
+
+
+@pytest.mark.parametrize("mode, want", [(None, "the connection's loss"), ("auto", "the connection's loss"),
+                                        ("none", "the connection's loss"), ("peer", "UCX's peer error handling")])
+def test_the_error_mode_follows_the_transport_unless_set(ucx_info, mode, want):
+    """auto (the default) takes UCX's peer error handling only where the pair shares a network
+    transport other than tcp (there UCX keeps its zero-copy puts with it); over UCX's tcp it would
+    make UCX emulate puts at about half the rate, so a dead peer is left to the connection's loss.
+    The path's choice, logged at info, says which."""
+    env = ucx_env("tcp")
+    env.pop("FLAGCX_MESH_UCX_ERROR_MODE", None)
+    env["FLAGCX_MESH_LOG"] = "info"
+    if mode is not None:
+        env["FLAGCX_MESH_UCX_ERROR_MODE"] = mode
+    code = """
+import numpy as np
+from flagcx_mesh.agent import Agent
+with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
+    r = b.register(np.zeros(4096, np.uint8))
+    c = a.connect(b.metadata(), timeout=10)
+    print("PATH", c.path_to(r))
+"""
+    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert "PATH ucx" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
+    chosen = [line for line in p.stderr.splitlines() if "over ucx" in line]
+    assert chosen and f"a dead peer: {want})" in chosen[0], p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("mode, fabric, want", [
+    (None, True, True), (None, False, False), ("auto", True, True), ("auto", False, False),
+    ("peer", True, True), ("peer", False, True), ("none", True, False), ("none", False, False)])
+def test_peer_error_handling_is_taken_over_a_fabric_unless_set(monkeypatch, mode, fabric, want):
+    if mode is None:
+        monkeypatch.delenv("FLAGCX_MESH_UCX_ERROR_MODE", raising=False)
+    else:
+        monkeypatch.setenv("FLAGCX_MESH_UCX_ERROR_MODE", mode)
+    assert _core._ucx_peer_error_handling(fabric) is want
 
 
 @pytest.mark.parametrize("mine, theirs, want", [

@@ -367,6 +367,9 @@ PYBIND11_MODULE(_core, m) {
       }, "Opens UCX (once per process) and says what was loaded: library, version, transports, or why not.");
   m.def("_ucx_common_network_transport", &fxm::common_network_transport, py::arg("mine"), py::arg("theirs"),
         "The network transport automatic selection would take ucx for (\"\" when none; test helper).");
+  m.def("_ucx_peer_error_handling", &fxm::ucx::peer_error_handling, py::arg("fabric"),
+        "Whether an endpoint gets UCX's peer error handling under FLAGCX_MESH_UCX_ERROR_MODE, for a pair that "
+        "shares a network transport other than tcp (fabric) or not (test helper).");
   m.def("_ucx_device_memory_transports", &fxm::device_memory_transports, py::arg("transports"),
         "The transports among these that move CUDA memory, \",\"-joined (\"\" when none: device memory is not "
         "registered with UCX; test helper).");

@@ -2,6 +2,7 @@
 
 #include <poll.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -24,22 +25,9 @@ constexpr int64_t kSpinAfterOpNs = 200'000'000;
 // receiving a stream of puts over UCX's tcp: the next bytes come before a sleep would end).
 constexpr int64_t kSpinAfterProgressNs = 1'000'000;
 
-// How long closing an endpoint may wait for UCX (force close: no answer from the peer is awaited).
-constexpr double kCloseSeconds = 2.0;
-
-// Waits for a request of UCX's under the runtime's lock, progressing the worker; "" or UCX's text.
-std::string wait_request(Runtime* rt, void* request, double seconds) {
-  if (request == nullptr) return "";
-  if (is_error(request)) return status_text(status_of(request));
-  Deadline deadline = Deadline::after_seconds(seconds);
-  Status s = kInProgress;
-  while ((s = rt->api().ucp_request_check_status(request)) == kInProgress && !deadline.expired()) {
-    rt->progress_locked();
-  }
-  if (s == kInProgress) return "no answer within " + std::to_string(seconds) + " s";  // left to UCX
-  rt->api().ucp_request_free(request);
-  return s == kOk ? "" : status_text(s);
-}
+// How long a close may take before its request is let go (UCX frees it once it completes): a
+// forced close awaits no answer from the peer; an unforced one flushes, which a dead peer never answers.
+constexpr double kCloseSeconds = 10.0;
 
 // The resources ucp_context_print_info() lists ("#      resource 1  :  md 1  dev 1  flags -- tcp/eth0").
 std::vector<std::string> parse_resources(const std::string& info) {
@@ -68,9 +56,13 @@ Endpoint::~Endpoint() {
   std::lock_guard<std::mutex> lock(rt_->mu());
   RequestParams p;
   p.op_attr_mask = kOpFlags;
-  p.flags = kCloseForce;
-  std::string error = wait_request(rt_, rt_->api().ucp_ep_close_nbx(ep_, &p), kCloseSeconds);
-  if (!error.empty()) FXM_INFO(-1, "ucx: closing the endpoint to " + peer_ + ": " + error);
+  p.flags = peer_errors_ ? kCloseForce : 0;  // UCX: a forced close needs peer error handling on both sides
+  void* request = rt_->api().ucp_ep_close_nbx(ep_, &p);
+  if (is_error(request)) {
+    FXM_INFO(-1, "ucx: closing the endpoint to " + peer_ + ": " + status_text(status_of(request)));
+  } else if (request != nullptr) {
+    rt_->finish_close(request, peer_, kCloseSeconds);  // never waited for here: the caller may hold an engine
+  }
 }
 
 std::string Endpoint::failure() const {
@@ -175,7 +167,30 @@ int64_t Runtime::now_ns() {
 bool Runtime::progress_locked() {
   bool any = false;
   while (api_->ucp_worker_progress(worker_) != 0) any = true;
+  if (!closing_.empty()) reap_closes_locked();
   return any;
+}
+
+void Runtime::finish_close(void* request, std::string peer, double seconds) {
+  closing_.push_back({request, std::move(peer), Deadline::after_seconds(seconds)});
+  last_op_ns_.store(now_ns(), std::memory_order_relaxed);  // the progress thread looks at it soon
+}
+
+void Runtime::reap_closes_locked() {
+  for (Closing& c : closing_) {
+    Status s = api_->ucp_request_check_status(c.request);
+    if (s == kInProgress && !c.deadline.expired()) continue;
+    if (s == kInProgress) {
+      FXM_INFO(-1, "ucx: closing the endpoint to " + c.peer + ": no answer within " +
+                       std::to_string(kCloseSeconds) + " s (left to UCX)");
+    } else if (s != kOk) {
+      FXM_INFO(-1, "ucx: closing the endpoint to " + c.peer + ": " + status_text(s));
+    }
+    api_->ucp_request_free(c.request);  // one still in progress is freed by UCX when it completes
+    c.request = nullptr;
+  }
+  closing_.erase(std::remove_if(closing_.begin(), closing_.end(), [](const Closing& c) { return !c.request; }),
+                 closing_.end());
 }
 
 // Progresses the worker: without sleeping while ops are in flight, else sleeping on
@@ -210,21 +225,20 @@ void Runtime::stop() {
   while (running_.load()) std::this_thread::sleep_for(std::chrono::milliseconds(1));
 }
 
-namespace {
-
-// FLAGCX_MESH_UCX_ERROR_MODE: peer (default: UCX fails a dead peer's endpoint and its requests) or
-// none (over UCX's tcp, peer error handling makes UCX emulate puts with active messages, about half
-// the rate: docs/rdma.md; a dead peer is then seen by the connection's loss alone). Else refused.
-bool peer_error_handling() {
+// FLAGCX_MESH_UCX_ERROR_MODE: auto (default), peer or none; else refused. peer: UCX fails a dead
+// peer's endpoint and its requests. none: a dead peer is seen by the connection's loss alone (its
+// ops still fail with PeerLost). auto: peer where the pair shares a network transport other than
+// tcp (rc, dc, ud: UCX keeps its zero-copy puts there), none otherwise: over UCX's tcp, peer error
+// handling makes UCX emulate puts with active messages, about half the rate (docs/rdma.md).
+bool peer_error_handling(bool fabric) {
   std::string mode = ucx_error_mode_env();
-  if (mode.empty() || mode == "peer") return true;
+  if (mode.empty() || mode == "auto") return fabric;
+  if (mode == "peer") return true;
   if (mode == "none") return false;
-  fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_UCX_ERROR_MODE=" + mode + " is not one of peer, none");
+  fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_UCX_ERROR_MODE=" + mode + " is not one of auto, peer, none");
 }
 
-}  // namespace
-
-std::shared_ptr<Endpoint> Runtime::endpoint(const std::string& address, const std::string& peer) {
+std::shared_ptr<Endpoint> Runtime::endpoint(const std::string& address, const std::string& peer, bool fabric) {
   std::vector<std::shared_ptr<Endpoint>> seen;  // released after the lock (the last reference closes one)
   std::lock_guard<std::mutex> lock(mu_);
   for (auto it = endpoints_.begin(); it != endpoints_.end();) {
@@ -240,17 +254,18 @@ std::shared_ptr<Endpoint> Runtime::endpoint(const std::string& address, const st
   // The handler's argument exists before the endpoint: the Endpoint first, its handle set after.
   auto e = std::make_shared<Endpoint>(this, peer);
   Ep ep = nullptr;
-  bool peer_errors = peer_error_handling();
+  bool peer_errors = peer_error_handling(fabric);
   Status s = create_ep(address, e.get(), peer_errors, &ep);
   if (s != kOk && peer_errors) {  // no transport to the peer detects its failure (shared memory): the connection's loss does
     FXM_INFO(-1, "ucx: no transport to " + peer + " detects a peer's failure (" + status_text(s) +
                      "); its endpoint is made without (the connection's loss still fails its ops)");
+    peer_errors = false;
     s = create_ep(address, e.get(), false, &ep);
   }
   if (s != kOk) {
     fail(Code::kPeerLost, -1, 0, "ucx: connecting to " + peer + "'s worker: ucp_ep_create: " + status_text(s));
   }
-  e->set_ep(ep);
+  e->set_ep(ep, peer_errors);
   endpoints_.push_back({address, e});
   return e;
 }

@@ -18,6 +18,7 @@
 #include <string>
 #include <vector>
 
+#include "base/clock.h"
 #include "transport/ucx/ucp_api.h"
 
 namespace fxm::ucx {
@@ -36,11 +37,17 @@ struct FlushGroup {
 class Endpoint {
  public:
   Endpoint(Runtime* rt, std::string peer) : rt_(rt), peer_(std::move(peer)) {}
-  ~Endpoint();  // closes the endpoint (force: the peer may be gone)
+  ~Endpoint();  // closes the endpoint (force where UCX handles peer errors: the peer may be gone)
   Endpoint(const Endpoint&) = delete;
   Endpoint& operator=(const Endpoint&) = delete;
   Ep ep() const { return ep_; }
-  void set_ep(Ep ep) { ep_ = ep; }  // once, after ucp_ep_create (the handler's argument exists first)
+  // Once, after ucp_ep_create (the handler's argument exists first); peer_errors: its error mode.
+  void set_ep(Ep ep, bool peer_errors) {
+    ep_ = ep;
+    peer_errors_ = peer_errors;
+  }
+  // UCX's peer error handling on this endpoint (else a dead peer is seen by the connection's loss).
+  bool peer_errors() const { return peer_errors_; }
   const std::string& peer() const { return peer_; }
   // "" while healthy, else UCX's text of the failure (set by the error handler).
   std::string failure() const;
@@ -51,6 +58,7 @@ class Endpoint {
  private:
   Runtime* rt_;
   Ep ep_ = nullptr;
+  bool peer_errors_ = false;
   std::string peer_;
   std::atomic<Status> failed_{kOk};
   std::shared_ptr<FlushGroup> open_;
@@ -84,13 +92,20 @@ class Runtime {
   const std::vector<std::string>& transports() const { return transports_; }
   // "UCX 1.22.0 (libucp.so.0 (the system)): self/memory, tcp/lo, ..."
   const std::string& describe() const { return describe_; }
-  // The endpoint to a peer worker (shared while one lives and has not failed); throws Error naming `peer`.
-  std::shared_ptr<Endpoint> endpoint(const std::string& address, const std::string& peer);
+  // The endpoint to the worker at `address`: shared while one lives and has not failed (a failed
+  // one is replaced), made on first use, with the error mode its first caller's pair asks for.
+  // fabric: the pair shares a network transport other than tcp (FLAGCX_MESH_UCX_ERROR_MODE=auto
+  // takes UCX's peer error handling then, not otherwise: peer_error_handling()). Throws Error
+  // naming `peer`.
+  std::shared_ptr<Endpoint> endpoint(const std::string& address, const std::string& peer, bool fabric);
   // Registers [base, base + size), CUDA memory when `cuda` (UCX is told its memory type, not left
   // to detect it); nullptr with *why (UCX's text) when it cannot.
   std::unique_ptr<Registration> map(void* base, uint64_t size, bool cuda, std::string* why);
   // Under mu(): progresses the worker until it has nothing to do; true when it did something.
   bool progress_locked();
+  // Under mu(): a close UCX has not finished (a dead peer's flush) is released by the progress
+  // thread once it completes or after `seconds`, so that no caller waits for it.
+  void finish_close(void* request, std::string peer, double seconds);
   // Held by each op in flight (its completion probe): the progress thread does not sleep meanwhile.
   class Busy {
    public:
@@ -124,11 +139,23 @@ class Runtime {
   std::string describe_;
   std::mutex mu_;
   std::vector<std::pair<std::string, std::weak_ptr<Endpoint>>> endpoints_;  // by peer address
+  struct Closing {
+    void* request;
+    std::string peer;
+    Deadline deadline;
+  };
+  std::vector<Closing> closing_;  // under mu_: closes in progress (finish_close)
+  void reap_closes_locked();
   static int64_t now_ns();
   std::atomic<int64_t> busy_{0};
   std::atomic<int64_t> last_op_ns_{0};
   std::atomic<bool> stopping_{false};
   std::atomic<bool> running_{false};
 };
+
+// FLAGCX_MESH_UCX_ERROR_MODE for an endpoint whose pair shares a network transport other than tcp
+// (fabric) or not: whether it gets UCX's peer error handling (auto: only with fabric). Another
+// value is an InvalidArgument naming it.
+bool peer_error_handling(bool fabric);
 
 }  // namespace fxm::ucx

@@ -200,12 +200,14 @@ std::string device_memory_refusal(const PathRequest& req, const WindowDesc& d, c
          "a UCX built with CUDA, and UCX_TLS naming one if set); it offers " + join_transports(rt.transports());
 }
 
-std::string what_moves(const PathRequest& req, const WindowDesc& d, const Runtime& rt, const std::string& net) {
+std::string what_moves(const PathRequest& req, const WindowDesc& d, const Runtime& rt, const std::string& net,
+                       const ucx::Endpoint& ep) {
   std::string s = "ucx: " + rt.describe();
   if (d.kind == WindowKind::kDevice || req.device >= 0) {
     s += "; device memory through " + device_memory_transports(rt.transports());
   }
-  return s + (net.empty() ? "" : "; network transport " + net);
+  s += net.empty() ? "" : "; network transport " + net;
+  return s + (ep.peer_errors() ? "; a dead peer: UCX's peer error handling" : "; a dead peer: the connection's loss");
 }
 
 }  // namespace
@@ -239,14 +241,14 @@ std::unique_ptr<Path> make_ucx_path(const PathRequest& req, const WindowDesc& d,
     return refuse(req, "no network transport other than tcp that both sides' UCX offer (here: " +
                            join_transports(rt->transports()) + ")", why);
   }
-  std::shared_ptr<ucx::Endpoint> ep = rt->endpoint(req.ucx_worker, peer_words(req));
+  std::shared_ptr<ucx::Endpoint> ep = rt->endpoint(req.ucx_worker, peer_words(req), !net.empty());
   ucx::Rkey rkey = nullptr;
   {
     std::lock_guard<std::mutex> lock(rt->mu());
     ucx::Status s = rt->api().ucp_ep_rkey_unpack(ep->ep(), d.ucx_rkey.data(), &rkey);
     if (s != ucx::kOk) return refuse(req, "the description's rkey: ucp_ep_rkey_unpack: " + ucx::status_text(s), why);
   }
-  if (why) *why = what_moves(req, d, *rt, net);
+  if (why) *why = what_moves(req, d, *rt, net, *ep);
   return std::make_unique<UcxPath>(rt, std::move(ep), rkey, d.addr, req.outbox, req.peer);
 }
 
