@@ -6,6 +6,8 @@ skipped (with the reason) where one is missing, unless FXM_REQUIRE_NFT=1 makes t
 failure. The script mode with figures: python tests/netns_faults.py --trials 20."""
 
 
+import json
+
 import pytest
 
 import netns_faults
@@ -24,9 +26,10 @@ def hosts():
 
 def check(results):
     v = netns_faults.verdict(results, DEADLINE)
-    assert v in ("built", "failed-named"), (v, results)
+    shown = json.dumps(results, default=str)  # a str message is shown whole (a dict's repr is cut at 240 characters)
+    assert v in ("built", "failed-named"), (v, shown)
     for r in results:  # a rank that failed inside the build did so by its deadline
-        assert "elapsed_build" in r or r.get("elapsed", 0) <= DEADLINE + 10, r
+        assert "elapsed_build" in r or r.get("elapsed", 0) <= DEADLINE + 10, shown
 
 
 @pytest.mark.parametrize("loss, blackhole", [(30, 0.0), (0, 2.0), (30, 2.0)],
@@ -38,13 +41,14 @@ def test_mesh_builds_or_names_the_peer_through_a_bad_link(hosts, loss, blackhole
 def check_transfer(results):
     """Both ranks checked every byte of every striped put and the get back; or, where the
     link kept the mesh from building, each failed naming a peer (a Mismatch never passes)."""
-    assert not any(r.get("hung") for r in results), results
-    assert not any(r.get("type") == "Mismatch" for r in results), results
+    shown = json.dumps(results, default=str)  # a str message is shown whole (a dict's repr is cut at 240 characters)
+    assert not any(r.get("hung") for r in results), shown
+    assert not any(r.get("type") == "Mismatch" for r in results), shown
     if all(r["ok"] for r in results):
-        assert [r["lanes"] for r in results] == [4, 4], results
+        assert [r["lanes"] for r in results] == [4, 4], shown
         return
     for r in results:
-        assert r["ok"] or (r.get("peer") is not None and r["peer"] >= 0) or "peer " in r.get("message", ""), results
+        assert r["ok"] or (r.get("peer") is not None and r["peer"] >= 0) or "peer " in r.get("message", ""), shown
 
 
 @pytest.mark.parametrize("loss, blackhole", [(10, 0.0), (10, 2.0)], ids=["loss10", "loss10+blackhole2s"])

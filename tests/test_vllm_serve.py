@@ -124,15 +124,30 @@ def plain_outputs(pd, ps):
     return [output_ids(complete(pd.prefill.url, p, MAX_TOKENS)) for p in ps]
 
 
+def replace_decode(pd, name, kv, proxy_name, tp=1):
+    """A new decode at block size 64 in place of the running one, and a new proxy in front of it;
+    returns once the prefill and the decode are up."""
+    pd.decode.stop()
+    pd.decode = pd.start(name, kv, block_size=64, tp=tp)
+    for s in (pd.prefill, pd.decode):
+        s.wait_up()
+    pd.proxy.stop()
+    pd.proxy = pd.start_proxy(proxy_name)
+
+
+def through_proxy(pd, ps):
+    """The prompts' outputs through the proxy, all requests at once."""
+    with ThreadPoolExecutor(len(ps)) as pool:
+        return list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
+
+
 def test_pd_outputs_equal_a_plain_instance_with_concurrent_requests(pd):
     ps = prompts()
     want = plain_outputs(pd, ps)
     other_first = [ps[4][0] % 200 + 30] + ps[4][1:]  # the model sees the whole prompt, not its end
     assert output_ids(complete(pd.prefill.url, other_first, MAX_TOKENS)) != want[4]
     before = get(pd.decode.url + "/metrics")
-    with ThreadPoolExecutor(len(ps)) as pool:
-        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
-    assert got == want, pd.connector_lines()
+    assert through_proxy(pd, ps) == want, pd.connector_lines()
     after = get(pd.decode.url + "/metrics")
     name = "vllm:prompt_tokens_by_source_total"
     external = metric(after, name, source="external_kv_transfer") - metric(before, name, source="external_kv_transfer")
@@ -243,18 +258,11 @@ def test_pd_at_another_block_size_outputs_equal_a_plain_instance(pd):
     if pd.prefill.block_size != 64:
         pd.prefill.stop()
         pd.prefill = pd.start("prefill-64", kv_config("kv_producer", hold_timeout=HOLD_TIMEOUT), block_size=64)
-    pd.decode.stop()
-    pd.decode = pd.start("decode-64", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20), block_size=64)
-    for s in (pd.prefill, pd.decode):
-        s.wait_up()
-    pd.proxy.stop()
-    pd.proxy = pd.start_proxy("proxy-64")
+    replace_decode(pd, "decode-64", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20), "proxy-64")
     ps = prompts()
     want = plain_outputs(pd, ps)
     fetched = metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total")
-    with ThreadPoolExecutor(len(ps)) as pool:
-        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
-    assert got == want, pd.connector_lines()
+    assert through_proxy(pd, ps) == want, pd.connector_lines()
     assert metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total") - fetched >= len(ps)
 
 
@@ -275,18 +283,11 @@ def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd
     time, 0.9 s the next)."""
     pd.prefill.stop()
     pd.prefill = pd.start("prefill-tp1", kv_config("kv_producer", hold_timeout=STALL_PROOF_TIMEOUT), block_size=64)
-    pd.decode.stop()
-    pd.decode = pd.start("decode-tp2", kv_config("kv_consumer", fetch_timeout=STALL_PROOF_TIMEOUT,
-                                                 connect_timeout=STALL_PROOF_TIMEOUT), block_size=64, tp=2)
-    for s in (pd.prefill, pd.decode):
-        s.wait_up()
-    pd.proxy.stop()
-    pd.proxy = pd.start_proxy("proxy-tp2")
+    replace_decode(pd, "decode-tp2", kv_config("kv_consumer", fetch_timeout=STALL_PROOF_TIMEOUT,
+                                               connect_timeout=STALL_PROOF_TIMEOUT), "proxy-tp2", tp=2)
     ps = prompts()
     want = plain_outputs(pd, ps)
     before = external_tokens(pd.decode.url)
-    with ThreadPoolExecutor(len(ps)) as pool:
-        got = list(pool.map(lambda p: output_ids(complete(pd.proxy.url, p, MAX_TOKENS)), ps))
-    assert got == want, pd.connector_lines()
+    assert through_proxy(pd, ps) == want, pd.connector_lines()
     assert external_tokens(pd.decode.url) - before >= sum(PROMPT_LENGTHS) - len(ps), pd.connector_lines()
     assert "2 lines" in pd.decode.matching_lines("registered 2 layers"), pd.connector_lines()  # one agent a rank
