@@ -264,13 +264,14 @@ Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, con
   if (closing_) fail(Code::kClosed, -1, 0, who() + "wait_notification: the agent was closed");
   pending_.push_back(w);
   Clock::time_point since = Clock::now();
+  bool reading = false;
   while (true) {  // bounded by the wait's deadline (poll() releases it then), and by close
     uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
     poll();  // one that arrived and is unread matches at once
     if (w->released) break;
     Deadline until = w->deadline.min(Deadline::after_seconds(kLookAtLeastEveryS));
     lock.unlock();
-    await_news(peer, seen, until, since);
+    await_news(peer, seen, until, since, &reading);
     lock.lock();
   }
   if (w->code != Code::kOk) fail(w->code, -1, 0, w->error);
@@ -297,22 +298,28 @@ std::vector<std::shared_ptr<Connection>> NotificationInbox::connections_of(const
 }
 
 void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const Deadline& until,
-                                   Clock::time_point since) {
+                                   Clock::time_point since, bool* reading) {
   std::vector<std::shared_ptr<Connection>> conns;
-  if (Clock::now() - since < Engine::kHelpSpin) conns = connections_of(peer);
+  if (*reading || Clock::now() - since < Engine::kHelpSpin) conns = connections_of(peer);
   while (!conns.empty() && Clock::now() - since < Engine::kHelpSpin && !until.expired()) {
+    *reading = true;
     bool read = false;
     for (const auto& c : conns) read = c->help_read() || read;
     if (read || agent_->bell_->rings() != seen) return;  // something came: drain it
     std::this_thread::yield();
   }
-  for (const auto& c : conns) c->unpark();  // this thread reads no more: the progress thread does
+  // This thread reads no more: the progress thread does. Also when the spin ended in an earlier
+  // call that returned with a frame read (an ack, say, not the notification awaited): without it
+  // the progress thread stayed parked, and the notification waited for its 1 ms timer.
+  for (const auto& c : conns) c->unpark();
+  *reading = false;
   agent_->bell_->wait(seen, until);
 }
 
 std::vector<Notification> NotificationInbox::take(double timeout_s) {
   Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
   Clock::time_point since = Clock::now();
+  bool reading = false;
   while (true) {
     uint64_t seen = agent_->bell_->rings();  // before the drain: a ring after it wakes the wait below
     {
@@ -326,7 +333,7 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
     }
     if (d.expired() || agent_->closed() || woken_.exchange(false, std::memory_order_acq_rel)) return {};
     sweep();
-    await_news("", seen, d.min(Deadline::after_seconds(kLookAtLeastEveryS)), since);
+    await_news("", seen, d.min(Deadline::after_seconds(kLookAtLeastEveryS)), since, &reading);
   }
 }
 

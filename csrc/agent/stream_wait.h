@@ -108,8 +108,11 @@ class NotificationInbox {
   // Without the inbox's lock: returns once there may be news for a wait that drained at doorbell
   // count `seen`, or at `until`. For the first Engine::kHelpSpin since `since` it reads the
   // connections of `peer` ("": all) itself (no wake-up of the progress thread nor of this one
-  // when the notification comes then), later it sleeps on the doorbell.
-  void await_news(const std::string& peer, uint64_t seen, const Deadline& until, Clock::time_point since);
+  // when the notification comes then), later it sleeps on the doorbell. *reading: this wait read
+  // the connections and has not handed them back to the progress thread yet (which may have
+  // parked, leaving them to it: progress_poll.cc); handed back (Connection::unpark) before any sleep.
+  void await_news(const std::string& peer, uint64_t seen, const Deadline& until, Clock::time_point since,
+                  bool* reading);
   std::vector<std::shared_ptr<Connection>> connections_of(const std::string& peer) const;
   uint64_t* take_slot(uint64_t* value, SlotBlock** block, uint64_t* index);
   void watch();
