@@ -2,7 +2,8 @@
 //
 // The read role. Whoever reads a lane-0 receive connection holds read_mu_: the progress thread
 // for its read phase (with the acks it then sends and the striped puts it applies), or a thread
-// waiting in wait_signal, flush, wait_counter or for an op's pair (help_read), which takes it only
+// waiting in wait_signal, flush, wait_counter, for an op's pair or (an agent's connection) for a
+// notification (help_read), which takes it only
 // when it is free (try_lock) and never while it holds mu_. Everything only the reader touches
 // (the connections' InConn, applied_ and the ack state, held_) is touched under it.
 //
@@ -15,8 +16,9 @@
 // Parking. The progress thread polls the same connections, so the kernel wakes it too for every
 // frame a waiter reads. Once waiters have read since its last pass (helped_ moved), it polls
 // without the lane-0 receive connections for up to 1 ms (parked_); so does a pass that finds the
-// read role taken (park_beside_reader). A waiter that gives up its spin and goes to sleep ends
-// either at once and keeps it from parking again on that pass (unpark). A frame that no waiter is
+// read role taken (park_beside_reader). A waiter that read and then sleeps or pauses (also one
+// whose spin ended in an earlier call that had read a frame) ends either at once and keeps it
+// from parking again on that pass (unpark). A frame that no waiter is
 // there to read (read_counter polled in a loop, say) may so wait up to 1 ms for the progress
 // thread. mesh.stats() counts the parked polls and those a lost wake-up left to their timer.
 //
