@@ -17,9 +17,9 @@
 #include "base/env.h"
 #include "base/log.h"
 #include "base/status.h"
+#include "base/thread_name.h"
 #include "core/window_setup.h"
 #include "transport/ucx/ucx_path.h"
-#include "base/thread_name.h"
 
 namespace fxm::agent {
 namespace {

@@ -8,9 +8,9 @@
 #include "base/env.h"
 #include "agent/name_probe.h"
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "core/window.h"
 #include "transport/cuda/device_memory.h"
-#include "base/thread_name.h"
 
 namespace fxm::agent {
 namespace {

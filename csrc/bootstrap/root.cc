@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "base/log.h"
-#include "bootstrap/root_state.h"
 #include "base/thread_name.h"
+#include "bootstrap/root_state.h"
 
 namespace fxm::bootstrap {
 namespace root_impl {

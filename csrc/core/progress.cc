@@ -12,10 +12,10 @@
 
 #include "base/env.h"
 #include "base/log.h"
+#include "base/thread_name.h"
 #include "core/progress_items.h"
 #include "transport/signal_ops.h"
 #include "base/status.h"
-#include "base/thread_name.h"
 
 namespace fxm {
 

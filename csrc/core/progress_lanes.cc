@@ -36,8 +36,8 @@
 
 #include "base/log.h"
 #include "base/status.h"
-#include "core/progress_items.h"
 #include "base/thread_name.h"
+#include "core/progress_items.h"
 
 namespace fxm {
 
