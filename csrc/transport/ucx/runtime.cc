@@ -61,7 +61,7 @@ Endpoint::~Endpoint() {
   if (is_error(request)) {
     FXM_INFO(-1, "ucx: closing the endpoint to " + peer_ + ": " + status_text(status_of(request)));
   } else if (request != nullptr) {
-    rt_->finish_close(request, peer_, kCloseSeconds);  // never waited for here: the caller may hold an engine
+    rt_->finish_close(request, peer_);  // never waited for here: the caller may hold an engine
   }
 }
 
@@ -171,8 +171,8 @@ bool Runtime::progress_locked() {
   return any;
 }
 
-void Runtime::finish_close(void* request, std::string peer, double seconds) {
-  closing_.push_back({request, std::move(peer), Deadline::after_seconds(seconds)});
+void Runtime::finish_close(void* request, std::string peer) {
+  closing_.push_back({request, std::move(peer), Deadline::after_seconds(kCloseSeconds)});
   last_op_ns_.store(now_ns(), std::memory_order_relaxed);  // the progress thread looks at it soon
 }
 

@@ -104,8 +104,8 @@ class Runtime {
   // Under mu(): progresses the worker until it has nothing to do; true when it did something.
   bool progress_locked();
   // Under mu(): a close UCX has not finished (a dead peer's flush) is released by the progress
-  // thread once it completes or after `seconds`, so that no caller waits for it.
-  void finish_close(void* request, std::string peer, double seconds);
+  // thread once it completes or after kCloseSeconds (runtime.cc), so that no caller waits for it.
+  void finish_close(void* request, std::string peer);
   // Held by each op in flight (its completion probe): the progress thread does not sleep meanwhile.
   class Busy {
    public:
