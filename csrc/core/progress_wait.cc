@@ -148,7 +148,7 @@ void Engine::wait_or_poll(std::unique_lock<std::mutex>& lock, const Deadline& de
     return;
   }
   lock.unlock();
-  unpark();  // it may have read in its first kHelpSpin: the progress thread reads while this one pauses
+  if (may_help()) unpark();  // it may have read in its first kHelpSpin: the progress thread reads while this one pauses
   if (!probes || !poll_probes()) pace.pause();
   lock.lock();
 }
