@@ -174,10 +174,7 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
     assert "FLAGCX_MESH_TRANSPORT=ucx" in p.stdout and "libucp-missing.so.0" in p.stdout, p.stdout
 
 
-def test_a_bad_ucx_error_mode_is_refused_naming_it(ucx_info):
-    env = ucx_env("tcp")
-    env["FLAGCX_MESH_UCX_ERROR_MODE"] = "sometimes"
-    code = """
+PATH_PROG = """
 import numpy as np
 from flagcx_mesh import MeshError
 from flagcx_mesh.agent import Agent
@@ -189,7 +186,18 @@ with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
     except MeshError as e:
         print("REFUSED", type(e).__name__, e)
 """
-    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+
+
+def path_between_two_agents(env):
+    """Two agents in a child process: "PATH <path>" the path a host region takes between them, or
+    "REFUSED <error> <message>"."""
+    return subprocess.run([PY, "-c", PATH_PROG], env=env, capture_output=True, text=True, timeout=60)
+
+
+def test_a_bad_ucx_error_mode_is_refused_naming_it(ucx_info):
+    env = ucx_env("tcp")
+    env["FLAGCX_MESH_UCX_ERROR_MODE"] = "sometimes"
+    p = path_between_two_agents(env)
     assert "REFUSED InvalidArgument" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
     assert "FLAGCX_MESH_UCX_ERROR_MODE=sometimes is not one of auto, peer, none" in p.stdout, p.stdout
 
@@ -206,15 +214,7 @@ def test_the_error_mode_follows_the_transport_unless_set(ucx_info, mode, want):
     env["FLAGCX_MESH_LOG"] = "info"
     if mode is not None:
         env["FLAGCX_MESH_UCX_ERROR_MODE"] = mode
-    code = """
-import numpy as np
-from flagcx_mesh.agent import Agent
-with Agent("t", "s", timeout=10) as b, Agent("i", "s", timeout=10) as a:
-    r = b.register(np.zeros(4096, np.uint8))
-    c = a.connect(b.metadata(), timeout=10)
-    print("PATH", c.path_to(r))
-"""
-    p = subprocess.run([PY, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    p = path_between_two_agents(env)
     assert "PATH ucx" in p.stdout, f"{p.stdout}\n{p.stderr[-3000:]}"
     chosen = [line for line in p.stderr.splitlines() if "over ucx" in line]
     assert chosen and f"a dead peer: {want})" in chosen[0], p.stderr[-3000:]
