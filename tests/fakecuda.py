@@ -48,7 +48,10 @@ def env(devices: Optional[int] = None, fail: Optional[Dict[str, int]] = None,
     devices (FXM_FAKECUDA_DEVICES), fail={"cuMemCreate": 801} (FXM_FAKECUDA_FAIL),
     granularity in bytes (FXM_FAKECUDA_GRANULARITY), no_stream_memops
     (FXM_FAKECUDA_NO_STREAM_MEMOPS: cuStreamWaitValue64 answers NOT_SUPPORTED)."""
-    out = {DRIVER_ENV: library_path()}
+    # FLAGCX_MESH_UCX_LIB emptied: a real UCX with cuda transports (a GPU host's, named there for
+    # the ucx steps) loads the real driver, which knows none of the fake's device pointers; it
+    # refused the fake regions with errors of its own on stdout, which these tests read
+    out = {DRIVER_ENV: library_path(), "FLAGCX_MESH_UCX_LIB": ""}
     if devices is not None:
         out["FXM_FAKECUDA_DEVICES"] = str(devices)
     if fail:
