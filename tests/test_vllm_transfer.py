@@ -117,6 +117,75 @@ def test_a_request_table_is_each_layer_s_ops_in_order_whatever_the_layers_shapes
         assert got == want, blocks
 
 
+def expected_rows(pairs, src_blocks, dst_blocks, part=(0, 1, 0, 1)):
+    """The table request_rows must make, written the slow way from the layers' geometry: per
+    layer, per block pair, per run, one row; where both layers are dense (one run a block, blocks
+    back to back) and the part is whole, a block whose ids follow the previous one's on both
+    sides extends that row instead."""
+    si, sn, di, dn = part
+    rows = []
+    for src, i, dst, j in pairs:
+        size = src.run_bytes // sn
+        dense = len(src.runs) == 1 and len(dst.runs) == 1 and (sn, dn) == (1, 1) and \
+            src.block_stride == src.run_bytes and dst.block_stride == dst.run_bytes
+        prev = None
+        for s, d in zip(src_blocks, dst_blocks):
+            if dense and prev is not None and (s, d) == (prev[0] + 1, prev[1] + 1):
+                rows[-1] = rows[-1][:4] + (rows[-1][4] + size,)
+            else:
+                for rs, rd in zip(src.runs, dst.runs):
+                    rows.append((i, s * src.block_stride + rs + si * size, j,
+                                 d * dst.block_stride + rd + di * (dst.run_bytes // dn), size))
+            prev = (s, d)
+    return rows
+
+
+@pytest.mark.parametrize("layout", ["vllm", "legacy", "cross"])
+def test_request_rows_are_the_blocks_runs_merged_only_where_dense(layout):
+    """The core makes the table (agent/block_rows.h): against rows written out one by one from
+    each layer's geometry, for lists and int64 tensors of ids, runs of consecutive ids on both
+    sides, on one side only, and none; and a head slice for another tensor-parallel size."""
+    import random
+
+    if layout == "cross":
+        base = torch.zeros(32, 3, 2, 4, 16, dtype=torch.bfloat16)  # blocks outermost, 3 layers within
+        kv = {f"layer.{i}": base[:, i] for i in range(3)}
+        _, layers = describe_layers(kv, 32)
+    else:
+        kv, bdim = make_kv_caches([0, 1], 32, layout=layout)
+        _, layers = describe_layers(kv, 32, bdim)
+    pairs = [(g, k, g, 5 + k) for k, g in enumerate(layers)]
+    rng = random.Random(7)
+    cases = [([], []), ([4], [9]), ([3, 4, 5, 9], [10, 11, 12, 0]), ([3, 4, 5], [10, 12, 13]),
+             (rng.sample(range(32), 20), rng.sample(range(32), 20)), (list(range(32)), list(range(32)))]
+    for src, dst in cases:
+        want = expected_rows(pairs, src, dst)
+        assert [tuple(r) for r in request_rows(pairs, src, dst).tolist()] == want, (src, dst)
+        as_tensors = request_rows(pairs, torch.tensor(src, dtype=torch.int64), torch.tensor(dst, dtype=torch.int64))
+        assert [tuple(r) for r in as_tensors.tolist()] == want, (src, dst)
+    if layout == "vllm":  # 4 heads a block at the source, 2 at the destination: half of each block
+        four = describe_layers(make_kv_caches([0, 1], 8, heads=4)[0], 8)[1]
+        two = describe_layers(make_kv_caches([0, 1], 8, heads=2)[0], 8)[1]
+        sliced = [(a, k, b, 3 + k) for k, (a, b) in enumerate(zip(four, two))]
+        for part in ((1, 2, 0, 1), (0, 2, 0, 1)):
+            got = request_rows(sliced, [3, 4, 5], [0, 1, 2], part).tolist()
+            assert [tuple(r) for r in got] == expected_rows(sliced, [3, 4, 5], [0, 1, 2], part), part
+
+
+def test_block_ids_out_of_range_or_not_int64_are_refused_naming_them():
+    kv, _ = make_kv_caches([0, 1], 8, layout="vllm")
+    _, layers = describe_layers(kv, 8)
+    pairs = [(g, k, g, k) for k, g in enumerate(layers)]
+    for src, dst in (([8], [0]), ([0], [-1]), ([0, 2**63], [0, 1]), ([0.5], [0])):
+        with pytest.raises(LayoutError, match="out of range"):
+            request_rows(pairs, src, dst)
+    with pytest.raises(LayoutError, match="source blocks"):
+        request_rows(pairs, [0, 1], [0])
+    strided = torch.arange(8, dtype=torch.int64)[::2]  # not contiguous: read through a copy
+    assert request_rows(pairs, strided, [0, 1, 2, 3]).tolist() == [list(r) for r in
+                                                                   expected_rows(pairs, [0, 2, 4, 6], [0, 1, 2, 3])]
+
+
 def test_mismatched_layouts_and_bad_block_ids_are_refused():
     a = describe_layers(make_kv_caches([0], 8, heads=2)[0], 8)[1][0]
     b = describe_layers(make_kv_caches([0], 8, heads=4)[0], 8)[1][0]

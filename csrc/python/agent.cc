@@ -2,6 +2,7 @@
 // AgentHandle. Descriptors travel as bytes (RegionDesc::encode); every call
 // that may block releases the GIL. The admission policy from Python is a set
 // of names (a Python callback on the listener thread could deadlock a close).
+#include <array>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -12,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include "agent/agent.h"
+#include "agent/block_rows.h"
 #include "agent/connection.h"
 #include "agent/stream_wait.h"
 #include "python/bindings.h"
@@ -276,6 +278,23 @@ PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bo
     xs.push_back({desc_of(t[0], "local", i), lo, desc_of(t[2], "remote", i), ro, n});
   }
   return PyHandle(issue(c, xs, is_read, notif, stream), self);
+}
+
+// A one-dimensional, contiguous buffer of int64 block ids (array.array('q'), a ctypes array); the
+// object passed keeps the memory for the call.
+struct Ids {
+  const int64_t* at;
+  size_t n;
+};
+Ids ids_arg(const py::buffer& ids, const char* which) {
+  py::buffer_info b = ids.request();
+  std::string f = b.format;
+  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f.erase(0, 1);
+  if (b.itemsize != 8 || (f != "q" && f != "l") || b.ndim != 1 || (b.shape[0] > 1 && b.strides[0] != 8)) {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string("block rows: ") + which +
+                                                      " must be a contiguous buffer of int64, got format '" + b.format + "'");
+  }
+  return {static_cast<const int64_t*>(b.ptr), static_cast<size_t>(b.shape[0])};
 }
 
 // The regions a table names by index: one Region / descriptor, or a sequence of them.
@@ -547,6 +566,27 @@ void bind_agent(py::module_& m) {
       })
       .def("close", &Agent::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Agent::closed);
+  py::class_<fxm::agent::BlockRows>(m, "_BlockRows",
+                                    "A request's op table from its block ids (agent/block_rows.h; vllm/layout.py)")
+      .def(py::init([](const std::vector<std::array<int64_t, 4>>& layers, std::vector<int64_t> src_runs,
+                       std::vector<int64_t> dst_runs, int64_t size, bool dense, int64_t src_blocks, int64_t dst_blocks) {
+             std::vector<fxm::agent::BlockLayer> ls;
+             for (const auto& [si, ss, di, ds] : layers) ls.push_back({si, ss, di, ds});
+             return fxm::agent::BlockRows(std::move(ls), std::move(src_runs), std::move(dst_runs), size, dense,
+                                          src_blocks, dst_blocks);
+           }),
+           py::arg("layers"), py::arg("src_runs"), py::arg("dst_runs"), py::arg("size"), py::arg("dense"),
+           py::arg("src_blocks"), py::arg("dst_blocks"))
+      .def("rows", [](const fxm::agent::BlockRows& b, const py::buffer& src, const py::buffer& dst) -> py::object {
+        Ids s = ids_arg(src, "src"), d = ids_arg(dst, "dst");
+        if (s.n != d.n) fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "block rows: " + std::to_string(s.n) + " source ids, " +
+                                                                    std::to_string(d.n) + " destination ids");
+        std::vector<int64_t> out;
+        if (!b.rows(s.at, d.at, s.n, &out)) return py::none();
+        return py::reinterpret_steal<py::object>(
+            PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t)));
+      }, py::arg("src"), py::arg("dst"),
+           "The table's rows as a bytearray of int64 (5 a row); None when an id is out of range.");
   m.def("region_info", [](const py::bytes& b) { return region_info(region(b)); },
         "The fields of a region descriptor (InvalidArgument when malformed).");
 }

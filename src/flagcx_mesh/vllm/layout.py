@@ -14,10 +14,14 @@ No vLLM import: torch tensors (CPU, or CUDA once the agent registers device memo
 
 from __future__ import annotations
 
+import array
+import ctypes
 import itertools
 from dataclasses import dataclass
 from math import prod
 from typing import Dict, List, Sequence, Tuple
+
+from .. import _core
 
 MAX_RUNS_PER_BLOCK = 4096  # a layout cut finer than this would make one op per few bytes
 
@@ -185,8 +189,8 @@ class RowPlan:
     """``request_rows`` between one pairing of layers (``layers``: (source layer, its region
     index, destination layer, its region index)) and one ``part``, with what depends on them
     alone done once: the layers' checks (LayoutError), their grouping by shape and each group's
-    per-layer constants. ``rows(src_blocks, dst_blocks)`` then costs only the tensor operations
-    on the request's block ids."""
+    per-layer constants, handed to the core (``_BlockRows``, csrc/agent/block_rows.h).
+    ``rows(src_blocks, dst_blocks)`` then makes the table in one pass over the block ids."""
 
     def __init__(self, layers: Sequence[Tuple[LayerGeometry, int, LayerGeometry, int]], part: Sequence[int] = WHOLE):
         self.part = check_part(part)
@@ -201,7 +205,7 @@ class RowPlan:
         self._groups = [(members, _Group([self.layers[i] for i in members], self.part)) for members in groups.values()]
 
     def rows(self, src_blocks, dst_blocks):
-        """The (n, 5) int64 table of the request: every layer's rows, layer after layer.
+        """The (n, 5) int64 tensor of the request: every layer's rows, layer after layer.
         ``src_blocks`` / ``dst_blocks``: sequences of block ids or int64 tensors of them."""
         import torch
 
@@ -227,81 +231,64 @@ def _shape_key(src: LayerGeometry, dst: LayerGeometry, part) -> tuple:
     return (dense, src.run_bytes, dst.run_bytes, len(src.runs), src.num_blocks, dst.num_blocks)
 
 
+def _id_buffer(ids):
+    """Block ids as int64 the core reads: an int64 CPU tensor in place (a ctypes view; the caller
+    keeps the tensor), else copied into an array; None when they are not integers of 64 bits."""
+    if type(ids).__module__.startswith("torch") and hasattr(ids, "data_ptr"):
+        if str(ids.dtype) == "torch.int64" and ids.device.type == "cpu" and ids.dim() == 1 and ids.is_contiguous():
+            return (ctypes.c_int64 * len(ids)).from_address(ids.data_ptr()) if len(ids) else array.array("q")
+        ids = ids.reshape(-1).tolist()
+    try:
+        return array.array("q", ids)
+    except (OverflowError, TypeError):
+        return None
+
+
 class _RequestIds:
-    """One request's block ids as tensors, checked against each block count once, and the runs
-    of consecutive ids on both sides (start, length), made once for every group that merges."""
+    """One request's block ids as buffers of int64, made once for every group of layers."""
 
     def __init__(self, src_blocks, dst_blocks):
-        self.src, self.dst = src_blocks, dst_blocks
-        self._checked: Dict[tuple, object] = {}
-        self._runs = None
+        self.src_blocks, self.dst_blocks = src_blocks, dst_blocks  # (a tensor viewed in place stays alive)
+        self.src, self.dst = _id_buffer(src_blocks), _id_buffer(dst_blocks)
 
-    def checked(self, side: str, num_blocks: int, what: str):
-        key = (side, num_blocks)
-        if key not in self._checked:
-            self._checked[key] = block_id_tensor(self.src if side == "src" else self.dst, num_blocks, what)
-        return self._checked[key]
-
-    def runs(self, sb, db):
-        """(starts, lengths): a run starts where either side's next id is not the one after."""
-        import torch
-
-        if self._runs is None:
-            n = len(sb)
-            if n > 1:
-                breaks = torch.nonzero((sb[1:] != sb[:-1] + 1) | (db[1:] != db[:-1] + 1)).flatten() + 1
-                starts = torch.cat([torch.zeros(1, dtype=torch.int64), breaks])
-                lengths = torch.diff(starts, append=torch.tensor([n]))
-            else:
-                starts, lengths = torch.arange(n), torch.ones(n, dtype=torch.int64)
-            self._runs = (starts, lengths)
-        return self._runs
+    def refuse(self, src: LayerGeometry, dst: LayerGeometry) -> None:
+        """LayoutError naming the ids out of range (the core found some, or they are no int64)."""
+        for ids, g, side in ((self.src_blocks, src, "source"), (self.dst_blocks, dst, "destination")):
+            what = f"layer {g.name} ({side})"
+            try:
+                block_id_tensor(ids, g.num_blocks, what)
+            except LayoutError:
+                raise
+            except (ValueError, TypeError, RuntimeError, OverflowError) as e:  # not integers of 64 bits
+                raise LayoutError(f"{what}: block ids out of range (0..{g.num_blocks - 1}): {e}") from None
+        raise LayoutError(f"layer {src.name}: block ids out of range")
 
 
 class _Group:
-    """Layers of one shape (_shape_key): their per-layer constants, as tensors made once."""
+    """Layers of one shape (_shape_key): their per-layer constants, in the core's table maker."""
 
     def __init__(self, layers, part):
-        import torch
-
         si, sn, di, dn = part
         src0, _, dst0, _ = layers[0]
-        self.dense = _shape_key(src0, dst0, part)[0]
         self.src0, self.dst0 = src0, dst0
-        self.size = src0.run_bytes // sn  # the slice of each run that moves, at slice si / di of it
-
-        def per_layer(values):  # (layers, 1, 1)
-            return torch.tensor(values, dtype=torch.int64).reshape(-1, 1, 1)
-
-        self.src_runs = torch.tensor([s.runs for s, _, _, _ in layers], dtype=torch.int64)[:, None, :] + si * self.size
-        self.dst_runs = torch.tensor([d.runs for _, _, d, _ in layers], dtype=torch.int64)[:, None, :] + \
-            di * (dst0.run_bytes // dn)
-        self.src_stride = per_layer([s.block_stride for s, _, _, _ in layers])
-        self.dst_stride = per_layer([d.block_stride for _, _, d, _ in layers])
-        self.src_index = per_layer([i for _, i, _, _ in layers])
-        self.dst_index = per_layer([i for _, _, _, i in layers])
         self.count = len(layers)
+        size = src0.run_bytes // sn  # the slice of each run that moves, at slice si / di of it
+        src_runs = [r + si * size for s, _, _, _ in layers for r in s.runs]
+        dst_runs = [r + di * (dst0.run_bytes // dn) for _, _, d, _ in layers for r in d.runs]
+        self._rows = _core._BlockRows([(i, s.block_stride, j, d.block_stride) for s, i, d, j in layers],
+                                      src_runs, dst_runs, size, _shape_key(src0, dst0, part)[0],
+                                      src0.num_blocks, dst0.num_blocks)
 
     def rows(self, ids: _RequestIds):
         """(layers, rows per layer, 5): this group's rows of the request."""
         import torch
 
-        sb = ids.checked("src", self.src0.num_blocks, f"layer {self.src0.name} (source)")
-        db = ids.checked("dst", self.dst0.num_blocks, f"layer {self.dst0.name} (destination)")
-        if self.dense:
-            starts, lengths = ids.runs(sb, db)
-            sb, db = sb[starts], db[starts]
-        else:
-            lengths = torch.ones(len(sb), dtype=torch.int64)
-        src_at = sb[None, :, None] * self.src_stride + self.src_runs
-        dst_at = db[None, :, None] * self.dst_stride + self.dst_runs
-        rows = torch.empty(src_at.shape + (5,), dtype=torch.int64)  # (L, runs, k, 5)
-        rows[..., 0] = self.src_index
-        rows[..., 1] = src_at
-        rows[..., 2] = self.dst_index
-        rows[..., 3] = dst_at
-        rows[..., 4] = (lengths * self.size)[None, :, None]
-        return rows.reshape(self.count, -1, 5)
+        got = None if ids.src is None or ids.dst is None else self._rows.rows(ids.src, ids.dst)
+        if got is None:
+            ids.refuse(self.src0, self.dst0)
+        if not got:
+            return torch.empty((self.count, 0, 5), dtype=torch.int64)
+        return torch.frombuffer(got, dtype=torch.int64).reshape(self.count, -1, 5)
 
 
 def block_id_tensor(ids: Sequence[int], num_blocks: int, what: str):
