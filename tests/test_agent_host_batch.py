@@ -166,3 +166,33 @@ def test_a_peer_killed_mid_batch_fails_the_batch_without_a_hang(pair):
     assert not t.is_alive(), "the batches did not end after the peer was killed"
     assert outcome and isinstance(outcome[0], PeerLost), f"expected PeerLost, got {outcome!r}"
     assert "target" in str(outcome[0])
+
+
+@pytest.mark.parametrize("batch", ["auto", "off"])
+def test_small_tcp_writes_of_one_call_are_one_frame_refused_whole_at_the_target(monkeypatch, batch):
+    """Over tcp, a call's small writes between host memories are one kPutBlocks frame
+    (transport/tcp/block_batch.h): the target checks every block before any byte lands, so a
+    block into a region it deregistered refuses the frame whole, naming that block, and none
+    of the others lands. FLAGCX_MESH_TCP_BATCH=off sends each op alone: only that op fails."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    monkeypatch.setenv("FLAGCX_MESH_TCP_BATCH", batch)
+    with Agent("tcp-blocks-target", SECRET, timeout=30) as target, Agent("tcp-blocks-init", SECRET, timeout=30) as me:
+        a, b, src = np.zeros(1 << 16, np.uint8), np.zeros(1 << 16, np.uint8), np.full(1 << 16, 7, np.uint8)
+        ra, rb, local = target.register(a), target.register(b), me.register(src)
+        conn = me.connect(target.metadata())
+        assert conn.path_to(ra.descriptor) == "tcp"
+        conn.write(local, rb.descriptor, 8).wait(30)  # the path to b is made while it is registered
+        target.deregister(rb)
+        ops = [(local, 0, ra.descriptor, i * 1024, 1024) for i in range(10)]
+        ops[3] = (local, 0, rb.descriptor, 0, 1024)
+        with pytest.raises(InvalidArgument) as info:
+            conn.batch_write(ops).wait(30)
+        msg = str(info.value)
+        if batch == "auto":
+            assert "block 3 of a batch of 10 writes (1024 bytes to window #" in msg and "deregistered" in msg, msg
+            assert not a.any(), "a block of a refused batch landed"
+        else:
+            assert "deregistered" in msg and "batch" not in msg, msg
+            assert a[:3 * 1024].all() and a[4 * 1024:10 * 1024].all(), "the other ops did not land"
+        conn.batch_write([(local, 0, ra.descriptor, i * 1024, 1024) for i in range(10)]).wait(30)
+        assert a[:10 * 1024].all(), "a batch after the refused one did not land"

@@ -12,6 +12,7 @@
 #include "base/status.h"
 #include "transport/binding.h"
 #include "transport/cma/iov_batch.h"
+#include "transport/tcp/block_batch.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/device_path.h"
 #include "transport/cuda/staged_batch.h"
@@ -42,12 +43,14 @@ struct Connection::Checked {
 // has nothing to issue together: its copy is posted as the mesh's put is.
 // Likewise the cma ops (iov_batch.h): one process_vm_* per up to IOV_MAX of them.
 // The staged writes (reads) likewise: one kPutBlocks (kGetBlocks) frame (staged_batch.h) per run of them.
+// And the small tcp writes between host memories: one kPutBlocks frame (tcp/block_batch.h).
 struct Connection::Batch {
   Batch(Outbox* outbox, bool is_read, bool single, Deadline deadline)
-      : copies(outbox, kPeer, kCtx), staged(outbox, kPeer, is_read, Engine::kMaxGetBytesInFlight), is_read(is_read),
-        single(single), deadline(deadline) {}
+      : copies(outbox, kPeer, kCtx), staged(outbox, kPeer, is_read, Engine::kMaxGetBytesInFlight),
+        blocks(outbox, kPeer), is_read(is_read), single(single), deadline(deadline) {}
   cuda::CopyBatch copies;
   cuda::StagedBatch staged;
+  tcp::BlockBatch blocks;
   bool is_read;
   bool single;
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
@@ -373,7 +376,8 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   Path* p = v.path.get();
   bool device_op = device >= 0 || is_device_path(p->kind()) || p->kind() == PathKind::kStaged;
   if (device_op || stream.set) op.deadline = batch->deadline;
-  if (p->synchronous() && !reached(async_issued_.load())) p = &v.tcp();
+  // (tcp writes queued in the call's batch are in flight too: a later cma op must not pass them)
+  if (p->synchronous() && (batch->blocks.size() > 0 || !reached(async_issued_.load()))) p = &v.tcp();
   order_on(stream, p, device, &op);
   bool checked = cookie_checked_ == &v;  // once per region and call (a batch names few)
   // shm too: a segment the peer deregistered is unlinked there, and a write into it would be lost.
@@ -381,6 +385,8 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
     cookie_checked_ = &v;
   }
+  if (!batch->single && queue_blocks(p, op, batch)) return Issued::kEngine;
+  issue_blocks(batch);  // the tcp writes queued before this op go first
   if (!batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
   issue_staged(batch);  // the staged ops queued before this op go first
   if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
@@ -453,6 +459,22 @@ void Connection::issue_staged(Batch* b) {
     if (n > 0) ++async_issued_;
     else --async_issued_;  // that frame was not posted
   });
+}
+
+// Queues a small tcp write between host memories into the call's batch of them; false when the
+// path does not batch it.
+bool Connection::queue_blocks(Path* p, const PathOp& op, Batch* b) {
+  Queued q = p->queue_blocks(op, b->is_read, &b->blocks);
+  if (q == Queued::kBatchFirst) {
+    issue_blocks(b);
+    q = p->queue_blocks(op, b->is_read, &b->blocks);
+  }
+  return q == Queued::kYes;
+}
+
+// The queued tcp writes as one frame, one op, counted before it is posted (its ack may come at once).
+void Connection::issue_blocks(Batch* b) {
+  b->blocks.issue([this](int n) { async_issued_ += n; });
 }
 
 // Queues a synchronous path's op into the call's host batch; false when the path does not batch it.
@@ -538,12 +560,14 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
       *async = *async || how != Issued::kDone;
       *unordered = *unordered || how == Issued::kUnordered;
     }
+    issue_blocks(&batch);
     issue_staged(&batch);
     issue_host(&batch);
     issue_batch(&batch);
     *async = *async || batch.host_fell_back;
   } catch (const Error&) {
     try {
+      issue_blocks(&batch);
       issue_staged(&batch);
       issue_host(&batch);
       issue_batch(&batch);

@@ -118,6 +118,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void issue_batch(Batch* batch);
   bool queue_host(Path* p, PeerView& v, const PathOp& op, Batch* batch);
   bool queue_staged(Path* p, const PathOp& op, Batch* batch);
+  bool queue_blocks(Path* p, const PathOp& op, Batch* batch);
+  void issue_blocks(Batch* batch);
   void issue_staged(Batch* batch);
   void issue_host(Batch* batch);
   void issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,

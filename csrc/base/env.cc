@@ -147,6 +147,11 @@ std::string cuda_batch_copy_env() {
   return s ? s : "";
 }
 
+std::string tcp_batch_env() {
+  const char* s = std::getenv("FLAGCX_MESH_TCP_BATCH");
+  return s ? s : "";
+}
+
 std::string agent_cookie_table_env() {
   const char* s = std::getenv("FLAGCX_MESH_AGENT_COOKIE_TABLE");
   return s ? s : "";

@@ -17,6 +17,8 @@
 //   FLAGCX_MESH_CUDA_DRIVER  the CUDA driver library to load (default libcuda.so.1)
 //   FLAGCX_MESH_CUDA_BATCH_COPY  auto | off: whether an agent's batch of device
 //                        copies is issued with cuMemcpyBatchAsync (cuda_batch_copy_env())
+//   FLAGCX_MESH_TCP_BATCH  auto | off: whether an agent call's small tcp writes between host
+//                        memories go as one frame (tcp_batch_env(); transport/tcp/block_batch.h)
 //   FLAGCX_MESH_AGENT_PORTS  P or P-Q: the ports an agent listens on (agent_ports_env())
 //   FLAGCX_MESH_AGENT_COOKIE_TABLE  auto | off: whether an agent keeps its regions'
 //                        cookies in a table its peers map (agent_cookie_table_env())
@@ -103,6 +105,8 @@ PortRange agent_ports_env();
 std::string cuda_path_env();
 // FLAGCX_MESH_CUDA_BATCH_COPY as it is now ("" when unset; transport/cuda/copy_batch.h checks it).
 std::string cuda_batch_copy_env();
+// FLAGCX_MESH_TCP_BATCH as it is now ("" when unset; transport/tcp/tcp_path.cc checks it).
+std::string tcp_batch_env();
 // FLAGCX_MESH_CUDA_DRIVER ("" when unset), read once, when the driver is first loaded.
 std::string cuda_driver_env();
 // FLAGCX_MESH_STAGED_CHUNK_BYTES / FLAGCX_MESH_STAGED_INFLIGHT_BYTES ("" when

@@ -17,8 +17,9 @@ static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "wire format assumes li
 constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
 constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
 // 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq);
-// 4: the agents' identity block carries their tcp lanes (agent/handshake.h); 5: kPutBlocks, kGetBlocks
-constexpr uint16_t kVersion = 5;
+// 4: the agents' identity block carries their tcp lanes (agent/handshake.h); 5: kPutBlocks, kGetBlocks;
+// 6: kPutBlocks into host windows (an agent call's small tcp writes, transport/tcp/block_batch.h)
+constexpr uint16_t kVersion = 6;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -132,7 +133,8 @@ enum class FrameType : uint16_t {
   kAdmit = 9,      // agents: the acceptor's verdict after the proofs ("" admitted, else why not)
   kStripe = 10,    // PutHeader + data on a lane > 0: one part of a striped put (sig_slot: its number)
   kAckReq = 11,    // no body: ack now every op from it applied so far (lazy ones too), even none new (a ping)
-  kPutBlocks = 12, // BlocksHeader + count BlockEntry + the blocks' bytes in list order: one op (one ack)
+  kPutBlocks = 12, // BlocksHeader + count BlockEntry + the blocks' bytes in list order: one op (one ack);
+                   // into device windows (staged) or host windows (tcp), every block of one kind
   kGetBlocks = 13, // GetBlocksHeader + count BlockEntry: one get, answered by one kGetResp (list order)
 };
 constexpr uint64_t kMaxRefusedText = 1024;
@@ -169,7 +171,7 @@ struct GetHeader {
   uint64_t size = 0;
   uint64_t req_id = 0;
 };
-// After a kPutBlocks frame header (16 bytes): a batch of staged writes as one op. The frame's
+// After a kPutBlocks frame header (16 bytes): a batch of staged writes (or of tcp writes into host windows) as one op. The frame's
 // length is 16 + 24 * count + bytes; `bytes` is the sum of the entries' lengths. The target
 // checks every entry against its registered window before any byte lands, lands them all (or
 // none is applied) and acknowledges the frame once (core/progress_blocks.cc).

@@ -148,9 +148,32 @@ int staged_iov(const cuda::StagedPayload& p, uint64_t off, iovec* iov, int n, in
   return n;
 }
 
+// The pieces of a gathered payload (OutItem::gather) from piece `at`, byte `off` of it on, after
+// the n already in iov.
+int gather_iov(const ScatterList& pieces, size_t at, uint64_t off, iovec* iov, int n, int max) {
+  for (size_t k = at; n < max && k < pieces.size(); ++k, off = 0) {
+    if (pieces[k].second > off) iov[n++] = {pieces[k].first + off, pieces[k].second - off};
+  }
+  return n;
+}
+
+// Moves a gathered payload's cursor (piece *at, byte *off of it) past `bytes` sent.
+void gather_advance(const ScatterList& pieces, size_t* at, uint64_t* off, uint64_t bytes) {
+  while (bytes > 0 && *at < pieces.size()) {
+    uint64_t step = std::min(bytes, pieces[*at].second - *off);
+    *off += step;
+    bytes -= step;
+    if (*off == pieces[*at].second) {
+      ++*at;
+      *off = 0;
+    }
+  }
+}
+
 }  // namespace
 
 ssize_t Engine::send_item(int s, OutItem& it) {
+  if (!it.gather.empty()) return send_gather_item(s, it);
   constexpr int kMaxIov = 8;
   iovec iov[kMaxIov];
   int n = 0;
@@ -183,15 +206,41 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   }
 }
 
+// A batch of host writes: its headers and list, then its blocks' bytes straight out of their
+// places, kGatherIov pieces a system call at most.
+ssize_t Engine::send_gather_item(int s, OutItem& it) {
+  iovec iov[kGatherIov];
+  int n = 0;
+  uint64_t hs = it.head.size();
+  if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
+  n = gather_iov(it.gather, it.gather_at, it.gather_off, iov, n, kGatherIov);
+  msghdr mh{};
+  mh.msg_iov = iov;
+  mh.msg_iovlen = n;
+  while (true) {
+    ssize_t w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+    if (w >= 0) {
+      uint64_t head_part = it.sent < hs ? std::min<uint64_t>(hs - it.sent, static_cast<uint64_t>(w)) : 0;
+      gather_advance(it.gather, &it.gather_at, &it.gather_off, static_cast<uint64_t>(w) - head_part);
+      it.sent += static_cast<uint64_t>(w);
+      return w;
+    }
+    if (errno == EINTR) continue;
+    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
+    lose(peer_of(s), "writing to its connection" + conn_name(s) + " failed: " + errno_text(errno));
+    return -1;
+  }
+}
+
 // The plain frames queued behind the front item of slot s (with mu_ held): sent with it in one
 // sendmsg (a batch of small puts costs a system call per kGatherIov / 2 frames, not per frame).
 void Engine::gather_behind(int s, std::vector<OutItem*>* items) {
   const std::deque<OutItem>& q = out_[s];
-  if (q.size() < 2 || q.front().staged) return;
+  if (q.size() < 2 || !q.front().plain()) return;
   uint64_t bytes = q.front().total() - q.front().sent;
   items->push_back(&out_[s].front());
   for (size_t k = 1; k < q.size() && 2 * items->size() + 2 <= kGatherIov && bytes < kGatherBytes; ++k) {
-    if (q[k].staged) break;
+    if (!q[k].plain()) break;
     bytes += q[k].total();
     items->push_back(&out_[s][k]);
   }
@@ -259,6 +308,18 @@ void Engine::post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
   it.head.insert(it.head.end(), raw, raw + list);  // the list goes with the headers, before the bytes
   payload->set_waker([this] { wake(); });
   it.staged = std::move(payload);
+  enqueue(slot(peer, ctx), std::move(it), Count::kPut);
+}
+
+void Engine::post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, ScatterList sources) {
+  wire::BlocksHeader h;
+  h.count = static_cast<uint32_t>(blocks.size());
+  for (const wire::BlockEntry& b : blocks) h.bytes += b.len;
+  uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
+  OutItem it{frame(FrameType::kPutBlocks, &h, list + h.bytes), nullptr, h.bytes, 0, 0};
+  const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
+  it.head.insert(it.head.end(), raw, raw + list);  // the list goes with the headers, before the bytes
+  it.gather = std::move(sources);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 

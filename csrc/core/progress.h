@@ -106,6 +106,7 @@ class Engine : public Outbox {
                        uint64_t dst_off, const SignalSpec& sig) override;
   void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
                        std::vector<wire::BlockEntry> blocks) override;
+  void post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, ScatterList sources) override;
   void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, std::shared_ptr<const ScatterList> into,
                        int device) override;
 
@@ -255,6 +256,7 @@ class Engine : public Outbox {
   bool send_direct(int s, OutItem& item);
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
+  ssize_t send_gather_item(int s, OutItem& item);  // a batch of host writes (OutItem::gather)
   // Frames queued behind the front one go with it in one sendmsg (progress.cc), up to these.
   static constexpr int kGatherIov = 64;
   static constexpr uint64_t kGatherBytes = 1ull << 20;
@@ -323,6 +325,7 @@ class Engine : public Outbox {
   // through the staging ring, each full buffer scattered by one launch; one ack for the frame.
   void on_blocks_header(int s, InConn& in, uint64_t payload);
   uint8_t* blocks_spot(InConn& in, size_t* want);
+  uint8_t* host_blocks_spot(InConn& in, uint64_t received, size_t* want);
   // "" or why the batch is refused; `land`: a batch of writes, whose landing ring it takes.
   std::string check_blocks(InConn& in, bool land);
   // A batch of staged reads (kGetBlocks): its list lands, then it is answered like a get, its

@@ -40,10 +40,11 @@ void Engine::on_blocks_header(int s, InConn& in, uint64_t payload) {
 
 namespace {
 
-// "block 3 of a batch of 10 staged writes (4096 bytes to window #0 at offset 8192)" (reads: from).
-std::string block_words(const std::vector<wire::BlockEntry>& blocks, size_t i, bool writes) {
+// "block 3 of a batch of 10 staged writes (4096 bytes to window #0 at offset 8192)" (reads: from;
+// host memory here: "writes", not staged).
+std::string block_words(const std::vector<wire::BlockEntry>& blocks, size_t i, bool writes, bool staged = true) {
   const wire::BlockEntry& b = blocks[i];
-  return "block " + std::to_string(i) + " of a batch of " + std::to_string(blocks.size()) + " staged " +
+  return "block " + std::to_string(i) + " of a batch of " + std::to_string(blocks.size()) + (staged ? " staged " : " ") +
          (writes ? "writes (" : "reads (") + std::to_string(b.len) + " bytes " + (writes ? "to" : "from") +
          " window #" + std::to_string(b.win) + " at offset " + std::to_string(b.off) + ")";
 }
@@ -66,18 +67,27 @@ std::string Engine::check_blocks(InConn& in, bool land) {
     }
     if (w == nullptr) {
       w = windows_->find(b.win);
-      if (!w) return block_words(in.blocks, i, land) + ": no such window here";
-      if (!w->enter(true)) return block_words(in.blocks, i, land) + ": the window was deregistered here";
+      bool staged = i > 0 ? in.device >= 0 : (w == nullptr || w->kind == WindowKind::kDevice);
+      if (!w) return block_words(in.blocks, i, land, staged) + ": no such window here";
+      if (!w->enter(true)) return block_words(in.blocks, i, land, staged) + ": the window was deregistered here";
       in.entered_once.push_back(w);
     }
-    if (w->kind != WindowKind::kDevice) return block_words(in.blocks, i, land) + ": not device memory here";
-    if (device >= 0 && w->device != device) {
-      return block_words(in.blocks, i, land) + ": on device " + std::to_string(w->device) + ", the batch's blocks before it on device " +
+    bool host = w->kind != WindowKind::kDevice;
+    if (i == 0) in.device = host ? -1 : w->device;  // the batch's kind: its first block's
+    std::string words = block_words(in.blocks, i, land, in.device >= 0);
+    if (w->kind == WindowKind::kSignal) return words + ": a signal window here";
+    if (host != (in.device < 0)) {
+      return words + (host ? ": host memory here, the batch's blocks before it device memory"
+                           : ": device memory here, the batch's blocks before it host memory");
+    }
+    if (host && !land) return words + ": host memory here (staged reads come from device memory)";
+    if (!host && device >= 0 && w->device != device) {
+      return words + ": on device " + std::to_string(w->device) + ", the batch's blocks before it on device " +
              std::to_string(device);
     }
-    device = w->device;
+    if (!host) device = w->device;
     if (b.off > w->size || b.len > w->size - b.off) {
-      return block_words(in.blocks, i, land) + ": out of range (" + std::to_string(w->size) + " bytes here)";
+      return words + ": out of range (" + std::to_string(w->size) + " bytes here)";
     }
     in.block_windows[i] = w;
     places->emplace_back(w->base + b.off, b.len);
@@ -88,7 +98,7 @@ std::string Engine::check_blocks(InConn& in, bool land) {
   if (sum != in.blocks_head.bytes) {
     return op_words(in) + ": its blocks add up to " + std::to_string(sum) + " bytes";
   }
-  if (sum == 0) return "";
+  if (sum == 0 || device < 0) return "";  // host blocks land in place (host_blocks_spot)
   std::string failed = take_landing_ring(in, sum, nullptr, device);
   return failed.empty() ? "" : op_words(in) + ": " + failed;
 }
@@ -109,7 +119,9 @@ uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
       FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + in.refused + " from peer " + std::to_string(in.blocks_peer));
     }
   }
-  if (!in.refused.empty() || in.stage.empty()) return nullptr;
+  if (!in.refused.empty()) return nullptr;
+  if (in.device < 0) return host_blocks_spot(in, at - list, want);
+  if (in.stage.empty()) return nullptr;
   uint64_t filled = at - list - in.landed;
   if (filled == in.staged) {
     std::string failed = land_on_device(in, filled);
@@ -121,6 +133,28 @@ uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
   }
   *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
   return in.stage[in.filling].buf.get() + filled;
+}
+
+// A batch of host writes: each block's bytes land in place, block after block (in list order: a
+// later block over the same bytes wins). `received`: the blocks' bytes received so far; `landed`
+// the count the cursor (block_at, block_off) stands at.
+uint8_t* Engine::host_blocks_spot(InConn& in, uint64_t received, size_t* want) {
+  const ScatterList& places = *in.scatter;
+  uint64_t step = received - in.landed;
+  in.landed = received;
+  while (in.block_at < places.size() && (step > 0 || places[in.block_at].second == in.block_off)) {
+    uint64_t take = std::min(step, places[in.block_at].second - in.block_off);
+    in.block_off += take;
+    step -= take;
+    if (in.block_off == places[in.block_at].second) {
+      ++in.block_at;
+      in.block_off = 0;
+    }
+  }
+  if (in.block_at == places.size()) return nullptr;  // (no byte is left to come)
+  const auto& [at, len] = places[in.block_at];
+  *want = static_cast<size_t>(std::min<uint64_t>(*want, len - in.block_off));
+  return at + in.block_off;
 }
 
 // The pieces of the blocks the buffer's n bytes belong to (a block straddling buffers is cut at
@@ -179,7 +213,7 @@ void Engine::on_blocks_done(int s, InConn& in) {
     in.refused = check_blocks(in, true);
   }
   std::string refused = in.refused;
-  if (refused.empty() && !in.stage.empty()) {
+  if (refused.empty() && in.device >= 0 && !in.stage.empty()) {
     refused = land_on_device(in, in.blocks_head.bytes - in.landed);
     if (refused.empty()) refused = wait_landed(in);
   }

@@ -28,7 +28,13 @@ struct Engine::OutItem {
   uint64_t answer_id = 0;     // a get answer's request id
   // A staged put's payload (data is then unused): only its ready bytes are sent.
   std::shared_ptr<cuda::StagedPayload> staged;
+  // A batch of host writes' payload (data is then unused): the blocks' bytes, piece after piece
+  // (tcp/block_batch.h); the next byte to send is at gather[gather_at] + gather_off.
+  ScatterList gather;
+  size_t gather_at = 0;
+  uint64_t gather_off = 0;
   uint64_t total() const { return head.size() + len; }
+  bool plain() const { return !staged && gather.empty(); }  // its payload one piece (or none)
 };
 
 // A message received, or dropped here (`dropped` says why; recv() raises it in its place).

@@ -302,7 +302,7 @@ std::string Engine::wait_landed(InConn& in) {
 
 std::string Engine::op_words(const InConn& in) {
   if (in.f.type == FrameType::kPutBlocks) {
-    return "a batch of " + std::to_string(in.blocks.size()) + " staged writes (" +
+    return "a batch of " + std::to_string(in.blocks.size()) + (in.device >= 0 ? " staged writes (" : " writes (") +
            std::to_string(in.blocks_head.bytes) + " bytes)";
   }
   return "a " + std::string(in.f.type == FrameType::kPut ? "put" : "get") + " of " + std::to_string(in.total) +

@@ -135,6 +135,10 @@ class Outbox {
   // the order of `blocks` (window, offset, length each), which the frame carries before them.
   virtual void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
                                std::vector<wire::BlockEntry> blocks) = 0;
+  // A batch of writes from host memory into host windows as one op (tcp/block_batch.h): the frame
+  // carries `blocks` (window, offset, length each), then their bytes, read from `sources` (this
+  // process's memory, one piece a block, in order) as they are sent.
+  virtual void post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, ScatterList sources) = 0;
   // A batch of staged reads as one get: the peer's `blocks` land, in order, at `into` (device
   // memory of `device`, one destination a block), through pinned staging.
   virtual void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks,
@@ -150,6 +154,9 @@ class StagedBatch;
 }
 namespace cma {
 class IovBatch;
+}
+namespace tcp {
+class BlockBatch;
 }
 
 // Whether a path queued an op into a batch of one call's ops (queue()).
@@ -221,6 +228,13 @@ class Path {
   // post it alone.
   virtual Queued queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
     (void)op; (void)batch;
+    return Queued::kNo;
+  }
+  // The tcp path: queues a plain write from host memory into a host window (no signal, at most
+  // tcp::BlockBatch::kMaxBlockBytes) into the call's batch of them (tcp/block_batch.h), which the
+  // caller issues. kNo: post it alone.
+  virtual Queued queue_blocks(const PathOp& op, bool is_get, tcp::BlockBatch* batch) {
+    (void)op; (void)is_get; (void)batch;
     return Queued::kNo;
   }
   // The window was closed: drop what the path maps (it then serves no op).

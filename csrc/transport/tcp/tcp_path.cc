@@ -1,5 +1,8 @@
 #include "transport/tcp/tcp_path.h"
 
+#include "base/env.h"
+#include "transport/tcp/block_batch.h"
+
 namespace fxm {
 
 int TcpPath::put(const PathOp& op) {
@@ -16,6 +19,16 @@ int TcpPath::get(const PathOp& op) {
 
 void TcpPath::signal(const PathOp& op, int) {
   outbox_->post_put(peer_, op.ctx, nullptr, 0, 0, 0, *op.sig);  // no data window involved
+}
+
+// A plain write from host memory into a host window (no signal, at most kMaxBlockBytes): one
+// block of the call's batch (block_batch.h). FLAGCX_MESH_TCP_BATCH=off sends each op alone.
+Queued TcpPath::queue_blocks(const PathOp& op, bool is_get, tcp::BlockBatch* batch) {
+  if (is_get || kind() != PathKind::kTcp || !host_target_ || op.sig != nullptr || op.stream_set || op.wait_here ||
+      op.local_device >= 0 || op.len == 0 || op.len > tcp::BlockBatch::kMaxBlockBytes || tcp_batch_env() == "off") {
+    return Queued::kNo;
+  }
+  return batch->add(op, win_) ? Queued::kYes : Queued::kBatchFirst;
 }
 
 std::unique_ptr<Path> make_tcp_path(const PathRequest& req, const WindowDesc& d, std::string*) {

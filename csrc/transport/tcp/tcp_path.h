@@ -19,6 +19,7 @@ class TcpPath : public Path {
   int put(const PathOp& op) override;
   int get(const PathOp& op) override;
   void signal(const PathOp& op, int src_rank) override;
+  Queued queue_blocks(const PathOp& op, bool is_get, tcp::BlockBatch* batch) override;
 
  protected:  // the staged path (transport/cuda) posts through the same outbox, peer and window
   Outbox* outbox_;
