@@ -1,9 +1,10 @@
 """The writer of tests/test_agent_dereg.py.
 
-    put DIR SIZE   connects to the agent whose metadata is DIR/owner.meta, writes SIZE bytes of
-                   0xAB to the region DIR/owner.region (the test stops this process while the
-                   put lands) and waits for the write's handle; prints "handle ok" or
-                   "handle failed: <error>"
+    put DIR SIZE [blocks]   connects to the agent whose metadata is DIR/owner.meta, writes SIZE
+                   bytes of 0xAB to the region DIR/owner.region (the test stops this process while
+                   the put lands) and waits for the write's handle; prints "handle ok" or "handle
+                   failed: <error>". blocks: as one batch_write of 64 KiB blocks in order (over
+                   tcp one frame, transport/tcp/block_batch.h), not one write
     dev-owner DIR SIZE   (the fake CUDA driver, copies to the device slowed) registers SIZE bytes
                    of device memory (zeros), writes DIR/owner.meta and DIR/owner.region, waits
                    until a put's first chunks are being copied up (staged: the landing ring),
@@ -27,13 +28,17 @@ from meshutil import publish, read_published
 SECRET = "agent-test-secret"
 
 
-def put(d: str, size: int) -> None:
+def put(d: str, size: int, blocks: bool = False) -> None:
     with Agent("writer", SECRET, timeout=60) as a:
         conn = a.connect(read_published(d, "owner.meta"))
         remote = read_published(d, "owner.region")
         buf = np.full(size, 0xAB, dtype=np.uint8)
         local = a.register(buf)
-        h = conn.write(local, remote, size)
+        block = 64 << 10
+        if blocks:
+            h = conn.batch_write([(local, off, remote, off, block) for off in range(0, size, block)])
+        else:
+            h = conn.write(local, remote, size)
         try:
             h.wait(60)
             print("handle ok", flush=True)
@@ -74,7 +79,7 @@ def dev_owner(d: str, size: int) -> None:
 
 if __name__ == "__main__":
     if sys.argv[1] == "put":
-        put(sys.argv[2], int(sys.argv[3]))
+        put(sys.argv[2], int(sys.argv[3]), sys.argv[4:] == ["blocks"])
     elif sys.argv[1] == "dev-owner":
         dev_owner(sys.argv[2], int(sys.argv[3]))
     else:

@@ -41,14 +41,15 @@ def stop_once_landing(writer, buf):
     time.sleep(0.3)  # what the kernel held of it lands; then nothing more comes
 
 
-def half_landed_put(owner, tmp_path, env):
-    """(writer, buf, region) with the writer stopped in the middle of its put into region."""
+def half_landed_put(owner, tmp_path, env, how="put"):
+    """(writer, buf, region) with the writer stopped in the middle of its put into region (how:
+    "blocks", a batch of 64 KiB writes: over tcp one frame of blocks)."""
     for _ in range(ATTEMPTS):
         buf = np.zeros(SIZE, dtype=np.uint8)
         region = owner.register(buf)
         publish(str(tmp_path), "owner.region", region.descriptor)
         publish(str(tmp_path), "owner.meta", owner.metadata())
-        writer = spawn_prog(PROG, "put", tmp_path, SIZE, env=env)
+        writer = spawn_prog(PROG, "put", tmp_path, SIZE, *([how] if how != "put" else []), env=env)
         stop_once_landing(writer, buf)
         if buf[-1] == 0:
             return writer, buf, region
@@ -58,8 +59,10 @@ def half_landed_put(owner, tmp_path, env):
     pytest.fail(f"every one of {ATTEMPTS} puts landed whole before its writer stopped")
 
 
-@pytest.mark.parametrize("lanes", [1, 2])
-def test_deregister_during_a_landing_put_raises_and_nothing_lands_after(tmp_path, lanes):
+@pytest.mark.parametrize("lanes,how", [(1, "put"), (2, "put"), (1, "blocks")])
+def test_deregister_during_a_landing_put_raises_and_nothing_lands_after(tmp_path, lanes, how):
+    """how: one 64 MiB write, or a batch of 1024 writes of 64 KiB (one frame of blocks over tcp,
+    each read of its blocks counted in its region's io as a put's is)."""
     env = dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp", FLAGCX_MESH_TCP_LANES=str(lanes))
     os.environ["FLAGCX_MESH_TCP_LANES"] = str(lanes)
     try:
@@ -68,7 +71,7 @@ def test_deregister_during_a_landing_put_raises_and_nothing_lands_after(tmp_path
         del os.environ["FLAGCX_MESH_TCP_LANES"]
     writer = None
     try:
-        writer, buf, region = half_landed_put(owner, tmp_path, env)
+        writer, buf, region = half_landed_put(owner, tmp_path, env, how)
         t0 = time.monotonic()
         with pytest.raises(MeshTimeout, match=rf"region #{region.index} was closed.*landing"):
             region.deregister(timeout=1)

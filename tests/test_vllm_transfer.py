@@ -176,9 +176,11 @@ def test_block_ids_out_of_range_or_not_int64_are_refused_naming_them():
     kv, _ = make_kv_caches([0, 1], 8, layout="vllm")
     _, layers = describe_layers(kv, 8)
     pairs = [(g, k, g, k) for k, g in enumerate(layers)]
-    for src, dst in (([8], [0]), ([0], [-1]), ([0, 2**63], [0, 1]), ([0.5], [0])):
+    for src, dst in (([8], [0]), ([0], [-1]), ([0, 2**63], [0, 1])):
         with pytest.raises(LayoutError, match="out of range"):
             request_rows(pairs, src, dst)
+    with pytest.raises(LayoutError, match="not 64-bit integers"):
+        request_rows(pairs, [0.5], [0])
     with pytest.raises(LayoutError, match="source blocks"):
         request_rows(pairs, [0, 1], [0])
     strided = torch.arange(8, dtype=torch.int64)[::2]  # not contiguous: read through a copy

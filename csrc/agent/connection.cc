@@ -51,6 +51,7 @@ struct Connection::Batch {
   cuda::CopyBatch copies;
   cuda::StagedBatch staged;
   tcp::BlockBatch blocks;
+  bool tcp_batch = tcp_batch_env() != "off";  // FLAGCX_MESH_TCP_BATCH, read once a call
   bool is_read;
   bool single;
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
@@ -464,12 +465,18 @@ void Connection::issue_staged(Batch* b) {
 // Queues a small tcp write between host memories into the call's batch of them; false when the
 // path does not batch it.
 bool Connection::queue_blocks(Path* p, const PathOp& op, Batch* b) {
+  if (!b->tcp_batch) return false;
   Queued q = p->queue_blocks(op, b->is_read, &b->blocks);
   if (q == Queued::kBatchFirst) {
     issue_blocks(b);
     q = p->queue_blocks(op, b->is_read, &b->blocks);
   }
-  return q == Queued::kYes;
+  if (q != Queued::kYes) return false;
+  if (b->blocks.size() == 1) {  // a new batch: the ops queued before it go first, as before an op posted alone
+    issue_staged(b);
+    issue_host(b);
+  }
+  return true;
 }
 
 // The queued tcp writes as one frame, one op, counted before it is posted (its ack may come at once).

@@ -243,7 +243,7 @@ class Engine : public Outbox {
   // (progress_recv.cc); enter() is false, and the put refused, once it was deregistered.
   struct WindowIo {
     Window* w = nullptr;
-    bool enter(InConn& in);
+    bool enter(InConn& in, Window* into);
     ~WindowIo() {
       if (w) w->end_io();
     }

@@ -30,7 +30,7 @@ void Engine::on_blocks_header(int s, InConn& in, uint64_t payload) {
   const wire::BlocksHeader& h = in.blocks_head;
   uint64_t list = uint64_t{h.count} * sizeof(wire::BlockEntry);
   if (h.count == 0 || h.count > wire::kMaxBlocksPerFrame || payload < list || payload - list != h.bytes) {
-    lose(peer_of(s), "protocol error: a batch of staged writes whose block list does not fit its frame");
+    lose(peer_of(s), "protocol error: a batch of writes whose block list does not fit its frame");
     in.closed = true;
     return;
   }
@@ -108,6 +108,7 @@ std::string Engine::check_blocks(InConn& in, bool land) {
 uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
   uint64_t at = in.total - in.remaining;
   uint64_t list = in.blocks.size() * sizeof(wire::BlockEntry);
+  in.io_window = nullptr;
   if (at < list) {
     *want = static_cast<size_t>(std::min<uint64_t>(*want, list - at));
     return reinterpret_cast<uint8_t*>(in.blocks.data()) + at;
@@ -152,6 +153,7 @@ uint8_t* Engine::host_blocks_spot(InConn& in, uint64_t received, size_t* want) {
     }
   }
   if (in.block_at == places.size()) return nullptr;  // (no byte is left to come)
+  in.io_window = in.block_windows[in.block_at];  // each read into it counted in its io (read_some)
   const auto& [at, len] = places[in.block_at];
   *want = static_cast<size_t>(std::min<uint64_t>(*want, len - in.block_off));
   return at + in.block_off;

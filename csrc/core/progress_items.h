@@ -81,6 +81,7 @@ struct Engine::InConn {
   bool blocks_checked = false;
   size_t block_at = 0;       // the block the next scattered byte belongs to
   uint64_t block_off = 0;    // bytes of it scattered already
+  Window* io_window = nullptr;  // a batch of host writes: the window the next read lands in (WindowIo)
   Window* entered = nullptr;  // the window a put lands in (Window::enter), left at reset()
   std::string refused;        // why the target drops this put or message (empty: applied)
   // Bytes read ahead from the socket (one recv takes in a small frame whole, or several):
@@ -122,6 +123,8 @@ struct Engine::InConn {
     blocks_checked = false;
     block_at = 0;
     block_off = 0;
+    io_window = nullptr;
+    device = -1;
     refused.clear();
     std::vector<uint8_t>().swap(msg);
   }

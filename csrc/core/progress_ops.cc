@@ -265,7 +265,7 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
     if (n > 0) {
       InConn::Landing& full = in.stage[in.filling];
       WindowIo io;  // a put's copy up is queued only while its window is registered (window.h)
-      if (in.entered && !io.enter(in)) return in.refused;
+      if (in.entered && !io.enter(in, in.entered)) return in.refused;
       full.copied = in.scatter
                         ? scatter_blocks(in, n)
                         : cuda::copy_async(in.device, in.device_at + in.landed, full.buf.get(), n, landing_what(in));

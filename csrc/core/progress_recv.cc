@@ -30,19 +30,23 @@ size_t op_header_size(FrameType t) {
 
 }  // namespace
 
-// A put's payload (or a stripe's) lands in a host window one socket read at a time; each read
-// counts itself in the window's io (window.h). A window deregistered meanwhile is not entered
-// again: the frame is refused and its remaining bytes go to the sink.
-bool Engine::WindowIo::enter(InConn& in) {
-  if (in.entered->begin_io()) {
-    w = in.entered;
+// A put's payload (or a stripe's, or a block of a batch of host writes) lands in a host window
+// one socket read at a time; each read counts itself in the window's io (window.h). A window
+// deregistered meanwhile is not entered again: the frame is refused and its remaining bytes go
+// to the sink.
+bool Engine::WindowIo::enter(InConn& in, Window* into) {
+  if (into->begin_io()) {
+    w = into;
     return true;
   }
   if (in.refused.empty()) {
-    in.entered->cut_off.fetch_add(1);
-    in.refused = "a put of " + std::to_string(in.total) + " bytes to window #" + std::to_string(in.put.dst_win) +
-                 ": it was deregistered here while the put was landing (" + std::to_string(in.total - in.remaining) +
-                 " bytes had landed; the rest was discarded)";
+    into->cut_off.fetch_add(1);
+    bool batch = in.f.type == FrameType::kPutBlocks;
+    std::string what = batch ? "block " + std::to_string(in.block_at) + " of a batch of " + std::to_string(in.blocks.size()) +
+                                   " writes to window #" + std::to_string(into->index)
+                             : "a put of " + std::to_string(in.total) + " bytes to window #" + std::to_string(in.put.dst_win);
+    in.refused = what + ": it was deregistered here while the " + (batch ? "batch" : "put") + " was landing (" +
+                 std::to_string(in.total - in.remaining) + " bytes had landed; the rest was discarded)";
   }
   in.dst = nullptr;
   return false;
@@ -65,7 +69,8 @@ void Engine::read_some(int s) {
       if (in.f.type == FrameType::kGetResp) landing.lock();
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
       where = landing_spot(in, &want);
-      if (where && in.entered && in.device_at == nullptr && !io.enter(in)) where = nullptr;  // revoked
+      Window* into = in.entered ? in.entered : in.io_window;  // (io_window: a batch's host block)
+      if (where && into && in.device_at == nullptr && !io.enter(in, into)) where = nullptr;  // revoked
       if (!where) {
         size_t sink = 0;
         where = discard_for(s, &sink);

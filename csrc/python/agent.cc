@@ -283,18 +283,20 @@ PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bo
 // A one-dimensional, contiguous buffer of int64 block ids (array.array('q'), a ctypes array); the
 // object passed keeps the memory for the call.
 struct Ids {
-  const int64_t* at;
-  size_t n;
+  py::buffer_info info;  // held (the buffer stays exported) while the ids are read
+  const int64_t* at() const { return static_cast<const int64_t*>(info.ptr); }
+  size_t n() const { return static_cast<size_t>(info.shape[0]); }
 };
 Ids ids_arg(const py::buffer& ids, const char* which) {
-  py::buffer_info b = ids.request();
-  std::string f = b.format;
+  Ids out{ids.request()};
+  std::string f = out.info.format;
   if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f.erase(0, 1);
+  const py::buffer_info& b = out.info;
   if (b.itemsize != 8 || (f != "q" && f != "l") || b.ndim != 1 || (b.shape[0] > 1 && b.strides[0] != 8)) {
     fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string("block rows: ") + which +
                                                       " must be a contiguous buffer of int64, got format '" + b.format + "'");
   }
-  return {static_cast<const int64_t*>(b.ptr), static_cast<size_t>(b.shape[0])};
+  return out;
 }
 
 // The regions a table names by index: one Region / descriptor, or a sequence of them.
@@ -579,10 +581,12 @@ void bind_agent(py::module_& m) {
            py::arg("src_blocks"), py::arg("dst_blocks"))
       .def("rows", [](const fxm::agent::BlockRows& b, const py::buffer& src, const py::buffer& dst) -> py::object {
         Ids s = ids_arg(src, "src"), d = ids_arg(dst, "dst");
-        if (s.n != d.n) fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "block rows: " + std::to_string(s.n) + " source ids, " +
-                                                                    std::to_string(d.n) + " destination ids");
+        if (s.n() != d.n()) {
+          fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "block rows: " + std::to_string(s.n()) + " source ids, " +
+                                                            std::to_string(d.n()) + " destination ids");
+        }
         std::vector<int64_t> out;
-        if (!b.rows(s.at, d.at, s.n, &out)) return py::none();
+        if (!b.rows(s.at(), d.at(), s.n(), &out)) return py::none();
         return py::reinterpret_steal<py::object>(
             PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t)));
       }, py::arg("src"), py::arg("dst"),

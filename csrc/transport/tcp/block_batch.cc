@@ -3,8 +3,12 @@
 namespace fxm::tcp {
 
 bool BlockBatch::add(const PathOp& op, uint32_t win) {
-  if (!entries_.empty() && (op.ctx != ctx_ || entries_.size() >= wire::kMaxBlocksPerFrame)) return false;
+  if (!entries_.empty() && (op.ctx != ctx_ || entries_.size() >= wire::kMaxBlocksPerFrame ||
+                            op.len > kMaxFrameBytes - bytes_)) {
+    return false;
+  }
   ctx_ = op.ctx;
+  bytes_ += op.len;
   wire::BlockEntry e;
   e.win = win;
   e.off = op.remote_off;

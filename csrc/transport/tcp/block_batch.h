@@ -23,9 +23,13 @@ class BlockBatch {
  public:
   // Writes up to this size go into a batch; larger ones go alone (striped over the lanes).
   static constexpr uint64_t kMaxBlockBytes = 256 << 10;
+  // A frame's bytes at most: the target keeps every region a frame names entered until the frame
+  // ends, which a deregistration of one of them waits for.
+  static constexpr uint64_t kMaxFrameBytes = 64ull << 20;
   BlockBatch(Outbox* outbox, int peer) : outbox_(outbox), peer_(peer) {}
   // Queues a plain write of op.len bytes of host memory (op.local) to window `win` of the peer at
-  // op.remote_off. False when the batch holds writes of another context or is full: issue() it first.
+  // op.remote_off. False when the batch holds writes of another context or is full (blocks or
+  // bytes): issue() it first.
   bool add(const PathOp& op, uint32_t win);
   size_t size() const { return entries_.size(); }
   // Posts the queued writes as one frame, one op (`count(+1)` runs before it is posted, its ack
@@ -37,6 +41,7 @@ class BlockBatch {
     ScatterList sources;
     entries.swap(entries_);
     sources.swap(sources_);
+    bytes_ = 0;
     count(1);
     try {
       outbox_->post_put_host_blocks(peer_, ctx_, std::move(entries), std::move(sources));
@@ -50,6 +55,7 @@ class BlockBatch {
   Outbox* outbox_;
   int peer_;
   int ctx_ = 0;
+  uint64_t bytes_ = 0;
   std::vector<wire::BlockEntry> entries_;
   ScatterList sources_;  // each block's bytes here
 };

@@ -1,6 +1,5 @@
 #include "transport/tcp/tcp_path.h"
 
-#include "base/env.h"
 #include "transport/tcp/block_batch.h"
 
 namespace fxm {
@@ -22,10 +21,10 @@ void TcpPath::signal(const PathOp& op, int) {
 }
 
 // A plain write from host memory into a host window (no signal, at most kMaxBlockBytes): one
-// block of the call's batch (block_batch.h). FLAGCX_MESH_TCP_BATCH=off sends each op alone.
+// block of the call's batch (block_batch.h).
 Queued TcpPath::queue_blocks(const PathOp& op, bool is_get, tcp::BlockBatch* batch) {
   if (is_get || kind() != PathKind::kTcp || !host_target_ || op.sig != nullptr || op.stream_set || op.wait_here ||
-      op.local_device >= 0 || op.len == 0 || op.len > tcp::BlockBatch::kMaxBlockBytes || tcp_batch_env() == "off") {
+      op.local_device >= 0 || op.len == 0 || op.len > tcp::BlockBatch::kMaxBlockBytes) {
     return Queued::kNo;
   }
   return batch->add(op, win_) ? Queued::kYes : Queued::kBatchFirst;

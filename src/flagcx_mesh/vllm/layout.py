@@ -261,7 +261,7 @@ class _RequestIds:
                 raise
             except (ValueError, TypeError, RuntimeError, OverflowError) as e:  # not integers of 64 bits
                 raise LayoutError(f"{what}: block ids out of range (0..{g.num_blocks - 1}): {e}") from None
-        raise LayoutError(f"layer {src.name}: block ids out of range")
+        raise LayoutError(f"layer {src.name}: block ids that are not 64-bit integers (or out of range)")
 
 
 class _Group:
