@@ -189,16 +189,23 @@ ssize_t Engine::send_item(int s, OutItem& it) {
     iov[n++] = {const_cast<uint8_t*>(it.data) + off, it.len - off};
   }
   if (n == 0) return 0;  // staged bytes not copied yet
+  ssize_t w = send_iov(s, iov, n);
+  if (w > 0) {
+    it.sent += static_cast<uint64_t>(w);
+    if (it.staged && it.sent >= hs) it.staged->sent_to(it.sent - hs);  // frees ring slots for the filler
+  }
+  return w;
+}
+
+// One non-blocking sendmsg of iov[0..n) on slot s: the bytes sent, 0 when the socket is full,
+// -1 when the connection failed (the peer is then lost).
+ssize_t Engine::send_iov(int s, iovec* iov, int n) {
   msghdr mh{};
   mh.msg_iov = iov;
   mh.msg_iovlen = n;
   while (true) {
     ssize_t w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w >= 0) {
-      it.sent += static_cast<uint64_t>(w);
-      if (it.staged && it.sent >= hs) it.staged->sent_to(it.sent - hs);  // frees ring slots for the filler
-      return w;
-    }
+    if (w >= 0) return w;
     if (errno == EINTR) continue;
     if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
     lose(peer_of(s), "writing to its connection" + conn_name(s) + " failed: " + errno_text(errno));
@@ -214,22 +221,13 @@ ssize_t Engine::send_gather_item(int s, OutItem& it) {
   uint64_t hs = it.head.size();
   if (it.sent < hs) iov[n++] = {it.head.data() + it.sent, hs - it.sent};
   n = gather_iov(it.gather, it.gather_at, it.gather_off, iov, n, kGatherIov);
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = n;
-  while (true) {
-    ssize_t w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-    if (w >= 0) {
-      uint64_t head_part = it.sent < hs ? std::min<uint64_t>(hs - it.sent, static_cast<uint64_t>(w)) : 0;
-      gather_advance(it.gather, &it.gather_at, &it.gather_off, static_cast<uint64_t>(w) - head_part);
-      it.sent += static_cast<uint64_t>(w);
-      return w;
-    }
-    if (errno == EINTR) continue;
-    if (errno == EAGAIN || errno == EWOULDBLOCK) return 0;
-    lose(peer_of(s), "writing to its connection" + conn_name(s) + " failed: " + errno_text(errno));
-    return -1;
+  ssize_t w = send_iov(s, iov, n);
+  if (w > 0) {
+    uint64_t head_part = it.sent < hs ? std::min<uint64_t>(hs - it.sent, static_cast<uint64_t>(w)) : 0;
+    gather_advance(it.gather, &it.gather_at, &it.gather_off, static_cast<uint64_t>(w) - head_part);
+    it.sent += static_cast<uint64_t>(w);
   }
+  return w;
 }
 
 // The plain frames queued behind the front item of slot s (with mu_ held): sent with it in one
@@ -257,18 +255,8 @@ ssize_t Engine::send_gathered(int s, const std::vector<OutItem*>& items) {
     uint64_t off = it->sent > hs ? it->sent - hs : 0;
     if (it->len > off) iov[n++] = {const_cast<uint8_t*>(it->data) + off, it->len - off};
   }
-  msghdr mh{};
-  mh.msg_iov = iov;
-  mh.msg_iovlen = n;
-  ssize_t w;
-  do {
-    w = ::sendmsg(conns_->send[s].get(), &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
-  } while (w < 0 && errno == EINTR);
-  if (w < 0 && (errno == EAGAIN || errno == EWOULDBLOCK)) return 0;
-  if (w < 0) {
-    lose(peer_of(s), "writing to its connection" + conn_name(s) + " failed: " + errno_text(errno));
-    return -1;
-  }
+  ssize_t w = send_iov(s, iov, n);
+  if (w <= 0) return w;
   uint64_t left = static_cast<uint64_t>(w);
   for (OutItem* it : items) {  // the bytes sent, item by item
     uint64_t step = std::min(left, it->total() - it->sent);

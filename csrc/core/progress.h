@@ -15,6 +15,7 @@
 #pragma once
 
 #include <poll.h>
+#include <sys/uio.h>
 
 #include <atomic>
 #include <chrono>
@@ -257,6 +258,7 @@ class Engine : public Outbox {
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
   ssize_t send_gather_item(int s, OutItem& item);  // a batch of host writes (OutItem::gather)
+  ssize_t send_iov(int s, iovec* iov, int n);  // one non-blocking sendmsg (progress.cc)
   // Frames queued behind the front one go with it in one sendmsg (progress.cc), up to these.
   static constexpr int kGatherIov = 64;
   static constexpr uint64_t kGatherBytes = 1ull << 20;
