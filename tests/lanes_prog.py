@@ -2,6 +2,7 @@
 
     python tests/lanes_prog.py --rank R --uid-file F [--make-uid] [--lanes 4] [--size 8M bytes]
                                [--count 4] [--op-timeout 30] [--die-after-queue | --die-on-bytes]
+                               [--go-file G]
 
 Both ranks build a 2-rank mesh (tcp forced by the caller's FLAGCX_MESH_TRANSPORT=tcp, lanes by
 FLAGCX_MESH_TCP_LANES), check that the mesh uses --lanes, then for round i = 1..count rank 0
@@ -10,12 +11,19 @@ rank 1 waits for the signal, checks every byte and signals back; at the end rank
 window back and checks it. Every wait is bounded by --op-timeout. It prints exactly one line
 ``RESULT {json}``:
 
-    {"rank", "ok": true, "lanes", "rounds", "elapsed"}
-    {"rank", "ok": false, "type", "peer", "message", "signal", "rounds", "elapsed"}
+    {"rank", "ok": true, "lanes", "rounds", "elapsed", "built_at", "round_at"}
+    {"rank", "ok": false, "type", "peer", "message", "signal", "rounds", "elapsed", ...}
 
-A mismatch is {"ok": false, "type": "Mismatch", ...}. Fault injection: --die-after-queue
-(rank 0) SIGKILLs itself right after queuing 8 striped puts and a put_signal (count and size
-as given), --die-on-bytes (rank 1) SIGKILLs itself once the first bytes of those landed.
+(built_at: seconds from the start to the mesh built and past the first barrier; round_at: to
+the end of each round.)
+
+A mismatch is {"ok": false, "type": "Mismatch", ...}. With --go-file G each rank, once its
+mesh is built (every lane connected and wiring-checked) and past the first barrier, creates
+G.built<rank> and starts the transfer only once G exists (waiting at most --op-timeout): the
+caller can break the link under the transfer without touching the build (tests/netns_faults.py
+one_transfer). Fault injection: --die-after-queue (rank 0) SIGKILLs itself right after queuing
+8 striped puts and a put_signal (count and size as given), --die-on-bytes (rank 1) SIGKILLs
+itself once the first bytes of those landed.
 """
 
 from __future__ import annotations
@@ -65,6 +73,7 @@ def main() -> int:
     p.add_argument("--op-timeout", type=float, default=30.0)
     p.add_argument("--die-after-queue", action="store_true")
     p.add_argument("--die-on-bytes", action="store_true")
+    p.add_argument("--go-file", default=None, help="report built as GO_FILE.built<rank>, then wait for GO_FILE")
     a = p.parse_args()
     t0 = time.monotonic()
     out = {"rank": a.rank, "rounds": 0}
@@ -77,6 +86,15 @@ def main() -> int:
         src = m.register_window(np.zeros(a.size, np.uint8))
         m.signal_window(2)
         m.barrier(timeout=a.op_timeout)
+        out["built_at"] = time.monotonic() - t0
+        if a.go_file:
+            with open(f"{a.go_file}.built{a.rank}", "w"):
+                pass
+            go_by = time.monotonic() + a.op_timeout
+            while not os.path.exists(a.go_file):
+                if time.monotonic() > go_by:
+                    raise SystemExit(f"lanes_prog: {a.go_file} did not appear within {a.op_timeout} s")
+                time.sleep(0.005)
         s = np.frombuffer(src.buffer, np.uint8)
         d = np.frombuffer(dst.buffer, np.uint8)
         if a.die_after_queue or a.die_on_bytes:
@@ -108,6 +126,7 @@ def main() -> int:
                         raise AssertionError(f"round {i}: byte {bad} differs")
                     m.signal(0, 1, 1)
                 out["rounds"] = i
+                out.setdefault("round_at", []).append(round(time.monotonic() - t0, 2))
             if a.rank == 0:
                 back = np.frombuffer(src.buffer, np.uint8)
                 back[:] = 0

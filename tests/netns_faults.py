@@ -148,27 +148,79 @@ def _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, settle, 
 LANES_PROG = os.path.join(HERE, "lanes_prog.py")
 
 
+RTO_MAX_MS = 5000  # TCP's retransmission timeout cap in the namespaces, where the kernel has one (>= 6.15)
+
+
+def set_rto_max(hosts: Dict[str, Host], ms: int) -> Optional[int]:
+    """Sets TCP's retransmission timeout cap to `ms` in both namespaces (their own
+    net.ipv4.tcp_rto_max_ms, Linux >= 6.15; 120000 by default) and returns the value it had, or
+    None where the kernel has no such knob (then nothing is changed)."""
+    ns = hosts["A"][0]
+    r = _run("ip", "netns", "exec", ns, "cat", "/proc/sys/net/ipv4/tcp_rto_max_ms", check=False)
+    if r.returncode != 0 or not r.stdout.strip().isdigit():
+        return None
+    for ns, _, _ in hosts.values():
+        _run("ip", "netns", "exec", ns, "sysctl", "-qw", f"net.ipv4.tcp_rto_max_ms={ms}")
+    return int(r.stdout.strip())
+
+
 def one_transfer(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: float, lanes: int = 4,
                  size: int = 4 << 20, count: int = 3) -> List[dict]:
     """Rank 0 on A, rank 1 on B (tests/lanes_prog.py): `count` striped put_signals of `size`
     bytes over `lanes` tcp lanes, each checked byte for byte, then a get back; `loss` % of the
-    packets dropped all along, and (blackhole > 0) every packet dropped for that long once
-    both processes run. Returns both ranks' RESULT (plus "wall")."""
+    packets dropped all along (the build too). Returns both ranks' RESULT (plus "wall").
+
+    With blackhole > 0 the link dies (every packet dropped) for that long once both ranks are
+    built with every lane connected, and the transfer starts inside it (lanes_prog --go-file):
+    the blackhole always hits the striped puts, and never the lanes' connection setup. (It used
+    to start 0.5 s after the uid file appeared, on a loaded 2-core VM often mid-build: a lane
+    whose SYN crossed the blackhole measured an RTT of ~2.5 s and started with an RTO of ~9 s,
+    which one or two retransmissions lost to the 10 % loss turned into a stall of the striped
+    put past the 30 s op timeout, a MeshTimeout naming no peer.)
+
+    TCP's backoff is bounded too. A connection that sent into a 2 s blackhole has doubled its
+    RTO 3 times (0.2 .. 1.6 s) and retries at +3.0, 6.2, 12.6, 25.4, 51 s...; with 10 % of the
+    packets (and of their acks) dropped each retry fails with p ~ 0.19, so 3 failed in a row
+    (~0.7 % a lane, of 4 lanes sending) outlast a 30 s op timeout. So the RTO is capped at 5 s in
+    the namespaces for the transfer (set_rto_max): 30 s then needs 6 failed retries in a row.
+    Where the kernel has no cap, ops get 90 s instead (5 in a row, ~0.1 % a run)."""
     set_drop(hosts, loss)
+    old = set_rto_max(hosts, RTO_MAX_MS) if blackhole > 0 else None
+    op_timeout = timeout if blackhole <= 0 or old is not None else max(timeout, 90.0)
+    try:
+        return _transfer(hosts, loss, blackhole, timeout, op_timeout, lanes, size, count)
+    finally:
+        if old is not None:
+            set_rto_max(hosts, old)  # the builds share the namespaces
+
+
+def _transfer(hosts, loss, blackhole, timeout, op_timeout, lanes, size, count) -> List[dict]:
     with tempfile.TemporaryDirectory() as tmp:
-        uid_file = os.path.join(tmp, "uid")
+        uid_file, go_file = os.path.join(tmp, "uid"), os.path.join(tmp, "go")
         procs, t0 = [], time.monotonic()
         for rank, (ns, ifname, _) in enumerate((hosts["A"], hosts["B"])):
             cmd = ["ip", "netns", "exec", ns, sys.executable, LANES_PROG, "--rank", str(rank), "--uid-file", uid_file,
                    "--lanes", str(lanes), "--size", str(size), "--count", str(count), "--timeout", str(timeout),
-                   "--op-timeout", str(timeout)]
+                   "--op-timeout", str(op_timeout), "--go-file", go_file]
             if rank == 0:
                 cmd.append("--make-uid")
             env = subprocess_env({"FLAGCX_MESH_IFNAME": ifname, "FLAGCX_MESH_TRANSPORT": "tcp",
                                   "FLAGCX_MESH_TCP_LANES": str(lanes)})
             procs.append(subprocess.Popen(cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        # after 0.5 s the build is done or nearly: the link dies under the transfer
-        return _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, 0.5, 3 * timeout + 30)
+        # Both built (or one exited: its RESULT says why), bounded by the build deadline.
+        built = [f"{go_file}.built{rank}" for rank in range(2)]
+        while (not all(os.path.exists(b) for b in built) and all(p.poll() is None for p in procs)
+               and time.monotonic() - t0 < timeout + op_timeout + 10):
+            time.sleep(0.005)
+        if blackhole > 0:
+            set_drop(hosts, 100)
+        with open(go_file, "w"):
+            pass
+        if blackhole > 0:
+            time.sleep(blackhole)
+            set_drop(hosts, loss)
+        # the blackhole is over: the RESULTs (one op times out, then its peer is lost at once)
+        return _blackhole_and_collect(hosts, procs, uid_file, t0, loss, 0.0, 0.0, timeout + 2 * op_timeout + 30)
 
 
 def verdict(results: List[dict], timeout: float) -> str:
