@@ -51,7 +51,7 @@ struct Connection::Batch {
   cuda::CopyBatch copies;
   cuda::StagedBatch staged;
   tcp::BlockBatch blocks;
-  bool tcp_batch = tcp_batch_env() != "off";  // FLAGCX_MESH_TCP_BATCH, read once a call
+  bool tcp_batch = tcp_batch_wanted();  // FLAGCX_MESH_TCP_BATCH, read once a call
   bool is_read;
   bool single;
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)

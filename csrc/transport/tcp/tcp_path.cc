@@ -1,5 +1,9 @@
 #include "transport/tcp/tcp_path.h"
 
+#include <mutex>
+
+#include "base/env.h"
+#include "base/log.h"
 #include "transport/tcp/block_batch.h"
 
 namespace fxm {
@@ -28,6 +32,16 @@ Queued TcpPath::queue_blocks(const PathOp& op, bool is_get, tcp::BlockBatch* bat
     return Queued::kNo;
   }
   return batch->add(op, win_) ? Queued::kYes : Queued::kBatchFirst;
+}
+
+bool tcp_batch_wanted() {
+  std::string v = tcp_batch_env();
+  if (v == "off") return false;
+  if (!v.empty() && v != "auto") {
+    static std::once_flag told;
+    std::call_once(told, [&] { FXM_WARN(-1, "FLAGCX_MESH_TCP_BATCH=" + v + " is neither auto nor off: taken as auto"); });
+  }
+  return true;
 }
 
 std::unique_ptr<Path> make_tcp_path(const PathRequest& req, const WindowDesc& d, std::string*) {

@@ -28,6 +28,10 @@ class TcpPath : public Path {
   bool host_target_;  // the peer's window is host memory: large puts may be striped over lanes
 };
 
+// FLAGCX_MESH_TCP_BATCH: whether a call's small tcp writes between host memories go as one frame
+// (block_batch.h): "off" no; "auto" (or unset) yes; another value yes, warned once.
+bool tcp_batch_wanted();
+
 std::unique_ptr<Path> make_tcp_path(const PathRequest& req, const WindowDesc& d, std::string* why);
 
 }  // namespace fxm
