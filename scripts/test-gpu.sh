@@ -5,7 +5,7 @@
 # the package, for the fake-driver tests), then runs tests/test_gpu.py (real GPU), the
 # fake-driver tests, device memory over the ucx path (tests/ucx_device_prog.py, when a CUDA-enabled libucx is installed), 4 ranks of staged random traffic (its figures in staged-traffic-4.log), `bench put --device cuda`, `bench stream-wait`, `bench notify --device cuda`,
 # the P2P engine form's connector sequence on CUDA tensors (tests/p2p_prog.py), agents with CUDA tensors between two
-# processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), batched device copies (tests/agent_batch_prog.py all), the PD example and the vLLM connector's transfer part on the GPU; every
+# processes (tests/agent_device_prog.py pair), stream waits on notifications (tests/agent_stream_wait_prog.py all), batched device copies (tests/agent_batch_prog.py all), the PD example and the vLLM connector's transfer part on the GPU, a write_blocks call's issue and wait (tests/write_blocks_probe.py); every
 # log and the JSON figures go to LOG_DIR. Exit status: 0 only when every step passed.
 set -u
 cd "$(dirname "$0")/.."
@@ -62,6 +62,9 @@ step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --d
 # one request's KV (8B-model shape) through the connector's transfer part, beside a contiguous
 # agent write of the same bytes, on every device path and on host memory
 step bench-kv-cuda "$py" -m flagcx_mesh.bench kv --device cuda --json "$logs/bench-kv-cuda.json"
+# one call of a request's blocks split in its issue and its wait (with and without a notification;
+# 64 KiB, 16 KiB and 16-byte blocks), and notify alone: where the push's time goes
+step write-blocks-probe "$py" tests/write_blocks_probe.py --device cuda
 step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/bench-kv-host.json"
 # agents on GPU memory per device path, beside Mooncake TE and NIXL where their CUDA wheels are
 # importable (PYTHONPATH); a peer that is not is printed NOT RUN with its reason
