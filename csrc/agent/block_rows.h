@@ -24,7 +24,6 @@ class BlockRows {
   // below `src_blocks` / `dst_blocks`. Throws InvalidArgument on inconsistent shapes.
   BlockRows(std::vector<BlockLayer> layers, std::vector<int64_t> src_runs, std::vector<int64_t> dst_runs,
             int64_t size, bool dense, int64_t src_blocks, int64_t dst_blocks);
-  size_t layers() const { return layers_.size(); }
   // The rows of blocks src[k] -> dst[k] (k < n), layer after layer, each layer's block by block,
   // each block's run by run, into *out (5 values a row). False (out untouched) when an id is not
   // below its side's block count.

@@ -157,19 +157,6 @@ int gather_iov(const ScatterList& pieces, size_t at, uint64_t off, iovec* iov, i
   return n;
 }
 
-// Moves a gathered payload's cursor (piece *at, byte *off of it) past `bytes` sent.
-void gather_advance(const ScatterList& pieces, size_t* at, uint64_t* off, uint64_t bytes) {
-  while (bytes > 0 && *at < pieces.size()) {
-    uint64_t step = std::min(bytes, pieces[*at].second - *off);
-    *off += step;
-    bytes -= step;
-    if (*off == pieces[*at].second) {
-      ++*at;
-      *off = 0;
-    }
-  }
-}
-
 }  // namespace
 
 ssize_t Engine::send_item(int s, OutItem& it) {
@@ -224,7 +211,7 @@ ssize_t Engine::send_gather_item(int s, OutItem& it) {
   ssize_t w = send_iov(s, iov, n);
   if (w > 0) {
     uint64_t head_part = it.sent < hs ? std::min<uint64_t>(hs - it.sent, static_cast<uint64_t>(w)) : 0;
-    gather_advance(it.gather, &it.gather_at, &it.gather_off, static_cast<uint64_t>(w) - head_part);
+    advance_pieces(it.gather, &it.gather_at, &it.gather_off, static_cast<uint64_t>(w) - head_part);
     it.sent += static_cast<uint64_t>(w);
   }
   return w;
@@ -285,28 +272,31 @@ void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
-void Engine::post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
-                             std::vector<wire::BlockEntry> blocks) {
+// A kPutBlocks frame's item: its headers and block list (the list goes with the headers, before
+// the `bytes` of the blocks, which the caller attaches as its payload).
+Engine::OutItem Engine::blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes) {
   wire::BlocksHeader h;
   h.count = static_cast<uint32_t>(blocks.size());
-  h.bytes = payload->len();
+  h.bytes = bytes;
   uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
-  OutItem it{frame(FrameType::kPutBlocks, &h, list + h.bytes), nullptr, h.bytes, 0, 0};
+  OutItem it{frame(FrameType::kPutBlocks, &h, list + bytes), nullptr, bytes, 0, 0};
   const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
-  it.head.insert(it.head.end(), raw, raw + list);  // the list goes with the headers, before the bytes
+  it.head.insert(it.head.end(), raw, raw + list);
+  return it;
+}
+
+void Engine::post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+                             std::vector<wire::BlockEntry> blocks) {
+  OutItem it = blocks_item(blocks, payload->len());
   payload->set_waker([this] { wake(); });
   it.staged = std::move(payload);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
 void Engine::post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, ScatterList sources) {
-  wire::BlocksHeader h;
-  h.count = static_cast<uint32_t>(blocks.size());
-  for (const wire::BlockEntry& b : blocks) h.bytes += b.len;
-  uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
-  OutItem it{frame(FrameType::kPutBlocks, &h, list + h.bytes), nullptr, h.bytes, 0, 0};
-  const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
-  it.head.insert(it.head.end(), raw, raw + list);  // the list goes with the headers, before the bytes
+  uint64_t bytes = 0;
+  for (const wire::BlockEntry& b : blocks) bytes += b.len;
+  OutItem it = blocks_item(blocks, bytes);
   it.gather = std::move(sources);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }

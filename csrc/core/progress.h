@@ -258,6 +258,7 @@ class Engine : public Outbox {
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
   ssize_t send_gather_item(int s, OutItem& item);  // a batch of host writes (OutItem::gather)
+  OutItem blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes);  // a kPutBlocks frame's head
   ssize_t send_iov(int s, iovec* iov, int n);  // one non-blocking sendmsg (progress.cc)
   // Frames queued behind the front one go with it in one sendmsg (progress.cc), up to these.
   static constexpr int kGatherIov = 64;

@@ -54,7 +54,6 @@ std::string block_words(const std::vector<wire::BlockEntry>& blocks, size_t i, b
 // Every block before any byte lands (or is read); the windows named stay entered until the frame
 // ends (reset()); in.scatter gets each block's place in its window.
 std::string Engine::check_blocks(InConn& in, bool land) {
-  int device = -1;
   uint64_t sum = 0;
   in.block_windows.assign(in.blocks.size(), nullptr);
   auto places = std::make_shared<ScatterList>();
@@ -81,11 +80,10 @@ std::string Engine::check_blocks(InConn& in, bool land) {
                            : ": device memory here, the batch's blocks before it host memory");
     }
     if (host && !land) return words + ": host memory here (staged reads come from device memory)";
-    if (!host && device >= 0 && w->device != device) {
+    if (!host && w->device != in.device) {
       return words + ": on device " + std::to_string(w->device) + ", the batch's blocks before it on device " +
-             std::to_string(device);
+             std::to_string(in.device);
     }
-    if (!host) device = w->device;
     if (b.off > w->size || b.len > w->size - b.off) {
       return words + ": out of range (" + std::to_string(w->size) + " bytes here)";
     }
@@ -98,8 +96,8 @@ std::string Engine::check_blocks(InConn& in, bool land) {
   if (sum != in.blocks_head.bytes) {
     return op_words(in) + ": its blocks add up to " + std::to_string(sum) + " bytes";
   }
-  if (sum == 0 || device < 0) return "";  // host blocks land in place (host_blocks_spot)
-  std::string failed = take_landing_ring(in, sum, nullptr, device);
+  if (sum == 0 || in.device < 0) return "";  // host blocks land in place (host_blocks_spot)
+  std::string failed = take_landing_ring(in, sum, nullptr, in.device);
   return failed.empty() ? "" : op_words(in) + ": " + failed;
 }
 
@@ -141,17 +139,8 @@ uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
 // the count the cursor (block_at, block_off) stands at.
 uint8_t* Engine::host_blocks_spot(InConn& in, uint64_t received, size_t* want) {
   const ScatterList& places = *in.scatter;
-  uint64_t step = received - in.landed;
+  advance_pieces(places, &in.block_at, &in.block_off, received - in.landed);
   in.landed = received;
-  while (in.block_at < places.size() && (step > 0 || places[in.block_at].second == in.block_off)) {
-    uint64_t take = std::min(step, places[in.block_at].second - in.block_off);
-    in.block_off += take;
-    step -= take;
-    if (in.block_off == places[in.block_at].second) {
-      ++in.block_at;
-      in.block_off = 0;
-    }
-  }
   if (in.block_at == places.size()) return nullptr;  // (no byte is left to come)
   in.io_window = in.block_windows[in.block_at];  // each read into it counted in its io (read_some)
   const auto& [at, len] = places[in.block_at];

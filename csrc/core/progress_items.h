@@ -4,6 +4,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cstring>
 #include <memory>
@@ -17,6 +18,20 @@
 #include "transport/cuda/streams.h"
 
 namespace fxm {
+
+// Moves a cursor over pieces (piece *at, byte *off of it) past `bytes`, and past the empty pieces
+// it then stands on: a batch's payload as it is sent (OutItem::gather) or lands (host blocks).
+inline void advance_pieces(const ScatterList& pieces, size_t* at, uint64_t* off, uint64_t bytes) {
+  while (*at < pieces.size() && (bytes > 0 || pieces[*at].second == *off)) {
+    uint64_t step = std::min(bytes, pieces[*at].second - *off);
+    *off += step;
+    bytes -= step;
+    if (*off == pieces[*at].second) {
+      ++*at;
+      *off = 0;
+    }
+  }
+}
 
 struct Engine::OutItem {
   std::vector<uint8_t> head;      // frame header + op header (+ owned payload)

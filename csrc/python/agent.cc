@@ -280,6 +280,13 @@ PyHandle transfer(const py::handle& self, Connection& c, const py::list& ops, bo
   return PyHandle(issue(c, xs, is_read, notif, stream), self);
 }
 
+// A buffer's struct format without its byte-order prefix ('<', '=', '@': this host's order).
+std::string native_format(const py::buffer_info& b) {
+  std::string f = b.format;
+  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f.erase(0, 1);
+  return f;
+}
+
 // A one-dimensional, contiguous buffer of int64 block ids (array.array('q'), a ctypes array); the
 // object passed keeps the memory for the call.
 struct Ids {
@@ -289,8 +296,7 @@ struct Ids {
 };
 Ids ids_arg(const py::buffer& ids, const char* which) {
   Ids out{ids.request()};
-  std::string f = out.info.format;
-  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f.erase(0, 1);
+  std::string f = native_format(out.info);
   const py::buffer_info& b = out.info;
   if (b.itemsize != 8 || (f != "q" && f != "l") || b.ndim != 1 || (b.shape[0] > 1 && b.strides[0] != 8)) {
     fxm::fail(fxm::Code::kInvalidArgument, -1, 0, std::string("block rows: ") + which +
@@ -334,8 +340,7 @@ struct TableView {
 };
 
 TableView table_view(const py::buffer_info& b) {
-  std::string f = b.format;
-  if (!f.empty() && (f[0] == '<' || f[0] == '=' || f[0] == '@')) f.erase(0, 1);  // little-endian here
+  std::string f = native_format(b);
   bool eight = b.itemsize == 8 && (f == "q" || f == "Q" || f == "l" || f == "L");
   if (!eight || b.ndim != 2 || (b.shape[1] != 3 && b.shape[1] != 5)) {
     fxm::fail(fxm::Code::kInvalidArgument, -1, 0,
