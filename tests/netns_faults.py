@@ -115,8 +115,12 @@ def one_build(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: floa
                 cmd.append("--make-uid")
             procs.append(subprocess.Popen(cmd, env=subprocess_env({"FLAGCX_MESH_IFNAME": ifname}), text=True,
                                           stdout=subprocess.PIPE, stderr=subprocess.PIPE))
-        # the root is up and rank 0 is in the build: the link dies for a while
-        return _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, 0.0, timeout + 30)
+        # the root is up and rank 0 is in the build: the link dies for a while. A rank is "hung"
+        # only past the build's deadline plus the root's exit wait, also up to `timeout`
+        # (bootstrap/exit_wait.cc: rank 0's process hosts the root and, at exit, waits for the
+        # ranks still connected to it); at timeout + 30 a root whose build ended near its
+        # deadline was killed mid-wait and called hung.
+        return _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, 0.0, 2 * timeout + 30)
 
 
 def _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, settle, bound) -> List[dict]:
