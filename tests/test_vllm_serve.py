@@ -24,7 +24,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 import urllib.error
 from concurrent.futures import ThreadPoolExecutor
 
@@ -36,7 +35,8 @@ if importlib.util.find_spec("vllm") is None or shutil.which("vllm", path=os.path
     pytest.skip("vllm is not installed (scripts/test.sh's vllm serve stage runs these)", allow_module_level=True)
 
 from meshutil import REPO_ROOT
-from vllm_serve import HTTP_TIMEOUT, Server, complete, get, kv_config, metric, output_ids, serve_argv, write_tiny_model
+from vllm_serve import (HTTP_TIMEOUT, Server, complete, get, kv_config, metric, metrics_when, output_ids, serve_argv,
+                        write_tiny_model)
 
 pytestmark = pytest.mark.timeout(900)
 
@@ -148,12 +148,16 @@ def test_pd_outputs_equal_a_plain_instance_with_concurrent_requests(pd):
     assert output_ids(complete(pd.prefill.url, other_first, MAX_TOKENS)) != want[4]
     before = get(pd.decode.url + "/metrics")
     assert through_proxy(pd, ps) == want, pd.connector_lines()
-    after = get(pd.decode.url + "/metrics")
     name = "vllm:prompt_tokens_by_source_total"
-    external = metric(after, name, source="external_kv_transfer") - metric(before, name, source="external_kv_transfer")
-    local = metric(after, name, source="local_compute") - metric(before, name, source="local_compute")
+
+    def added(text, source):
+        return metric(text, name, source=source) - metric(before, name, source=source)
+
     # every prompt token but each prompt's last (vLLM computes that one again on the decode) came from the prefill
-    assert external >= sum(PROMPT_LENGTHS) - len(ps), (external, local, pd.connector_lines())
+    expected = sum(PROMPT_LENGTHS) - len(ps)
+    after = metrics_when(pd.decode.url, lambda t: added(t, "external_kv_transfer") >= expected)
+    external, local = added(after, "external_kv_transfer"), added(after, "local_compute")
+    assert external >= expected, (external, local, pd.connector_lines())
     assert local <= len(ps), (external, local, pd.connector_lines())
 
 
@@ -161,12 +165,8 @@ def test_connector_stats_in_metrics(pd):
     ps = prompts()[:2]
     for p in ps:
         complete(pd.proxy.url, p, 2)
-    deadline = time.monotonic() + 60  # the stats reach the metrics with the engines' next steps
-    while True:
-        pre, dec = get(pd.prefill.url + "/metrics"), get(pd.decode.url + "/metrics")
-        if metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps) or time.monotonic() > deadline:
-            break
-        time.sleep(1)
+    dec = metrics_when(pd.decode.url, lambda t: metric(t, "vllm:flagcx_mesh_fetches_done_total") >= len(ps))
+    pre = metrics_when(pd.prefill.url, lambda t: metric(t, "vllm:flagcx_mesh_pushes_total") >= len(ps))
     assert metric(pre, "vllm:flagcx_mesh_pushes_total") >= len(ps), pd.connector_lines()
     assert metric(pre, "vllm:flagcx_mesh_bytes_pushed_total") > 0
     assert metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps)
@@ -200,8 +200,8 @@ def test_prefill_killed_while_a_decode_fetches_ends_in_recompute(pd):
     assert not t.is_alive(), "the decode's request hung after its prefill was killed"
     assert "answer" in result, (result, pd.connector_lines())
     assert output_ids(result["answer"]) == want, pd.connector_lines()  # recomputed on the decode
-    dec = get(pd.decode.url + "/metrics")
-    assert metric(dec, "vllm:flagcx_mesh_fetches_failed_total") >= 1
+    dec = metrics_when(pd.decode.url, lambda t: metric(t, "vllm:flagcx_mesh_fetches_failed_total") >= 1)
+    assert metric(dec, "vllm:flagcx_mesh_fetches_failed_total") >= 1, pd.connector_lines()
 
 
 def test_a_prefill_of_another_block_size_is_refused_and_the_decode_computes(pd):
@@ -234,21 +234,15 @@ def test_decode_killed_with_a_request_in_flight_fails_it_and_the_prefill_release
 
     t = threading.Thread(target=through_proxy, daemon=True)
     t.start()
-    deadline = time.monotonic() + 60  # until the prefill has served its part and holds the blocks
-    while metric(get(pd.prefill.url + "/metrics"), "vllm:request_success_total") <= served_before \
-            and time.monotonic() < deadline:
-        time.sleep(0.5)
+    # until the prefill has served its part and holds the blocks
+    metrics_when(pd.prefill.url, lambda t: metric(t, "vllm:request_success_total") > served_before)
     pd.decode.signal(signal.SIGKILL)
     t.join(HTTP_TIMEOUT + 10)
     assert not t.is_alive(), "the request hung after its decode was killed"
     assert "answer" not in result and result.get("status", 0) >= 500, result
-    deadline = time.monotonic() + HOLD_TIMEOUT + 60
-    while True:
-        released = metric(get(pd.prefill.url + "/metrics"), "vllm:flagcx_mesh_released_expired_total")
-        if released >= 1 or time.monotonic() > deadline:
-            break
-        time.sleep(1)
-    assert released >= 1, pd.connector_lines()
+    name = "vllm:flagcx_mesh_released_expired_total"
+    pre = metrics_when(pd.prefill.url, lambda t: metric(t, name) >= 1, timeout=HOLD_TIMEOUT + 60)
+    assert metric(pre, name) >= 1, pd.connector_lines()
     assert len(output_ids(complete(pd.prefill.url, p, MAX_TOKENS))) == MAX_TOKENS  # it still serves
 
 
@@ -261,13 +255,15 @@ def test_pd_at_another_block_size_outputs_equal_a_plain_instance(pd):
     replace_decode(pd, "decode-64", kv_config("kv_consumer", fetch_timeout=60, connect_timeout=20), "proxy-64")
     ps = prompts()
     want = plain_outputs(pd, ps)
-    fetched = metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total")
+    name = "vllm:flagcx_mesh_fetches_done_total"
+    fetched = metric(get(pd.decode.url + "/metrics"), name)
     assert through_proxy(pd, ps) == want, pd.connector_lines()
-    assert metric(get(pd.decode.url + "/metrics"), "vllm:flagcx_mesh_fetches_done_total") - fetched >= len(ps)
+    dec = metrics_when(pd.decode.url, lambda t: metric(t, name) - fetched >= len(ps))
+    assert metric(dec, name) - fetched >= len(ps), pd.connector_lines()
 
 
-def external_tokens(url) -> float:
-    return metric(get(url + "/metrics"), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+def external_tokens(text) -> float:
+    return metric(text, "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
 
 
 def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd):
@@ -287,7 +283,9 @@ def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd
                                                connect_timeout=STALL_PROOF_TIMEOUT), "proxy-tp2", tp=2)
     ps = prompts()
     want = plain_outputs(pd, ps)
-    before = external_tokens(pd.decode.url)
+    before = external_tokens(get(pd.decode.url + "/metrics"))
     assert through_proxy(pd, ps) == want, pd.connector_lines()
-    assert external_tokens(pd.decode.url) - before >= sum(PROMPT_LENGTHS) - len(ps), pd.connector_lines()
+    expected = sum(PROMPT_LENGTHS) - len(ps)
+    after = metrics_when(pd.decode.url, lambda t: external_tokens(t) - before >= expected)
+    assert external_tokens(after) - before >= expected, pd.connector_lines()
     assert "2 lines" in pd.decode.matching_lines("registered 2 layers"), pd.connector_lines()  # one agent a rank

@@ -167,3 +167,15 @@ def metric(text: str, name: str, **labels: str) -> float:
         if all(have.get(k) == v for k, v in labels.items()):
             total += float(m.group(3))
     return total
+
+
+def metrics_when(url: str, ready, timeout: float = 60.0) -> str:
+    """The server's /metrics text once ``ready(text)`` holds, or the last one read at ``timeout``:
+    a step's connector stats reach the metrics after the step's outputs (a client can have its
+    answer before the counters of the steps that made it are recorded)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        text = get(url + "/metrics")
+        if ready(text) or time.monotonic() > deadline:
+            return text
+        time.sleep(0.5)
