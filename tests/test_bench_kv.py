@@ -29,7 +29,11 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
             f = row["tokens"][tokens]
             assert f["bytes"] == int(tokens) * 3 * 2 * 2 * 16 * 2  # tokens x layers x heads x (K, V) x head x bf16
             assert f["kv_ms"] > 0 and f["contiguous_ms"] > 0 and f["batch_ms"] > 0
+            kernel = {k for k in f if k.startswith("kernel_")}
+            assert kernel == ({"kernel_scattered_ms", "kernel_contiguous_ms"} if path == "cma" else set())
+            assert all(f[k] > 0 for k in kernel)
     assert "KV/contig" in r.stdout and "batch/contig" in r.stdout
+    assert r.stdout.count("the kernel alone (process_vm_writev") == 2  # cma's two request sizes
     assert list(scratch.iterdir()) == []  # each path's exchange folder removed
     assert "peers" not in data and "peers," not in r.stdout
 
@@ -54,3 +58,27 @@ def test_bench_kv_sets_the_peers_beside_the_request(tmp_path):
             assert f"{name} NOT RUN: {f['error']}" in r.stdout
         else:
             assert f["ms"] > 0 and f"{name} " in r.stdout
+
+
+def test_the_kernel_reference_writes_every_span_where_it_says():
+    """bench/_rawcma.py, the kernel-alone reference over cma: each (local, remote, bytes) span lands
+    at its remote address, more spans than one call takes included; a span it cannot write is an
+    OSError, not a figure."""
+    import ctypes
+
+    from flagcx_mesh.bench import _rawcma
+
+    n, size = _rawcma.IOV_MAX + 5, 64
+    src = (ctypes.c_uint8 * (n * size)).from_buffer_copy(bytes(i % 251 for i in range(n * size)))
+    dst = (ctypes.c_uint8 * (2 * n * size))()
+    s0, d0 = ctypes.addressof(src), ctypes.addressof(dst)
+    spans = [(s0 + i * size, d0 + (2 * (n - 1 - i) + 1) * size, size) for i in range(n)]  # reversed, gaps between
+    calls = _rawcma.prepare(spans)
+    assert len(calls) == 2
+    assert _rawcma.write_seconds(os.getpid(), calls) > 0
+    for i in range(n):
+        at = (2 * (n - 1 - i) + 1) * size
+        assert bytes(dst[at:at + size]) == bytes(src[i * size:(i + 1) * size]), i
+        assert bytes(dst[at - size:at]) == bytes(size)  # the gap before it untouched
+    with pytest.raises(OSError, match="process_vm_writev moved"):
+        _rawcma.write_seconds(os.getpid(), _rawcma.prepare([(s0, 4096, size)]))  # nothing mapped at 4096

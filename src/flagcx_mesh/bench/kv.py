@@ -26,7 +26,10 @@ tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged). With --peers (
 nixl,mooncake), NIXL and Mooncake TE move the same blocks (one batch of blocks x layers blocks of a
 layer's block bytes, scattered) through `bench agent`'s harness, started by this run after the
 paths (kv_peers.py): their ms per request beside the KV request's; a peer not installed is
-printed NOT RUN with its reason.
+printed NOT RUN with its reason. Over cma, the kernel alone too (_rawcma.py): the batch's blocks
+and the contiguous write's layers as iovecs of straight `process_vm_writev` calls between the same
+two buffers, median of --reps; its blocks / contiguous is what the kernel's page pinning per
+iovec leaves to any library on that machine.
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ import tempfile
 import time
 from typing import Dict, List
 
-from . import kv_peers
+from . import _rawcma, kv_peers
 from ._plot import save_plot
 from ._ranks import save_json
 
@@ -121,9 +124,9 @@ def decode(args) -> int:
 
     x = KVTransfer("bench-kv-decode", _caches(torch, args), _blocks(args), secret=SECRET)
     plain = Agent("bench-kv-plain-decode", SECRET)
-    _buf, region = _plain_pair_region(torch, args, plain)
-    _publish(args.dir, "decode.json", json.dumps({"plain": plain.metadata().hex(),
-                                                  "region": region.descriptor.hex()}).encode())
+    buf, region = _plain_pair_region(torch, args, plain)
+    _publish(args.dir, "decode.json", json.dumps({"plain": plain.metadata().hex(), "region": region.descriptor.hex(),
+                                                  "pid": os.getpid(), "addr": buf.data_ptr()}).encode())
     md = _read(args.dir, "prefill.meta")
     times: Dict[str, float] = {}
     rng = random.Random(1)
@@ -189,6 +192,17 @@ def _batch(conn, layers) -> float:
     return time.perf_counter() - t0
 
 
+def _raw_cma(args, pid: int, local_addr: int, remote_addr: int, layers, tokens: int) -> tuple:
+    """Seconds of the kernel alone (_rawcma.py) writing the request's blocks (``layers``, as
+    _batch_ops made them) and the same bytes as one iovec per layer, between the plain agents'
+    buffers of the same two processes."""
+    per_layer = tokens // args.block_size * args.heads * args.block_size * 2 * args.head_size * 2
+    scattered = _rawcma.prepare([(local_addr + op[1], remote_addr + op[3], op[4]) for ops in layers for op in ops])
+    contiguous = _rawcma.prepare([(local_addr + i * per_layer, remote_addr + i * per_layer, per_layer)
+                                  for i in range(args.layers)])
+    return _rawcma.write_seconds(pid, scattered), _rawcma.write_seconds(pid, contiguous)
+
+
 def _sync(torch, args) -> None:
     if args.device == "cuda":
         torch.cuda.synchronize()
@@ -245,7 +259,7 @@ def _measure_path(args, path: str) -> Dict[str, object]:
         plain = Agent("bench-kv-plain-prefill", SECRET)
         _publish(d, "prefill.meta", x.metadata)
         peer = json.loads(_read(d, "decode.json"))
-        _buf, local = _plain_pair_region(torch, args, plain)
+        buf, local = _plain_pair_region(torch, args, plain)
         t0 = time.perf_counter()
         conn = plain.connect(bytes.fromhex(peer["plain"]))
         connect_ms = (time.perf_counter() - t0) * 1e3
@@ -254,13 +268,15 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                                   "register_256MiB_ms": _register_time(torch, args, plain), "tokens": {}}
         rng, i = random.Random(0), 0
         for tokens in args.tokens:
-            kv, ref, bat = [], [], []
+            kv, ref, bat, raw = [], [], [], []
             layers = _batch_ops(args, local, remote, tokens, rng)
             for _ in range(args.reps):
                 kv.append(_request(args, d, x, i, tokens, rng))
                 i += 1
                 ref.append(_contiguous(args, conn, local, remote, tokens))
                 bat.append(_batch(conn, layers))
+                if row["path"] == "cma":
+                    raw.append(_raw_cma(args, peer["pid"], buf.data_ptr(), peer["addr"], layers, tokens))
             nbytes = tokens * args.layers * args.heads * 2 * args.head_size * 2
             k, r, b = statistics.median(kv), statistics.median(ref), statistics.median(bat)
             row["tokens"][str(tokens)] = {"bytes": nbytes, "kv_ms": k * 1e3, "kv_gbs": nbytes / k / 1e9,
@@ -268,6 +284,9 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                                           "batch_ms": b * 1e3, "batch_gbs": nbytes / b / 1e9,
                                           "gather_uint8_ms": _gather_ms(torch, args, tokens, torch.uint8, rng),
                                           "gather_int64_ms": _gather_ms(torch, args, tokens, torch.int64, rng)}
+            if raw:
+                row["tokens"][str(tokens)].update(kernel_scattered_ms=statistics.median(r[0] for r in raw) * 1e3,
+                                                  kernel_contiguous_ms=statistics.median(r[1] for r in raw) * 1e3)
         _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
         if child.wait(timeout=120) != 0:
             raise SystemExit(f"bench kv: the decode process failed (exit {child.returncode})")
@@ -300,6 +319,13 @@ def _report(data: dict, args) -> None:
                   f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}{f['batch_ms']:>10.2f}"
                   f"{f['batch_gbs'] / f['contiguous_gbs']:>14.2f}"
                   f"{f['gather_uint8_ms']:>10.3f}/{f['gather_int64_ms']:<7.3f}{f['gather_uint8_ms'] / f['kv_ms']:>14.2f}")
+    for path, row in data["paths"].items():
+        for tokens, f in row["tokens"].items():
+            if "kernel_scattered_ms" in f:
+                s, c = f["kernel_scattered_ms"], f["kernel_contiguous_ms"]
+                print(f"  {path}, {tokens} tokens, the kernel alone (process_vm_writev, no library): the blocks "
+                      f"{s:.2f} ms, one iovec a layer {c:.2f} ms: blocks / contiguous {c / s:.2f} (the library's "
+                      f"batch/contig {f['batch_gbs'] / f['contiguous_gbs']:.2f})")
 
 
 def plot(data: dict, args) -> bool:
