@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import statistics
 import subprocess
@@ -147,6 +148,65 @@ def _blackhole_and_collect(hosts, procs, uid_file, t0, loss, blackhole, settle, 
     for res in results:
         res["wall"] = time.monotonic() - t0
     return results
+
+
+def listening_ports(ns: str) -> set:
+    """The TCP ports listened on in namespace `ns`."""
+    out = _run("ip", "netns", "exec", ns, "ss", "-ltnH").stdout
+    return {int(line.split()[3].rsplit(":", 1)[1]) for line in out.splitlines() if line.strip()}
+
+
+def drop_counted(ns: str) -> int:
+    """Packets dropped so far by the counted rule of namespace `ns`'s input chain."""
+    out = _run("ip", "netns", "exec", ns, "nft", "list", "chain", "inet", "fxm", "in").stdout
+    return sum(int(n) for n in re.findall(r"counter packets (\d+)", out))
+
+
+def one_late_proof_build(hosts: Dict[str, Host], header_timeout: float, timeout: float) -> Tuple[List[dict], int]:
+    """Rank 0 on A (header_timeout), rank 1 on B, started 3 s later. Once rank 0's mesh listener
+    is up, A drops the segments of rank 1's key proof to it (a 32-byte payload: IP length 84 with
+    TCP timestamps, 72 without) until header_timeout + 1.5 s after the first one dropped, so that
+    every proof of that time lands (resent by TCP) after rank 0's header timeout. Returns every
+    rank's RESULT and the proofs dropped."""
+    set_drop(hosts, 0)
+    (ns_a, if_a, _), (ns_b, if_b, _) = hosts["A"], hosts["B"]
+    with tempfile.TemporaryDirectory() as tmp:
+        uid_file = os.path.join(tmp, "uid")
+        procs, t0 = [], time.monotonic()
+        # rank 0 listens 1 s after its root (so that the new port is the mesh listener), rank 1 comes later
+        for rank, (ns, ifname, delay) in enumerate([(ns_a, if_a, 1.0), (ns_b, if_b, 4.0)]):
+            cmd = ["ip", "netns", "exec", ns, sys.executable, RANK_PROG, "--rank", str(rank), "--nranks", "2",
+                   "--uid-file", uid_file, "--timeout", str(timeout), "--header-timeout", str(header_timeout),
+                   "--delay", str(delay)]
+            if rank == 0:
+                cmd.append("--make-uid")
+            procs.append(subprocess.Popen(cmd, env=subprocess_env({"FLAGCX_MESH_IFNAME": ifname}), text=True,
+                                          stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+        dropped = 0
+        try:
+            dropped = _drop_first_proofs(ns_a, if_a, uid_file, t0, header_timeout + 1.5)
+        finally:
+            set_drop(hosts, 0)
+        return _blackhole_and_collect(hosts, procs, uid_file, t0, 0, 0.0, 0.0, 2 * timeout + 30), dropped
+
+
+def _drop_first_proofs(ns: str, ifname: str, uid_file: str, t0: float, hold: float) -> int:
+    while not os.path.exists(uid_file) and time.monotonic() - t0 < 20:
+        time.sleep(0.005)
+    root_only = listening_ports(ns)
+    mesh_port = None
+    while mesh_port is None and time.monotonic() - t0 < 20:
+        new = listening_ports(ns) - root_only
+        mesh_port = min(new) if new else None
+        time.sleep(0.01)
+    if mesh_port is None:
+        return 0
+    _run("ip", "netns", "exec", ns, "nft", "add", "rule", "inet", "fxm", "in", "iifname", ifname, "tcp", "dport",
+         str(mesh_port), "ip", "length", "{ 72, 84 }", "counter", "drop")
+    while drop_counted(ns) == 0 and time.monotonic() - t0 < 30:
+        time.sleep(0.005)
+    time.sleep(hold)
+    return drop_counted(ns)
 
 
 LANES_PROG = os.path.join(HERE, "lanes_prog.py")

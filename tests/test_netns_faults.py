@@ -1,7 +1,8 @@
 """Two "hosts" (network namespaces and a veth pair) through a bad link made with nft: 30 %
 of the packets dropped, and a 2 s blackhole once rank 0's root is up. The mesh builds, or
 fails within its deadline on every rank naming a peer; and striped puts over 4 tcp lanes
-land whole (or fail naming a peer) through 10 % loss and a blackhole. Needs root, `ip netns` and `nft`;
+land whole (or fail naming a peer) through 10 % loss and a blackhole; a key proof held back past
+the acceptor's header timeout is connected again. Needs root, `ip netns`, `ss` and `nft`;
 skipped (with the reason) where one is missing, unless FXM_REQUIRE_NFT=1 makes that a
 failure. The script mode with figures: python tests/netns_faults.py --trials 20."""
 
@@ -36,6 +37,23 @@ def check(results):
                          ids=["loss30", "blackhole2s", "loss30+blackhole2s"])
 def test_mesh_builds_or_names_the_peer_through_a_bad_link(hosts, loss, blackhole):
     check(netns_faults.one_build(hosts, loss, blackhole, DEADLINE))
+
+
+def test_a_key_proof_later_than_the_acceptors_header_timeout_is_connected_again(hosts):
+    """The acceptor closes a connection whose key proof is not in within its header timeout (a
+    proof whose segments were lost and resent); its connector must then connect again. Before
+    wire version 7 the connector counted the connection made once it had sent the proof: the
+    acceptor's slot stayed empty and its build waited out the deadline (seen under 10 % loss).
+    Here rank 1's proofs to rank 0 are held back (netns_faults.one_late_proof_build) past rank 0's
+    1 s header timeout: both ranks build and exchange, rank 0 having closed at least one
+    connection as silent."""
+    results, dropped = netns_faults.one_late_proof_build(hosts, header_timeout=1.0, timeout=DEADLINE)
+    shown = json.dumps(results, default=str)
+    assert dropped >= 1, ("no proof was held back: the test did not run its case", shown)
+    assert all(r["ok"] for r in results), shown
+    silent = results[0]["stats"]["rejected"].get("silent (no header before deadline)", 0)
+    assert silent >= 1, shown
+    assert all(r["elapsed_build"] < DEADLINE for r in results), shown
 
 
 def check_transfer(results):

@@ -18,8 +18,9 @@ constexpr uint32_t kConnMagic = 0x484d5846;   // "FXMH"
 constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
 // 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq);
 // 4: the agents' identity block carries their tcp lanes (agent/handshake.h); 5: kPutBlocks, kGetBlocks;
-// 6: kPutBlocks into host windows (an agent call's small tcp writes, transport/tcp/block_batch.h)
-constexpr uint16_t kVersion = 6;
+// 6: kPutBlocks into host windows (an agent call's small tcp writes, transport/tcp/block_batch.h);
+// 7: a mesh connection's acceptor confirms the connector's proof (kConfirmByte)
+constexpr uint16_t kVersion = 7;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -96,13 +97,17 @@ Reject validate(const ConnHeader& h, const Expect& e);
 //   connector -> acceptor  hello:  header + connector nonce     (96 bytes)
 //   acceptor -> connector  answer: header + acceptor nonce + acceptor MAC (128)
 //   connector -> acceptor  proof:  connector MAC                (32)
+//   acceptor -> connector  confirm: kConfirmByte (mesh builds: the connection is filed)
 // The MACs carry different labels, so neither side's answer can be reflected
-// as the other's proof.
+// as the other's proof. A mesh's connector counts its connection only on the
+// confirm: an acceptor that closed it instead (a proof past its header timeout)
+// is connected to again.
 constexpr size_t kNonceSize = 32;
 constexpr size_t kMacSize = crypto::kDigestSize;
 constexpr size_t kHelloSize = kConnHeaderSize + kNonceSize;
 constexpr size_t kAnswerSize = kHelloSize + kMacSize;
 constexpr size_t kProofSize = kMacSize;
+constexpr uint8_t kConfirmByte = 0xC7;
 using Mac = crypto::Digest;
 
 // The key a mesh of `epoch` uses on the wire: HMAC(secret, label | mesh id |

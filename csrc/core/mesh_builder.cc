@@ -44,7 +44,7 @@ constexpr double kConnectAttemptS = 5.0;
 constexpr int kAcceptBatch = 64;
 
 struct Outgoing {
-  enum State { kQueued, kConnecting, kAwaitAck, kBackoff, kDone } state = kQueued;
+  enum State { kQueued, kConnecting, kAwaitAck, kAwaitConfirm, kBackoff, kDone } state = kQueued;
   int peer = 0;
   int ctx = 0;
   tcp::Fd fd;
@@ -87,6 +87,7 @@ class Builder {
   void retry(Outgoing& o, const std::string& why);
   void on_outgoing(Outgoing& o, short revents);
   void on_ack(Outgoing& o);
+  void on_confirm(Outgoing& o);
   wire::Reject check_answer(const Outgoing& o) const;
   void accept_all();
   void make_room();
@@ -203,6 +204,8 @@ void Builder::on_outgoing(Outgoing& o, short revents) {
     o.state = Outgoing::kAwaitAck;
   } else if (o.state == Outgoing::kAwaitAck && (revents & (POLLIN | POLLHUP | POLLERR))) {
     on_ack(o);
+  } else if (o.state == Outgoing::kAwaitConfirm && (revents & (POLLIN | POLLHUP | POLLERR))) {
+    on_confirm(o);
   }
 }
 
@@ -238,6 +241,21 @@ void Builder::on_ack(Outgoing& o) {
   wire::Mac proof = wire::handshake_mac(p_.key, wire::Role::kConnect, o.hello, o.ack);
   r = tcp::write_full(o.fd.get(), proof.data(), proof.size(), Deadline::after_seconds(1));
   if (!r.ok()) return retry(o, "sending the key proof: " + r.describe());
+  o.state = Outgoing::kAwaitConfirm;
+}
+
+// The acceptor filed the connection (its confirm byte), or closed it: it judged our proof late
+// (past its header timeout: a proof that lost packets) or wrong, and we connect again. Counted
+// done on the proof alone, a connection the acceptor dropped left its slot empty for good.
+void Builder::on_confirm(Outgoing& o) {
+  uint8_t confirm = 0;
+  tcp::IoResult r = tcp::read_some(o.fd.get(), &confirm, 1);
+  if (r.ok() && r.done == 0) return;  // (woken with nothing to read)
+  if (!r.ok() || confirm != wire::kConfirmByte) {
+    return retry(o, r.ok() ? "the acceptor's confirmation was not its confirm byte"
+                           : "the acceptor closed the connection after our key proof (too late for its "
+                             "header timeout, or refused): " + r.describe());
+  }
   conns_.send[slot(o.peer, o.ctx)] = std::move(o.fd);
   o.state = Outgoing::kDone;
   --inflight_;
@@ -322,10 +340,15 @@ void Builder::answer_hello(Incoming& in) {
   in.got = 0;
 }
 
+// A proven connection is filed and confirmed to its connector (one byte), which counts it only
+// then (on_confirm).
 void Builder::check_proof(Incoming& in) {
   wire::Mac want = wire::handshake_mac(p_.key, wire::Role::kConnect, in.hello, in.answer);
   if (!crypto::equal_ct(want.data(), in.proof, want.size())) return reject(in, wire::Reject::kBadAuth);
   if (conns_.recv[slot(in.h.src, static_cast<int>(in.h.context))]) return reject(in, wire::Reject::kDuplicate);
+  const uint8_t confirm = wire::kConfirmByte;
+  tcp::IoResult r = tcp::write_full(in.fd.get(), &confirm, 1, Deadline::after_seconds(1));
+  if (!r.ok()) return reject(in, wire::Reject::kTruncated);
   conns_.recv[slot(in.h.src, static_cast<int>(in.h.context))] = std::move(in.fd);
   in.finished = true;
   ++recvs_done_;
@@ -350,7 +373,9 @@ void Builder::poll_once() {
   }
   for (int s = 0; s < total_; ++s) {
     const Outgoing& o = out_[s];
-    if (o.state != Outgoing::kConnecting && o.state != Outgoing::kAwaitAck) continue;
+    if (o.state != Outgoing::kConnecting && o.state != Outgoing::kAwaitAck && o.state != Outgoing::kAwaitConfirm) {
+      continue;
+    }
     fds.push_back({o.fd.get(), static_cast<short>(o.state == Outgoing::kConnecting ? POLLOUT : POLLIN), 0});
     owner.push_back(s);
   }
@@ -420,9 +445,10 @@ void Builder::fail_timeout(const std::string& cause) {
     const Outgoing& o = out_[s];
     std::string pc = "(peer " + std::to_string(o.peer) + ", ctx " + std::to_string(o.ctx) + ")";
     if (o.state != Outgoing::kDone) {
-      const char* st = o.state == Outgoing::kAwaitAck ? "no answer to our header"
-                       : o.state == Outgoing::kQueued  ? "not started"
-                                                       : "connecting";
+      const char* st = o.state == Outgoing::kAwaitAck       ? "no answer to our header"
+                       : o.state == Outgoing::kAwaitConfirm ? "no confirmation of our key proof"
+                       : o.state == Outgoing::kQueued       ? "not started"
+                                                            : "connecting";
       add("send->" + pc + " [" + st + (o.last_error.empty() ? "" : "; last error: " + o.last_error) + "]",
           o.peer);
     }
