@@ -149,8 +149,13 @@ def stream_fds():
     (the caller closes the sockets it keeps; the others are closed here)."""
     for name in os.listdir("/proc/self/fd"):
         try:
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
+            fd = os.dup(int(name))
+        except OSError:  # (closed since the listing)
+            continue
+        try:
+            s = socket.socket(fileno=fd)
+        except OSError:  # not a socket: the duplicate is closed here (it was left open, and each
+            os.close(fd)  # call doubled the process's other descriptors: 20000 after a few tests)
             continue
         try:
             if s.type == socket.SOCK_STREAM and s.getpeername():

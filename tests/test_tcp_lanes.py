@@ -68,6 +68,18 @@ def lane_socket(mesh, peer, lane, ctx=0):
     return chosen
 
 
+def test_finding_a_lane_socket_leaves_no_descriptor_behind(lanes4):
+    """lane_socket duplicates every descriptor of the process to find the lane's: each duplicate
+    that is not the socket kept is closed (those of descriptors that were no sockets were left
+    open, doubling the process's other descriptors with each call: a CI worker ran out of its
+    20000 after a few of these tests)."""
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(3):
+        for k in range(4):
+            lane_socket(lanes4[0], 1, k).close()
+    assert len(os.listdir("/proc/self/fd")) == before
+
+
 def test_the_mesh_reports_the_lanes_the_variable_sets(lanes4):
     for m in lanes4:
         assert m.tcp_lanes == 4, m.describe()
