@@ -29,6 +29,7 @@
 #include "base/log.h"
 #include "transport/ucx/ucx_path.h"
 #include "base/status.h"
+#include "core/fd_shortage.h"
 #include "core/pending_bound.h"
 
 namespace fxm::agent {
@@ -37,12 +38,7 @@ namespace {
 constexpr size_t kMaxPending = 256;
 constexpr int kAcceptBatch = 64;
 constexpr double kSweepEveryS = 0.1;  // connections whose peer left are closed that often (sweep)
-constexpr double kFdPauseMinS = 0.01;  // out of descriptors: the first pause before accept is tried again
-constexpr double kFdPauseMaxS = 0.5;   // ... doubling up to this
 constexpr double kClaimPollS = 0.002;  // a held claim's probe is stepped that often
-
-// accept() failed for want of a descriptor or of kernel memory: retrying at once fails again.
-bool no_descriptor(int err) { return err == EMFILE || err == ENFILE || err == ENOBUFS || err == ENOMEM; }
 
 struct Incoming {
   tcp::Fd fd;
@@ -73,16 +69,6 @@ struct Claim {
   std::unique_ptr<NameProbe> probe;  // null once settled
 };
 
-// An episode of accepts that failed for want of descriptors: the listening socket stays
-// readable (the connection waits in the backlog), so it is not polled until `resume`.
-struct FdShortage {
-  bool active = false;
-  uint64_t failures = 0;  // failed accepts in this episode
-  double pause_s = 0;
-  Deadline resume;
-  Clock::time_point since;
-};
-
 }  // namespace
 
 class Listener {
@@ -92,9 +78,7 @@ class Listener {
 
  private:
   void accept_all();
-  bool accept_paused() const { return shortage_.active && !shortage_.resume.expired(); }
   void on_no_descriptor(int err);
-  void end_shortage();
   void make_room();
   void on_readable(Incoming& in);
   bool fill(Incoming& in, uint8_t* buf, size_t want);
@@ -158,11 +142,11 @@ void Listener::expire_awaiting() {
 }
 
 void Listener::poll_once() {
-  bool paused = accept_paused();  // a negative fd is not polled
+  bool paused = shortage_.paused();  // a negative fd is not polled
   std::vector<pollfd> fds{{a_.wake_fd_, POLLIN, 0}, {paused ? -1 : a_.listen_fd_.get(), POLLIN, 0}};
   for (Incoming& in : in_) fds.push_back({in.fd.get(), POLLIN, 0});
   Deadline next = Deadline::after_seconds(0.1);
-  if (paused) next = next.min(shortage_.resume);
+  if (paused) next = next.min(shortage_.resume());
   if (!claims_.empty()) next = next.min(Deadline::after_seconds(kClaimPollS));
   for (Incoming& in : in_) next = next.min(in.deadline);
   size_t first_awaiting = fds.size();
@@ -201,13 +185,14 @@ void Listener::accept_all() {
     int err = 0;
     in.fd = tcp::accept_one(a_.listen_fd_.get(), &in.from, &err);
     if (!in.fd) {
-      if (no_descriptor(err)) return on_no_descriptor(err);
+      if (FdShortage::no_descriptor(err)) return on_no_descriptor(err);
       if (err != 0 && err != ECONNABORTED && err != EINTR && err != EAGAIN) {
         FXM_WARN(-1, a_.who() + "accept on the agent listener failed: " + errno_text(err));
       }
       return;
     }
-    if (shortage_.active) end_shortage();
+    std::string shortage = shortage_.ended();
+    if (!shortage.empty()) FXM_WARN(-1, a_.who() + "the agent listener accepts again, after " + shortage);
     in.deadline = Deadline::after_seconds(a_.header_timeout_s_);
     make_room();
     in_.push_back(std::move(in));
@@ -221,24 +206,11 @@ void Listener::on_no_descriptor(int err) {
     std::lock_guard<std::mutex> lock(a_.mu_);
     ++a_.stats_.accept_fd_exhausted;
   }
-  if (!shortage_.active) {
-    shortage_ = FdShortage{true, 0, kFdPauseMinS, Deadline(), Clock::now()};
+  if (shortage_.failed()) {
     FXM_WARN(-1, a_.who() + "accept on the agent listener failed: " + errno_text(err) +
-                     "; new connections wait in the backlog until descriptors are freed (accept is retried every " +
-                     std::to_string(static_cast<int>(kFdPauseMinS * 1000)) + " to " +
-                     std::to_string(static_cast<int>(kFdPauseMaxS * 1000)) + " ms)");
-  } else {
-    shortage_.pause_s = std::min(2 * shortage_.pause_s, kFdPauseMaxS);
+                     "; new connections wait in the backlog until descriptors are freed (" + FdShortage::retry_text() +
+                     ")");
   }
-  ++shortage_.failures;
-  shortage_.resume = Deadline::after_seconds(shortage_.pause_s);
-}
-
-void Listener::end_shortage() {
-  FXM_WARN(-1, a_.who() + "the agent listener accepts again, after " + std::to_string(shortage_.failures) +
-                   " accept(s) failed for want of descriptors over " +
-                   std::to_string(seconds_since(shortage_.since)) + " s");
-  shortage_ = FdShortage{};
 }
 
 void Listener::make_room() {
