@@ -471,6 +471,65 @@ for m in ms: m.close()
     assert any(l.endswith(TRUNCATED) for l in lines), p.stderr
 
 
+FD_SHORTAGE_PROG = r"""
+import os, resource, threading, time
+import flagcx_mesh
+from flagcx_mesh import Mesh
+from meshutil import connect, listening_ports, run_threads
+uid = flagcx_mesh.get_unique_id()
+known = listening_ports()
+held, cpu = [], []
+def free_later(fillers):
+    c0 = time.process_time()
+    time.sleep(1.0)
+    cpu.append(time.process_time() - c0)
+    for fd in fillers:
+        os.close(fd)
+listener, listening = [], threading.Event()
+def hook(phase):
+    if phase == "listen":
+        (addr,) = listening_ports() - known
+        listener.append(addr)
+        listening.set()
+    if phase == "rendezvous":  # (called once it is done) the connect/accept loop next
+        held.append(connect(listener[0]))  # waits in the backlog: the build's accept must take it
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+        fillers = []
+        try:
+            while True:
+                fillers.append(os.open("/dev/null", os.O_RDONLY))
+        except OSError:
+            pass
+        threading.Thread(target=free_later, args=(fillers,), daemon=True).start()
+def body(r):
+    if r == 1:
+        listening.wait(10)  # rank 0's listener alone is new when its hook looks
+    return Mesh(2, uid, r, timeout=30, header_timeout=5.0, _on_phase=hook if r == 0 else None)
+ms = run_threads(2, body, 60)
+print("RESULT", cpu[0], ms[0].stats()["accept_fd_exhausted"], flush=True)
+for m in ms: m.close()
+"""
+
+
+def test_a_mesh_listener_out_of_descriptors_pauses_its_accepts_and_the_build_completes():
+    """Out of descriptors during a build (accept fails with EMFILE while a connection waits in
+    the backlog), the builder neither spins nor floods the log: one warning per episode and
+    rank, the failed accepts counted in stats(); once descriptors are freed the build completes.
+    Before, it retried at once with a warning each time (a CI run's log grew to 1.1 GB)."""
+    p = subprocess.run([sys.executable, "-c", FD_SHORTAGE_PROG], env=subprocess_env({}),
+                       capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    _, cpu, exhausted = next(x for x in p.stdout.splitlines() if x.startswith("RESULT")).split()
+    for rank in (0, 1):
+        warned = p.stderr.count(f"[rank {rank}] accept on the mesh listener failed")
+        assert warned <= 1, f"rank {rank}: {warned} warnings about accept in one episode"
+    assert "[rank 0] accept on the mesh listener failed: errno 24" in p.stderr, p.stderr[-2000:]
+    assert "[rank 0] the mesh listener accepts again, after" in p.stderr, p.stderr[-2000:]
+    assert int(exhausted) >= 1, "stats() did not count the failed accepts"
+    assert float(cpu) < 0.5, f"the process used {float(cpu):.2f} s of CPU in 1 s out of descriptors"
+
+
 def test_a_rank_of_the_previous_wire_version_is_answered_and_named():
     """A connector speaking wire version 2 (the build before lazy acks) gets an answer whose
     header carries this build's version, so an older rank fails at once ("answered with a bad

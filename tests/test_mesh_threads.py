@@ -94,11 +94,12 @@ def test_build_exchange_collectives(n, contexts):
             assert abs(t["total"] - parts) < 0.01 + 0.01 * t["total"], t
             assert t["total"] < BUILD_TIMEOUT
             s = m.stats()
-            assert set(s) == {"rejected", "rejected_total", "connect_retries", "staged_bytes_peak",
-                              "progress_parks", "progress_late_wakes", "tcp_early_admits", "tcp_admit_limit_waits",
+            assert set(s) == {"rejected", "rejected_total", "connect_retries", "accept_fd_exhausted",
+                              "staged_bytes_peak", "progress_parks", "progress_late_wakes", "tcp_early_admits", "tcp_admit_limit_waits",
                               "get_answer_bytes_held", "get_answer_bytes_peak"}
             assert s["rejected"] == {} and s["rejected_total"] == 0, s  # nothing foreign here
             assert isinstance(s["connect_retries"], int) and s["connect_retries"] >= 0
+            assert s["accept_fd_exhausted"] == 0, s  # descriptors to spare here
             assert all(isinstance(s[k], int) and s[k] >= 0 for k in ("progress_parks", "progress_late_wakes",
                                                                   "tcp_early_admits", "tcp_admit_limit_waits")), s
     finally:

@@ -9,6 +9,7 @@
 
 #include "base/log.h"
 #include "base/status.h"
+#include "core/fd_shortage.h"
 #include "core/pending_bound.h"
 
 namespace fxm {
@@ -90,6 +91,7 @@ class Builder {
   void on_confirm(Outgoing& o);
   wire::Reject check_answer(const Outgoing& o) const;
   void accept_all();
+  void on_no_descriptor(int err);
   void make_room();
   void on_incoming(Incoming& in);
   void check_hello_header(Incoming& in);
@@ -115,6 +117,7 @@ class Builder {
   Connections conns_;
   int sends_done_ = 0;
   int recvs_done_ = 0;
+  FdShortage shortage_;  // out of descriptors, the listener is not polled for a while
 };
 
 Builder::Builder(const BuildPlan& plan, BuildStats* stats)
@@ -268,15 +271,30 @@ void Builder::accept_all() {
     int err = 0;
     in.fd = tcp::accept_one(p_.listen_fd, &in.from, &err);
     if (!in.fd) {
+      if (FdShortage::no_descriptor(err)) return on_no_descriptor(err);
       if (err != 0 && err != ECONNABORTED && err != EINTR) {
         FXM_WARN(p_.rank, "accept on the mesh listener failed: " + errno_text(err));
       }
       return;
     }
+    std::string shortage = shortage_.ended();
+    if (!shortage.empty()) FXM_WARN(p_.rank, "the mesh listener accepts again, after " + shortage);
     in.deadline = Deadline::after_seconds(p_.header_timeout_s);
     make_room();
     in_.push_back(std::move(in));
     on_incoming(in_.back());  // a peer's hello is usually there already
+  }
+}
+
+// Out of descriptors: said once per episode, the listener left unpolled for a pause that doubles
+// while accept keeps failing (before, the loop retried at once, as fast as it ran, with a warning
+// each time).
+void Builder::on_no_descriptor(int err) {
+  ++stats_->accept_fd_exhausted;
+  if (shortage_.failed()) {
+    FXM_WARN(p_.rank, "accept on the mesh listener failed: " + errno_text(err) +
+                          "; peers' connections wait in the backlog until descriptors are freed (" +
+                          FdShortage::retry_text() + ")");
   }
 }
 
@@ -365,7 +383,7 @@ void Builder::reject(Incoming& in, wire::Reject why) {
 void Builder::poll_once() {
   std::vector<pollfd> fds;
   std::vector<int> owner;  // -1 listener, -2 bootstrap, >=0 outgoing slot, <=-3 incoming
-  fds.push_back({p_.listen_fd, POLLIN, 0});
+  fds.push_back({shortage_.paused() ? -1 : p_.listen_fd, POLLIN, 0});  // a negative fd is not polled
   owner.push_back(-1);
   if (p_.bootstrap_fd >= 0) {
     fds.push_back({p_.bootstrap_fd, POLLIN, 0});
@@ -398,6 +416,7 @@ void Builder::poll_once() {
 
 int Builder::poll_timeout_ms() const {
   Deadline next = p_.deadline.min(Deadline::after_seconds(0.1));
+  if (shortage_.paused()) next = next.min(shortage_.resume());
   for (const Outgoing& o : out_) {
     if (o.state == Outgoing::kBackoff) {
       Deadline d;

@@ -26,6 +26,7 @@ namespace fxm {
 struct BuildStats {
   std::array<uint64_t, static_cast<size_t>(wire::Reject::kCount)> rejected{};
   uint64_t connect_retries = 0;
+  uint64_t accept_fd_exhausted = 0;  // accepts that failed for want of descriptors (EMFILE, ENFILE, ...)
   uint64_t total_rejected() const;
 };
 

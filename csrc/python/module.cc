@@ -99,6 +99,7 @@ py::dict stats(const Mesh& m) {
   d["rejected"] = rejected;
   d["rejected_total"] = s.total_rejected();
   d["connect_retries"] = s.connect_retries;
+  d["accept_fd_exhausted"] = s.accept_fd_exhausted;
   // The most staging the staged puts of this process held for one peer at once (docs/gpu.md).
   d["staged_bytes_peak"] = fxm::cuda::staged_bytes_peak();
   fxm::Engine::ParkCounts parks = m.park_counts();
