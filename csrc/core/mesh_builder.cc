@@ -9,7 +9,7 @@
 
 #include "base/log.h"
 #include "base/status.h"
-#include "core/fd_shortage.h"
+#include "base/fd_shortage.h"
 #include "core/pending_bound.h"
 
 namespace fxm {
