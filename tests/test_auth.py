@@ -11,6 +11,8 @@ import os
 import random
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
 
@@ -19,7 +21,7 @@ import pytest
 import flagcx_mesh
 from flagcx_mesh import Mesh, _core
 from flagcx_mesh.errors import InvalidArgument, MeshError
-from meshutil import connect, parse_hostport, raise_nofile_limit, recv_up_to, run_threads
+from meshutil import connect, parse_hostport, raise_nofile_limit, recv_up_to, run_threads, subprocess_env
 from test_foreign_traffic import build_with_foreign, check_exchange
 
 pytestmark = pytest.mark.timeout(120)
@@ -476,6 +478,49 @@ class Flooder:
         self.thread.join(10)
         while self.socks:
             self.socks.popleft().close()
+
+
+ROOT_FD_SHORTAGE_PROG = r"""
+import os, resource, socket, time
+import flagcx_mesh
+from flagcx_mesh import _core
+from meshutil import parse_hostport, thread_meshes
+uid = flagcx_mesh.get_unique_id()
+root = parse_hostport(_core._unique_id_info(uid)["root"])
+waiting = socket.socket(socket.AF_INET6 if ":" in root[0] else socket.AF_INET)  # its descriptor first
+soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
+fillers = []
+try:
+    while True:
+        fillers.append(os.open("/dev/null", os.O_RDONLY))
+except OSError:
+    pass
+waiting.connect(root)  # in the root's backlog, which has no descriptor to take it
+c0 = time.process_time()
+time.sleep(1.0)
+cpu = time.process_time() - c0
+for fd in fillers:
+    os.close(fd)
+waiting.close()
+ms = thread_meshes(2)  # another id's root: this process still builds
+for m in ms: m.close()
+time.sleep(0.3)  # the first root takes the closed connection once it polls again
+print("RESULT", cpu, flush=True)
+"""
+
+
+def test_a_root_out_of_descriptors_pauses_its_accepts():
+    """A bootstrap root whose accept fails for want of descriptors (a join waiting in its
+    backlog) pauses its accepts, says so once, and says when it accepts again; before, its loop
+    polled the listener again at once, a core's worth of CPU for as long as it lasted."""
+    p = subprocess.run([sys.executable, "-c", ROOT_FD_SHORTAGE_PROG], env=subprocess_env({}),
+                       capture_output=True, text=True, timeout=90)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
+    cpu = float(next(x for x in p.stdout.splitlines() if x.startswith("RESULT")).split()[1])
+    assert p.stderr.count("bootstrap root: accept failed: errno 24") == 1, p.stderr[-2000:]
+    assert "bootstrap root: accepts again, after" in p.stderr, p.stderr[-2000:]
+    assert cpu < 0.5, f"the process used {cpu:.2f} s of CPU in 1 s out of descriptors"
 
 
 def test_flood_of_strangers_at_the_root_and_a_mesh_listener():

@@ -4,6 +4,7 @@
 #include <string>
 
 #include "base/log.h"
+#include "base/status.h"
 #include "bootstrap/root_state.h"
 
 namespace fxm::bootstrap::root_impl {
@@ -19,10 +20,24 @@ void Root::accept_all() {
     tcp::SockAddr from;
     int err = 0;
     tcp::Fd fd = tcp::accept_one(listener_.get(), &from, &err);
-    if (!fd) return;
+    if (!fd) {
+      if (FdShortage::no_descriptor(err)) on_no_descriptor(err);
+      return;
+    }
+    std::string shortage = shortage_.ended();
+    if (!shortage.empty()) FXM_WARN(-1, "bootstrap root: accepts again, after " + shortage);
     if (pending_.size() >= kMaxPending) make_room();
     pending_.push_back({std::move(fd), Deadline::after_seconds(kJoinHeaderTimeoutS), {}});
     on_pending(pending_.size() - 1);  // a rank's hello is usually there already
+  }
+}
+
+// Out of descriptors: said once per episode, the listener left unpolled for a pause that doubles
+// while accept keeps failing (before, the root's loop polled it again at once, as fast as it ran).
+void Root::on_no_descriptor(int err) {
+  if (shortage_.failed()) {
+    FXM_WARN(-1, "bootstrap root: accept failed: " + errno_text(err) +
+                     "; joins wait in the backlog until descriptors are freed (" + FdShortage::retry_text() + ")");
   }
 }
 

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "base/env.h"
+#include "base/fd_shortage.h"
 #include "bootstrap/exit_wait.h"
 #include "bootstrap/proto.h"
 #include "bootstrap/root_release.h"
@@ -76,6 +77,7 @@ class Root {
   void tell_stopping();
   void poll_once();
   void accept_all();
+  void on_no_descriptor(int err);
   void on_pending(size_t i);
   void make_room();
   Step step_pending(Pending& p);
@@ -102,6 +104,7 @@ class Root {
   std::string missing_ranks() const;
 
   tcp::Fd listener_;
+  FdShortage shortage_;  // out of descriptors, the listener is not polled for a while
   UniqueId id_;
   uint64_t strangers_[static_cast<size_t>(Step::kCount)] = {};  // closed unproved, by why
   std::string fatal_;            // set by a duplicate join: every rank fails with it
