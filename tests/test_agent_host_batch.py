@@ -129,6 +129,28 @@ def test_ops_of_one_call_over_the_same_bytes_keep_their_order(pair):
     assert np.array_equal(pair.src[:4 * block], local[:4 * block]), "a later read of one call did not win"
 
 
+@pytest.mark.parametrize("n", [600, 3000])
+def test_a_large_batch_keeps_the_order_of_the_few_ops_over_the_same_bytes(pair, n):
+    """Thousands of disjoint writes with a few that rewrite an earlier one's bytes (whole, or in
+    part) at random places among them: each later write wins. Batches this large find their
+    overlaps with a radix sort of the ops' ranges (transport/byte_ranges.h), small ones with a
+    comparison sort."""
+    rng = random.Random(n)
+    ops = scattered(n, rng, 2048)
+    for _ in range(8):  # a later op over (part of) an earlier one's remote bytes
+        i = rng.randrange(n // 2)
+        lo, ro, sz = ops[i]
+        cut = rng.randrange(sz)
+        ops.insert(rng.randrange(i + 1, len(ops) + 1), (rng.randrange(SIZE - sz), ro + cut, sz - cut))
+    pair.src[:] = np.frombuffer(rng.randbytes(SIZE), dtype=np.uint8)
+    want = np.zeros(SIZE, dtype=np.uint8)
+    for lo, ro, sz in ops:
+        want[ro:ro + sz] = pair.src[lo:lo + sz]
+    pair.conn.batch_write([(pair.local, lo, pair.remote, ro, sz) for lo, ro, sz in ops]).wait(120)
+    bad = np.flatnonzero(pair.remote_bytes() != want)
+    assert bad.size == 0, f"{bad.size} bytes wrong, the first at {bad[0]}: a later write of the batch did not win"
+
+
 def test_an_op_crossing_its_region_end_is_refused_naming_it_and_nothing_is_written(pair):
     pair.src[:] = 9
     ops = [(pair.local, i * 64, pair.remote, i * 64, 64) for i in range(2000)]

@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <utility>
 #include <vector>
 
 namespace fxm {
@@ -17,11 +18,43 @@ struct ByteSpan {
   bool written;
 };
 
+// Sorts spans by start (equal starts in any order). Large lists by a least-significant-digit
+// radix sort over only the bits in which their starts differ (11 a pass; addresses of one
+// process differ in ~30-40 bits: 3-4 passes), linear where a comparison sort is n log n: the
+// check below ran once per batch and was a quarter of the core's per-op cost of a request's
+// 4096 device copies (8192 spans), counted with callgrind.
+inline void sort_by_start(std::vector<ByteSpan>& spans) {
+  constexpr size_t kRadixFrom = 512;
+  if (spans.size() < kRadixFrom) {
+    std::sort(spans.begin(), spans.end(), [](const ByteSpan& a, const ByteSpan& b) { return a.start < b.start; });
+    return;
+  }
+  uint64_t any = 0, all = ~0ull;
+  for (const ByteSpan& s : spans) {
+    any |= s.start;
+    all &= s.start;
+  }
+  uint64_t differ = any ^ all;  // the bits not alike in every start
+  if (differ == 0) return;
+  constexpr int kBits = 11;
+  constexpr size_t kBuckets = size_t{1} << kBits;
+  std::vector<ByteSpan> other(spans.size());
+  std::vector<size_t> at(kBuckets);
+  for (int shift = __builtin_ctzll(differ); shift <= 63 - __builtin_clzll(differ); shift += kBits) {
+    std::fill(at.begin(), at.end(), 0);
+    for (const ByteSpan& s : spans) ++at[(s.start >> shift) & (kBuckets - 1)];
+    size_t sum = 0;
+    for (size_t& a : at) sum += std::exchange(a, sum);  // each bucket's first slot
+    for (const ByteSpan& s : spans) other[at[(s.start >> shift) & (kBuckets - 1)]++] = s;
+    spans.swap(other);
+  }
+}
+
 // Whether a written span overlaps any other span (reads may overlap reads), in one sort of
 // `spans` (reordered): cheaper than a ByteRanges walk when, as in a request's KV, no two ops
 // touch the same bytes. Empty spans touch nothing.
 inline bool any_conflict(std::vector<ByteSpan>& spans) {
-  std::sort(spans.begin(), spans.end(), [](const ByteSpan& a, const ByteSpan& b) { return a.start < b.start; });
+  sort_by_start(spans);
   uint64_t any_end = 0, written_end = 0;  // the furthest end of the spans before, all / written ones
   for (const ByteSpan& s : spans) {
     if (s.start == s.end) continue;
