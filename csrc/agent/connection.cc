@@ -187,14 +187,17 @@ Connection::Checked Connection::check(const Xfer& x, const char* call, long op, 
   if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + which() + ": a descriptor is missing");
   const RegionDesc& r = *x.remote;
   auto what = [&] { return who() + ": " + which() + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
-  if (r.agent != peer_.name) {
-    fail(Code::kInvalidArgument, -1, 0, what() + "to a region of agent " + r.agent + ", not of this connection's peer");
-  }
-  if (r.incarnation != peer_.incarnation) {
-    fail(Code::kInvalidArgument, -1, 0, what() + "to region #" + std::to_string(r.index) + " of incarnation " +
-                                            incarnation_hex(r.incarnation) + " of agent " + r.agent +
-                                            ", which is now incarnation " + incarnation_hex(peer_.incarnation) +
-                                            " (it restarted: its old descriptors are void)");
+  if (locals->last_remote != &r) {  // (a batch's ops name few descriptors, each many times in a row)
+    if (r.agent != peer_.name) {
+      fail(Code::kInvalidArgument, -1, 0, what() + "to a region of agent " + r.agent + ", not of this connection's peer");
+    }
+    if (r.incarnation != peer_.incarnation) {
+      fail(Code::kInvalidArgument, -1, 0, what() + "to region #" + std::to_string(r.index) + " of incarnation " +
+                                              incarnation_hex(r.incarnation) + " of agent " + r.agent +
+                                              ", which is now incarnation " + incarnation_hex(peer_.incarnation) +
+                                              " (it restarted: its old descriptors are void)");
+    }
+    locals->last_remote = &r;
   }
   if (!in_range(x.remote_off, x.size, r.size)) {
     fail(Code::kInvalidArgument, -1, 0, what() + "at remote " + range_text(x.remote_off, x.size) +
@@ -386,12 +389,18 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     check_cookie(*c.x->remote, v, p->kind() != PathKind::kCma);
     cookie_checked_ = &v;
   }
-  if (!batch->single && queue_blocks(p, op, batch)) return Issued::kEngine;
-  issue_blocks(batch);  // the tcp writes queued before this op go first
-  if (!batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
-  issue_staged(batch);  // the staged ops queued before this op go first
-  if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
-  issue_host(batch);  // the host ops queued before this one are done first
+  // A device copy while nothing waits in the other paths' queues (a request's blocks): none of
+  // them would take it, nor has ops to issue before it.
+  bool only_copies = is_device_path(p->kind()) && batch->blocks.size() == 0 && batch->staged.size() == 0 &&
+                     batch->iovs.size() == 0;
+  if (!only_copies) {
+    if (!batch->single && queue_blocks(p, op, batch)) return Issued::kEngine;
+    issue_blocks(batch);  // the tcp writes queued before this op go first
+    if (!batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
+    issue_staged(batch);  // the staged ops queued before this op go first
+    if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
+    issue_host(batch);  // the host ops queued before this one are done first
+  }
   if (p->synchronous()) {
     int err = is_read ? p->get(op) : p->put(op);
     if (err == 0) return Issued::kDone;

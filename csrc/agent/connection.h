@@ -104,6 +104,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
     std::unordered_map<const RegionDesc*, const Window*> more;  // past the first few
     const RegionDesc* last_desc = nullptr;
     const Window* last = nullptr;
+    const RegionDesc* last_remote = nullptr;  // the last remote descriptor found to be of the peer's incarnation
   };
   // op: the op's index in a batch of several (its errors name it), -1 for a call of one op.
   Checked check(const Xfer& x, const char* call, long op, LocalWindows* locals) const;
