@@ -39,7 +39,7 @@ def missing_tools() -> Optional[str]:
     """Why this cannot run here (None when it can)."""
     if os.geteuid() != 0:
         return "not root"
-    for tool in ("ip", "nft"):
+    for tool in ("ip", "nft", "ss"):
         if shutil.which(tool) is None:
             return f"`{tool}` is not installed (nft: apt-get install nftables)"
     return None
@@ -185,18 +185,27 @@ def one_late_proof_build(hosts: Dict[str, Host], header_timeout: float, timeout:
         dropped = 0
         try:
             dropped = _drop_first_proofs(ns_a, if_a, uid_file, t0, header_timeout + 1.5)
+        except BaseException:
+            for p in procs:
+                p.kill()
+                p.communicate()
+            raise
         finally:
             set_drop(hosts, 0)
         return _blackhole_and_collect(hosts, procs, uid_file, t0, 0, 0.0, 0.0, 2 * timeout + 30), dropped
 
 
 def _drop_first_proofs(ns: str, ifname: str, uid_file: str, t0: float, hold: float) -> int:
+    from flagcx_mesh import _core
+
     while not os.path.exists(uid_file) and time.monotonic() - t0 < 20:
         time.sleep(0.005)
-    root_only = listening_ports(ns)
-    mesh_port = None
+    time.sleep(0.05)  # (written whole: rank_prog renames it into place)
+    with open(uid_file) as f:
+        root_port = int(_core._unique_id_info(bytes.fromhex(f.read().strip()))["root"].rsplit(":", 1)[1])
+    mesh_port = None  # rank 0's listeners: its root's, then its mesh listener's
     while mesh_port is None and time.monotonic() - t0 < 20:
-        new = listening_ports(ns) - root_only
+        new = listening_ports(ns) - {root_port}
         mesh_port = min(new) if new else None
         time.sleep(0.01)
     if mesh_port is None:

@@ -505,7 +505,7 @@ for fd in fillers:
 waiting.close()
 ms = thread_meshes(2)  # another id's root: this process still builds
 for m in ms: m.close()
-time.sleep(0.3)  # the first root takes the closed connection once it polls again
+time.sleep(1.0)  # the first root takes the closed connection at its next try (the pause is at most 0.5 s)
 print("RESULT", cpu, flush=True)
 """
 

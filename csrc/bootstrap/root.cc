@@ -77,14 +77,15 @@ bool Root::finished() const {
 
 void Root::poll_once() {
   std::vector<pollfd> fds;
-  if (listener_) fds.push_back({shortage_.paused() ? -1 : listener_.get(), POLLIN, 0});  // -1: not polled
+  bool paused = shortage_.paused();  // one look a round: the fd left out and the timeout agree
+  if (listener_) fds.push_back({paused ? -1 : listener_.get(), POLLIN, 0});  // -1: not polled
   for (const Pending& p : pending_) fds.push_back({p.fd.get(), POLLIN, 0});
   for (const Client& c : clients_) {
     short events = POLLIN | (c.queued() ? POLLOUT : 0);
     if (c.joined && !c.gone) fds.push_back({c.fd.get(), events, 0});
   }
-  ::poll(fds.data(), fds.size(), shortage_.paused() ? shortage_.resume().poll_ms(100) : 100);
-  if (!shortage_.paused()) accept_all();
+  ::poll(fds.data(), fds.size(), paused ? shortage_.resume().poll_ms(100) : 100);
+  if (!paused) accept_all();
   for (size_t i = pending_.size(); i-- > 0;) on_pending(i);
   for (size_t r = 0; r < clients_.size(); ++r) {
     if (clients_[r].joined && !clients_[r].gone) flush(static_cast<int>(r));

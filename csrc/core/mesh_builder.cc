@@ -101,7 +101,7 @@ class Builder {
   void answer_version(Incoming& in);
   void poll_once();
   void expire_timers();
-  int poll_timeout_ms() const;
+  int poll_timeout_ms(bool accept_paused) const;
   void on_bootstrap();
   [[noreturn]] void fail_timeout(const std::string& cause = "mesh build deadline expired");
   std::string who() const { return "rank " + std::to_string(p_.rank) + ": "; }
@@ -383,7 +383,8 @@ void Builder::reject(Incoming& in, wire::Reject why) {
 void Builder::poll_once() {
   std::vector<pollfd> fds;
   std::vector<int> owner;  // -1 listener, -2 bootstrap, >=0 outgoing slot, <=-3 incoming
-  fds.push_back({shortage_.paused() ? -1 : p_.listen_fd, POLLIN, 0});  // a negative fd is not polled
+  bool paused = shortage_.paused();  // one look a round: the fd left out and the timeout agree
+  fds.push_back({paused ? -1 : p_.listen_fd, POLLIN, 0});  // a negative fd is not polled
   owner.push_back(-1);
   if (p_.bootstrap_fd >= 0) {
     fds.push_back({p_.bootstrap_fd, POLLIN, 0});
@@ -401,7 +402,7 @@ void Builder::poll_once() {
     fds.push_back({in_[i].fd.get(), POLLIN, 0});
     owner.push_back(-3 - static_cast<int>(i));
   }
-  int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms());
+  int rc = ::poll(fds.data(), fds.size(), poll_timeout_ms(paused));
   if (rc < 0 && errno != EINTR) fail(Code::kSystem, -1, errno, who() + "poll during mesh build");
   for (size_t k = 0; rc > 0 && k < fds.size(); ++k) {
     if (fds[k].revents == 0) continue;
@@ -414,9 +415,9 @@ void Builder::poll_once() {
             in_.end());
 }
 
-int Builder::poll_timeout_ms() const {
+int Builder::poll_timeout_ms(bool accept_paused) const {
   Deadline next = p_.deadline.min(Deadline::after_seconds(0.1));
-  if (shortage_.paused()) next = next.min(shortage_.resume());
+  if (accept_paused) next = next.min(shortage_.resume());
   for (const Outgoing& o : out_) {
     if (o.state == Outgoing::kBackoff) {
       Deadline d;

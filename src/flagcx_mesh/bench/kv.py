@@ -46,7 +46,7 @@ import tempfile
 import time
 from typing import Dict, List
 
-from . import _rawcma, kv_peers
+from . import kv_peers
 from ._plot import save_plot
 from ._ranks import save_json
 
@@ -196,6 +196,8 @@ def _raw_cma(args, pid: int, local_addr: int, remote_addr: int, layers, tokens: 
     """Seconds of the kernel alone (_rawcma.py) writing the request's blocks (``layers``, as
     _batch_ops made them) and the same bytes as one iovec per layer, between the plain agents'
     buffers of the same two processes."""
+    from . import _rawcma  # (libc's process_vm_writev, looked up only where cma runs)
+
     per_layer = tokens // args.block_size * args.heads * args.block_size * 2 * args.head_size * 2
     scattered = _rawcma.prepare([(local_addr + op[1], remote_addr + op[3], op[4]) for ops in layers for op in ops])
     contiguous = _rawcma.prepare([(local_addr + i * per_layer, remote_addr + i * per_layer, per_layer)
