@@ -1,0 +1,54 @@
+"""The core's cost of issuing one request's device copies, on the fake CUDA driver: two agents in
+this process (cuda-self), one `write_blocks` of N rows of 64 bytes (shuffled on both sides) and
+its wait, timed over --reps calls after 3 warm-up calls; no GPU needed. Under callgrind the
+instructions of the call alone are counted:
+
+    cd tests && env $(python -c "import fakecuda; print(' '.join(f'{k}={v}' for k, v in fakecuda.env().items()))") \\
+        valgrind --tool=callgrind --toggle-collect='*transfer_table*' python issue_cost_probe.py --reps 2
+
+(then callgrind_annotate; the wheel built with -C install.strip=false -C cmake.build-type=RelWithDebInfo
+for the names). Prints the path and the median ms of a call and its wait.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import numpy as np
+
+from agent_device_prog import make_device, register
+from flagcx_mesh.agent import Agent
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=4096)
+    ap.add_argument("--reps", type=int, default=41)
+    args = ap.parse_args()
+    n, size, slot = args.rows, 64, 256
+    dev = make_device("fake")
+    owner, user = Agent("owner", "issue-cost", timeout=20), Agent("user", "issue-cost", timeout=20)
+    try:
+        rbuf, lbuf = dev.buffer("ipc", n * slot), dev.buffer("ipc", n * slot)
+        remote, local = register(owner, rbuf), register(user, lbuf)
+        conn = user.connect(owner.metadata())
+        print("path", conn.path_to(remote, local), flush=True)
+        rng = np.random.default_rng(0)
+        table = np.stack([np.zeros(n, np.int64), rng.permutation(n) * slot, np.zeros(n, np.int64),
+                          rng.permutation(n) * slot, np.full(n, size, np.int64)], axis=1)
+        times = []
+        for i in range(3 + args.reps):
+            t0 = time.perf_counter()
+            conn.write_blocks([local], [remote], table).wait(20)
+            if i >= 3:
+                times.append(time.perf_counter() - t0)
+        print(f"{n} rows: median {statistics.median(times) * 1e3:.3f} ms a call and its wait", flush=True)
+    finally:
+        user.close()
+        owner.close()
+
+
+if __name__ == "__main__":
+    main()
