@@ -197,6 +197,21 @@ def fd_count() -> int:
     return len(os.listdir("/proc/self/fd"))
 
 
+def take_every_descriptor(limit: int = 1024) -> List[int]:
+    """Lowers this process's RLIMIT_NOFILE soft limit to `limit` (or keeps a lower one) and opens
+    /dev/null until no descriptor is left: an accept() then fails with EMFILE. Returns the
+    descriptors taken (os.close them to free them)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, limit), hard))
+    taken = []
+    try:
+        while True:
+            taken.append(os.open("/dev/null", os.O_RDONLY))
+    except OSError:
+        pass
+    return taken
+
+
 def raise_nofile_limit() -> None:
     """Raise RLIMIT_NOFILE's soft limit to the hard limit (many ranks in one process)."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)

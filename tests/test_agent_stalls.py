@@ -17,6 +17,7 @@ import pytest
 
 from flagcx_mesh.agent import Agent
 import agent_handshake as hs
+from meshutil import subprocess_env
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "stalls-secret"
@@ -107,20 +108,14 @@ def test_a_slow_joiner_s_lanes_join_while_notifications_are_polled(monkeypatch, 
 
 
 EMFILE_PROG = r"""
-import os, resource, socket, sys, time
+import os, socket, sys, time
 from flagcx_mesh.agent import Agent
+from meshutil import take_every_descriptor
 b = Agent("b", "emfile-secret", timeout=20)
 host, port = b.address.rsplit(":", 1)
 host = host.strip("[]")
 client = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 512), hard))
-fillers = []
-try:
-    while True:
-        fillers.append(os.open("/dev/null", os.O_RDONLY))
-except OSError:
-    pass
+fillers = take_every_descriptor(512)
 client.connect((host, int(port)))  # the kernel completes it into the backlog: accept() has no descriptor
 time.sleep(0.2)
 c0 = time.process_time()
@@ -145,7 +140,7 @@ def test_a_listener_out_of_descriptors_backs_off_and_recovers():
     """Out of descriptors (a peer holding connections without bound can do it) the listener
     neither spins nor floods the log: one warning per episode, the failed accepts counted in
     stats(); once descriptors are freed the waiting connection and new agents are served."""
-    env = dict(os.environ, FLAGCX_MESH_TRANSPORT="tcp")
+    env = subprocess_env({"FLAGCX_MESH_TRANSPORT": "tcp"})  # (tests/ on PYTHONPATH: meshutil)
     p = subprocess.run([sys.executable, "-c", EMFILE_PROG], env=env, capture_output=True, text=True, timeout=90)
     assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-2000:]
     line = next(x for x in p.stdout.splitlines() if x.startswith("RESULT"))

@@ -481,21 +481,14 @@ class Flooder:
 
 
 ROOT_FD_SHORTAGE_PROG = r"""
-import os, resource, socket, time
+import os, socket, time
 import flagcx_mesh
 from flagcx_mesh import _core
-from meshutil import parse_hostport, thread_meshes
+from meshutil import parse_hostport, take_every_descriptor, thread_meshes
 uid = flagcx_mesh.get_unique_id()
 root = parse_hostport(_core._unique_id_info(uid)["root"])
 waiting = socket.socket(socket.AF_INET6 if ":" in root[0] else socket.AF_INET)  # its descriptor first
-soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
-fillers = []
-try:
-    while True:
-        fillers.append(os.open("/dev/null", os.O_RDONLY))
-except OSError:
-    pass
+fillers = take_every_descriptor()
 waiting.connect(root)  # in the root's backlog, which has no descriptor to take it
 c0 = time.process_time()
 time.sleep(1.0)

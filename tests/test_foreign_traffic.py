@@ -472,10 +472,10 @@ for m in ms: m.close()
 
 
 FD_SHORTAGE_PROG = r"""
-import os, resource, threading, time
+import os, threading, time
 import flagcx_mesh
 from flagcx_mesh import Mesh
-from meshutil import connect, listening_ports, run_threads
+from meshutil import connect, listening_ports, run_threads, take_every_descriptor
 uid = flagcx_mesh.get_unique_id()
 known = listening_ports()
 held, cpu = [], []
@@ -493,15 +493,7 @@ def hook(phase):
         listening.set()
     if phase == "rendezvous":  # (called once it is done) the connect/accept loop next
         held.append(connect(listener[0]))  # waits in the backlog: the build's accept must take it
-        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(soft, 1024), hard))
-        fillers = []
-        try:
-            while True:
-                fillers.append(os.open("/dev/null", os.O_RDONLY))
-        except OSError:
-            pass
-        threading.Thread(target=free_later, args=(fillers,), daemon=True).start()
+        threading.Thread(target=free_later, args=(take_every_descriptor(),), daemon=True).start()
 def body(r):
     if r == 1:
         listening.wait(10)  # rank 0's listener alone is new when its hook looks
