@@ -1,9 +1,9 @@
 // How a listener lives through a shortage of file descriptors (the bootstrap root's, the mesh
 // builder's and the agent's): accept() fails with EMFILE (or ENFILE, ENOBUFS, ENOMEM) while the
 // connection stays in the kernel's backlog, so the listening socket stays readable and polling it
-// again at once fails again, as fast as the loop runs. Instead the owner stops polling it for a pause that starts at
-// 10 ms and doubles up to 0.5 s while accept keeps failing, and says so once per episode, when it
-// starts and when an accept works again.
+// again at once fails again, as fast as the loop runs. Instead the owner stops polling it for a
+// pause that starts at 10 ms and doubles up to 0.5 s while accept keeps failing, and says so once
+// per episode, when it starts and when an accept works again.
 #pragma once
 
 #include <algorithm>
