@@ -256,10 +256,15 @@ def one_transfer(hosts: Dict[str, Host], loss: int, blackhole: float, timeout: f
     packets (and of their acks) dropped each retry fails with p ~ 0.19, so 3 failed in a row
     (~0.7 % a lane, of 4 lanes sending) outlast a 30 s op timeout. So the RTO is capped at 5 s in
     the namespaces for the transfer (set_rto_max): 30 s then needs 6 failed retries in a row.
-    Where the kernel has no cap, ops get 90 s instead (5 in a row, ~0.1 % a run)."""
+    Where the kernel has no cap, ops get 90 s instead (5 in a row, ~0.1 % a run).
+
+    Loss alone needs the cap as much: uncapped, a segment whose retries fail 7 times in a row
+    (p ~ 0.19^7, of the thousands of segments 10 % loss drops in a run) waits 0.2 + 0.4 + ... +
+    12.8 = 25 s before the next, and the run failed in CI that way (both ranks' round 0 past the
+    30 s op timeout; on the loaded VM, 2 of 10 runs took 18 and 32 s, with the cap none of 10 over 11 s)."""
     set_drop(hosts, loss)
-    old = set_rto_max(hosts, RTO_MAX_MS) if blackhole > 0 else None
-    op_timeout = timeout if blackhole <= 0 or old is not None else max(timeout, 90.0)
+    old = set_rto_max(hosts, RTO_MAX_MS)
+    op_timeout = timeout if old is not None else max(timeout, 90.0)
     try:
         return _transfer(hosts, loss, blackhole, timeout, op_timeout, lanes, size, count)
     finally:
