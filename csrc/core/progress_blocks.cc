@@ -73,19 +73,19 @@ std::string Engine::check_blocks(InConn& in, bool land) {
     }
     bool host = w->kind != WindowKind::kDevice;
     if (i == 0) in.device = host ? -1 : w->device;  // the batch's kind: its first block's
-    std::string words = block_words(in.blocks, i, land, in.device >= 0);
-    if (w->kind == WindowKind::kSignal) return words + ": a signal window here";
+    auto words = [&] { return block_words(in.blocks, i, land, in.device >= 0); };  // on failure only
+    if (w->kind == WindowKind::kSignal) return words() + ": a signal window here";
     if (host != (in.device < 0)) {
-      return words + (host ? ": host memory here, the batch's blocks before it device memory"
-                           : ": device memory here, the batch's blocks before it host memory");
+      return words() + (host ? ": host memory here, the batch's blocks before it device memory"
+                             : ": device memory here, the batch's blocks before it host memory");
     }
-    if (host && !land) return words + ": host memory here (staged reads come from device memory)";
+    if (host && !land) return words() + ": host memory here (staged reads come from device memory)";
     if (!host && w->device != in.device) {
-      return words + ": on device " + std::to_string(w->device) + ", the batch's blocks before it on device " +
+      return words() + ": on device " + std::to_string(w->device) + ", the batch's blocks before it on device " +
              std::to_string(in.device);
     }
     if (b.off > w->size || b.len > w->size - b.off) {
-      return words + ": out of range (" + std::to_string(w->size) + " bytes here)";
+      return words() + ": out of range (" + std::to_string(w->size) + " bytes here)";
     }
     in.block_windows[i] = w;
     places->emplace_back(w->base + b.off, b.len);
