@@ -192,17 +192,24 @@ def _batch(conn, layers) -> float:
     return time.perf_counter() - t0
 
 
-def _raw_cma(args, pid: int, local_addr: int, remote_addr: int, layers, tokens: int) -> tuple:
-    """Seconds of the kernel alone (_rawcma.py) writing the request's blocks (``layers``, as
-    _batch_ops made them) and the same bytes as one iovec per layer, between the plain agents'
-    buffers of the same two processes."""
+def _raw_cma_calls(args, local_addr: int, remote_addr: int, layers, tokens: int) -> tuple:
+    """The kernel-alone reference's iovecs (_rawcma.py), made once as the batch's op lists are:
+    the request's blocks (``layers``, as _batch_ops made them) and the same bytes as one iovec
+    per layer, between the plain agents' buffers of the same two processes."""
     from . import _rawcma  # (libc's process_vm_writev, looked up only where cma runs)
 
     per_layer = tokens // args.block_size * args.heads * args.block_size * 2 * args.head_size * 2
     scattered = _rawcma.prepare([(local_addr + op[1], remote_addr + op[3], op[4]) for ops in layers for op in ops])
     contiguous = _rawcma.prepare([(local_addr + i * per_layer, remote_addr + i * per_layer, per_layer)
                                   for i in range(args.layers)])
-    return _rawcma.write_seconds(pid, scattered), _rawcma.write_seconds(pid, contiguous)
+    return scattered, contiguous
+
+
+def _raw_cma_seconds(pid: int, calls) -> list:
+    """Seconds the kernel alone took to write each of _raw_cma_calls' iovec lists into ``pid``."""
+    from . import _rawcma
+
+    return [_rawcma.write_seconds(pid, c) for c in calls]
 
 
 def _sync(torch, args) -> None:
@@ -272,13 +279,15 @@ def _measure_path(args, path: str) -> Dict[str, object]:
         for tokens in args.tokens:
             kv, ref, bat, raw = [], [], [], []
             layers = _batch_ops(args, local, remote, tokens, rng)
+            raw_calls = _raw_cma_calls(args, buf.data_ptr(), peer["addr"], layers, tokens) \
+                if row["path"] == "cma" else ()
             for _ in range(args.reps):
                 kv.append(_request(args, d, x, i, tokens, rng))
                 i += 1
                 ref.append(_contiguous(args, conn, local, remote, tokens))
                 bat.append(_batch(conn, layers))
-                if row["path"] == "cma":
-                    raw.append(_raw_cma(args, peer["pid"], buf.data_ptr(), peer["addr"], layers, tokens))
+                if raw_calls:
+                    raw.append(_raw_cma_seconds(peer["pid"], raw_calls))
             nbytes = tokens * args.layers * args.heads * 2 * args.head_size * 2
             k, r, b = statistics.median(kv), statistics.median(ref), statistics.median(bat)
             row["tokens"][str(tokens)] = {"bytes": nbytes, "kv_ms": k * 1e3, "kv_gbs": nbytes / k / 1e9,
