@@ -47,12 +47,14 @@ fail_with_log() {  # fail_with_log NAME WHY: the end of NAME's log, then exit 1
 wait_up() {  # wait_up NAME:PID:PORT...: until each /health answers; fails fast when a server is gone
     local deadline=$((SECONDS + STARTUP_TIMEOUT)) left=("$@") server name pid port
     while [ ${#left[@]} -gt 0 ]; do
-        local still=()
+        # past the deadline or not: decided once a round, so that the first server not up is named
+        # (the clock read per server named the decode when it ticked over after the prefill's check)
+        local still=() late=$((SECONDS >= deadline))
         for server in "${left[@]}"; do
             IFS=: read -r name pid port <<< "$server"
             curl -sf "localhost:$port/health" >/dev/null && continue
             kill -0 "$pid" 2>/dev/null || fail_with_log "$name" "exited before it was up"
-            [ $SECONDS -lt $deadline ] || fail_with_log "$name" "was not up on :$port within ${STARTUP_TIMEOUT} s"
+            [ "$late" -eq 0 ] || fail_with_log "$name" "was not up on :$port within ${STARTUP_TIMEOUT} s"
             still+=("$server")
         done
         left=("${still[@]}")
