@@ -82,3 +82,34 @@ def test_the_kernel_reference_writes_every_span_where_it_says():
         assert bytes(dst[at - size:at]) == bytes(size)  # the gap before it untouched
     with pytest.raises(OSError, match="process_vm_writev moved"):
         _rawcma.write_seconds(os.getpid(), _rawcma.prepare([(s0, 4096, size)]))  # nothing mapped at 4096
+
+
+def test_cuda_vmm_is_measured_in_a_process_with_expandable_segments(monkeypatch, tmp_path):
+    """torch gives cuMem memory (cuda-vmm's) only with expandable segments set before CUDA starts:
+    bench kv measured cuda-vmm in the process that had measured cuda-ipc, whose plain cudaMalloc
+    memory fell back to staged (a 'cuda-vmm' row that was staged's figures)."""
+    from flagcx_mesh.bench import kv
+
+    monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    args = kv._parse(["--device", "cuda"])
+    assert args.paths == ["cuda-ipc", "cuda-vmm", "staged"]
+    assert [kv._needs_own_process(args, p) for p in args.paths] == [False, True, False]
+    assert not kv._needs_own_process(kv._parse(["--device", "cpu"]), "cuda-vmm")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert not kv._needs_own_process(args, "cuda-vmm")
+
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "max_split_size_mb:64")
+    seen = {}
+
+    def run(cmd, env, timeout):
+        seen.update(cmd=cmd, env=env)
+        child = kv._parse(cmd[cmd.index("kv") + 1:])
+        with open(child.dir, "w") as f:
+            json.dump({"path": "cuda-vmm", "paths_asked": child.paths, "role": child.role}, f)
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(kv.subprocess, "run", run)
+    row = kv._measure_apart(["--device", "cuda", "--tokens", "2048", "--paths", "cuda-ipc,cuda-vmm"], "cuda-vmm")
+    assert row == {"path": "cuda-vmm", "paths_asked": ["cuda-vmm"], "role": "path"}
+    assert seen["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
+    assert "--tokens" in seen["cmd"] and "2048" in seen["cmd"]

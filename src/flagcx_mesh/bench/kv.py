@@ -22,7 +22,9 @@ contiguous write); and, in the prefill process alone, the local gather of the sa
 layer, `index_copy_` of the blocks picked with `index_select`, on the cache viewed as uint8 and
 as int64; median of --reps), which no transfer between processes can beat (gather u8 / KV: 1.0
 is a request as fast as the uint8 gather). Paths are forced with FLAGCX_MESH_TRANSPORT (host: cma,
-tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged). With --peers (default
+tcp) or FLAGCX_MESH_CUDA_PATH (cuda: cuda-ipc, cuda-vmm, staged); cuda-vmm is measured in a process
+of its own with PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True (its memory must be cuMem memory, which
+torch's allocator gives only when set before CUDA starts) unless this one has it. With --peers (default
 nixl,mooncake), NIXL and Mooncake TE move the same blocks (one batch of blocks x layers blocks of a
 layer's block bytes, scattered) through `bench agent`'s harness, started by this run after the
 paths (kv_peers.py): their ms per request beside the KV request's; a peer not installed is
@@ -357,11 +359,40 @@ def plot(data: dict, args) -> bool:
                                 f"tokens, {args.heads} KV heads)", panels)
 
 
+_EXPANDABLE = "expandable_segments:True"
+
+
+def _needs_own_process(args, path: str) -> bool:
+    """cuda-vmm needs torch's expandable segments (cuMem memory), which the allocator reads once,
+    at CUDA's start: without them in this process the path would fall back (to staged)."""
+    return args.device == "cuda" and path == "cuda-vmm" and _EXPANDABLE not in os.environ.get(
+        "PYTORCH_CUDA_ALLOC_CONF", "")
+
+
+def _measure_apart(argv: List[str], path: str) -> Dict[str, object]:
+    """_measure_path(path) in a process of its own, with torch's expandable segments on."""
+    with tempfile.TemporaryDirectory(prefix="bench-kv-vmm-") as d:
+        out = os.path.join(d, "row.json")
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=",".join(
+            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), _EXPANDABLE) if x))
+        cmd = [sys.executable, "-m", "flagcx_mesh.bench", "kv", *argv, f"--paths={path}", "--role=path",
+               f"--dir={out}"]
+        done = subprocess.run(cmd, env=env, timeout=1800)
+        if done.returncode != 0:
+            raise SystemExit(f"bench kv: measuring {path} in a process of its own failed (exit {done.returncode})")
+        with open(out) as f:
+            return json.load(f)
+
+
 def main(argv: List[str]) -> int:
     args = _parse(argv)
     if args.role == "decode":
         return decode(args)
-    data = {"device": args.device, "paths": {p: _measure_path(args, p) for p in args.paths}}
+    if args.role == "path":  # _measure_apart's child: one path's row into --dir (a file)
+        save_json(_measure_path(args, args.paths[0]), args.dir)
+        return 0
+    data = {"device": args.device, "paths": {p: _measure_apart(argv, p) if _needs_own_process(args, p)
+                                             else _measure_path(args, p) for p in args.paths}}
     if args.peer_list:
         data["peers"] = {str(t): kv_peers.measure(args, t) for t in args.tokens}
     _report(data, args)
