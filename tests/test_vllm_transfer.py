@@ -467,6 +467,34 @@ def wait_for_fetch(dec, pre, remote_req, remote, local):
     return wait_for(dec, "recving", "t")
 
 
+def test_poll_with_a_timeout_returns_the_request_that_completes_meanwhile(pair):
+    """poll(timeout=) waits for the first completion and is woken by it: the blocks landed by
+    then (without the wake-up it would return empty at its timeout)."""
+    pre, pre_kv = pair("p", hold_timeout=60)
+    dec, dec_kv = pair("d")
+    fill_all(pre_kv)
+    pre.hold("r", [3])
+    assert pre.poll(timeout=0) == pre.poll()  # nothing yet: both empty at once
+    dec.fetch("t", pre.metadata, "r", [3], [9])
+    done = dec.poll(timeout=60)
+    while not done.recving:  # a poll may return a completion of another kind only (none here)
+        done = dec.poll(timeout=60)
+    assert done.recving == {"t"} and not done.failed
+    assert only_these_blocks(dec_kv, [{9: 3}, {9: 3}]) == []
+    assert pre.poll(timeout=60).sending == {"r"}  # the decode's ack released it
+
+
+def test_close_ends_a_poll_waiting_in_another_thread(pair):
+    dec, _ = pair("d")
+    out = []
+    t = threading.Thread(target=lambda: out.append(dec.poll(timeout=60)))
+    t.start()
+    time.sleep(0.2)
+    dec.close()
+    t.join(timeout=30)
+    assert not t.is_alive() and out and not out[0].recving and not out[0].sending
+
+
 def test_a_decode_layout_s_row_plan_is_made_once_and_serves_every_push(pair):
     """The layers' checks and per-layer tensors of a push (layout.RowPlan) are made at the first
     push to a decode's layout and reused by the next; the held blocks' ids are a tensor from the

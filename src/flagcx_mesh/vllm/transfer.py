@@ -204,6 +204,7 @@ class KVTransfer:
             layers=[g.to_wire() for g in self.layers])
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._finished = threading.Condition(self._lock)  # notified when _done gains a request
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
         self._warn_bad, self._warn_refused, self._warn_odd = _Throttled(), _Throttled(), _Throttled()
@@ -262,11 +263,18 @@ class KVTransfer:
         self._commands.put(("release", bytes(peer_metadata), str(remote_req_id)))
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
-    def poll(self) -> Finished:
-        """What completed since the last poll (see :class:`Finished`)."""
+    def poll(self, timeout: float = 0.0) -> Finished:
+        """What completed since the last poll (see :class:`Finished`). ``timeout``: seconds to
+        wait, when nothing completed yet, for the first request that does (0: return at once);
+        a waiting caller is woken by the completion itself, not by a timer."""
         with self._lock:
+            if timeout > 0 and not self._has_done():
+                self._finished.wait_for(lambda: self._has_done() or self._stop.is_set(), timeout)
             out, self._done = self._done, Finished()
         return out
+
+    def _has_done(self) -> bool:  # (self._lock held)
+        return bool(self._done.sending or self._done.recving)
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
@@ -284,6 +292,8 @@ class KVTransfer:
     def close(self) -> None:
         """Stops the thread and closes the agent (peers' pending handles fail with PeerLost)."""
         self._stop.set()
+        with self._lock:
+            self._finished.notify_all()  # a poll(timeout) in another thread returns now
         if not self.agent.closed:
             self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
@@ -362,6 +372,7 @@ class KVTransfer:
                 self._done.recving.add(recving)
                 if failed is not None:
                     self._done.failed[recving] = list(failed)
+            self._finished.notify_all()
 
     # ---- prefill side -------------------------------------------------------------------
 
@@ -733,8 +744,8 @@ class KVTransfer:
             del self._fetches[tag]
             self._count("fetches_done")
             self._count("fetch_seconds", time.monotonic() - f.started)
+            self._finish(recving=tag)  # first: the prefill's release is not what the request waits for
             self._send_quietly(f.conn, protocol.encode("A", req=f.remote_req))
-            self._finish(recving=tag)
         else:
             self._fail(f, f"the prefill refused: {why}")
 
