@@ -45,22 +45,73 @@ struct Connection::Checked {
 // The staged writes (reads) likewise: one kPutBlocks (kGetBlocks) frame (staged_batch.h) per run of them.
 // And the small tcp writes between host memories: one kPutBlocks frame (tcp/block_batch.h).
 struct Connection::Batch {
-  Batch(Outbox* outbox, bool is_read, bool single, Deadline deadline)
+  Batch(Outbox* outbox, bool is_read, size_t count, Deadline deadline)
       : copies(outbox, kPeer, kCtx), staged(outbox, kPeer, is_read, Engine::kMaxGetBytesInFlight),
-        blocks(outbox, kPeer), is_read(is_read), single(single), deadline(deadline) {}
+        blocks(outbox, kPeer), is_read(is_read), single(count == 1), count(count), deadline(deadline) {}
   cuda::CopyBatch copies;
   cuda::StagedBatch staged;
   tcp::BlockBatch blocks;
   bool tcp_batch = tcp_batch_wanted();  // FLAGCX_MESH_TCP_BATCH, read once a call
   bool is_read;
   bool single;
+  size_t count;  // the call's ops
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
   static constexpr size_t kRenewEvery = 256;  // a clock read per op cost more than the op's issue
-  std::vector<std::pair<PeerView*, PathOp>> ops;
+  // The ops queued in `copies`, in order, for the fallback of any the driver refuses: each is
+  // the first op of its run (`firsts`) but for its own offsets and length (a PathOp is ~100
+  // bytes, and a request queues thousands).
+  struct Copy {
+    uint32_t first;  // its run's first op, in `firsts`
+    uint8_t* local;
+    uint64_t remote_off, len;
+  };
+  std::vector<std::pair<PeerView*, PathOp>> firsts;
+  std::vector<Copy> ops;
+  // The run of plain device copies that the last op started or continued (issue()): a later op
+  // naming the same remote descriptor and local window is one more of them, on the same path,
+  // stream and fence, while nothing was issued or queued elsewhere since. Null: none.
+  const RegionDesc* run_remote = nullptr;
+  const Window* run_local = nullptr;
+  Path* run_path = nullptr;
+  bool in_run(const Checked& c) const { return c.x->remote == run_remote && c.local == run_local; }
+  void end_run() { run_remote = nullptr; }
+  void queued_first(PeerView* v, const PathOp& op);
+  void start_run(const Checked& c, Path* p);
+  std::pair<PeerView*, PathOp> queued_op(size_t i) const;  // the i-th of `ops`, whole
+  void clear_ops() {
+    ops.clear();
+    firsts.clear();
+  }
   cma::IovBatch iovs;
   std::vector<std::pair<PeerView*, PathOp>> host_ops;  // the ops in iovs, in order
   bool host_fell_back = false;  // some host ops went over tcp (the call is then asynchronous)
 };
+
+// An op issue() queued in `copies`: the first of its run (of one, unless start_run() follows).
+// Room for the call's ops at the first one, so that a request's thousands are not moved as the
+// lists grow.
+void Connection::Batch::queued_first(PeerView* v, const PathOp& op) {
+  if (ops.capacity() == 0) {
+    ops.reserve(count);
+    copies.reserve(count);
+  }
+  firsts.emplace_back(v, op);
+  ops.push_back({static_cast<uint32_t>(firsts.size() - 1), op.local, op.remote_off, op.len});
+}
+
+void Connection::Batch::start_run(const Checked& c, Path* p) {
+  run_remote = c.x->remote;
+  run_local = c.local;
+  run_path = p;
+}
+
+std::pair<PeerView*, PathOp> Connection::Batch::queued_op(size_t i) const {
+  std::pair<PeerView*, PathOp> o = firsts[ops[i].first];
+  o.second.local = ops[i].local;
+  o.second.remote_off = ops[i].remote_off;
+  o.second.len = ops[i].len;
+  return o;
+}
 
 Connection::Connection(Agent* agent, tcp::Fd fd, PeerInfo peer, bool initiated, int lanes, uint64_t token)
     : agent_(agent), bell_(agent->bell_), peer_(std::move(peer)), initiated_(initiated), token_(token) {
@@ -113,8 +164,8 @@ void Connection::start() {
 
 // The acceptor files a connection before it sends the verdict (so the table
 // and its judgement agree) and starts it right after: a call in between waits.
-Engine& Connection::engine() const {
-  if (ready_.load(std::memory_order_acquire)) return *engine_;  // every call but those racing the start
+Engine& Connection::started_engine() const {
+  if (ready_.load(std::memory_order_acquire)) return *engine_;
   Deadline d = Deadline::after_seconds(agent_->header_timeout_s_);
   while (!ready_.load(std::memory_order_acquire)) {
     std::string g = gone();
@@ -182,44 +233,51 @@ uint64_t Connection::ping() { return engine_->ping(kPeer); }
 
 bool Connection::answered(uint64_t mark) const { return engine_->acks_heard(kPeer) > mark; }
 
+// A refusal's words are made out of line, in fail_op(): made here, every op paid for the room
+// they take.
 Connection::Checked Connection::check(const Xfer& x, const char* call, long op, LocalWindows* locals) const {
-  auto which = [&] { return op < 0 ? std::string(call) : std::string(call) + " op " + std::to_string(op); };
-  if (!x.local || !x.remote) fail(Code::kInvalidArgument, -1, 0, who() + ": " + which() + ": a descriptor is missing");
+  if (!x.local || !x.remote) fail_op(x, call, op, Refusal::kMissing);
   const RegionDesc& r = *x.remote;
-  auto what = [&] { return who() + ": " + which() + " of " + std::to_string(x.size) + " bytes "; };  // on failure only
   if (locals->last_remote != &r) {  // (a batch's ops name few descriptors, each many times in a row)
-    if (r.agent != peer_.name) {
-      fail(Code::kInvalidArgument, -1, 0, what() + "to a region of agent " + r.agent + ", not of this connection's peer");
-    }
-    if (r.incarnation != peer_.incarnation) {
-      fail(Code::kInvalidArgument, -1, 0, what() + "to region #" + std::to_string(r.index) + " of incarnation " +
-                                              incarnation_hex(r.incarnation) + " of agent " + r.agent +
-                                              ", which is now incarnation " + incarnation_hex(peer_.incarnation) +
-                                              " (it restarted: its old descriptors are void)");
-    }
+    if (r.agent != peer_.name) fail_op(x, call, op, Refusal::kAgent);
+    if (r.incarnation != peer_.incarnation) fail_op(x, call, op, Refusal::kIncarnation);
     locals->last_remote = &r;
   }
-  if (!in_range(x.remote_off, x.size, r.size)) {
-    fail(Code::kInvalidArgument, -1, 0, what() + "at remote " + range_text(x.remote_off, x.size) +
-                                            ": out of range of its region #" + std::to_string(r.index) + " (" +
-                                            std::to_string(r.size) + " bytes)");
-  }
+  if (!in_range(x.remote_off, x.size, r.size)) fail_op(x, call, op, Refusal::kRemoteRange);
   Checked c;
   c.x = &x;
   c.local = locals->of(*agent_, *x.local, call);
-  if (!in_range(x.local_off, x.size, c.local->size)) {
-    fail(Code::kInvalidArgument, -1, 0, what() + "at local " + range_text(x.local_off, x.size) +
-                                            ": out of range of local region #" + std::to_string(x.local->index) +
-                                            " (" + std::to_string(c.local->size) + " bytes)");
-  }
+  if (!in_range(x.local_off, x.size, c.local->size)) fail_op(x, call, op, Refusal::kLocalRange, c.local->size);
   return c;
 }
 
+void Connection::fail_op(const Xfer& x, const char* call, long op, Refusal why, uint64_t local_size) const {
+  std::string which = op < 0 ? std::string(call) : std::string(call) + " op " + std::to_string(op);
+  std::string what;
+  switch (why) {
+    case Refusal::kMissing: fail(Code::kInvalidArgument, -1, 0, who() + ": " + which + ": a descriptor is missing");
+    case Refusal::kAgent: what = "to a region of agent " + x.remote->agent + ", not of this connection's peer"; break;
+    case Refusal::kIncarnation:
+      what = "to region #" + std::to_string(x.remote->index) + " of incarnation " +
+             incarnation_hex(x.remote->incarnation) + " of agent " + x.remote->agent + ", which is now incarnation " +
+             incarnation_hex(peer_.incarnation) + " (it restarted: its old descriptors are void)";
+      break;
+    case Refusal::kRemoteRange:
+      what = "at remote " + range_text(x.remote_off, x.size) + ": out of range of its region #" +
+             std::to_string(x.remote->index) + " (" + std::to_string(x.remote->size) + " bytes)";
+      break;
+    case Refusal::kLocalRange:
+      what = "at local " + range_text(x.local_off, x.size) + ": out of range of local region #" +
+             std::to_string(x.local->index) + " (" + std::to_string(local_size) + " bytes)";
+      break;
+  }
+  fail(Code::kInvalidArgument, -1, 0, who() + ": " + which + " of " + std::to_string(x.size) + " bytes " + what);
+}
+
 // Each local region of a call looked up once (a batch names few regions many times): by its
-// descriptor's address, the last one first, then the few before it, then a map.
-const Window* Connection::LocalWindows::of(const Agent& agent, const RegionDesc& d, const char* call) {
+// descriptor's address, the last one first (of()), then the few before it, then a map.
+const Window* Connection::LocalWindows::find(const Agent& agent, const RegionDesc& d, const char* call) {
   constexpr size_t kScanned = 16;
-  if (last_desc == &d) return last;
   const Window* found = nullptr;
   for (size_t i = 0; i < held.size() && i < kScanned && !found; ++i) {
     if (descs[i] == &d) found = held[i].get();
@@ -366,7 +424,12 @@ std::string Connection::path_to(const RegionDesc& remote, const RegionDesc* loca
 // A synchronous path that fails hands the op to tcp; while tcp ops are in
 // flight on this connection every op takes tcp (FIFO, as the mesh keeps it).
 // Device memory on either side takes a device path or staged.
+// An op queued as a plain device copy while no other queue held ops starts a run: the ops
+// right after it that name the same remote descriptor and local window would find all that it
+// found here (view, path, no issue first, the cookie read, only copies queued, the same
+// stream and fence), so issue_all() has them only queued (queue_in_run()).
 Connection::Issued Connection::issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch) {
+  batch->end_run();
   int device = c.local->kind == WindowKind::kDevice ? c.local->device : -1;
   PeerView& v = view_of(*c.x->remote, device);
   if (!is_device_path(v.path->kind())) issue_batch(batch);  // what came before is issued first
@@ -419,16 +482,35 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
     q = p->queue(op, is_read, &batch->copies);
   }
   if (q == Queued::kYes) {
-    batch->ops.emplace_back(&v, op);
+    batch->queued_first(&v, op);
+    if (only_copies) batch->start_run(c, p);
     return Issued::kUnordered;
   }
   issue_batch(batch);
   return post(p, v, op, is_read);
 }
 
+// One more op of the run (issue()): its copy queued on the run's path as the first one's was,
+// the first op's fields but for its offsets and length. Once nothing is in flight the fence is
+// forgotten, as order_on() does for each op.
+Connection::Issued Connection::queue_in_run(const Checked& c, bool is_read, const StreamArg& stream, Batch* b) {
+  PathOp& op = b->firsts.back().second;  // (its offsets and length are kept in b->ops)
+  forget_if_idle();
+  op.remote_off = c.x->remote_off;
+  op.local = c.local->base + c.x->local_off;
+  op.len = c.x->size;
+  if (b->run_path->queue_more(op, is_read, &b->copies) != Queued::kYes) {  // (not seen: the first op's answer holds)
+    b->end_run();
+    return issue(c, is_read, stream, b);
+  }
+  b->ops.push_back({static_cast<uint32_t>(b->firsts.size() - 1), op.local, op.remote_off, op.len});
+  return Issued::kUnordered;
+}
+
 // Counted before they are issued (their acks may come at once); a copy the
 // driver refuses, and those after it, go over the fallback one by one.
 void Connection::issue_batch(Batch* b) {
+  b->end_run();  // the ops after these copies are ordered after them: issue() looks again
   size_t n = b->copies.size();
   if (n == 0) return;
   async_issued_ += n;
@@ -439,16 +521,19 @@ void Connection::issue_batch(Batch* b) {
   } catch (const Error&) {  // the driver failed outside a copy (an event): nothing is counted
     async_issued_ -= n;
     b->copies.clear();
-    b->ops.clear();
+    b->clear_ops();
     throw;
   }
   if (issued < n) {
     async_issued_ -= n - issued;
     FXM_WARN(-1, who() + ": " + error + "; " + std::to_string(n - issued) + " op(s) go over " +
-                     b->ops[issued].first->tcp().name());
-    for (size_t i = issued; i < n; ++i) post(&b->ops[i].first->tcp(), *b->ops[i].first, b->ops[i].second, b->is_read);
+                     b->queued_op(issued).first->tcp().name());
+    for (size_t i = issued; i < n; ++i) {
+      auto [v, op] = b->queued_op(i);
+      post(&v->tcp(), *v, op, b->is_read);
+    }
   }
-  b->ops.clear();
+  b->clear_ops();
 }
 
 // Queues a staged write (read) into the call's staged batch; false when the path does not batch it.
@@ -533,7 +618,7 @@ void Connection::issue_host(Batch* b) {
 void Connection::order_on(const StreamArg& stream, Path* p, int device, PathOp* op) {
   bool device_path = is_device_path(p->kind());
   if (device_path) {
-    if (reached(async_issued_.load())) fence_.forget();  // nothing in flight: no wait across streams
+    forget_if_idle();
     op->fence = &fence_;
   }
   if (!stream.set) return;
@@ -544,6 +629,12 @@ void Connection::order_on(const StreamArg& stream, Path* p, int device, PathOp* 
   }
   int ordinal = device >= 0 ? device : cuda::current_device();
   cuda::wait_for_stream(ordinal, stream.stream, op->deadline, who() + ": waiting for the transfer's stream");
+}
+
+// Nothing of this connection in flight: its next device copy waits for nothing across streams.
+// (A fence that holds nothing has nothing to forget: no completion count is read for it.)
+void Connection::forget_if_idle() {
+  if (fence_.holds() && reached(async_issued_.load())) fence_.forget();
 }
 
 // An asynchronous op; a device path whose copy cannot be issued hands it to its fallback.
@@ -566,16 +657,22 @@ Connection::Issued Connection::post(Path* p, PeerView& v, const PathOp& op, bool
 // would have been one at a time).
 void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
                            bool* unordered) {
-  Batch batch(&engine(), is_read, checked.size() == 1, Deadline::after_seconds(agent_->timeout_s()));
+  Batch batch(&engine(), is_read, checked.size(), Deadline::after_seconds(agent_->timeout_s()));
   try {
     size_t n = 0;
+    bool any_async = false, any_unordered = false;
     for (const Checked& c : checked) {
       if (c.x->size == 0) continue;
-      if (++n % Batch::kRenewEvery == 0) batch.deadline = Deadline::after_seconds(agent_->timeout_s());  // waits measured from near their op
-      Issued how = issue(c, is_read, stream, &batch);
-      *async = *async || how != Issued::kDone;
-      *unordered = *unordered || how == Issued::kUnordered;
+      if (++n % Batch::kRenewEvery == 0) {  // waits measured from near their op
+        batch.deadline = Deadline::after_seconds(agent_->timeout_s());
+        batch.end_run();  // (the run's first op holds the deadline before)
+      }
+      Issued how = batch.in_run(c) ? queue_in_run(c, is_read, stream, &batch) : issue(c, is_read, stream, &batch);
+      any_async = any_async || how != Issued::kDone;
+      any_unordered = any_unordered || how == Issued::kUnordered;
     }
+    *async = *async || any_async;
+    *unordered = *unordered || any_unordered;
     issue_blocks(&batch);
     issue_staged(&batch);
     issue_host(&batch);

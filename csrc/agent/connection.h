@@ -98,7 +98,11 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool joined_locked() const;  // lanes_joined() with state_mu_ held
   struct Checked;
   struct LocalWindows {  // one call's local regions, each looked up once
-    const Window* of(const Agent& agent, const RegionDesc& d, const char* call);
+    // (Inline: the last region again, as a batch's ops name it many times in a row.)
+    const Window* of(const Agent& agent, const RegionDesc& d, const char* call) {
+      return last_desc == &d ? last : find(agent, d, call);
+    }
+    const Window* find(const Agent& agent, const RegionDesc& d, const char* call);
     std::vector<const RegionDesc*> descs;
     std::vector<std::shared_ptr<Window>> held;
     std::unordered_map<const RegionDesc*, const Window*> more;  // past the first few
@@ -108,6 +112,10 @@ class Connection : public std::enable_shared_from_this<Connection> {
   };
   // op: the op's index in a batch of several (its errors name it), -1 for a call of one op.
   Checked check(const Xfer& x, const char* call, long op, LocalWindows* locals) const;
+  // check()'s refusal of op `op` ("<who>: <call> op <op> of <size> bytes <why>"); local_size:
+  // of its local window, for kLocalRange.
+  enum class Refusal { kMissing, kAgent, kIncarnation, kRemoteRange, kLocalRange };
+  [[noreturn]] void fail_op(const Xfer& x, const char* call, long op, Refusal why, uint64_t local_size = 0) const;
   // The path to `remote` from local memory on `device` (-1: host memory), with op_mu_ held.
   PeerView& view_of(const RegionDesc& remote, int device);
   [[noreturn]] void fail_mismatch(const RegionDesc& remote, const WindowDesc& d, const std::string& why) const;
@@ -116,6 +124,8 @@ class Connection : public std::enable_shared_from_this<Connection> {
   enum class Issued { kDone, kEngine, kUnordered };
   struct Batch;  // one call's device copies, issued together
   Issued issue(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch);
+  // An op of the run that issue() started (Batch::in_run()): only queued.
+  Issued queue_in_run(const Checked& c, bool is_read, const StreamArg& stream, Batch* batch);
   void issue_batch(Batch* batch);
   bool queue_host(Path* p, PeerView& v, const PathOp& op, Batch* batch);
   bool queue_staged(Path* p, const PathOp& op, Batch* batch);
@@ -126,6 +136,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void issue_all(const std::vector<Checked>& checked, bool is_read, const StreamArg& stream, bool* async,
                  bool* unordered);
   void order_on(const StreamArg& stream, Path* p, int device, PathOp* op);
+  void forget_if_idle();
   Issued post(Path* p, PeerView& v, const PathOp& op, bool is_read);
   // cma, shm and device paths: throws once the peer closed the region (`mapped`: shm and device
   // paths pass when the cookie cannot be read here at all).
@@ -141,7 +152,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   // `handle`: the call's handle, whose ops and bytes its words give.
   [[noreturn]] void fail_call(const Error& e, const std::string& call, const Handle* handle = nullptr) const;
   std::string who() const;
-  Engine& engine() const;
+  // (Inline: asked per op; started_engine() waits for a start under way.)
+  Engine& engine() const { return ready_.load(std::memory_order_acquire) ? *engine_ : started_engine(); }
+  Engine& started_engine() const;
 
   Agent* agent_;
   std::shared_ptr<Doorbell> bell_;  // the agent's: rung as a notification lands, the peer ends, or this closes

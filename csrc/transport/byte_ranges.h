@@ -7,6 +7,7 @@
 #include <cstdint>
 #include <iterator>
 #include <map>
+#include <memory>
 #include <utility>
 #include <vector>
 
@@ -38,16 +39,19 @@ inline void sort_by_start(std::vector<ByteSpan>& spans) {
   if (differ == 0) return;
   constexpr int kBits = 11;
   constexpr size_t kBuckets = size_t{1} << kBits;
-  std::vector<ByteSpan> other(spans.size());
+  size_t n = spans.size();
+  std::unique_ptr<ByteSpan[]> scratch(new ByteSpan[n]);  // (not zeroed: each pass writes every slot)
+  ByteSpan *from = spans.data(), *to = scratch.get();
   std::vector<size_t> at(kBuckets);
   for (int shift = __builtin_ctzll(differ); shift <= 63 - __builtin_clzll(differ); shift += kBits) {
     std::fill(at.begin(), at.end(), 0);
-    for (const ByteSpan& s : spans) ++at[(s.start >> shift) & (kBuckets - 1)];
+    for (size_t i = 0; i < n; ++i) ++at[(from[i].start >> shift) & (kBuckets - 1)];
     size_t sum = 0;
     for (size_t& a : at) sum += std::exchange(a, sum);  // each bucket's first slot
-    for (const ByteSpan& s : spans) other[at[(s.start >> shift) & (kBuckets - 1)]++] = s;
-    spans.swap(other);
+    for (size_t i = 0; i < n; ++i) to[at[(from[i].start >> shift) & (kBuckets - 1)]++] = from[i];
+    std::swap(from, to);
   }
+  if (from != spans.data()) std::copy(from, from + n, spans.data());
 }
 
 // Whether a written span overlaps any other span (reads may overlap reads), in one sort of

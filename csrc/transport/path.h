@@ -217,6 +217,11 @@ class Path {
     (void)op; (void)is_get; (void)batch;
     return Queued::kNo;
   }
+  // The same for an op that differs from the last one queue() took into `batch` (kYes, nothing
+  // issued since) only in its offsets and length: what queue() checked holds for it too, so
+  // device paths queue it without asking again (a request's thousands of copies between the
+  // same two regions).
+  virtual Queued queue_more(const PathOp& op, bool is_get, cuda::CopyBatch* batch) { return queue(op, is_get, batch); }
   // The same for synchronous host paths (cma, iov_batch.h): one call's plain
   // ops to one process go in one iovec list per system call. kNo: put/get it alone.
   virtual Queued queue_host(const PathOp& op, bool is_get, cma::IovBatch* batch) {

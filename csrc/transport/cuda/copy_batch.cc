@@ -98,24 +98,27 @@ void prepare_copy_kernel(int ordinal) {
   }
 }
 
-bool CopyBatch::add(int ordinal, CUstream s, StreamFence* fence, const BatchedCopy& c) {
-  if (!copies_.empty() && (ordinal != ordinal_ || s != stream_ || fence != fence_)) return false;
-  ordinal_ = ordinal;
-  stream_ = s;
-  fence_ = fence;
-  copies_.push_back(c);
-  return true;
-}
-
 // One sort instead of a map per copy (copies touching their own bytes count as a conflict
-// too: the ordered walk below then decides).
+// too: the ordered walk below then decides). When every byte read lies outside the span of
+// those written (a request: the peer's memory written, this one's read, or the other way),
+// no read can meet a write: only the written ranges are sorted, half as many.
 bool CopyBatch::disjoint(size_t from) const {
   std::vector<ByteSpan> spans;
   spans.reserve(2 * (copies_.size() - from));
+  CUdeviceptr dst_lo = ~CUdeviceptr{0}, dst_hi = 0, src_lo = ~CUdeviceptr{0}, src_hi = 0;
   for (size_t i = from; i < copies_.size(); ++i) {
     const BatchedCopy& c = copies_[i];
     spans.push_back({c.dst, c.dst + c.len, true});
-    spans.push_back({c.src, c.src + c.len, false});
+    dst_lo = std::min(dst_lo, c.dst);
+    dst_hi = std::max(dst_hi, c.dst + c.len);
+    src_lo = std::min(src_lo, c.src);
+    src_hi = std::max(src_hi, c.src + c.len);
+  }
+  if (src_lo < dst_hi && dst_lo < src_hi) {  // the reads' span meets the writes'
+    for (size_t i = from; i < copies_.size(); ++i) {
+      const BatchedCopy& c = copies_[i];
+      spans.push_back({c.src, c.src + c.len, false});
+    }
   }
   return !any_conflict(spans);
 }
@@ -160,19 +163,15 @@ bool CopyBatch::batch_call(const Driver& d, size_t from, size_t to) {
 
 // The run's copies into a page-locked list, and one launch that reads it.
 bool CopyBatch::kernel_call(size_t from, size_t to) {
-  size_t n = to - from;
+  size_t n = to - from, small = 0;  // by the kernel; longer ones by the copy engines (the run is disjoint: any order)
   for (size_t i = from; i < to; ++i) {
     if (!copies_[i].kernel) return false;  // an end the kernel's device cannot dereference: the driver copies
+    small += copies_[i].len <= kKernelLongest;
   }
-  std::vector<size_t> small;  // by the kernel; longer ones by the copy engines (the run is disjoint: any order)
-  small.reserve(n);
-  for (size_t i = from; i < to; ++i) {
-    if (copies_[i].len <= kKernelLongest) small.push_back(i);
-  }
-  if (small.size() < 2) return false;
+  if (small < 2) return false;
   std::unique_ptr<CopyList> list;
   try {
-    list = copy_list(small.size(), ordinal_);
+    list = copy_list(small, ordinal_);
   } catch (const Error& e) {  // no page-locked memory for the list: this run goes through the driver
     FXM_WARN(peer_, std::string("a list for the copy kernel: ") + e.what() + "; " + std::to_string(n) +
                         " copies go through the driver");
@@ -180,15 +179,16 @@ bool CopyBatch::kernel_call(size_t from, size_t to) {
   }
   KernelCopy* e = list->entries();
   uint64_t longest = 0;
-  for (size_t k = 0; k < small.size(); ++k) {
-    const BatchedCopy& c = copies_[small[k]];
-    e[k] = {c.dst, c.src, c.len};
+  for (size_t i = from, k = 0; i < to; ++i) {
+    const BatchedCopy& c = copies_[i];
+    if (c.len > kKernelLongest) continue;
+    e[k++] = {c.dst, c.src, c.len};
     longest = std::max<uint64_t>(longest, c.len);
   }
-  CUresult r = launch_copies(ordinal_, stream_, *list, small.size(), longest);
+  CUresult r = launch_copies(ordinal_, stream_, *list, small, longest);
   if (r == kSuccess) {
     lists_.push_back(std::move(list));
-    return long_copies(from, to);
+    return small == n || long_copies(from, to);
   }
   warn_once(kernel_failed, peer_, "launching the copy kernel for " + std::to_string(n) + " device copies failed (" +
                                       result_text(r) + "): batches go through the driver's copies from now on");

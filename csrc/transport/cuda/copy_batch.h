@@ -40,8 +40,24 @@ class CopyBatch {
   CopyBatch(Outbox* outbox, int peer, int ctx) : outbox_(outbox), peer_(peer), ctx_(ctx) {}
   // Queues a copy on (ordinal, s) after `fence` (may be null); false when the
   // batch holds copies of another device, stream or fence (issue() them first).
-  bool add(int ordinal, CUstream s, StreamFence* fence, const BatchedCopy& c);
+  // (Inline: a request queues thousands.)
+  bool add(int ordinal, CUstream s, StreamFence* fence, const BatchedCopy& c) {
+    if (!copies_.empty() && (ordinal != ordinal_ || s != stream_ || fence != fence_)) return false;
+    ordinal_ = ordinal;
+    stream_ = s;
+    fence_ = fence;
+    copies_.push_back(c);
+    return true;
+  }
+  // A copy on the device and stream, after the fence, of the last one added (none: false).
+  bool add_more(const BatchedCopy& c) {
+    if (copies_.empty()) return false;
+    copies_.push_back(c);
+    return true;
+  }
   size_t size() const { return copies_.size(); }
+  // Room for n copies in all, so that a call's many are not moved as the batch grows.
+  void reserve(size_t n) { copies_.reserve(n); }
   // Issues every queued copy and empties the batch. Returns how many were
   // issued and counted: all, unless the driver refused one (then *error says
   // why, and it and the copies after it were neither issued nor counted).

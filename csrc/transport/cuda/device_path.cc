@@ -51,13 +51,21 @@ Queued DevicePath::queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) 
     return Queued::kNo;
   }
   if (batch->size() == 0) cuda::use_device(ordinal_);  // (CopyBatch::issue makes it current again)
+  return batch->add(ordinal_, stream_for(op), op.fence, batched(op, is_get)) ? Queued::kYes : Queued::kBatchFirst;
+}
+
+// (The device, stream and fence are the last op's: queue() found them for its fields.)
+Queued DevicePath::queue_more(const PathOp& op, bool is_get, cuda::CopyBatch* batch) {
+  return batch->add_more(batched(op, is_get)) ? Queued::kYes : Queued::kBatchFirst;
+}
+
+cuda::BatchedCopy DevicePath::batched(const PathOp& op, bool is_get) const {
   auto local = reinterpret_cast<cuda::CUdeviceptr>(op.local);
   auto remote = reinterpret_cast<cuda::CUdeviceptr>(remote_ + op.remote_off);
   // A kernel on ordinal_ reads and writes both ends: the local memory must be on that device and
   // the peer's mapped for it (cuda-self: the window is on ordinal_ itself).
   bool kernel = op.local_device == ordinal_ && (!mapping_ || mapping_->kernel_device() == ordinal_);
-  cuda::BatchedCopy c{is_get ? local : remote, is_get ? remote : local, op.len, kind_, kernel};
-  return batch->add(ordinal_, stream_for(op), op.fence, c) ? Queued::kYes : Queued::kBatchFirst;
+  return {is_get ? local : remote, is_get ? remote : local, op.len, kind_, kernel};
 }
 
 namespace {

@@ -16,6 +16,9 @@
 #include "transport/tcp/tcp_path.h"
 
 namespace fxm {
+namespace cuda {
+struct BatchedCopy;
+}
 
 class DevicePath : public Path {
  public:
@@ -31,6 +34,7 @@ class DevicePath : public Path {
   int put(const PathOp& op) override { return copy(op, remote_ + op.remote_off, op.local); }
   int get(const PathOp& op) override { return copy(op, op.local, remote_ + op.remote_off); }
   Queued queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) override;
+  Queued queue_more(const PathOp& op, bool is_get, cuda::CopyBatch* batch) override;
   void release() override {
     mapping_.reset();
     remote_ = nullptr;
@@ -38,6 +42,7 @@ class DevicePath : public Path {
 
  private:
   int copy(const PathOp& op, void* dst, const void* src);
+  cuda::BatchedCopy batched(const PathOp& op, bool is_get) const;
   cuda::CUstream stream_for(const PathOp& op) const;
   PathKind kind_;
   int peer_;

@@ -77,8 +77,7 @@ StreamFence::~StreamFence() {
   if (own_ != nullptr && d != nullptr) d->cuStreamDestroy(own_);  // its queued work still runs
 }
 
-CUstream StreamFence::own_stream(int ordinal) {
-  if (own_ != nullptr && own_ordinal_ == ordinal) return own_;
+CUstream StreamFence::new_own_stream(int ordinal) {
   use_device(ordinal);
   CUstream s = nullptr;
   check(driver()->cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate for a pair's ops");

@@ -42,9 +42,13 @@ class StreamFence {
   void after(CUstream s, SharedEvent recorded);  // the latest op was queued on s; `recorded` follows it
   // Every earlier op of the pair has completed: the next op, on any stream, waits for nothing.
   void forget();
-  CUstream own_stream(int ordinal);
+  // Whether the next op may wait for an earlier one (forget() would change something).
+  bool holds() const { return event_ != nullptr; }
+  // (Inline: asked once per device copy.)
+  CUstream own_stream(int ordinal) { return own_ != nullptr && own_ordinal_ == ordinal ? own_ : new_own_stream(ordinal); }
 
  private:
+  CUstream new_own_stream(int ordinal);
   SharedEvent event_;
   CUstream last_ = nullptr;
   CUstream own_ = nullptr;
