@@ -11,6 +11,7 @@
 // with any other lock held (the inbox's included), and never blocks behind a waiter's work.
 #pragma once
 
+#include <atomic>
 #include <condition_variable>
 #include <cstdint>
 #include <mutex>
@@ -21,27 +22,25 @@ namespace fxm::agent {
 
 class Doorbell {
  public:
-  uint64_t rings() const {
-    std::lock_guard<std::mutex> lock(mu_);
-    return rings_;
-  }
+  // (A load: a waiter that spins looks at it without the lock.)
+  uint64_t rings() const { return rings_.load(std::memory_order_acquire); }
   void ring() {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      ++rings_;
+      rings_.fetch_add(1, std::memory_order_acq_rel);
     }
     cv_.notify_all();
   }
   // Returns once the count is not `seen` any more, or at `until`.
   void wait(uint64_t seen, const Deadline& until) const {
     std::unique_lock<std::mutex> lock(mu_);
-    cv_.wait_until(lock, until.at(), [&] { return rings_ != seen; });
+    cv_.wait_until(lock, until.at(), [&] { return rings() != seen; });
   }
 
  private:
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;
-  uint64_t rings_ = 0;
+  std::atomic<uint64_t> rings_{0};  // moved under mu_, so that a wait cannot miss a ring
 };
 
 }  // namespace fxm::agent

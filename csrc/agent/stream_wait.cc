@@ -5,6 +5,7 @@
 #include <cstdlib>
 
 #include "agent/connection.h"
+#include "base/backoff.h"
 #include "base/env.h"
 #include "agent/name_probe.h"
 #include "base/log.h"
@@ -271,7 +272,7 @@ Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, con
     if (w->released) break;
     Deadline until = w->deadline.min(Deadline::after_seconds(kLookAtLeastEveryS));
     lock.unlock();
-    await_news(peer, seen, until, since, &reading);
+    await_news(peer, seen, until, since, &reading, Backoff::kSpin);
     lock.lock();
   }
   if (w->code != Code::kOk) fail(w->code, -1, 0, w->error);
@@ -298,7 +299,7 @@ std::vector<std::shared_ptr<Connection>> NotificationInbox::connections_of(const
 }
 
 void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const Deadline& until,
-                                   Clock::time_point since, bool* reading) {
+                                   Clock::time_point since, bool* reading, std::chrono::microseconds watch_bell) {
   std::vector<std::shared_ptr<Connection>> conns;
   if (*reading || Clock::now() - since < Engine::kHelpSpin) conns = connections_of(peer);
   while (!conns.empty() && Clock::now() - since < Engine::kHelpSpin && !until.expired()) {
@@ -313,6 +314,10 @@ void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const
   // the progress thread stayed parked, and the notification waited for its 1 ms timer.
   for (const auto& c : conns) c->unpark();
   *reading = false;
+  while (Clock::now() - since < watch_bell && !until.expired()) {
+    if (agent_->bell_->rings() != seen) return;
+    std::this_thread::yield();
+  }
   agent_->bell_->wait(seen, until);
 }
 

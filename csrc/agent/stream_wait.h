@@ -111,8 +111,12 @@ class NotificationInbox {
   // when the notification comes then), later it sleeps on the doorbell. *reading: this wait read
   // the connections and has not handed them back to the progress thread yet (which may have
   // parked, leaving them to it: progress_poll.cc); handed back (Connection::unpark) before any sleep.
+  // `watch_bell`: after its reading, the wait looks at the doorbell without sleeping until that
+  // long after `since` (a blocking wait for one peer's notification: Backoff::kSpin, as the
+  // engine's waiters spin), so that a notification landed by the progress thread then costs no
+  // wake-up of this thread; zero: it sleeps at once.
   void await_news(const std::string& peer, uint64_t seen, const Deadline& until, Clock::time_point since,
-                  bool* reading);
+                  bool* reading, std::chrono::microseconds watch_bell = std::chrono::microseconds{0});
   std::vector<std::shared_ptr<Connection>> connections_of(const std::string& peer) const;
   uint64_t* take_slot(uint64_t* value, SlotBlock** block, uint64_t* index);
   void watch();
