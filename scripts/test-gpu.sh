@@ -63,7 +63,7 @@ step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --d
 # agent write of the same bytes, on every device path and on host memory
 step bench-kv-cuda "$py" -m flagcx_mesh.bench kv --device cuda --json "$logs/bench-kv-cuda.json"
 # the same request on a TP-4 rank (2 of the 8 KV heads): 4096 blocks of 16 KiB
-step bench-kv-cuda-16k "$py" -m flagcx_mesh.bench kv --device cuda --heads 2 --tokens 2048 \
+step bench-kv-cuda-16k timeout 600 "$py" -m flagcx_mesh.bench kv --device cuda --heads 2 --tokens 2048 \
   --json "$logs/bench-kv-cuda-16k.json"
 # one call of a request's blocks split in its issue and its wait (with and without a notification;
 # 64 KiB, 16 KiB and 16-byte blocks), and notify alone: where the push's time goes

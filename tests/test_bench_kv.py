@@ -91,6 +91,7 @@ def test_cuda_vmm_is_measured_in_a_process_with_expandable_segments(monkeypatch,
     from flagcx_mesh.bench import kv
 
     monkeypatch.delenv("PYTORCH_CUDA_ALLOC_CONF", raising=False)
+    monkeypatch.delenv("PYTORCH_ALLOC_CONF", raising=False)
     args = kv._parse(["--device", "cuda"])
     assert args.paths == ["cuda-ipc", "cuda-vmm", "staged"]
     assert [kv._needs_own_process(args, p) for p in args.paths] == [False, True, False]
@@ -112,4 +113,5 @@ def test_cuda_vmm_is_measured_in_a_process_with_expandable_segments(monkeypatch,
     row = kv._measure_apart(["--device", "cuda", "--tokens", "2048", "--paths", "cuda-ipc,cuda-vmm"], "cuda-vmm")
     assert row == {"path": "cuda-vmm", "paths_asked": ["cuda-vmm"], "role": "path"}
     assert seen["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
+    assert seen["env"]["PYTORCH_ALLOC_CONF"] == "max_split_size_mb:64,expandable_segments:True"
     assert "--tokens" in seen["cmd"] and "2048" in seen["cmd"]

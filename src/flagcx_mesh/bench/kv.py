@@ -361,22 +361,32 @@ def plot(data: dict, args) -> bool:
 _EXPANDABLE = "expandable_segments:True"
 
 
+def _alloc_conf() -> str:
+    """torch's allocator settings: PYTORCH_ALLOC_CONF where set (newer torch reads it first), else
+    PYTORCH_CUDA_ALLOC_CONF."""
+    return os.environ.get("PYTORCH_ALLOC_CONF") or os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
+
+
 def _needs_own_process(args, path: str) -> bool:
     """cuda-vmm needs torch's expandable segments (cuMem memory), which the allocator reads once,
     at CUDA's start: without them in this process the path would fall back (to staged)."""
-    return args.device == "cuda" and path == "cuda-vmm" and _EXPANDABLE not in os.environ.get(
-        "PYTORCH_CUDA_ALLOC_CONF", "")
+    return args.device == "cuda" and path == "cuda-vmm" and _EXPANDABLE not in _alloc_conf()
 
 
-def _measure_apart(argv: List[str], path: str) -> Dict[str, object]:
-    """_measure_path(path) in a process of its own, with torch's expandable segments on."""
+def _measure_apart(argv: List[str], path: str, timeout: float = 1800.0) -> Dict[str, object]:
+    """_measure_path(path) in a process of its own, with torch's expandable segments on (in both
+    of torch's variables: whichever it reads)."""
     with tempfile.TemporaryDirectory(prefix="bench-kv-vmm-") as d:
         out = os.path.join(d, "row.json")
-        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=",".join(
-            x for x in (os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""), _EXPANDABLE) if x))
+        conf = ",".join(x for x in (_alloc_conf(), _EXPANDABLE) if x)
+        env = dict(os.environ, PYTORCH_CUDA_ALLOC_CONF=conf, PYTORCH_ALLOC_CONF=conf)
         cmd = [sys.executable, "-m", "flagcx_mesh.bench", "kv", *argv, f"--paths={path}", "--role=path",
                f"--dir={out}"]
-        done = subprocess.run(cmd, env=env, timeout=1800)
+        try:
+            done = subprocess.run(cmd, env=env, timeout=timeout)
+        except subprocess.TimeoutExpired:
+            raise SystemExit(f"bench kv: measuring {path} in a process of its own took more than {timeout:.0f} s") \
+                from None
         if done.returncode != 0:
             raise SystemExit(f"bench kv: measuring {path} in a process of its own failed (exit {done.returncode})")
         with open(out) as f:

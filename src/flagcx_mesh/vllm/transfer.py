@@ -203,7 +203,7 @@ class KVTransfer:
             "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
             layers=[g.to_wire() for g in self.layers])
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._finished = threading.Condition(self._lock)  # notified when _done gains a request
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
