@@ -13,6 +13,8 @@ against that after the call.
                 with FLAGCX_MESH_TRANSPORT=tcp the tcp batch), by an op from host memory to the
                 stretch's remote region and by one into a host region (each its own
                 cuMemcpyAsync): the copies before each are issued first, as before
+    remote-devices (two devices) a stretch to the owner's region on device 1 after one to its
+                region on device 0: each issued on its own device's stream, none refused
     devices     (two devices) a stretch from a region on device 1 between ones from device 0,
                 to the same remote region: one batch, which the kernel cannot take (one
                 cuMemcpyBatchAsync)
@@ -24,9 +26,9 @@ against that after the call.
     refused     a bad row in the middle of a stretch (remote or local range, another agent's
                 region, an index naming no region, a negative cell) refuses the call, naming
                 that row, and nothing moves; a good call then works
-    fallback    (FLAGCX_MESH_CUDA_BATCH_COPY=off, the fake's cuMemcpyAsync refused from the
-                31st call on) the driver refuses op 30 of three stretches of 20: ops 0-29 land,
-                the 30 left go to staged (which fails too: the call's error), nothing of them lands
+    fallback    (FLAGCX_MESH_CUDA_BATCH_COPY=off, the fake's 31st cuMemcpyAsync refused) the
+                driver refuses op 30 of three stretches of 20 (each row its own length): ops
+                0-29 land, the 30 left go over staged one by one and land where their rows say
 Each prints "<scenario> ok" when it passed; any failure exits non-zero.
 """
 
@@ -217,6 +219,30 @@ def devices(args, dev) -> None:
     print("devices ok", flush=True)
 
 
+def remote_devices(args, dev) -> None:
+    """(two devices) A stretch to the owner's region on device 1 after one to its region on
+    device 0 (cuda-self copies on the remote region's device): the first stretch's copies are
+    issued on device 0's stream before device 1's is made. Before, making device 1's stream
+    destroyed device 0's, on which the first stretch's copies were then issued: the driver
+    refused them (an invalid handle) and they went over staged."""
+    b = Buffers(args, dev)
+    other = second_device_buffer(dev, REGION)
+    other.write(0, pattern(11, REGION))
+    b.model[id(other)] = bytearray(pattern(11, REGION))
+    remotes, rmem = b.remotes + [register(b.owner, other)], b.rmem + [other]
+    b.conn.path_to(remotes[5], b.locals[0])  # its path set up (the copy kernel's first launch) before the count
+    calls = Calls(dev)
+    rng = random.Random(29)
+    dst = slots(rng, 200)
+    rows = [(0, rng.randrange(REGION // SLOT) * SLOT, 0 if i < 100 else 5, dst[i] * SLOT, 64) for i in range(200)]
+    b.call(table(rows), remotes=remotes, rmem=rmem)
+    b.verify("stretches to two devices")
+    check(other.read(0, REGION) == bytes(b.model[id(other)]), "stretches to two devices: device 1's region differs")
+    expect_calls(calls, "stretches to two devices", cuMemcpyAsync=0, cuEventRecord=2)
+    b.close()
+    print("remote-devices ok", flush=True)
+
+
 def overlap(args, dev) -> None:
     b = Buffers(args, dev)
     calls = Calls(dev)
@@ -306,28 +332,26 @@ def refused(args, dev) -> None:
 
 
 def fallback(args, dev) -> None:
+    """The driver refuses op 30's copy alone (the 31st cuMemcpyAsync): ops 0-29 land by the
+    driver, op 30 and the 29 after it go over staged one by one (each rebuilt from its run's
+    first op with its own offsets and length), and every byte is where the ops put it."""
     check(os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "off", "run with FLAGCX_MESH_CUDA_BATCH_COPY=off")
     b = Buffers(args, dev)
     rng = random.Random(27)
     rows = []
     for li, ri in ((0, 0), (1, 1), (0, 2)):
-        rows.extend((li, rng.randrange(REGION // SLOT) * SLOT, ri, s * SLOT, 64) for s in slots(rng, 20))
-    t = table(rows)
-    try:
-        b.conn.write_blocks(b.locals, b.remotes, t).wait(b.timeout)
-    except MeshError as e:
-        print(f"the call failed: {e}", flush=True)
-    else:
-        check(False, "the driver refused the copies and staged: the call did not fail")
-    b.play(t[:30], False)  # the driver did the first 30 copies, none of the others landed
-    b.verify("a refusal at op 30", settle=True)
+        for s in slots(rng, 20):  # (sizes 64 to 241 bytes: within a slot)
+            rows.append((li, rng.randrange(REGION // SLOT) * SLOT, ri, s * SLOT, 64 + 3 * len(rows)))
+    b.call(table(rows))
+    b.verify("a refusal at op 30, the rest over staged")
     b.close()
     print("fallback ok", flush=True)
 
 
 def main() -> None:
-    roles = {"switch": switch, "alternate": alternate, "interrupted": interrupted, "devices": devices, "overlap": overlap,
-             "hulls": hulls, "refused": refused, "fallback": fallback}
+    roles = {"switch": switch, "alternate": alternate, "interrupted": interrupted, "devices": devices,
+             "remote-devices": remote_devices, "overlap": overlap, "hulls": hulls, "refused": refused,
+             "fallback": fallback}
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=list(roles))
     ap.add_argument("--timeout", type=float, default=30.0)

@@ -34,6 +34,7 @@ struct State {
   bool forked = false;  // a child forked after cuInit: its streams' threads are gone
   std::map<std::string, CUresult> failures;
   std::map<std::string, long> failures_from;  // the call from which each fails (1: every call)
+  std::map<std::string, long> failures_count;  // how many calls from it fail (0: every one after)
   Context contexts[kMaxDevices];
 };
 
@@ -60,8 +61,10 @@ std::string base_name(std::string name) {
 }
 
 // FXM_FAKECUDA_FAIL="cuIpcGetMemHandle=1,cuMemCreate=801,cuLaunchKernel=719@2": an entry
-// point fails with that code, from its Nth call on where "@N" follows (from the first otherwise).
-bool parse_failures(const char* text, std::map<std::string, CUresult>* out, std::map<std::string, long>* from) {
+// point fails with that code, from its Nth call on where "@N" follows (from the first otherwise);
+// "@N:K": its calls N to N+K-1 only (a driver that refuses once, then works again).
+bool parse_failures(const char* text, std::map<std::string, CUresult>* out, std::map<std::string, long>* from,
+                    std::map<std::string, long>* count) {
   std::string all = text ? text : "";
   size_t pos = 0;
   while (pos < all.size()) {
@@ -75,15 +78,21 @@ bool parse_failures(const char* text, std::map<std::string, CUresult>* out, std:
     char* tail = nullptr;
     long code = std::strtol(item.c_str() + eq + 1, &tail, 10);
     if (tail == item.c_str() + eq + 1) return false;
-    long nth = 1;
+    long nth = 1, calls = 0;
     if (*tail == '@') {
       char* at = tail + 1;
       nth = std::strtol(at, &tail, 10);
       if (tail == at || nth < 1) return false;
+      if (*tail == ':') {
+        at = tail + 1;
+        calls = std::strtol(at, &tail, 10);
+        if (tail == at || calls < 1) return false;
+      }
     }
     if (*tail != '\0') return false;
     (*out)[base_name(item.substr(0, eq))] = static_cast<CUresult>(code);
     (*from)[base_name(item.substr(0, eq))] = nth;
+    (*count)[base_name(item.substr(0, eq))] = calls;
   }
   return true;
 }
@@ -108,7 +117,9 @@ CUresult read_environment(State& s) {
   s.host_unregister_us_per_mib = unregister_us;
   s.copy_to_device_delay_ms = delay;
   s.copy_from_device_delay_ms = from_delay;
-  if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures, &s.failures_from)) return kInvalidValue;
+  if (!parse_failures(std::getenv("FXM_FAKECUDA_FAIL"), &s.failures, &s.failures_from, &s.failures_count)) {
+    return kInvalidValue;
+  }
   s.devices = static_cast<int>(devices);
   s.granularity = static_cast<size_t>(gran);
   const char* memops = std::getenv("FXM_FAKECUDA_NO_STREAM_MEMOPS");
@@ -165,8 +176,10 @@ CUresult injected_failure(const char* name) {
   if (s.failures.empty()) return kSuccess;  // written once, before the first cuInit returns
   auto it = s.failures.find(name);
   if (it == s.failures.end()) return kSuccess;
-  long from = s.failures_from[name];  // (this call is counted already: FAKE_ENTER)
-  return from <= 1 || static_cast<long>(fakecuda_call_count(name)) >= from ? it->second : kSuccess;
+  long from = s.failures_from[name], calls = s.failures_count[name];
+  long nth = static_cast<long>(fakecuda_call_count(name));  // (this call is counted already: FAKE_ENTER)
+  bool failing = (from <= 1 || nth >= from) && (calls == 0 || nth < from + calls);  // (cuInit: not counted yet)
+  return failing ? it->second : kSuccess;
 }
 
 void* primary_context(int device) { return &state().contexts[device]; }
