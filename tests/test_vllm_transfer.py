@@ -565,29 +565,6 @@ def paused(x):
     return go
 
 
-def test_a_fetch_over_a_connection_with_the_layout_asks_from_the_callers_thread(pair):
-    """The second fetch from a prefill (its connection open, the layout sent) sends its want from
-    fetch() itself: the prefill pushes while the decode's transfer thread is held elsewhere
-    (before, the want waited for that thread), and the request completes once it is free."""
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d")
-    fill_all(pkv)
-    pre.hold("r1", [1])
-    assert wait_for_fetch(dec, pre, "r1", [1], [2]) == {}
-    pre.hold("r2", [3])
-    go = paused(dec)
-    try:
-        dec.fetch("t2", pre.metadata, "r2", [3], [4])
-        end = time.monotonic() + 20
-        while pre.stats()["pushes"] < 2:
-            assert time.monotonic() < end, "the want waited for the decode's transfer thread"
-            time.sleep(0.01)
-    finally:
-        go.set()
-    assert wait_for(dec, "recving", "t2") == {}
-    assert only_these_blocks(dkv, [{2: 1, 4: 3}, {2: 1, 4: 3}]) == []
-
-
 DEEP = protocol.MAGIC + b"W" + b"[" * 50000
 INF_ID = protocol.MAGIC + b'W{"req":"r","tag":"s","src":[9],"dst":[1e999]}'
 

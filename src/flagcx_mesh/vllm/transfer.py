@@ -221,7 +221,6 @@ class KVTransfer:
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each prefill got it on
-        self._asked_over: Dict[bytes, object] = {}  # by prefill metadata: the connection its last want went on
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -246,15 +245,10 @@ class KVTransfer:
         (another tensor-parallel size on the prefill): ``(si, sn, di, dn)``, slice ``si`` of ``sn``
         of the prefill's blocks into slice ``di`` of ``dn`` of these (layout.write_ops); ``readers``:
         how many decode ranks read from that prefill rank (heads.readers; 0: ``sn``). Block ids: a
-        list, or one per KV cache group (groups.py), the same number of groups on both sides.
-        Over an open connection that already has this decode's layout the ask leaves from this
-        call (_ask_now); otherwise the transfer thread connects and asks."""
+        list, or one per KV cache group (groups.py), the same number of groups on both sides."""
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
-        args = (str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
-                check_part(tuple(int(v) for v in part)), int(readers))
-        if self._ask_now(*args):
-            return
-        self._commands.put(("fetch", *args))
+        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
+                            check_part(tuple(int(v) for v in part)), int(readers)))
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def cancel(self, req_id: str) -> None:
@@ -404,11 +398,7 @@ class KVTransfer:
         self._plans.pop((peer, incarnation), None)
 
     def _prune_layouts(self) -> None:
-        """Forgets the layouts of decodes whose connection closed (they send it again), and the
-        connections to prefills that closed."""
-        for md, conn in list(self._asked_over.items()):
-            if conn.gone():
-                self._asked_over.pop(md, None)
+        """Forgets the layouts of decodes whose connection closed (they send it again)."""
         for key in list(self._peer_layouts):
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
@@ -685,47 +675,11 @@ class KVTransfer:
 
     # ---- decode side --------------------------------------------------------------------
 
-    def _new_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
-                   part: Tuple[int, ...]) -> _Fetch:
-        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
-        now = time.monotonic()
-        return _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, started=now, part=part)
-
-    @staticmethod
-    def _want(f: _Fetch, readers: int) -> bytes:
-        want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst))
-        if len(f.dst) > 1:
-            want["groups"] = [len(g) for g in f.dst]
-        if f.part != WHOLE:
-            want["part"] = list(f.part)
-        if readers:
-            want["readers"] = readers
-        return protocol.encode("W", **want)
-
-    def _ask_now(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
-                 part: Tuple[int, ...], readers: int) -> bool:
-        """fetch() in the caller's thread where nothing is left for the transfer thread to do
-        first: a connection to that prefill is open and has this decode's layout, and no command
-        of the caller waits. The want then leaves at once rather than after the thread's wake-up
-        (a hop on every request's path). False: the thread does it all (_cmd_fetch)."""
-        conn = self._asked_over.get(md)
-        if conn is None or not self._commands.empty() or len(local) != len(remote) or not any(local) \
-                or any(len(lg) > len(r) for lg, r in zip(local, remote)) or conn.gone():
-            return False
-        if not _same_connection(self._layout_sent.get((conn.peer_name, _incarnation(conn))), conn):
-            return False
-        f = self._new_fetch(tag, md, remote_req, remote, local, part)
-        f.conn, f.peer = conn, conn.peer_name
-        self._fetches[tag] = f  # before the want: its answer may come at once
-        try:
-            conn.notify(self._want(f, readers))
-        except MeshError as e:
-            self._fail(f, f"cannot reach the prefill: {e}")
-        return True
-
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
                    part: Tuple[int, ...] = WHOLE, readers: int = 0) -> None:
-        f = self._new_fetch(tag, md, remote_req, remote, local, part)
+        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
+        f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
+                   started=time.monotonic(), part=part)
         if len(local) != len(remote):
             return self._fail(f, f"blocks of {len(local)} KV cache groups to receive, the prefill holds {len(remote)}")
         if any(len(lg) > len(r) for lg, r in zip(local, remote)):
@@ -744,8 +698,14 @@ class KVTransfer:
                 conn.notify(self._layout_msg)
                 self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
                 self._layout_sent[key] = conn
-            conn.notify(self._want(f, readers))
-            self._asked_over[md] = conn  # the next fetch from this prefill may ask at once (_ask_now)
+            want = dict(req=remote_req, tag=tag, src=flat(f.src), dst=flat(local))
+            if len(local) > 1:
+                want["groups"] = [len(g) for g in local]
+            if part != WHOLE:
+                want["part"] = list(part)
+            if readers:
+                want["readers"] = readers
+            conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
 
