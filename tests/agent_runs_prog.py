@@ -29,6 +29,8 @@ against that after the call.
     fallback    (FLAGCX_MESH_CUDA_BATCH_COPY=off, the fake's 31st cuMemcpyAsync refused) the
                 driver refuses op 30 of three stretches of 20 (each row its own length): ops
                 0-29 land, the 30 left go over staged one by one and land where their rows say
+    fallback-fails  (as fallback, the fake's cuMemcpyAsync refused from its 31st call on) staged
+                fails too: the call raises, ops 0-29 landed and nothing of the others
 Each prints "<scenario> ok" when it passed; any failure exits non-zero.
 """
 
@@ -348,10 +350,33 @@ def fallback(args, dev) -> None:
     print("fallback ok", flush=True)
 
 
+def fallback_fails(args, dev) -> None:
+    """The driver refuses every copy from op 30's on (the fake's cuMemcpyAsync from its 31st
+    call): ops 0-29 land, the 30 left go to staged, which fails too: the call raises, and none of
+    their bytes lands."""
+    check(os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "off", "run with FLAGCX_MESH_CUDA_BATCH_COPY=off")
+    b = Buffers(args, dev)
+    rng = random.Random(27)
+    rows = []
+    for li, ri in ((0, 0), (1, 1), (0, 2)):
+        rows.extend((li, rng.randrange(REGION // SLOT) * SLOT, ri, s * SLOT, 64) for s in slots(rng, 20))
+    t = table(rows)
+    try:
+        b.conn.write_blocks(b.locals, b.remotes, t).wait(b.timeout)
+    except MeshError as e:
+        print(f"the call failed: {e}", flush=True)
+    else:
+        check(False, "the driver refused the copies and staged: the call did not fail")
+    b.play(t[:30], False)  # the driver did the first 30 copies, none of the others landed
+    b.verify("a refusal at op 30, staged refused too", settle=True)
+    b.close()
+    print("fallback-fails ok", flush=True)
+
+
 def main() -> None:
     roles = {"switch": switch, "alternate": alternate, "interrupted": interrupted, "devices": devices,
              "remote-devices": remote_devices, "overlap": overlap, "hulls": hulls, "refused": refused,
-             "fallback": fallback}
+             "fallback": fallback, "fallback-fails": fallback_fails}
     ap = argparse.ArgumentParser()
     ap.add_argument("scenario", choices=list(roles))
     ap.add_argument("--timeout", type=float, default=30.0)

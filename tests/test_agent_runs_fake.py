@@ -54,3 +54,9 @@ def test_a_run_cut_by_host_ops(host):
 def test_a_copy_the_driver_refuses_in_a_later_run():
     out = run("fallback", FLAGCX_MESH_CUDA_BATCH_COPY="off", FXM_FAKECUDA_FAIL="cuMemcpyAsync=801@31:1")
     assert "30 op(s) go over staged" in out, out
+
+
+def test_a_copy_the_driver_refuses_in_a_later_run_and_staged_too():
+    out = run("fallback-fails", FLAGCX_MESH_CUDA_BATCH_COPY="off", FXM_FAKECUDA_FAIL="cuMemcpyAsync=801@31")
+    assert "30 op(s) go over staged" in out, out
+    assert "the call failed" in out, out
