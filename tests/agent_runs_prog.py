@@ -333,18 +333,24 @@ def refused(args, dev) -> None:
     print("refused ok", flush=True)
 
 
+def three_stretches(size_of) -> np.ndarray:
+    """Three stretches of 20 rows (local 0 to remote 0, local 1 to remote 1, local 0 to remote 2),
+    row i of size_of(i) bytes, to slots of their own."""
+    rng = random.Random(27)
+    rows = []
+    for li, ri in ((0, 0), (1, 1), (0, 2)):
+        for s in slots(rng, 20):
+            rows.append((li, rng.randrange(REGION // SLOT) * SLOT, ri, s * SLOT, size_of(len(rows))))
+    return table(rows)
+
+
 def fallback(args, dev) -> None:
     """The driver refuses op 30's copy alone (the 31st cuMemcpyAsync): ops 0-29 land by the
     driver, op 30 and the 29 after it go over staged one by one (each rebuilt from its run's
     first op with its own offsets and length), and every byte is where the ops put it."""
     check(os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "off", "run with FLAGCX_MESH_CUDA_BATCH_COPY=off")
     b = Buffers(args, dev)
-    rng = random.Random(27)
-    rows = []
-    for li, ri in ((0, 0), (1, 1), (0, 2)):
-        for s in slots(rng, 20):  # (sizes 64 to 241 bytes: within a slot)
-            rows.append((li, rng.randrange(REGION // SLOT) * SLOT, ri, s * SLOT, 64 + 3 * len(rows)))
-    b.call(table(rows))
+    b.call(three_stretches(lambda i: 64 + 3 * i))  # (sizes 64 to 241 bytes: within a slot)
     b.verify("a refusal at op 30, the rest over staged")
     b.close()
     print("fallback ok", flush=True)
@@ -356,11 +362,7 @@ def fallback_fails(args, dev) -> None:
     their bytes lands."""
     check(os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "off", "run with FLAGCX_MESH_CUDA_BATCH_COPY=off")
     b = Buffers(args, dev)
-    rng = random.Random(27)
-    rows = []
-    for li, ri in ((0, 0), (1, 1), (0, 2)):
-        rows.extend((li, rng.randrange(REGION // SLOT) * SLOT, ri, s * SLOT, 64) for s in slots(rng, 20))
-    t = table(rows)
+    t = three_stretches(lambda i: 64)
     try:
         b.conn.write_blocks(b.locals, b.remotes, t).wait(b.timeout)
     except MeshError as e:
