@@ -33,10 +33,14 @@ def two_hosts():
 @pytest.fixture
 def lossy_hosts():
     """Two namespaces with nft chains (tests/netns_faults.py), 10 % of the packets arriving on
-    each veth dropped; removed afterwards."""
+    each veth dropped, TCP's retransmission timeout capped at 5 s there (as for the mesh's
+    transfers through loss, netns_faults.one_transfer: uncapped, a segment whose retries fail
+    7 times in a row waits 25 s for the next, and a read past its 30 s wait failed in CI);
+    removed afterwards."""
     hosts = netns_faults.hosts_or_skip()
     try:
         netns_faults.set_drop(hosts, LOSS_PERCENT)
+        netns_faults.set_rto_max(hosts, netns_faults.RTO_MAX_MS)  # (the namespaces go with the fixture)
         yield hosts
     finally:
         netns_faults.remove_hosts(hosts)
