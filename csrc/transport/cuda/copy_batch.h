@@ -56,7 +56,6 @@ class CopyBatch {
     return true;
   }
   size_t size() const { return copies_.size(); }
-  int ordinal() const { return ordinal_; }  // the device of the copies queued
   // Room for n copies in all, so that a call's many are not moved as the batch grows.
   void reserve(size_t n) { copies_.reserve(n); }
   // Issues every queued copy and empties the batch. Returns how many were

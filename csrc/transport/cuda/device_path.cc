@@ -50,9 +50,6 @@ Queued DevicePath::queue(const PathOp& op, bool is_get, cuda::CopyBatch* batch) 
   if (op.sig != nullptr || op.wait_here || op.local_device < 0 || !remote_on_device_ || remote_ == nullptr) {
     return Queued::kNo;
   }
-  // Copies of another device queued: they are issued first, on their stream. (stream_for() here
-  // would make this device's stream of the fence, which destroys that one, theirs.)
-  if (batch->size() > 0 && batch->ordinal() != ordinal_) return Queued::kBatchFirst;
   if (batch->size() == 0) cuda::use_device(ordinal_);  // (CopyBatch::issue makes it current again)
   return batch->add(ordinal_, stream_for(op), op.fence, batched(op, is_get)) ? Queued::kYes : Queued::kBatchFirst;
 }

@@ -74,14 +74,20 @@ void wait_event(int ordinal, const SharedEvent& e, const Deadline& deadline, con
 
 StreamFence::~StreamFence() {
   const Driver* d = driver();
-  if (own_ != nullptr && d != nullptr) d->cuStreamDestroy(own_);  // its queued work still runs
+  if (d == nullptr) return;
+  for (const auto& [ordinal, s] : owned_) d->cuStreamDestroy(s);  // their queued work still runs
 }
 
-CUstream StreamFence::new_own_stream(int ordinal) {
-  use_device(ordinal);
+CUstream StreamFence::other_own_stream(int ordinal) {
   CUstream s = nullptr;
-  check(driver()->cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate for a pair's ops");
-  if (own_ != nullptr) driver()->cuStreamDestroy(own_);
+  for (const auto& [o, made] : owned_) {
+    if (o == ordinal) s = made;
+  }
+  if (s == nullptr) {
+    use_device(ordinal);
+    check(driver()->cuStreamCreate(&s, kStreamNonBlocking), "cuStreamCreate for a pair's ops");
+    owned_.emplace_back(ordinal, s);
+  }
   own_ = s;
   own_ordinal_ = ordinal;
   return s;

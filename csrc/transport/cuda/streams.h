@@ -9,6 +9,8 @@
 
 #include <cstdint>
 #include <memory>
+#include <utility>
+#include <vector>
 #include <mutex>
 #include <string>
 
@@ -44,15 +46,18 @@ class StreamFence {
   void forget();
   // Whether the next op may wait for an earlier one (forget() would change something).
   bool holds() const { return event_ != nullptr; }
-  // (Inline: asked once per device copy.)
-  CUstream own_stream(int ordinal) { return own_ != nullptr && own_ordinal_ == ordinal ? own_ : new_own_stream(ordinal); }
+  // The pair's stream on device `ordinal`: one per device, made on first use and kept until the
+  // fence goes, so a stream handed out stays valid (copies queued on one device's are issued on
+  // it after another device's was asked for). (Inline: asked once per device copy.)
+  CUstream own_stream(int ordinal) { return own_ != nullptr && own_ordinal_ == ordinal ? own_ : other_own_stream(ordinal); }
 
  private:
-  CUstream new_own_stream(int ordinal);
+  CUstream other_own_stream(int ordinal);
   SharedEvent event_;
   CUstream last_ = nullptr;
-  CUstream own_ = nullptr;
+  CUstream own_ = nullptr;  // the one asked for last (of own_ordinal_), of those in owned_
   int own_ordinal_ = -1;
+  std::vector<std::pair<int, CUstream>> owned_;  // (device, its stream) of each made
 };
 
 // The completion of the work queued on a stream up to an event.
