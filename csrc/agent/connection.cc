@@ -76,6 +76,7 @@ struct Connection::Batch {
   bool in_run(const Checked& c) const { return c.x->remote == run_remote && c.local == run_local; }
   void end_run() { run_remote = nullptr; }
   void queued_first(PeerView* v, const PathOp& op);
+  void queued_more(const PathOp& op);
   void start_run(const Checked& c, Path* p);
   std::pair<PeerView*, PathOp> queued_op(size_t i) const;  // the i-th of `ops`, whole
   void clear_ops() {
@@ -96,6 +97,11 @@ void Connection::Batch::queued_first(PeerView* v, const PathOp& op) {
     copies.reserve(count);
   }
   firsts.emplace_back(v, op);
+  queued_more(op);
+}
+
+// An op queued in `copies` as one of the last first op's run: its offsets and length.
+void Connection::Batch::queued_more(const PathOp& op) {
   ops.push_back({static_cast<uint32_t>(firsts.size() - 1), op.local, op.remote_off, op.len});
 }
 
@@ -503,7 +509,7 @@ Connection::Issued Connection::queue_in_run(const Checked& c, bool is_read, cons
     b->end_run();
     return issue(c, is_read, stream, b);
   }
-  b->ops.push_back({static_cast<uint32_t>(b->firsts.size() - 1), op.local, op.remote_off, op.len});
+  b->queued_more(op);
   return Issued::kUnordered;
 }
 
