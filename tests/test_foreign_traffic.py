@@ -545,7 +545,7 @@ def test_a_rank_of_the_previous_wire_version_is_answered_and_named():
     readers[0].join(10)
     assert len(answers) == 1 and len(answers[0]) == 128, answers
     magic, version, role = struct.unpack_from("<IHH", answers[0], 0)
-    assert (magic, version, role) == (0x484D5846, _core.WIRE_VERSION, _core.ROLE_ACCEPT) and version == 7
+    assert (magic, version, role) == (0x484D5846, _core.WIRE_VERSION, _core.ROLE_ACCEPT) and version == 8
     assert answers[0][8:24] == bytes(16), "the answer names no mesh id"
     msg = str(info.value)
-    assert "unsupported version: 1 (a rank of another flagcx_mesh build? this one speaks wire version 7)" in msg, msg
+    assert "unsupported version: 1 (a rank of another flagcx_mesh build? this one speaks wire version 8)" in msg, msg

@@ -62,7 +62,7 @@ def test_encode_layout_is_fixed_little_endian():
     raw = _core._wire_encode(header(epoch=0x01020304, src=3, dst=1, context=2))
     assert isinstance(raw, bytes) and len(raw) == HDR
     magic, version, role = struct.unpack_from("<IHH", raw, 0)
-    assert (magic, version, role) == (CONN_MAGIC, 7, _core.ROLE_CONNECT) and _core.WIRE_VERSION == 7
+    assert (magic, version, role) == (CONN_MAGIC, 8, _core.ROLE_CONNECT) and _core.WIRE_VERSION == 8
     assert raw[0:4] == b"FXMH"
     assert raw[8:24] == MESH_ID
     assert struct.unpack_from("<IiiIII", raw, 24) == (0x01020304, 3, 1, 2, 4, 3)
@@ -110,7 +110,8 @@ def test_encode_rejects_bad_mesh_id_length():
     (dict(version=4), {}, "unsupported version"),  # before the batches of staged writes (kPutBlocks)
     (dict(version=5), {}, "unsupported version"),  # before kPutBlocks into host windows (tcp batches)
     (dict(version=6), {}, "unsupported version"),  # before the acceptor's confirm of a mesh connection
-    (dict(version=8), {}, "unsupported version"),
+    (dict(version=7), {}, "unsupported version"),  # before batches of tcp writes striped over the lanes
+    (dict(version=9), {}, "unsupported version"),
     (dict(version=0), {}, "unsupported version"),
     (dict(role=_core.ROLE_ACCEPT), {}, "bad role"),
     (dict(role=0), {}, "bad role"),

@@ -19,8 +19,9 @@ constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
 // 2: the header is followed by the key proof handshake; 3: lazy acks (kPutLazyAck, kAckReq);
 // 4: the agents' identity block carries their tcp lanes (agent/handshake.h); 5: kPutBlocks, kGetBlocks;
 // 6: kPutBlocks into host windows (an agent call's small tcp writes, transport/tcp/block_batch.h);
-// 7: a mesh connection's acceptor confirms the connector's proof (kConfirmByte)
-constexpr uint16_t kVersion = 7;
+// 7: a mesh connection's acceptor confirms the connector's proof (kConfirmByte);
+// 8: a kPutBlocks frame into host windows striped over the tcp lanes (kBlocksStriped, kStripeOfBlocks)
+constexpr uint16_t kVersion = 8;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;
 
@@ -167,6 +168,9 @@ constexpr uint32_t kPutStriped = 4;
 // through the signal): the target acks it with the next ack it sends, when a kAckReq asks,
 // or at the latest about a millisecond after applying it (Engine::kLazyAckNs).
 constexpr uint32_t kPutLazyAck = 8;
+// A kStripe that carries part of a striped kPutBlocks frame's bytes (see kBlocksStriped): dst_off
+// is where its bytes start in the concatenation of the frame's blocks (dst_win 0, unused).
+constexpr uint32_t kStripeOfBlocks = 16;
 
 // After a kGetReq frame header (32 bytes).
 struct GetHeader {
@@ -182,9 +186,16 @@ struct GetHeader {
 // none is applied) and acknowledges the frame once (core/progress_blocks.cc).
 struct BlocksHeader {
   uint32_t count = 0;
-  uint32_t flags = 0;  // 0 (reserved)
+  uint32_t flags = 0;  // 0, or kBlocksStriped | (parts on other lanes) << 8
   uint64_t bytes = 0;
 };
+// A batch of writes into host windows of at least Engine::kStripeMinBytes, over N > 1 tcp lanes:
+// the frame on lane 0 carries the whole list and the first `bytes - (N - 1) * (bytes / N)` bytes
+// of the blocks' concatenation; lane k >= 1 carries the next `bytes / N` as one kStripe
+// (kStripeOfBlocks), numbered as striped puts' stripes are. The target checks the whole list
+// on lane 0 before it admits the stripes, lands every part through the list, and acknowledges
+// (or refuses) the frame once, after every part landed (core/progress_admit.cc).
+constexpr uint32_t kBlocksStriped = 1;
 struct BlockEntry {
   uint32_t win = 0;
   uint32_t pad = 0;

@@ -50,7 +50,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
     : words_(std::move(words)), arrival_(std::move(arrival)), rank_(rank), nranks_(nranks), ncontexts_(ncontexts), total_(nranks * ncontexts),
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
       stripe_seq_(total_), stripes_admitted_(total_), lane_landed_(total_ * lanes_), lane_seq_(total_ * lanes_),
-      last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_),
+      last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_), striped_blocks_(total_),
       lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows), open_answers_(total_),
       out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
@@ -297,6 +297,7 @@ void Engine::post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntr
   uint64_t bytes = 0;
   for (const wire::BlockEntry& b : blocks) bytes += b.len;
   OutItem it = blocks_item(blocks, bytes);
+  if (lanes_ > 1 && bytes >= kStripeMinBytes) return post_striped_blocks(peer, ctx, std::move(it), sources, bytes);
   it.gather = std::move(sources);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }

@@ -198,6 +198,12 @@ class Engine : public Outbox {
   // kStripe part on each other lane, all queued at once so parts and puts keep one order.
   void post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win, uint64_t dst_off,
                     const SignalSpec& sig);
+  // A batch of host writes of kStripeMinBytes or more (wire::kBlocksStriped): the list and the
+  // first part on lane 0, a kStripe (kStripeOfBlocks) of the blocks' bytes on each other lane.
+  void post_striped_blocks(int peer, int ctx, OutItem head, const ScatterList& sources, uint64_t bytes);
+  // Queues a striped op: `head` on lane 0, stripe(k, number) on lane k, in one critical section.
+  template <typename Stripe>
+  void queue_striped(int peer, int ctx, OutItem head, const Stripe& stripe);
   // Target (progress_admit.cc). A lane-0 striped put admits its stripes (a stripe waits, its
   // lane not read, until the lane-0 part of its put was read). While stripes are still landing,
   // lane 0 reads on only into the head of a striped put of the same layout (admits_early); any
@@ -209,6 +215,24 @@ class Engine : public Outbox {
     bool data = false;    // its lane-0 part carried bytes
     Window* entered = nullptr;  // left exactly once: when it is applied or dropped
     std::string refused;
+    std::vector<Window*> windows;  // a striped batch of writes: the windows it entered (left likewise)
+    bool blocks = false;           // a striped batch of writes (never admitted early: progress_admit.cc)
+    void leave_windows() {
+      if (entered) entered->leave();
+      for (Window* w : windows) w->leave();
+      entered = nullptr;
+      windows.clear();
+    }
+  };
+  // A striped batch of writes as lane 0 checked it, for its stripes (taken by their threads).
+  struct StripedBlocks {
+    uint64_t number = 0;  // its stripes' number
+    uint64_t first = 0;   // the bytes of lane 0's part
+    uint64_t part = 0;    // the bytes of each other lane's stripe
+    std::shared_ptr<const ScatterList> places;          // each block's place here
+    std::shared_ptr<const std::vector<Window*>> block_windows;  // each block's window
+    std::vector<Window*> windows;  // the distinct windows (each stripe enters them too)
+    std::string refused;           // lane 0 refused the batch: every stripe's bytes are dropped
   };
   static constexpr size_t kMaxAdmitted = 4;  // per slot: striped puts admitted and not applied (held + read)
   bool on_striped_header(int s, InConn& in);  // false: protocol error (the peer was lost)
@@ -218,6 +242,11 @@ class Engine : public Outbox {
   void take_stripe_refusal(int s, uint64_t number, std::string* refused);
   uint64_t landed_all(int s) const;      // the last striped put of slot s every lane landed its stripe of
   void on_stripe_header(int c, InConn& in, uint64_t payload);
+  // A striped batch of writes (progress_admit.cc): lane 0 admits its stripes once its list was
+  // checked; a stripe takes the list then, at its first byte, and lands its bytes through it.
+  void admit_striped_blocks(int s, InConn& in);
+  bool hold_striped_blocks(int s, InConn& in);  // lane 0's part landed: true when held (in reset)
+  uint8_t* stripe_blocks_spot(int c, InConn& in, size_t* want);
   void on_stripe_done(int c, InConn& in);
   bool stripe_waits(int c) const;        // lane c's stripe is not read past its header now
   void finish_landed_stripes();  // progress thread: applies the held puts whose stripes all landed
@@ -327,7 +356,7 @@ class Engine : public Outbox {
   // block is checked against its window (nothing lands unless all pass) and its bytes land
   // through the staging ring, each full buffer scattered by one launch; one ack for the frame.
   void on_blocks_header(int s, InConn& in, uint64_t payload);
-  uint8_t* blocks_spot(InConn& in, size_t* want);
+  uint8_t* blocks_spot(int s, InConn& in, size_t* want);
   uint8_t* host_blocks_spot(InConn& in, uint64_t received, size_t* want);
   // "" or why the batch is refused; `land`: a batch of writes, whose landing ring it takes.
   std::string check_blocks(InConn& in, bool land);
@@ -359,7 +388,7 @@ class Engine : public Outbox {
   // With mu_ held: throws InvalidArgument naming what a peer in [lo, hi) refused (and forgets it).
   void fail_if_refused(int lo, int hi, const char* doing);
   // Where the next payload bytes go (nullptr: discard), at most *want of them.
-  uint8_t* landing_spot(InConn& in, size_t* want);
+  uint8_t* landing_spot(int c, InConn& in, size_t* want);  // (c: its connection)
   // Commits memory for a message as its bytes arrive (a header alone commits
   // little); false when that allocation failed (in.refused says so).
   bool grow_message(InConn& in);
@@ -414,6 +443,9 @@ class Engine : public Outbox {
   std::vector<uint8_t> stripe_moved_;
   mutable std::vector<std::atomic<bool>> range_waits_;  // per slot: such a stripe waits (wake the lanes)
   std::vector<std::deque<HeldPut>> held_puts_;  // per slot (target, the reader), oldest first
+  // Per slot (target, under mu_): the striped batch of writes admitted last (lane 0 sets it
+  // before it admits the stripes; at most one is admitted and not applied: admits_early).
+  std::vector<std::shared_ptr<const StripedBlocks>> striped_blocks_;
   std::vector<bool> lane0_held_;          // per slot (the reader): lane 0 stopped at a frame's op header
   std::vector<int> held_;                 // the reader: the slots with held puts
   // Striped traffic hands each put over between threads twice at the target (lane 0 admits its

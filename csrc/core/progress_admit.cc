@@ -34,6 +34,7 @@ namespace fxm {
 
 using wire::FrameType;
 
+
 bool Engine::on_striped_header(int s, InConn& in) {
   uint64_t payload = in.f.length - in.need;
   if (lanes_ == 1 || in.put.pad != static_cast<uint32_t>(lanes_ - 1) || payload == 0) {
@@ -56,6 +57,7 @@ bool Engine::admits_early(int s, const InConn& in) {
   wire::PutHeader p;
   std::memcpy(&p, in.buf, sizeof(p));
   const HeldPut& last = held.back();
+  if (last.blocks) return false;  // a striped batch's stripes land anywhere in its blocks
   bool same = (p.flags & wire::kPutStriped) && p.dst_win == last.put.dst_win && p.dst_off == last.put.dst_off &&
               p.pad == last.put.pad && in.f.length == last.length;
   if (!same) return false;
@@ -114,14 +116,12 @@ void Engine::finish_held(int s) {
   while (!held.empty() && held.front().number <= landed) {
     HeldPut h = std::move(held.front());
     held.pop_front();
-    if (h.entered) h.entered->leave();  // its bytes landed
+    h.leave_windows();  // its bytes landed
     take_stripe_refusal(s, h.number, &h.refused);
     apply_put(s, h.put, std::move(h.refused), h.data);
   }
   if (!held.empty() && lost) {  // its stripes may never land: dropped
-    for (HeldPut& h : held) {
-      if (h.entered) h.entered->leave();
-    }
+    for (HeldPut& h : held) h.leave_windows();
     held.clear();
     return;  // lane 0 of a lost peer stays stopped
   }
@@ -162,6 +162,12 @@ void Engine::on_stripe_header(int c, InConn& in, uint64_t payload) {
     return;
   }
   lane_seq_[c] = p.sig_slot;  // read_some() stops here until lane 0 admitted that put
+  if (p.flags & wire::kStripeOfBlocks) {  // lands through its batch's list, taken at its first byte
+    in.put = p;
+    last_stripe_[c] = StripeRange{UINT32_MAX, 0, 0};  // a striped put's stripe after it waits for it whole
+    stripe_moved_[c] = false;  // its batch was admitted only once every earlier put was applied
+    return;
+  }
   StripeRange range{p.dst_win, p.dst_off, payload};
   stripe_moved_[c] = !(range == last_stripe_[c]);
   last_stripe_[c] = range;
@@ -195,6 +201,84 @@ void Engine::on_stripe_done(int c, InConn& in) {
   if (landed_all(s) < number) return;
   wake_lane(0);
   if (range_waits_[s].exchange(false)) wake_lanes();  // a moved stripe may go on now
+}
+
+
+// ---------------------------------------------------------------- striped batches of writes
+
+// Lane 0 checked the list (refused or not): its stripes may be read now, and land through it.
+void Engine::admit_striped_blocks(int s, InConn& in) {
+  auto batch = std::make_shared<StripedBlocks>();
+  uint64_t bytes = in.blocks_head.bytes;
+  batch->part = bytes / lanes_;
+  batch->first = bytes - batch->part * (lanes_ - 1);
+  batch->number = stripes_admitted_[s].load(std::memory_order_relaxed) + 1;
+  batch->refused = in.refused;
+  if (in.refused.empty()) {
+    batch->places = in.scatter;
+    batch->block_windows = std::make_shared<const std::vector<Window*>>(in.block_windows);
+    batch->windows = in.entered_once;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    striped_blocks_[s] = std::move(batch);
+  }
+  stripes_admitted_[s].fetch_add(1, std::memory_order_release);
+  if (lane_spin_ns_ > 0) lane0_spin_until_ns_.store(steady_ns() + lane_spin_ns_, std::memory_order_relaxed);
+  wake_lanes();
+}
+
+// Lane 0's part landed: applied now (by on_blocks_done) when every stripe landed, else held
+// with the windows its list entered, which stay entered until it is applied.
+bool Engine::hold_striped_blocks(int s, InConn& in) {
+  uint64_t number = stripes_admitted_[s].load(std::memory_order_relaxed);
+  if (held_puts_[s].empty() && landed_all(s) >= number) {
+    take_stripe_refusal(s, number, &in.refused);
+    return false;
+  }
+  if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
+  HeldPut h{wire::PutHeader{}, in.f.length, number, true, nullptr, in.refused};
+  h.windows.swap(in.entered_once);
+  h.blocks = true;
+  held_puts_[s].push_back(std::move(h));
+  in.reset();
+  return true;
+}
+
+// A stripe of a batch, at its first byte (its batch was admitted): the batch lane 0 checked, its
+// windows entered for this stripe too; then its bytes land block after block from its offset.
+uint8_t* Engine::stripe_blocks_spot(int c, InConn& in, size_t* want) {
+  if (!in.scatter && in.refused.empty()) {
+    std::shared_ptr<const StripedBlocks> batch;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      batch = striped_blocks_[base_slot(c)];
+    }
+    uint64_t at = batch ? batch->first + (lane_of(c) - 1) * batch->part : 0;
+    if (!batch || batch->number != lane_seq_[c] || in.put.dst_off != at || in.total != batch->part) {
+      lose(peer_of(c), "protocol error: stripe #" + std::to_string(lane_seq_[c]) + " on" + conn_name(c) +
+                           " is not a part of the batch of writes lane 0 announced");
+      in.closed = true;
+      return nullptr;
+    }
+    if (!batch->refused.empty()) {
+      in.refused = batch->refused;  // (lane 0 refused the batch: this part is dropped)
+      return nullptr;
+    }
+    for (Window* w : batch->windows) {
+      if (!w->enter(true)) {
+        in.refused = "a striped batch of writes to window #" + std::to_string(w->index) + ": it was deregistered here";
+        return nullptr;
+      }
+      in.entered_once.push_back(w);
+    }
+    in.scatter = batch->places;
+    in.block_windows = *batch->block_windows;
+    advance_pieces(*in.scatter, &in.block_at, &in.block_off, at);
+    in.landed = 0;
+  }
+  if (!in.refused.empty()) return nullptr;
+  return host_blocks_spot(in, in.total - in.remaining, want);
 }
 
 }  // namespace fxm

@@ -29,7 +29,20 @@ void Engine::on_blocks_header(int s, InConn& in, uint64_t payload) {
   std::memcpy(&in.blocks_head, in.buf, sizeof(in.blocks_head));
   const wire::BlocksHeader& h = in.blocks_head;
   uint64_t list = uint64_t{h.count} * sizeof(wire::BlockEntry);
-  if (h.count == 0 || h.count > wire::kMaxBlocksPerFrame || payload < list || payload - list != h.bytes) {
+  uint64_t carried = h.bytes;  // the blocks' bytes this frame carries (striped: lane 0's part)
+  if (h.flags != 0) {
+    bool striped = lanes_ > 1 && h.flags == (wire::kBlocksStriped | static_cast<uint32_t>(lanes_ - 1) << 8) &&
+                   h.bytes >= static_cast<uint64_t>(lanes_);
+    if (!striped) {
+      lose(peer_of(s), "protocol error: a batch of writes striped over " + std::to_string((h.flags >> 8) + 1) +
+                           " lanes, or of unknown flags " + std::to_string(h.flags) + " (this connection has " +
+                           std::to_string(lanes_) + " lanes)");
+      in.closed = true;
+      return;
+    }
+    carried = h.bytes - (h.bytes / lanes_) * (lanes_ - 1);
+  }
+  if (h.count == 0 || h.count > wire::kMaxBlocksPerFrame || payload < list || payload - list != carried) {
     lose(peer_of(s), "protocol error: a batch of writes whose block list does not fit its frame");
     in.closed = true;
     return;
@@ -96,6 +109,9 @@ std::string Engine::check_blocks(InConn& in, bool land) {
   if (sum != in.blocks_head.bytes) {
     return op_words(in) + ": its blocks add up to " + std::to_string(sum) + " bytes";
   }
+  if (in.blocks_head.flags != 0 && in.device >= 0) {
+    return op_words(in) + ": striped over the tcp lanes into device memory (only batches into host memory are)";
+  }
   if (sum == 0 || in.device < 0) return "";  // host blocks land in place (host_blocks_spot)
   std::string failed = take_landing_ring(in, sum, nullptr, in.device);
   return failed.empty() ? "" : op_words(in) + ": " + failed;
@@ -103,7 +119,7 @@ std::string Engine::check_blocks(InConn& in, bool land) {
 
 // The list lands in place; then the bytes in the ring's buffer being filled (a full one is
 // scattered first). A refused batch's bytes go to the sink.
-uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
+uint8_t* Engine::blocks_spot(int s, InConn& in, size_t* want) {
   uint64_t at = in.total - in.remaining;
   uint64_t list = in.blocks.size() * sizeof(wire::BlockEntry);
   in.io_window = nullptr;
@@ -117,6 +133,7 @@ uint8_t* Engine::blocks_spot(InConn& in, size_t* want) {
     if (!in.refused.empty()) {
       FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, "refused " + in.refused + " from peer " + std::to_string(in.blocks_peer));
     }
+    if (in.blocks_head.flags != 0) admit_striped_blocks(s, in);  // refused or not: its stripes are read
   }
   if (!in.refused.empty()) return nullptr;
   if (in.device < 0) return host_blocks_spot(in, at - list, want);

@@ -49,16 +49,11 @@ std::string Engine::conn_name(int c) const {
   return lane_of(c) == 0 ? "" : " (tcp lane " + std::to_string(lane_of(c)) + ")";
 }
 
-void Engine::post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win, uint64_t dst_off,
-                          const SignalSpec& sig) {
+template <typename Stripe>
+void Engine::queue_striped(int peer, int ctx, OutItem head, const Stripe& stripe) {
   int s = slot(peer, ctx);
-  uint64_t part = len / lanes_, first = len - part * (lanes_ - 1);
-  wire::PutHeader h = put_header(dst_win, dst_off, sig);
-  h.flags |= wire::kPutStriped;
-  h.pad = static_cast<uint32_t>(lanes_ - 1);
-  OutItem head{frame(FrameType::kPut, &h, first), src, first, 0, 0};
   {
-    // One critical section: the parts of consecutive striped puts queue in one order on every lane.
+    // One critical section: the parts of consecutive striped ops queue in one order on every lane.
     std::lock_guard<std::mutex> lock(mu_);
     ++outstanding_[s];
     in_flight_kind_[s] = PathKind::kTcp;
@@ -66,17 +61,67 @@ void Engine::post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, u
     issued_[peer].fetch_add(1);
     uint64_t number = ++stripe_seq_[s];
     out_[s].push_back(std::move(head));
-    for (int k = 1; k < lanes_; ++k) {
-      uint64_t at = first + (k - 1) * part;
-      wire::PutHeader p;
-      p.dst_win = dst_win;
-      p.dst_off = dst_off + at;
-      p.sig_slot = number;
-      out_[k * total_ + s].push_back({frame(FrameType::kStripe, &p, part), src + at, part, 0, 0});
-    }
+    for (int k = 1; k < lanes_; ++k) out_[k * total_ + s].push_back(stripe(k, number));
   }
   if (std::this_thread::get_id() != progress_tid_.load()) wake();
   wake_lanes();
+}
+
+void Engine::post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win, uint64_t dst_off,
+                          const SignalSpec& sig) {
+  uint64_t part = len / lanes_, first = len - part * (lanes_ - 1);
+  wire::PutHeader h = put_header(dst_win, dst_off, sig);
+  h.flags |= wire::kPutStriped;
+  h.pad = static_cast<uint32_t>(lanes_ - 1);
+  OutItem head{frame(FrameType::kPut, &h, first), src, first, 0, 0};
+  queue_striped(peer, ctx, std::move(head), [&](int k, uint64_t number) {
+    uint64_t at = first + (k - 1) * part;
+    wire::PutHeader p;
+    p.dst_win = dst_win;
+    p.dst_off = dst_off + at;
+    p.sig_slot = number;
+    return OutItem{frame(FrameType::kStripe, &p, part), src + at, part, 0, 0};
+  });
+}
+
+namespace {
+
+// The pieces of bytes [from, from + n) of `pieces`' concatenation.
+ScatterList slice_pieces(const ScatterList& pieces, uint64_t from, uint64_t n) {
+  ScatterList out;
+  size_t at = 0;
+  uint64_t off = 0;
+  advance_pieces(pieces, &at, &off, from);
+  for (; n > 0 && at < pieces.size(); ++at, off = 0) {
+    uint64_t take = std::min(n, pieces[at].second - off);
+    out.emplace_back(pieces[at].first + off, take);
+    n -= take;
+  }
+  return out;
+}
+
+}  // namespace
+
+void Engine::post_striped_blocks(int peer, int ctx, OutItem head, const ScatterList& sources, uint64_t bytes) {
+  uint64_t part = bytes / lanes_, first = bytes - part * (lanes_ - 1);
+  wire::BlocksHeader h;
+  std::memcpy(&h, head.head.data() + wire::kFrameHeaderSize, sizeof(h));
+  h.flags = wire::kBlocksStriped | static_cast<uint32_t>(lanes_ - 1) << 8;
+  std::memcpy(head.head.data() + wire::kFrameHeaderSize, &h, sizeof(h));
+  uint64_t list = uint64_t{h.count} * sizeof(wire::BlockEntry);
+  wire::encode_frame({FrameType::kPutBlocks, 0, sizeof(h) + list + first}, head.head.data());
+  head.len = first;
+  head.gather = slice_pieces(sources, 0, first);
+  queue_striped(peer, ctx, std::move(head), [&](int k, uint64_t number) {
+    uint64_t at = first + (k - 1) * part;
+    wire::PutHeader p;
+    p.dst_off = at;
+    p.sig_slot = number;
+    p.flags = wire::kStripeOfBlocks;
+    OutItem it{frame(FrameType::kStripe, &p, part), nullptr, part, 0, 0};
+    it.gather = slice_pieces(sources, at, part);
+    return it;
+  });
 }
 
 bool Engine::lane_readable(int c) const {

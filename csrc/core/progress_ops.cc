@@ -93,14 +93,15 @@ void Engine::on_get_answer(int s, InConn& in, uint64_t payload) {
   in.closed = true;
 }
 
-uint8_t* Engine::landing_spot(InConn& in, size_t* want) {
+uint8_t* Engine::landing_spot(int c, InConn& in, size_t* want) {
   uint64_t at = in.total - in.remaining;
+  if (in.f.type == FrameType::kStripe && (in.put.flags & wire::kStripeOfBlocks)) return stripe_blocks_spot(c, in, want);
   if (in.f.type == FrameType::kMessage) {
     if (!in.refused.empty() || (at == in.msg.size() && !grow_message(in))) return nullptr;
     *want = static_cast<size_t>(std::min<uint64_t>(*want, in.msg.size() - at));
     return in.msg.data() + at;
   }
-  if (in.f.type == FrameType::kPutBlocks || in.f.type == FrameType::kGetBlocks) return blocks_spot(in, want);
+  if (in.f.type == FrameType::kPutBlocks || in.f.type == FrameType::kGetBlocks) return blocks_spot(c, in, want);
   if (in.device_at != nullptr) return staging_spot(in, want);
   if (in.f.type != FrameType::kGetResp) return in.dst ? in.dst + at : nullptr;
   if (!in.refused.empty()) return nullptr;  // its landing ring could not be had: discarded
@@ -197,6 +198,7 @@ void Engine::on_payload_done(int s, InConn& in) {
   if (in.f.type == FrameType::kMessage) {
     on_message_done(s, in);
   } else if (in.f.type == FrameType::kPutBlocks) {
+    if (in.blocks_head.flags != 0 && hold_striped_blocks(s, in)) return;  // applied once its stripes land
     on_blocks_done(s, in);
   } else if (in.f.type == FrameType::kGetBlocks) {
     on_get_blocks_request(s, in);

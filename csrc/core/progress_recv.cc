@@ -41,10 +41,13 @@ bool Engine::WindowIo::enter(InConn& in, Window* into) {
   }
   if (in.refused.empty()) {
     into->cut_off.fetch_add(1);
-    bool batch = in.f.type == FrameType::kPutBlocks;
-    std::string what = batch ? "block " + std::to_string(in.block_at) + " of a batch of " + std::to_string(in.blocks.size()) +
-                                   " writes to window #" + std::to_string(into->index)
-                             : "a put of " + std::to_string(in.total) + " bytes to window #" + std::to_string(in.put.dst_win);
+    bool striped = in.f.type == FrameType::kStripe && (in.put.flags & wire::kStripeOfBlocks);
+    bool batch = in.f.type == FrameType::kPutBlocks || striped;
+    std::string what = striped  ? "block " + std::to_string(in.block_at) + " of a striped batch of writes to window #" +
+                                      std::to_string(into->index)
+                       : batch ? "block " + std::to_string(in.block_at) + " of a batch of " + std::to_string(in.blocks.size()) +
+                                     " writes to window #" + std::to_string(into->index)
+                               : "a put of " + std::to_string(in.total) + " bytes to window #" + std::to_string(in.put.dst_win);
     in.refused = what + ": it was deregistered here while the " + (batch ? "batch" : "put") + " was landing (" +
                  std::to_string(in.total - in.remaining) + " bytes had landed; the rest was discarded)";
   }
@@ -68,7 +71,7 @@ void Engine::read_some(int s) {
       // A get answer lands in the user's buffer: lose() waits for this read to end.
       if (in.f.type == FrameType::kGetResp) landing.lock();
       want = static_cast<size_t>(std::min<uint64_t>(in.remaining, budget));
-      where = landing_spot(in, &want);
+      where = landing_spot(s, in, &want);
       Window* into = in.entered ? in.entered : in.io_window;  // (io_window: a batch's host block)
       if (where && into && in.device_at == nullptr && !io.enter(in, into)) where = nullptr;  // revoked
       if (!where) {
