@@ -43,7 +43,7 @@ import numpy as np
 import flagcx_mesh
 from flagcx_mesh.agent import Agent
 from gpu_prog import FakeBuf, TorchBuf  # device buffers shared with the Mesh device tests
-from meshutil import publish, read_published
+from meshutil import acked_since, bytes_acked, publish, read_published, stream_sockets
 
 SECRET = "agent-device-test-secret"
 SIZE = 1 << 20
@@ -364,6 +364,46 @@ def blocks_table(rng, n: int, slot: int, max_size: int, size: int = SIZE):
     return t
 
 
+def whole_region_table(rng, n: int):
+    """n writes of random sizes that cover the region exactly (1 MiB: a batch striped over the
+    tcp lanes when there are several), in shuffled order, from random local places."""
+    cuts = np.sort(rng.choice(np.arange(1, SIZE), n - 1, replace=False))
+    starts = np.concatenate([[0], cuts])
+    sizes = np.diff(np.concatenate([starts, [SIZE]]))
+    order = rng.permutation(n)
+    t = np.zeros((n, 3), dtype=np.int64)
+    t[:, 1], t[:, 2] = starts[order], sizes[order]
+    t[:, 0] = rng.integers(0, SIZE - t[:, 2] + 1)
+    return t
+
+
+def striped_write(conn, rng, write) -> None:
+    """A batch of 1 MiB (Engine::kStripeMinBytes) over a connection of several tcp lanes goes
+    over every lane (its bytes counted on this process's sockets, one per lane), parts cut
+    anywhere in its blocks; every byte is checked by `write`."""
+    lanes = conn.tcp_lanes
+    socks = []
+    if lanes > 1:
+        seen = set()
+        for s in stream_sockets():
+            if s.getsockname() in seen:
+                s.close()
+            else:
+                seen.add(s.getsockname())
+                socks.append(s)
+        check(len(socks) == lanes, f"{lanes} lane sockets expected, found {len(socks)}")
+    before = [bytes_acked(s) for s in socks]
+    write("a batch of 1 MiB over %d lane(s)" % lanes, whole_region_table(rng, 300))
+    if socks:
+        part = SIZE // lanes
+        sent = acked_since(socks, before, part)
+        for s in socks:
+            s.close()
+        check(all(part <= n <= SIZE - part * (lanes - 1) + 300 * 24 + 8192 for n in sent),
+              f"each of {lanes} lanes should carry about {part} bytes of the batch: {sent}")
+        print(f"striped over {lanes} lanes: {sent}", flush=True)
+
+
 def blocks_role(args, dev) -> None:
     """Batches of staged writes and reads (write_blocks / read_blocks over staged, one frame a
     batch): 1 block, blocks straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536
@@ -405,6 +445,7 @@ def blocks_role(args, dev) -> None:
                   after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
                   f"the target: one scatter launch per chunk ({chunks}) and no copy expected: {theirs} -> {after}")
         write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
+        striped_write(conn, rng, write)
         # blocks of one batch landing on each other's bytes: the later wins, as one op after the
         # other (one launch does not order its copies; the fake's runs them last to first)
         write("writes onto the same bytes", np.array([[0, 50000, 4096], [10000, 50000, 4096],

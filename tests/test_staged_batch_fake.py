@@ -38,6 +38,21 @@ def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(
         assert "block 0 of a batch of 10 staged writes" in got, got
 
 
+@pytest.mark.parametrize("lanes", [3, 4])
+def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp_path, lanes):
+    """With several tcp lanes a batch of 1 MiB or more goes over all of them (each lane's thread
+    sends a part staged by the caller, the parts taking turns; at the target each part lands
+    through a ring of its own): the blocks role's batches, every byte checked, and each lane's
+    socket carried its part."""
+    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes))
+    server = spawn("serve", tmp_path, "owner", env=env)
+    try:
+        got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
+    finally:
+        finish(server, "serve")
+    assert f"striped over {lanes} lanes:" in got, got
+
+
 def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the_target(tmp_path):
     """The initiator never sends such a block (it checks ranges first): a frame written on the
     connection's socket by hand shows the target's own check, before any byte lands."""
@@ -51,9 +66,10 @@ def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the
     assert f"at offset {(1 << 20) - 8}): out of range (1048576 bytes here)" in served, served
 
 
-@pytest.mark.parametrize("op", ["write", "read"])
-def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op):
-    env = staged_env()
+@pytest.mark.parametrize("op,lanes", [("write", 1), ("read", 1), ("write", 4)])
+def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op, lanes):
+    """(4 lanes: the batch's frames are striped, each part's filler waiting for its lane.)"""
+    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes))
     server = spawn("serve", tmp_path, "owner", env=env)
     client = spawn("blocks-lost", tmp_path, "owner", "--expect", op, env=env, stdin=subprocess.PIPE)
     try:

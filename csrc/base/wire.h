@@ -189,13 +189,20 @@ struct BlocksHeader {
   uint32_t flags = 0;  // 0, or kBlocksStriped | (parts on other lanes) << 8
   uint64_t bytes = 0;
 };
-// A batch of writes into host windows of at least Engine::kStripeMinBytes, over N > 1 tcp lanes:
+// A batch of writes (into host windows, or staged into device windows) of at least
+// Engine::kStripeMinBytes, over N > 1 tcp lanes:
 // the frame on lane 0 carries the whole list and the first `bytes - (N - 1) * (bytes / N)` bytes
 // of the blocks' concatenation; lane k >= 1 carries the next `bytes / N` as one kStripe
 // (kStripeOfBlocks), numbered as striped puts' stripes are. The target checks the whole list
 // on lane 0 before it admits the stripes, lands every part through the list, and acknowledges
 // (or refuses) the frame once, after every part landed (core/progress_admit.cc).
 constexpr uint32_t kBlocksStriped = 1;
+// The split of a striped op's `bytes` over `lanes`: each lane k >= 1 carries stripe_part() bytes,
+// lane 0 the rest (stripe_first(), the remainder included), as for striped puts.
+inline uint64_t stripe_part(uint64_t bytes, int lanes) { return bytes / static_cast<uint64_t>(lanes); }
+inline uint64_t stripe_first(uint64_t bytes, int lanes) {
+  return bytes - stripe_part(bytes, lanes) * static_cast<uint64_t>(lanes - 1);
+}
 struct BlockEntry {
   uint32_t win = 0;
   uint32_t pad = 0;

@@ -285,11 +285,23 @@ Engine::OutItem Engine::blocks_item(const std::vector<wire::BlockEntry>& blocks,
   return it;
 }
 
-void Engine::post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+void Engine::post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda::StagedPayload>> parts,
                              std::vector<wire::BlockEntry> blocks) {
-  OutItem it = blocks_item(blocks, payload->len());
-  payload->set_waker([this] { wake(); });
-  it.staged = std::move(payload);
+  uint64_t bytes = 0;
+  for (const auto& p : parts) bytes += p->len();
+  OutItem it = blocks_item(blocks, bytes);
+  if (parts.size() > 1) {  // each part sent by its lane's thread, which its filler wakes
+    return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int k, uint64_t at, uint64_t n) {
+      if (static_cast<size_t>(lanes_) != parts.size() || parts[k]->len() != n) {
+        fail(Code::kInternal, peer, 0, who() + "a striped batch of staged writes cut in parts of other sizes than " +
+                                           std::to_string(lanes_) + " lanes take (" + std::to_string(at) + ")");
+      }
+      parts[k]->set_waker([this, k] { wake_lane(k); });
+      item->staged = parts[k];
+    });
+  }
+  parts.at(0)->set_waker([this] { wake(); });
+  it.staged = std::move(parts[0]);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
@@ -297,7 +309,11 @@ void Engine::post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntr
   uint64_t bytes = 0;
   for (const wire::BlockEntry& b : blocks) bytes += b.len;
   OutItem it = blocks_item(blocks, bytes);
-  if (lanes_ > 1 && bytes >= kStripeMinBytes) return post_striped_blocks(peer, ctx, std::move(it), sources, bytes);
+  if (stripes(bytes) > 1) {
+    return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int, uint64_t at, uint64_t n) {
+      item->gather = slice_pieces(sources, at, n);
+    });
+  }
   it.gather = std::move(sources);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }

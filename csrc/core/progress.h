@@ -105,7 +105,8 @@ class Engine : public Outbox {
   void wait_idle(int peer, int ctx, const Deadline& deadline) override;
   void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
                        uint64_t dst_off, const SignalSpec& sig) override;
-  void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+  int stripes(uint64_t bytes) const override { return lanes_ > 1 && bytes >= kStripeMinBytes ? lanes_ : 1; }
+  void post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda::StagedPayload>> parts,
                        std::vector<wire::BlockEntry> blocks) override;
   void post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, ScatterList sources) override;
   void post_get_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, std::shared_ptr<const ScatterList> into,
@@ -200,7 +201,9 @@ class Engine : public Outbox {
                     const SignalSpec& sig);
   // A batch of host writes of kStripeMinBytes or more (wire::kBlocksStriped): the list and the
   // first part on lane 0, a kStripe (kStripeOfBlocks) of the blocks' bytes on each other lane.
-  void post_striped_blocks(int peer, int ctx, OutItem head, const ScatterList& sources, uint64_t bytes);
+  // attach(item, k, at, n): gives lane k's item (k = 0: the head) its payload, bytes [at, at + n) of the blocks'.
+  using AttachPart = std::function<void(OutItem* item, int k, uint64_t at, uint64_t n)>;
+  void post_striped_blocks(int peer, int ctx, OutItem head, uint64_t bytes, const AttachPart& attach);
   // Queues a striped op: `head` on lane 0, stripe(k, number) on lane k, in one critical section.
   template <typename Stripe>
   void queue_striped(int peer, int ctx, OutItem head, const Stripe& stripe);
@@ -233,6 +236,7 @@ class Engine : public Outbox {
     std::shared_ptr<const std::vector<Window*>> block_windows;  // each block's window
     std::vector<Window*> windows;  // the distinct windows (each stripe enters them too)
     std::string refused;           // lane 0 refused the batch: every stripe's bytes are dropped
+    int device = -1;               // staged writes: the device of its windows (else host memory)
   };
   static constexpr size_t kMaxAdmitted = 4;  // per slot: striped puts admitted and not applied (held + read)
   bool on_striped_header(int s, InConn& in);  // false: protocol error (the peer was lost)
@@ -245,7 +249,8 @@ class Engine : public Outbox {
   // A striped batch of writes (progress_admit.cc): lane 0 admits its stripes once its list was
   // checked; a stripe takes the list then, at its first byte, and lands its bytes through it.
   void admit_striped_blocks(int s, InConn& in);
-  bool hold_striped_blocks(int s, InConn& in);  // lane 0's part landed: true when held (in reset)
+  // Lane 0's part landed (`refused`: why not, else ""): true when held (in reset).
+  bool hold_striped_blocks(int s, InConn& in, std::string* refused);
   uint8_t* stripe_blocks_spot(int c, InConn& in, size_t* want);
   void on_stripe_done(int c, InConn& in);
   bool stripe_waits(int c) const;        // lane c's stripe is not read past its header now
@@ -358,6 +363,8 @@ class Engine : public Outbox {
   void on_blocks_header(int s, InConn& in, uint64_t payload);
   uint8_t* blocks_spot(int s, InConn& in, size_t* want);
   uint8_t* host_blocks_spot(InConn& in, uint64_t received, size_t* want);
+  uint8_t* ring_blocks_spot(InConn& in, uint64_t received, size_t* want);  // staged: through the ring
+  std::string land_blocks_rest(InConn& in, uint64_t carried);  // "" or why its bytes did not land
   // "" or why the batch is refused; `land`: a batch of writes, whose landing ring it takes.
   std::string check_blocks(InConn& in, bool land);
   // A batch of staged reads (kGetBlocks): its list lands, then it is answered like a get, its

@@ -185,6 +185,7 @@ void Engine::on_stripe_header(int c, InConn& in, uint64_t payload) {
 void Engine::on_stripe_done(int c, InConn& in) {
   int s = base_slot(c);
   uint64_t number = lane_seq_[c];
+  if (in.put.flags & wire::kStripeOfBlocks) in.refused = land_blocks_rest(in, in.total);  // staged: scattered
   if (!in.refused.empty()) {
     std::lock_guard<std::mutex> lock(mu_);
     stripe_refused_[s].emplace(number, in.refused);  // the first refusal of that put is kept
@@ -210,10 +211,11 @@ void Engine::on_stripe_done(int c, InConn& in) {
 void Engine::admit_striped_blocks(int s, InConn& in) {
   auto batch = std::make_shared<StripedBlocks>();
   uint64_t bytes = in.blocks_head.bytes;
-  batch->part = bytes / lanes_;
-  batch->first = bytes - batch->part * (lanes_ - 1);
+  batch->part = wire::stripe_part(bytes, lanes_);
+  batch->first = wire::stripe_first(bytes, lanes_);
   batch->number = stripes_admitted_[s].load(std::memory_order_relaxed) + 1;
   batch->refused = in.refused;
+  batch->device = in.device;
   if (in.refused.empty()) {
     batch->places = in.scatter;
     batch->block_windows = std::make_shared<const std::vector<Window*>>(in.block_windows);
@@ -230,14 +232,14 @@ void Engine::admit_striped_blocks(int s, InConn& in) {
 
 // Lane 0's part landed: applied now (by on_blocks_done) when every stripe landed, else held
 // with the windows its list entered, which stay entered until it is applied.
-bool Engine::hold_striped_blocks(int s, InConn& in) {
+bool Engine::hold_striped_blocks(int s, InConn& in, std::string* refused) {
   uint64_t number = stripes_admitted_[s].load(std::memory_order_relaxed);
   if (held_puts_[s].empty() && landed_all(s) >= number) {
-    take_stripe_refusal(s, number, &in.refused);
+    take_stripe_refusal(s, number, refused);
     return false;
   }
   if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
-  HeldPut h{wire::PutHeader{}, in.f.length, number, true, nullptr, in.refused};
+  HeldPut h{wire::PutHeader{}, in.f.length, number, true, nullptr, *refused};
   h.windows.swap(in.entered_once);
   h.blocks = true;
   held_puts_[s].push_back(std::move(h));
@@ -276,9 +278,16 @@ uint8_t* Engine::stripe_blocks_spot(int c, InConn& in, size_t* want) {
     in.block_windows = *batch->block_windows;
     advance_pieces(*in.scatter, &in.block_at, &in.block_off, at);
     in.landed = 0;
+    in.blocks_peer = peer_of(c);
+    in.device = batch->device;
+    if (batch->device >= 0) {  // staged writes: through a landing ring of this stripe's own
+      std::string failed = take_landing_ring(in, in.total, nullptr, batch->device);
+      if (!failed.empty()) in.refused = op_words(in) + ": " + failed;
+    }
   }
   if (!in.refused.empty()) return nullptr;
-  return host_blocks_spot(in, in.total - in.remaining, want);
+  uint64_t received = in.total - in.remaining;
+  return in.device < 0 ? host_blocks_spot(in, received, want) : ring_blocks_spot(in, received, want);
 }
 
 }  // namespace fxm

@@ -40,7 +40,7 @@ void Engine::on_blocks_header(int s, InConn& in, uint64_t payload) {
       in.closed = true;
       return;
     }
-    carried = h.bytes - (h.bytes / lanes_) * (lanes_ - 1);
+    carried = wire::stripe_first(h.bytes, lanes_);
   }
   if (h.count == 0 || h.count > wire::kMaxBlocksPerFrame || payload < list || payload - list != carried) {
     lose(peer_of(s), "protocol error: a batch of writes whose block list does not fit its frame");
@@ -109,11 +109,9 @@ std::string Engine::check_blocks(InConn& in, bool land) {
   if (sum != in.blocks_head.bytes) {
     return op_words(in) + ": its blocks add up to " + std::to_string(sum) + " bytes";
   }
-  if (in.blocks_head.flags != 0 && in.device >= 0) {
-    return op_words(in) + ": striped over the tcp lanes into device memory (only batches into host memory are)";
-  }
   if (sum == 0 || in.device < 0) return "";  // host blocks land in place (host_blocks_spot)
-  std::string failed = take_landing_ring(in, sum, nullptr, in.device);
+  uint64_t carried = in.total - in.blocks.size() * sizeof(wire::BlockEntry);  // (striped: lane 0's part)
+  std::string failed = take_landing_ring(in, carried, nullptr, in.device);
   return failed.empty() ? "" : op_words(in) + ": " + failed;
 }
 
@@ -137,8 +135,14 @@ uint8_t* Engine::blocks_spot(int s, InConn& in, size_t* want) {
   }
   if (!in.refused.empty()) return nullptr;
   if (in.device < 0) return host_blocks_spot(in, at - list, want);
+  return ring_blocks_spot(in, at - list, want);
+}
+
+// A batch of staged writes (or a stripe of one): the bytes go to the ring's buffer being filled; a
+// full one is scattered first. `received`: the blocks' bytes received so far.
+uint8_t* Engine::ring_blocks_spot(InConn& in, uint64_t received, size_t* want) {
   if (in.stage.empty()) return nullptr;
-  uint64_t filled = at - list - in.landed;
+  uint64_t filled = received - in.landed;
   if (filled == in.staged) {
     std::string failed = land_on_device(in, filled);
     if (!failed.empty()) {
@@ -149,6 +153,16 @@ uint8_t* Engine::blocks_spot(int s, InConn& in, size_t* want) {
   }
   *want = static_cast<size_t>(std::min<uint64_t>(*want, in.staged - filled));
   return in.stage[in.filling].buf.get() + filled;
+}
+
+// The last buffer's scatter, then every scatter completed: "" or why the bytes did not land.
+std::string Engine::land_blocks_rest(InConn& in, uint64_t carried) {
+  std::string refused = in.refused;
+  if (refused.empty() && in.device >= 0 && !in.stage.empty()) {
+    refused = land_on_device(in, carried - in.landed);
+    if (refused.empty()) refused = wait_landed(in);
+  }
+  return refused;
 }
 
 // A batch of host writes: each block's bytes land in place, block after block (in list order: a
@@ -214,17 +228,16 @@ cuda::SharedEvent Engine::scatter_blocks(InConn& in, uint64_t n) {
   return done;
 }
 
-// The last buffer's scatter, then every scatter completed, before the one ack (or refusal).
+// The last buffer's scatter, then every scatter completed, before the one ack (or refusal); a
+// striped batch's only once every lane landed its part (hold_striped_blocks).
 void Engine::on_blocks_done(int s, InConn& in) {
   if (!in.blocks_checked) {  // (a list with no bytes after it)
     in.blocks_checked = true;
     in.refused = check_blocks(in, true);
+    if (in.blocks_head.flags != 0) admit_striped_blocks(s, in);
   }
-  std::string refused = in.refused;
-  if (refused.empty() && in.device >= 0 && !in.stage.empty()) {
-    refused = land_on_device(in, in.blocks_head.bytes - in.landed);
-    if (refused.empty()) refused = wait_landed(in);
-  }
+  std::string refused = land_blocks_rest(in, in.total - in.blocks.size() * sizeof(wire::BlockEntry));
+  if (in.blocks_head.flags != 0 && hold_striped_blocks(s, in, &refused)) return;
   apply_put(s, wire::PutHeader{}, refused, true);
 }
 

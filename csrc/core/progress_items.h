@@ -33,6 +33,20 @@ inline void advance_pieces(const ScatterList& pieces, size_t* at, uint64_t* off,
   }
 }
 
+// The pieces of bytes [from, from + n) of `pieces`' concatenation.
+inline ScatterList slice_pieces(const ScatterList& pieces, uint64_t from, uint64_t n) {
+  ScatterList out;
+  size_t at = 0;
+  uint64_t off = 0;
+  advance_pieces(pieces, &at, &off, from);
+  for (; n > 0 && at < pieces.size(); ++at, off = 0) {
+    uint64_t take = std::min(n, pieces[at].second - off);
+    out.emplace_back(pieces[at].first + off, take);
+    n -= take;
+  }
+  return out;
+}
+
 struct Engine::OutItem {
   std::vector<uint8_t> head;      // frame header + op header (+ owned payload)
   const uint8_t* data = nullptr;  // borrowed payload (puts; get answers are copied into head)

@@ -69,7 +69,7 @@ void Engine::queue_striped(int peer, int ctx, OutItem head, const Stripe& stripe
 
 void Engine::post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, uint32_t dst_win, uint64_t dst_off,
                           const SignalSpec& sig) {
-  uint64_t part = len / lanes_, first = len - part * (lanes_ - 1);
+  uint64_t part = wire::stripe_part(len, lanes_), first = wire::stripe_first(len, lanes_);
   wire::PutHeader h = put_header(dst_win, dst_off, sig);
   h.flags |= wire::kPutStriped;
   h.pad = static_cast<uint32_t>(lanes_ - 1);
@@ -84,26 +84,8 @@ void Engine::post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, u
   });
 }
 
-namespace {
-
-// The pieces of bytes [from, from + n) of `pieces`' concatenation.
-ScatterList slice_pieces(const ScatterList& pieces, uint64_t from, uint64_t n) {
-  ScatterList out;
-  size_t at = 0;
-  uint64_t off = 0;
-  advance_pieces(pieces, &at, &off, from);
-  for (; n > 0 && at < pieces.size(); ++at, off = 0) {
-    uint64_t take = std::min(n, pieces[at].second - off);
-    out.emplace_back(pieces[at].first + off, take);
-    n -= take;
-  }
-  return out;
-}
-
-}  // namespace
-
-void Engine::post_striped_blocks(int peer, int ctx, OutItem head, const ScatterList& sources, uint64_t bytes) {
-  uint64_t part = bytes / lanes_, first = bytes - part * (lanes_ - 1);
+void Engine::post_striped_blocks(int peer, int ctx, OutItem head, uint64_t bytes, const AttachPart& attach) {
+  uint64_t part = wire::stripe_part(bytes, lanes_), first = wire::stripe_first(bytes, lanes_);
   wire::BlocksHeader h;
   std::memcpy(&h, head.head.data() + wire::kFrameHeaderSize, sizeof(h));
   h.flags = wire::kBlocksStriped | static_cast<uint32_t>(lanes_ - 1) << 8;
@@ -111,7 +93,7 @@ void Engine::post_striped_blocks(int peer, int ctx, OutItem head, const ScatterL
   uint64_t list = uint64_t{h.count} * sizeof(wire::BlockEntry);
   wire::encode_frame({FrameType::kPutBlocks, 0, sizeof(h) + list + first}, head.head.data());
   head.len = first;
-  head.gather = slice_pieces(sources, 0, first);
+  attach(&head, 0, 0, first);
   queue_striped(peer, ctx, std::move(head), [&](int k, uint64_t number) {
     uint64_t at = first + (k - 1) * part;
     wire::PutHeader p;
@@ -119,7 +101,7 @@ void Engine::post_striped_blocks(int peer, int ctx, OutItem head, const ScatterL
     p.sig_slot = number;
     p.flags = wire::kStripeOfBlocks;
     OutItem it{frame(FrameType::kStripe, &p, part), nullptr, part, 0, 0};
-    it.gather = slice_pieces(sources, at, part);
+    attach(&it, k, at, part);
     return it;
   });
 }
@@ -225,7 +207,7 @@ void Engine::poll_lane(LaneWorker& w) {
     std::lock_guard<std::mutex> lock(mu_);
     for (int c = first; c < first + total_; ++c) {
       if (!in_[c]->closed && !lost_[peer_of(c)].empty() && stripe_waits(c)) dropped.push_back(c);
-      if (!out_[c].empty()) {
+      if (!out_[c].empty() && !waiting_for_staging(c)) {  // else the part's filler wakes the lane
         fds.push_back({conns_->send[c].get(), POLLOUT, 0});
         owner.push_back(c);
       }

@@ -198,8 +198,7 @@ void Engine::on_payload_done(int s, InConn& in) {
   if (in.f.type == FrameType::kMessage) {
     on_message_done(s, in);
   } else if (in.f.type == FrameType::kPutBlocks) {
-    if (in.blocks_head.flags != 0 && hold_striped_blocks(s, in)) return;  // applied once its stripes land
-    on_blocks_done(s, in);
+    on_blocks_done(s, in);  // (a striped batch is held until its stripes land)
   } else if (in.f.type == FrameType::kGetBlocks) {
     on_get_blocks_request(s, in);
   } else if (in.f.type == FrameType::kStripe) {
@@ -303,6 +302,10 @@ std::string Engine::wait_landed(InConn& in) {
 }
 
 std::string Engine::op_words(const InConn& in) {
+  if (in.f.type == FrameType::kStripe && (in.put.flags & wire::kStripeOfBlocks)) {
+    return "a part of a striped batch of " + std::string(in.device >= 0 ? "staged writes (" : "writes (") +
+           std::to_string(in.total) + " bytes on this lane)";
+  }
   if (in.f.type == FrameType::kPutBlocks) {
     return "a batch of " + std::to_string(in.blocks.size()) + (in.device >= 0 ? " staged writes (" : " writes (") +
            std::to_string(in.blocks_head.bytes) + " bytes)";
@@ -312,7 +315,9 @@ std::string Engine::op_words(const InConn& in) {
 }
 
 std::string Engine::landing_what(const InConn& in) {
-  if (in.f.type == FrameType::kPutBlocks) return "landing " + op_words(in) + " on device " + std::to_string(in.device);
+  if (in.f.type == FrameType::kPutBlocks || in.f.type == FrameType::kStripe) {
+    return "landing " + op_words(in) + " on device " + std::to_string(in.device);
+  }
   if (in.f.type == FrameType::kPut) {
     return "landing a staged put in device window #" + std::to_string(in.put.dst_win);
   }

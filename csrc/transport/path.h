@@ -131,10 +131,14 @@ class Outbox {
   // outbox sends only the bytes the payload says are ready (staged_payload.h).
   virtual void post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload, uint32_t dst_win,
                                uint64_t dst_off, const SignalSpec& sig) = 0;
-  // A batch of staged writes as one op (staged_batch.h): the payload holds the blocks' bytes in
-  // the order of `blocks` (window, offset, length each), which the frame carries before them.
-  virtual void post_put_blocks(int peer, int ctx, std::shared_ptr<cuda::StagedPayload> payload,
+  // A batch of staged writes as one op (staged_batch.h): the payloads hold the blocks' bytes in
+  // the order of `blocks` (window, offset, length each), which the frame carries before them; more
+  // than one: the parts of a frame striped over the tcp lanes, as stripes() said (wire::kBlocksStriped).
+  virtual void post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda::StagedPayload>> parts,
                                std::vector<wire::BlockEntry> blocks) = 0;
+  // How many parts a batch of `bytes` is cut in (1: not striped; else each lane's part is
+  // wire::stripe_first / stripe_part of them).
+  virtual int stripes(uint64_t bytes) const = 0;
   // A batch of writes from host memory into host windows as one op (tcp/block_batch.h): the frame
   // carries `blocks` (window, offset, length each), then their bytes, read from `sources` (this
   // process's memory, one piece a block, in order) as they are sent.

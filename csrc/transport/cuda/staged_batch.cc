@@ -86,10 +86,9 @@ std::vector<KernelCopy> chunk_pieces(const ScatterList& places, const std::vecto
   return copies;
 }
 
-SharedEvent StagedBatch::gather(const Frame& f, uint64_t chunk, uint64_t i, uint8_t* dst,
+SharedEvent StagedBatch::gather(const Frame& f, uint64_t from, uint64_t n, uint8_t* dst,
                                 std::unique_ptr<CopyList>* list) const {
-  uint64_t from = i * chunk;
-  std::vector<KernelCopy> copies = chunk_pieces(f.places, f.starts, from, std::min(f.bytes, from + chunk), dst, true);
+  std::vector<KernelCopy> copies = chunk_pieces(f.places, f.starts, from, std::min(f.bytes, from + n), dst, true);
   return copy_run(device_, library_stream(device_), copies, device_addressable(dst), list,
                   "gathering a staged batch for peer " + std::to_string(peer_));
 }
@@ -104,21 +103,33 @@ void StagedBatch::issue(const Deadline& deadline, const Count& count) {
   }
 }
 
+// A frame of kStripeMinBytes or more goes over every tcp lane (Outbox::stripes): one payload a
+// lane, each the frame's bytes [at, at + len) gathered chunk by chunk, the parts taking turns.
 void StagedBatch::issue_write(Frame f, const Deadline& deadline, const Count& count) {
-  auto payload = std::make_shared<StagedPayload>(outbox_, peer_, f.bytes, device_, deadline);
-  uint64_t chunk = payload->chunk();
-  payload->fill_queued(
-      device_, deadline,
+  int lanes = outbox_->stripes(f.bytes);
+  std::vector<uint64_t> lens(1, lanes > 1 ? wire::stripe_first(f.bytes, lanes) : f.bytes), starts(1, 0);
+  for (int k = 1; k < lanes; ++k) {
+    starts.push_back(starts.back() + lens.back());
+    lens.push_back(wire::stripe_part(f.bytes, lanes));
+  }
+  auto parts = StagedPayload::parts(outbox_, peer_, lens, device_, deadline);
+  std::vector<StagedPayload*> filled;
+  for (const auto& p : parts) filled.push_back(p.get());
+  uint64_t chunk = parts[0]->chunk();
+  StagedPayload::fill_parts(
+      filled, device_, deadline,
       [&] {
         count(1);
         try {
-          outbox_->post_put_blocks(peer_, ctx_, payload, std::move(f.entries));
+          outbox_->post_put_blocks(peer_, ctx_, parts, std::move(f.entries));
         } catch (...) {
           count(-1);
           throw;
         }
       },
-      [&](uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) { return gather(f, chunk, i, dst, list); });
+      [&](size_t k, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) {
+        return gather(f, starts[k] + i * chunk, std::min(lens[k] - i * chunk, chunk), dst, list);
+      });
 }
 
 // The engine lands the answer through its ring of pinned buffers, each scattered into the

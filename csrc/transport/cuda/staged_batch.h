@@ -67,8 +67,8 @@ class StagedBatch {
   };
   // The runs of blocks none of which lands on bytes another one of its run lands on.
   std::vector<Frame> disjoint_runs();
-  // Queues the copies of chunk i of the frame's bytes into `dst` (see StagedPayload::fill_queued).
-  SharedEvent gather(const Frame& f, uint64_t chunk, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) const;
+  // Queues the copies of the frame's bytes [from, from + n) into `dst` (see StagedPayload::fill_parts).
+  SharedEvent gather(const Frame& f, uint64_t from, uint64_t n, uint8_t* dst, std::unique_ptr<CopyList>* list) const;
   void issue_write(Frame f, const Deadline& deadline, const Count& count);
   void issue_read(Frame f, const Deadline& deadline, const Count& count);
 

@@ -76,29 +76,69 @@ uint64_t staged_bytes_peak() {
   return b.peak;
 }
 
-StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline,
-                             bool bounded)
-    : outbox_(outbox), peer_(peer), len_(len), chunk_(staged_chunk_bytes()) {
+namespace {
+
+// The budget of (outbox, peer): waits until `want` more bytes fit (or none is held), then takes them.
+void take_budget(const void* outbox, int peer, uint64_t want, const Deadline& deadline) {
   uint64_t limit = staged_inflight_bytes();
-  uint64_t slots = std::max<uint64_t>(1, std::min(chunks(), bounded ? limit / chunk_ : kAnswerChunks));
-  bool one = chunks() <= 1;  // the whole op fits one chunk: a buffer of its size
-  uint64_t want = one ? std::max<uint64_t>(len_, 1) : slots * chunk_;
   Budget& b = budget();
-  {
-    std::unique_lock<std::mutex> lock(b.mu);
-    uint64_t& held = b.held[{outbox_, peer_}];
-    while (bounded && held > 0 && held + want > limit) {
-      if (deadline.expired()) {
-        fail(Code::kTimeout, peer_, 0, to_peer(peer_) + ": timed out waiting for " + std::to_string(held) +
-                                           " bytes of earlier staged puts to be sent (is the peer receiving?)");
-      }
-      b.cv.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
+  std::unique_lock<std::mutex> lock(b.mu);
+  uint64_t& held = b.held[{outbox, peer}];
+  while (held > 0 && held + want > limit) {
+    if (deadline.expired()) {
+      fail(Code::kTimeout, peer, 0, to_peer(peer) + ": timed out waiting for " + std::to_string(held) +
+                                        " bytes of earlier staged puts to be sent (is the peer receiving?)");
     }
-    if (bounded) {
-      held += want;
-      b.peak = std::max(b.peak, held);
-    }
+    b.cv.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
+  held += want;
+  b.peak = std::max(b.peak, held);
+}
+
+}  // namespace
+
+// A ring of slots chunks (one chunk, or a buffer of len when it fits one): its bytes.
+uint64_t StagedPayload::ring_bytes(uint64_t len, int share, uint64_t* slots) {
+  uint64_t chunk = staged_chunk_bytes(), chunks = (len + chunk - 1) / chunk;
+  *slots = std::max<uint64_t>(1, std::min(chunks, staged_inflight_bytes() / chunk / static_cast<uint64_t>(share)));
+  return chunks <= 1 ? std::max<uint64_t>(len, 1) : *slots * chunk;
+}
+
+std::vector<std::shared_ptr<StagedPayload>> StagedPayload::parts(const void* outbox, int peer,
+                                                                 const std::vector<uint64_t>& lens, int ordinal,
+                                                                 const Deadline& deadline) {
+  int share = static_cast<int>(lens.size());
+  uint64_t want = 0, slots = 0;
+  for (uint64_t len : lens) want += ring_bytes(len, share, &slots);
+  take_budget(outbox, peer, want, deadline);  // at once: two callers never each hold part of what they wait for
+  std::vector<std::shared_ptr<StagedPayload>> out;
+  out.reserve(lens.size());
+  try {
+    for (uint64_t len : lens) {
+      // Its share is its own once it was made: given back when it goes.
+      std::unique_ptr<StagedPayload> p(new StagedPayload(outbox, peer, len, ordinal, deadline, true, share, true));
+      want -= p->held_;
+      out.push_back(std::shared_ptr<StagedPayload>(std::move(p)));
+    }
+  } catch (...) {
+    Budget& b = budget();
+    std::lock_guard<std::mutex> lock(b.mu);
+    b.held[{outbox, peer}] -= want;  // the parts not made
+    b.cv.notify_all();
+    throw;
+  }
+  return out;
+}
+
+StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline,
+                             bool bounded, int share, bool prepaid)
+    : outbox_(outbox), peer_(peer), len_(len), chunk_(staged_chunk_bytes()) {
+  uint64_t slots = 0;
+  uint64_t want = ring_bytes(len, share, &slots);
+  bool one = chunks() <= 1;  // the whole op fits one chunk: a buffer of its size
+  if (!bounded) slots = std::max<uint64_t>(1, std::min(chunks(), kAnswerChunks));
+  if (bounded && !prepaid) take_budget(outbox_, peer_, want, deadline);
+  Budget& b = budget();
   held_ = bounded ? want : 0;
   answer_ = !bounded;
   if (answer_) {  // taken as its chunks are copied (answer_buffer)
@@ -109,6 +149,7 @@ StagedPayload::StagedPayload(const void* outbox, int peer, uint64_t len, int ord
     for (uint64_t k = 0; k < slots; ++k) ring_.push_back(staging_buffer(one ? want : chunk_, ordinal));
   } catch (...) {
     ring_.clear();
+    if (prepaid) throw;  // the budget is still the caller's (parts())
     std::lock_guard<std::mutex> lock(b.mu);
     b.held[{outbox_, peer_}] -= held_;
     b.cv.notify_all();
@@ -177,6 +218,7 @@ void StagedPayload::fill(int ordinal, const uint8_t* src, const Deadline& deadli
 namespace {
 
 struct ChunkInFlight {
+  size_t part;
   uint64_t i;
   SharedEvent done;
   std::unique_ptr<CopyList> list;
@@ -186,13 +228,26 @@ struct ChunkInFlight {
 
 void StagedPayload::fill_queued(int ordinal, const Deadline& deadline, const std::function<void()>& posted,
                                 const ChunkCopy& copy) {
+  fill_parts({this}, ordinal, deadline, posted,
+             [&](size_t, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) { return copy(i, dst, list); });
+}
+
+void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ordinal, const Deadline& deadline,
+                               const std::function<void()>& posted, const PartCopy& copy) {
   std::deque<ChunkInFlight> flying;
   bool started = !posted;
-  size_t depth = std::max<size_t>(1, std::min<size_t>(kFillAhead, ring_.size()));
+  size_t ring = SIZE_MAX;
+  uint64_t rounds = 0;
+  for (StagedPayload* p : parts) {
+    ring = std::min(ring, p->ring_.size());
+    rounds = std::max(rounds, p->chunks());
+  }
+  size_t depth = std::max<size_t>(1, std::min<size_t>(kFillAhead, ring)) * parts.size();
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
+    StagedPayload* p = parts[f.part];
     wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
-    publish(f.i * chunk_ + chunk_len(f.i));
+    p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
     flying.pop_front();
     if (!started) {
       posted();
@@ -200,27 +255,32 @@ void StagedPayload::fill_queued(int ordinal, const Deadline& deadline, const std
     }
   };
   try {
-    for (uint64_t i = 0; i < chunks(); ++i) {
-      if (flying.size() >= depth) finish_oldest();
-      uint8_t* dst = slot_for(i, deadline);
-      ChunkInFlight f{i, nullptr, nullptr};
-      try {
-        f.done = copy(i, dst, &f.list);
-      } catch (const Error&) {
-        keep_slot(i);  // copies queued before the one refused may still write it
-        if (f.list) f.list.release();
-        throw;
+    for (uint64_t i = 0; i < rounds; ++i) {  // chunk i of every part, then chunk i + 1: the lanes take turns
+      for (size_t k = 0; k < parts.size(); ++k) {
+        if (i >= parts[k]->chunks()) continue;
+        if (flying.size() >= depth) finish_oldest();
+        uint8_t* dst = parts[k]->slot_for(i, deadline);
+        ChunkInFlight f{k, i, nullptr, nullptr};
+        try {
+          f.done = copy(k, i, dst, &f.list);
+        } catch (const Error&) {
+          parts[k]->keep_slot(i);  // copies queued before the one refused may still write it
+          if (f.list) f.list.release();
+          throw;
+        }
+        flying.push_back(std::move(f));
       }
-      flying.push_back(std::move(f));
     }
     while (!flying.empty()) finish_oldest();
   } catch (const Error& e) {
     for (ChunkInFlight& f : flying) {  // copies that may still write their slot or read their list
       if (event_done(f.done)) continue;
-      keep_slot(f.i);
+      parts[f.part]->keep_slot(f.i);
       f.list.release();
     }
-    if (started) give_up(e.what());
+    if (started) {
+      for (StagedPayload* p : parts) p->give_up(e.what());
+    }
     throw;
   }
 }

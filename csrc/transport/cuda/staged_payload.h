@@ -52,8 +52,15 @@ class StagedPayload {
   // Takes the ring from the budget of (outbox, peer): waits until it fits, up
   // to `deadline` (then Error(kTimeout) naming the peer). ordinal: the device copied from.
   // `bounded` false: no budget is taken (get answers, bounded by the engine's get credits).
+  // `share`: the ring takes at most 1 / share of the budget (one of `share` parts of a frame);
+  // `prepaid`: its budget was taken already (parts()).
   StagedPayload(const void* outbox, int peer, uint64_t len, int ordinal, const Deadline& deadline,
-                bool bounded = true);
+                bool bounded = true, int share = 1, bool prepaid = false);
+  // The parts of one frame striped over the tcp lanes (lens: each lane's bytes), their rings
+  // taken from the budget at once (each 1 / lens.size() of it at most): see fill_parts().
+  static std::vector<std::shared_ptr<StagedPayload>> parts(const void* outbox, int peer,
+                                                           const std::vector<uint64_t>& lens, int ordinal,
+                                                           const Deadline& deadline);
   ~StagedPayload();  // gives the ring and its budget back
   StagedPayload(const StagedPayload&) = delete;
   StagedPayload& operator=(const StagedPayload&) = delete;
@@ -83,6 +90,13 @@ class StagedPayload {
   using ChunkCopy = std::function<SharedEvent(uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list)>;
   static constexpr size_t kFillAhead = 4;
   void fill_queued(int ordinal, const Deadline& deadline, const std::function<void()>& posted, const ChunkCopy& copy);
+  // The parts of one frame striped over the tcp lanes, filled as fill_queued() fills one, taking
+  // turns (chunk i of every part, then chunk i + 1), so every lane has bytes to send from the
+  // start: `copy` queues part k's chunk i. `posted` runs after the first chunk; a failure gives
+  // every part up once it ran.
+  using PartCopy = std::function<SharedEvent(size_t k, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list)>;
+  static void fill_parts(const std::vector<StagedPayload*>& parts, int ordinal, const Deadline& deadline,
+                         const std::function<void()>& posted, const PartCopy& copy);
 
   // Get answers (bounded false, staged_answer.cc). The source: `len` bytes at
   // `src` in device memory of `ordinal` (-1: host memory). Nothing is copied yet.
@@ -133,6 +147,7 @@ class StagedPayload {
   uint64_t len_, chunk_;
   std::vector<HostBuffer> ring_;
   uint64_t held_ = 0;  // budget taken
+  static uint64_t ring_bytes(uint64_t len, int share, uint64_t* slots);
   std::atomic<uint64_t> ready_{0};
   std::atomic<bool> failed_{false};
   std::function<void()> waker_;

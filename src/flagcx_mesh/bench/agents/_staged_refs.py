@@ -1,8 +1,9 @@
 """The references a staged batch is read by, measured in the same run (bench agent --device cuda
 with staged among --paths): pinned copies (device -> pinned host, pinned host -> device) and raw
-TCP over loopback, one connection (the lane a staged batch's frame takes) and four. The goal of a
-staged batch of 64 MiB and up: at least 0.8x the slower of its two stages, i.e. min(the pinned
-copies' pipelined rate min(D2H, H2D), raw TCP over the same lanes)."""
+TCP over loopback, one connection, four, and as many as the staged connection's tcp lanes (a
+staged batch of 1 MiB or more is striped over them). The goal of a staged batch of 64 MiB and up:
+at least 0.8x the slower of its two stages, i.e. min(the pinned copies' pipelined rate
+min(D2H, H2D), raw TCP over the same lanes)."""
 
 from __future__ import annotations
 
@@ -59,15 +60,19 @@ def tcp_loopback_gbps(nbytes: int, lanes: int = 1) -> float:
     return each * lanes / took / 1e9
 
 
-def references(mem, nbytes: int) -> Dict[str, Optional[float]]:
-    """Pinned D2H and H2D GB/s (None without torch) and raw loopback TCP over 1 and 4 lanes."""
+def references(mem, nbytes: int, lanes: int = 1) -> Dict[str, Optional[float]]:
+    """Pinned D2H and H2D GB/s (None without torch) and raw loopback TCP over 1 and 4 lanes, and
+    over `lanes` (the staged connection's), which the reference takes."""
     d2h, h2d = mem.pinned_gbps(nbytes) if hasattr(mem, "pinned_gbps") else (None, None)
-    out = {"pinned_d2h_GBps": d2h, "pinned_h2d_GBps": h2d,
+    out = {"pinned_d2h_GBps": d2h, "pinned_h2d_GBps": h2d, "lanes": lanes,
            "tcp_1_lane_GBps": max(tcp_loopback_gbps(nbytes, 1) for _ in range(2)),
            "tcp_4_lanes_GBps": max(tcp_loopback_gbps(nbytes, 4) for _ in range(2))}
+    same = {1: out["tcp_1_lane_GBps"], 4: out["tcp_4_lanes_GBps"]}.get(lanes)
+    out["tcp_same_lanes_GBps"] = same if same else max(tcp_loopback_gbps(nbytes, lanes) for _ in range(2))
     pinned = min(d2h, h2d) if d2h and h2d else None
     out["pinned_pipelined_GBps"] = pinned
-    out["reference_GBps"] = min(x for x in (pinned, out["tcp_1_lane_GBps"]) if x) if pinned else out["tcp_1_lane_GBps"]
+    tcp = out["tcp_same_lanes_GBps"]
+    out["reference_GBps"] = min(pinned, tcp) if pinned else tcp
     return out
 
 
@@ -78,8 +83,10 @@ def _f(v: Optional[float]) -> str:
 def report(staged: Dict, refs: Dict, count: int) -> Dict[str, Optional[float]]:
     """Prints each block size's staged GB/s beside the references and their ratio (goal: >= 0.8)."""
     print(f"[staged refs] pinned D2H {_f(refs['pinned_d2h_GBps'])} GB/s, H2D {_f(refs['pinned_h2d_GBps'])} GB/s; "
-          f"raw loopback TCP 1 lane {_f(refs['tcp_1_lane_GBps'])} GB/s, 4 lanes {_f(refs['tcp_4_lanes_GBps'])} GB/s "
-          f"(a staged batch's frame takes 1 lane); reference min(pinned, tcp 1 lane) {_f(refs['reference_GBps'])} GB/s",
+          f"raw loopback TCP 1 lane {_f(refs['tcp_1_lane_GBps'])} GB/s, 4 lanes {_f(refs['tcp_4_lanes_GBps'])} GB/s, "
+          f"{refs['lanes']} lane(s) {_f(refs['tcp_same_lanes_GBps'])} GB/s (a staged batch of 1 MiB or more is striped over "
+          f"the connection's {refs['lanes']} tcp lane(s)); reference min(pinned, tcp {refs['lanes']} lane(s)) "
+          f"{_f(refs['reference_GBps'])} GB/s",
           flush=True)
     ratios: Dict[str, Optional[float]] = {}
     for name, r in staged.get("request", {}).items():

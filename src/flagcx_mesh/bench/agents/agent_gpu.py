@@ -144,6 +144,7 @@ class Run:
         try:
             local = tool.register(ep, self.buf)
             conn = tool.connect(ep, self.info["info"])
+            self.tcp_lanes = getattr(conn, "tcp_lanes", None)  # ours: the lanes a staged batch is striped over
             if args.mesh_put != "off" and isinstance(tool, _gpu_peers.FlagcxTool):
                 beside = _gpu_mesh.MeshBeside(self.target, self.buf, args.timeout)
             for block in args.block_sizes:
@@ -217,6 +218,7 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
               f"(target {s['target_register_ms']:.3f} ms), connect {con}{extra}, "
               f"first 4 KiB write {s['first_write_ms']:.2f} ms", flush=True)
         fig["request"] = run.requests()
+        fig["tcp_lanes"] = getattr(run, "tcp_lanes", None)
         for name, r in fig["request"].items():
             m = r.get("mesh")
             beside = (f"; the mesh's puts beside it over {m['path']}: pipelined {m['pipelined_GBps']:.2f} GB/s, "
@@ -325,7 +327,7 @@ def main(argv: List[str]) -> int:
     out["copy_GBps"] = {size_name(b): mem.copy_gbps(b * args.count) for b in args.block_sizes}
     staged = out["flagcx_mesh"].get("staged")
     if staged is not None and "error" not in staged:
-        refs = _staged_refs.references(mem, max(b * args.count for b in args.block_sizes))
+        refs = _staged_refs.references(mem, max(b * args.count for b in args.block_sizes), staged.get("tcp_lanes") or 1)
         out["staged_refs"] = {**refs, "ratios": _staged_refs.report(staged, refs, args.count)}
     out["goals"] = goals(out["flagcx_mesh"])
     save_json(out, args.json)
