@@ -367,7 +367,7 @@ def blocks_table(rng, n: int, slot: int, max_size: int, size: int = SIZE):
 def whole_region_table(rng, n: int):
     """n writes of random sizes that cover the region exactly (1 MiB: a batch striped over the
     tcp lanes when there are several), in shuffled order, from random local places."""
-    cuts = np.sort(rng.choice(np.arange(1, SIZE), n - 1, replace=False))
+    cuts = np.sort(rng.choice(np.arange(1, SIZE), n - 1, replace=False)) if n > 1 else np.zeros(0, np.int64)
     starts = np.concatenate([[0], cuts])
     sizes = np.diff(np.concatenate([starts, [SIZE]]))
     order = rng.permutation(n)
@@ -377,7 +377,7 @@ def whole_region_table(rng, n: int):
     return t
 
 
-def striped_write(conn, rng, write) -> None:
+def striped_write(conn, rng, write, n: int) -> None:
     """A batch of 1 MiB (Engine::kStripeMinBytes) over a connection of several tcp lanes goes
     over every lane (its bytes counted on this process's sockets, one per lane), parts cut
     anywhere in its blocks; every byte is checked by `write`."""
@@ -393,15 +393,15 @@ def striped_write(conn, rng, write) -> None:
                 socks.append(s)
         check(len(socks) == lanes, f"{lanes} lane sockets expected, found {len(socks)}")
     before = [bytes_acked(s) for s in socks]
-    write("a batch of 1 MiB over %d lane(s)" % lanes, whole_region_table(rng, 300))
+    write("%d write(s) of 1 MiB over %d lane(s)" % (n, lanes), whole_region_table(rng, n))
     if socks:
         part = SIZE // lanes
         sent = acked_since(socks, before, part)
         for s in socks:
             s.close()
-        check(all(part <= n <= SIZE - part * (lanes - 1) + 300 * 24 + 8192 for n in sent),
+        check(all(part <= k <= SIZE - part * (lanes - 1) + n * 24 + 8192 for k in sent),
               f"each of {lanes} lanes should carry about {part} bytes of the batch: {sent}")
-        print(f"striped over {lanes} lanes: {sent}", flush=True)
+        print(f"{n} write(s) striped over {lanes} lanes: {sent}", flush=True)
 
 
 def blocks_role(args, dev) -> None:
@@ -445,7 +445,8 @@ def blocks_role(args, dev) -> None:
                   after["cuMemcpyAsync"] == theirs["cuMemcpyAsync"],
                   f"the target: one scatter launch per chunk ({chunks}) and no copy expected: {theirs} -> {after}")
         write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
-        striped_write(conn, rng, write)
+        striped_write(conn, rng, write, 300)
+        striped_write(conn, rng, write, 1)  # one write of 1 MiB: as a batch, striped too
         # blocks of one batch landing on each other's bytes: the later wins, as one op after the
         # other (one launch does not order its copies; the fake's runs them last to first)
         write("writes onto the same bytes", np.array([[0, 50000, 4096], [10000, 50000, 4096],

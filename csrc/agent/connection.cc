@@ -465,7 +465,9 @@ Connection::Issued Connection::issue(const Checked& c, bool is_read, const Strea
   if (!only_copies) {
     if (!batch->single && queue_blocks(p, op, batch)) return Issued::kEngine;
     issue_blocks(batch);  // the tcp writes queued before this op go first
-    if (!batch->single && queue_staged(p, op, batch)) return Issued::kEngine;
+    // (A call's one staged write of kStripeMinBytes or more too: as a batch it is striped over the lanes.)
+    bool striped = !batch->is_read && engine().stripes(op.len) > 1;
+    if ((!batch->single || striped) && queue_staged(p, op, batch)) return Issued::kEngine;
     issue_staged(batch);  // the staged ops queued before this op go first
     if (p->synchronous() && !batch->single && queue_host(p, v, op, batch)) return Issued::kDone;
     issue_host(batch);  // the host ops queued before this one are done first
