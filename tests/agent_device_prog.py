@@ -43,7 +43,7 @@ import numpy as np
 import flagcx_mesh
 from flagcx_mesh.agent import Agent
 from gpu_prog import FakeBuf, TorchBuf  # device buffers shared with the Mesh device tests
-from meshutil import acked_since, bytes_acked, publish, read_published, stream_sockets
+from meshutil import acked_since, bytes_acked, lane_sockets, publish, read_published
 
 SECRET = "agent-device-test-secret"
 SIZE = 1 << 20
@@ -382,15 +382,8 @@ def striped_write(conn, rng, write, n: int) -> None:
     over every lane (its bytes counted on this process's sockets, one per lane), parts cut
     anywhere in its blocks; every byte is checked by `write`."""
     lanes = conn.tcp_lanes
-    socks = []
-    if lanes > 1:
-        seen = set()
-        for s in stream_sockets():
-            if s.getsockname() in seen:
-                s.close()
-            else:
-                seen.add(s.getsockname())
-                socks.append(s)
+    socks = lane_sockets() if lanes > 1 else []  # (this process connects to the target alone)
+    if socks:
         check(len(socks) == lanes, f"{lanes} lane sockets expected, found {len(socks)}")
     before = [bytes_acked(s) for s in socks]
     write("%d write(s) of 1 MiB over %d lane(s)" % (n, lanes), whole_region_table(rng, n))

@@ -173,6 +173,46 @@ def stream_sockets():
         yield s
 
 
+def lane_sockets(listener_address: Optional[str] = None) -> List[socket.socket]:
+    """A duplicate of each socket of this process (connected to `listener_address` when given: a
+    connector's lanes), one per lane: each lane has two fds, one the engine writes and its dup
+    it reads. The caller closes them."""
+    port = int(listener_address.rsplit(":", 1)[1]) if listener_address else None
+    out, seen = [], set()
+    for s in stream_sockets():
+        if (port is None or s.getpeername()[1] == port) and s.getsockname() not in seen:
+            seen.add(s.getsockname())
+            out.append(s)
+        else:
+            s.close()
+    return out
+
+
+def shut_lane(socks: List[socket.socket], lane: int) -> None:
+    """Shuts the connection of lane `lane` (the lanes' local ports in order) and closes every
+    socket of `socks` (lane_sockets' duplicates)."""
+    ports = sorted(s.getsockname()[1] for s in socks)
+    victim = next(s for s in socks if s.getsockname()[1] == ports[lane])
+    victim.shutdown(socket.SHUT_RDWR)
+    for s in socks:
+        s.close()
+
+
+def fail_with_peer_lost(handles, who: str, timeout: float) -> None:
+    """The handles fail with PeerLost naming `who` (the first that fails), within `timeout` s."""
+    from flagcx_mesh import PeerLost  # (meshutil imports no flagcx_mesh at its top)
+
+    t0 = time.monotonic()
+    try:
+        for h in handles:
+            h.wait(timeout)
+    except PeerLost as e:
+        assert who in str(e), e
+    else:
+        raise AssertionError("every handle completed: PeerLost expected")
+    assert time.monotonic() - t0 < timeout, f"PeerLost came after {time.monotonic() - t0:.1f} s"
+
+
 def bytes_acked(sock: socket.socket) -> int:
     """tcpi_bytes_acked of struct tcp_info (Linux >= 4.1): bytes the peer has acknowledged."""
     return struct.unpack_from("<Q", sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256), 120)[0]

@@ -19,7 +19,7 @@ import pytest
 from flagcx_mesh import PeerLost
 from flagcx_mesh.agent import Agent
 import agent_handshake as hs
-from meshutil import acked_since, bytes_acked, fd_count, stream_sockets, wait_rejected
+from meshutil import acked_since, bytes_acked, fail_with_peer_lost, fd_count, lane_sockets, shut_lane, wait_rejected
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "lanes-secret"
@@ -54,20 +54,6 @@ def test_a_connection_takes_the_smaller_offer_on_both_sides(monkeypatch, offer_a
         assert conn.tcp_lanes == agreed
         wait_for(lambda: b.connection("a") is not None)
         assert b.connection("a").tcp_lanes == agreed
-
-
-def lane_sockets(listener_address):
-    """A duplicate of each socket of this process connected to `listener_address` (a connector's
-    lanes; each lane has two fds, one the engine writes and its dup it reads)."""
-    port = int(listener_address.rsplit(":", 1)[1])
-    out, seen = [], set()
-    for s in stream_sockets():
-        if s.getpeername()[1] == port and s.getsockname() not in seen:
-            seen.add(s.getsockname())
-            out.append(s)
-        else:
-            s.close()
-    return out
 
 
 def test_a_large_write_travels_over_every_lane(monkeypatch):
@@ -146,19 +132,10 @@ def test_a_lane_killed_mid_write_fails_the_handle_with_peer_lost_and_others_are_
         local = a.register(pattern(size, 3))
         conn = a.connect(b.metadata())
         socks = lane_sockets(b.address)
-        ports = sorted(s.getsockname()[1] for s in socks)
         assert len(socks) == 4
         handles = [conn.write(local, remote, size) for _ in range(8)]
-        victim = next(s for s in socks if s.getsockname()[1] == ports[lane])
-        victim.shutdown(socket.SHUT_RDWR)
-        for s in socks:
-            s.close()
-        t0 = time.monotonic()
-        with pytest.raises(PeerLost) as e:
-            for h in handles:
-                h.wait(OP_TIMEOUT)
-        assert "agent b" in str(e.value), e.value
-        assert time.monotonic() - t0 < OP_TIMEOUT
+        shut_lane(socks, lane)
+        fail_with_peer_lost(handles, "agent b", OP_TIMEOUT)
         wait_for(lambda: b.connection("a") is None)  # b lost a too, and serves c
         cl = c.register(pattern(2 * MIB, 4))
         cc = c.connect(b.metadata())

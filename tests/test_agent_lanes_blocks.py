@@ -11,17 +11,16 @@ from __future__ import annotations
 
 import os
 import random
-import socket
 import struct
 import time
 
 import numpy as np
 import pytest
 
-from flagcx_mesh import InvalidArgument, PeerLost
+from flagcx_mesh import InvalidArgument
 from flagcx_mesh.agent import Agent
 import agent_handshake as hs
-from meshutil import acked_since, bytes_acked, stream_sockets
+from meshutil import acked_since, bytes_acked, fail_with_peer_lost, lane_sockets, shut_lane
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "lanes-blocks-secret"
@@ -37,19 +36,6 @@ def make_agent(monkeypatch, name, lanes):
 
 def pattern(n, seed):
     return np.random.default_rng(seed).integers(0, 256, n, dtype=np.uint8)
-
-
-def lane_sockets(listener_address):
-    """This process's sockets connected to `listener_address`, one per lane."""
-    port = int(listener_address.rsplit(":", 1)[1])
-    out, seen = [], set()
-    for s in stream_sockets():
-        if s.getpeername()[1] == port and s.getsockname() not in seen:
-            seen.add(s.getsockname())
-            out.append(s)
-        else:
-            s.close()
-    return out
 
 
 def blocks(rng, n, size, region_bytes):
@@ -192,18 +178,9 @@ def test_a_lane_killed_under_striped_batches_fails_them_with_peer_lost(monkeypat
     try:
         ops = p.ops(blocks(random.Random(5), 2048, 16 << 10, p.region))
         socks = lane_sockets(p.b.address)
-        ports = sorted(s.getsockname()[1] for s in socks)
         handles = [p.conn.batch_write(ops) for _ in range(6)]
-        victim = next(s for s in socks if s.getsockname()[1] == ports[lane])
-        victim.shutdown(socket.SHUT_RDWR)
-        for s in socks:
-            s.close()
-        t0 = time.monotonic()
-        with pytest.raises(PeerLost) as e:
-            for h in handles:
-                h.wait(OP_TIMEOUT)
-        assert "agent b" in str(e.value), e.value
-        assert time.monotonic() - t0 < OP_TIMEOUT
+        shut_lane(socks, lane)
+        fail_with_peer_lost(handles, "agent b", OP_TIMEOUT)
     finally:
         p.close()
 
