@@ -496,7 +496,9 @@ def blocks_role(args, dev) -> None:
 
 def blocks_lost(args, dev) -> None:
     """A batch of 4096 staged writes (64 MiB; --expect read: reads) to (from) a target that stops
-    reading and is killed: the call fails with PeerLost naming it, within its timeout."""
+    reading and is killed: the call fails with PeerLost naming it, within its timeout. --expect
+    timeout: the target is only stopped; the call fails at its deadline, its frames' parts given
+    up on every lane, and the connection is lost (no process fails on the way)."""
     with Agent(args.name + "-lost", SECRET, timeout=args.timeout) as a:
         conn, remotes = connect(args, a)
         lbuf = dev.buffer("ipc", SIZE)
@@ -514,6 +516,13 @@ def blocks_lost(args, dev) -> None:
             else:
                 conn.write_blocks(local, remote, t).wait(args.timeout)
             raise SystemExit("FAILED: a batch to a killed target completed")
+        except flagcx_mesh.MeshTimeout as e:
+            check(args.expect == "timeout", f"a timeout, not the expected {args.expect}: {e}")
+            end = time.monotonic() + args.timeout
+            while not conn.gone() and time.monotonic() < end:  # the parts it gave up lose the peer
+                time.sleep(0.01)
+            check(bool(conn.gone()), "the connection is not lost after its staged frames were given up")
+            print(f"timed out: {str(e).splitlines()[0]}; gone: {conn.gone()}", flush=True)
         except flagcx_mesh.PeerLost as e:
             check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
             print(f"lost: {str(e).splitlines()[0]}", flush=True)

@@ -151,6 +151,25 @@ def test_a_striped_batch_keeps_its_place_among_the_connections_ops(pair4):
     p.check(p.model(first + over + big + second), "ops around striped batches")
 
 
+def test_a_batch_whose_blocks_land_on_each_others_bytes_keeps_to_lane_0_and_the_later_wins(pair4):
+    """Striped parts land at once, so a batch of 1 MiB or more whose blocks land on each other's
+    bytes is not striped: the block at the end of what would be lane 0's part and the one at the
+    start of lane 3's write the same bytes, and the later one must win, every time."""
+    p = pair4
+    socks = lane_sockets(p.b.address)
+    before = [bytes_acked(s) for s in socks]
+    block = 32 << 10
+    for round_ in range(5):
+        ops = [(p.local[round_ % 2], k * block, p.remote[0], k * block, block) for k in range(64)]  # 2 MiB
+        ops[48] = (p.local[1 - round_ % 2], 7 * block, p.remote[0], 15 * block, block)  # over block 15's bytes
+        p.conn.batch_write(ops).wait(OP_TIMEOUT)
+        p.check(p.model(ops), f"round {round_}: a batch with a later block over an earlier one's bytes")
+    sent = [bytes_acked(s) - b for s, b in zip(socks, before)]
+    for s in socks:
+        s.close()
+    assert max(sent[1:]) < 64 << 10 and sent[0] >= 10 * MIB, f"not kept to lane 0: {sent}"
+
+
 def test_a_striped_batch_naming_a_deregistered_region_is_refused_whole_on_every_lane(pair4):
     p = pair4
     extra = np.zeros(MIB, np.uint8)
@@ -187,7 +206,7 @@ def test_a_lane_killed_under_striped_batches_fails_them_with_peer_lost(monkeypat
 
 # ---- a peer's frames, written by hand: what the target takes and what loses the peer
 
-PUT_BLOCKS, STRIPE, ACK, PUT = 12, 10, 6, 3
+PUT_BLOCKS, STRIPE, ACK, PUT = 12, 10, 6, 3  # (base/wire.h)
 BLOCKS_STRIPED, STRIPE_OF_BLOCKS, PUT_STRIPED = 1, 16, 4
 
 
@@ -273,14 +292,25 @@ def test_a_striped_batch_written_by_hand_lands_through_its_list_and_is_acked_onc
     assert np.array_equal(dst, want)
 
 
-@pytest.mark.parametrize("forgery", ["offset", "length", "number", "flags"])
+@pytest.mark.parametrize("forgery", ["offset", "length", "number", "flags", "put"])
 def test_a_stripe_that_is_not_the_part_lane_0_announced_loses_the_peer_and_lands_nothing(raw_target, forgery):
     """A stripe whose offset, length or number differs from what the checked list on lane 0
-    makes of it, or a list striped over another lane count, never lands a byte of it: the peer
-    is lost (its connection closed) and the target serves on."""
+    makes of it, a list striped over another lane count, or stripes of a batch after a striped
+    put's head (their number is the put's) never land a byte of it: the peer is lost (its
+    connection closed) and the target serves on."""
     b, dst, win, peer = raw_target
     places = [(0, 2 * MIB)]
     data = bytes([7]) * (2 * MIB)
+    part = 2 * MIB // 4
+    if forgery == "put":  # lane 0: a striped put's head (its first quarter); lanes: stripes of a batch
+        head = struct.pack("<IIQQQII", win, 0, 0, 0, 0, PUT_STRIPED, 3)
+        peer.lanes[0].sendall(frame(PUT, head + data[:part]))
+        for k in (1, 2, 3):
+            put = struct.pack("<IIQQQII", 0, 0, k * part, 1, 0, STRIPE_OF_BLOCKS, 0)
+            peer.lanes[k].sendall(frame(STRIPE, put + data[k * part:(k + 1) * part]))
+        assert gone(b, "x"), "the peer that sent stripes of a batch after a put's head is still connected"
+        assert not dst[part:].any(), "a stripe of no batch landed"
+        return
     bad = {
         "offset": lambda k, at, n, num: (at + 4096 if k == 2 else at, n, num),
         "length": lambda k, at, n, num: (at, n - 4096 if k == 3 else n, num),
@@ -290,11 +320,11 @@ def test_a_stripe_that_is_not_the_part_lane_0_announced_loses_the_peer_and_lands
     flags = BLOCKS_STRIPED | 1 << 8 if forgery == "flags" else BLOCKS_STRIPED | 3 << 8
     peer.striped_batch(win, places, data, stripe=bad, flags=flags)
     assert gone(b, "x"), "the peer that sent a forged stripe is still connected"
-    part = 2 * MIB // 4
     lane = {"offset": 2, "length": 3, "number": 1, "flags": None}[forgery]
     if lane is not None:  # that lane's part never landed (the others may have)
         assert not dst[lane * part:(lane + 1) * part].any(), "the forged stripe landed"
-    assert not dst[2 * MIB:].any(), "bytes landed beyond the batch's blocks"
+    else:  # the list itself was refused: nothing of the batch lands
+        assert not dst.any(), "a part of a batch whose list was refused landed"
     with Agent("y", SECRET, timeout=OP_TIMEOUT) as y:  # and b serves others
         src = y.register(np.ones(4096, np.uint8))
         y.connect(b.metadata()).write_sync(src, b.register(np.zeros(4096, np.uint8)), 4096)

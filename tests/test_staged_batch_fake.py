@@ -17,7 +17,8 @@ import subprocess
 
 import pytest
 
-from test_agent_device_fake import fake_env, finish, spawn
+from meshutil import spawn_prog
+from test_agent_device_fake import HERE, PROG, fake_env, finish, spawn
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -64,6 +65,29 @@ def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the
         served = finish(server, "serve")
     assert "refused block 1 of a batch of 2 staged writes (16 bytes to window #" in served, served
     assert f"at offset {(1 << 20) - 8}): out of range (1048576 bytes here)" in served, served
+
+
+def test_a_striped_batch_that_times_out_mid_frame_gives_up_every_lanes_part_and_loses_the_peer(tmp_path):
+    """A target that stops reading: a striped batch's filler waits for ring slots (a part's ring
+    smaller than its part) past its deadline, after the frame's parts were posted; every part is
+    given up, each by its own lane's thread (which loses the peer and shuts its connection), and
+    the call fails at its deadline. (A lane's give-up once named a peer index past the end.)"""
+    env = staged_env(FLAGCX_MESH_TCP_LANES="4", FLAGCX_MESH_STAGED_INFLIGHT_BYTES=str(256 << 10))
+    server = spawn("serve", tmp_path, "owner", env=env)
+    client = spawn_prog(PROG, "blocks-lost", tmp_path, "owner", "--expect", "timeout", "--timeout", 3, env=env,
+                        stdin=subprocess.PIPE, cwd=HERE)
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        server.send_signal(signal.SIGSTOP)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        got = finish(client, "blocks-lost")
+        assert "timed out:" in got and "gone:" in got, got
+    finally:
+        for p in (server, client):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
 
 
 @pytest.mark.parametrize("op,lanes", [("write", 1), ("read", 1), ("write", 4)])

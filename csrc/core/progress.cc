@@ -14,6 +14,7 @@
 #include "base/log.h"
 #include "base/thread_name.h"
 #include "core/progress_items.h"
+#include "transport/byte_ranges.h"
 #include "transport/signal_ops.h"
 #include "base/status.h"
 
@@ -272,6 +273,18 @@ void Engine::post_put_staged(int peer, int ctx, std::shared_ptr<cuda::StagedPayl
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }
 
+// Whether no two blocks land on each other's bytes (one sort: a request's KV never does). A batch
+// whose blocks do keeps to lane 0, where they land in list order and the later one wins.
+bool Engine::lands_disjoint(const std::vector<wire::BlockEntry>& blocks) {
+  std::vector<ByteSpan> spans;
+  spans.reserve(blocks.size());
+  for (const wire::BlockEntry& b : blocks) {
+    uint64_t at = (uint64_t{b.win} << 48) + b.off;  // (offsets stay below 2^48: no window is that large)
+    spans.push_back({at, at + b.len, true});
+  }
+  return !any_conflict(spans);
+}
+
 // A kPutBlocks frame's item: its headers and block list (the list goes with the headers, before
 // the `bytes` of the blocks, which the caller attaches as its payload).
 Engine::OutItem Engine::blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes) {
@@ -291,11 +304,15 @@ void Engine::post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda
   for (const auto& p : parts) bytes += p->len();
   OutItem it = blocks_item(blocks, bytes);
   if (parts.size() > 1) {  // each part sent by its lane's thread, which its filler wakes
-    return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int k, uint64_t at, uint64_t n) {
-      if (static_cast<size_t>(lanes_) != parts.size() || parts[k]->len() != n) {
-        fail(Code::kInternal, peer, 0, who() + "a striped batch of staged writes cut in parts of other sizes than " +
-                                           std::to_string(lanes_) + " lanes take (" + std::to_string(at) + ")");
-      }
+    bool fits = stripes(bytes) == static_cast<int>(parts.size());
+    for (size_t k = 0; fits && k < parts.size(); ++k) {
+      fits = parts[k]->len() == (k == 0 ? wire::stripe_first(bytes, lanes_) : wire::stripe_part(bytes, lanes_));
+    }
+    if (!fits) {  // (checked before anything is queued)
+      fail(Code::kInternal, peer, 0, who() + "a striped batch of staged writes cut in " + std::to_string(parts.size()) +
+                                         " parts of other sizes than its " + std::to_string(lanes_) + " lanes take");
+    }
+    return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int k, uint64_t, uint64_t) {
       parts[k]->set_waker([this, k] { wake_lane(k); });
       item->staged = parts[k];
     });
@@ -309,7 +326,7 @@ void Engine::post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntr
   uint64_t bytes = 0;
   for (const wire::BlockEntry& b : blocks) bytes += b.len;
   OutItem it = blocks_item(blocks, bytes);
-  if (stripes(bytes) > 1) {
+  if (stripes(bytes) > 1 && lands_disjoint(blocks)) {  // its parts land at once: no block may land on another's bytes
     return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int, uint64_t at, uint64_t n) {
       item->gather = slice_pieces(sources, at, n);
     });
@@ -358,7 +375,7 @@ void Engine::refuse_unsent_answer(int s) {
 }
 
 void Engine::give_up_frame(int s, const OutItem& item) {
-  int peer = s / ncontexts_;
+  int peer = peer_of(s);  // (s: any lane's connection; a striped batch's parts are staged on every lane)
   lose(peer, std::string(item.answer_bytes > 0 ? "the answer to a get" : "a staged put") + " of " +
                  std::to_string(item.len) + " bytes could not be copied out of its window (" + item.staged->failure() +
                  ") after its frame started: the connection was shut");
@@ -485,6 +502,10 @@ int Engine::first_lost_peer() const {
 
 
 void Engine::lose(int peer, const std::string& why) {
+  if (peer < 0 || peer >= nranks_) {  // (a connection's index taken for a peer's: never written past the end)
+    fail(Code::kInternal, -1, 0, who() + "losing peer " + std::to_string(peer) + " of " + std::to_string(nranks_) +
+                                     ": " + why);
+  }
   {
     // No get answer is landing once this returns (the reader lands under
     // landing_mu_ and, between reads, finds the get gone).

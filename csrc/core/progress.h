@@ -204,6 +204,7 @@ class Engine : public Outbox {
   // attach(item, k, at, n): gives lane k's item (k = 0: the head) its payload, bytes [at, at + n) of the blocks'.
   using AttachPart = std::function<void(OutItem* item, int k, uint64_t at, uint64_t n)>;
   void post_striped_blocks(int peer, int ctx, OutItem head, uint64_t bytes, const AttachPart& attach);
+  static bool lands_disjoint(const std::vector<wire::BlockEntry>& blocks);  // no two land on the same bytes
   // Queues a striped op: `head` on lane 0, stripe(k, number) on lane k, in one critical section.
   template <typename Stripe>
   void queue_striped(int peer, int ctx, OutItem head, const Stripe& stripe);
@@ -252,6 +253,7 @@ class Engine : public Outbox {
   // Lane 0's part landed (`refused`: why not, else ""): true when held (in reset).
   bool hold_striped_blocks(int s, InConn& in, std::string* refused);
   uint8_t* stripe_blocks_spot(int c, InConn& in, size_t* want);
+  void forget_striped_blocks(int s);
   void on_stripe_done(int c, InConn& in);
   bool stripe_waits(int c) const;        // lane c's stripe is not read past its header now
   void finish_landed_stripes();  // progress thread: applies the held puts whose stripes all landed

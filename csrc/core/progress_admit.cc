@@ -117,11 +117,13 @@ void Engine::finish_held(int s) {
     HeldPut h = std::move(held.front());
     held.pop_front();
     h.leave_windows();  // its bytes landed
+    if (h.blocks) forget_striped_blocks(s);
     take_stripe_refusal(s, h.number, &h.refused);
     apply_put(s, h.put, std::move(h.refused), h.data);
   }
   if (!held.empty() && lost) {  // its stripes may never land: dropped
     for (HeldPut& h : held) h.leave_windows();
+    forget_striped_blocks(s);
     held.clear();
     return;  // lane 0 of a lost peer stays stopped
   }
@@ -230,12 +232,20 @@ void Engine::admit_striped_blocks(int s, InConn& in) {
   wake_lanes();
 }
 
+// Every stripe of the slot's striped batch landed (or never will): its list is not kept.
+void Engine::forget_striped_blocks(int s) {
+  std::shared_ptr<const StripedBlocks> gone;  // (freed after the lock)
+  std::lock_guard<std::mutex> lock(mu_);
+  gone.swap(striped_blocks_[s]);
+}
+
 // Lane 0's part landed: applied now (by on_blocks_done) when every stripe landed, else held
 // with the windows its list entered, which stay entered until it is applied.
 bool Engine::hold_striped_blocks(int s, InConn& in, std::string* refused) {
   uint64_t number = stripes_admitted_[s].load(std::memory_order_relaxed);
   if (held_puts_[s].empty() && landed_all(s) >= number) {
     take_stripe_refusal(s, number, refused);
+    forget_striped_blocks(s);
     return false;
   }
   if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
@@ -258,8 +268,9 @@ uint8_t* Engine::stripe_blocks_spot(int c, InConn& in, size_t* want) {
     }
     uint64_t at = batch ? batch->first + (lane_of(c) - 1) * batch->part : 0;
     if (!batch || batch->number != lane_seq_[c] || in.put.dst_off != at || in.total != batch->part) {
-      lose(peer_of(c), "protocol error: stripe #" + std::to_string(lane_seq_[c]) + " on" + conn_name(c) +
-                           " is not a part of the batch of writes lane 0 announced");
+      in.refused = "protocol error: stripe #" + std::to_string(lane_seq_[c]) + " on" + conn_name(c) +
+                   " is not a part of the batch of writes lane 0 announced";
+      lose(peer_of(c), in.refused);
       in.closed = true;
       return nullptr;
     }
