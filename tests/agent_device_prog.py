@@ -380,8 +380,13 @@ def whole_region_table(rng, n: int):
 def striped_write(conn, rng, write, n: int) -> None:
     """A batch of 1 MiB (Engine::kStripeMinBytes) over a connection of several tcp lanes goes
     over every lane (its bytes counted on this process's sockets, one per lane), parts cut
-    anywhere in its blocks; every byte is checked by `write`."""
+    anywhere in its blocks; every byte is checked by `write`. With FLAGCX_MESH_CUDA_BATCH_COPY=off
+    each write is a staged put of its own, on lane 0."""
     lanes = conn.tcp_lanes
+    if os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY") == "off":
+        write("%d write(s) of 1 MiB, no batches" % n, whole_region_table(rng, n))
+        print(f"{n} write(s) not striped: batches off", flush=True)
+        return
     socks = lane_sockets() if lanes > 1 else []  # (this process connects to the target alone)
     if socks:
         check(len(socks) == lanes, f"{lanes} lane sockets expected, found {len(socks)}")

@@ -39,19 +39,22 @@ def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(
         assert "block 0 of a batch of 10 staged writes" in got, got
 
 
-@pytest.mark.parametrize("lanes", [3, 4])
-def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp_path, lanes):
+@pytest.mark.parametrize("lanes,copies", [(3, "auto"), (4, "auto"), (4, "off")])
+def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp_path, lanes, copies):
     """With several tcp lanes a batch of 1 MiB or more goes over all of them (each lane's thread
     sends a part staged by the caller, the parts taking turns; at the target each part lands
     through a ring of its own), and so does a call's one staged write of 1 MiB: the blocks
-    role's batches, every byte checked, and each lane's socket carried its part."""
-    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes))
+    role's batches, every byte checked, and each lane's socket carried its part. (Batches off:
+    a staged put an op, each on lane 0, every byte checked; the GPU host has 4 lanes by default.)"""
+    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes), FLAGCX_MESH_CUDA_BATCH_COPY=copies)
     server = spawn("serve", tmp_path, "owner", env=env)
     try:
         got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
     finally:
         finish(server, "serve")
-    assert f"300 write(s) striped over {lanes} lanes:" in got and f"1 write(s) striped over {lanes} lanes:" in got, got
+    for n in (300, 1):
+        want = f"{n} write(s) not striped: batches off" if copies == "off" else f"{n} write(s) striped over {lanes} lanes:"
+        assert want in got, got
 
 
 def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the_target(tmp_path):
