@@ -104,10 +104,11 @@ def test_a_batch_of_1_mib_or_more_travels_over_every_lane_and_lands_before_its_n
     assert len(socks) == 4
     before = [bytes_acked(s) for s in socks]
     ops = p.ops(placed)
-    p.conn.batch_write(ops, notification=b"kv").wait(OP_TIMEOUT)
-    got = p.b.notifications(timeout=OP_TIMEOUT)
+    h = p.conn.batch_write(ops, notification=b"kv")
+    got = p.b.notifications(timeout=OP_TIMEOUT)  # first: every byte is there when it arrives
     assert [n.data for n in got] == [b"kv"], got
-    p.check(p.model(ops), "a striped batch")
+    p.check(p.model(ops), "a striped batch, when its notification arrived")
+    h.wait(OP_TIMEOUT)
     total = sum(n for _, _, n in placed)
     sent = acked_since(socks, before, total // 4)
     for s in socks:
@@ -116,12 +117,13 @@ def test_a_batch_of_1_mib_or_more_travels_over_every_lane_and_lands_before_its_n
     assert all(total // 4 <= n <= total // 4 + 512 * 24 + 4096 for n in sent), sent
 
 
-@pytest.mark.parametrize("lanes", [2, 3, 4])
-@pytest.mark.parametrize("n,size", [(1, MIB), (3, MIB + 7), (700, (1, 6000)), (64, (40_000, 70_000)),
-                                    (5000, (100, 1000))])
+@pytest.mark.parametrize("lanes", [2, 3, 4, 8])
+@pytest.mark.parametrize("n,size", [(700, (1, 6000)), (64, (40_000, 70_000)), (5000, (100, 1000)),
+                                    (8, (200_000, 262_144))])
 def test_striped_batches_land_every_byte_wherever_the_parts_cut_the_blocks(monkeypatch, lanes, n, size):
     """Totals that the lanes do not divide, blocks of odd sizes that straddle the parts' ends,
-    single blocks larger than a part: every byte lands where its op says."""
+    at 8 lanes blocks (up to 256 KiB, the largest a batch takes) that span parts: every byte
+    lands where its op says."""
     p = Pair(monkeypatch, lanes)
     try:
         rng = random.Random(n * 10 + lanes)
@@ -164,10 +166,10 @@ def test_a_batch_whose_blocks_land_on_each_others_bytes_keeps_to_lane_0_and_the_
         ops[48] = (p.local[1 - round_ % 2], 7 * block, p.remote[0], 15 * block, block)  # over block 15's bytes
         p.conn.batch_write(ops).wait(OP_TIMEOUT)
         p.check(p.model(ops), f"round {round_}: a batch with a later block over an earlier one's bytes")
-    sent = [bytes_acked(s) - b for s, b in zip(socks, before)]
+    sent = sorted(bytes_acked(s) - b for s, b in zip(socks, before))  # (the sockets come in fd order)
     for s in socks:
         s.close()
-    assert max(sent[1:]) < 64 << 10 and sent[0] >= 10 * MIB, f"not kept to lane 0: {sent}"
+    assert max(sent[:-1]) < 64 << 10 and sent[-1] >= 10 * MIB, f"not kept to one lane: {sent}"
 
 
 def test_a_striped_batch_naming_a_deregistered_region_is_refused_whole_on_every_lane(pair4):

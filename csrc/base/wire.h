@@ -20,7 +20,7 @@ constexpr uint32_t kFrameMagic = 0x464d5846;  // "FXMF"
 // 4: the agents' identity block carries their tcp lanes (agent/handshake.h); 5: kPutBlocks, kGetBlocks;
 // 6: kPutBlocks into host windows (an agent call's small tcp writes, transport/tcp/block_batch.h);
 // 7: a mesh connection's acceptor confirms the connector's proof (kConfirmByte);
-// 8: a kPutBlocks frame into host windows striped over the tcp lanes (kBlocksStriped, kStripeOfBlocks)
+// 8: a kPutBlocks frame (host or staged writes) striped over the tcp lanes (kBlocksStriped, kStripeOfBlocks)
 constexpr uint16_t kVersion = 8;
 constexpr size_t kConnHeaderSize = 64;
 constexpr size_t kFrameHeaderSize = 16;

@@ -4,6 +4,7 @@
 #include <cstdlib>
 #include <deque>
 #include <map>
+#include <numeric>
 #include <utility>
 
 #include "base/env.h"
@@ -118,6 +119,7 @@ std::vector<std::shared_ptr<StagedPayload>> StagedPayload::parts(const void* out
       // Its share is its own once it was made: given back when it goes.
       std::unique_ptr<StagedPayload> p(new StagedPayload(outbox, peer, len, ordinal, deadline, true, share, true));
       want -= p->held_;
+      p->frame_len_ = std::accumulate(lens.begin(), lens.end(), uint64_t{0});
       out.push_back(std::shared_ptr<StagedPayload>(std::move(p)));
     }
   } catch (...) {
@@ -184,8 +186,10 @@ uint8_t* StagedPayload::slot_for(uint64_t i, const Deadline& deadline) {
   while (sent_ < free_at) {
     if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
     if (deadline.expired()) {
+      std::string part = frame_len_ > len_ ? " of its tcp lane's part (a frame of " + std::to_string(frame_len_) +
+                                                 " bytes striped over the lanes)" : "";
       fail(Code::kTimeout, peer_, 0, to_peer(peer_) + ": timed out with " + std::to_string(sent_) + " of " +
-                                         std::to_string(len_) + " bytes sent (is the peer receiving?)");
+                                         std::to_string(len_) + " bytes" + part + " sent (is the peer receiving?)");
     }
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }

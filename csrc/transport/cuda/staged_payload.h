@@ -147,6 +147,7 @@ class StagedPayload {
   uint64_t len_, chunk_;
   std::vector<HostBuffer> ring_;
   uint64_t held_ = 0;  // budget taken
+  uint64_t frame_len_ = 0;  // parts(): the bytes of the whole frame (for errors)
   static uint64_t ring_bytes(uint64_t len, int share, uint64_t* slots);
   std::atomic<uint64_t> ready_{0};
   std::atomic<bool> failed_{false};
