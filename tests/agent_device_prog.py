@@ -499,6 +499,41 @@ def blocks_role(args, dev) -> None:
     print("blocks ok", flush=True)
 
 
+def blocks_scatter_fails(args, dev) -> None:
+    """Striped batches of 1 MiB (several tcp lanes) to a target whose scatters fail for a while
+    (its FXM_FAKECUDA_FAIL): each such batch is refused, naming the batch, whichever lane's part
+    failed; the connection stays up, and once the target's copies work again a batch lands whole."""
+    rng = np.random.default_rng(7)
+    with Agent(args.name + "-scatter", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        check(conn.tcp_lanes > 1, f"several tcp lanes expected, not {conn.tcp_lanes}")
+        lbuf = dev.buffer("ipc", SIZE)
+        src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+        lbuf.write(0, src)
+        local, remote = register(a, lbuf), remotes["ipc"]
+        refusals = []
+        for attempt in range(20):
+            t = whole_region_table(rng, 300)
+            try:
+                conn.write_blocks(local, remote, t).wait(args.timeout)
+            except flagcx_mesh.InvalidArgument as e:
+                check("staged writes" in str(e), f"the refusal does not name the batch: {e}")
+                check(not conn.gone(), f"the connection went with a refused batch: {conn.gone()}")
+                refusals.append(str(e).splitlines()[0])
+                continue
+            image = bytearray(SIZE)
+            for lo, ro, n in t.tolist():
+                image[ro:ro + n] = src[lo:lo + n]
+            expect_sha(a, conn, image, "the batch after the refused ones", args.timeout)
+            break
+        else:
+            raise SystemExit(f"FAILED: no batch landed in 20 attempts: {refusals[-1:]}")
+        check(refusals, "no batch was refused: the target's copies did not fail")
+        print(f"refused {len(refusals)}: {refusals[0]}", flush=True)
+        conn.notify(b"bye")
+    print("blocks-scatter ok", flush=True)
+
+
 def blocks_lost(args, dev) -> None:
     """A batch of 4096 staged writes (64 MiB; --expect read: reads) to (from) a target that stops
     reading and is killed: the call fails with PeerLost naming it, within its timeout. --expect
@@ -708,8 +743,11 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    p.add_argument("role", choices=["serve", "client", "bad", "pending", "stream", "self", "pair", "dereg-owner",
-                                    "dereg-reader", "blocks", "blocks-lost", "blocks-forged"])
+    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+             "pair": run_pair,
+             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
+             "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails}
+    p.add_argument("role", choices=list(roles))
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
@@ -718,10 +756,6 @@ def main() -> None:
     p.add_argument("--roles", default="client,bad,stream,self", help="pair: the roles to run")
     args = p.parse_args()
     dev = None if args.role == "pair" else make_device(args.device)
-    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
-             "pair": run_pair,
-             "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
-             "blocks-lost": blocks_lost, "blocks-forged": blocks_forged}
     roles[args.role](args, dev)
 
 

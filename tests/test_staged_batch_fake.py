@@ -70,6 +70,22 @@ def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the
     assert f"at offset {(1 << 20) - 8}): out of range (1048576 bytes here)" in served, served
 
 
+def test_a_striped_batch_whose_scatter_fails_on_a_lane_is_refused_and_the_connection_serves_on(tmp_path):
+    """The target's copies up fail for a while (its first 12 cuMemcpyAsync: scatters through the
+    driver's copies, FLAGCX_MESH_CUDA_BATCH_COPY=off there): each striped batch that meets one is
+    refused (a lane's part: its landing ring's copy failed on that lane's thread), the peer is not
+    lost, nothing waits for the failed part, and a later batch lands whole."""
+    env = staged_env(FLAGCX_MESH_TCP_LANES="4")
+    target_env = dict(env, FLAGCX_MESH_CUDA_BATCH_COPY="off", FXM_FAKECUDA_FAIL="cuMemcpyAsync=999@1:12")
+    server = spawn("serve", tmp_path, "owner", env=target_env)
+    try:
+        got = finish(spawn("blocks-scatter", tmp_path, "owner", env=env), "blocks-scatter")
+    finally:
+        served = finish(server, "serve")
+    assert "refused " in got and "a batch of 300 staged writes" in got, got
+    assert "landing a part of a striped batch of staged writes" in served, served  # a lane k >= 1's part failed
+
+
 def test_a_striped_batch_that_times_out_mid_frame_gives_up_every_lanes_part_and_loses_the_peer(tmp_path):
     """A target that stops reading: a striped batch's filler waits for ring slots (a part's ring
     smaller than its part) past its deadline, after the frame's parts were posted; every part is
