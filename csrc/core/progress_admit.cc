@@ -23,6 +23,17 @@
 // order by the reader of lane 0: each one's signal, then its ack (or the refusal of a stripe of
 // it, taken by its number), its window left once. Of a lost peer's held puts, those whose stripes
 // all landed are applied, the others dropped unapplied.
+//
+// Striped batches of writes (kPutBlocks + wire::kBlocksStriped, wire version 8). Lane 0 admits a
+// batch's stripes only once it read and checked the whole list (admit_striped_blocks): the
+// verdict, each block's place and the windows go to the lanes as one StripedBlocks record (set
+// under mu_ before the admission's release). A stripe (kStripeOfBlocks) takes the record at its
+// first byte, checks that it is the part lane 0 announced (number, offset, length; else the peer
+// is lost), enters the windows itself and lands from its offset in the blocks (host: in place;
+// device: through a landing ring of its own, scattered on its lane's thread). Lane 0's part is
+// held, with the windows its list entered, until every lane landed; then the batch is applied
+// once (one ack or refusal). A batch is acted on only when nothing is held, and nothing is
+// admitted early behind it: its stripes land anywhere in its blocks.
 #include <algorithm>
 #include <cstring>
 
@@ -33,7 +44,6 @@
 namespace fxm {
 
 using wire::FrameType;
-
 
 bool Engine::on_striped_header(int s, InConn& in) {
   uint64_t payload = in.f.length - in.need;
@@ -205,7 +215,6 @@ void Engine::on_stripe_done(int c, InConn& in) {
   wake_lane(0);
   if (range_waits_[s].exchange(false)) wake_lanes();  // a moved stripe may go on now
 }
-
 
 // ---------------------------------------------------------------- striped batches of writes
 
