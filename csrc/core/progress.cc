@@ -502,9 +502,11 @@ int Engine::first_lost_peer() const {
 
 
 void Engine::lose(int peer, const std::string& why) {
-  if (peer < 0 || peer >= nranks_) {  // (a connection's index taken for a peer's: never written past the end)
-    fail(Code::kInternal, -1, 0, who() + "losing peer " + std::to_string(peer) + " of " + std::to_string(nranks_) +
-                                     ": " + why);
+  if (peer < 0 || peer >= nranks_) {  // (a connection's index taken for a peer's: never written past the end;
+    // said, not thrown: lose() runs in handlers that must not throw)
+    FXM_ENGINE_LOG(::fxm::LogLevel::kError, "internal error: losing peer " + std::to_string(peer) + " of " +
+                                               std::to_string(nranks_) + " (ignored): " + why);
+    return;
   }
   {
     // No get answer is landing once this returns (the reader lands under
