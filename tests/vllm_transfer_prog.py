@@ -34,6 +34,7 @@ sys.path.insert(0, HERE)
 from meshutil import publish, read_published  # noqa: E402
 from vllm_kv import block_matches, fill_block, make_kv_caches  # noqa: E402
 
+from flagcx_mesh.errors import MeshError  # noqa: E402
 from flagcx_mesh.vllm import transfer  # noqa: E402
 
 
@@ -118,12 +119,16 @@ def prefill(args) -> int:
 
 
 def pushed_paths(x) -> set:
-    """The paths the prefill's pushes took: each local region to each of the decodes' regions."""
+    """The paths the prefill's pushes took: each local region to each of the decodes' regions (none
+    for a decode that left meanwhile: its regions are deregistered, its connection going)."""
     out = set()
     for (peer, _inc), (regions, _layers) in list(x._peer_layouts.items()):
         conn = x.agent.connection(peer)
-        if conn is not None:
-            out |= {conn.path_to(r, local) for r in regions for local in x._regions}
+        try:
+            if conn is not None:
+                out |= {conn.path_to(r, local) for r in regions for local in x._regions}
+        except MeshError:  # it left (a decode refused for its layout exits at once): nothing pushed to it
+            pass
     return out
 
 
