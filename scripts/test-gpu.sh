@@ -68,6 +68,9 @@ step bench-kv-cuda-16k timeout 600 "$py" -m flagcx_mesh.bench kv --device cuda -
 # one call of a request's blocks split in its issue and its wait (with and without a notification;
 # 64 KiB, 16 KiB and 16-byte blocks), and notify alone: where the push's time goes
 step write-blocks-probe "$py" tests/write_blocks_probe.py --device cuda
+# where the 2k-token request's time goes around the push, step by step (bench kv --steps: both processes stamp)
+step bench-kv-cuda-steps "$py" -m flagcx_mesh.bench kv --device cuda --paths cuda-ipc --tokens 2048 --reps 9 \
+  --peers none --steps --json "$logs/bench-kv-cuda-steps.json"
 step bench-kv-host "$py" -m flagcx_mesh.bench kv --device cpu --json "$logs/bench-kv-host.json"
 # agents on GPU memory per device path, beside Mooncake TE and NIXL where their CUDA wheels are
 # importable (PYTHONPATH); a peer that is not is printed NOT RUN with its reason

@@ -38,6 +38,30 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
     assert "peers" not in data and "peers," not in r.stdout
 
 
+def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
+    """--steps: both processes stamp the transfer part's steps; each request length gets each
+    step's median (the steps between them add up to no more than the request's total), and a
+    request whose stamps are missing is not reported as a figure (_kv_steps.report)."""
+    from flagcx_mesh.bench import _kv_steps
+
+    out = tmp_path / "kv.json"
+    r = subprocess.run([sys.executable, "-m", "flagcx_mesh.bench", "kv", "--tokens", "64,128", "--paths", "tcp",
+                        "--layers", "3", "--heads", "2", "--head-size", "16", "--reps", "3", "--peers", "none",
+                        "--steps", "--json", str(out)], capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, r.stdout + r.stderr
+    steps = json.loads(out.read_text())["paths"]["tcp"]["steps_ms"]
+    names = [name for name, _, _ in _kv_steps.STEPS]
+    for tokens in ("64", "128"):
+        fig = steps[tokens]
+        assert list(fig) == names, fig  # every step of every request was stamped
+        assert all(ms >= 0 for ms in fig.values()), fig  # each step of the chain ends after it starts
+        chain = sum(fig[n] for n, _, _ in _kv_steps.CHAIN)
+        assert 0 < fig["total"] and 0.5 * fig["total"] <= chain <= 1.5 * fig["total"], fig  # medians: near the total
+        assert f"steps of a {tokens}-token request (ms, median of 2)" in r.stdout, r.stdout
+    # a stamp file that does not match the requests made is said, not reported
+    assert _kv_steps.report("[]", [64]) == {}
+
+
 def test_bench_kv_sets_the_peers_beside_the_request(tmp_path):
     """--peers: bench agent's harness moves the request's blocks (tokens / block size x layers
     blocks of a layer's block bytes) with the agent and each peer; one that is not installed is

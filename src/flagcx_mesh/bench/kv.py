@@ -4,6 +4,7 @@ contiguous agent write of the same bytes on the same path, measured in the same 
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
                                    [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
                                    [--reps 5] [--peers nixl,mooncake | none] [--json PATH] [--plot PNG]
+                                   [--steps]
 
 The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
 tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
@@ -31,7 +32,8 @@ paths (kv_peers.py): their ms per request beside the KV request's; a peer not in
 printed NOT RUN with its reason. Over cma, the kernel alone too (_rawcma.py): the batch's blocks
 and the contiguous write's layers as iovecs of straight `process_vm_writev` calls between the same
 two buffers, median of --reps; its blocks / contiguous is what the kernel's page pinning per
-iovec leaves to any library on that machine.
+iovec leaves to any library on that machine. With --steps, where each request length's time goes,
+step by step (_kv_steps.py).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ import tempfile
 import time
 from typing import Dict, List
 
-from . import kv_peers
+from . import _kv_steps, kv_peers
 from ._plot import save_plot
 from ._ranks import save_json
 
@@ -70,6 +72,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--plot", metavar="PNG", help="a plot of GB/s over request size per path: the KV request, the "
                    "contiguous write and the local gathers (needs matplotlib)")
+    p.add_argument("--steps", action="store_true", help="also print where a request's time goes, step by step "
+                   "(both processes stamp the transfer part's steps: _kv_steps.py)")
     p.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -124,6 +128,8 @@ def decode(args) -> int:
     from ..agent import Agent
     from ..vllm.transfer import KVTransfer
 
+    if args.steps:
+        _kv_steps.install()
     x = KVTransfer("bench-kv-decode", _caches(torch, args), _blocks(args), secret=SECRET)
     plain = Agent("bench-kv-plain-decode", SECRET)
     buf, region = _plain_pair_region(torch, args, plain)
@@ -147,6 +153,8 @@ def decode(args) -> int:
                 break
         times[ask["req"]] = time.perf_counter() - t0
         _publish(args.dir, f"took-{i}", json.dumps(times[ask["req"]]).encode())
+    if args.steps:
+        _publish(args.dir, "steps.json", _kv_steps.taken().encode())
     x.close()
     plain.close()
     return 0
@@ -262,7 +270,10 @@ def _measure_path(args, path: str) -> Dict[str, object]:
     child = subprocess.Popen([sys.executable, "-m", "flagcx_mesh.bench", "kv", "--role", "decode", "--dir", d,
                               "--device", args.device, f"--tokens={max(args.tokens)}", f"--layers={args.layers}",
                               f"--heads={args.heads}", f"--head-size={args.head_size}",
-                              f"--block-size={args.block_size}"])
+                              f"--block-size={args.block_size}"] + (["--steps"] if args.steps else []))
+    if args.steps:
+        _kv_steps.install()
+        _kv_steps.clear()
     x = plain = None
     try:
         x = KVTransfer("bench-kv-prefill", _caches(torch, args), _blocks(args), secret=SECRET)
@@ -302,6 +313,10 @@ def _measure_path(args, path: str) -> Dict[str, object]:
         _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
         if child.wait(timeout=120) != 0:
             raise SystemExit(f"bench kv: the decode process failed (exit {child.returncode})")
+        if args.steps:
+            print(f"  {path}:", flush=True)
+            made = [t for t in args.tokens for _ in range(args.reps)]
+            row["steps_ms"] = _kv_steps.report(_read(d, "steps.json").decode(), made)
         return row
     finally:
         if child.poll() is None:

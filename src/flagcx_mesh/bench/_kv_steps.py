@@ -1,0 +1,141 @@
+"""Where one KV request's time goes (`bench kv --steps`): both processes stamp the transfer part's
+steps (time.perf_counter, one clock for the processes of one host), the decode hands its stamps
+to the prefill at the end, and the prefill prints, per request length, the median of each step
+over the requests. The steps are a chain, each from a stamp to one that cannot come before it
+(so they add up to the request, median for median nearly):
+
+    to its thread       the decode's fetch() called until its transfer thread takes the command
+    want built          the connection looked up, the want (W) encoded, until it is sent
+    to the prefill      the W's notify until the prefill's transfer thread handles it (the socket,
+                        the prefill's progress thread, its wake-up)
+    want read           the W decoded and checked, until the table is made
+    table               the request's op table (RowPlan.rows)
+    to the push         until write_blocks is called
+    push, done back     write_blocks (the copies issued, and their wait on the device paths), the
+                        copies, the done (D) notification, until the decode's thread handles it
+    to the caller       the decode's completion until poll() returns it to the caller
+    total               the decode's fetch() until poll() returned the request
+
+and beside the chain: fetch() call (the caller's fetch() itself) and push issued (write_blocks
+itself, inside "push, done back").
+
+The stamps wrap methods of KVTransfer and AgentConnection in the bench's processes only (a
+perf_counter read and a list append a step); the figures are the request's own, a little slower.
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+import time
+from typing import Dict, List, Tuple
+
+CHAIN: Tuple[Tuple[str, str, str], ...] = (  # (name, from stamp, to stamp): the first of each after the fetch
+    ("to its thread", "fetch>", "cmdfetch>"),
+    ("want built", "cmdfetch>", "notify>"),
+    ("to the prefill", "notify>", "note:W"),
+    ("want read", "note:W", "table>"),
+    ("table", "table>", "table<"),
+    ("to the push", "table<", "wb>"),
+    ("push, done back", "wb>", "note:D"),
+    ("to the caller", "note:D", "polled"),
+)
+BESIDE = (("fetch() call", "fetch>", "fetch<"), ("push issued", "wb>", "wb<"))
+STEPS = CHAIN + (("total", "fetch>", "polled"),) + BESIDE
+
+_stamps: List[Tuple[float, str]] = []
+_installed = [False]
+
+
+def _stamp(tag: str) -> None:
+    _stamps.append((time.perf_counter(), tag))
+
+
+def _wrap(cls, name: str, tag: str) -> None:
+    fn = getattr(cls, name)
+
+    def stamped(*a, **k):
+        _stamp(tag + ">")
+        try:
+            return fn(*a, **k)
+        finally:
+            _stamp(tag + "<")
+
+    setattr(cls, name, stamped)
+
+
+def clear() -> None:
+    """Forgets this process's stamps so far (a path measured before)."""
+    del _stamps[:]
+
+
+def install() -> None:
+    """Stamps the steps of this process's KV transfers from now on (once a process)."""
+    if _installed[0]:
+        return
+    _installed[0] = True
+    from ..agent import AgentConnection
+    from ..vllm import protocol
+    from ..vllm.transfer import KVTransfer
+
+    for name, tag in (("fetch", "fetch"), ("_cmd_fetch", "cmdfetch"), ("_push_table", "table")):
+        _wrap(KVTransfer, name, tag)
+    _wrap(AgentConnection, "write_blocks", "wb")
+    _wrap(AgentConnection, "notify", "notify")
+    on_notification, poll = KVTransfer._on_notification, KVTransfer.poll
+    at = len(protocol.MAGIC)
+
+    def noted(self, peer, incarnation, data):
+        _stamp("note:" + (chr(data[at]) if len(data) > at else "?"))
+        return on_notification(self, peer, incarnation, data)
+
+    def polled(self, *a, **k):
+        out = poll(self, *a, **k)
+        if out.recving:
+            _stamp("polled")
+        return out
+
+    KVTransfer._on_notification, KVTransfer.poll = noted, polled
+
+
+def taken() -> str:
+    """This process's stamps so far, as JSON (the decode's, for the prefill)."""
+    return json.dumps(_stamps)
+
+
+def _requests(stamps: List[Tuple[float, str]]) -> List[Dict[str, float]]:
+    """Each request (a fetch> to the polled after it): the first time of each stamp in it."""
+    out, cur = [], None
+    for t, tag in sorted(stamps):
+        if tag == "fetch>":
+            cur = {"fetch>": t}
+        elif cur is not None:
+            cur.setdefault(tag, t)
+            if tag == "polled":
+                out.append(cur)
+                cur = None
+    return out
+
+
+def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[str, float]]:
+    """Prints the median of each step per request length (the first request of each length, which
+    sets up its connection's layout, left out) and returns them in ms: {tokens: {step: ms}}."""
+    reqs = _requests([(float(t), str(tag)) for t, tag in json.loads(decode_stamps)] + _stamps)
+    if len(reqs) != len(tokens_of_requests):
+        print(f"  steps: {len(reqs)} requests stamped, {len(tokens_of_requests)} made: not reported", flush=True)
+        return {}
+    by_len: Dict[int, List[Dict[str, float]]] = {}
+    for tokens, r in zip(tokens_of_requests, reqs):
+        by_len.setdefault(tokens, []).append(r)
+    out: Dict[str, Dict[str, float]] = {}
+    for tokens, rs in by_len.items():
+        rs = rs[1:] or rs
+        fig = {}
+        for name, a, b in STEPS:
+            gaps = [(r[b] - r[a]) * 1e3 for r in rs if a in r and b in r]
+            if gaps:
+                fig[name] = statistics.median(gaps)
+        out[str(tokens)] = fig
+        print(f"  steps of a {tokens}-token request (ms, median of {len(rs)}): " +
+              ", ".join(f"{name} {ms:.3f}" for name, ms in fig.items()), flush=True)
+    return out
