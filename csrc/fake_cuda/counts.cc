@@ -21,10 +21,10 @@ Counts& counts() {
 
 }  // namespace
 
-void count_call(const char* name) {
+unsigned long long count_call(const char* name) {
   Counts& c = counts();
   std::lock_guard<std::mutex> g(c.mu);
-  ++c.calls[name];
+  return ++c.calls[name];
 }
 
 }  // namespace fakecuda

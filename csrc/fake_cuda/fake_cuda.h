@@ -65,7 +65,9 @@ long host_unregister_us_per_mib();
 // answers CUDA_ERROR_NOT_READY (the state at the call) takes that long: a poll of pending
 // work is slow, one that finds the work done is not.
 long not_ready_query_delay_us();
-// The code FXM_FAKECUDA_FAIL sets for `name` (base name, no _v2), or 0.
+// The code FXM_FAKECUDA_FAIL sets for call `nth` of `name` (base name, no _v2), or 0; without
+// `nth`, for the call after those counted so far.
+CUresult injected_failure(const char* name, long nth);
 CUresult injected_failure(const char* name);
 // The primary context of `device` (never null), and the device of a context (-1: not ours).
 void* primary_context(int device);
@@ -74,15 +76,17 @@ int context_device(void* ctx);
 int current_device();
 
 // ---- counts.cc: calls per entry point (fakecuda_call_count)
-void count_call(const char* name);
+// Counts a call of `name` and returns its number (1: the first), taken under the lock that counts
+// it: concurrent callers each get their own, so a window of failing calls ("@N:K") is exact.
+unsigned long long count_call(const char* name);
 extern "C" unsigned long long fakecuda_call_count(const char* name);
 
 // The checks every entry point starts with: counted, initialised, then an injected failure.
 #define FAKE_ENTER(name)                                              \
   do {                                                                \
-    ::fakecuda::count_call(name);                                     \
+    long nth_ = static_cast<long>(::fakecuda::count_call(name));     \
     if (!::fakecuda::initialized()) return ::fakecuda::kNotInitialized; \
-    if (CUresult inj_ = ::fakecuda::injected_failure(name)) return inj_; \
+    if (CUresult inj_ = ::fakecuda::injected_failure(name, nth_)) return inj_; \
   } while (0)
 #define FAKE_NEED_CONTEXT()                                                  \
   do {                                                                       \

@@ -171,15 +171,18 @@ long copy_from_device_delay_ms() { return state().copy_from_device_delay_ms; }
 long host_unregister_us_per_mib() { return state().host_unregister_us_per_mib; }
 long not_ready_query_delay_us() { return state().not_ready_query_delay_us.load(); }
 
-CUresult injected_failure(const char* name) {
+CUresult injected_failure(const char* name, long nth) {
   State& s = state();
   if (s.failures.empty()) return kSuccess;  // written once, before the first cuInit returns
   auto it = s.failures.find(name);
   if (it == s.failures.end()) return kSuccess;
   long from = s.failures_from[name], calls = s.failures_count[name];
-  long nth = static_cast<long>(fakecuda_call_count(name));  // (this call is counted already: FAKE_ENTER)
-  bool failing = (from <= 1 || nth >= from) && (calls == 0 || nth < from + calls);  // (cuInit: not counted yet)
+  bool failing = (from <= 1 || nth >= from) && (calls == 0 || nth < from + calls);
   return failing ? it->second : kSuccess;
+}
+
+CUresult injected_failure(const char* name) {  // (cuInit: not counted yet)
+  return injected_failure(name, static_cast<long>(fakecuda_call_count(name)));
 }
 
 void* primary_context(int device) { return &state().contexts[device]; }
