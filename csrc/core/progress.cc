@@ -279,20 +279,23 @@ bool Engine::lands_disjoint(const std::vector<wire::BlockEntry>& blocks) {
   std::vector<ByteSpan> spans;
   spans.reserve(blocks.size());
   for (const wire::BlockEntry& b : blocks) {
-    uint64_t at = (uint64_t{b.win} << 48) + b.off;  // (offsets stay below 2^48: no window is that large)
+    uint64_t at = window_key(b.win, b.off);
     spans.push_back({at, at + b.len, true});
   }
   return !any_conflict(spans);
 }
 
 // A kPutBlocks frame's item: its headers and block list (the list goes with the headers, before
-// the `bytes` of the blocks, which the caller attaches as its payload).
-Engine::OutItem Engine::blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes) {
+// `carried` of the blocks' `bytes`, which the caller attaches as its payload: all of them, or
+// lane 0's part of a batch striped over the lanes, `flags` saying so).
+Engine::OutItem Engine::blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes, uint64_t carried,
+                                    uint32_t flags) {
   wire::BlocksHeader h;
   h.count = static_cast<uint32_t>(blocks.size());
+  h.flags = flags;
   h.bytes = bytes;
   uint64_t list = blocks.size() * sizeof(wire::BlockEntry);
-  OutItem it{frame(FrameType::kPutBlocks, &h, list + bytes), nullptr, bytes, 0, 0};
+  OutItem it{frame(FrameType::kPutBlocks, &h, list + carried), nullptr, carried, 0, 0};
   const uint8_t* raw = reinterpret_cast<const uint8_t*>(blocks.data());
   it.head.insert(it.head.end(), raw, raw + list);
   return it;
@@ -302,7 +305,6 @@ void Engine::post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda
                              std::vector<wire::BlockEntry> blocks) {
   uint64_t bytes = 0;
   for (const auto& p : parts) bytes += p->len();
-  OutItem it = blocks_item(blocks, bytes);
   if (parts.size() > 1) {  // each part sent by its lane's thread, which its filler wakes
     bool fits = stripes(bytes) == static_cast<int>(parts.size());
     for (size_t k = 0; fits && k < parts.size(); ++k) {
@@ -312,11 +314,12 @@ void Engine::post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda
       fail(Code::kInternal, peer, 0, who() + "a striped batch of staged writes cut in " + std::to_string(parts.size()) +
                                          " parts of other sizes than its " + std::to_string(lanes_) + " lanes take");
     }
-    return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int k, uint64_t, uint64_t) {
+    return post_striped_blocks(peer, ctx, blocks, bytes, [&](OutItem* item, int k, uint64_t, uint64_t) {
       parts[k]->set_waker([this, k] { wake_lane(k); });
       item->staged = parts[k];
     });
   }
+  OutItem it = blocks_item(blocks, bytes, bytes);
   parts.at(0)->set_waker([this] { wake(); });
   it.staged = std::move(parts[0]);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
@@ -325,12 +328,12 @@ void Engine::post_put_blocks(int peer, int ctx, std::vector<std::shared_ptr<cuda
 void Engine::post_put_host_blocks(int peer, int ctx, std::vector<wire::BlockEntry> blocks, ScatterList sources) {
   uint64_t bytes = 0;
   for (const wire::BlockEntry& b : blocks) bytes += b.len;
-  OutItem it = blocks_item(blocks, bytes);
   if (stripes(bytes) > 1 && lands_disjoint(blocks)) {  // its parts land at once: no block may land on another's bytes
-    return post_striped_blocks(peer, ctx, std::move(it), bytes, [&](OutItem* item, int, uint64_t at, uint64_t n) {
+    return post_striped_blocks(peer, ctx, blocks, bytes, [&](OutItem* item, int, uint64_t at, uint64_t n) {
       item->gather = slice_pieces(sources, at, n);
     });
   }
+  OutItem it = blocks_item(blocks, bytes, bytes);
   it.gather = std::move(sources);
   enqueue(slot(peer, ctx), std::move(it), Count::kPut);
 }

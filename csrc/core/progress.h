@@ -203,7 +203,8 @@ class Engine : public Outbox {
   // first part on lane 0, a kStripe (kStripeOfBlocks) of the blocks' bytes on each other lane.
   // attach(item, k, at, n): gives lane k's item (k = 0: the head) its payload, bytes [at, at + n) of the blocks'.
   using AttachPart = std::function<void(OutItem* item, int k, uint64_t at, uint64_t n)>;
-  void post_striped_blocks(int peer, int ctx, OutItem head, uint64_t bytes, const AttachPart& attach);
+  void post_striped_blocks(int peer, int ctx, const std::vector<wire::BlockEntry>& blocks, uint64_t bytes,
+                           const AttachPart& attach);
   static bool lands_disjoint(const std::vector<wire::BlockEntry>& blocks);  // no two land on the same bytes
   // Queues a striped op: `head` on lane 0, stripe(k, number) on lane k, in one critical section.
   template <typename Stripe>
@@ -244,6 +245,8 @@ class Engine : public Outbox {
   bool admits_early(int s, const InConn& in);  // lane 0 may act on this frame now
   bool hold_striped(int s, InConn& in);  // lane 0's part landed: true when held (in reset)
   void finish_held(int s);               // applies the held puts whose stripes all landed, in order
+  bool applies_now(int s, uint64_t number, std::string* refused);  // (hold_striped, hold_striped_blocks)
+  void hold(int s, HeldPut h);           // held until its stripes land (finish_held)
   void take_stripe_refusal(int s, uint64_t number, std::string* refused);
   uint64_t landed_all(int s) const;      // the last striped put of slot s every lane landed its stripe of
   void on_stripe_header(int c, InConn& in, uint64_t payload);
@@ -294,7 +297,8 @@ class Engine : public Outbox {
   // One non-blocking sendmsg of what is left of `item`; -1 on a fatal error.
   ssize_t send_item(int s, OutItem& item);
   ssize_t send_gather_item(int s, OutItem& item);  // a batch of host writes (OutItem::gather)
-  OutItem blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes);  // a kPutBlocks frame's head
+  // A kPutBlocks frame's head carrying `carried` of the blocks' `bytes` (flags: wire::kBlocksStriped...).
+  OutItem blocks_item(const std::vector<wire::BlockEntry>& blocks, uint64_t bytes, uint64_t carried, uint32_t flags = 0);
   ssize_t send_iov(int s, iovec* iov, int n);  // one non-blocking sendmsg (progress.cc)
   // Frames queued behind the front one go with it in one sendmsg (progress.cc), up to these.
   static constexpr int kGatherIov = 64;

@@ -99,16 +99,25 @@ bool Engine::stripe_waits(int c) const {
 // landed, else held (its state moves out of `in`, which reads on).
 bool Engine::hold_striped(int s, InConn& in) {
   uint64_t number = stripes_admitted_[s].load(std::memory_order_relaxed);
-  if (held_puts_[s].empty() && landed_all(s) >= number) {
-    take_stripe_refusal(s, number, &in.refused);
-    return false;
-  }
+  if (applies_now(s, number, &in.refused)) return false;
   std::string refused = land_rest(in);  // a device window's part: on the device before it is held
-  if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
-  held_puts_[s].push_back({in.put, in.f.length, number, in.f.length > in.need, in.entered, std::move(refused)});
+  hold(s, {in.put, in.f.length, number, in.f.length > in.need, in.entered, std::move(refused)});
   in.entered = nullptr;  // left by finish_held()
   in.reset();
   return true;
+}
+
+// The lane-0 part of striped op `number` landed: true when it is applied now (nothing held before
+// it, every stripe of it landed), its stripes' refusal taken into *refused.
+bool Engine::applies_now(int s, uint64_t number, std::string* refused) {
+  if (!held_puts_[s].empty() || landed_all(s) < number) return false;
+  take_stripe_refusal(s, number, refused);
+  return true;
+}
+
+void Engine::hold(int s, HeldPut h) {
+  if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
+  held_puts_[s].push_back(std::move(h));
 }
 
 void Engine::take_stripe_refusal(int s, uint64_t number, std::string* refused) {
@@ -252,16 +261,14 @@ void Engine::forget_striped_blocks(int s) {
 // with the windows its list entered, which stay entered until it is applied.
 bool Engine::hold_striped_blocks(int s, InConn& in, std::string* refused) {
   uint64_t number = stripes_admitted_[s].load(std::memory_order_relaxed);
-  if (held_puts_[s].empty() && landed_all(s) >= number) {
-    take_stripe_refusal(s, number, refused);
+  if (applies_now(s, number, refused)) {
     forget_striped_blocks(s);
     return false;
   }
-  if (held_puts_[s].empty() && std::find(held_.begin(), held_.end(), s) == held_.end()) held_.push_back(s);
   HeldPut h{wire::PutHeader{}, in.f.length, number, true, nullptr, *refused};
   h.windows.swap(in.entered_once);
   h.blocks = true;
-  held_puts_[s].push_back(std::move(h));
+  hold(s, std::move(h));
   in.reset();
   return true;
 }
@@ -295,7 +302,7 @@ uint8_t* Engine::stripe_blocks_spot(int c, InConn& in, size_t* want) {
       in.entered_once.push_back(w);
     }
     in.scatter = batch->places;
-    in.block_windows = *batch->block_windows;
+    if (batch->device < 0) in.block_windows = *batch->block_windows;  // (each read's window: host blocks only)
     advance_pieces(*in.scatter, &in.block_at, &in.block_off, at);
     in.landed = 0;
     in.blocks_peer = peer_of(c);

@@ -110,8 +110,7 @@ std::string Engine::check_blocks(InConn& in, bool land) {
     return op_words(in) + ": its blocks add up to " + std::to_string(sum) + " bytes";
   }
   if (sum == 0 || in.device < 0) return "";  // host blocks land in place (host_blocks_spot)
-  uint64_t carried = in.total - in.blocks.size() * sizeof(wire::BlockEntry);  // (striped: lane 0's part)
-  std::string failed = take_landing_ring(in, carried, nullptr, in.device);
+  std::string failed = take_landing_ring(in, in.carried(), nullptr, in.device);
   return failed.empty() ? "" : op_words(in) + ": " + failed;
 }
 
@@ -236,7 +235,7 @@ void Engine::on_blocks_done(int s, InConn& in) {
     in.refused = check_blocks(in, true);
     if (in.blocks_head.flags != 0) admit_striped_blocks(s, in);
   }
-  std::string refused = land_blocks_rest(in, in.total - in.blocks.size() * sizeof(wire::BlockEntry));
+  std::string refused = land_blocks_rest(in, in.carried());
   if (in.blocks_head.flags != 0 && hold_striped_blocks(s, in, &refused)) return;
   apply_put(s, wire::PutHeader{}, refused, true);
 }

@@ -105,6 +105,8 @@ struct Engine::InConn {
   std::shared_ptr<const ScatterList> scatter;  // where the landed bytes go, block after block
   int blocks_peer = -1;  // the peer that sent it (for log lines)
   std::vector<wire::BlockEntry> blocks;
+  // The blocks' bytes a kPutBlocks frame carries after its list (striped: lane 0's part).
+  uint64_t carried() const { return total - blocks.size() * sizeof(wire::BlockEntry); }
   std::vector<Window*> block_windows;  // per block (entered once per distinct window: entered_once)
   std::vector<Window*> entered_once;
   bool blocks_checked = false;

@@ -84,15 +84,10 @@ void Engine::post_striped(int peer, int ctx, const uint8_t* src, uint64_t len, u
   });
 }
 
-void Engine::post_striped_blocks(int peer, int ctx, OutItem head, uint64_t bytes, const AttachPart& attach) {
+void Engine::post_striped_blocks(int peer, int ctx, const std::vector<wire::BlockEntry>& blocks, uint64_t bytes,
+                                 const AttachPart& attach) {
   uint64_t part = wire::stripe_part(bytes, lanes_), first = wire::stripe_first(bytes, lanes_);
-  wire::BlocksHeader h;
-  std::memcpy(&h, head.head.data() + wire::kFrameHeaderSize, sizeof(h));
-  h.flags = wire::kBlocksStriped | static_cast<uint32_t>(lanes_ - 1) << 8;
-  std::memcpy(head.head.data() + wire::kFrameHeaderSize, &h, sizeof(h));
-  uint64_t list = uint64_t{h.count} * sizeof(wire::BlockEntry);
-  wire::encode_frame({FrameType::kPutBlocks, 0, sizeof(h) + list + first}, head.head.data());
-  head.len = first;
+  OutItem head = blocks_item(blocks, bytes, first, wire::kBlocksStriped | static_cast<uint32_t>(lanes_ - 1) << 8);
   attach(&head, 0, 0, first);
   queue_striped(peer, ctx, std::move(head), [&](int k, uint64_t number) {
     uint64_t at = first + (k - 1) * part;

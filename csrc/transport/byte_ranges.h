@@ -13,6 +13,10 @@
 
 namespace fxm {
 
+// Where bytes at `off` of window `win` are, as one number (offsets stay below 2^48: no window is
+// that large): the ranges a batch's blocks land on, compared across windows.
+inline uint64_t window_key(uint32_t win, uint64_t off) { return (uint64_t{win} << 48) + off; }
+
 // One range an op touches: [start, end), written or only read.
 struct ByteSpan {
   uint64_t start, end;

@@ -14,10 +14,9 @@ namespace fxm::cuda {
 
 namespace {
 
-// Where a block lands as one number: a write's (window, offset) (offsets stay below 2^48: no
-// window is that large), a read's local address.
+// Where a block lands as one number: a write's (window, offset) (window_key), a read's local address.
 uint64_t landing_key(const PathOp& op, uint32_t win, bool is_read) {
-  return is_read ? reinterpret_cast<uint64_t>(op.local) : (uint64_t{win} << 48) + op.remote_off;
+  return is_read ? reinterpret_cast<uint64_t>(op.local) : window_key(win, op.remote_off);
 }
 
 }  // namespace
