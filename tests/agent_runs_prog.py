@@ -78,6 +78,17 @@ class Buffers:
         self.user.close()
         self.owner.close()
 
+    def with_remote(self, buf):
+        """(remotes, rmem) with `buf` registered by the owner as one more remote region (index 5)."""
+        return self.remotes + [register(self.owner, buf)], self.rmem + [buf]
+
+    def step(self, calls, what: str, t, counts: dict, **call) -> None:
+        """One call of table t (call: call()'s keywords), every byte checked against the rows played
+        in order, and the driver calls it made (counts: expect_calls' keywords)."""
+        self.call(t, **call)
+        self.verify(what)
+        expect_calls(calls, what, **counts)
+
     def fill(self, seed: int) -> None:
         for i, b in enumerate(self.rmem + self.lmem):
             data = pattern(seed * 100 + i, REGION)
@@ -142,16 +153,12 @@ def switch(args, dev) -> None:
     calls = Calls(dev)
     rng = random.Random(21)
     t = stretches(rng, 2000, 4)
-    b.call(t)
-    b.verify("writes in stretches")
-    expect_calls(calls, "writes in stretches", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "writes in stretches", t, dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1))
     b.fill(2)
     t = stretches(rng, 2000, 4, size=200)
     t[:, [0, 2]] = t[:, [2, 0]]  # reads: the distinct slots are the local ones now
     t[:, [1, 3]] = t[:, [3, 1]]
-    b.call(t, is_read=True)
-    b.verify("reads in stretches")
-    expect_calls(calls, "reads in stretches", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "reads in stretches", t, dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1), is_read=True)
     b.close()
     print("switch ok", flush=True)
 
@@ -161,9 +168,7 @@ def alternate(args, dev) -> None:
     calls = Calls(dev)
     n, dst = 1000, slots(random.Random(22), 1000)
     t = table([(i % 4, i * SLOT, (i * 3) % 4, dst[i] * SLOT, 1 + i % SLOT) for i in range(n)])
-    b.call(t)
-    b.verify("a region change at every row")
-    expect_calls(calls, "a region change at every row", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "a region change at every row", t, dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1))
     b.close()
     print("alternate ok", flush=True)
 
@@ -188,12 +193,9 @@ def interrupted(args, dev) -> None:
     rows.append((1, 3 * SLOT, h, dst[h].pop() * SLOT, 128))  # into a host region: a cuMemcpyAsync
     run(1, 0, 30)
     run(1, 2, 30)
-    t = table(rows)
-    b.call(t)
-    b.verify("stretches cut by host ops")
     # each host op issues the copies before it: 4 batches, and one copy each for the two device
     # ops with a host end (events: one a batch, one each for those two)
-    expect_calls(calls, "stretches cut by host ops", batches=4, cuMemcpyAsync=2, cuEventRecord=6)
+    b.step(calls, "stretches cut by host ops", table(rows), dict(batches=4, cuMemcpyAsync=2, cuEventRecord=6))
     b.close()
     print("interrupted ok", flush=True)
 
@@ -212,11 +214,9 @@ def devices(args, dev) -> None:
     rng = random.Random(28)
     dst = slots(rng, 300)  # (rows 100-199 from device 1)
     rows = [(5 if 100 <= i < 200 else 0, rng.randrange(REGION // SLOT) * SLOT, 0, dst[i] * SLOT, 64) for i in range(300)]
-    b.call(table(rows), locals_=locals_, lmem=lmem)
-    b.verify("stretches from two devices")
+    b.step(calls, "stretches from two devices", table(rows),
+           dict(cuLaunchKernel=0, cuMemcpyBatchAsync=1, cuMemcpyAsync=0, cuEventRecord=1), locals_=locals_, lmem=lmem)
     check(other.read(0, REGION) == bytes(b.model[id(other)]), "stretches from two devices: device 1's region changed")
-    expect_calls(calls, "stretches from two devices", cuLaunchKernel=0, cuMemcpyBatchAsync=1, cuMemcpyAsync=0,
-                 cuEventRecord=1)
     b.close()
     print("devices ok", flush=True)
 
@@ -231,16 +231,15 @@ def remote_devices(args, dev) -> None:
     other = second_device_buffer(dev, REGION)
     other.write(0, pattern(11, REGION))
     b.model[id(other)] = bytearray(pattern(11, REGION))
-    remotes, rmem = b.remotes + [register(b.owner, other)], b.rmem + [other]
+    remotes, rmem = b.with_remote(other)
     b.conn.path_to(remotes[5], b.locals[0])  # its path set up (the copy kernel's first launch) before the count
     calls = Calls(dev)
     rng = random.Random(29)
     dst = slots(rng, 200)
     rows = [(0, rng.randrange(REGION // SLOT) * SLOT, 0 if i < 100 else 5, dst[i] * SLOT, 64) for i in range(200)]
-    b.call(table(rows), remotes=remotes, rmem=rmem)
-    b.verify("stretches to two devices")
+    b.step(calls, "stretches to two devices", table(rows), dict(cuMemcpyAsync=0, cuEventRecord=2),
+           remotes=remotes, rmem=rmem)
     check(other.read(0, REGION) == bytes(b.model[id(other)]), "stretches to two devices: device 1's region differs")
-    expect_calls(calls, "stretches to two devices", cuMemcpyAsync=0, cuEventRecord=2)
     b.close()
     print("remote-devices ok", flush=True)
 
@@ -252,18 +251,15 @@ def overlap(args, dev) -> None:
     dst = slots(rng, 1000)
     rows = [(0, rng.randrange(REGION // SLOT) * SLOT, 1, dst[i] * SLOT, 96) for i in range(1000)]
     rows[600] = (0, 5 * SLOT, 1, rows[100][3], 96)  # writes what row 100 wrote
-    b.call(table(rows))
-    b.verify("a write after a write in one stretch")
-    expect_calls(calls, "a write after a write in one stretch", batches=2, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "a write after a write in one stretch", table(rows),
+           dict(batches=2, cuMemcpyAsync=0, cuEventRecord=1))
     # the user's region 2 registered by the owner too: remote index 5 is local region 2's memory
-    shared = register(b.owner, b.lbufs[2])
-    remotes, rmem = b.remotes + [shared], b.rmem + [b.lbufs[2]]
+    remotes, rmem = b.with_remote(b.lbufs[2])
     dst = slots(rng, 601)
     rows = [(2, dst[i] * SLOT, 5, dst[300 + i] * SLOT, SLOT) for i in range(300)]  # local 2 to itself
     rows[200] = (2, rows[50][3], 5, dst[600] * SLOT, SLOT)  # reads what row 50 wrote
-    b.call(table(rows), remotes=remotes, rmem=rmem)
-    b.verify("a read after a write in one stretch")
-    expect_calls(calls, "a read after a write in one stretch", batches=2, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "a read after a write in one stretch", table(rows), dict(batches=2, cuMemcpyAsync=0, cuEventRecord=1),
+           remotes=remotes, rmem=rmem)
     b.close()
     print("overlap ok", flush=True)
 
@@ -271,19 +267,16 @@ def overlap(args, dev) -> None:
 def hulls(args, dev) -> None:
     b = Buffers(args, dev)
     calls = Calls(dev)
-    shared = register(b.owner, b.lbufs[0])
-    remotes, rmem = b.remotes + [shared], b.rmem + [b.lbufs[0]]
+    remotes, rmem = b.with_remote(b.lbufs[0])
     n = 500  # (1000 spans, past 512: the radix sort)
     order = slots(random.Random(25), 2 * n)
     rows = [(0, order[2 * i] * SLOT, 5, order[2 * i + 1] * SLOT, 100) for i in range(n)]  # read and written slots interleave
-    b.call(table(rows), remotes=remotes, rmem=rmem)
-    b.verify("copies within one buffer")
-    expect_calls(calls, "copies within one buffer", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "copies within one buffer", table(rows), dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1),
+           remotes=remotes, rmem=rmem)
     b.fill(3)
     rows[400] = (0, rows[200][3] + 50, 5, rows[400][3], 100)  # reads bytes row 200 wrote
-    b.call(table(rows), remotes=remotes, rmem=rmem)
-    b.verify("copies within one buffer, one reading an earlier one's")
-    expect_calls(calls, "copies within one buffer, one reading", batches=2, cuMemcpyAsync=0, cuEventRecord=1)
+    b.step(calls, "copies within one buffer, one reading an earlier one's", table(rows),
+           dict(batches=2, cuMemcpyAsync=0, cuEventRecord=1), remotes=remotes, rmem=rmem)
     b.close()
     print("hulls ok", flush=True)
 
