@@ -36,6 +36,12 @@ from agent_device_prog import HostBuf, check, make_device, pattern, register
 SECRET = "agent-batch-secret"
 BLOCK = 4096
 SIZE = 1 << 20
+ISSUE_EVERY = 512  # a call's queued copies are issued every this many (the core's Connection::Batch::kIssueEvery)
+
+
+def launches(copies: int) -> int:
+    """The launches (and events) of a call of this many disjoint device copies."""
+    return -(-copies // ISSUE_EVERY)
 
 
 class Calls:
@@ -125,6 +131,17 @@ def batched(args, dev) -> None:
     calls = Calls(dev)
     reversed_writes(p, 64, 1, "64 writes")
     expect_calls(calls, "one call of 64 device writes", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
+    # a call of many: issued every 512 copies (the device starts on them while the rest are queued)
+    many = [(p.local, i * 512, p.remote, (1199 - i) * 512, 512) for i in range(1200)]
+    src = fill(p.lbuf, 8)
+    p.rbuf.write(0, bytes(SIZE))
+    calls.since()
+    p.write(many)
+    expect_calls(calls, "one call of 1200 device writes", batches=launches(1200), cuMemcpyAsync=0,
+                 cuEventRecord=launches(1200))
+    got = p.rbuf.read(0, 1200 * 512)
+    check(all(got[(1199 - i) * 512:(1200 - i) * 512] == src[i * 512:(i + 1) * 512] for i in range(1200)),
+          "1200 writes issued in three launches: wrong bytes")
     src, hsrc = fill(p.lbuf, 2), pattern(3, SIZE)
     p.hbuf.write(0, hsrc)
     ops = [(p.local, 0, p.remote, 0, BLOCK), (p.local, BLOCK, p.remote, BLOCK, BLOCK),

@@ -7,8 +7,9 @@ against that after the call.
 
     switch      rows in stretches of 1 to 300 that change the local region, the remote one or
                 both (and size-0 rows inside a stretch), writes then reads: one launch and one
-                event each
+                event every 512 copies (the core issues a call's copies every 512)
     alternate   the local and the remote region change at every row: one launch, one event
+                every 512 copies
     interrupted stretches of device copies cut by host ops (host region to host region: cma, or
                 with FLAGCX_MESH_TRANSPORT=tcp the tcp batch), by an op from host memory to the
                 stretch's remote region and by one into a host region (each its own
@@ -20,7 +21,8 @@ against that after the call.
                 cuMemcpyBatchAsync)
     overlap     a write to the bytes an earlier row of the same stretch wrote, and a row reading
                 what an earlier one wrote (the same memory registered by both agents): the batch
-                is cut there (two launches for each), the later op sees the earlier one's bytes
+                is cut there (two launches for each), the later op sees the earlier one's bytes;
+                one 600 rows after the row it overwrites lands after it (another launch)
     hulls       copies within one buffer registered by both agents (what is read lies among
                 what is written): disjoint ones in one launch, one overlapping splits it
     refused     a bad row in the middle of a stretch (remote or local range, another agent's
@@ -45,7 +47,7 @@ import numpy as np
 
 from flagcx_mesh.agent import Agent
 from flagcx_mesh.errors import MeshError
-from agent_batch_prog import Calls, expect_calls, second_device_buffer
+from agent_batch_prog import Calls, expect_calls, launches, second_device_buffer
 from agent_device_prog import HostBuf, check, make_device, pattern, register
 
 SECRET = "agent-runs-secret"
@@ -153,12 +155,14 @@ def switch(args, dev) -> None:
     calls = Calls(dev)
     rng = random.Random(21)
     t = stretches(rng, 2000, 4)
-    b.step(calls, "writes in stretches", t, dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1))
+    n = launches(int((t[:, 4] > 0).sum()))  # (size-0 rows copy nothing)
+    b.step(calls, "writes in stretches", t, dict(batches=n, cuMemcpyAsync=0, cuEventRecord=n))
     b.fill(2)
     t = stretches(rng, 2000, 4, size=200)
     t[:, [0, 2]] = t[:, [2, 0]]  # reads: the distinct slots are the local ones now
     t[:, [1, 3]] = t[:, [3, 1]]
-    b.step(calls, "reads in stretches", t, dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1), is_read=True)
+    n = launches(int((t[:, 4] > 0).sum()))
+    b.step(calls, "reads in stretches", t, dict(batches=n, cuMemcpyAsync=0, cuEventRecord=n), is_read=True)
     b.close()
     print("switch ok", flush=True)
 
@@ -168,7 +172,8 @@ def alternate(args, dev) -> None:
     calls = Calls(dev)
     n, dst = 1000, slots(random.Random(22), 1000)
     t = table([(i % 4, i * SLOT, (i * 3) % 4, dst[i] * SLOT, 1 + i % SLOT) for i in range(n)])
-    b.step(calls, "a region change at every row", t, dict(batches=1, cuMemcpyAsync=0, cuEventRecord=1))
+    b.step(calls, "a region change at every row", t, dict(batches=launches(n), cuMemcpyAsync=0,
+                                                           cuEventRecord=launches(n)))
     b.close()
     print("alternate ok", flush=True)
 
@@ -250,9 +255,10 @@ def overlap(args, dev) -> None:
     rng = random.Random(24)
     dst = slots(rng, 1000)
     rows = [(0, rng.randrange(REGION // SLOT) * SLOT, 1, dst[i] * SLOT, 96) for i in range(1000)]
-    rows[600] = (0, 5 * SLOT, 1, rows[100][3], 96)  # writes what row 100 wrote
+    rows[300] = (0, 5 * SLOT, 1, rows[100][3], 96)  # writes what row 100 wrote
+    rows[900] = (0, 6 * SLOT, 1, rows[200][3], 96)  # and what row 200 wrote, 512 copies later: issued after it
     b.step(calls, "a write after a write in one stretch", table(rows),
-           dict(batches=2, cuMemcpyAsync=0, cuEventRecord=1))
+           dict(batches=3, cuMemcpyAsync=0, cuEventRecord=2))  # rows 0-511 cut at 300, then 512-999
     # the user's region 2 registered by the owner too: remote index 5 is local region 2's memory
     remotes, rmem = b.with_remote(b.lbufs[2])
     dst = slots(rng, 601)
