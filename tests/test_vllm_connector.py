@@ -167,6 +167,10 @@ def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engin
     # x the blocks of the last token's window: from position (tokens - 32) // 16 on)
     for i, n in enumerate((2 * (4 + 4), 2 * (6 + 6), 2 * (6 + 6), 2 * (8 + 6), 2 * (6 + 6))):
         assert f"loaded d-{i}: {n} blocks ok" in out_d, out_d
+    # d-0 pushed (the first request on each connection: the prefill's layout comes back meanwhile),
+    # d-1..d-4 read by each decode rank itself (cma, remote_hold_until 60 s ahead): the checks
+    # above hold for the reads (with TP 1 on the prefill, two readers of its one rank each)
+    assert "decode read itself: 8 fetches" in out_d, out_d
     assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
     rel = released_after(out_p)
     assert set(rel) == {f"req-{i}" for i in range(5)} and max(rel.values()) < 60, out_p
@@ -236,6 +240,18 @@ def test_a_group_that_is_neither_full_attention_nor_a_sliding_window_is_refused_
         window_sizes(cfg, 16)
     one = KVCacheConfig(num_blocks=8, kv_cache_tensors=[], kv_cache_groups=[KVCacheGroupSpec(["m"], mamba)])
     assert window_sizes(one, 16) == [0]  # one group: moved as before, whatever it holds
+
+
+def test_a_kv_transfer_params_hold_that_is_not_a_finite_number_is_none():
+    """The scheduler side hands the workers a prefill's remote_hold_until only as a finite
+    number (else 0: the blocks are pushed, never read by the decode on a hold it cannot trust):
+    NaN, an infinity, a bool, a string are no hold."""
+    from flagcx_mesh.vllm.scheduler import SchedulerSide
+
+    for v in (float("nan"), float("inf"), True, "123", None):
+        assert SchedulerSide._hold_until({"remote_hold_until": v}) == 0.0, v
+    assert SchedulerSide._hold_until({"remote_hold_until": 1.5e9}) == 1.5e9
+    assert SchedulerSide._hold_until({}) == 0.0
 
 
 def test_unknown_extra_config_keys_are_warned_in_one_line_each(caplog):

@@ -381,6 +381,20 @@ def test_blocks_move_prefill_to_decode_byte_for_byte(tmp_path, layout, torch_for
     assert "released 6" in finish(pre)
 
 
+@pytest.mark.parametrize("transport, pulled", [("cma", 5), ("tcp", 0)])
+def test_a_decode_reads_the_requests_after_the_first_itself_where_the_path_allows(tmp_path, torch_fork, monkeypatch,
+                                                                                  transport, pulled):
+    """Two processes: the first request on the connection is pushed (the prefill's layout comes
+    back meanwhile); the five after it, fetched with a hold_until, are read by the decode itself
+    over cma, and pushed over tcp (a read there would wait on the network); every byte checked."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", transport)
+    pre = spawn(torch_fork, "--role", "prefill", "--dir", tmp_path)
+    dec = spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--pull", str(pulled))
+    out = finish(dec)
+    assert f"pulled {pulled} of 6 requests" in out and "checked 40 blocks of 6 requests" in out, out
+    assert "released 6" in finish(pre)  # the reads' acks released them as the pushes' did
+
+
 def test_prefill_killed_mid_push_fails_the_decode_with_its_blocks(tmp_path, torch_fork):
     pre = spawn(torch_fork, "--role", "prefill", "--dir", tmp_path, "--die-on-push")
     dec = spawn(torch_fork, "--role", "decode", "--dir", tmp_path, "--fetch-timeout", 60)

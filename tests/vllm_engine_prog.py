@@ -229,6 +229,7 @@ def decode(a) -> int:
         if results.get(r) != a.expect:
             problems.append(f"{r}: {results.get(r, 'never ran')}, expected {a.expect}")
     print(f"load errors: {len(e.invalid_blocks)} blocks", flush=True)
+    print(f"decode read itself: {sum(w._transfer.stats()['pulls'] for w in e.workers)} fetches", flush=True)
     if not e.idle():
         problems.append("requests or transfers are still pending at the deadline")
     return shut_down(e, "decode", problems)

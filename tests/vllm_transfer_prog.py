@@ -16,6 +16,8 @@ made up when FLAGCX_MESH_AGENT_SECRET is unset). The roles, for the tests (tests
     --die-on-push             prefill: exits (status 9) right after issuing a push's first layer
     --die-after-want          decode: exits (status 9) right after asking, without waiting
     --hold-timeout S          prefill: seconds a request is held for a decode (default 60)
+    --pull N                  decode: the first request fetched alone (pushed), the others with a
+                              hold_until; fails unless N of them were read by the decode itself
 """
 
 import argparse
@@ -59,6 +61,9 @@ def parse(argv=None):
     p.add_argument("--die-after-want", action="store_true")
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--expect-path", default="", help="prefill: fail unless every push took this path")
+    p.add_argument("--pull", type=int, default=-1, help="decode: fetch the first request alone, then the rest with "
+                   "a hold_until, and fail unless exactly this many of them were read by the decode itself "
+                   "(-1: every fetch at once, no hold_until: all pushed)")
     return p.parse_args(argv)
 
 
@@ -141,22 +146,27 @@ def decode(args) -> int:
     md = read_published(args.dir, "prefill.meta", args.timeout)
     reqs = json.loads(read_published(args.dir, "requests.json", args.timeout))
     plan, nxt = {}, 0
+    got, failed, t0 = set(), {}, time.monotonic()
+    end = t0 + args.timeout
+
+    def wait_for(n):
+        while len(got) < n and time.monotonic() < end:
+            done = x.poll(timeout=0.01)
+            got.update(done.recving)
+            failed.update(done.failed)
+
     for i, (r, remote) in enumerate(sorted(reqs.items())):
         take = len(remote) if i % 2 == 0 else max(1, len(remote) - 1)  # odd ones: a local prefix hit
         local = list(range(nxt, nxt + take))
         nxt += take
         plan[r] = (remote[len(remote) - take:], local)
-        x.fetch(r, md, r, remote, local)
+        x.fetch(r, md, r, remote, local, hold_until=time.time() + 600 if args.pull >= 0 and i > 0 else 0.0)
+        if args.pull >= 0 and i == 0:
+            wait_for(1)  # pushed: the prefill's layout came meanwhile, so the decode may read the others
     if args.die_after_want:
         time.sleep(0.2)
         os._exit(9)
-    got, failed, t0 = set(), {}, time.monotonic()
-    end = t0 + args.timeout
-    while len(got) < len(plan) and time.monotonic() < end:
-        done = x.poll()
-        got |= done.recving
-        failed.update(done.failed)
-        time.sleep(0.005)
+    wait_for(len(plan))
     elapsed = time.monotonic() - t0
     if failed or len(got) < len(plan):
         print(f"FAILED: received {sorted(got - set(failed))}, failed {sorted(failed)} "
@@ -173,10 +183,15 @@ def decode(args) -> int:
                     bad.append((li, r, s, d))
     moved = sum(len(v[1]) for v in plan.values()) * sum(
         t.select(bdim, 0).numel() * t.element_size() for t in kv.values())
+    pulled = x.stats()["pulls"]
     x.close()
     if bad:
         print(f"FAILED: {len(bad)} blocks differ, first {bad[:4]}", flush=True)
         return 4
+    if args.pull >= 0 and pulled != args.pull:
+        print(f"FAILED: {pulled} requests were read by the decode, expected {args.pull}", flush=True)
+        return 6
+    print(f"pulled {pulled} of {len(plan)} requests", flush=True)
     print(f"checked {nblocks} blocks of {len(plan)} requests ({moved} bytes in {elapsed * 1e3:.1f} ms)", flush=True)
     return 0
 
@@ -186,7 +201,7 @@ def both(args) -> int:
     d = args.dir or tempfile.mkdtemp(prefix="vllm-transfer-")
     common = [f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
               if k in ("device", "layout", "layers", "blocks", "requests", "blocks_per_request", "heads", "head_size",
-                       "block_size")]
+                       "block_size", "pull")]
     child = subprocess.Popen([sys.executable, __file__, "--role", "decode", "--dir", d, *common])
     args.dir = d
     rc = prefill(args)

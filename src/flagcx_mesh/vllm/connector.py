@@ -11,6 +11,8 @@ The scheduler side is scheduler.py; the worker side here drives one
 - ``push_timeout``: seconds a prefill's push may take before it is abandoned and its blocks
   released (60; never later than ``hold_timeout``),
 - ``connect_timeout``: seconds to reach a prefill's agent (10),
+- ``pull``: whether a decode reads a request's blocks itself where it can (transfer.py: on this
+  host's paths, the prefill's layout known, its hold lasting; true); else the prefill pushes them,
 - ``agent_name``: the prefix of the agents' names (``vllm``; a worker's agent is
   ``<prefix>-<engine_id>-tp<rank>``),
 - ``listen_ports``: ``"P"`` or ``"P-Q"``, the ports the workers' agents listen on (each takes the
@@ -45,7 +47,12 @@ __all__ = ["FlagcxMeshConnector", "FlagcxMeshConnectorMetadata", "FlagcxMeshHand
 
 # kv_connector_extra_config keys this connector reads (others are warned about: a typo must not pass silently)
 KNOWN_KEYS = ("secret", "hold_timeout", "fetch_timeout", "push_timeout", "connect_timeout", "agent_name",
-              "listen_ports")
+              "listen_ports", "pull")
+
+
+def _flag(v) -> bool:
+    """A setting's truth: booleans, and the strings a command line gives (false, 0, no, off)."""
+    return v.strip().lower() not in ("false", "0", "no", "off", "") if isinstance(v, str) else bool(v)
 
 
 def warn_unknown_keys(extra: dict) -> None:
@@ -123,7 +130,7 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
         if role == KVConnectorRole.SCHEDULER:
             warn_unknown_keys(self._extra)
             self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata,
-                                            kv_cache_config)
+                                            kv_cache_config, hold_timeout=self._setting("hold_timeout", 120))
         else:
             self.tp_size = vllm_config.parallel_config.tensor_parallel_size
             self.tp_rank = tp_rank_of_this_worker(vllm_config)
@@ -149,7 +156,8 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
             f"{prefix}-{self.engine_id}-tp{self.tp_rank}", kv_caches, self._kv_cache_config.num_blocks,
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
             fetch_timeout=self._setting("fetch_timeout", 120), push_timeout=self._setting("push_timeout", 60),
-            connect_timeout=self._setting("connect_timeout", 10), layer_groups=groups)
+            connect_timeout=self._setting("connect_timeout", 10), layer_groups=groups,
+            pull=_flag(self._extra.get("pull", True)))
         log.info("FlagcxMeshConnector: agent %s registered %d layers", self._transfer.name, len(kv_caches))
 
     def get_handshake_metadata(self) -> Optional[FlagcxMeshHandshake]:
@@ -200,7 +208,7 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
         for tag, (rank, part) in zip(tags, sources):
             n = readers(rank, self.tp_size, len(agents), self.kv_heads)
             t.fetch(tag, protocol.unb64(agents[rank]), f["remote_req"], f["remote_blocks"], f["local"], part,
-                    readers=n if n != part[1] else 0)
+                    readers=n if n != part[1] else 0, hold_until=f.get("hold_until", 0.0))
         for rank in unread:
             t.release(protocol.unb64(agents[rank]), f["remote_req"])
 

@@ -10,10 +10,17 @@ Every message is ``MAGIC + kind (1 byte) + JSON``. Decode -> prefill:
   of each of your blocks' heads into slice ``di`` of ``dn`` of mine; ``readers``: how many decode
   agents read this request from you, each acknowledging its own; ``groups``, where the model has
   several KV cache groups: how many of ``dst`` are each group's, in order).
-- ``A`` ack: the decode saw ``req``'s blocks land; the prefill may free them.
+- ``A`` ack: the decode saw ``req``'s blocks land; the prefill may free them (``readers``, where
+  the decode read them itself: how many decode agents read this request, each acknowledging its
+  own, as a want's ``readers``).
 - ``C`` cancel: the decode will not take ``req`` (aborted); the prefill may free it.
 
-Prefill -> decode, after the data of a push (notifications follow the data, in order):
+Prefill -> decode:
+
+- ``L`` layout: the prefill's own, once per connection, in answer to the decode's (with it the
+  decode may read blocks itself: transfer.py).
+
+After the data of a push (notifications follow the data, in order):
 
 - ``D`` done: every block of ``tag`` landed.
 - ``F`` failed: ``tag`` will not be served (``why``: unknown or expired request, layout
@@ -49,7 +56,8 @@ FIELDS = {
     "D": {"tag": "str"},
     "F": {"tag": "str"},
 }
-OPTIONAL = {"W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count"}, "F": {"why": "text"}}
+OPTIONAL = {"W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count"}, "A": {"readers": "count"},
+            "F": {"why": "text"}}
 WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists", "count": "an integer >= 0"}
 
 

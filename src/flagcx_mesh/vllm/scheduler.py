@@ -4,7 +4,9 @@ decode, which a decode fetches, and the metadata that tells the workers.
 Prefill (``kv_transfer_params`` with ``do_remote_decode``): ``request_finished`` keeps the
 request's blocks (delay free) and answers the parameters a decode needs: this engine's worker
 agents (their metadata, one per tensor-parallel rank, learned from the workers' handshake
-metadata at start), the request id and its block ids. Decode (``do_remote_prefill``): the
+metadata at start), the request id, its block ids and until when (this host's wall clock) its
+blocks are held at least (``remote_hold_until``: a decode may read them itself until shortly
+before; transfer.py). Decode (``do_remote_prefill``): the
 prompt's tokens beyond the local prefix-cache hit are "matched" and loaded asynchronously;
 ``update_state_after_alloc`` records the blocks allocated for them, and the next
 ``build_connector_meta`` tells the workers to fetch.
@@ -16,6 +18,8 @@ block ids go per group (groups.py): a sliding-window group's only those still in
 from __future__ import annotations
 
 import logging
+import math
+import time
 from typing import Any, Dict, List, Optional, Tuple
 
 from vllm.v1.request import RequestStatus
@@ -29,8 +33,9 @@ TRANSFER_NAME = "flagcx_mesh-push"
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config, engine_id: str, metadata_cls, kv_cache_config=None):
+    def __init__(self, vllm_config, engine_id: str, metadata_cls, kv_cache_config=None, hold_timeout: float = 120.0):
         self.engine_id = engine_id
+        self.hold_timeout = float(hold_timeout)  # the workers' (a hold starts after request_finished)
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._metadata_cls = metadata_cls
@@ -118,7 +123,8 @@ class SchedulerSide:
             local = kv_groups.to_wire(kv_groups.pair_with_remote(mine, kv_groups.as_groups(remote_blocks),
                                                                  self.windows))
         self._to_fetch[request.request_id] = dict(local=local, remote_req=remote_req,
-                                                  remote_blocks=remote_blocks, agents=agents)
+                                                  remote_blocks=remote_blocks, agents=agents,
+                                                  hold_until=self._hold_until(params))
         self._fetching.add(request.request_id)
 
     @staticmethod
@@ -129,6 +135,13 @@ class SchedulerSide:
         except (KeyError, TypeError, ValueError) as e:
             log.error("kv_transfer_params without a usable prefill (%s): %s", e, params)
             return None
+
+    @staticmethod
+    def _hold_until(params: dict) -> float:
+        """The prefill's ``remote_hold_until`` (0 when absent or not a finite number: its blocks are pushed)."""
+        v = params.get("remote_hold_until")
+        ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+        return float(v) if ok else 0.0
 
     # ---- both ---------------------------------------------------------------------------
 
@@ -172,7 +185,8 @@ class SchedulerSide:
         return True, dict(
             do_remote_prefill=True, do_remote_decode=False, remote_request_id=req_id,
             remote_block_ids=kv_groups.to_wire(block_ids), remote_engine_id=self.engine_id, remote_agents=agents,
-            tp_size=self.tp_size, block_size=self.block_size, transfer=TRANSFER_NAME)
+            tp_size=self.tp_size, block_size=self.block_size, transfer=TRANSFER_NAME,
+            remote_hold_until=time.time() + self.hold_timeout)
 
     def _offered_blocks(self, block_ids) -> kv_groups.Groups:
         """A finished prefill's blocks per transfer group, each sliding-window group's clipped to

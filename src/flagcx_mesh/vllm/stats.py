@@ -32,6 +32,8 @@ HELP = {
     "fetches_done": "requests whose KV blocks a decode received",
     "fetch_seconds": "seconds the received fetches took (asked to done), summed",
     "fetches_failed": "fetches reported to vLLM as load errors",
+    "pulls": "requests whose KV blocks a decode read itself (no push asked for)",
+    "bytes_pulled": "bytes of KV blocks a decode read itself",
 }
 
 

@@ -21,6 +21,15 @@ once and serves both roles:
   ``poll().failed`` (with its block ids) when the prefill refused, died, or nothing came
   within ``fetch_timeout``.
 
+A decode may instead read the blocks itself (a pull: no ``W``, no ``D``, two hops and the
+prefill's thread off the request's path), where all of these hold: the prefill's layout came on
+this connection or an earlier one to the same prefill agent (a prefill answers a decode's layout
+with its own, so from the second request on), the path between the two KV caches moves the bytes on this host (cuda-ipc,
+cuda-vmm, cuda-self, cma, shm, self: no read waits on a network), and the request's hold is
+known to last (``hold_until``, the prefill's wall clock, more than ``pull_margin`` seconds
+ahead). The read's notification is the ``A`` (carrying ``readers``), sent once the bytes landed;
+the prefill releases the blocks on it as after a push. Anything else is pushed as before.
+
 Every agent call runs on one background thread; the public methods only queue commands and
 drain results, so the engine's step never waits on the network. The thread takes any bytes a
 peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
@@ -52,6 +61,7 @@ log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines sh
 FORGET_AFTER = 4096  # how many served / expired request ids a prefill remembers
 MAX_EARLY = 4096     # wants awaiting their hold at once (more are refused)
 LOG_EVERY = 10.0     # seconds between two log lines of one kind of peer trouble
+EARLY = " before its hold"  # a request released before this worker's hold of it came (_on_release)
 STATS = (  # KVTransfer.stats()
     "bad_messages",           # notifications ignored: not a well-formed message, or one that failed
     "unexpected_answers",     # D / F for a request not awaited from that peer (late, or made up)
@@ -67,7 +77,10 @@ STATS = (  # KVTransfer.stats()
     "fetches_done",           # decode: fetches whose blocks landed
     "fetch_seconds",          # decode: seconds those took (asked to done), summed
     "fetches_failed",         # decode: fetches reported as failed (load errors)
+    "pulls",                  # decode: fetches read by the decode itself (no push asked for)
+    "bytes_pulled",           # decode: bytes of those reads
 )
+PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
 
 
 class _Throttled:
@@ -147,6 +160,8 @@ class _Fetch:
     cancelled: bool = False
     started: float = 0.0
     part: Tuple[int, ...] = WHOLE
+    readers: int = 0
+    hold_until: float = 0.0  # the prefill's wall clock: its hold lasts until then (0: not known)
 
 
 def _incarnation(conn) -> str:
@@ -179,16 +194,20 @@ class KVTransfer:
     ``secret``: what both ends prove (default ``FLAGCX_MESH_AGENT_SECRET``); ``push_timeout``:
     seconds a push may take before it is abandoned (a push is abandoned at its request's hold
     deadline in any case). ``layer_groups``: each layer's KV cache group (``{layer name: index}``;
-    default: one group), whose block ids that layer's blocks take (groups.py)."""
+    default: one group), whose block ids that layer's blocks take (groups.py). ``pull``: whether a
+    decode reads blocks itself where it can (see the module; ``pull_margin``: seconds of a hold
+    that must be left for that)."""
 
     def __init__(self, name: str, kv_caches: dict, num_blocks: int, *, secret=None, block_dim: int = 0,
                  hold_timeout: float = 120.0, fetch_timeout: float = 120.0, connect_timeout: float = 10.0,
-                 push_timeout: float = 60.0, poll_interval: float = 0.005, layer_groups: Optional[dict] = None):
+                 push_timeout: float = 60.0, poll_interval: float = 0.005, layer_groups: Optional[dict] = None,
+                 pull: bool = True, pull_margin: float = 10.0):
         storages, self.layers = describe_layers(kv_caches, num_blocks, block_dim)
         self.layer_group = [int((layer_groups or {}).get(g.name, 0)) for g in self.layers]
         self.num_blocks = num_blocks
         self.hold_timeout, self.fetch_timeout = float(hold_timeout), float(fetch_timeout)
         self.push_timeout = float(push_timeout)
+        self.pull, self.pull_margin = bool(pull), float(pull_margin)
         self.connect_timeout, self._interval = float(connect_timeout), float(poll_interval)
         self.agent = Agent(name, secret, timeout=connect_timeout)
         try:
@@ -218,9 +237,11 @@ class KVTransfer:
         self._after_close: Dict[Tuple[str, str], List[Tuple[str, dict, str]]] = {}
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
+        self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
-        self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each prefill got it on
+        self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
+        self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -237,7 +258,8 @@ class KVTransfer:
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str, remote_block_ids: Sequence,
-              local_block_ids: Sequence, part: Sequence[int] = WHOLE, readers: int = 0) -> None:
+              local_block_ids: Sequence, part: Sequence[int] = WHOLE, readers: int = 0,
+              hold_until: float = 0.0) -> None:
         """Decode: ask the prefill agent ``peer_metadata`` to push its request
         ``remote_req_id`` into ``local_block_ids`` (the last ``len(local_block_ids)`` of
         ``remote_block_ids``: blocks this decode already had from its prefix cache are not
@@ -245,10 +267,13 @@ class KVTransfer:
         (another tensor-parallel size on the prefill): ``(si, sn, di, dn)``, slice ``si`` of ``sn``
         of the prefill's blocks into slice ``di`` of ``dn`` of these (layout.write_ops); ``readers``:
         how many decode ranks read from that prefill rank (heads.readers; 0: ``sn``). Block ids: a
-        list, or one per KV cache group (groups.py), the same number of groups on both sides."""
+        list, or one per KV cache group (groups.py), the same number of groups on both sides.
+        ``hold_until``: the prefill's wall clock (``time.time()``) until which it holds the blocks
+        at least (its ``kv_transfer_params``); where it is more than ``pull_margin`` seconds ahead
+        this decode may read them itself (see the module); 0: unknown, they are pushed."""
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
         self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
-                            check_part(tuple(int(v) for v in part)), int(readers)))
+                            check_part(tuple(int(v) for v in part)), int(readers), float(hold_until)))
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
 
     def cancel(self, req_id: str) -> None:
@@ -355,7 +380,7 @@ class KVTransfer:
             elif kind == "W":
                 self._on_want(peer, incarnation, f, time.monotonic())
             elif kind == "A":
-                self._on_ack(peer, f["req"])
+                self._on_ack(peer, f["req"], f.get("readers", 1))
             elif kind == "C":
                 self._on_release(f["req"], "cancelled")
             elif kind in "DF":
@@ -377,16 +402,21 @@ class KVTransfer:
     # ---- prefill side -------------------------------------------------------------------
 
     def _cmd_hold(self, req: str, blocks: Groups) -> None:
-        if req in self._gone:  # the decode cancelled before the prefill's worker heard of it
+        if req in self._gone:  # the decode cancelled (or read it) before the prefill's worker heard of it
+            if self._gone[req].endswith(EARLY):
+                self._count("released_" + self._gone[req][:-len(EARLY)])
             self._finish(sending=req)
             return
         try:
             ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in blocks]  # hold() made the groups
         except LayoutError:
             ids = None  # refused to whoever asks for them (_push_table says why)
-        self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout, ids)
+        held = self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout, ids)
+        acked, parts, _ = self._early_acks.pop(req, (set(), 0, 0.0))
         for peer, f, _ in self._early.pop(req, []):
             self._start_push(req, peer, f)
+        for peer in acked:  # decodes that read it before it was held here
+            self._on_ack(peer, req, parts)
 
     def _on_layout(self, peer: str, incarnation: str, f: dict) -> None:
         regions = [protocol.unb64(r) for r in f["regions"]]
@@ -396,6 +426,21 @@ class KVTransfer:
             self._plans.pop(key, None)
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
         self._plans.pop((peer, incarnation), None)
+        self._pull_path.pop((peer, incarnation), None)
+        conn = self.agent.connection(peer)
+        if conn is not None and conn.peer_incarnation == incarnation:
+            self._tell_layout(conn)  # a decode's: answered with this worker's (it may then read)
+
+    def _tell_layout(self, conn) -> None:
+        """Sends this worker's layout on ``conn`` unless it went there already (once a connection:
+        a decode's precedes its first want, a prefill's answers it; never one for another)."""
+        key = (conn.peer_name, conn.peer_incarnation)
+        told = self._layout_sent.get(key)
+        if told is not None and not told.gone():
+            return
+        conn.notify(self._layout_msg)
+        self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
+        self._layout_sent[key] = conn
 
     def _prune_layouts(self) -> None:
         """Forgets the layouts of decodes whose connection closed (they send it again)."""
@@ -404,6 +449,7 @@ class KVTransfer:
             if conn is None or conn.peer_incarnation != key[1]:
                 del self._peer_layouts[key]
                 self._plans.pop(key, None)
+                self._pull_path.pop(key, None)
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = f["req"]
@@ -501,8 +547,9 @@ class KVTransfer:
 
     def _row_plans(self, key: Tuple[str, str], layout, part, groups: int) -> list:
         """The RowPlans (one per KV cache group; None for a group without layers) of this worker's
-        layers onto a decode's layout for ``part``: made at the first push to that layout, kept
-        while the layout is (LayoutError when they do not fit)."""
+        layers onto a peer's layout for ``part``: made at the first transfer with that layout, kept
+        while the layout is (LayoutError when they do not fit). A pull reads by the same plans as a
+        push writes, the two sides' roles swapped: its ``part`` swapped (_pull)."""
         plans = self._plans.setdefault(key, {})
         made = plans.get((part, groups))
         if made is None:
@@ -529,11 +576,25 @@ class KVTransfer:
             pairs[group].append((g, g.region, pg, pg.region))
         return pairs
 
-    def _on_ack(self, peer: str, req: str) -> None:
-        """A decode agent took its blocks; with several decode ranks each taking a slice of
-        them, the blocks are released once as many agents as slices acknowledged."""
+    def _on_ack(self, peer: str, req: str, readers: int = 1) -> None:
+        """A decode agent took its blocks (``readers``: how many decode agents read this request,
+        as its want said, or its ack where it read them itself); with several decode ranks each
+        taking a slice of them, the blocks are released once as many agents as slices
+        acknowledged. An ack of a request not held yet (a decode read it before this worker's
+        hold() came) is kept until it is, or until ``hold_timeout``."""
         held = self._held.get(req)
+        if held is None and readers > 1 and req not in self._gone:
+            acked, parts, _ = self._early_acks.get(req, (set(), 1, 0.0))
+            if req in self._early_acks or len(self._early_acks) < MAX_EARLY:
+                self._early_acks[req] = (acked | {peer}, max(parts, readers),
+                                         time.monotonic() + self.hold_timeout)
+            else:
+                self._warn_odd.warn("%s: an ack of %s from %s, not held yet, with %d others awaiting their "
+                                    "hold: dropped (the blocks are released at their hold timeout)",
+                                    self.name, req[:200], peer, MAX_EARLY)
+            return
         if held is not None:
+            held.parts = max(held.parts, readers)
             held.acked.add(peer)
             if len(held.acked) < held.parts:
                 return
@@ -543,7 +604,7 @@ class KVTransfer:
         held = self._held.get(req)
         if held is None:
             self._early.pop(req, None)
-            self._remember_gone(req, why)
+            self._remember_gone(req, why + EARLY)  # counted when its hold comes (_cmd_hold)
             return
         # Not while a push may still read the blocks (another decode's, or the acknowledged
         # push's last completions): once they are over (or abandoned, at their deadline).
@@ -653,6 +714,8 @@ class KVTransfer:
             except Exception:  # noqa: BLE001
                 self._warn_internal.warn("%s: checking held request %s failed:\n%s", self.name, req,
                                          traceback.format_exc())
+        for req in [r for r, (_, _, until) in self._early_acks.items() if now > until]:
+            del self._early_acks[req]
         for req, waiting in list(self._early.items()):
             late = [w for w in waiting if now > w[2]]
             waiting[:] = [w for w in waiting if now <= w[2]]
@@ -676,10 +739,10 @@ class KVTransfer:
     # ---- decode side --------------------------------------------------------------------
 
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
-                   part: Tuple[int, ...] = WHOLE, readers: int = 0) -> None:
+                   part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0) -> None:
         src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
         f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
-                   started=time.monotonic(), part=part)
+                   started=time.monotonic(), part=part, readers=readers, hold_until=hold_until)
         if len(local) != len(remote):
             return self._fail(f, f"blocks of {len(local)} KV cache groups to receive, the prefill holds {len(remote)}")
         if any(len(lg) > len(r) for lg, r in zip(local, remote)):
@@ -692,12 +755,9 @@ class KVTransfer:
         try:
             conn = self.agent.connect(md, timeout=self.connect_timeout)
             f.conn, f.peer = conn, conn.peer_name
-            key = (conn.peer_name, conn.peer_incarnation)
-            told = self._layout_sent.get(key)
-            if told is None or told.gone():  # a new connection: the prefill forgot the old one's layout
-                conn.notify(self._layout_msg)
-                self._layout_sent = {k: c for k, c in self._layout_sent.items() if k[0] != key[0]}
-                self._layout_sent[key] = conn
+            self._tell_layout(conn)  # a new connection: the prefill forgot the old one's layout
+            if self._pulls(f, conn):
+                return self._pull(f, conn)
             want = dict(req=remote_req, tag=tag, src=flat(f.src), dst=flat(local))
             if len(local) > 1:
                 want["groups"] = [len(g) for g in local]
@@ -708,6 +768,56 @@ class KVTransfer:
             conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
+
+    def _pulls(self, f: _Fetch, conn) -> bool:
+        """Whether this fetch reads its blocks itself (see the module): this prefill agent's layout
+        came (from this incarnation of it: the regions it names are registered once, at its start),
+        its path moves bytes on this host, the hold lasts long enough (a NaN lasts not at all)."""
+        key = (conn.peer_name, conn.peer_incarnation)
+        layout = self._peer_layouts.get(key)
+        if not self.pull or layout is None or not layout[0] or not time.time() + self.pull_margin < f.hold_until:
+            return False
+        ok = self._pull_path.get(key)
+        if ok is None:
+            try:
+                ok = conn.path_to(layout[0][0], self._regions[0].descriptor) in PULL_PATHS
+            except MeshError as e:
+                log.info("%s: blocks from %s are pushed: %s", self.name, key[0], e)
+                ok = False
+            self._pull_path[key] = ok
+        return ok
+
+    def _pull(self, f: _Fetch, conn) -> None:
+        """Reads the fetch's blocks from the prefill (every layer's in one call, on this thread:
+        its path waits on no network), then the ack goes (the read's notification: it follows the
+        bytes) and the request is reported. The table is a push's from here onto the prefill's
+        layout, its ``part`` swapped (slice di of dn of these blocks, slice si of sn of the
+        prefill's): rows (local region, offset, remote region, offset, size), as read_blocks takes."""
+        key = (conn.peer_name, conn.peer_incarnation)
+        layout = self._peer_layouts[key]
+        si, sn, di, dn = f.part
+        counts = [len(g) for g in f.src] if len(f.src) > 1 else None
+        try:
+            plans = self._row_plans(key, layout, (di, dn, si, sn), len(f.dst))
+            table = self._push_table(f.dst, flat(f.src), layout, (di, dn, si, sn), counts, plans)
+        except LayoutError as e:
+            return self._fail(f, f"the prefill's KV cache does not fit this one: {e}")
+        readers = f.readers or sn
+        ack = protocol.encode("A", req=f.remote_req, **({"readers": readers} if readers > 1 else {}))
+        try:
+            if len(table):  # every layer's blocks in one call, the ack after them
+                h = conn.read_blocks(self._regions, layout[0], table, notification=ack)
+                h.wait(max(1.0, f.deadline - time.monotonic()))
+            else:
+                conn.notify(ack)
+        except MeshError as e:
+            return self._fail(f, f"reading the blocks from the prefill failed: {e}")
+        self._fetches.pop(f.tag, None)
+        self._finish(recving=f.tag)  # first: the caller's wait is what the request's time ends with
+        with self._lock:
+            for key, n in (("pulls", 1), ("bytes_pulled", int(table[:, 4].sum()) if len(table) else 0),
+                           ("fetches_done", 1), ("fetch_seconds", time.monotonic() - f.started)):
+                self._stats[key] += n
 
     def _cmd_cancel(self, tag: str) -> None:
         f = self._fetches.get(tag)

@@ -1,0 +1,447 @@
+"""A decode reading (pulling) a request's KV blocks itself instead of asking the prefill to push
+them (flagcx_mesh.vllm.transfer, module docstring): when it may, when it may not, what the
+prefill releases on a pull's ack (``A`` with ``readers``), and the acks that come before the
+prefill's hold(). One process, KVTransfer agents over cma (host memory), torch CPU tensors.
+
+Skipped without torch, unless FXM_REQUIRE_TORCH=1 (scripts/test.sh sets it)."""
+
+import os
+import sys
+import time
+
+import pytest
+
+if os.environ.get("FXM_REQUIRE_TORCH") != "1":
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+import torch  # noqa: E402
+
+from flagcx_mesh.vllm import protocol  # noqa: E402
+from flagcx_mesh.vllm.transfer import PULL_PATHS, KVTransfer  # noqa: E402
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402
+
+SECRET = "vllm-pull-test"
+NUM_BLOCKS = 16
+LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def block_bytes(heads):
+    return heads * 16 * (2 * 16) * 2  # heads * block_size * (2 * head_size) * fp16 (make_kv_caches' defaults)
+
+
+def far():
+    """A hold that lasts: 600 s of the prefill's wall clock ahead."""
+    return time.time() + 600
+
+
+# ---- helpers (as in test_vllm_transfer.py) ----------------------------------------------
+
+@pytest.fixture
+def pair(monkeypatch):
+    monkeypatch.setenv("FLAGCX_MESH_AGENT_SECRET", SECRET)
+    made = []
+
+    def make(name, heads=2, **kw):
+        kv, _ = make_kv_caches([0, 1], NUM_BLOCKS, heads=heads)
+        x = KVTransfer(name, kv, NUM_BLOCKS, **kw)
+        made.append(x)
+        return x, kv
+
+    yield make
+    for x in made:
+        x.close()
+
+
+def wait_for(x, what, key, timeout=20.0):
+    """Polls x until ``key`` appears in ``what`` (sending / recving); its ``failed`` meanwhile."""
+    got, end = set(), time.monotonic() + timeout
+    failed = {}
+    while key not in got:
+        assert time.monotonic() < end, f"{key} never appeared in {what}"
+        done = x.poll()
+        got |= getattr(done, what)
+        failed.update(done.failed)
+        time.sleep(0.005)
+    return failed
+
+
+def wait_until(cond, what, timeout=10.0):
+    end = time.monotonic() + timeout
+    while not cond():
+        assert time.monotonic() < end, f"not within {timeout} s: {what}"
+        time.sleep(0.005)
+
+
+def not_within(x, what, key, seconds):
+    """Polls x for ``seconds``: True where ``key`` never appeared in ``what``."""
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        if key in getattr(x.poll(), what):
+            return False
+        time.sleep(0.01)
+    return True
+
+
+def fill_all(kv):
+    for li, t in enumerate(kv.values()):
+        for b in range(t.shape[0]):
+            fill_block(t, b, 0, f"{li}/{b}")
+
+
+def only_these_blocks(kv, received) -> list:
+    """[(layer, block)] that differ: each layer's received blocks hold the source block
+    (``received[layer]``: {block: source block}), every other block of it is still zero."""
+    bad = []
+    for li, t in enumerate(kv.values()):
+        for b in range(t.shape[0]):
+            src = received[li].get(b)
+            ok = block_matches(t, b, 0, f"{li}/{src}") if src is not None else not as_bytes(t[b]).any()
+            if not ok:
+                bad.append((li, b))
+    return bad
+
+
+def fill_heads(kv, seed_of):
+    """Every head of every block: pattern(seed_of(layer, block, head))."""
+    for li, t in enumerate(kv.values()):
+        for b in range(t.shape[0]):
+            for h in range(t.shape[1]):
+                view = t[b, h]
+                view.copy_(pattern(seed_of(li, b, h), view.numel() * view.element_size()).view(t.dtype).reshape(view.shape))
+
+
+def heads_match(kv, block, seed_of_head) -> bool:
+    for li, t in enumerate(kv.values()):
+        for h in range(t.shape[1]):
+            view = t[block, h]
+            if not torch.equal(as_bytes(view), pattern(seed_of_head(li, h), view.numel() * view.element_size())):
+                return False
+    return True
+
+
+def nonzero_blocks(kv) -> set:
+    return {(li, b) for li, t in enumerate(kv.values()) for b in range(t.shape[0]) if as_bytes(t[b]).any()}
+
+
+def count_messages(x):
+    """Counts the kinds of the well-formed notifications x's thread handles (set before any
+    peer connects: the thread looks the handler up on the instance for each notification)."""
+    seen = {}
+    handle = x._on_notification
+
+    def counting(peer, incarnation, data):
+        try:
+            kind = protocol.decode(data)[0]
+        except protocol.ProtocolViolation:
+            kind = "?"
+        seen[kind] = seen.get(kind, 0) + 1
+        return handle(peer, incarnation, data)
+
+    x._on_notification = counting
+    return seen
+
+
+def fetch_and_wait(dec, tag, pre, req, remote, local, **kw):
+    dec.fetch(tag, pre.metadata, req, remote, local, **kw)
+    return wait_for(dec, "recving", tag)
+
+
+# ---- one decode -------------------------------------------------------------------------
+
+def test_the_first_request_on_a_connection_is_pushed_the_second_pulled(pair):
+    """The first fetch has no prefill layout yet (pushed, though its hold lasts); the prefill's
+    layout answers the decode's on that connection, so the second is read by the decode: no
+    want, no push. Every block of both lands byte for byte, no other block changes, and the
+    pull's ack releases the second request at the prefill."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    pre_msgs = count_messages(pre)
+    fill_all(pkv)
+    pre.hold("r1", [3, 4, 9])
+    assert fetch_and_wait(dec, "t1", pre, "r1", [3, 4, 9], [0, 1, 2], hold_until=far()) == {}
+    wait_for(pre, "sending", "r1")
+    assert pre.stats()["pushes"] == 1 and dec.stats()["pulls"] == 0
+    seconds = dec.stats()["fetch_seconds"]
+    assert list(dec._peer_layouts) == [(pre.name, pre.agent.incarnation)]  # came before the push's D
+    pre.hold("r2", [12, 5, 6])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [12, 5, 6], [7, 8], hold_until=far()) == {}  # the tail: 5, 6
+    assert only_these_blocks(dkv, [{0: 3, 1: 4, 2: 9, 7: 5, 8: 6}] * 2) == []
+    wait_for(pre, "sending", "r2")  # released by the pull's ack
+    ps, ds = pre.stats(), dec.stats()
+    assert ps["pushes"] == 1 and ps["pushes_done"] == 1 and ps["bytes_pushed"] == 2 * 3 * block_bytes(2), ps
+    assert ps["released_served"] == 2 and ps["refused"] == 0, ps
+    assert ds["pulls"] == 1 and ds["bytes_pulled"] == 2 * 2 * block_bytes(2), ds
+    assert ds["fetches_done"] == 2 and ds["fetches_failed"] == 0 and ds["fetch_seconds"] > seconds > 0, ds
+    assert pre_msgs == {"L": 1, "W": 1, "A": 2}, pre_msgs  # no want for the pulled one
+    assert not pre.busy() and not dec.busy()
+
+
+def test_without_hold_until_every_request_is_pushed(pair):
+    """hold_until not given (0: the prefill's hold is not known to last): every request is
+    pushed, though the decode knows the prefill's layout from the first on."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    fill_all(pkv)
+    for i in range(3):
+        pre.hold(f"r{i}", [10 + i])
+        assert fetch_and_wait(dec, f"t{i}", pre, f"r{i}", [10 + i], [i]) == {}
+        wait_for(pre, "sending", f"r{i}")
+    assert dec._peer_layouts  # it could have read them
+    assert only_these_blocks(dkv, [{0: 10, 1: 11, 2: 12}] * 2) == []
+    assert pre.stats()["pushes"] == 3 and pre.stats()["pushes_done"] == 3, pre.stats()
+    assert dec.stats()["pulls"] == 0 and dec.stats()["bytes_pulled"] == 0 and dec.stats()["fetches_done"] == 3
+
+
+@pytest.mark.parametrize("decode_kw, hold_for, pulled", [
+    (dict(pull_margin=10), 5, False),
+    (dict(pull_margin=1), 5, True),
+    (dict(pull=False), 600, False),
+    (dict(), -1, False),
+    (dict(), float("nan"), False),
+], ids=["hold-within-the-margin", "hold-past-a-smaller-margin", "pull-off", "hold-over", "hold-nan"])
+def test_a_short_hold_or_pull_off_is_pushed(pair, decode_kw, hold_for, pulled):
+    """The second request (the prefill's layout known) is read only where the decode may pull
+    and its hold lasts more than pull_margin from now: a hold 5 s ahead is pushed with the
+    default 10 s margin and pulled with a 1 s one; pull=False pushes a 600 s hold; a hold
+    already over is pushed, and so is a NaN one (no hold known)."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d", **decode_kw)
+    fill_all(pkv)
+    pre.hold("r1", [3])
+    assert fetch_and_wait(dec, "t1", pre, "r1", [3], [0], hold_until=far()) == {}
+    pre.hold("r2", [4, 5])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [4, 5], [1, 2], hold_until=time.time() + hold_for) == {}
+    assert only_these_blocks(dkv, [{0: 3, 1: 4, 2: 5}] * 2) == []
+    wait_for(pre, "sending", "r2")
+    assert (pre.stats()["pushes"], dec.stats()["pulls"]) == ((1, 1) if pulled else (2, 0)), (pre.stats(), dec.stats())
+
+
+def test_each_side_handles_one_layout_message_per_connection(pair):
+    """The decode's layout goes once, before its first request; the prefill answers it once;
+    the decode does not answer the answer (no ping-pong), over pushed and pulled requests."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    layouts = {"p": 0, "d": 0}
+    for x, key in ((pre, "p"), (dec, "d")):
+        on_layout = x._on_layout
+
+        def counting(peer, incarnation, f, on_layout=on_layout, key=key):
+            layouts[key] += 1
+            return on_layout(peer, incarnation, f)
+
+        x._on_layout = counting
+    dec_msgs = count_messages(dec)
+    fill_all(pkv)
+    received = {}
+    for i in range(5):
+        pre.hold(f"r{i}", [10 + i])
+        assert fetch_and_wait(dec, f"t{i}", pre, f"r{i}", [10 + i], [i], hold_until=far() if i % 2 else 0) == {}
+        wait_for(pre, "sending", f"r{i}")
+        received[i] = 10 + i
+    time.sleep(0.3)  # a layout sent back and forth would have come by now
+    assert layouts == {"p": 1, "d": 1}
+    assert dec_msgs == {"L": 1, "D": 3}, dec_msgs  # r0, r2, r4 pushed; r1, r3 pulled
+    assert dec.stats()["pulls"] == 2 and pre.stats()["pushes"] == 3
+    assert only_these_blocks(dkv, [received] * 2) == []
+
+
+# ---- several decode ranks: the prefill waits for every reader ---------------------------
+
+def hetero(pair, **pre_kw):
+    """A prefill of 4 KV heads, two decode ranks of 2 each (slices 0 and 1 of its heads), every
+    head of every prefill block its own pattern; a warm-up request (pushed) lets each decode
+    learn the prefill's layout: it lands in block 9 of each."""
+    pre, pkv = pair("p", heads=4, hold_timeout=60, **pre_kw)
+    d0, kv0 = pair("d0", heads=2)
+    d1, kv1 = pair("d1", heads=2)
+    fill_heads(pkv, lambda li, b, h: f"{li}/{b}/{h}")
+    pre.hold("w", [15])
+    for d, i in ((d0, 0), (d1, 1)):
+        assert fetch_and_wait(d, "tw", pre, "w", [15], [9], part=(i, 2, 0, 1), hold_until=far()) == {}
+    wait_for(pre, "sending", "w")
+    assert pre.stats()["pushes"] == 2 and d0._peer_layouts and d1._peer_layouts
+    return pre, d0, kv0, d1, kv1
+
+
+def check_slices(kv, i, received):
+    """Decode rank i's blocks: ``received`` {block: prefill block} holds heads 2i, 2i + 1 of it
+    (block 9 the warm-up's), every other block zero."""
+    for dst, src in {**received, 9: 15}.items():
+        assert heads_match(kv, dst, lambda li, h: f"{li}/{src}/{h + 2 * i}"), (i, dst)
+    assert nonzero_blocks(kv) == {(li, b) for li in range(2) for b in list(received) + [9]}
+
+
+def test_two_decode_ranks_each_pull_half_the_heads_and_the_prefill_waits_for_both(pair):
+    """Another TP size, pulled: each decode reads its slice of the prefill's heads; the first
+    decode's ack (readers 2) does not release the blocks, the second's does."""
+    pre, d0, kv0, d1, kv1 = hetero(pair)
+    pre.hold("r", [5, 6])
+    assert fetch_and_wait(d0, "t", pre, "r", [5, 6], [1, 2], part=(0, 2, 0, 1), hold_until=far()) == {}
+    check_slices(kv0, 0, {1: 5, 2: 6})
+    assert not_within(pre, "sending", "r", 0.5), "released after one of two readers"
+    assert pre._held["r"].acked == {d0.name}
+    assert fetch_and_wait(d1, "t", pre, "r", [5, 6], [3, 4], part=(1, 2, 0, 1), hold_until=far()) == {}
+    check_slices(kv1, 1, {3: 5, 4: 6})
+    wait_for(pre, "sending", "r")
+    for d in (d0, d1):
+        assert d.stats()["pulls"] == 1 and d.stats()["bytes_pulled"] == 2 * 2 * block_bytes(2), d.stats()
+    assert pre.stats()["pushes"] == 2 and pre.stats()["released_served"] == 2, pre.stats()
+
+
+def test_two_decode_ranks_each_pull_a_replicated_head_whole_and_the_prefill_waits_for_both(pair):
+    """1 KV head, decode at TP 2: both ranks read the prefill's blocks whole (part whole,
+    readers=2 given); the first pull's ack alone does not release them."""
+    pre, pkv = pair("p", heads=1, hold_timeout=60)
+    d0, kv0 = pair("d0", heads=1)
+    d1, kv1 = pair("d1", heads=1)
+    fill_all(pkv)
+    pre.hold("w", [15])
+    for d in (d0, d1):
+        assert fetch_and_wait(d, "tw", pre, "w", [15], [9], readers=2, hold_until=far()) == {}
+    wait_for(pre, "sending", "w")
+    pre.hold("r", [5, 6])
+    assert fetch_and_wait(d0, "t", pre, "r", [5, 6], [1, 2], readers=2, hold_until=far()) == {}
+    assert not_within(pre, "sending", "r", 0.5), "released after one of two readers"
+    assert fetch_and_wait(d1, "t", pre, "r", [5, 6], [3, 4], readers=2, hold_until=far()) == {}
+    wait_for(pre, "sending", "r")
+    assert only_these_blocks(kv0, [{9: 15, 1: 5, 2: 6}] * 2) == []
+    assert only_these_blocks(kv1, [{9: 15, 3: 5, 4: 6}] * 2) == []
+    for d in (d0, d1):
+        assert d.stats()["pulls"] == 1 and d.stats()["bytes_pulled"] == 2 * 2 * block_bytes(1), d.stats()
+    assert pre.stats()["pushes"] == 2, pre.stats()
+
+
+def test_an_ack_before_the_hold_counts_once_the_hold_comes(pair):
+    """A decode rank reads a request the prefill wrote but has not hold()-ed yet (readers 2):
+    its ack is kept; at the hold the blocks stay held for the second reader, and are released
+    once that one read them too."""
+    pre, d0, kv0, d1, kv1 = hetero(pair)
+    d0.fetch("t", pre.metadata, "r2", [5, 6], [1, 2], part=(0, 2, 0, 1), readers=2, hold_until=far())
+    assert wait_for(d0, "recving", "t") == {}
+    check_slices(kv0, 0, {1: 5, 2: 6})
+    wait_until(lambda: "r2" in pre._early_acks, "the prefill got the early ack")
+    pre.hold("r2", [5, 6])
+    assert not_within(pre, "sending", "r2", 1.0), "released at the hold with one of two readers' acks"
+    assert "r2" in pre._held and not pre._early_acks
+    d1.fetch("t", pre.metadata, "r2", [5, 6], [3, 4], part=(1, 2, 0, 1), readers=2, hold_until=far())
+    assert wait_for(d1, "recving", "t") == {}
+    check_slices(kv1, 1, {3: 5, 4: 6})
+    wait_for(pre, "sending", "r2", timeout=10)
+    assert not pre.busy()
+
+
+def test_acks_of_every_reader_before_the_hold_release_it_at_the_hold(pair):
+    """Both decode ranks read the request before the prefill's hold(): the hold releases it at
+    once."""
+    pre, d0, kv0, d1, kv1 = hetero(pair)
+    for d, i in ((d0, 0), (d1, 1)):
+        d.fetch("t", pre.metadata, "r2", [5, 6], [1, 2], part=(i, 2, 0, 1), readers=2, hold_until=far())
+        assert wait_for(d, "recving", "t") == {}
+    check_slices(kv0, 0, {1: 5, 2: 6})
+    check_slices(kv1, 1, {1: 5, 2: 6})
+    wait_until(lambda: pre._early_acks.get("r2", (set(),))[0] == {d0.name, d1.name}, "both early acks")
+    pre.hold("r2", [5, 6])
+    assert pre.poll(timeout=5).sending == {"r2"}
+    assert not pre.busy() and not pre._early_acks
+
+
+def test_a_single_reader_s_ack_before_the_hold_releases_it_at_the_hold(pair):
+    """One decode (readers 1) reads a request before the prefill's hold(): the request is
+    remembered as taken, and the hold releases it at once."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    fill_all(pkv)
+    pre.hold("w", [15])
+    assert fetch_and_wait(dec, "tw", pre, "w", [15], [9], hold_until=far()) == {}
+    wait_for(pre, "sending", "w")
+    assert fetch_and_wait(dec, "t", pre, "r2", [5, 6], [1, 2], hold_until=far()) == {}
+    assert dec.stats()["pulls"] == 1
+    assert only_these_blocks(dkv, [{9: 15, 1: 5, 2: 6}] * 2) == []
+    wait_until(lambda: "r2" in pre._gone, "the prefill got the ack")
+    assert not pre._early_acks
+    pre.hold("r2", [5, 6])
+    assert pre.poll(timeout=5).sending == {"r2"}
+    assert not pre.busy()
+    assert pre.stats()["released_served"] == 2, pre.stats()  # "w", and "r2" at its hold
+
+
+# ---- what a pull carries, and where it cannot ---------------------------------------------
+
+def test_two_kv_cache_groups_are_pulled_each_layer_by_its_groups_blocks(pair):
+    """A hybrid model (layer 0 in group 0, layer 1 in group 1), pulled: each layer's blocks are
+    read by its own group's ids, no other block of it is touched."""
+    by_group = {LAYERS[0]: 0, LAYERS[1]: 1}
+    pre, pkv = pair("p", layer_groups=by_group, hold_timeout=60)
+    dec, dkv = pair("d", layer_groups=by_group)
+    fill_all(pkv)
+    pre.hold("w", [[0], [15]])
+    assert fetch_and_wait(dec, "tw", pre, "w", [[0], [15]], [[0], [15]], hold_until=far()) == {}
+    held = [[1, 2, 3, 4], [9, 10]]
+    pre.hold("r", held)
+    local = [[5, 6, 7], [12, 13]]  # the decode had group 0's first block in its prefix cache
+    assert fetch_and_wait(dec, "t", pre, "r", held, local, hold_until=far()) == {}
+    assert only_these_blocks(dkv, [{0: 0, 5: 2, 6: 3, 7: 4}, {15: 15, 12: 9, 13: 10}]) == []
+    wait_for(pre, "sending", "r")
+    assert dec.stats()["pulls"] == 1 and dec.stats()["bytes_pulled"] == (3 + 2) * block_bytes(2), dec.stats()
+    assert pre.stats()["pushes"] == 1
+
+
+def test_a_pull_into_a_kv_cache_that_does_not_fit_fails_with_its_blocks(pair):
+    """A decode of 4 heads a block from a prefill of 2: the push is refused, and the pull (the
+    prefill's layout known by then) fails at the decode, with its block ids, before any byte
+    moves; the thread goes on."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d", heads=4)
+    fill_all(pkv)
+    pre.hold("r1", [3])
+    assert fetch_and_wait(dec, "t1", pre, "r1", [3], [0], hold_until=far()) == {"t1": [0]}  # refused
+    assert dec._peer_layouts
+    pre.hold("r2", [4, 5])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [4, 5], [1, 2], hold_until=far()) == {"t2": [1, 2]}
+    assert nonzero_blocks(dkv) == set()
+    assert dec.alive() and pre.alive()
+    ds = dec.stats()
+    assert ds["pulls"] == 0 and ds["bytes_pulled"] == 0 and ds["fetches_failed"] == 2 and ds["fetches_done"] == 0, ds
+    assert pre.stats()["refused"] == 1 and pre.stats()["pushes"] == 0, pre.stats()
+
+
+def test_over_tcp_the_second_request_is_pushed(pair, monkeypatch):
+    """FLAGCX_MESH_TRANSPORT=tcp: the path between the KV caches waits on a network (not in
+    PULL_PATHS), so a request whose prefill layout is known and whose hold lasts is pushed."""
+    monkeypatch.setenv("FLAGCX_MESH_TRANSPORT", "tcp")
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    fill_all(pkv)
+    for i in range(2):
+        pre.hold(f"r{i}", [10 + i])
+        assert fetch_and_wait(dec, f"t{i}", pre, f"r{i}", [10 + i], [i], hold_until=far()) == {}
+        wait_for(pre, "sending", f"r{i}")
+    assert dec._peer_layouts and list(dec._pull_path.values()) == [False]
+    conn = dec.agent.connection(pre.name)
+    assert conn.path_to(pre._regions[0].descriptor, dec._regions[0].descriptor) not in PULL_PATHS
+    assert only_these_blocks(dkv, [{0: 10, 1: 11}] * 2) == []
+    assert dec.stats()["pulls"] == 0 and pre.stats()["pushes"] == 2
+
+
+def test_over_cma_the_path_is_one_to_pull_on():
+    """The premise of the other tests: host memory of two agents of one process takes cma, a
+    path in PULL_PATHS (tcp is not)."""
+    assert "cma" in PULL_PATHS and "tcp" not in PULL_PATHS and "ucx" not in PULL_PATHS
+
+
+# ---- the ack's readers --------------------------------------------------------------------
+
+def test_protocol_ack_with_readers():
+    """An A may carry readers (an integer >= 0); anything else there is a protocol violation."""
+    assert protocol.decode(protocol.encode("A", req="r", readers=3)) == ("A", {"req": "r", "readers": 3})
+    assert protocol.decode(protocol.encode("A", req="r")) == ("A", {"req": "r"})
+    for bad in ("x", -1, True, [2], None):
+        with pytest.raises(protocol.ProtocolViolation, match="'readers' is not an integer >= 0"):
+            protocol.decode(protocol.encode("A", req="r", readers=bad))
+    with pytest.raises(protocol.ProtocolViolation, match="not an integer"):
+        protocol.decode(protocol.encode("A", req="r", readers=1.5))
+
