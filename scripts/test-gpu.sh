@@ -49,19 +49,26 @@ step agent-staged-blocks env FLAGCX_MESH_CUDA_PATH=staged FLAGCX_MESH_STAGED_CHU
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)
-# every device path: cuda-ipc (torch's cudaMalloc memory), staged, and cuda-vmm (torch's expandable
+# every device path: cuda-ipc (torch's cudaMalloc memory), staged (never read by the decode itself: --pull 0), and cuda-vmm (torch's expandable
 # segments are cuMem memory); each run fails unless every push took the path named
 vllm_kv=(--device cuda --layers 8 --blocks 512 --requests 24 --blocks-per-request 16 --heads 8 --head-size 128 --block-size 16)
 step vllm-transfer-cuda timeout 300 "$py" tests/vllm_transfer_prog.py "${vllm_kv[@]}" --expect-path cuda-ipc
 step vllm-transfer-cuda-staged env FLAGCX_MESH_CUDA_PATH=staged timeout 300 "$py" tests/vllm_transfer_prog.py \
-  "${vllm_kv[@]}" --expect-path staged
+  "${vllm_kv[@]}" --expect-path staged --pull 0
 step vllm-transfer-cuda-vmm env FLAGCX_MESH_CUDA_PATH=cuda-vmm PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
   timeout 300 "$py" tests/vllm_transfer_prog.py "${vllm_kv[@]}" --expect-path cuda-vmm
+# the decode reading the requests after the first itself (a pull: cuda-ipc, cuda-vmm), every block checked
+step vllm-transfer-cuda-pull timeout 300 "$py" tests/vllm_transfer_prog.py "${vllm_kv[@]}" --pull 23
+step vllm-transfer-cuda-vmm-pull env FLAGCX_MESH_CUDA_PATH=cuda-vmm PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True \
+  timeout 300 "$py" tests/vllm_transfer_prog.py "${vllm_kv[@]}" --pull 23
 step vllm-transfer-cuda-legacy timeout 300 "$py" tests/vllm_transfer_prog.py --device cuda --layout legacy \
   --layers 4 --blocks 128 --requests 8
 # one request's KV (8B-model shape) through the connector's transfer part, beside a contiguous
 # agent write of the same bytes, on every device path and on host memory
 step bench-kv-cuda "$py" -m flagcx_mesh.bench kv --device cuda --json "$logs/bench-kv-cuda.json"
+# the same requests, every one pushed by the prefill (the decode reads none itself): the pull's gain
+step bench-kv-cuda-push "$py" -m flagcx_mesh.bench kv --device cuda --paths cuda-ipc,cuda-vmm --pull off \
+  --peers none --json "$logs/bench-kv-cuda-push.json"
 # the same request on a TP-4 rank (2 of the 8 KV heads): 4096 blocks of 16 KiB
 step bench-kv-cuda-16k timeout 600 "$py" -m flagcx_mesh.bench kv --device cuda --heads 2 --tokens 2048 \
   --json "$logs/bench-kv-cuda-16k.json"

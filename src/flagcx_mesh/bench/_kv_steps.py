@@ -19,6 +19,16 @@ over the requests. The steps are a chain, each from a stamp to one that cannot c
 and beside the chain: fetch() call (the caller's fetch() itself) and push issued (write_blocks
 itself, inside "push, done back").
 
+A request the decode read itself (a pull: transfer.py) has a chain of its own:
+
+    to its thread       as above
+    to the table        the connection looked up, until the table is made
+    table               the request's op table (RowPlan.rows, the prefill's layout onto this one)
+    to the read         until read_blocks is called
+    read, ack sent      read_blocks: the copies issued and waited for, then the ack (A) sent
+    to the caller       the decode's completion until poll() returns it to the caller
+    total               the decode's fetch() until poll() returned the request
+
 The stamps wrap methods of KVTransfer and AgentConnection in the bench's processes only (a
 perf_counter read and a list append a step); the figures are the request's own, a little slower.
 """
@@ -42,6 +52,15 @@ CHAIN: Tuple[Tuple[str, str, str], ...] = (  # (name, from stamp, to stamp): the
 )
 BESIDE = (("fetch() call", "fetch>", "fetch<"), ("push issued", "wb>", "wb<"))
 STEPS = CHAIN + (("total", "fetch>", "polled"),) + BESIDE
+PULL_CHAIN: Tuple[Tuple[str, str, str], ...] = (
+    ("to its thread", "fetch>", "cmdfetch>"),
+    ("to the table", "cmdfetch>", "table>"),
+    ("table", "table>", "table<"),
+    ("to the read", "table<", "rb>"),
+    ("read, ack sent", "rb>", "rb<"),
+    ("to the caller", "rb<", "polled"),
+)
+PULL_STEPS = PULL_CHAIN + (("total", "fetch>", "polled"), ("fetch() call", "fetch>", "fetch<"))
 
 _stamps: List[Tuple[float, str]] = []
 _installed = [False]
@@ -81,6 +100,7 @@ def install() -> None:
     for name, tag in (("fetch", "fetch"), ("_cmd_fetch", "cmdfetch"), ("_push_table", "table")):
         _wrap(KVTransfer, name, tag)
     _wrap(AgentConnection, "write_blocks", "wb")
+    _wrap(AgentConnection, "read_blocks", "rb")
     _wrap(AgentConnection, "notify", "notify")
     on_notification, poll = KVTransfer._on_notification, KVTransfer.poll
     at = len(protocol.MAGIC)
@@ -118,8 +138,9 @@ def _requests(stamps: List[Tuple[float, str]]) -> List[Dict[str, float]]:
 
 
 def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[str, float]]:
-    """Prints the median of each step per request length (the first request of each length, which
-    sets up its connection's layout, left out) and returns them in ms: {tokens: {step: ms}}."""
+    """Prints the median of each step per request length, pushed and pulled apart (the first
+    request of each length, which sets up its connection's layout, left out where there are more)
+    and returns them in ms: {tokens: {step: ms}}, a pulled request's as {tokens + " pulled": ...}."""
     reqs = _requests([(float(t), str(tag)) for t, tag in json.loads(decode_stamps)] + _stamps)
     if len(reqs) != len(tokens_of_requests):
         print(f"  steps: {len(reqs)} requests stamped, {len(tokens_of_requests)} made: not reported", flush=True)
@@ -128,14 +149,18 @@ def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[
     for tokens, r in zip(tokens_of_requests, reqs):
         by_len.setdefault(tokens, []).append(r)
     out: Dict[str, Dict[str, float]] = {}
-    for tokens, rs in by_len.items():
-        rs = rs[1:] or rs
-        fig = {}
-        for name, a, b in STEPS:
-            gaps = [(r[b] - r[a]) * 1e3 for r in rs if a in r and b in r]
-            if gaps:
-                fig[name] = statistics.median(gaps)
-        out[str(tokens)] = fig
-        print(f"  steps of a {tokens}-token request (ms, median of {len(rs)}): " +
-              ", ".join(f"{name} {ms:.3f}" for name, ms in fig.items()), flush=True)
+    for tokens, all_rs in by_len.items():
+        all_rs = all_rs[1:] or all_rs
+        for pulled, steps, key, how in ((False, STEPS, str(tokens), ""), (True, PULL_STEPS, f"{tokens} pulled", " pulled")):
+            rs = [r for r in all_rs if ("rb>" in r) == pulled]
+            fig = {}
+            for name, a, b in steps:
+                gaps = [(r[b] - r[a]) * 1e3 for r in rs if a in r and b in r]
+                if gaps:
+                    fig[name] = statistics.median(gaps)
+            if not fig:
+                continue
+            out[key] = fig
+            print(f"  steps of a {tokens}-token request{how} (ms, median of {len(rs)}): " +
+                  ", ".join(f"{name} {ms:.3f}" for name, ms in fig.items()), flush=True)
     return out

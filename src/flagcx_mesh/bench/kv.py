@@ -4,14 +4,17 @@ contiguous agent write of the same bytes on the same path, measured in the same 
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
                                    [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
                                    [--reps 5] [--peers nixl,mooncake | none] [--json PATH] [--plot PNG]
-                                   [--steps]
+                                   [--pull on|off] [--steps]
 
 The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
 tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
 the prefill (flagcx_mesh.vllm.transfer.KVTransfer holding a request's blocks); a child process
 is the decode, which fetches them into blocks of its own. Block ids are shuffled on both sides
 (nothing merges: one 64 KiB op per block and layer, as in a long-running engine). Time: from
-the decode's fetch to its completion (data landed and notified), median of --reps requests.
+the decode's fetch to its completion (data landed and notified), median of --reps requests. The
+first request on the connection is pushed by the prefill; with --pull on (the default, as the
+connector) the decode reads the later ones itself where the path moves bytes on this host
+(transfer.py), with --pull off every one is pushed; how many were pushed is printed.
 The references, measured in the same run: the same bytes as one contiguous write per layer
 between two plain agents of the same processes (registered buffers as large as the caches; each
 layer's share to bytes of its own, so that the reference moves as many distinct bytes as the
@@ -72,12 +75,16 @@ def _parse(argv: List[str]) -> argparse.Namespace:
     p.add_argument("--json", metavar="PATH", help="also write the figures to PATH as JSON")
     p.add_argument("--plot", metavar="PNG", help="a plot of GB/s over request size per path: the KV request, the "
                    "contiguous write and the local gathers (needs matplotlib)")
+    p.add_argument("--pull", choices=("on", "off"), default="on", help="whether the decode may read a request's "
+                   "blocks itself (from the second request on a connection, on this host's paths: the connector's "
+                   "default), else the prefill pushes each (default on)")
     p.add_argument("--steps", action="store_true", help="also print where a request's time goes, step by step "
                    "(both processes stamp the transfer part's steps: _kv_steps.py)")
     p.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
     a.tokens = [int(t) for t in a.tokens.split(",") if t]
+    a.pull = a.pull == "on"
     a.peer_list = [] if a.peers.strip() == "none" else [x for x in a.peers.split(",") if x]
     a.paths = [x for x in a.paths.split(",") if x] or (["cma", "tcp"] if a.device == "cpu"
                                                        else ["cuda-ipc", "cuda-vmm", "staged"])
@@ -144,7 +151,7 @@ def decode(args) -> int:
             break
         local = rng.sample(range(_blocks(args)), len(ask["blocks"]))
         t0 = time.perf_counter()
-        x.fetch(ask["req"], md, ask["req"], ask["blocks"], local)
+        x.fetch(ask["req"], md, ask["req"], ask["blocks"], local, hold_until=ask.get("hold_until", 0.0))
         while True:  # woken by the completion (poll's timeout), as a connector's blocking wait would be
             done = x.poll(timeout=1.0)
             if done.failed:
@@ -164,7 +171,8 @@ def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
     blocks = rng.sample(range(_blocks(args)), tokens // args.block_size)
     req = f"req-{i}"
     x.hold(req, blocks)
-    _publish(d, f"ask-{i}", json.dumps({"req": req, "blocks": blocks}).encode())
+    hold_until = time.time() + x.hold_timeout if args.pull else 0.0  # as a connector's kv_transfer_params say
+    _publish(d, f"ask-{i}", json.dumps({"req": req, "blocks": blocks, "hold_until": hold_until}).encode())
     return json.loads(_read(d, f"took-{i}"))
 
 
@@ -290,6 +298,7 @@ def _measure_path(args, path: str) -> Dict[str, object]:
         rng, i = random.Random(0), 0
         for tokens in args.tokens:
             kv, ref, bat, raw = [], [], [], []
+            pushes_before = x.stats()["pushes"]
             layers = _batch_ops(args, local, remote, tokens, rng)
             raw_calls = _raw_cma_calls(args, buf.data_ptr(), peer["addr"], layers, tokens) \
                 if row["path"] == "cma" else ()
@@ -306,7 +315,8 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                                           "contiguous_ms": r * 1e3, "contiguous_gbs": nbytes / r / 1e9,
                                           "batch_ms": b * 1e3, "batch_gbs": nbytes / b / 1e9,
                                           "gather_uint8_ms": _gather_ms(torch, args, tokens, torch.uint8, rng),
-                                          "gather_int64_ms": _gather_ms(torch, args, tokens, torch.int64, rng)}
+                                          "gather_int64_ms": _gather_ms(torch, args, tokens, torch.int64, rng),
+                                          "requests": args.reps, "pushed": x.stats()["pushes"] - pushes_before}
             if raw:
                 row["tokens"][str(tokens)].update(kernel_scattered_ms=statistics.median(r[0] for r in raw) * 1e3,
                                                   kernel_contiguous_ms=statistics.median(r[1] for r in raw) * 1e3)
@@ -346,6 +356,10 @@ def _report(data: dict, args) -> None:
                   f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}{f['batch_ms']:>10.2f}"
                   f"{f['batch_gbs'] / f['contiguous_gbs']:>14.2f}"
                   f"{f['gather_uint8_ms']:>10.3f}/{f['gather_int64_ms']:<7.3f}{f['gather_uint8_ms'] / f['kv_ms']:>14.2f}")
+    for path, row in data["paths"].items():
+        how = [f"{tokens} tokens {f['pushed']} of {f['requests']}" for tokens, f in row["tokens"].items() if "pushed" in f]
+        if how:
+            print(f"  {path}: requests the prefill pushed (the others the decode read itself): {', '.join(how)}")
     for path, row in data["paths"].items():
         for tokens, f in row["tokens"].items():
             if "kernel_scattered_ms" in f:
