@@ -151,9 +151,9 @@ def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engin
     decode then has in its prefix cache. The decode runs TP 2; the prefill TP 2, or TP 1 (each
     decode rank then takes half the heads of every block of each group)."""
     pre = spawn(engines, "prefill", "--dir", tmp_path, "--requests", 5, "--wait-for", "dec", "--window", 32,
-                "--tp", prefill_tp, "--shared-prefix", "3,4")
+                "--tp", prefill_tp, "--shared-prefix", "3,4", "--pull")
     dec = spawn(engines, "decode", "--dir", tmp_path, "--name", "dec", "--take", "0,1,2,3,4", "--window", 32,
-                "--tp", 2, "--one-by-one")
+                "--tp", 2, "--one-by-one", "--pull")
     out_d, out_p = finish(dec), finish(pre)
     assert "kv cache groups: 2, connector supports HMA: True" in out_d, out_d
     assert "kv cache groups: 2, connector supports HMA: True" in out_p, out_p
@@ -167,9 +167,10 @@ def test_a_hybrid_model_full_attention_and_sliding_window_groups(tmp_path, engin
     # x the blocks of the last token's window: from position (tokens - 32) // 16 on)
     for i, n in enumerate((2 * (4 + 4), 2 * (6 + 6), 2 * (6 + 6), 2 * (8 + 6), 2 * (6 + 6))):
         assert f"loaded d-{i}: {n} blocks ok" in out_d, out_d
-    # d-0 pushed (the first request on each connection: the prefill's layout comes back meanwhile),
-    # d-1..d-4 read by each decode rank itself (cma, remote_hold_until 60 s ahead): the checks
-    # above hold for the reads (with TP 1 on the prefill, two readers of its one rank each)
+    # pull on (both engines): d-0 pushed (the first request on each connection: the prefill's layout
+    # comes back meanwhile), d-1..d-4 read by each decode rank itself (cma, remote_hold_until 60 s
+    # ahead, its MAC checked): the checks above hold for the reads (with TP 1 on the prefill, two
+    # readers of its one rank each)
     assert "decode read itself: 8 fetches" in out_d, out_d
     assert "load errors: 0 blocks" in out_d and "decode: free blocks 95 of 95" in out_d, out_d
     rel = released_after(out_p)
@@ -252,6 +253,41 @@ def test_a_kv_transfer_params_hold_that_is_not_a_finite_number_is_none():
         assert SchedulerSide._hold_until({"remote_hold_until": v}) == 0.0, v
     assert SchedulerSide._hold_until({"remote_hold_until": 1.5e9}) == 1.5e9
     assert SchedulerSide._hold_until({}) == 0.0
+
+
+def signed_params(secret: bytes, **over) -> dict:
+    import json
+    import time
+
+    from flagcx_mesh.vllm.scheduler import pull_mac
+
+    p = dict(remote_engine_id="pre", remote_request_id="req-1", remote_block_ids=[3, 4, 9],
+             remote_agents=["YWdlbnQ="], remote_hold_until=time.time() + 60)
+    p["remote_pull_mac"] = pull_mac(secret, p)
+    p = json.loads(json.dumps(p))  # as the params travel
+    p.update(over)
+    return p
+
+
+def test_a_decode_reads_blocks_itself_only_on_params_whose_mac_it_checked(caplog):
+    """Params a client or a proxy made up or altered (other block ids, another request, other
+    agents, a later hold, another secret's MAC, none) give the workers no hold: those blocks are
+    pushed, the prefill serving only what it holds for that request. Genuine ones give the hold;
+    with pull off on the decode (no secret handed to its scheduler) nothing is read."""
+    from flagcx_mesh.vllm.scheduler import SchedulerSide
+
+    side = SchedulerSide.__new__(SchedulerSide)
+    side._pull_secret = b"s3cret"
+    good = signed_params(b"s3cret")
+    assert side._trusted_hold(good) == good["remote_hold_until"]
+    for over in (dict(remote_block_ids=[3, 4, 10]), dict(remote_request_id="req-2"), dict(remote_agents=["eA=="]),
+                 dict(remote_hold_until=good["remote_hold_until"] + 1000), dict(remote_engine_id="other"),
+                 dict(remote_pull_mac=signed_params(b"other")["remote_pull_mac"]), dict(remote_pull_mac=None)):
+        assert side._trusted_hold(dict(good, **over)) == 0.0, over
+    assert side._trusted_hold({k: v for k, v in good.items() if k != "remote_pull_mac"}) == 0.0
+    assert "without a valid remote_pull_mac" in caplog.text
+    side._pull_secret = b""
+    assert side._trusted_hold(good) == 0.0
 
 
 def test_unknown_extra_config_keys_are_warned_in_one_line_each(caplog):

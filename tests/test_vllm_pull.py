@@ -445,3 +445,137 @@ def test_protocol_ack_with_readers():
     with pytest.raises(protocol.ProtocolViolation, match="not an integer"):
         protocol.decode(protocol.encode("A", req="r", readers=1.5))
 
+
+
+# ---- a read in flight: the reader thread ------------------------------------------------
+
+class Gate:
+    """Wraps the decode connections' read_blocks: each read's handle reports done only once the
+    gate opens (``fail``: then with that error), as a device read still copying would."""
+
+    def __init__(self, monkeypatch, fail=None):
+        import threading
+
+        from flagcx_mesh.agent import AgentConnection
+
+        self.open, self.fail, self.reads = threading.Event(), fail, 0
+        real = AgentConnection.read_blocks
+        gate = self
+
+        class Held:
+            def __init__(self, h):
+                self.h = h
+
+            def done(self):
+                return gate.open.is_set() and self.h.done()
+
+            def wait(self, timeout=None):
+                from flagcx_mesh.errors import MeshTimeout
+
+                if not gate.open.wait(timeout):
+                    raise MeshTimeout("held by the test")
+                self.h.wait(timeout)
+                if gate.fail is not None:
+                    raise gate.fail
+
+        def read_blocks(conn, *a, **k):
+            gate.reads += 1
+            return Held(real(conn, *a, **k))
+
+        monkeypatch.setattr(AgentConnection, "read_blocks", read_blocks)
+
+
+def warm(pre, dec, pkv):
+    """One pushed request, so that the decode knows the prefill's layout."""
+    fill_all(pkv)
+    pre.hold("w", [15])
+    assert fetch_and_wait(dec, "tw", pre, "w", [15], [15], hold_until=far()) == {}
+    wait_for(pre, "sending", "w")
+
+
+def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair, monkeypatch):
+    """While a pull's read is in flight the request is not reported and the prefill keeps its
+    blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold
+    given). Once the read is over the ack goes and the request is reported, its bytes right."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    gate = Gate(monkeypatch)
+    pre.hold("r2", [4, 5])
+    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+    wait_until(lambda: gate.reads == 1, "the read was issued")
+    pre.hold("r3", [6])
+    assert fetch_and_wait(dec, "t3", pre, "r3", [6], [3]) == {}  # pushed while t2's read is held
+    assert not_within(dec, "recving", "t2", 0.5) and not_within(pre, "sending", "r2", 0.2)
+    gate.open.set()
+    assert wait_for(dec, "recving", "t2") == {}
+    wait_for(pre, "sending", "r2")
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5, 3: 6}] * 2) == []
+    assert dec.stats()["pulls"] == 1 and pre.stats()["pushes"] == 2
+
+
+def test_a_failed_read_fails_its_request_once_over_and_the_prefill_is_told_to_release(pair, monkeypatch):
+    """A read that ends in an error: the request is reported failed (its local blocks), only
+    once the read is over, and the prefill releases the blocks on the decode's C (no ack)."""
+    from flagcx_mesh.errors import MeshError
+
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, _ = pair("d")
+    warm(pre, dec, pkv)
+    gate = Gate(monkeypatch, fail=MeshError("the test's read failed"))
+    pre.hold("r2", [4, 5])
+    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+    assert not_within(dec, "recving", "t2", 0.5)
+    gate.open.set()
+    assert wait_for(dec, "recving", "t2") == {"t2": [1, 2]}
+    wait_for(pre, "sending", "r2")
+    assert pre.stats()["released_cancelled"] == 1 and dec.stats()["pulls"] == 0, (pre.stats(), dec.stats())
+
+
+def test_a_request_cancelled_while_its_read_is_in_flight_is_reported_once_the_read_is_over(pair, monkeypatch):
+    """cancel() during a pull: the prefill is told at once (it releases), and the request is
+    reported received (as cancelled, no failed blocks) only once no byte of the read can land."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, _ = pair("d")
+    warm(pre, dec, pkv)
+    gate = Gate(monkeypatch)
+    pre.hold("r2", [4, 5])
+    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+    wait_until(lambda: gate.reads == 1, "the read was issued")
+    dec.cancel("t2")
+    wait_for(pre, "sending", "r2")
+    assert not_within(dec, "recving", "t2", 0.5)
+    gate.open.set()
+    assert wait_for(dec, "recving", "t2") == {}
+    assert dec.stats()["pulls"] == 0
+
+
+def test_a_decode_reads_a_prefill_s_request_once_a_second_ask_is_pushed(pair):
+    """The same prefill request fetched again after it was read (and released by the read's
+    ack): not read a second time (its blocks may hold another request's KV by now) but asked
+    for, and the prefill refuses it: the fetch fails with its blocks, nothing lands."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    pre.hold("r2", [4])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [4], [1], hold_until=far()) == {}
+    wait_for(pre, "sending", "r2")
+    assert fetch_and_wait(dec, "t2b", pre, "r2", [4], [2], hold_until=far()) == {"t2b": [2]}
+    assert dec.stats()["pulls"] == 1 and pre.stats()["refused"] == 1, (dec.stats(), pre.stats())
+    assert only_these_blocks(dkv, [{15: 15, 1: 4}] * 2) == []
+
+
+def test_an_early_ack_then_a_cancel_leaves_nothing_behind(pair):
+    """One of two readers acks a request before the prefill's hold, then a cancel for it comes:
+    the kept ack goes with it, and the hold then releases the request at once (cancelled)."""
+    pre, _ = pair("p", hold_timeout=60)
+    dec, _ = pair("d")
+    conn = dec.agent.connect(pre.metadata)
+    conn.notify(protocol.encode("A", req="r9", readers=2))
+    wait_until(lambda: "r9" in pre._early_acks, "the early ack was kept")
+    conn.notify(protocol.encode("C", req="r9"))
+    wait_until(lambda: "r9" in pre._gone, "the cancel came")
+    assert "r9" not in pre._early_acks
+    pre.hold("r9", [3])
+    assert pre.poll(timeout=5).sending == {"r9"}
+    assert pre.stats()["released_cancelled"] == 1 and pre.stats()["released_served"] == 0, pre.stats()

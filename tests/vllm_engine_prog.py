@@ -58,6 +58,7 @@ def parse():
     p.add_argument("--timeout", type=float, default=90.0)
     p.add_argument("--kv-heads", type=int, default=4)
     p.add_argument("--window", type=int, default=0)
+    p.add_argument("--pull", action="store_true", help="the connector's pull setting on (decode reads blocks itself)")
     return p.parse_args()
 
 
@@ -134,7 +135,7 @@ def shut_down(e, role, problems) -> int:
 
 def prefill(a) -> int:
     deadline = time.monotonic() + a.timeout
-    e = Engine(a.dir, "kv_producer", "prefill", tp=a.tp, extra={"hold_timeout": a.hold_timeout}, **model_args(a))
+    e = Engine(a.dir, "kv_producer", "prefill", tp=a.tp, extra={"hold_timeout": a.hold_timeout, "pull": a.pull}, **model_args(a))
     say_groups(e)
     if a.die_on_push:
         die_on_first_push(e)
@@ -170,7 +171,7 @@ def prefill(a) -> int:
 
 def decode(a) -> int:
     deadline = time.monotonic() + a.timeout
-    e = Engine(a.dir, "kv_consumer", a.name, tp=a.tp, extra={"fetch_timeout": a.fetch_timeout}, **model_args(a))
+    e = Engine(a.dir, "kv_consumer", a.name, tp=a.tp, extra={"fetch_timeout": a.fetch_timeout, "pull": a.pull}, **model_args(a))
     say_groups(e)
     publish(a.dir, f"{a.name}.ready", {})
     mid = {f"d-{i}" for i in ints(a.abort_mid)}

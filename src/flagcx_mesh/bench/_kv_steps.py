@@ -25,8 +25,9 @@ A request the decode read itself (a pull: transfer.py) has a chain of its own:
     to the table        the connection looked up, until the table is made
     table               the request's op table (RowPlan.rows, the prefill's layout onto this one)
     to the read         until read_blocks is called
-    read, ack sent      read_blocks: the copies issued and waited for, then the ack (A) sent
-    to the caller       the decode's completion until poll() returns it to the caller
+    read issued         read_blocks itself (the copies issued)
+    read landed         until the reader thread saw the copies complete and sends the ack (A)
+    to the caller       the ack sent, the request reported, until poll() returns it to the caller
     total               the decode's fetch() until poll() returned the request
 
 The stamps wrap methods of KVTransfer and AgentConnection in the bench's processes only (a
@@ -57,8 +58,9 @@ PULL_CHAIN: Tuple[Tuple[str, str, str], ...] = (
     ("to the table", "cmdfetch>", "table>"),
     ("table", "table>", "table<"),
     ("to the read", "table<", "rb>"),
-    ("read, ack sent", "rb>", "rb<"),
-    ("to the caller", "rb<", "polled"),
+    ("read issued", "rb>", "rb<"),
+    ("read landed", "rb<", "notify>"),
+    ("to the caller", "notify>", "polled"),
 )
 PULL_STEPS = PULL_CHAIN + (("total", "fetch>", "polled"), ("fetch() call", "fetch>", "fetch<"))
 

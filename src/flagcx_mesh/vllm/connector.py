@@ -12,7 +12,8 @@ The scheduler side is scheduler.py; the worker side here drives one
   released (60; never later than ``hold_timeout``),
 - ``connect_timeout``: seconds to reach a prefill's agent (10),
 - ``pull``: whether a decode reads a request's blocks itself where it can (transfer.py: on this
-  host's paths, the prefill's layout known, its hold lasting; true); else the prefill pushes them,
+  host's paths, the prefill's layout known, its hold lasting and MAC-checked; false: the prefill
+  pushes every request; on both prefill and decode),
 - ``agent_name``: the prefix of the agents' names (``vllm``; a worker's agent is
   ``<prefix>-<engine_id>-tp<rank>``),
 - ``listen_ports``: ``"P"`` or ``"P-Q"``, the ports the workers' agents listen on (each takes the
@@ -51,8 +52,15 @@ KNOWN_KEYS = ("secret", "hold_timeout", "fetch_timeout", "push_timeout", "connec
 
 
 def _flag(v) -> bool:
-    """A setting's truth: booleans, and the strings a command line gives (false, 0, no, off)."""
-    return v.strip().lower() not in ("false", "0", "no", "off", "") if isinstance(v, str) else bool(v)
+    """A setting's truth: booleans, numbers, and the strings a command line gives (true / false,
+    1 / 0, yes / no, on / off); anything else is false, with a warning."""
+    if isinstance(v, str):
+        word = v.strip().lower()
+        if word in ("true", "1", "yes", "on", "false", "0", "no", "off", ""):
+            return word in ("true", "1", "yes", "on")
+        log.warning("FlagcxMeshConnector: %r is not true or false; taken as false", v)
+        return False
+    return bool(v)
 
 
 def warn_unknown_keys(extra: dict) -> None:
@@ -129,8 +137,11 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
         self._part_of: dict = {}  # such a fetch's tag -> its request id
         if role == KVConnectorRole.SCHEDULER:
             warn_unknown_keys(self._extra)
+            pull = _flag(self._extra.get("pull", False))
+            secret = self._extra.get("secret") or os.environ.get("FLAGCX_MESH_AGENT_SECRET") or ""
             self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata,
-                                            kv_cache_config, hold_timeout=self._setting("hold_timeout", 120))
+                                            kv_cache_config, hold_timeout=self._setting("hold_timeout", 120),
+                                            pull_secret=str(secret).encode() if pull else b"")
         else:
             self.tp_size = vllm_config.parallel_config.tensor_parallel_size
             self.tp_rank = tp_rank_of_this_worker(vllm_config)
@@ -157,7 +168,7 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
             fetch_timeout=self._setting("fetch_timeout", 120), push_timeout=self._setting("push_timeout", 60),
             connect_timeout=self._setting("connect_timeout", 10), layer_groups=groups,
-            pull=_flag(self._extra.get("pull", True)))
+            pull=_flag(self._extra.get("pull", False)))
         log.info("FlagcxMeshConnector: agent %s registered %d layers", self._transfer.name, len(kv_caches))
 
     def get_handshake_metadata(self) -> Optional[FlagcxMeshHandshake]:

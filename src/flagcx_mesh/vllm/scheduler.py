@@ -4,9 +4,11 @@ decode, which a decode fetches, and the metadata that tells the workers.
 Prefill (``kv_transfer_params`` with ``do_remote_decode``): ``request_finished`` keeps the
 request's blocks (delay free) and answers the parameters a decode needs: this engine's worker
 agents (their metadata, one per tensor-parallel rank, learned from the workers' handshake
-metadata at start), the request id, its block ids and until when (this host's wall clock) its
-blocks are held at least (``remote_hold_until``: a decode may read them itself until shortly
-before; transfer.py). Decode (``do_remote_prefill``): the
+metadata at start), the request id, its block ids and, where ``pull`` is on, until when (this
+host's wall clock) its blocks are held at least (``remote_hold_until``) and a MAC of all of these
+keyed by the agents' secret (``remote_pull_mac``): a decode reads the blocks itself (transfer.py)
+only on a hold whose MAC it checked, so params made up or altered on the way (other block ids,
+another request, a later hold) are pushed, the prefill judging them. Decode (``do_remote_prefill``): the
 prompt's tokens beyond the local prefix-cache hit are "matched" and loaded asynchronously;
 ``update_state_after_alloc`` records the blocks allocated for them, and the next
 ``build_connector_meta`` tells the workers to fetch.
@@ -17,6 +19,9 @@ block ids go per group (groups.py): a sliding-window group's only those still in
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import json
 import logging
 import math
 import time
@@ -33,9 +38,11 @@ TRANSFER_NAME = "flagcx_mesh-push"
 
 
 class SchedulerSide:
-    def __init__(self, vllm_config, engine_id: str, metadata_cls, kv_cache_config=None, hold_timeout: float = 120.0):
+    def __init__(self, vllm_config, engine_id: str, metadata_cls, kv_cache_config=None, hold_timeout: float = 120.0,
+                 pull_secret: bytes = b""):
         self.engine_id = engine_id
         self.hold_timeout = float(hold_timeout)  # the workers' (a hold starts after request_finished)
+        self._pull_secret = pull_secret  # the agents' secret where pull is on (else b"": every request pushed)
         self.block_size = vllm_config.cache_config.block_size
         self.tp_size = vllm_config.parallel_config.tensor_parallel_size
         self._metadata_cls = metadata_cls
@@ -124,7 +131,7 @@ class SchedulerSide:
                                                                  self.windows))
         self._to_fetch[request.request_id] = dict(local=local, remote_req=remote_req,
                                                   remote_blocks=remote_blocks, agents=agents,
-                                                  hold_until=self._hold_until(params))
+                                                  hold_until=self._trusted_hold(params))
         self._fetching.add(request.request_id)
 
     @staticmethod
@@ -135,6 +142,18 @@ class SchedulerSide:
         except (KeyError, TypeError, ValueError) as e:
             log.error("kv_transfer_params without a usable prefill (%s): %s", e, params)
             return None
+
+    def _trusted_hold(self, params: dict) -> float:
+        """The prefill's hold, where pull is on and its MAC is the one this secret makes (0: pushed)."""
+        hold = self._hold_until(params)
+        if not self._pull_secret or not hold:
+            return 0.0
+        mac = params.get("remote_pull_mac")
+        if isinstance(mac, str) and hmac.compare_digest(mac, pull_mac(self._pull_secret, params)):
+            return hold
+        log.warning("kv_transfer_params of %s: remote_hold_until without a valid remote_pull_mac (another "
+                    "secret, or params altered on the way): its blocks are pushed", str(params.get("remote_request_id"))[:200])
+        return 0.0
 
     @staticmethod
     def _hold_until(params: dict) -> float:
@@ -182,11 +201,14 @@ class SchedulerSide:
             return False, None
         self._to_hold[req_id] = kv_groups.to_wire(block_ids)
         self._held.add(req_id)
-        return True, dict(
+        out = dict(
             do_remote_prefill=True, do_remote_decode=False, remote_request_id=req_id,
             remote_block_ids=kv_groups.to_wire(block_ids), remote_engine_id=self.engine_id, remote_agents=agents,
-            tp_size=self.tp_size, block_size=self.block_size, transfer=TRANSFER_NAME,
-            remote_hold_until=time.time() + self.hold_timeout)
+            tp_size=self.tp_size, block_size=self.block_size, transfer=TRANSFER_NAME)
+        if self._pull_secret:
+            out["remote_hold_until"] = time.time() + self.hold_timeout
+            out["remote_pull_mac"] = pull_mac(self._pull_secret, out)
+        return True, out
 
     def _offered_blocks(self, block_ids) -> kv_groups.Groups:
         """A finished prefill's blocks per transfer group, each sliding-window group's clipped to
@@ -223,3 +245,13 @@ def window_sizes(kv_cache_config, block_size: int) -> List[int]:
         out.append(kv_groups.window_blocks(spec.sliding_window, spec.block_size)
                    if isinstance(spec, SlidingWindowSpec) else 0)
     return out
+
+
+def pull_mac(secret: bytes, params: dict) -> str:
+    """HMAC-SHA256, keyed by the agents' secret, of what a decode's read of a request's blocks
+    rests on: the prefill engine, its request id, block ids, agents and hold (as JSON: the
+    params travel as JSON, which gives these values back exactly). Missing fields MAC as null."""
+    fields = [params.get(k) for k in ("remote_engine_id", "remote_request_id", "remote_block_ids", "remote_agents",
+                                      "remote_hold_until")]
+    msg = json.dumps(fields, separators=(",", ":"), sort_keys=True).encode()
+    return hmac.new(secret, b"flagcx_mesh pull v1\0" + msg, hashlib.sha256).hexdigest()

@@ -25,10 +25,13 @@ A decode may instead read the blocks itself (a pull: no ``W``, no ``D``, two hop
 prefill's thread off the request's path), where all of these hold: the prefill's layout came on
 this connection or an earlier one to the same prefill agent (a prefill answers a decode's layout
 with its own, so from the second request on), the path between the two KV caches moves the bytes on this host (cuda-ipc,
-cuda-vmm, cuda-self, cma, shm, self: no read waits on a network), and the request's hold is
-known to last (``hold_until``, the prefill's wall clock, more than ``pull_margin`` seconds
-ahead). The read's notification is the ``A`` (carrying ``readers``), sent once the bytes landed;
-the prefill releases the blocks on it as after a push. Anything else is pushed as before.
+cuda-vmm, cuda-self, cma, shm, self, between every pair of the two workers' regions: no read
+waits on a network), the request's hold is known to last (``hold_until``, the prefill's wall
+clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), and this decode
+did not read that prefill's request before. The read is issued on this thread and waited for by
+a reader thread, which then sends the ``A`` (carrying ``readers``) and reports the request (a
+failed read once no byte of it can land any more, with a ``C``); the prefill releases the
+blocks on the ``A`` as after a push. Anything else is pushed as before.
 
 Every agent call runs on one background thread; the public methods only queue commands and
 drain results, so the engine's step never waits on the network. The thread takes any bytes a
@@ -51,7 +54,7 @@ from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 from ..agent import Agent
-from ..errors import InvalidArgument, MeshError
+from ..errors import InvalidArgument, MeshError, MeshTimeout
 from . import protocol
 from .groups import Groups, as_groups, flat, split
 from .layout import WHOLE, LayerGeometry, LayoutError, RowPlan, block_id_tensor, check_part, describe_layers
@@ -162,6 +165,7 @@ class _Fetch:
     part: Tuple[int, ...] = WHOLE
     readers: int = 0
     hold_until: float = 0.0  # the prefill's wall clock: its hold lasts until then (0: not known)
+    reading: bool = False  # a pull's read is in flight: only its waiter reports the fetch (_wait_reads)
 
 
 def _incarnation(conn) -> str:
@@ -242,6 +246,9 @@ class KVTransfer:
         self._fetches: Dict[str, _Fetch] = {}
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
         self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
+        self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
+        self._reads: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # pulls in flight, in order
+        self._reader: Optional[threading.Thread] = None  # waits for them (_wait_reads), made at the first
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -323,6 +330,9 @@ class KVTransfer:
             self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+        self._reads.put(None)
+        if self._reader is not None and self._reader is not threading.current_thread():
+            self._reader.join(timeout=30)
         for c in list(self._closing.values()):  # connections abandoned: their engines stop first
             if c.thread is not None and c.thread is not threading.current_thread():
                 c.thread.join(timeout=30)
@@ -424,6 +434,7 @@ class KVTransfer:
         for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
             del self._peer_layouts[key]
             self._plans.pop(key, None)
+            self._pull_path.pop(key, None)
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
         self._plans.pop((peer, incarnation), None)
         self._pull_path.pop((peer, incarnation), None)
@@ -570,7 +581,7 @@ class KVTransfer:
         for g, group in zip(self.layers, self.layer_group):
             pg = peer_layers.get(g.name)
             if pg is None:
-                raise LayoutError(f"layer {g.name} is not in the decode's KV cache")
+                raise LayoutError(f"layer {g.name} is not in the peer's KV cache (its layout names no such layer)")
             if not 0 <= pg.region < len(regions):
                 raise LayoutError(f"layer {g.name}: region {pg.region} not described")
             pairs[group].append((g, g.region, pg, pg.region))
@@ -604,7 +615,9 @@ class KVTransfer:
         held = self._held.get(req)
         if held is None:
             self._early.pop(req, None)
-            self._remember_gone(req, why + EARLY)  # counted when its hold comes (_cmd_hold)
+            self._early_acks.pop(req, None)
+            if req not in self._gone:  # (the first word on it stands)
+                self._remember_gone(req, why + EARLY)  # counted when its hold comes (_cmd_hold)
             return
         # Not while a push may still read the blocks (another decode's, or the acknowledged
         # push's last completions): once they are over (or abandoned, at their deadline).
@@ -777,10 +790,12 @@ class KVTransfer:
         layout = self._peer_layouts.get(key)
         if not self.pull or layout is None or not layout[0] or not time.time() + self.pull_margin < f.hold_until:
             return False
+        if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
+            return False
         ok = self._pull_path.get(key)
         if ok is None:
-            try:
-                ok = conn.path_to(layout[0][0], self._regions[0].descriptor) in PULL_PATHS
+            try:  # every pair of regions (a read that waits on a network would hold up every other fetch)
+                ok = all(conn.path_to(r, mine.descriptor) in PULL_PATHS for r in layout[0] for mine in self._regions)
             except MeshError as e:
                 log.info("%s: blocks from %s are pushed: %s", self.name, key[0], e)
                 ok = False
@@ -788,9 +803,9 @@ class KVTransfer:
         return ok
 
     def _pull(self, f: _Fetch, conn) -> None:
-        """Reads the fetch's blocks from the prefill (every layer's in one call, on this thread:
-        its path waits on no network), then the ack goes (the read's notification: it follows the
-        bytes) and the request is reported. The table is a push's from here onto the prefill's
+        """Reads the fetch's blocks from the prefill: every layer's in one read_blocks call, issued
+        here and waited for by the reader thread (_wait_reads), which sends the ack once the bytes
+        landed and reports the request. The table is a push's from here onto the prefill's
         layout, its ``part`` swapped (slice di of dn of these blocks, slice si of sn of the
         prefill's): rows (local region, offset, remote region, offset, size), as read_blocks takes."""
         key = (conn.peer_name, conn.peer_incarnation)
@@ -804,20 +819,77 @@ class KVTransfer:
             return self._fail(f, f"the prefill's KV cache does not fit this one: {e}")
         readers = f.readers or sn
         ack = protocol.encode("A", req=f.remote_req, **({"readers": readers} if readers > 1 else {}))
+        self._pulled[(key[0], f.remote_req)] = None
+        while len(self._pulled) > FORGET_AFTER:
+            self._pulled.popitem(last=False)
         try:
-            if len(table):  # every layer's blocks in one call, the ack after them
-                h = conn.read_blocks(self._regions, layout[0], table, notification=ack)
-                h.wait(max(1.0, f.deadline - time.monotonic()))
-            else:
-                conn.notify(ack)
-        except MeshError as e:
+            h = conn.read_blocks(self._regions, layout[0], table) if len(table) else None
+        except MeshError as e:  # refused before any byte moved
             return self._fail(f, f"reading the blocks from the prefill failed: {e}")
+        f.reading = True
+        if self._reader is None:
+            self._reader = threading.Thread(target=self._wait_reads, name=f"kv-reads-{self.name}", daemon=True)
+            self._reader.start()
+        self._reads.put((f, h, ack, int(table[:, 4].sum()) if len(table) else 0))
+
+    def _wait_reads(self) -> None:
+        """The reader thread: waits for each pull's read, in the order they were issued, then
+        reports it (_pulled_one). A read that fails is reported only once it is over (no byte of it
+        lands in blocks vLLM may hand out again); close() ends the wait."""
+        while True:
+            item = self._reads.get()
+            if item is None:
+                return
+            f, h, ack, nbytes = item
+            why = ""
+            while h is not None and not why:
+                try:
+                    h.wait(1.0)  # (done: returns at once, or raises the read's own error)
+                    break
+                except MeshTimeout as e:
+                    if h.done():
+                        why = "" if self._read_ok(h) else str(e)
+                        break
+                    if self._stop.is_set():
+                        why = "the transfer part was closed with the read in flight"
+                except MeshError as e:
+                    why = str(e)
+            try:
+                self._pulled_one(f, ack, nbytes, why)
+            except Exception:  # noqa: BLE001 - the next reads must still be reported
+                self._warn_internal.warn("%s: reporting the read of %s failed:\n%s", self.name, f.tag,
+                                         traceback.format_exc())
+
+    @staticmethod
+    def _read_ok(h) -> bool:
+        """A finished read's outcome (its wait timed out just as it completed)."""
+        try:
+            h.wait(1.0)
+            return True
+        except MeshError:
+            return False
+
+    def _pulled_one(self, f: _Fetch, ack: bytes, nbytes: int, why: str) -> None:
+        """A pull's read is over: the ack goes to the prefill (it releases the blocks) and the
+        request is reported, or, when the read failed or the ack cannot go (the prefill is gone:
+        nothing says its memory held the blocks to the end), the prefill is told to release them
+        and the request fails. A cancelled one is reported as cancelled (its C went already)."""
+        if f.cancelled:
+            return self._fail(f, "cancelled")
+        if not why:
+            try:
+                f.conn.notify(ack)
+            except MeshError as e:
+                why = f"the prefill is gone: {e}"
+        if why:
+            self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
+            return self._fail(f, f"reading the blocks from the prefill failed: {why}")
         self._fetches.pop(f.tag, None)
-        self._finish(recving=f.tag)  # first: the caller's wait is what the request's time ends with
-        with self._lock:
-            for key, n in (("pulls", 1), ("bytes_pulled", int(table[:, 4].sum()) if len(table) else 0),
-                           ("fetches_done", 1), ("fetch_seconds", time.monotonic() - f.started)):
+        with self._lock:  # counted with the report: a caller that sees the request sees them
+            for key, n in (("pulls", 1), ("bytes_pulled", nbytes), ("fetches_done", 1),
+                           ("fetch_seconds", time.monotonic() - f.started)):
                 self._stats[key] += n
+            self._finish(recving=f.tag)
 
     def _cmd_cancel(self, tag: str) -> None:
         f = self._fetches.get(tag)
@@ -868,6 +940,8 @@ class KVTransfer:
 
     def _check_fetches(self, now: float) -> None:
         for f in list(self._fetches.values()):
+            if f.reading:  # the reader reports it once its read is over, whatever happened meanwhile
+                continue
             try:
                 gone = f.conn.gone() if f.conn is not None else "not connected"
                 if gone:
