@@ -20,10 +20,9 @@ from flagcx_mesh.vllm.transfer import PULL_PATHS, KVTransfer  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402
+from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402,F401
+from kv_transfer_util import NUM_BLOCKS, fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
 
-SECRET = "vllm-pull-test"
-NUM_BLOCKS = 16
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
 pytestmark = pytest.mark.timeout(120)
@@ -40,35 +39,6 @@ def far():
 
 # ---- helpers (as in test_vllm_transfer.py) ----------------------------------------------
 
-@pytest.fixture
-def pair(monkeypatch):
-    monkeypatch.setenv("FLAGCX_MESH_AGENT_SECRET", SECRET)
-    made = []
-
-    def make(name, heads=2, **kw):
-        kv, _ = make_kv_caches([0, 1], NUM_BLOCKS, heads=heads)
-        x = KVTransfer(name, kv, NUM_BLOCKS, **kw)
-        made.append(x)
-        return x, kv
-
-    yield make
-    for x in made:
-        x.close()
-
-
-def wait_for(x, what, key, timeout=20.0):
-    """Polls x until ``key`` appears in ``what`` (sending / recving); its ``failed`` meanwhile."""
-    got, end = set(), time.monotonic() + timeout
-    failed = {}
-    while key not in got:
-        assert time.monotonic() < end, f"{key} never appeared in {what}"
-        done = x.poll()
-        got |= getattr(done, what)
-        failed.update(done.failed)
-        time.sleep(0.005)
-    return failed
-
-
 def wait_until(cond, what, timeout=10.0):
     end = time.monotonic() + timeout
     while not cond():
@@ -83,43 +53,6 @@ def not_within(x, what, key, seconds):
         if key in getattr(x.poll(), what):
             return False
         time.sleep(0.01)
-    return True
-
-
-def fill_all(kv):
-    for li, t in enumerate(kv.values()):
-        for b in range(t.shape[0]):
-            fill_block(t, b, 0, f"{li}/{b}")
-
-
-def only_these_blocks(kv, received) -> list:
-    """[(layer, block)] that differ: each layer's received blocks hold the source block
-    (``received[layer]``: {block: source block}), every other block of it is still zero."""
-    bad = []
-    for li, t in enumerate(kv.values()):
-        for b in range(t.shape[0]):
-            src = received[li].get(b)
-            ok = block_matches(t, b, 0, f"{li}/{src}") if src is not None else not as_bytes(t[b]).any()
-            if not ok:
-                bad.append((li, b))
-    return bad
-
-
-def fill_heads(kv, seed_of):
-    """Every head of every block: pattern(seed_of(layer, block, head))."""
-    for li, t in enumerate(kv.values()):
-        for b in range(t.shape[0]):
-            for h in range(t.shape[1]):
-                view = t[b, h]
-                view.copy_(pattern(seed_of(li, b, h), view.numel() * view.element_size()).view(t.dtype).reshape(view.shape))
-
-
-def heads_match(kv, block, seed_of_head) -> bool:
-    for li, t in enumerate(kv.values()):
-        for h in range(t.shape[1]):
-            view = t[block, h]
-            if not torch.equal(as_bytes(view), pattern(seed_of_head(li, h), view.numel() * view.element_size())):
-                return False
     return True
 
 
@@ -493,17 +426,24 @@ def warm(pre, dec, pkv):
     wait_for(pre, "sending", "w")
 
 
+def read_in_flight(pair, monkeypatch, fail=None):
+    """A pull of request r2 (prefill blocks 4, 5 into decode blocks 1, 2) issued, its read held
+    by a Gate: (prefill, decode, the decode's KV caches, the gate)."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    gate = Gate(monkeypatch, fail)
+    pre.hold("r2", [4, 5])
+    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+    wait_until(lambda: gate.reads == 1, "the read was issued")
+    return pre, dec, dkv, gate
+
+
 def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair, monkeypatch):
     """While a pull's read is in flight the request is not reported and the prefill keeps its
     blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold
     given). Once the read is over the ack goes and the request is reported, its bytes right."""
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d")
-    warm(pre, dec, pkv)
-    gate = Gate(monkeypatch)
-    pre.hold("r2", [4, 5])
-    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
-    wait_until(lambda: gate.reads == 1, "the read was issued")
+    pre, dec, dkv, gate = read_in_flight(pair, monkeypatch)
     pre.hold("r3", [6])
     assert fetch_and_wait(dec, "t3", pre, "r3", [6], [3]) == {}  # pushed while t2's read is held
     assert not_within(dec, "recving", "t2", 0.5) and not_within(pre, "sending", "r2", 0.2)
@@ -519,12 +459,7 @@ def test_a_failed_read_fails_its_request_once_over_and_the_prefill_is_told_to_re
     once the read is over, and the prefill releases the blocks on the decode's C (no ack)."""
     from flagcx_mesh.errors import MeshError
 
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, _ = pair("d")
-    warm(pre, dec, pkv)
-    gate = Gate(monkeypatch, fail=MeshError("the test's read failed"))
-    pre.hold("r2", [4, 5])
-    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+    pre, dec, _, gate = read_in_flight(pair, monkeypatch, fail=MeshError("the test's read failed"))
     assert not_within(dec, "recving", "t2", 0.5)
     gate.open.set()
     assert wait_for(dec, "recving", "t2") == {"t2": [1, 2]}
@@ -535,13 +470,7 @@ def test_a_failed_read_fails_its_request_once_over_and_the_prefill_is_told_to_re
 def test_a_request_cancelled_while_its_read_is_in_flight_is_reported_once_the_read_is_over(pair, monkeypatch):
     """cancel() during a pull: the prefill is told at once (it releases), and the request is
     reported received (as cancelled, no failed blocks) only once no byte of the read can land."""
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, _ = pair("d")
-    warm(pre, dec, pkv)
-    gate = Gate(monkeypatch)
-    pre.hold("r2", [4, 5])
-    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
-    wait_until(lambda: gate.reads == 1, "the read was issued")
+    pre, dec, _, gate = read_in_flight(pair, monkeypatch)
     dec.cancel("t2")
     wait_for(pre, "sending", "r2")
     assert not_within(dec, "recving", "t2", 0.5)

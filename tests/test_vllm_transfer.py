@@ -26,6 +26,7 @@ from flagcx_mesh.vllm.transfer import KVTransfer  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402
+from kv_transfer_util import fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
 from forkserver import PIPE, STDOUT, ForkServer  # noqa: E402
 from meshutil import PY, finish_prog, publish  # noqa: E402
 
@@ -217,24 +218,6 @@ def test_write_ops_of_a_head_slice_for_another_tensor_parallel_size():
         write_ops(four, b"L", two, b"R", [0], [0], (2, 2, 0, 1))
 
 
-def fill_heads(kv, seed_of):
-    """Every head of every block: pattern(seed_of(layer, block, head))."""
-    for li, t in enumerate(kv.values()):
-        for b in range(t.shape[0]):
-            for h in range(t.shape[1]):
-                view = t[b, h]
-                view.copy_(pattern(seed_of(li, b, h), view.numel() * view.element_size()).view(t.dtype).reshape(view.shape))
-
-
-def heads_match(kv, block, seed_of_head) -> bool:
-    for li, t in enumerate(kv.values()):
-        for h in range(t.shape[1]):
-            view = t[block, h]
-            if not torch.equal(as_bytes(view), pattern(seed_of_head(li, h), view.numel() * view.element_size())):
-                return False
-    return True
-
-
 def test_two_decode_ranks_take_half_the_heads_each_and_the_prefill_waits_for_both(pair):
     pre, pkv = pair("p", heads=4, hold_timeout=60)
     d0, kv0 = pair("d0", heads=2)
@@ -278,25 +261,6 @@ def test_one_decode_rank_takes_the_heads_of_two_prefill_ranks(pair):
 
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
-
-
-def fill_all(kv):
-    for li, t in enumerate(kv.values()):
-        for b in range(t.shape[0]):
-            fill_block(t, b, 0, f"{li}/{b}")
-
-
-def only_these_blocks(kv, received) -> list:
-    """[(layer, block)] that differ: each layer's received blocks hold the source block
-    (``received[layer]``: {block: source block}), every other block of it is still zero."""
-    bad = []
-    for li, t in enumerate(kv.values()):
-        for b in range(t.shape[0]):
-            src = received[li].get(b)
-            ok = block_matches(t, b, 0, f"{li}/{src}") if src is not None else not as_bytes(t[b]).any()
-            if not ok:
-                bad.append((li, b))
-    return bad
 
 
 def test_two_kv_cache_groups_each_layer_takes_its_groups_blocks(pair):
@@ -420,34 +384,6 @@ def test_layout_mismatch_is_refused_by_the_prefill(tmp_path, torch_fork):
 
 
 # ---- one process, two agents ------------------------------------------------------------
-
-@pytest.fixture
-def pair(monkeypatch):
-    monkeypatch.setenv("FLAGCX_MESH_AGENT_SECRET", SECRET)
-    made = []
-
-    def make(name, heads=2, **kw):
-        kv, _ = make_kv_caches([0, 1], 16, heads=heads)
-        x = KVTransfer(name, kv, 16, **kw)
-        made.append(x)
-        return x, kv
-
-    yield make
-    for x in made:
-        x.close()
-
-
-def wait_for(x, what, key, timeout=20.0):
-    got, end = set(), time.monotonic() + timeout
-    failed = {}
-    while key not in got:
-        assert time.monotonic() < end, f"{key} never appeared in {what}"
-        done = x.poll()
-        got |= getattr(done, what)
-        failed.update(done.failed)
-        time.sleep(0.005)
-    return failed
-
 
 def test_held_blocks_are_released_at_the_hold_timeout(pair):
     pre, _ = pair("p", hold_timeout=0.5)
