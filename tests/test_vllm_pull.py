@@ -225,6 +225,27 @@ def test_two_decode_ranks_each_pull_half_the_heads_and_the_prefill_waits_for_bot
     assert pre.stats()["pushes"] == 2 and pre.stats()["released_served"] == 2, pre.stats()
 
 
+def test_one_decode_rank_pulls_from_two_prefill_ranks_into_halves_of_its_heads(pair):
+    """Decode TP 1 (4 heads) from prefill TP 2 (2 heads each): parts (0, 1, 0, 2) and (0, 1, 1, 2),
+    the pull's swapped part (0, 2, 0, 1) / (1, 2, 0, 1); after a warm-up request each prefill
+    rank's second request is read by the decode, every head lands where it belongs, and each
+    prefill rank releases it on its ack."""
+    p0, pkv0 = pair("p0", heads=2, hold_timeout=60)
+    p1, pkv1 = pair("p1", heads=2, hold_timeout=60)
+    dec, dkv = pair("d", heads=4)
+    fill_heads(pkv0, lambda li, b, h: f"{li}/{b}/{h}")
+    fill_heads(pkv1, lambda li, b, h: f"{li}/{b}/{h + 2}")
+    for req, src, dst in (("w", [15], [9]), ("r", [5, 6], [1, 2])):
+        for i, p in enumerate((p0, p1)):
+            p.hold(req, src)
+            assert fetch_and_wait(dec, f"{req}#{i}", p, req, src, dst, part=(0, 1, i, 2), hold_until=far()) == {}
+    assert dec.stats()["pulls"] == 2 and p0.stats()["pushes"] == p1.stats()["pushes"] == 1, dec.stats()
+    for dst, src in {1: 5, 2: 6, 9: 15}.items():
+        assert heads_match(dkv, dst, lambda li, h: f"{li}/{src}/{h}"), dst
+    for p in (p0, p1):
+        wait_for(p, "sending", "r")
+
+
 def test_two_decode_ranks_each_pull_a_replicated_head_whole_and_the_prefill_waits_for_both(pair):
     """1 KV head, decode at TP 2: both ranks read the prefill's blocks whole (part whole,
     readers=2 given); the first pull's ack alone does not release them."""
