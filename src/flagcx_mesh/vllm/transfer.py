@@ -852,13 +852,21 @@ class KVTransfer:
                         break
                     if self._stop.is_set():
                         why = "the transfer part was closed with the read in flight"
-                except MeshError as e:
+                except MeshError as e:  # (a lost peer may fail the call before its copies ended)
                     why = str(e)
+                    self._until_done(h)
             try:
                 self._pulled_one(f, ack, nbytes, why)
             except Exception:  # noqa: BLE001 - the next reads must still be reported
                 self._warn_internal.warn("%s: reporting the read of %s failed:\n%s", self.name, f.tag,
                                          traceback.format_exc())
+
+    def _until_done(self, h) -> None:
+        """Waits until a failed read's handle says it is over (its copies ended), for up to
+        ``fetch_timeout`` or until close()."""
+        end = time.monotonic() + max(self.fetch_timeout, 1.0)
+        while not h.done() and not self._stop.is_set() and time.monotonic() < end:
+            time.sleep(0.001)
 
     @staticmethod
     def _read_ok(h) -> bool:
