@@ -135,18 +135,17 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
         self._stats_reported: dict = {}  # the transfer's counters at the last get_kv_connector_stats
         self._parts: dict = {}  # request id -> the tags of its fetches still out (from several prefill ranks)
         self._part_of: dict = {}  # such a fetch's tag -> its request id
+        self._secret = self._extra.get("secret") or os.environ.get("FLAGCX_MESH_AGENT_SECRET")
+        self._pull = _flag(self._extra.get("pull", False))
         if role == KVConnectorRole.SCHEDULER:
             warn_unknown_keys(self._extra)
-            pull = _flag(self._extra.get("pull", False))
-            secret = self._extra.get("secret") or os.environ.get("FLAGCX_MESH_AGENT_SECRET") or ""
             self._scheduler = SchedulerSide(vllm_config, self.engine_id, FlagcxMeshConnectorMetadata,
                                             kv_cache_config, hold_timeout=self._setting("hold_timeout", 120),
-                                            pull_secret=str(secret).encode() if pull else b"")
+                                            pull_secret=str(self._secret or "").encode() if self._pull else b"")
         else:
             self.tp_size = vllm_config.parallel_config.tensor_parallel_size
             self.tp_rank = tp_rank_of_this_worker(vllm_config)
             self.kv_heads = kv_heads_of(vllm_config)
-            self._secret = self._extra.get("secret") or os.environ.get("FLAGCX_MESH_AGENT_SECRET")
             if not self._secret:
                 raise ValueError("FlagcxMeshConnector: set FLAGCX_MESH_AGENT_SECRET (or "
                                  "kv_connector_extra_config.secret) to the same secret on prefill and decode")
@@ -168,7 +167,7 @@ class FlagcxMeshConnector(KVConnectorBase_V1, SupportsHMA):
             secret=self._secret, hold_timeout=self._setting("hold_timeout", 120),
             fetch_timeout=self._setting("fetch_timeout", 120), push_timeout=self._setting("push_timeout", 60),
             connect_timeout=self._setting("connect_timeout", 10), layer_groups=groups,
-            pull=_flag(self._extra.get("pull", False)))
+            pull=self._pull)
         log.info("FlagcxMeshConnector: agent %s registered %d layers", self._transfer.name, len(kv_caches))
 
     def get_handshake_metadata(self) -> Optional[FlagcxMeshHandshake]:

@@ -184,6 +184,13 @@ def _same_connection(a, b) -> bool:
         return False
 
 
+def _remember(seen: "OrderedDict", key, value) -> None:
+    """Keeps key -> value in ``seen``, the oldest forgotten past FORGET_AFTER entries."""
+    seen[key] = value
+    while len(seen) > FORGET_AFTER:
+        seen.popitem(last=False)
+
+
 def _close_at_exit(ref) -> None:
     """An engine that exits without shutting its connector down must not leave the thread
     inside the agent while the interpreter finalizes."""
@@ -634,9 +641,7 @@ class KVTransfer:
         self._finish(sending=req)
 
     def _remember_gone(self, req: str, why: str) -> None:
-        self._gone[req] = why
-        while len(self._gone) > FORGET_AFTER:
-            self._gone.popitem(last=False)
+        _remember(self._gone, req, why)
 
     def _active(self, req: str, held: _Held, now: float) -> bool:
         """Drops the pushes that are over: completed, failed, or abandoned once their
@@ -819,9 +824,7 @@ class KVTransfer:
             return self._fail(f, f"the prefill's KV cache does not fit this one: {e}")
         readers = f.readers or sn
         ack = protocol.encode("A", req=f.remote_req, **({"readers": readers} if readers > 1 else {}))
-        self._pulled[(key[0], f.remote_req)] = None
-        while len(self._pulled) > FORGET_AFTER:
-            self._pulled.popitem(last=False)
+        _remember(self._pulled, (key[0], f.remote_req), None)
         try:
             h = conn.read_blocks(self._regions, layout[0], table) if len(table) else None
         except MeshError as e:  # refused before any byte moved
@@ -841,25 +844,27 @@ class KVTransfer:
             if item is None:
                 return
             f, h, ack, nbytes = item
-            why = ""
-            while h is not None and not why:
-                try:
-                    h.wait(1.0)  # (done: returns at once, or raises the read's own error)
-                    break
-                except MeshTimeout as e:
-                    if h.done():
-                        why = "" if self._read_ok(h) else str(e)
-                        break
-                    if self._stop.is_set():
-                        why = "the transfer part was closed with the read in flight"
-                except MeshError as e:  # (a lost peer may fail the call before its copies ended)
-                    why = str(e)
-                    self._until_done(h)
             try:
-                self._pulled_one(f, ack, nbytes, why)
+                self._pulled_one(f, ack, nbytes, self._read_outcome(h))
             except Exception:  # noqa: BLE001 - the next reads must still be reported
                 self._warn_internal.warn("%s: reporting the read of %s failed:\n%s", self.name, f.tag,
                                          traceback.format_exc())
+
+    def _read_outcome(self, h) -> str:
+        """Waits until a pull's read (None: nothing to read) is over: "" when it landed, else why not."""
+        while h is not None:
+            try:
+                h.wait(1.0)  # (done: returns at once, or raises the read's own error)
+                return ""
+            except MeshTimeout as e:
+                if h.done():
+                    return "" if self._read_ok(h) else str(e)
+                if self._stop.is_set():
+                    return "the transfer part was closed with the read in flight"
+            except MeshError as e:  # (a lost peer may fail the call before its copies ended)
+                self._until_done(h)
+                return str(e)
+        return ""
 
     def _until_done(self, h) -> None:
         """Waits until a failed read's handle says it is over (its copies ended), for up to
