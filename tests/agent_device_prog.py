@@ -18,6 +18,9 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     self                 two agents in this process: every pair takes cuda-self
     dereg-owner DIR NAME a device region deregistered and freed while a staged read's answer is
     dereg-reader DIR NAME  copied down from it (slowed): the reader still gets the right bytes
+    pingpong DIR NAME    1000 round trips of notifications, every 50th after a write into the
+                         target's device region (checked there); prints this agent's
+                         "waiter reads N" (agent.stats()), as serve does at "bye"
     blocks DIR NAME      batches of staged writes and reads (write_blocks, read_blocks, one frame a
                          batch): 1 to 100,000 blocks, mixed sizes, blocks straddling chunks, every
                          byte checked; bad blocks refused with nothing written (serve answers
@@ -187,6 +190,7 @@ def serve(args, dev) -> None:
                 words = n.data.decode().split()
                 if words[0] == "bye":
                     print(f"exports at the end: {dev.exports()}", flush=True)
+                    print(f"waiter reads {a.stats()['waiter_reads']}", flush=True)
                     print(f"served {served}", flush=True)
                     print("serve ok", flush=True)
                     return
@@ -200,6 +204,8 @@ def serve(args, dev) -> None:
                     r, off, ln = words[1], int(words[2]), int(words[3])
                     got = hashlib.sha256(bufs[r].read(off, ln)).hexdigest()
                     answer = "ok" if got == words[4] else f"bad {r}: sha256 {got}"
+                elif words[0] == "ping":  # a round trip of the pingpong role
+                    answer = "pong"
                 elif words[0] == "calls":  # the driver calls this process made (fake driver only)
                     answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in ("cuLaunchKernel", "cuMemcpyAsync"))
                 elif words[0] == "dereg":
@@ -272,6 +278,32 @@ def client(args, dev) -> None:
         print("paths " + " ".join(paths), flush=True)
         conn.notify(b"bye")
     print("client ok", flush=True)
+
+
+def pingpong(args, dev) -> None:
+    """Round trips of notifications between two agents with device regions registered (both
+    waiters read their connections themselves), every 50th a write of 64 KiB into the target's
+    device region ("ipc") first, its bytes checked there (its frames, when they carry bytes, are
+    the progress thread's, whichever thread read their header)."""
+    with Agent(args.name + "-pingpong", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        buf = dev.buffer("ipc", SIZE)
+        local = register(a, buf)
+        peer = conn.peer_name
+        n = 64 << 10
+        for k in range(1000):
+            if k % 50 == 0:
+                seed, off = k + 1, (k * 4099) % (SIZE - n)
+                buf.write(0, pattern(seed, n))
+                conn.write(local, remotes["ipc"], n, remote_offset=off,
+                           notification=f"check ipc {off} {n} {seed}".encode()).wait(args.timeout)
+            else:
+                conn.notify(b"ping")
+            reply = a.wait_notification(peer, timeout=args.timeout).data.decode()
+            check(reply == ("ok" if k % 50 == 0 else "pong"), f"round trip {k}: {reply}")
+        print(f"waiter reads {a.stats()['waiter_reads']}", flush=True)
+        conn.notify(b"bye")
+    print("pingpong ok", flush=True)
 
 
 def refused(what: str, fn) -> str:
@@ -744,7 +776,7 @@ def run_pair(args, dev) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
-             "pair": run_pair,
+             "pair": run_pair, "pingpong": pingpong,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails}
     p.add_argument("role", choices=list(roles))

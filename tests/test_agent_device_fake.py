@@ -183,3 +183,16 @@ def test_a_region_deregistered_while_a_staged_read_copies_from_it_waits_for_thos
         finish(spawn("dereg-reader", tmp_path, "owner", env=env), "dereg-reader")
     finally:
         finish(owner, "dereg-owner")
+
+
+@pytest.mark.parametrize("forced", ["cuda-ipc", "staged"])
+def test_waiters_read_their_connections_with_device_regions_registered(tmp_path, forced):
+    """With a device region registered, a thread waiting for a notification reads its
+    connections itself (before, only the progress thread did: one more wake-up a notification),
+    acting on messages and acks only: the writes into the device region between the round trips
+    (every 50th, 64 KiB, over `forced`) are landed by the progress thread, every byte checked."""
+    env = fake_env(FLAGCX_MESH_CUDA_PATH=forced)
+    got, served = pair(tmp_path, "pingpong", env)
+    reads = [int(line.split()[-1]) for line in (got + served).splitlines() if line.startswith("waiter reads ")]
+    assert len(reads) == 2, got + served
+    assert reads[0] > 0 and reads[1] > 0, got + served  # 0 and 0 before: may_help() was false

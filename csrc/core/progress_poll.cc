@@ -22,8 +22,11 @@
 // there to read (read_counter polled in a loop, say) may so wait up to 1 ms for the progress
 // thread. mesh.stats() counts the parked polls and those a lost wake-up left to their timer.
 //
-// Not for a mesh with device windows on this rank (Engine::may_help): their puts land through
-// staging buffers and device copies that stay with the progress thread.
+// With device windows on this rank a waiter acts only on frames that land no bytes (messages,
+// acks, goodbyes: helper_may_act). Any other frame (a put's bytes land through staging buffers
+// and device copies) is the progress thread's from its op header to its end (InConn::progress_only):
+// a waiter that read its op header leaves acting on it to the progress thread (act_pending),
+// wakes it, and reads that connection no more until the frame ended.
 #include <poll.h>
 #include <unistd.h>
 
@@ -35,7 +38,24 @@
 
 namespace fxm {
 
-bool Engine::may_help() const { return !windows_->has_device() && !stopping_.load(std::memory_order_relaxed); }
+bool Engine::may_help() const { return !stopping_.load(std::memory_order_relaxed); }
+
+// (With the read role, a device window here.) A message's snapshot of earlier get answers may
+// copy device memory (snapshot_answers): only one with none open.
+bool Engine::helper_may_act(int s, const InConn& in) {
+  switch (in.f.type) {
+    case FrameType::kAck:
+    case FrameType::kAckReq:
+    case FrameType::kBye:
+      return true;
+    case FrameType::kMessage: {
+      std::lock_guard<std::mutex> lock(mu_);
+      return s >= total_ || open_answers_[s].empty();
+    }
+    default:
+      return false;
+  }
+}
 
 // A waiter counts its sleep before it looks at parked_; the progress thread sets parked_ before it
 // looks at the count again (both seq_cst): either it sees the sleep and stays, or this sees it parked.
@@ -78,32 +98,38 @@ void Engine::decide_park() {
   if (sleeps_.load() != sleeps) parked_.store(false);
 }
 
-// Lists the lane-0 receive connections the reader may read now (with mu_ held and the role).
+// Lists the lane-0 receive connections the reader may read now (with mu_ held and the role): a
+// waiter's (helping_) not those whose frame is the progress thread's; the progress thread's
+// reads one whose op header a waiter left to it whatever the poll says.
 void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
   for (int s = 0; s < total_; ++s) {
     if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
+    if (helping_ && in_[s]->progress_only) continue;
     fds->push_back({conns_->recv[s].get(), POLLIN, 0});
     owner->push_back(tag + s);
-    if (in_[s]->buffered() > 0) ahead->push_back(s);
+    if (in_[s]->buffered() > 0 || in_[s]->act_pending) ahead->push_back(s);
   }
 }
 
 bool Engine::help_read() {
   std::unique_lock<std::mutex> role(read_mu_, std::try_to_lock);
   if (!role.owns_lock()) return false;
-  helped_.fetch_add(1, std::memory_order_relaxed);
   help_fds_.clear();
   help_owner_.clear();
   help_ahead_.clear();
+  helping_ = true;
   {
     std::lock_guard<std::mutex> lock(mu_);
     readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
   }
-  if (help_fds_.empty()) return false;
+  helping_ = false;
+  if (help_fds_.empty()) return false;  // (not counted: the progress thread does not leave lane 0 for it)
+  helped_.fetch_add(1, std::memory_order_relaxed);
   // A few connections are read at once (a read that finds nothing costs what a poll would).
   bool direct = help_fds_.size() <= kHelpDirectReads;
   if (!direct && help_ahead_.empty() && ::poll(help_fds_.data(), help_fds_.size(), 0) <= 0) return false;
-  bool any = false;
+  bool any = false, left = false;
+  helping_ = true;
   for (size_t k = 0; k < help_fds_.size(); ++k) {
     int s = help_owner_[k];
     bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
@@ -111,9 +137,16 @@ bool Engine::help_read() {
     uint64_t before = frames_read_;
     read_guarded(s);
     any = any || frames_read_ != before;
+    left = left || in_[s]->act_pending;
   }
-  finish_landed_stripes();
+  helping_ = false;
+  if (!windows_->has_device()) finish_landed_stripes();  // (else the progress thread's: they may land on a device)
   send_acks();
+  if (any) waiter_reads_.fetch_add(1, std::memory_order_relaxed);
+  if (left) {  // a frame for the progress thread: out of its parked (or long) poll now
+    unpark();
+    wake();
+  }
   return any;
 }
 
