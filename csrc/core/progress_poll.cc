@@ -38,6 +38,8 @@
 
 namespace fxm {
 
+using wire::FrameType;
+
 bool Engine::may_help() const { return !stopping_.load(std::memory_order_relaxed); }
 
 // (With the read role, a device window here.) A message's snapshot of earlier get answers may
