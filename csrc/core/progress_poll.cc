@@ -26,7 +26,9 @@
 // acks, goodbyes: helper_may_act). Any other frame (a put's bytes land through staging buffers
 // and device copies) is the progress thread's from its op header to its end (InConn::progress_only):
 // a waiter that read its op header leaves acting on it to the progress thread (act_pending),
-// wakes it, and reads that connection no more until the frame ended.
+// wakes it, and reads that connection no more until the frame ended; while it skips such a
+// connection it keeps the progress thread from parking (unpark), or the rest of that frame
+// would wait until the waiter sleeps.
 #include <poll.h>
 #include <unistd.h>
 
@@ -100,17 +102,43 @@ void Engine::decide_park() {
   if (sleeps_.load() != sleeps) parked_.store(false);
 }
 
+namespace {
+
+// helping_ for one region of help_read, false again however it ends: left true (an exception
+// thrown while reading), the progress thread would read as a waiter and never land a put.
+class Helping {
+ public:
+  explicit Helping(bool* flag) : flag_(flag) { *flag_ = true; }
+  ~Helping() { *flag_ = false; }
+  Helping(const Helping&) = delete;
+  Helping& operator=(const Helping&) = delete;
+
+ private:
+  bool* flag_;
+};
+
+}  // namespace
+
 // Lists the lane-0 receive connections the reader may read now (with mu_ held and the role): a
-// waiter's (helping_) not those whose frame is the progress thread's; the progress thread's
-// reads one whose op header a waiter left to it whatever the poll says.
-void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
+// waiter's (helping_) not those whose frame is the progress thread's (true when it skipped
+// one); the progress thread's reads one whose op header a waiter left to it whatever the poll
+// says, also with its mailbox full (the header is read: the put waits for no recv()).
+bool Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
+  bool skipped = false;
   for (int s = 0; s < total_; ++s) {
-    if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
-    if (helping_ && in_[s]->progress_only) continue;
+    if (!conns_->recv[s]) continue;
+    const InConn& in = *in_[s];
+    bool pending = !helping_ && in.act_pending && !in.closed && !lane0_held_[s];
+    if (!lane_readable(s) && !pending) continue;  // else paused (recv_message), held or closed
+    if (helping_ && in.progress_only) {
+      skipped = true;
+      continue;
+    }
     fds->push_back({conns_->recv[s].get(), POLLIN, 0});
     owner->push_back(tag + s);
-    if (in_[s]->buffered() > 0 || in_[s]->act_pending) ahead->push_back(s);
+    if (in.buffered() > 0 || in.act_pending) ahead->push_back(s);
   }
+  return skipped;
 }
 
 bool Engine::help_read() {
@@ -119,29 +147,33 @@ bool Engine::help_read() {
   help_fds_.clear();
   help_owner_.clear();
   help_ahead_.clear();
-  helping_ = true;
+  bool skipped;
   {
+    Helping helping(&helping_);
     std::lock_guard<std::mutex> lock(mu_);
-    readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
+    skipped = readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
   }
-  helping_ = false;
+  // A frame left to the progress thread: it must neither park (helped_ moves below) nor stay
+  // parked, or the rest of that frame waits until this waiter sleeps.
+  if (skipped) unpark();
   if (help_fds_.empty()) return false;  // (not counted: the progress thread does not leave lane 0 for it)
   helped_.fetch_add(1, std::memory_order_relaxed);
   // A few connections are read at once (a read that finds nothing costs what a poll would).
   bool direct = help_fds_.size() <= kHelpDirectReads;
   if (!direct && help_ahead_.empty() && ::poll(help_fds_.data(), help_fds_.size(), 0) <= 0) return false;
   bool any = false, left = false;
-  helping_ = true;
-  for (size_t k = 0; k < help_fds_.size(); ++k) {
-    int s = help_owner_[k];
-    bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
-    if (!direct && help_fds_[k].revents == 0 && !ahead) continue;
-    uint64_t before = frames_read_;
-    read_guarded(s);
-    any = any || frames_read_ != before;
-    left = left || in_[s]->act_pending;
+  {
+    Helping helping(&helping_);
+    for (size_t k = 0; k < help_fds_.size(); ++k) {
+      int s = help_owner_[k];
+      bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
+      if (!direct && help_fds_[k].revents == 0 && !ahead) continue;
+      uint64_t before = frames_read_;
+      read_guarded(s);
+      any = any || frames_read_ != before;
+      left = left || in_[s]->act_pending;
+    }
   }
-  helping_ = false;
   if (!windows_->has_device()) finish_landed_stripes();  // (else the progress thread's: they may land on a device)
   send_acks();
   if (any) waiter_reads_.fetch_add(1, std::memory_order_relaxed);

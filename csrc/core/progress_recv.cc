@@ -201,6 +201,7 @@ void Engine::on_op_header(int s, InConn& in) {
     in.progress_only = true;
     if (helping_) {
       in.act_pending = true;
+      waiter_deferrals_.fetch_add(1, std::memory_order_relaxed);
       return;
     }
   }
