@@ -37,7 +37,7 @@ step staged-traffic-4 env FLAGCX_MESH_CUDA_PATH=staged "$py" -m flagcx_mesh.laun
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json" --plot "$logs/bench-put-cuda.png"
 step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
 step p2p-cuda "$py" tests/p2p_prog.py pair --device cuda --timeout 120
-step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles client,bad,self,pingpong --timeout 60
+step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles client,bad,self --timeout 60
 # stream waits on notifications on the GPU: each scenario (arrives, unread, peer, timeout on the legacy default
 # stream, killed peer, closed agent) in its own bounded process; a copy queued behind the wait must land only
 # once the wait was released, and each release's cause and time are printed ("<scenario> ok" per scenario)
@@ -45,7 +45,7 @@ step agent-stream-wait "$py" tests/agent_stream_wait_prog.py all "$logs" --devic
 step agent-batch "$py" tests/agent_batch_prog.py all --device torch --timeout 30
 # batches of staged writes (one frame a call, gathered and scattered by the copy kernel): every byte
 step agent-staged-blocks env FLAGCX_MESH_CUDA_PATH=staged FLAGCX_MESH_STAGED_CHUNK_BYTES=65536 \
-  "$py" tests/agent_device_prog.py pair --device torch --roles blocks,pingpong --timeout 60
+  "$py" tests/agent_device_prog.py pair --device torch --roles blocks --timeout 60
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)

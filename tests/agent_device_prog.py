@@ -6,9 +6,7 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
                          ("host"), writes DIR/NAME.meta and DIR/NAME.<region>, then answers
                          notifications until "bye": "check R OFF LEN SEED" (the bytes of region
                          R are pattern(SEED), SEED -1: zeros; answers "ok" or "bad ..."),
-                         "dereg R" (deregisters it; answers "ok"), "spin" (from then on waits in
-                         calls of 50 us: it reads its connections nearly all the time; "ok");
-                         prints "waiter reads N", "waiter deferrals N" and "served N"
+                         "dereg R" (deregisters it; answers "ok"); prints "served N"
     client DIR NAME      every (local, remote) pair with device memory on one side at least:
                          writes, has the target check the bytes, reads them back and checks
                          them; --expect L:R=PATH,... names the path each pair must take
@@ -20,13 +18,6 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
     self                 two agents in this process: every pair takes cuda-self
     dereg-owner DIR NAME a device region deregistered and freed while a staged read's answer is
     dereg-reader DIR NAME  copied down from it (slowed): the reader still gets the right bytes
-    pingpong DIR NAME    1000 round trips of notifications, every 50th after a write into the
-                         target's device region (checked there), then (the target spinning)
-                         rounds of pipelined writes into it, each with its check; prints this
-                         agent's "waiter reads N" (agent.stats()), as serve does at "bye", and the
-                         target's "landing calls N foreign M" (fake driver: copies into device
-                         memory and launches there during those rounds, M of them on threads not
-                         the library's)
     blocks DIR NAME      batches of staged writes and reads (write_blocks, read_blocks, one frame a
                          batch): 1 to 100,000 blocks, mixed sizes, blocks straddling chunks, every
                          byte checked; bad blocks refused with nothing written (serve answers
@@ -55,8 +46,6 @@ from gpu_prog import FakeBuf, TorchBuf  # device buffers shared with the Mesh de
 from meshutil import acked_since, bytes_acked, lane_sockets, publish, read_published
 
 SECRET = "agent-device-test-secret"
-# The driver calls that land bytes in device memory (staged copies up, scatters, pinning).
-LANDING_CALLS = ("cuMemcpyAsync", "cuMemcpyBatchAsync", "cuLaunchKernel", "cuMemHostRegister")
 SIZE = 1 << 20
 FILE_TIMEOUT = 60.0  # seconds a role waits for a file another one publishes
 DEVICE_REGIONS = ("ipc", "vmm")
@@ -192,14 +181,12 @@ def serve(args, dev) -> None:
             publish(args.dir, f"{args.name}.{k}", regions[k].descriptor)
         print(f"exports after registration: {dev.exports()}", flush=True)
         publish(args.dir, f"{args.name}.meta", a.metadata())
-        served, end, wait = 0, time.monotonic() + args.timeout * 4, 0.5
+        served, end = 0, time.monotonic() + args.timeout * 4
         while time.monotonic() < end:
-            for n in a.notifications(timeout=wait):
+            for n in a.notifications(timeout=0.5):
                 words = n.data.decode().split()
                 if words[0] == "bye":
                     print(f"exports at the end: {dev.exports()}", flush=True)
-                    print(f"waiter reads {a.stats()['waiter_reads']}", flush=True)
-                    print(f"waiter deferrals {a.stats()['waiter_deferrals']}", flush=True)
                     print(f"served {served}", flush=True)
                     print("serve ok", flush=True)
                     return
@@ -213,14 +200,8 @@ def serve(args, dev) -> None:
                     r, off, ln = words[1], int(words[2]), int(words[3])
                     got = hashlib.sha256(bufs[r].read(off, ln)).hexdigest()
                     answer = "ok" if got == words[4] else f"bad {r}: sha256 {got}"
-                elif words[0] == "ping":  # a round trip of the pingpong role
-                    answer = "pong"
-                elif words[0] == "spin":  # a waiter in help_read whenever a frame comes (pingpong)
-                    wait = 5e-5
-                    answer = "ok"
                 elif words[0] == "calls":  # the driver calls this process made (fake driver only)
-                    names = ("cuLaunchKernel", "cuMemcpyAsync") + tuple(f"foreign:{c}" for c in LANDING_CALLS)
-                    answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in names)
+                    answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in ("cuLaunchKernel", "cuMemcpyAsync"))
                 elif words[0] == "dereg":
                     a.deregister(regions[words[1]])
                     answer = "ok"
@@ -291,63 +272,6 @@ def client(args, dev) -> None:
         print("paths " + " ".join(paths), flush=True)
         conn.notify(b"bye")
     print("client ok", flush=True)
-
-
-def pingpong(args, dev) -> None:
-    """Round trips of notifications between two agents with device regions registered (both
-    waiters read their connections themselves), every 50th a write of 64 KiB into the target's
-    device region ("ipc") first, its bytes checked there (its frames, when they carry bytes, are
-    the progress thread's, whichever thread read their header)."""
-    with Agent(args.name + "-pingpong", SECRET, timeout=args.timeout) as a:
-        conn, remotes = connect(args, a)
-        buf = dev.buffer("ipc", SIZE)
-        local = register(a, buf)
-        peer = conn.peer_name
-        n = 64 << 10
-        for k in range(1000):
-            if k % 50 == 0:
-                seed, off = k + 1, (k * 4099) % (SIZE - n)
-                buf.write(0, pattern(seed, n))
-                conn.write(local, remotes["ipc"], n, remote_offset=off,
-                           notification=f"check ipc {off} {n} {seed}".encode()).wait(args.timeout)
-            else:
-                conn.notify(b"ping")
-            reply = a.wait_notification(peer, timeout=args.timeout).data.decode()
-            check(reply == ("ok" if k % 50 == 0 else "pong"), f"round trip {k}: {reply}")
-        print(f"waiter reads {a.stats()['waiter_reads']}", flush=True)
-        pipelined_writes(a, conn, local, buf, remotes["ipc"], args.timeout)
-        conn.notify(b"bye")
-    print("pingpong ok", flush=True)
-
-
-def pipelined_writes(a: Agent, conn, local, buf, remote, timeout: float, rounds: int = 40, per_round: int = 8) -> None:
-    """Rounds of `per_round` writes of 64 KiB into the target's device region, each with its
-    check as notification, issued without waiting, while the target waits in calls of 50 us
-    (it reads its connection nearly all the time): over staged the target's waiter reads many a
-    write's op header and leaves it to the progress thread (its "waiter deferrals"). Prints the
-    target's "landing calls N foreign M" over the rounds (fake driver; M: on threads not the
-    library's, which must be none)."""
-    ask(a, conn, "spin", timeout)
-    before = target_calls(a, conn, timeout)
-    n = 64 << 10
-    for r in range(rounds):
-        handles = []
-        for i in range(per_round):
-            seed = 5000 + r * per_round + i
-            buf.write(i * n, pattern(seed, n))
-            off = i * n + r % 4 * 4099  # alignments vary (a round's checks end before the next one writes)
-            handles.append(conn.write(local, remote, n, local_offset=i * n, remote_offset=off,
-                                      notification=f"check ipc {off} {n} {seed}".encode()))
-        for h in handles:
-            h.wait(timeout)
-        for i in range(per_round):
-            reply = a.wait_notification(conn.peer_name, timeout=timeout).data.decode()
-            check(reply == "ok", f"pipelined round {r}, write {i}: {reply}")
-    after = target_calls(a, conn, timeout)
-    if after["cuMemcpyAsync"] is not None:
-        landed = after["cuMemcpyAsync"] + after["cuLaunchKernel"] - before["cuMemcpyAsync"] - before["cuLaunchKernel"]
-        foreign = sum(after[f"foreign:{c}"] - before[f"foreign:{c}"] for c in LANDING_CALLS)
-        print(f"landing calls {landed} foreign {foreign}", flush=True)
 
 
 def refused(what: str, fn) -> str:
@@ -820,7 +744,7 @@ def run_pair(args, dev) -> None:
 def main() -> None:
     p = argparse.ArgumentParser()
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
-             "pair": run_pair, "pingpong": pingpong,
+             "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails}
     p.add_argument("role", choices=list(roles))

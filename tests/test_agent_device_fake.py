@@ -183,27 +183,3 @@ def test_a_region_deregistered_while_a_staged_read_copies_from_it_waits_for_thos
         finish(spawn("dereg-reader", tmp_path, "owner", env=env), "dereg-reader")
     finally:
         finish(owner, "dereg-owner")
-
-
-@pytest.mark.parametrize("forced", ["cuda-ipc", "staged"])
-def test_waiters_read_their_connections_with_device_regions_registered(tmp_path, forced):
-    """With a device region registered, a thread waiting for a notification reads its
-    connections itself (before, only the progress thread did: one more wake-up a notification),
-    acting on messages and acks only: the writes into the device region between the round trips
-    (every 50th, 64 KiB, over `forced`) are landed by the progress thread, every byte checked.
-    Then the target waits in calls of 50 us (reading nearly all the time) while writes come
-    pipelined: over staged its waiter reads write headers and leaves them to the progress thread
-    (waiter deferrals), and no copy into device memory runs on the waiter's (a thread not the
-    library's: the fake driver counts those)."""
-    env = fake_env(FLAGCX_MESH_CUDA_PATH=forced, FXM_FAKECUDA_LIBRARY_THREADS="fxm-")
-    got, served = pair(tmp_path, "pingpong", env)
-    out = got + served
-    words = [line.split() for line in out.splitlines()]
-    reads = [int(w[-1]) for w in words if w[:2] == ["waiter", "reads"]]
-    assert len(reads) == 2, out
-    assert reads[0] > 0 and reads[1] > 0, out  # 0 and 0 before: may_help() was false
-    if forced == "staged":  # (cuda-ipc: the client copies; no frame to the target carries bytes)
-        [deferrals] = [int(w[-1]) for w in words if w[:2] == ["waiter", "deferrals"]]
-        [(landed, foreign)] = [(int(w[2]), int(w[4])) for w in words if w[:2] == ["landing", "calls"]]
-        assert landed > 0 and deferrals > 0, out  # 0 deferrals: no op header was left to the progress thread
-        assert foreign == 0, out  # copies into device memory made on the target's waiting thread

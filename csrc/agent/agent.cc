@@ -123,8 +123,6 @@ AgentStats Agent::stats() const {
     Engine::AnswerCounts a = c->answer_counts();
     s.answer_bytes_held += a.held;
     s.answer_bytes_peak = std::max(s.answer_bytes_peak, a.peak);
-    s.waiter_reads += c->waiter_reads();
-    s.waiter_deferrals += c->waiter_deferrals();
   }
   return s;
 }

@@ -158,13 +158,6 @@ struct AgentStats {
   // The times the threads waiting for notifications drained the connections: once per arrival,
   // wake or deadline (agent/doorbell.h), not once per tick.
   uint64_t notification_drains = 0;
-  // The times a thread waiting on a connection (for a notification, a handle, a flush) read
-  // its frames itself instead of waking for the connection's progress thread (the open
-  // connections' counts: Engine::waiter_reads).
-  uint64_t waiter_reads = 0;
-  // The frames that carry bytes whose op header such a thread read (with a device region
-  // here) and left to the progress thread to act on (Engine::waiter_deferrals).
-  uint64_t waiter_deferrals = 0;
   uint64_t total_rejected() const;
   // The counters by name, in the order stats() documents them (docs/agent.md): the
   // Python dict and the C ABI's JSON are both made from this list.

@@ -122,17 +122,11 @@ class Engine : public Outbox {
 
   // Waiters that read (progress_poll.cc). help_read: when no other thread reads them now, reads
   // what the lane-0 receive connections hold (never blocking; never with mu_ held); true when
-  // it read some. With a device window here a waiter acts only on the frames that land no
-  // bytes (messages, acks: helper_may_act) and leaves the others to the progress thread (their
-  // landing goes through staging buffers and device copies). may_help: false once stopping.
-  // unpark: a waiter that stops reading and sleeps hands lane 0 back. waiter_reads: the
-  // help_read calls that read a frame's bytes so far; waiter_deferrals: the frames whose op
-  // header a waiter read and left to the progress thread (act_pending) so far.
+  // it read some. may_help: false with a device window here (their landing stays with the
+  // progress thread). unpark: a waiter that stops reading and sleeps hands lane 0 back.
   bool help_read();
   bool may_help() const;
   void unpark();
-  uint64_t waiter_reads() const { return waiter_reads_.load(std::memory_order_relaxed); }
-  uint64_t waiter_deferrals() const { return waiter_deferrals_.load(std::memory_order_relaxed); }
   static constexpr std::chrono::microseconds kHelpSpin{50};
   static constexpr size_t kHelpDirectReads = 2;  // help_read reads up to this many connections without a poll
   // The progress thread's parked polls so far, and those among them that ran out their timer
@@ -324,18 +318,13 @@ class Engine : public Outbox {
   void run();
   void poll_once();
   void read_phase(const std::vector<pollfd>& fds, const std::vector<int>& owner, const std::vector<int>& ahead);
-  // With mu_ held and the read role: lane-0 receive connections to read now (owner: tag + slot);
-  // true when a waiter's skipped one whose frame is the progress thread's.
-  bool readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const;
+  // With mu_ held and the read role: lane-0 receive connections to read now (owner: tag + slot).
+  void readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const;
   // The read role (progress_poll.cc): held by whoever reads lane-0 receive connections.
   std::mutex read_mu_;
   std::vector<pollfd> help_fds_;            // under read_mu_: help_read's poll set
   std::vector<int> help_owner_, help_ahead_;
   std::atomic<uint64_t> helped_{0};         // waiters' reads so far
-  std::atomic<uint64_t> waiter_reads_{0};   // those that got bytes (waiter_reads())
-  std::atomic<uint64_t> waiter_deferrals_{0};  // op headers a waiter left to the progress thread
-  bool helping_ = false;                    // under read_mu_: a waiter holds the role (help_read)
-  bool helper_may_act(int s, const InConn& in);  // (with the role) see help_read
   uint64_t helped_seen_ = 0;                // progress thread: helped_ at its last pass
   std::atomic<uint64_t> sleeps_{0};         // waiters that went to sleep (unpark) so far
   uint64_t sleeps_seen_ = 0;                // progress thread: sleeps_ at its last pass

@@ -123,10 +123,6 @@ struct Engine::InConn {
   size_t ahead_pos = 0, ahead_end = 0;
   size_t buffered() const { return ahead_end - ahead_pos; }
   bool closed = false;
-  // With a device window here: the frame is the progress thread's (help_read); `act_pending`:
-  // a waiter read its op header and left acting on it to the progress thread.
-  bool progress_only = false;
-  bool act_pending = false;
   bool hup = false;  // a lane whose stripe waits for lane 0 saw its peer's close (progress_lanes.cc)
   // The buffers go back to the staging pool, except those a copy up may still
   // read (a put cut short or timed out): those are deliberately kept.
@@ -142,8 +138,6 @@ struct Engine::InConn {
   }
   void reset() {
     st = kHeader;
-    progress_only = false;
-    act_pending = false;
     got = 0;
     need = wire::kFrameHeaderSize;
     dst = nullptr;

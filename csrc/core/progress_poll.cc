@@ -22,13 +22,8 @@
 // there to read (read_counter polled in a loop, say) may so wait up to 1 ms for the progress
 // thread. mesh.stats() counts the parked polls and those a lost wake-up left to their timer.
 //
-// With device windows on this rank a waiter acts only on frames that land no bytes (messages,
-// acks, goodbyes: helper_may_act). Any other frame (a put's bytes land through staging buffers
-// and device copies) is the progress thread's from its op header to its end (InConn::progress_only):
-// a waiter that read its op header leaves acting on it to the progress thread (act_pending),
-// wakes it, and reads that connection no more until the frame ended; while it skips such a
-// connection it keeps the progress thread from parking (unpark), or the rest of that frame
-// would wait until the waiter sleeps.
+// Not for a mesh with device windows on this rank (Engine::may_help): their puts land through
+// staging buffers and device copies that stay with the progress thread.
 #include <poll.h>
 #include <unistd.h>
 
@@ -40,26 +35,7 @@
 
 namespace fxm {
 
-using wire::FrameType;
-
-bool Engine::may_help() const { return !stopping_.load(std::memory_order_relaxed); }
-
-// (With the read role, a device window here.) A message's snapshot of earlier get answers may
-// copy device memory (snapshot_answers): only one with none open.
-bool Engine::helper_may_act(int s, const InConn& in) {
-  switch (in.f.type) {
-    case FrameType::kAck:
-    case FrameType::kAckReq:
-    case FrameType::kBye:
-      return true;
-    case FrameType::kMessage: {
-      std::lock_guard<std::mutex> lock(mu_);
-      return s >= total_ || open_answers_[s].empty();
-    }
-    default:
-      return false;
-  }
-}
+bool Engine::may_help() const { return !windows_->has_device() && !stopping_.load(std::memory_order_relaxed); }
 
 // A waiter counts its sleep before it looks at parked_; the progress thread sets parked_ before it
 // looks at the count again (both seq_cst): either it sees the sleep and stays, or this sees it parked.
@@ -102,85 +78,42 @@ void Engine::decide_park() {
   if (sleeps_.load() != sleeps) parked_.store(false);
 }
 
-namespace {
-
-// helping_ for one region of help_read, false again however it ends: left true (an exception
-// thrown while reading), the progress thread would read as a waiter and never land a put.
-class Helping {
- public:
-  explicit Helping(bool* flag) : flag_(flag) { *flag_ = true; }
-  ~Helping() { *flag_ = false; }
-  Helping(const Helping&) = delete;
-  Helping& operator=(const Helping&) = delete;
-
- private:
-  bool* flag_;
-};
-
-}  // namespace
-
-// Lists the lane-0 receive connections the reader may read now (with mu_ held and the role): a
-// waiter's (helping_) not those whose frame is the progress thread's (true when it skipped
-// one); the progress thread's reads one whose op header a waiter left to it whatever the poll
-// says, also with its mailbox full (the header is read: the put waits for no recv()).
-bool Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
-  bool skipped = false;
+// Lists the lane-0 receive connections the reader may read now (with mu_ held and the role).
+void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
   for (int s = 0; s < total_; ++s) {
-    if (!conns_->recv[s]) continue;
-    const InConn& in = *in_[s];
-    bool pending = !helping_ && in.act_pending && !in.closed && !lane0_held_[s];
-    if (!lane_readable(s) && !pending) continue;  // else paused (recv_message), held or closed
-    if (helping_ && in.progress_only) {
-      skipped = true;
-      continue;
-    }
+    if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
     fds->push_back({conns_->recv[s].get(), POLLIN, 0});
     owner->push_back(tag + s);
-    if (in.buffered() > 0 || in.act_pending) ahead->push_back(s);
+    if (in_[s]->buffered() > 0) ahead->push_back(s);
   }
-  return skipped;
 }
 
 bool Engine::help_read() {
   std::unique_lock<std::mutex> role(read_mu_, std::try_to_lock);
   if (!role.owns_lock()) return false;
+  helped_.fetch_add(1, std::memory_order_relaxed);
   help_fds_.clear();
   help_owner_.clear();
   help_ahead_.clear();
-  bool skipped;
   {
-    Helping helping(&helping_);
     std::lock_guard<std::mutex> lock(mu_);
-    skipped = readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
+    readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
   }
-  // A frame left to the progress thread: it must neither park (helped_ moves below) nor stay
-  // parked, or the rest of that frame waits until this waiter sleeps.
-  if (skipped) unpark();
-  if (help_fds_.empty()) return false;  // (not counted: the progress thread does not leave lane 0 for it)
-  helped_.fetch_add(1, std::memory_order_relaxed);
+  if (help_fds_.empty()) return false;
   // A few connections are read at once (a read that finds nothing costs what a poll would).
   bool direct = help_fds_.size() <= kHelpDirectReads;
   if (!direct && help_ahead_.empty() && ::poll(help_fds_.data(), help_fds_.size(), 0) <= 0) return false;
-  bool any = false, left = false;
-  {
-    Helping helping(&helping_);
-    for (size_t k = 0; k < help_fds_.size(); ++k) {
-      int s = help_owner_[k];
-      bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
-      if (!direct && help_fds_[k].revents == 0 && !ahead) continue;
-      uint64_t before = frames_read_;
-      read_guarded(s);
-      any = any || frames_read_ != before;
-      left = left || in_[s]->act_pending;
-    }
+  bool any = false;
+  for (size_t k = 0; k < help_fds_.size(); ++k) {
+    int s = help_owner_[k];
+    bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
+    if (!direct && help_fds_[k].revents == 0 && !ahead) continue;
+    uint64_t before = frames_read_;
+    read_guarded(s);
+    any = any || frames_read_ != before;
   }
-  if (!windows_->has_device()) finish_landed_stripes();  // (else the progress thread's: they may land on a device)
+  finish_landed_stripes();
   send_acks();
-  if (any) waiter_reads_.fetch_add(1, std::memory_order_relaxed);
-  if (left) {  // a frame for the progress thread: out of its parked (or long) poll now
-    unpark();
-    wake();
-  }
   return any;
 }
 

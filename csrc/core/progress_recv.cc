@@ -63,12 +63,6 @@ void Engine::read_some(int s) {
     if (s < total_ ? lane0_held_[s] : stripe_waits(s)) {
       return;  // waits for the other lanes (progress_lanes.cc); what is read ahead stays
     }
-    if (in.progress_only && helping_) return;  // the progress thread's frame (help_read)
-    if (in.act_pending) {  // its op header, read by a waiter: acted on here
-      in.act_pending = false;
-      on_op_header(s, in);
-      continue;
-    }
     uint8_t* where;
     size_t want;
     LandingLock landing(landing_mu_);
@@ -196,14 +190,6 @@ void Engine::on_op_header(int s, InConn& in) {
                    (s >= total_ ? conn_name(s) : " (lane 0)") + " (lanes carry only stripes)");
     in.closed = true;
     return;
-  }
-  if (s < total_ && windows_->has_device() && !helper_may_act(s, in)) {  // (see help_read)
-    in.progress_only = true;
-    if (helping_) {
-      in.act_pending = true;
-      waiter_deferrals_.fetch_add(1, std::memory_order_relaxed);
-      return;
-    }
   }
   if (s < total_ && !held_puts_[s].empty() && !admits_early(s, in)) {
     lane0_held_[s] = true;  // not acted on yet: finish_held() goes on from here (progress_admit.cc)

@@ -155,13 +155,12 @@ class WindowTable {
       slabs_.push_back(std::move(bigger));
       slab_.store(cur, std::memory_order_release);
     }
-    // device_ first: whoever find()s the device window sees has_device() too (help_read acts by it).
-    if (w->kind == WindowKind::kDevice) device_.store(true, std::memory_order_release);
     cur->at[n].store(w.get(), std::memory_order_release);
+    if (w->kind == WindowKind::kDevice) device_.store(true);
     wins_.push_back(std::move(w));
   }
   // Once a device window was registered here (it stays true).
-  bool has_device() const { return device_.load(std::memory_order_acquire); }
+  bool has_device() const { return device_.load(std::memory_order_relaxed); }
   // The window itself, or nullptr when no window has this index (yet).
   Window* find(uint32_t index) const {
     const Slab* s = slab_.load(std::memory_order_acquire);

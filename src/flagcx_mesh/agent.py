@@ -387,10 +387,8 @@ class Agent:
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
         get_answer_bytes_held and get_answer_bytes_peak: the memory answers to peers' reads
-        hold; notification_drains: the times waits for notifications looked at the connections;
-        waiter_reads: the times a waiting thread read a connection's frames itself;
-        waiter_deferrals: the frames carrying bytes whose op header a waiting thread read and
-        left to the progress thread (a device region here) (docs/agent.md)."""
+        hold; notification_drains: the times waits for notifications looked at the connections
+        (docs/agent.md)."""
         return self._core.stats()
 
     def close(self) -> None:
