@@ -155,12 +155,14 @@ class WindowTable {
       slabs_.push_back(std::move(bigger));
       slab_.store(cur, std::memory_order_release);
     }
+    // device_ first: whoever find()s a device window sees has_device() too (a waiter that saw it
+    // false would land a put to that window itself: Engine::may_help).
+    if (w->kind == WindowKind::kDevice) device_.store(true, std::memory_order_release);
     cur->at[n].store(w.get(), std::memory_order_release);
-    if (w->kind == WindowKind::kDevice) device_.store(true);
     wins_.push_back(std::move(w));
   }
   // Once a device window was registered here (it stays true).
-  bool has_device() const { return device_.load(std::memory_order_relaxed); }
+  bool has_device() const { return device_.load(std::memory_order_acquire); }
   // The window itself, or nullptr when no window has this index (yet).
   Window* find(uint32_t index) const {
     const Slab* s = slab_.load(std::memory_order_acquire);
