@@ -36,12 +36,21 @@ from agent_device_prog import HostBuf, check, make_device, pattern, register
 SECRET = "agent-batch-secret"
 BLOCK = 4096
 SIZE = 1 << 20
-ISSUE_EVERY = 512  # a call's queued copies are issued every this many (the core's Connection::Batch::kIssueEvery)
+ISSUE_BYTES = 32 << 20  # a call's queued copies are issued once they hold this many bytes (Connection::Batch::kIssueBytes)
 
 
-def launches(copies: int) -> int:
-    """The launches (and events) of a call of this many disjoint device copies."""
-    return -(-copies // ISSUE_EVERY)
+def launches(sizes) -> int:
+    """The launches (and events) of a call of disjoint device copies of these sizes, in order
+    (size-0 ones copy nothing): one each time the copies queued since the last hold ISSUE_BYTES,
+    and one for the rest."""
+    n, queued = 0, 0
+    for size in (int(v) for v in sizes):
+        if size == 0:
+            continue
+        queued += size
+        if queued >= ISSUE_BYTES:
+            n, queued = n + 1, 0
+    return n + (queued > 0)
 
 
 class Calls:
@@ -131,17 +140,31 @@ def batched(args, dev) -> None:
     calls = Calls(dev)
     reversed_writes(p, 64, 1, "64 writes")
     expect_calls(calls, "one call of 64 device writes", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
-    # a call of many: issued every 512 copies (the device starts on them while the rest are queued)
+    # a call of many small copies: one launch; of 1200 x 64 KiB: issued every 32 MiB (512 of them),
+    # the device copying those while the rest are queued
     many = [(p.local, i * 512, p.remote, (1199 - i) * 512, 512) for i in range(1200)]
     src = fill(p.lbuf, 8)
     p.rbuf.write(0, bytes(SIZE))
     calls.since()
     p.write(many)
-    expect_calls(calls, "one call of 1200 device writes", batches=launches(1200), cuMemcpyAsync=0,
-                 cuEventRecord=launches(1200))
+    expect_calls(calls, "one call of 1200 device writes of 512 bytes", batches=1, cuMemcpyAsync=0, cuEventRecord=1)
     got = p.rbuf.read(0, 1200 * 512)
     check(all(got[(1199 - i) * 512:(1200 - i) * 512] == src[i * 512:(i + 1) * 512] for i in range(1200)),
-          "1200 writes issued in three launches: wrong bytes")
+          "1200 writes of 512 bytes in one launch: wrong bytes")
+    big_n, big = 1200, 64 << 10
+    big_buf = p.dev.buffer("ipc", big_n * big)
+    big_remote = register(p.owner, big_buf)
+    src = fill(p.lbuf, 9)
+    many = [(p.local, i % (SIZE // big) * big, big_remote, (big_n - 1 - i) * big, big) for i in range(big_n)]
+    calls.since()
+    p.write(many)
+    expect_calls(calls, "one call of 1200 device writes of 64 KiB", batches=launches([big] * big_n), cuMemcpyAsync=0,
+                 cuEventRecord=launches([big] * big_n))
+    check(launches([big] * big_n) == 3, "1200 x 64 KiB: three issues expected (at 512 and 1024 copies)")
+    got = big_buf.read(0, big_n * big)
+    check(all(got[(big_n - 1 - i) * big:(big_n - i) * big] == src[i % (SIZE // big) * big:][:big] for i in range(big_n)),
+          "1200 writes of 64 KiB issued in three launches: wrong bytes")
+    p.owner.deregister(big_remote)
     src, hsrc = fill(p.lbuf, 2), pattern(3, SIZE)
     p.hbuf.write(0, hsrc)
     ops = [(p.local, 0, p.remote, 0, BLOCK), (p.local, BLOCK, p.remote, BLOCK, BLOCK),

@@ -7,9 +7,8 @@ against that after the call.
 
     switch      rows in stretches of 1 to 300 that change the local region, the remote one or
                 both (and size-0 rows inside a stretch), writes then reads: one launch and one
-                event every 512 copies (the core issues a call's copies every 512)
+                event (the core issues a call's copies every 32 MiB: agent_batch_prog.launches)
     alternate   the local and the remote region change at every row: one launch, one event
-                every 512 copies
     interrupted stretches of device copies cut by host ops (host region to host region: cma, or
                 with FLAGCX_MESH_TRANSPORT=tcp the tcp batch), by an op from host memory to the
                 stretch's remote region and by one into a host region (each its own
@@ -22,7 +21,7 @@ against that after the call.
     overlap     a write to the bytes an earlier row of the same stretch wrote, and a row reading
                 what an earlier one wrote (the same memory registered by both agents): the batch
                 is cut there (two launches for each), the later op sees the earlier one's bytes;
-                one 600 rows after the row it overwrites lands after it (another launch)
+                one 600 rows after the row it overwrites, in the run after that row's, lands after it
     hulls       copies within one buffer registered by both agents (what is read lies among
                 what is written): disjoint ones in one launch, one overlapping splits it
     refused     a bad row in the middle of a stretch (remote or local range, another agent's
@@ -155,13 +154,13 @@ def switch(args, dev) -> None:
     calls = Calls(dev)
     rng = random.Random(21)
     t = stretches(rng, 2000, 4)
-    n = launches(int((t[:, 4] > 0).sum()))  # (size-0 rows copy nothing)
+    n = launches(t[:, 4])
     b.step(calls, "writes in stretches", t, dict(batches=n, cuMemcpyAsync=0, cuEventRecord=n))
     b.fill(2)
     t = stretches(rng, 2000, 4, size=200)
     t[:, [0, 2]] = t[:, [2, 0]]  # reads: the distinct slots are the local ones now
     t[:, [1, 3]] = t[:, [3, 1]]
-    n = launches(int((t[:, 4] > 0).sum()))
+    n = launches(t[:, 4])
     b.step(calls, "reads in stretches", t, dict(batches=n, cuMemcpyAsync=0, cuEventRecord=n), is_read=True)
     b.close()
     print("switch ok", flush=True)
@@ -172,8 +171,8 @@ def alternate(args, dev) -> None:
     calls = Calls(dev)
     n, dst = 1000, slots(random.Random(22), 1000)
     t = table([(i % 4, i * SLOT, (i * 3) % 4, dst[i] * SLOT, 1 + i % SLOT) for i in range(n)])
-    b.step(calls, "a region change at every row", t, dict(batches=launches(n), cuMemcpyAsync=0,
-                                                           cuEventRecord=launches(n)))
+    b.step(calls, "a region change at every row", t, dict(batches=launches(t[:, 4]), cuMemcpyAsync=0,
+                                                           cuEventRecord=launches(t[:, 4])))
     b.close()
     print("alternate ok", flush=True)
 
@@ -256,9 +255,9 @@ def overlap(args, dev) -> None:
     dst = slots(rng, 1000)
     rows = [(0, rng.randrange(REGION // SLOT) * SLOT, 1, dst[i] * SLOT, 96) for i in range(1000)]
     rows[300] = (0, 5 * SLOT, 1, rows[100][3], 96)  # writes what row 100 wrote
-    rows[900] = (0, 6 * SLOT, 1, rows[200][3], 96)  # and what row 200 wrote, 512 copies later: issued after it
+    rows[900] = (0, 6 * SLOT, 1, rows[200][3], 96)  # and what row 200 wrote, in the run before its own: after it
     b.step(calls, "a write after a write in one stretch", table(rows),
-           dict(batches=3, cuMemcpyAsync=0, cuEventRecord=2))  # rows 0-511 cut at 300, then 512-999
+           dict(batches=2, cuMemcpyAsync=0, cuEventRecord=1))  # one issue (96 KiB), cut at 300
     # the user's region 2 registered by the owner too: remote index 5 is local region 2's memory
     remotes, rmem = b.with_remote(b.lbufs[2])
     dst = slots(rng, 601)

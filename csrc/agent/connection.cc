@@ -57,10 +57,14 @@ struct Connection::Batch {
   size_t count;  // the call's ops
   Deadline deadline;  // of the call's device, staged and stream-ordered ops (renewed every kRenewEvery ops)
   static constexpr size_t kRenewEvery = 256;  // a clock read per op cost more than the op's issue
-  // The queued copies are issued every kIssueEvery of them (issue_all): the device copies the
-  // first while the rest are queued (a request's 4096 copies took 0.2-0.4 ms to queue on an H100
-  // host, then as long again to copy), one launch and one event each.
-  static constexpr size_t kIssueEvery = 512;
+  // The queued copies are issued once they hold kIssueBytes (issue_all): the device copies them
+  // while the rest are queued (a request's 4096 copies take 0.3-0.4 ms to queue on an H100 host).
+  // Each issue costs ~10 us (a launch, an event, a probe) and hides the copy of what it issued
+  // behind the queueing of what follows: by bytes, not by count, since a copy's time goes with
+  // its bytes (on an H100, issuing every 512 copies made a call of 4096 x 64 KiB 16-20 % shorter
+  // and one of 4096 x 16 KiB 0.04-0.05 ms longer: docs/benchmarks.md, "The pull's final form").
+  static constexpr uint64_t kIssueBytes = 32ull << 20;
+  uint64_t queued_bytes = 0;  // of the copies queued since the last issue
   bool copies_only() const { return blocks.size() == 0 && staged.size() == 0 && iovs.size() == 0; }
   // The ops queued in `copies`, in order, for the fallback of any the driver refuses: each is
   // the first op of its run (`firsts`) but for its own offsets and length (a PathOp is ~100
@@ -87,6 +91,7 @@ struct Connection::Batch {
   void clear_ops() {
     ops.clear();
     firsts.clear();
+    queued_bytes = 0;
   }
   cma::IovBatch iovs;
   std::vector<std::pair<PeerView*, PathOp>> host_ops;  // the ops in iovs, in order
@@ -108,6 +113,7 @@ void Connection::Batch::queued_first(PeerView* v, const PathOp& op) {
 // An op queued in `copies` as one of the last first op's run: its offsets and length.
 void Connection::Batch::queued_more(const PathOp& op) {
   ops.push_back({static_cast<uint32_t>(firsts.size() - 1), op.local, op.remote_off, op.len});
+  queued_bytes += op.len;
 }
 
 void Connection::Batch::start_run(const Checked& c, Path* p) {
@@ -683,7 +689,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
       Issued how = batch.in_run(c) ? queue_in_run(c, is_read, stream, &batch) : issue(c, is_read, stream, &batch);
       any_async = any_async || how != Issued::kDone;
       any_unordered = any_unordered || how == Issued::kUnordered;
-      if (batch.copies.size() >= Batch::kIssueEvery && batch.copies_only()) issue_batch(&batch);
+      if (batch.queued_bytes >= Batch::kIssueBytes && batch.copies_only()) issue_batch(&batch);
     }
     *async = *async || any_async;
     *unordered = *unordered || any_unordered;
