@@ -897,10 +897,14 @@ class KVTransfer:
         if why:
             self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
             return self._fail(f, f"reading the blocks from the prefill failed: {why}")
+        self._fetched(f, pulls=1, bytes_pulled=nbytes)
+
+    def _fetched(self, f: _Fetch, **more: int) -> None:
+        """A fetch whose blocks landed (pushed, or pulled: ``more`` counts) is reported, its
+        counters with it: a caller that sees the request sees them."""
         self._fetches.pop(f.tag, None)
-        with self._lock:  # counted with the report: a caller that sees the request sees them
-            for key, n in (("pulls", 1), ("bytes_pulled", nbytes), ("fetches_done", 1),
-                           ("fetch_seconds", time.monotonic() - f.started)):
+        with self._lock:
+            for key, n in dict(more, fetches_done=1, fetch_seconds=time.monotonic() - f.started).items():
                 self._stats[key] += n
             self._finish(recving=f.tag)
 
@@ -936,10 +940,7 @@ class KVTransfer:
                                 self.name, tag[:200], peer)
             return
         if ok:
-            del self._fetches[tag]
-            self._count("fetches_done")
-            self._count("fetch_seconds", time.monotonic() - f.started)
-            self._finish(recving=tag)  # first: the prefill's release is not what the request waits for
+            self._fetched(f)  # first: the prefill's release is not what the request waits for
             self._send_quietly(f.conn, protocol.encode("A", req=f.remote_req))
         else:
             self._fail(f, f"the prefill refused: {why}")
