@@ -41,8 +41,12 @@ import statistics
 import time
 from typing import Dict, List, Tuple
 
-CHAIN: Tuple[Tuple[str, str, str], ...] = (  # (name, from stamp, to stamp): the first of each after the fetch
-    ("to its thread", "fetch>", "cmdfetch>"),
+Step = Tuple[str, str, str]  # (name, from stamp, to stamp)
+TO_ITS_THREAD: Step = ("to its thread", "fetch>", "cmdfetch>")  # (the first step of both chains)
+TOTAL: Step = ("total", "fetch>", "polled")
+FETCH_CALL: Step = ("fetch() call", "fetch>", "fetch<")
+CHAIN: Tuple[Step, ...] = (  # the first stamp of each name after the fetch
+    TO_ITS_THREAD,
     ("want built", "cmdfetch>", "notify>"),
     ("to the prefill", "notify>", "note:W"),
     ("want read", "note:W", "table>"),
@@ -51,10 +55,10 @@ CHAIN: Tuple[Tuple[str, str, str], ...] = (  # (name, from stamp, to stamp): the
     ("push, done back", "wb>", "note:D"),
     ("to the caller", "note:D", "polled"),
 )
-BESIDE = (("fetch() call", "fetch>", "fetch<"), ("push issued", "wb>", "wb<"))
-STEPS = CHAIN + (("total", "fetch>", "polled"),) + BESIDE
-PULL_CHAIN: Tuple[Tuple[str, str, str], ...] = (
-    ("to its thread", "fetch>", "cmdfetch>"),
+BESIDE = (FETCH_CALL, ("push issued", "wb>", "wb<"))
+STEPS = CHAIN + (TOTAL,) + BESIDE
+PULL_CHAIN: Tuple[Step, ...] = (
+    TO_ITS_THREAD,
     ("to the table", "cmdfetch>", "table>"),
     ("table", "table>", "table<"),
     ("to the read", "table<", "rb>"),
@@ -62,7 +66,7 @@ PULL_CHAIN: Tuple[Tuple[str, str, str], ...] = (
     ("read landed", "rb<", "notify>"),
     ("to the caller", "notify>", "polled"),
 )
-PULL_STEPS = PULL_CHAIN + (("total", "fetch>", "polled"), ("fetch() call", "fetch>", "fetch<"))
+PULL_STEPS = PULL_CHAIN + (TOTAL, FETCH_CALL)
 
 _stamps: List[Tuple[float, str]] = []
 _installed = [False]
