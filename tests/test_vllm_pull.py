@@ -460,6 +460,19 @@ def read_in_flight(pair, monkeypatch, fail=None):
     return pre, dec, dkv, gate
 
 
+def test_a_read_over_when_issued_is_reported_by_the_transfer_thread(pair):
+    """Over cma a read copies in its call: its ack goes and the request is reported on the
+    transfer thread, with no reader thread started (no hand-off on the request's path)."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    pre.hold("r2", [4, 5])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [4, 5], [1, 2], hold_until=far()) == {}
+    wait_for(pre, "sending", "r2")
+    assert dec.stats()["pulls"] == 1 and dec._reader is None
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
+
+
 def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair, monkeypatch):
     """While a pull's read is in flight the request is not reported and the prefill keeps its
     blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold

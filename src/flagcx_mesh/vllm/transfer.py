@@ -30,8 +30,9 @@ waits on a network), the request's hold is known to last (``hold_until``, the pr
 clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), and this decode
 did not read that prefill's request before. The read is issued on this thread and waited for by
 a reader thread, which then sends the ``A`` (carrying ``readers``) and reports the request (a
-failed read once no byte of it can land any more, with a ``C``); the prefill releases the
-blocks on the ``A`` as after a push. Anything else is pushed as before.
+failed read once no byte of it can land any more, with a ``C``); a read already over when its
+call returns (the host paths copy in the call) is acked and reported on this thread, with no
+hand-off. The prefill releases the blocks on the ``A`` as after a push. Anything else is pushed as before.
 
 Every agent call runs on one background thread; the public methods only queue commands and
 drain results, so the engine's step never waits on the network. The thread takes any bytes a
@@ -810,7 +811,7 @@ class KVTransfer:
     def _pull(self, f: _Fetch, conn) -> None:
         """Reads the fetch's blocks from the prefill: every layer's in one read_blocks call, issued
         here and waited for by the reader thread (_wait_reads), which sends the ack once the bytes
-        landed and reports the request. The table is a push's from here onto the prefill's
+        landed and reports the request (a read over when issued is reported here). The table is a push's from here onto the prefill's
         layout, its ``part`` swapped (slice di of dn of these blocks, slice si of sn of the
         prefill's): rows (local region, offset, remote region, offset, size), as read_blocks takes."""
         key = (conn.peer_name, conn.peer_incarnation)
@@ -829,11 +830,14 @@ class KVTransfer:
             h = conn.read_blocks(self._regions, layout[0], table) if len(table) else None
         except MeshError as e:  # refused before any byte moved
             return self._fail(f, f"reading the blocks from the prefill failed: {e}")
+        nbytes = int(table[:, 4].sum()) if len(table) else 0
+        if h is None or h.done():  # over already (host paths copy in the call): no hand-off to the reader
+            return self._pulled_one(f, ack, nbytes, self._read_outcome(h))
         f.reading = True
         if self._reader is None:
             self._reader = threading.Thread(target=self._wait_reads, name=f"kv-reads-{self.name}", daemon=True)
             self._reader.start()
-        self._reads.put((f, h, ack, int(table[:, 4].sum()) if len(table) else 0))
+        self._reads.put((f, h, ack, nbytes))
 
     def _wait_reads(self) -> None:
         """The reader thread: waits for each pull's read, in the order they were issued, then
