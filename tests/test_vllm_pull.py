@@ -374,7 +374,7 @@ def test_over_tcp_the_second_request_is_pushed(pair, monkeypatch):
         pre.hold(f"r{i}", [10 + i])
         assert fetch_and_wait(dec, f"t{i}", pre, f"r{i}", [10 + i], [i], hold_until=far()) == {}
         wait_for(pre, "sending", f"r{i}")
-    assert dec._peer_layouts and list(dec._pull_path.values()) == [False]
+    assert dec._peer_layouts and list(dec._pull_path.values()) == [""]
     conn = dec.agent.connection(pre.name)
     assert conn.path_to(pre._regions[0].descriptor, dec._regions[0].descriptor) not in PULL_PATHS
     assert only_these_blocks(dkv, [{0: 10, 1: 11}] * 2) == []
@@ -385,6 +385,98 @@ def test_over_cma_the_path_is_one_to_pull_on():
     """The premise of the other tests: host memory of two agents of one process takes cma, a
     path in PULL_PATHS (tcp is not)."""
     assert "cma" in PULL_PATHS and "tcp" not in PULL_PATHS and "ucx" not in PULL_PATHS
+
+
+# ---- where a fetch runs: the caller's thread where nothing in it waits or copies ------------
+
+def fetch_threads(x):
+    """Records, per fetch tag, the thread each of x's fetch commands ran on (set on the
+    instance, which both the transfer thread and fetch() look the command up on)."""
+    import threading
+
+    ran, real = {}, x._cmd_fetch
+
+    def recording(tag, *a, **k):
+        ran[tag] = threading.current_thread()
+        return real(tag, *a, **k)
+
+    x._cmd_fetch = recording
+    return ran
+
+
+def test_a_fetch_to_a_connected_prefill_runs_on_the_caller_s_thread(pair):
+    """The first fetch dials the prefill: the transfer thread's. The next to the same prefill
+    agent (pushed: no hold given) is sent by fetch() itself, on the caller's thread, and
+    lands as the first did."""
+    import threading
+
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    ran = fetch_threads(dec)
+    fill_all(pkv)
+    for tag, req, blocks in (("t1", "r1", [3]), ("t2", "r2", [4])):
+        pre.hold(req, blocks)
+        assert fetch_and_wait(dec, tag, pre, req, blocks, [blocks[0] + 10]) == {}
+    assert ran == {"t1": dec._thread, "t2": threading.current_thread()}, ran
+    assert only_these_blocks(dkv, [{13: 3, 14: 4}] * 2) == []
+    assert pre.stats()["pushes"] == 2 and dec.stats()["fetches_done"] == 2
+
+
+def test_a_pull_over_a_host_path_is_left_to_the_transfer_thread(pair):
+    """A fetch that may read over cma (its copies made in the read's call) is not run on the
+    caller's thread, though the prefill is connected."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    ran = fetch_threads(dec)
+    warm(pre, dec, pkv)
+    pre.hold("r2", [4])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [4], [1], hold_until=far()) == {}
+    assert ran == {"tw": dec._thread, "t2": dec._thread}, ran
+    assert dec.stats()["pulls"] == 1
+
+
+def test_a_pull_over_a_device_path_is_issued_on_the_caller_s_thread(pair):
+    """Where the prefill's path is a device one (its reads issued, landing later) a pull is
+    issued by fetch() itself. Here the path (cma) is said to be one, so the read runs in the
+    caller's fetch(); it lands, is acked and reported as any pull."""
+    import threading
+
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    ran = fetch_threads(dec)
+    warm(pre, dec, pkv)
+    pre.hold("r2", [4, 5])
+    assert fetch_and_wait(dec, "t2", pre, "r2", [4, 5], [1, 2], hold_until=far()) == {}  # finds the path
+    assert list(dec._pull_path.values()) == ["host"]
+    dec._pull_path[(pre.name, pre.agent.incarnation)] = "device"
+    pre.hold("r3", [6])
+    assert fetch_and_wait(dec, "t3", pre, "r3", [6], [3], hold_until=far()) == {}
+    assert ran["t3"] is threading.current_thread() and ran["t2"] is dec._thread, ran
+    wait_for(pre, "sending", "r3")  # released by the ack
+    assert dec.stats()["pulls"] == 2
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5, 3: 6}] * 2) == []
+
+
+def test_a_fetch_behind_a_queued_command_waits_its_turn(pair):
+    """While the transfer thread acts (the lock taken here, as a step would), a fetch is
+    queued; a later one then queues behind it (never overtaking it), and the thread runs both
+    in the order they came."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    ran = fetch_threads(dec)
+    order = []
+    real = dec._cmd_fetch
+    dec._cmd_fetch = lambda tag, *a, **k: (order.append(tag), real(tag, *a, **k))[1]
+    warm(pre, dec, pkv)
+    for req, b in (("r2", 4), ("r3", 5)):
+        pre.hold(req, [b])
+    with dec._turn:
+        dec.fetch("t2", pre.metadata, "r2", [4], [1])
+        dec.fetch("t3", pre.metadata, "r3", [5], [2])
+    got = set()
+    wait_until(lambda: got.update(dec.poll().recving) or {"t2", "t3"} <= got, "both fetches reported")
+    assert order == ["tw", "t2", "t3"] and ran["t2"] is dec._thread and ran["t3"] is dec._thread, (order, ran)
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
 
 
 # ---- the ack's readers --------------------------------------------------------------------

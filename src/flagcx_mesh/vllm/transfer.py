@@ -34,8 +34,12 @@ failed read once no byte of it can land any more, with a ``C``); a read already 
 call returns (the host paths copy in the call) is acked and reported on this thread, with no
 hand-off. The prefill releases the blocks on the ``A`` as after a push. Anything else is pushed as before.
 
-Every agent call runs on one background thread; the public methods only queue commands and
-drain results, so the engine's step never waits on the network. The thread takes any bytes a
+Agent calls run on one background thread; the public methods queue commands and drain results,
+so the engine's step never waits on the network. One exception spares a request the thread's
+wake-up: a fetch() whose prefill agent this decode is connected to already (no dial), with no
+command queued before it, runs on the caller's thread while the transfer thread waits for
+notifications (one lock, ``_turn``, keeps the two apart): it sends the want, or issues a pull's
+device copies, and returns (a pull over a host path, which copies in the call, is the thread's). The thread takes any bytes a
 peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
 (at most one line per ``LOG_EVERY`` seconds for each kind of trouble) and ignored, and the
 other notifications of its batch are handled as if it had not come.
@@ -85,6 +89,7 @@ STATS = (  # KVTransfer.stats()
     "bytes_pulled",           # decode: bytes of those reads
 )
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
+DEVICE_PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self"))  # ... and is issued, landing later (the others copy in the call)
 
 
 class _Throttled:
@@ -234,6 +239,7 @@ class KVTransfer:
             "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
             layers=[g.to_wire() for g in self.layers])
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._turn = threading.Lock()  # held while the state below is acted on: by the thread, or a fetch() (_fetch_here)
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._finished = threading.Condition(self._lock)  # notified when _done gains a request
         self._done = Finished()
@@ -252,8 +258,9 @@ class KVTransfer:
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
+        self._live: "OrderedDict[bytes, object]" = OrderedDict()  # prefill metadata -> the connection made to it
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
-        self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
+        self._pull_path: Dict[Tuple[str, str], str] = {}  # per prefill layout: "device" / "host" paths to pull on, or ""
         self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
         self._reads: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # pulls in flight, in order
         self._reader: Optional[threading.Thread] = None  # waits for them (_wait_reads), made at the first
@@ -287,9 +294,31 @@ class KVTransfer:
         at least (its ``kv_transfer_params``); where it is more than ``pull_margin`` seconds ahead
         this decode may read them itself (see the module); 0: unknown, they are pushed."""
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
-        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
-                            check_part(tuple(int(v) for v in part)), int(readers), float(hold_until)))
+        args = (str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
+                check_part(tuple(int(v) for v in part)), int(readers), float(hold_until))
+        if self._fetch_here(args):
+            return
+        self._commands.put(("fetch",) + args)
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
+
+    def _fetch_here(self, args: tuple) -> bool:
+        """Runs a fetch on the caller's thread, sparing it the transfer thread's wake-up, where
+        nothing in it can wait on the network or copy the blocks: a connection to that prefill
+        agent was made before and lives (no dial), no command waits before this one, the thread
+        is between two steps (waiting for notifications), and a pull would issue device copies
+        (_may_copy_here). False: it was not run (the thread takes it)."""
+        conn = self._live.get(args[1])
+        if conn is None or not self._commands.empty() or not self._turn.acquire(blocking=False):
+            return False
+        try:
+            if not self._commands.empty() or self._stop.is_set() or conn.gone() or self._may_copy_here(conn, args[-1]):
+                return False
+            self._cmd_fetch(*args, conn=conn)
+        except Exception:  # noqa: BLE001 - as on the thread: logged, the caller's step goes on
+            log.exception("%s: the fetch command failed", self.name)
+        finally:
+            self._turn.release()
+        return True
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
@@ -358,6 +387,20 @@ class KVTransfer:
                 time.sleep(self._interval)
 
     def _step(self) -> None:
+        with self._turn:
+            self._run_commands()
+        notes = self.agent.notifications(timeout=self._interval)  # (a fetch() may run meanwhile)
+        with self._turn:
+            self._act(notes)
+
+    def _may_copy_here(self, conn, hold_until: float) -> bool:
+        """Whether a fetch on ``conn`` might read its blocks over a host path, whose copies are
+        made in the call (not for the caller's thread): it may pull, and that prefill's path is
+        not known to be a device path."""
+        return self.pull and time.time() + self.pull_margin < hold_until and \
+            self._pull_path.get((conn.peer_name, conn.peer_incarnation)) != "device"
+
+    def _run_commands(self) -> None:
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -367,7 +410,10 @@ class KVTransfer:
                 getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
             except Exception:  # noqa: BLE001 - the next commands must still run
                 log.exception("%s: the %s command failed", self.name, cmd[0])
-        for n in self.agent.notifications(timeout=self._interval):
+
+    def _act(self, notes: list) -> None:
+        """A step's notifications handled, then the deadlines of held requests and fetches."""
+        for n in notes:
             try:  # each on its own: whatever one peer sent must not cost the others theirs
                 self._on_notification(n.peer, n.incarnation, n.data)
             except Exception as e:  # noqa: BLE001
@@ -462,13 +508,16 @@ class KVTransfer:
         self._layout_sent[key] = conn
 
     def _prune_layouts(self) -> None:
-        """Forgets the layouts of decodes whose connection closed (they send it again)."""
+        """Forgets the layouts of peers whose connection closed (they send it again), and the
+        closed connections fetch() looks for (_fetch_here)."""
         for key in list(self._peer_layouts):
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
                 del self._peer_layouts[key]
                 self._plans.pop(key, None)
                 self._pull_path.pop(key, None)
+        for md in [md for md, conn in self._live.items() if conn.gone()]:
+            del self._live[md]
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = f["req"]
@@ -758,7 +807,9 @@ class KVTransfer:
     # ---- decode side --------------------------------------------------------------------
 
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
-                   part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0) -> None:
+                   part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0, conn=None) -> None:
+        """A fetch (see fetch()); ``conn``: the live connection to the prefill (_fetch_here), else
+        one is made (or found) here."""
         src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
         f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
                    started=time.monotonic(), part=part, readers=readers, hold_until=hold_until)
@@ -772,7 +823,9 @@ class KVTransfer:
             return
         self._fetches[tag] = f
         try:
-            conn = self.agent.connect(md, timeout=self.connect_timeout)
+            if conn is None:
+                conn = self.agent.connect(md, timeout=self.connect_timeout)
+                _remember(self._live, md, conn)
             f.conn, f.peer = conn, conn.peer_name
             self._tell_layout(conn)  # a new connection: the prefill forgot the old one's layout
             if self._pulls(f, conn):
@@ -798,15 +851,24 @@ class KVTransfer:
             return False
         if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
             return False
-        ok = self._pull_path.get(key)
-        if ok is None:
-            try:  # every pair of regions (a read that waits on a network would hold up every other fetch)
-                ok = all(conn.path_to(r, mine.descriptor) in PULL_PATHS for r in layout[0] for mine in self._regions)
-            except MeshError as e:
-                log.info("%s: blocks from %s are pushed: %s", self.name, key[0], e)
-                ok = False
-            self._pull_path[key] = ok
-        return ok
+        kind = self._pull_path.get(key)
+        if kind is None:
+            kind = self._pull_path[key] = self._pull_kind(conn, layout[0])
+        return bool(kind)
+
+    def _pull_kind(self, conn, regions: List[bytes]) -> str:
+        """"device" where every pair of regions (this worker's, the prefill's) is joined by a
+        device path (a read is issued and lands later), "host" where by paths that copy on this
+        host in the call, "" where any pair is not (a read that waits on a network would hold up
+        every other fetch: pushed)."""
+        try:
+            paths = {conn.path_to(r, mine.descriptor) for r in regions for mine in self._regions}
+        except MeshError as e:
+            log.info("%s: blocks from %s are pushed: %s", self.name, conn.peer_name, e)
+            return ""
+        if not paths <= PULL_PATHS:
+            return ""
+        return "device" if paths <= DEVICE_PULL_PATHS else "host"
 
     def _pull(self, f: _Fetch, conn) -> None:
         """Reads the fetch's blocks from the prefill: every layer's in one read_blocks call, issued
