@@ -28,7 +28,7 @@ with its own, so from the second request on), the path between the two KV caches
 cuda-vmm, cuda-self, cma, shm, self, between every pair of the two workers' regions: no read
 waits on a network), the request's hold is known to last (``hold_until``, the prefill's wall
 clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), and this decode
-did not read that prefill's request before. The read is issued on this thread and waited for by
+did not read that prefill's request before. The read is issued on this thread (or by fetch() itself: below) and waited for by
 a reader thread, which then sends the ``A`` (carrying ``readers``) and reports the request (a
 failed read once no byte of it can land any more, with a ``C``); a read already over when its
 call returns (the host paths copy in the call) is acked and reported on this thread, with no
@@ -36,10 +36,11 @@ hand-off. The prefill releases the blocks on the ``A`` as after a push. Anything
 
 Agent calls run on one background thread; the public methods queue commands and drain results,
 so the engine's step never waits on the network. One exception spares a request the thread's
-wake-up: a fetch() whose prefill agent this decode is connected to already (no dial), with no
-command queued before it, runs on the caller's thread while the transfer thread waits for
+wake-up: a fetch() to a prefill agent an earlier fetch connected to (no dial), with no command
+queued before it, runs on the caller's thread while the transfer thread waits for
 notifications (one lock, ``_turn``, keeps the two apart): it sends the want, or issues a pull's
-device copies, and returns (a pull over a host path, which copies in the call, is the thread's). The thread takes any bytes a
+device copies, and returns (a fetch that may pull over a host path, which copies in the call,
+or whose paths are not known yet, is the thread's). The thread takes any bytes a
 peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
 (at most one line per ``LOG_EVERY`` seconds for each kind of trouble) and ignored, and the
 other notifications of its batch are handled as if it had not come.
@@ -303,22 +304,28 @@ class KVTransfer:
 
     def _fetch_here(self, args: tuple) -> bool:
         """Runs a fetch on the caller's thread, sparing it the transfer thread's wake-up, where
-        nothing in it can wait on the network or copy the blocks: a connection to that prefill
-        agent was made before and lives (no dial), no command waits before this one, the thread
-        is between two steps (waiting for notifications), and a pull would issue device copies
-        (_may_copy_here). False: it was not run (the thread takes it)."""
+        nothing in it dials or copies the blocks: a connection a fetch made to that prefill agent
+        lives (_live), no command waits before this one, the thread is between two steps
+        (waiting for notifications), and a pull would issue device copies (_may_copy_here). Its
+        sends (the want, the layout) wait only where the prefill stopped reading (64 MiB of
+        messages queued to it), as the thread's would. False: it was not run (the thread takes
+        it)."""
         conn = self._live.get(args[1])
         if conn is None or not self._commands.empty() or not self._turn.acquire(blocking=False):
             return False
         try:
-            if not self._commands.empty() or self._stop.is_set() or conn.gone() or self._may_copy_here(conn, args[-1]):
-                return False
-            self._cmd_fetch(*args, conn=conn)
+            here = self._commands.empty() and not self._stop.is_set() and not conn.gone() and \
+                not self._may_copy_here(conn, args[2], args[-1])
+        except Exception:  # noqa: BLE001 - not known: the thread takes it
+            here = False
+        try:
+            if here:
+                self._cmd_fetch(*args, conn=conn)
         except Exception:  # noqa: BLE001 - as on the thread: logged, the caller's step goes on
             log.exception("%s: the fetch command failed", self.name)
         finally:
             self._turn.release()
-        return True
+        return here
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
@@ -367,6 +374,16 @@ class KVTransfer:
             self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
+        # a fetch() running on its caller's thread (_fetch_here) ends first: its read, if any, is
+        # queued before the reader's end, and the agent stays open under it
+        turn = self._thread is not threading.current_thread() and self._turn.acquire(timeout=30)
+        try:
+            self._close_rest()
+        finally:
+            if turn:
+                self._turn.release()
+
+    def _close_rest(self) -> None:
         self._reads.put(None)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=30)
@@ -393,12 +410,15 @@ class KVTransfer:
         with self._turn:
             self._act(notes)
 
-    def _may_copy_here(self, conn, hold_until: float) -> bool:
-        """Whether a fetch on ``conn`` might read its blocks over a host path, whose copies are
-        made in the call (not for the caller's thread): it may pull, and that prefill's path is
-        not known to be a device path."""
-        return self.pull and time.time() + self.pull_margin < hold_until and \
-            self._pull_path.get((conn.peer_name, conn.peer_incarnation)) != "device"
+    def _may_copy_here(self, conn, remote_req: str, hold_until: float) -> bool:
+        """Whether a fetch of ``remote_req`` on ``conn`` might read its blocks over a host path,
+        whose copies are made in the call (not for the caller's thread): it may pull (_pulls:
+        pull on, the hold lasts, the prefill's layout known, its request not read before), and
+        that prefill's paths are host paths or not known yet."""
+        key = (conn.peer_name, conn.peer_incarnation)
+        if not self.pull or not time.time() + self.pull_margin < hold_until or key not in self._peer_layouts:
+            return False
+        return (key[0], remote_req) not in self._pulled and self._pull_path.get(key) in (None, "host")
 
     def _run_commands(self) -> None:
         while True:
