@@ -37,3 +37,20 @@ def test_every_object_prints_what_it_is():
         assert tuple(n) == ("surface-a", n.incarnation, b"hi")  # still the tuple it was
     assert repr(a).endswith(", closed)")
     assert NotificationWait.__repr__ is not object.__repr__
+
+
+def test_a_handle_says_its_ops_and_their_bytes():
+    """Handle.ops and Handle.nbytes: what the call issued, for a write, a read, a batch and a
+    table (what a caller counts without summing its table again)."""
+    import numpy as np
+
+    with Agent("surface-c", "s", timeout=10) as a, Agent("surface-d", "s", timeout=10) as b:
+        mine, theirs = a.register(bytearray(1 << 16)), b.register(bytearray(1 << 16))
+        conn = a.connect(b.metadata())
+        table = np.array([[0, 0, 100], [512, 1024, 7], [4096, 8192, 4096]], dtype=np.int64)
+        for h, ops, nbytes in ((conn.write(mine, theirs, 16), 1, 16), (conn.read(mine, theirs, 300), 1, 300),
+                               (conn.batch_write([(mine, 0, theirs, 0, 5), (mine, 64, theirs, 64, 6)]), 2, 11),
+                               (conn.read_blocks(mine, theirs, table), 3, 4203),
+                               (conn.write_blocks(mine, theirs, table[:0]), 0, 0)):
+            h.wait(10)
+            assert (h.ops, h.nbytes) == (ops, nbytes), (h.call, h.ops, h.nbytes)

@@ -575,7 +575,7 @@ class Gate:
 
         class Held:
             def __init__(self, h):
-                self.h = h
+                self.h, self.nbytes = h, h.nbytes
 
             def done(self):
                 return gate.open.is_set() and self.h.done()

@@ -462,7 +462,7 @@ void bind_connection(py::module_& m) {
   py::class_<PyHandle>(m, "AgentHandle",
                      "The completion of one write/read call (flagcx_mesh.agent.Handle): done() polls; wait(timeout) "
                      "raises the call's error (PeerLost naming the peer, InvalidArgument when the target refused, "
-                     "MeshTimeout); call names the call.")
+                     "MeshTimeout); call names the call; ops and nbytes: its ops and their bytes.")
       .def("done", [](const PyHandle& p) { return p.h.done(); }, py::call_guard<py::gil_scoped_release>())
       .def("wait", [](const PyHandle& p, const py::object& timeout) {
         double seconds = call_timeout(timeout, "wait: timeout");
@@ -470,6 +470,8 @@ void bind_connection(py::module_& m) {
         p.h.wait(seconds);
       }, py::arg("timeout") = py::none())
       .def_property_readonly("call", [](const PyHandle& p) { return p.h.call(); })
+      .def_property_readonly("ops", [](const PyHandle& p) { return p.h.count(); })
+      .def_property_readonly("nbytes", [](const PyHandle& p) { return p.h.bytes(); })
       .def("__repr__", [](const PyHandle& p) {
         py::gil_scoped_release release;
         return "Handle(" + p.h.call() + (p.h.done() ? ", done)" : ", pending)");

@@ -117,7 +117,8 @@ class _Completion:
 # The completion of one write/read call, as the core returns it (no wrapper: a blocking
 # connector pays for each object on every call). ``done()`` polls; ``wait(timeout)`` raises the
 # call's error (PeerLost naming the peer, InvalidArgument when the target refused, MeshTimeout);
-# ``call`` names the call ("write of 3 transfer(s) to agent b").
+# ``call`` names the call ("write of 3 transfer(s) to agent b"); ``ops`` and ``nbytes``: its ops
+# and the bytes they move (known at issue: no table to sum afterwards).
 Handle = _core.AgentHandle
 
 

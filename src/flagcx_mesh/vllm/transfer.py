@@ -598,7 +598,7 @@ class KVTransfer:
                                          failed=True))
             return
         self._count("pushes")
-        self._count("bytes_pushed", int(table[:, 4].sum()) if len(table) else 0)
+        self._count("bytes_pushed", handles[0].nbytes if handles else 0)
         held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
 
     def _push_deadline(self, held: _Held) -> float:
@@ -912,7 +912,7 @@ class KVTransfer:
             h = conn.read_blocks(self._regions, layout[0], table) if len(table) else None
         except MeshError as e:  # refused before any byte moved
             return self._fail(f, f"reading the blocks from the prefill failed: {e}")
-        nbytes = int(table[:, 4].sum()) if len(table) else 0
+        nbytes = h.nbytes if h is not None else 0
         if h is None or h.done():  # over already (host paths copy in the call): no hand-off to the reader
             return self._pulled_one(f, ack, nbytes, self._read_outcome(h))
         f.reading = True
