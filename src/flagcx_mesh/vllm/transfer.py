@@ -28,11 +28,12 @@ with its own, so from the second request on), the path between the two KV caches
 cuda-vmm, cuda-self, cma, shm, self, between every pair of the two workers' regions: no read
 waits on a network), the request's hold is known to last (``hold_until``, the prefill's wall
 clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), and this decode
-did not read that prefill's request before. The read is issued on this thread (or by fetch() itself: below) and waited for by
-a reader thread, which then sends the ``A`` (carrying ``readers``) and reports the request (a
-failed read once no byte of it can land any more, with a ``C``); a read already over when its
-call returns (the host paths copy in the call) is acked and reported on this thread, with no
-hand-off. The prefill releases the blocks on the ``A`` as after a push. Anything else is pushed as before.
+did not read that prefill's request before. The read is issued on this thread (or by fetch()
+itself: below) and waited for by a reader thread, which then sends the ``A`` (carrying
+``readers``) and reports the request (a failed read once no byte of it can land any more, with a
+``C``); a read already over when its call returns (the host paths copy in the call) is acked and
+reported where it was issued, with no hand-off. The prefill releases the blocks on the ``A`` as
+after a push. Anything else is pushed as before.
 
 Agent calls run on one background thread; the public methods queue commands and drain results,
 so the engine's step never waits on the network. One exception spares a request the thread's
@@ -90,7 +91,8 @@ STATS = (  # KVTransfer.stats()
     "bytes_pulled",           # decode: bytes of those reads
 )
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
-DEVICE_PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self"))  # ... and is issued, landing later (the others copy in the call)
+# ... of which a read is issued and lands later (the others copy in the call)
+DEVICE_PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self"))
 
 
 class _Throttled:
@@ -240,7 +242,8 @@ class KVTransfer:
             "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
             layers=[g.to_wire() for g in self.layers])
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        self._turn = threading.Lock()  # held while the state below is acted on: by the thread, or a fetch() (_fetch_here)
+        # held while the state below is acted on: by the thread, or by a fetch() itself (_fetch_here)
+        self._turn = threading.Lock()
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._finished = threading.Condition(self._lock)  # notified when _done gains a request
         self._done = Finished()
@@ -261,7 +264,7 @@ class KVTransfer:
         self._fetches: Dict[str, _Fetch] = {}
         self._live: "OrderedDict[bytes, object]" = OrderedDict()  # prefill metadata -> the connection made to it
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
-        self._pull_path: Dict[Tuple[str, str], str] = {}  # per prefill layout: "device" / "host" paths to pull on, or ""
+        self._pull_path: Dict[Tuple[str, str], str] = {}  # per prefill layout: pull on "device" / "host" paths, or ""
         self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
         self._reads: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # pulls in flight, in order
         self._reader: Optional[threading.Thread] = None  # waits for them (_wait_reads), made at the first
@@ -326,6 +329,16 @@ class KVTransfer:
         finally:
             self._turn.release()
         return here
+
+    def _may_copy_here(self, conn, remote_req: str, hold_until: float) -> bool:
+        """Whether a fetch of ``remote_req`` on ``conn`` might read its blocks over a host path,
+        whose copies are made in the call (not for the caller's thread): it may pull (_pulls:
+        pull on, the hold lasts, the prefill's layout known, its request not read before), and
+        that prefill's paths are host paths or not known yet."""
+        key = (conn.peer_name, conn.peer_incarnation)
+        if not self.pull or not time.time() + self.pull_margin < hold_until or key not in self._peer_layouts:
+            return False
+        return (key[0], remote_req) not in self._pulled and self._pull_path.get(key) in (None, "host")
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
@@ -409,16 +422,6 @@ class KVTransfer:
         notes = self.agent.notifications(timeout=self._interval)  # (a fetch() may run meanwhile)
         with self._turn:
             self._act(notes)
-
-    def _may_copy_here(self, conn, remote_req: str, hold_until: float) -> bool:
-        """Whether a fetch of ``remote_req`` on ``conn`` might read its blocks over a host path,
-        whose copies are made in the call (not for the caller's thread): it may pull (_pulls:
-        pull on, the hold lasts, the prefill's layout known, its request not read before), and
-        that prefill's paths are host paths or not known yet."""
-        key = (conn.peer_name, conn.peer_incarnation)
-        if not self.pull or not time.time() + self.pull_margin < hold_until or key not in self._peer_layouts:
-            return False
-        return (key[0], remote_req) not in self._pulled and self._pull_path.get(key) in (None, "host")
 
     def _run_commands(self) -> None:
         while True:
@@ -893,9 +896,10 @@ class KVTransfer:
     def _pull(self, f: _Fetch, conn) -> None:
         """Reads the fetch's blocks from the prefill: every layer's in one read_blocks call, issued
         here and waited for by the reader thread (_wait_reads), which sends the ack once the bytes
-        landed and reports the request (a read over when issued is reported here). The table is a push's from here onto the prefill's
-        layout, its ``part`` swapped (slice di of dn of these blocks, slice si of sn of the
-        prefill's): rows (local region, offset, remote region, offset, size), as read_blocks takes."""
+        landed and reports the request (a read over when issued is reported here). The table is
+        a push's from here onto the prefill's layout, its ``part`` swapped (slice di of dn of
+        these blocks, slice si of sn of the prefill's): rows (local region, offset, remote region,
+        offset, size), as read_blocks takes."""
         key = (conn.peer_name, conn.peer_incarnation)
         layout = self._peer_layouts[key]
         si, sn, di, dn = f.part
