@@ -27,7 +27,7 @@ def lib():
         "agent_create": [p, ctypes.c_char_p, ctypes.c_char_p, d], "agent_destroy": [p],
         "agent_metadata": [p, p, p], "agent_register": [p, p, u64, p, p], "agent_deregister": [p, p, sz, d],
         "agent_connect": [p, p, sz, d, p], "agent_conn_release": [p],
-        "agent_transfer": [p, ctypes.c_int, p, sz, p, sz, p], "agent_handle_test": [p, p],
+        "agent_transfer": [p, ctypes.c_int, p, sz, p, sz, p], "agent_handle_test": [p, p], "agent_handle_size": [p, p, p],
         "agent_handle_wait": [p, d], "agent_handle_free": [p], "agent_notification": [p, d, p, sz, p, p],
     }
     for name, args in sigs.items():
@@ -84,6 +84,11 @@ def test_agents_through_the_c_abi(lib):
         assert lib.flagcx_mesh_agent_handle_wait(h, 10.0) == OK, err(lib)
         done = ctypes.c_int(0)
         assert lib.flagcx_mesh_agent_handle_test(h, ctypes.byref(done)) == OK and done.value == 1
+        nops, nbytes = ctypes.c_size_t(0), ctypes.c_uint64(0)
+        assert lib.flagcx_mesh_agent_handle_size(h, ctypes.byref(nops), ctypes.byref(nbytes)) == OK, err(lib)
+        assert (nops.value, nbytes.value) == (2, 200)
+        assert lib.flagcx_mesh_agent_handle_size(h, None, None) == OK
+        assert lib.flagcx_mesh_agent_handle_size(None, None, None) != OK
         lib.flagcx_mesh_agent_handle_free(h)
         assert bytes(dst[4096:4196]) == bytes(src[0:100]) and bytes(dst[0:100]) == bytes(src[100:200])
         peer = ctypes.create_string_buffer(64)

@@ -289,6 +289,14 @@ flagcx_mesh_result_t flagcx_mesh_agent_handle_test(flagcx_mesh_agent_handle_t ha
   });
 }
 
+flagcx_mesh_result_t flagcx_mesh_agent_handle_size(flagcx_mesh_agent_handle_t handle, size_t* ops, uint64_t* bytes) {
+  return guard("flagcx_mesh_agent_handle_size", [&] {
+    require(handle, "handle");
+    if (ops) *ops = handle->h.count();
+    if (bytes) *bytes = handle->h.bytes();
+  });
+}
+
 flagcx_mesh_result_t flagcx_mesh_agent_handle_wait(flagcx_mesh_agent_handle_t handle, double timeout_s) {
   return guard("flagcx_mesh_agent_handle_wait", [&] {
     require(handle, "handle");

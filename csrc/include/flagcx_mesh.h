@@ -326,6 +326,10 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_stream_wait_notification(
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_test(flagcx_mesh_agent_handle_t handle, int *done);
 /* timeout_s 0: the agent's timeout (a stream wait: until it is released, which its own timeout bounds). */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_wait(flagcx_mesh_agent_handle_t handle, double timeout_s);
+/* *ops, *bytes: the transfer's ops and the bytes they move, known when the call returned (0 for a
+ * stream wait); either may be NULL. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_size(flagcx_mesh_agent_handle_t handle, size_t *ops,
+                                                                  uint64_t *bytes);
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_handle_free(flagcx_mesh_agent_handle_t handle);
 /* The next notification, waiting up to timeout_s (FLAGCX_MESH_TIMEOUT when
  * none came): its bytes into buf, the sender's name (NUL-terminated,
