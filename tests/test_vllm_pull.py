@@ -374,7 +374,7 @@ def test_over_tcp_the_second_request_is_pushed(pair, monkeypatch):
         pre.hold(f"r{i}", [10 + i])
         assert fetch_and_wait(dec, f"t{i}", pre, f"r{i}", [10 + i], [i], hold_until=far()) == {}
         wait_for(pre, "sending", f"r{i}")
-    assert dec._peer_layouts and list(dec._pull_path.values()) == [""]
+    assert dec._peer_layouts and list(dec._pull_path.values()) == [False]
     conn = dec.agent.connection(pre.name)
     assert conn.path_to(pre._regions[0].descriptor, dec._regions[0].descriptor) not in PULL_PATHS
     assert only_these_blocks(dkv, [{0: 10, 1: 11}] * 2) == []
@@ -385,163 +385,6 @@ def test_over_cma_the_path_is_one_to_pull_on():
     """The premise of the other tests: host memory of two agents of one process takes cma, a
     path in PULL_PATHS (tcp is not)."""
     assert "cma" in PULL_PATHS and "tcp" not in PULL_PATHS and "ucx" not in PULL_PATHS
-
-
-# ---- where a fetch runs: the caller's thread where nothing in it waits or copies ------------
-
-def fetch_threads(x):
-    """Records, per fetch tag, the thread each of x's fetch commands ran on (set on the
-    instance, which both the transfer thread and fetch() look the command up on)."""
-    import threading
-
-    ran, real = {}, x._cmd_fetch
-
-    def recording(tag, *a, **k):
-        ran[tag] = threading.current_thread()
-        return real(tag, *a, **k)
-
-    x._cmd_fetch = recording
-    return ran
-
-
-def idle(x):
-    """Waits until x's transfer thread is in its wait for notifications (made long: the decodes
-    of these tests poll every 5 s), so that a fetch() finds it between two steps."""
-    wait_until(lambda: not x._turn.locked(), "the transfer thread idle")
-    time.sleep(0.05)  # (past the end of its step: it took the lock once more for the queued commands)
-
-
-def test_a_fetch_to_a_connected_prefill_runs_on_the_caller_s_thread(pair):
-    """The first fetch dials the prefill: the transfer thread's. The next to the same prefill
-    agent (pushed: no hold given) is sent by fetch() itself, on the caller's thread, and
-    lands as the first did."""
-    import threading
-
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d", poll_interval=5.0)
-    ran = fetch_threads(dec)
-    fill_all(pkv)
-    for tag, req, blocks in (("t1", "r1", [3]), ("t2", "r2", [4])):
-        pre.hold(req, blocks)
-        idle(dec)
-        assert fetch_and_wait(dec, tag, pre, req, blocks, [blocks[0] + 10]) == {}
-    assert ran == {"t1": dec._thread, "t2": threading.current_thread()}, ran
-    assert only_these_blocks(dkv, [{13: 3, 14: 4}] * 2) == []
-    assert pre.stats()["pushes"] == 2 and dec.stats()["fetches_done"] == 2
-
-
-def test_a_fetch_that_may_pull_over_a_host_path_is_left_to_the_transfer_thread(pair):
-    """A fetch that may read over cma (its copies made in the read's call) is not run on the
-    caller's thread, though the prefill is connected; one to a prefill whose layout is known
-    but whose request this decode read already (pushed, then) is."""
-    import threading
-
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d", poll_interval=5.0)
-    ran = fetch_threads(dec)
-    warm(pre, dec, pkv)
-    pre.hold("r2", [4])
-    idle(dec)
-    assert fetch_and_wait(dec, "t2", pre, "r2", [4], [1], hold_until=far()) == {}
-    assert ran == {"tw": dec._thread, "t2": dec._thread}, ran
-    assert dec.stats()["pulls"] == 1 and list(dec._pull_path.values()) == ["host"]
-    wait_for(pre, "sending", "r2")
-    idle(dec)
-    assert fetch_and_wait(dec, "t2b", pre, "r2", [4], [2], hold_until=far()) == {"t2b": [2]}  # refused
-    assert ran["t2b"] is threading.current_thread(), ran
-
-
-def test_a_pull_over_a_device_path_is_issued_on_the_caller_s_thread(pair, monkeypatch):
-    """Where the prefill's paths are device ones (its reads issued, landing later) a pull is
-    issued by fetch() itself and handed to the reader thread. Here the path (cma) is said to be
-    one and the read held in flight (Gate): fetch() returns with it issued, the request is
-    reported only once the read is over, acked as any pull."""
-    import threading
-
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d", poll_interval=5.0)
-    ran = fetch_threads(dec)
-    warm(pre, dec, pkv)
-    pre.hold("r2", [4, 5])
-    assert fetch_and_wait(dec, "t2", pre, "r2", [4, 5], [1, 2], hold_until=far()) == {}  # finds the path
-    assert list(dec._pull_path.values()) == ["host"] and dec._reader is None
-    dec._pull_path[(pre.name, pre.agent.incarnation)] = "device"
-    gate = Gate(monkeypatch)
-    pre.hold("r3", [6])
-    idle(dec)
-    dec.fetch("t3", pre.metadata, "r3", [6], [3], hold_until=far())
-    assert gate.reads == 1 and ran["t3"] is threading.current_thread(), ran  # issued in the call
-    assert not_within(dec, "recving", "t3", 0.3) and not_within(pre, "sending", "r3", 0.2)
-    gate.open.set()
-    assert wait_for(dec, "recving", "t3") == {}
-    wait_for(pre, "sending", "r3")  # released by the ack
-    assert dec.stats()["pulls"] == 2 and dec._reader is not None
-    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5, 3: 6}] * 2) == []
-
-
-def test_close_waits_for_a_fetch_running_on_the_caller_s_thread(pair):
-    """close() from another thread while a fetch runs on its caller's thread and the transfer
-    thread is between two steps (it ends at once): the agent is closed only once that fetch is
-    over (it ran with the agent open)."""
-    import threading
-
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d", poll_interval=5.0)
-    warm(pre, dec, pkv)
-    entered, go, seen = threading.Event(), threading.Event(), []
-    real = dec._cmd_fetch
-
-    def slow(tag, *a, **k):
-        entered.set()
-        go.wait(10)
-        seen.append(dec.agent.closed)
-        return real(tag, *a, **k)
-
-    dec._cmd_fetch = slow
-    pre.hold("r2", [4])
-    idle(dec)
-    dec._step = lambda: time.sleep(0.005)  # the thread between steps from now on: it ends at once at close()
-    dec.agent.wake_notifications()  # (out of the step it is in)
-    time.sleep(0.1)
-    caller = threading.Thread(target=dec.fetch, args=("t2", pre.metadata, "r2", [4], [1]))
-    caller.start()
-    assert entered.wait(10)
-    closer = threading.Thread(target=dec.close)
-    closer.start()
-    closer.join(0.5)
-    alive = closer.is_alive()
-    go.set()
-    caller.join(10)
-    closer.join(30)
-    assert alive, "close() did not wait for the fetch running on its caller's thread"
-    assert seen == [False] and dec.agent.closed and not closer.is_alive()
-
-
-def test_a_fetch_behind_a_queued_command_waits_its_turn(pair):
-    """A fetch queued (the transfer thread was acting) is run before a later one: with the
-    first still in the queue, the later fetch() queues too, though the thread is idle; the
-    thread then runs both in the order they came."""
-    pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d", poll_interval=5.0)
-    ran = fetch_threads(dec)
-    order = []
-    real = dec._cmd_fetch
-    dec._cmd_fetch = lambda tag, *a, **k: (order.append(tag), real(tag, *a, **k))[1]
-    warm(pre, dec, pkv)
-    for req, b in (("r2", 4), ("r3", 5)):
-        pre.hold(req, [b])
-    dec._run_commands = lambda: None  # the thread leaves the queue alone for now
-    with dec._turn:  # acting: t2 is queued
-        dec.fetch("t2", pre.metadata, "r2", [4], [1])
-    idle(dec)
-    dec.fetch("t3", pre.metadata, "r3", [5], [2])  # the thread idle, t2 queued: t3 queued behind it
-    assert order == ["tw"] and dec._commands.qsize() == 2, order
-    del dec._run_commands
-    dec.agent.wake_notifications()
-    got = set()
-    wait_until(lambda: got.update(dec.poll().recving) or {"t2", "t3"} <= got, "both fetches reported")
-    assert order == ["tw", "t2", "t3"] and ran["t2"] is dec._thread and ran["t3"] is dec._thread, (order, ran)
-    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
 
 
 # ---- the ack's readers --------------------------------------------------------------------
@@ -632,8 +475,8 @@ def test_a_read_over_when_issued_is_reported_by_the_transfer_thread(pair):
 
 def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair, monkeypatch):
     """While a pull's read is in flight the request is not reported and the prefill keeps its
-    blocks (no ack yet); another fetch is served meanwhile (pushed: no hold given; its want
-    sent by fetch() itself, its done handled by the transfer thread). Once the read is over the ack goes and the request is reported, its bytes right."""
+    blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold
+    given). Once the read is over the ack goes and the request is reported, its bytes right."""
     pre, dec, dkv, gate = read_in_flight(pair, monkeypatch)
     pre.hold("r3", [6])
     assert fetch_and_wait(dec, "t3", pre, "r3", [6], [3]) == {}  # pushed while t2's read is held

@@ -28,20 +28,15 @@ with its own, so from the second request on), the path between the two KV caches
 cuda-vmm, cuda-self, cma, shm, self, between every pair of the two workers' regions: no read
 waits on a network), the request's hold is known to last (``hold_until``, the prefill's wall
 clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), and this decode
-did not read that prefill's request before. The read is issued on this thread (or by fetch()
-itself: below) and waited for by a reader thread, which then sends the ``A`` (carrying
-``readers``) and reports the request (a failed read once no byte of it can land any more, with a
-``C``); a read already over when its call returns (the host paths copy in the call) is acked and
-reported where it was issued, with no hand-off. The prefill releases the blocks on the ``A`` as
-after a push. Anything else is pushed as before.
+did not read that prefill's request before. The read is issued on this thread and waited for by
+a reader thread, which then sends the ``A`` (carrying ``readers``) and reports the request (a
+failed read once no byte of it can land any more, with a ``C``); a read already over when its
+call returns (the host paths copy in the call) is acked and reported on this thread, with no
+hand-off. The prefill releases the blocks on the ``A`` as after a push. Anything else is pushed
+as before.
 
-Agent calls run on one background thread; the public methods queue commands and drain results,
-so the engine's step never waits on the network. One exception spares a request the thread's
-wake-up: a fetch() to a prefill agent an earlier fetch connected to (no dial), with no command
-queued before it, runs on the caller's thread while the transfer thread waits for
-notifications (one lock, ``_turn``, keeps the two apart): it sends the want, or issues a pull's
-device copies, and returns (a fetch that may pull over a host path, which copies in the call,
-or whose paths are not known yet, is the thread's). The thread takes any bytes a
+Every agent call runs on one background thread; the public methods only queue commands and
+drain results, so the engine's step never waits on the network. The thread takes any bytes a
 peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
 (at most one line per ``LOG_EVERY`` seconds for each kind of trouble) and ignored, and the
 other notifications of its batch are handled as if it had not come.
@@ -91,8 +86,6 @@ STATS = (  # KVTransfer.stats()
     "bytes_pulled",           # decode: bytes of those reads
 )
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
-# ... of which a read is issued and lands later (the others copy in the call)
-DEVICE_PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self"))
 
 
 class _Throttled:
@@ -242,8 +235,6 @@ class KVTransfer:
             "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
             layers=[g.to_wire() for g in self.layers])
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
-        # held while the state below is acted on: by the thread, or by a fetch() itself (_fetch_here)
-        self._turn = threading.Lock()
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._finished = threading.Condition(self._lock)  # notified when _done gains a request
         self._done = Finished()
@@ -262,9 +253,8 @@ class KVTransfer:
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         # decode side
         self._fetches: Dict[str, _Fetch] = {}
-        self._live: "OrderedDict[bytes, object]" = OrderedDict()  # prefill metadata -> the connection made to it
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
-        self._pull_path: Dict[Tuple[str, str], str] = {}  # per prefill layout: pull on "device" / "host" paths, or ""
+        self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
         self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
         self._reads: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # pulls in flight, in order
         self._reader: Optional[threading.Thread] = None  # waits for them (_wait_reads), made at the first
@@ -298,47 +288,9 @@ class KVTransfer:
         at least (its ``kv_transfer_params``); where it is more than ``pull_margin`` seconds ahead
         this decode may read them itself (see the module); 0: unknown, they are pushed."""
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
-        args = (str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
-                check_part(tuple(int(v) for v in part)), int(readers), float(hold_until))
-        if self._fetch_here(args):
-            return
-        self._commands.put(("fetch",) + args)
+        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
+                            check_part(tuple(int(v) for v in part)), int(readers), float(hold_until)))
         self.agent.wake_notifications()  # the thread takes it now, not at its next poll
-
-    def _fetch_here(self, args: tuple) -> bool:
-        """Runs a fetch on the caller's thread, sparing it the transfer thread's wake-up, where
-        nothing in it dials or copies the blocks: a connection a fetch made to that prefill agent
-        lives (_live), no command waits before this one, the thread is between two steps
-        (waiting for notifications), and a pull would issue device copies (_may_copy_here). Its
-        sends (the want, the layout) wait only where the prefill stopped reading (64 MiB of
-        messages queued to it), as the thread's would. False: it was not run (the thread takes
-        it)."""
-        conn = self._live.get(args[1])
-        if conn is None or not self._commands.empty() or not self._turn.acquire(blocking=False):
-            return False
-        try:
-            here = self._commands.empty() and not self._stop.is_set() and not conn.gone() and \
-                not self._may_copy_here(conn, args[2], args[-1])
-        except Exception:  # noqa: BLE001 - not known: the thread takes it
-            here = False
-        try:
-            if here:
-                self._cmd_fetch(*args, conn=conn)
-        except Exception:  # noqa: BLE001 - as on the thread: logged, the caller's step goes on
-            log.exception("%s: the fetch command failed", self.name)
-        finally:
-            self._turn.release()
-        return here
-
-    def _may_copy_here(self, conn, remote_req: str, hold_until: float) -> bool:
-        """Whether a fetch of ``remote_req`` on ``conn`` might read its blocks over a host path,
-        whose copies are made in the call (not for the caller's thread): it may pull (_pulls:
-        pull on, the hold lasts, the prefill's layout known, its request not read before), and
-        that prefill's paths are host paths or not known yet."""
-        key = (conn.peer_name, conn.peer_incarnation)
-        if not self.pull or not time.time() + self.pull_margin < hold_until or key not in self._peer_layouts:
-            return False
-        return (key[0], remote_req) not in self._pulled and self._pull_path.get(key) in (None, "host")
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
@@ -387,16 +339,6 @@ class KVTransfer:
             self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        # a fetch() running on its caller's thread (_fetch_here) ends first: its read, if any, is
-        # queued before the reader's end, and the agent stays open under it
-        turn = self._thread is not threading.current_thread() and self._turn.acquire(timeout=30)
-        try:
-            self._close_rest()
-        finally:
-            if turn:
-                self._turn.release()
-
-    def _close_rest(self) -> None:
         self._reads.put(None)
         if self._reader is not None and self._reader is not threading.current_thread():
             self._reader.join(timeout=30)
@@ -417,13 +359,6 @@ class KVTransfer:
                 time.sleep(self._interval)
 
     def _step(self) -> None:
-        with self._turn:
-            self._run_commands()
-        notes = self.agent.notifications(timeout=self._interval)  # (a fetch() may run meanwhile)
-        with self._turn:
-            self._act(notes)
-
-    def _run_commands(self) -> None:
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -433,10 +368,7 @@ class KVTransfer:
                 getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
             except Exception:  # noqa: BLE001 - the next commands must still run
                 log.exception("%s: the %s command failed", self.name, cmd[0])
-
-    def _act(self, notes: list) -> None:
-        """A step's notifications handled, then the deadlines of held requests and fetches."""
-        for n in notes:
+        for n in self.agent.notifications(timeout=self._interval):
             try:  # each on its own: whatever one peer sent must not cost the others theirs
                 self._on_notification(n.peer, n.incarnation, n.data)
             except Exception as e:  # noqa: BLE001
@@ -531,16 +463,13 @@ class KVTransfer:
         self._layout_sent[key] = conn
 
     def _prune_layouts(self) -> None:
-        """Forgets the layouts of peers whose connection closed (they send it again), and the
-        closed connections fetch() looks for (_fetch_here)."""
+        """Forgets the layouts of decodes whose connection closed (they send it again)."""
         for key in list(self._peer_layouts):
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
                 del self._peer_layouts[key]
                 self._plans.pop(key, None)
                 self._pull_path.pop(key, None)
-        for md in [md for md, conn in self._live.items() if conn.gone()]:
-            del self._live[md]
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = f["req"]
@@ -830,9 +759,7 @@ class KVTransfer:
     # ---- decode side --------------------------------------------------------------------
 
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
-                   part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0, conn=None) -> None:
-        """A fetch (see fetch()); ``conn``: the live connection to the prefill (_fetch_here), else
-        one is made (or found) here."""
+                   part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0) -> None:
         src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
         f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
                    started=time.monotonic(), part=part, readers=readers, hold_until=hold_until)
@@ -846,9 +773,7 @@ class KVTransfer:
             return
         self._fetches[tag] = f
         try:
-            if conn is None:
-                conn = self.agent.connect(md, timeout=self.connect_timeout)
-                _remember(self._live, md, conn)
+            conn = self.agent.connect(md, timeout=self.connect_timeout)
             f.conn, f.peer = conn, conn.peer_name
             self._tell_layout(conn)  # a new connection: the prefill forgot the old one's layout
             if self._pulls(f, conn):
@@ -874,24 +799,15 @@ class KVTransfer:
             return False
         if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
             return False
-        kind = self._pull_path.get(key)
-        if kind is None:
-            kind = self._pull_path[key] = self._pull_kind(conn, layout[0])
-        return bool(kind)
-
-    def _pull_kind(self, conn, regions: List[bytes]) -> str:
-        """"device" where every pair of regions (this worker's, the prefill's) is joined by a
-        device path (a read is issued and lands later), "host" where by paths that copy on this
-        host in the call, "" where any pair is not (a read that waits on a network would hold up
-        every other fetch: pushed)."""
-        try:
-            paths = {conn.path_to(r, mine.descriptor) for r in regions for mine in self._regions}
-        except MeshError as e:
-            log.info("%s: blocks from %s are pushed: %s", self.name, conn.peer_name, e)
-            return ""
-        if not paths <= PULL_PATHS:
-            return ""
-        return "device" if paths <= DEVICE_PULL_PATHS else "host"
+        ok = self._pull_path.get(key)
+        if ok is None:
+            try:  # every pair of regions (a read that waits on a network would hold up every other fetch)
+                ok = all(conn.path_to(r, mine.descriptor) in PULL_PATHS for r in layout[0] for mine in self._regions)
+            except MeshError as e:
+                log.info("%s: blocks from %s are pushed: %s", self.name, key[0], e)
+                ok = False
+            self._pull_path[key] = ok
+        return ok
 
     def _pull(self, f: _Fetch, conn) -> None:
         """Reads the fetch's blocks from the prefill: every layer's in one read_blocks call, issued
