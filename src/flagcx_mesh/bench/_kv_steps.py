@@ -27,6 +27,7 @@ A request the decode read itself (a pull: transfer.py) has a chain of its own:
     to the read         until read_blocks is called
     read issued         read_blocks itself (the copies issued)
     read landed         until the reader thread saw the copies complete and sends the ack (A)
+                        (on the host paths, whose read copies in its call, the transfer thread)
     to the caller       the ack sent, the request reported, until poll() returns it to the caller
     total               the decode's fetch() until poll() returned the request
 
