@@ -125,6 +125,9 @@ class Handle {
          uint64_t bytes = 0)
       : conn_(std::move(conn)), target_(target), pending_(pending), is_read_(is_read), count_(count), bytes_(bytes) {}
   bool done() const;  // complete, or failed (wait() then says why)
+  // done(), after polling the completion of its device copies (what a wait does between its
+  // looks; done() alone sees a device copy complete only once some thread polled it).
+  bool poll() const;
   void wait(double timeout_s) const;  // <= 0: the agent's timeout
   std::string call() const;  // "write of 3 transfer(s) to agent b" (made when asked: not on the op's path)
   size_t count() const { return count_; }  // its ops

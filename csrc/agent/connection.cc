@@ -786,6 +786,8 @@ void Connection::unpark() {
 
 bool Connection::reached(uint64_t target) const { return engine().completed() >= target; }
 
+void Connection::poll_completions() const { engine().poll_probes(); }
+
 void Connection::wait(uint64_t target, const Deadline& deadline, const Handle& describe) const {
   try {
     engine().wait_counter(target, deadline);
@@ -835,6 +837,12 @@ void Connection::fail_call(const Error& e, const std::string& call, const Handle
 bool Handle::done() const {
   if (!pending_) return true;
   return conn_->reached(target_) || conn_->ended();
+}
+
+bool Handle::poll() const {
+  if (!pending_) return true;
+  conn_->poll_completions();
+  return done();
 }
 
 void Handle::wait(double timeout_s) const {

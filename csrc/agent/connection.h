@@ -86,6 +86,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
 
   // For Handle.
   bool reached(uint64_t target) const;
+  void poll_completions() const;  // the engine's device copies that completed are counted (Handle::poll)
   // On failure the error names the call, `describe`'s words (made then only).
   void wait(uint64_t target, const Deadline& deadline, const Handle& describe) const;
   void flush(const Deadline& deadline);  // this agent's ops on it completed (errors swallowed)

@@ -26,12 +26,17 @@ class Backoff {
   bool spinning() const { return Clock::now() - start_ < kSpin; }
   bool within(std::chrono::microseconds d) const { return Clock::now() - start_ < d; }
   void pause() const {
-    auto waited = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_);
-    if (waited < kSpin) {
+    if (spinning()) {
       std::this_thread::yield();
       return;
     }
-    std::this_thread::sleep_for(std::clamp(waited / 10, kMinSleep, kMaxSleep));
+    std::this_thread::sleep_for(sleep());
+  }
+  // How long a pause past the spin sleeps (a loop that may be woken sooner waits this long on its
+  // condition variable instead).
+  std::chrono::microseconds sleep() const {
+    auto waited = std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - start_);
+    return std::clamp(waited / 10, kMinSleep, kMaxSleep);
   }
 
  private:

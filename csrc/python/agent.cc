@@ -13,6 +13,7 @@
 #include <pybind11/stl.h>
 
 #include "agent/agent.h"
+#include "agent/block_pull.h"
 #include "agent/block_rows.h"
 #include "agent/connection.h"
 #include "agent/stream_wait.h"
@@ -420,6 +421,56 @@ void transfer_one_sync(Connection& c, const py::handle& local, const py::handle&
   issue(c, op.xs, is_read, notif, stream, timeout.value_or(0.0));
 }
 
+// A read of a request's blocks for the puller: per KV cache group (tables, local ids, remote ids).
+fxm::agent::PullJob pull_job(uint64_t token, std::shared_ptr<Connection> conn, const py::object& locals,
+                             const py::object& remotes, const py::list& groups, const py::object& on_landed,
+                             const py::object& on_failed) {
+  fxm::agent::PullJob j;
+  j.token = token;
+  j.conn = std::move(conn);
+  for (SharedDesc& d : region_list(locals, "local")) j.locals.push_back(std::move(d));
+  for (SharedDesc& d : region_list(remotes, "remote")) j.remotes.push_back(std::move(d));
+  for (const py::handle& g : groups) {
+    py::tuple t = py::reinterpret_borrow<py::tuple>(g);
+    fxm::agent::PullGroup pg;
+    for (const py::handle& r : py::reinterpret_borrow<py::sequence>(t[0])) {
+      pg.tables.push_back(r.cast<std::shared_ptr<fxm::agent::BlockRows>>());
+    }
+    Ids l = ids_arg(py::reinterpret_borrow<py::buffer>(t[1]), "local ids");
+    Ids rm = ids_arg(py::reinterpret_borrow<py::buffer>(t[2]), "remote ids");
+    pg.local_ids.assign(l.at(), l.at() + l.n());
+    pg.remote_ids.assign(rm.at(), rm.at() + rm.n());
+    j.groups.push_back(std::move(pg));
+  }
+  if (!on_landed.is_none()) j.on_landed = bytes_arg(on_landed, "on_landed", &fxm::agent::check_notification_size);
+  if (!on_failed.is_none()) j.on_failed = bytes_arg(on_failed, "on_failed", &fxm::agent::check_notification_size);
+  return j;
+}
+
+void bind_block_puller(py::module_& m) {
+  using fxm::agent::BlockPuller;
+  py::class_<BlockPuller, std::shared_ptr<BlockPuller>>(
+      m, "_BlockPuller", "Reads of requests' blocks on a thread of their own (agent/block_pull.h; vllm/transfer.py)")
+      .def(py::init<>())
+      .def("submit", [](BlockPuller& p, uint64_t token, std::shared_ptr<Connection> conn, const py::object& locals,
+                        const py::object& remotes, const py::list& groups, const py::object& on_landed,
+                        const py::object& on_failed) {
+        p.submit(pull_job(token, std::move(conn), locals, remotes, groups, on_landed, on_failed));
+      }, py::arg("token"), py::arg("conn"), py::arg("locals"), py::arg("remotes"), py::arg("groups"),
+           py::arg("on_landed") = py::none(), py::arg("on_failed") = py::none(),
+           "Queues a read: groups are (tables, local ids, remote ids), ids buffers of int64.")
+      .def("cancel", &BlockPuller::cancel, py::arg("token"))
+      .def("take", [](BlockPuller& p) {
+        py::list out;
+        for (const auto& o : p.take()) out.append(py::make_tuple(o.token, o.error, o.ops, o.bytes, o.cancelled));
+        return out;
+      }, "The outcomes since the last take: (token, error or '', ops, bytes, cancelled).")
+      .def("seq", &BlockPuller::seq)
+      .def("wait", &BlockPuller::wait, py::arg("seen"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
+      .def("wake", &BlockPuller::wake)
+      .def("close", &BlockPuller::close, py::call_guard<py::gil_scoped_release>());
+}
+
 // The connection's Python object beside the connection (the handle holds the former).
 template <typename... Args>
 auto with_self(PyHandle (*f)(const py::handle&, Connection&, Args...)) {
@@ -575,7 +626,7 @@ void bind_agent(py::module_& m) {
       })
       .def("close", &Agent::close, py::call_guard<py::gil_scoped_release>())
       .def_property_readonly("closed", &Agent::closed);
-  py::class_<fxm::agent::BlockRows>(m, "_BlockRows",
+  py::class_<fxm::agent::BlockRows, std::shared_ptr<fxm::agent::BlockRows>>(m, "_BlockRows",
                                     "A request's op table from its block ids (agent/block_rows.h; vllm/layout.py)")
       .def(py::init([](const std::vector<std::array<int64_t, 4>>& layers, std::vector<int64_t> src_runs,
                        std::vector<int64_t> dst_runs, int64_t size, bool dense, int64_t src_blocks, int64_t dst_blocks) {
@@ -598,6 +649,7 @@ void bind_agent(py::module_& m) {
             PyByteArray_FromStringAndSize(reinterpret_cast<const char*>(out.data()), out.size() * sizeof(int64_t)));
       }, py::arg("src"), py::arg("dst"),
            "The table's rows as a bytearray of int64 (5 a row); None when an id is out of range.");
+  bind_block_puller(m);
   m.def("region_info", [](const py::bytes& b) { return region_info(region(b)); },
         "The fields of a region descriptor (InvalidArgument when malformed).");
 }

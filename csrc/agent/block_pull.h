@@ -1,0 +1,93 @@
+// Reads of a request's blocks run off the caller's thread (a KV connector's decode side reading
+// what a prefill holds). A read is submitted with its block ids and the tables that turn them into
+// ops (BlockRows); a thread of its own makes the ops, issues the read on the connection, watches
+// it land, sends the peer the notification the outcome calls for (its ack once the bytes landed, a
+// release when the read failed) and posts the outcome for the caller to take. None of it needs the
+// caller's thread or an interpreter lock: the read goes on however busy the thread that asked is.
+#pragma once
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "agent/agent.h"
+#include "agent/block_rows.h"
+
+namespace fxm::agent {
+
+class Connection;
+
+// One request's read: per KV cache group its tables (one per shape of layers) and its block ids
+// (here, then the peer's: a table's src side is this agent's memory, read into from the peer's).
+struct PullGroup {
+  std::vector<std::shared_ptr<const BlockRows>> tables;
+  std::vector<int64_t> local_ids, remote_ids;
+};
+
+struct PullJob {
+  uint64_t token = 0;  // the caller's name for it, in its outcome
+  std::shared_ptr<Connection> conn;
+  std::vector<std::shared_ptr<const RegionDesc>> locals, remotes;  // the regions a table's indices name
+  std::vector<PullGroup> groups;
+  std::vector<uint8_t> on_landed, on_failed;  // notifications to the peer (empty: none)
+};
+
+struct PullOutcome {
+  uint64_t token = 0;
+  std::string error;  // "" when the bytes landed and the ack went
+  uint64_t ops = 0, bytes = 0;  // of the read (0 when it was refused before any op)
+  bool cancelled = false;  // cancel() came before its outcome was known (no ack was sent)
+};
+
+class BlockPuller {
+ public:
+  BlockPuller();
+  ~BlockPuller();  // close()
+  BlockPuller(const BlockPuller&) = delete;
+  BlockPuller& operator=(const BlockPuller&) = delete;
+
+  // Queues a read; Closed after close().
+  void submit(PullJob job);
+  // The read of `token` sends no ack when it lands (its outcome says cancelled); a release still
+  // goes when it fails. No effect once its outcome was posted.
+  void cancel(uint64_t token);
+  // The outcomes posted since the last take, in the order they were known.
+  std::vector<PullOutcome> take();
+  // A count that moves on each outcome posted and each wake(): wait(seen, ...) returns at once
+  // when it moved since `seen` was read, so a wake between a caller's look and its wait is not lost.
+  uint64_t seq() const;
+  // Until an outcome is there or seq() moved past `seen`, for up to timeout_s.
+  void wait(uint64_t seen, double timeout_s) const;
+  void wake();
+  // Reads queued fail ("closed"); reads in flight are not waited for (their outcome says so).
+  // The thread is joined.
+  void close();
+
+ private:
+  struct InFlight {
+    PullJob job;
+    Handle read;
+  };
+  void run();
+  void start(PullJob& job);  // makes the ops and issues the read: in flight_, or its outcome posted
+  void finish(InFlight& f, const std::string& error);
+  void post(PullOutcome o);
+  bool cancelled(uint64_t token);  // taken out of cancelled_ (its outcome is being made)
+
+  mutable std::mutex mu_;
+  mutable std::condition_variable cv_;  // jobs queued, closing (the thread); outcomes, wakes (wait())
+  std::vector<PullJob> queued_;
+  std::vector<uint64_t> cancelled_;
+  std::vector<PullOutcome> outcomes_;
+  uint64_t seq_ = 0;
+  bool closing_ = false;
+  std::deque<InFlight> flight_;  // the thread's alone
+  std::thread thread_;
+};
+
+}  // namespace fxm::agent

@@ -1,0 +1,117 @@
+"""The core's block reads (agent/block_pull.h, ``_core._BlockPuller``): a request's reads made from
+its block ids by the tables a KV connector builds once (``_BlockRows``), run on the puller's own
+thread. Every byte lands where its rows say; the peer gets the read's ``on_landed`` notification
+once the bytes landed, its ``on_failed`` one (and no other) when the read is refused (block ids out
+of range, a region of another agent); a read cancelled before its outcome sends no ack; the outcome
+says the read's ops and bytes; wait() returns on an outcome or a wake(), not only at its timeout;
+after close() a submit is refused and queued reads fail."""
+
+import array
+import time
+
+import pytest
+
+from flagcx_mesh import Agent, MeshClosed, _core
+
+pytestmark = pytest.mark.timeout(60)
+
+BLOCK, BLOCKS = 256, 64  # one layer of 64 blocks of 256 bytes on each side
+
+
+@pytest.fixture
+def pair():
+    with Agent("pull-reader", "s", timeout=20) as reader, Agent("pull-owner", "s", timeout=20) as owner:
+        mine = bytearray(BLOCK * BLOCKS)
+        theirs = bytearray(bytes((i * 7 + i // BLOCK) % 256 for i in range(BLOCK * BLOCKS)))
+        local, remote = reader.register(mine), owner.register(theirs)
+        conn = reader.connect(owner.metadata())
+        owner.connect(reader.metadata())  # (answers its notifications' waits)
+        puller = _core._BlockPuller()
+        yield puller, conn, owner, (mine, local), (theirs, remote)
+        puller.close()
+
+
+def table():  # local region 0 and remote region 0, one run a block: dense, as one KV layer is
+    return _core._BlockRows([(0, BLOCK, 0, BLOCK)], [0], [0], BLOCK, True, BLOCKS, BLOCKS)
+
+
+def ids(v):
+    return array.array("q", v)
+
+
+def outcome(puller, timeout=20.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        seen = puller.seq()
+        got = puller.take()
+        if got:
+            assert len(got) == 1, got
+            return got[0]
+        puller.wait(seen, end - time.monotonic())
+    raise AssertionError("no outcome was posted")
+
+
+def notes(owner, timeout=5.0):
+    """The notifications that reach the owner within ``timeout`` (all of them, then none for 0.2 s)."""
+    got, end = [], time.monotonic() + timeout
+    while time.monotonic() < end:
+        more = [bytes(n.data) for n in owner.notifications(timeout=0.2)]
+        if not more and got:
+            break
+        got += more
+    return got
+
+
+def submit(puller, conn, local, remote, mine_ids, their_ids, token=1):
+    puller.submit(token, conn._core, [local], [remote], [([table()], ids(mine_ids), ids(their_ids))],
+                  b"landed", b"failed")
+
+
+def test_a_read_lands_its_blocks_and_then_acks(pair):
+    puller, conn, owner, (mine, local), (theirs, remote) = pair
+    mine_ids, their_ids = [5, 6, 40, 2], [9, 10, 11, 63]  # 5, 6 <- 9, 10 merge into one op
+    submit(puller, conn, local, remote, mine_ids, their_ids, token=7)
+    assert outcome(puller) == (7, "", 3, 4 * BLOCK, False)
+    for m, t in zip(mine_ids, their_ids):
+        assert mine[m * BLOCK:(m + 1) * BLOCK] == theirs[t * BLOCK:(t + 1) * BLOCK]
+    untouched = set(range(BLOCKS)) - set(mine_ids)
+    assert all(mine[b * BLOCK:(b + 1) * BLOCK] == bytes(BLOCK) for b in untouched)
+    assert notes(owner) == [b"landed"]
+
+
+def test_block_ids_out_of_range_fail_the_read_and_send_the_release_only(pair):
+    puller, conn, owner, (mine, local), (_, remote) = pair
+    submit(puller, conn, local, remote, [1, 2], [3, BLOCKS])
+    token, error, ops, nbytes, cancelled = outcome(puller)
+    assert (token, ops, nbytes, cancelled) == (1, 0, 0, False) and "out of its layers' range" in error
+    assert mine == bytearray(BLOCK * BLOCKS) and notes(owner) == [b"failed"]
+
+
+def test_a_read_the_owner_refuses_fails_and_sends_the_release(pair):
+    puller, conn, owner, (mine, local), _ = pair
+    submit(puller, conn, local, local, [1], [2])  # "the owner's" region is the reader's own
+    _, error, _, _, _ = outcome(puller)
+    assert error and "pull-reader" in error, error  # names the agent whose region it is
+    assert mine == bytearray(BLOCK * BLOCKS) and notes(owner) == [b"failed"]
+
+
+def test_a_read_cancelled_before_its_outcome_lands_but_sends_no_ack(pair):
+    puller, conn, owner, (mine, local), (theirs, remote) = pair
+    puller.cancel(3)
+    submit(puller, conn, local, remote, [0], [1], token=3)
+    assert outcome(puller) == (3, "", 1, BLOCK, True)
+    assert mine[:BLOCK] == theirs[BLOCK:2 * BLOCK]
+    assert notes(owner, timeout=1.0) == []
+
+
+def test_wait_returns_on_a_wake_and_close_refuses_later_reads(pair):
+    puller, conn, _, (_, local), (_, remote) = pair
+    seen = puller.seq()
+    puller.wait(seen, 0.01)  # nothing: returns at its timeout
+    puller.wake()
+    t0 = time.monotonic()
+    puller.wait(seen, 30.0)  # the wake moved seq past `seen`: at once
+    assert time.monotonic() - t0 < 10.0 and puller.take() == []
+    puller.close()
+    with pytest.raises(MeshClosed):
+        submit(puller, conn, local, remote, [0], [1])
