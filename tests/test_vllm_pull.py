@@ -401,42 +401,30 @@ def test_protocol_ack_with_readers():
 
 
 
-# ---- a read in flight: the reader thread ------------------------------------------------
+# ---- a read in flight: the core's puller ----------------------------------------------
 
 class Gate:
-    """Wraps the decode connections' read_blocks: each read's handle reports done only once the
-    gate opens (``fail``: then with that error), as a device read still copying would."""
+    """Holds the decode's pulls before the core's puller issues them: until ``open`` is set no
+    byte moves and no ack goes, which is what the prefill and the caller see of a device read
+    still copying. ``fail``: each read then names the decode's own regions as the prefill's, so
+    the core refuses it (a read that fails for real: the core sends the prefill its C)."""
 
-    def __init__(self, monkeypatch, fail=None):
+    def __init__(self, dec, fail=False):
         import threading
 
-        from flagcx_mesh.agent import AgentConnection
-
         self.open, self.fail, self.reads = threading.Event(), fail, 0
-        real = AgentConnection.read_blocks
-        gate = self
+        real, gate = dec._puller, self
 
         class Held:
-            def __init__(self, h):
-                self.h, self.nbytes = h, h.nbytes
+            def submit(self, token, conn, local, remote, groups, on_landed=None, on_failed=None):
+                gate.reads += 1
+                args = (token, conn, local, local if gate.fail else remote, groups, on_landed, on_failed)
+                threading.Thread(target=lambda: gate.open.wait(60) and real.submit(*args), daemon=True).start()
 
-            def done(self):
-                return gate.open.is_set() and self.h.done()
+            def __getattr__(self, name):
+                return getattr(real, name)
 
-            def wait(self, timeout=None):
-                from flagcx_mesh.errors import MeshTimeout
-
-                if not gate.open.wait(timeout):
-                    raise MeshTimeout("held by the test")
-                self.h.wait(timeout)
-                if gate.fail is not None:
-                    raise gate.fail
-
-        def read_blocks(conn, *a, **k):
-            gate.reads += 1
-            return Held(real(conn, *a, **k))
-
-        monkeypatch.setattr(AgentConnection, "read_blocks", read_blocks)
+        dec._puller = Held()
 
 
 def warm(pre, dec, pkv):
@@ -447,37 +435,53 @@ def warm(pre, dec, pkv):
     wait_for(pre, "sending", "w")
 
 
-def read_in_flight(pair, monkeypatch, fail=None):
+def read_in_flight(pair, fail=False):
     """A pull of request r2 (prefill blocks 4, 5 into decode blocks 1, 2) issued, its read held
     by a Gate: (prefill, decode, the decode's KV caches, the gate)."""
     pre, pkv = pair("p", hold_timeout=60)
     dec, dkv = pair("d")
     warm(pre, dec, pkv)
-    gate = Gate(monkeypatch, fail)
+    gate = Gate(dec, fail)
     pre.hold("r2", [4, 5])
     dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
     wait_until(lambda: gate.reads == 1, "the read was issued")
     return pre, dec, dkv, gate
 
 
-def test_a_read_over_when_issued_is_reported_by_the_transfer_thread(pair):
-    """Over cma a read copies in its call: its ack goes and the request is reported on the
-    transfer thread, with no reader thread started (no hand-off on the request's path)."""
+def test_a_pull_runs_without_the_transfer_thread(pair, monkeypatch):
+    """Once a prefill's layout and connection are known, fetch() starts the pull on its own
+    thread and the core reads, acks and posts it: the request is read, reported by poll() and
+    released at the prefill while the decode's transfer thread does nothing at all (as when a
+    busy engine thread keeps the interpreter lock from it)."""
+    import threading
+
     pre, pkv = pair("p", hold_timeout=60)
     dec, dkv = pair("d")
     warm(pre, dec, pkv)
-    pre.hold("r2", [4, 5])
-    assert fetch_and_wait(dec, "t2", pre, "r2", [4, 5], [1, 2], hold_until=far()) == {}
-    wait_for(pre, "sending", "r2")
-    assert dec.stats()["pulls"] == 1 and dec._reader is None
-    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
+    stopped, resume = threading.Event(), threading.Event()
+
+    def held_step():
+        stopped.set()
+        resume.wait(60)
+
+    monkeypatch.setattr(dec, "_step", held_step)
+    try:
+        assert stopped.wait(10), "the decode's thread did not come back to its step"
+        pre.hold("r2", [4, 5])
+        dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+        assert wait_for(dec, "recving", "t2", timeout=10) == {}
+        wait_for(pre, "sending", "r2", timeout=10)
+        assert dec.stats()["pulls"] == 1 and dec._commands.empty()
+        assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
+    finally:
+        resume.set()
 
 
-def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair, monkeypatch):
+def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair):
     """While a pull's read is in flight the request is not reported and the prefill keeps its
     blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold
     given). Once the read is over the ack goes and the request is reported, its bytes right."""
-    pre, dec, dkv, gate = read_in_flight(pair, monkeypatch)
+    pre, dec, dkv, gate = read_in_flight(pair)
     pre.hold("r3", [6])
     assert fetch_and_wait(dec, "t3", pre, "r3", [6], [3]) == {}  # pushed while t2's read is held
     assert not_within(dec, "recving", "t2", 0.5) and not_within(pre, "sending", "r2", 0.2)
@@ -488,12 +492,10 @@ def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_
     assert dec.stats()["pulls"] == 1 and pre.stats()["pushes"] == 2
 
 
-def test_a_failed_read_fails_its_request_once_over_and_the_prefill_is_told_to_release(pair, monkeypatch):
+def test_a_failed_read_fails_its_request_once_over_and_the_prefill_is_told_to_release(pair):
     """A read that ends in an error: the request is reported failed (its local blocks), only
     once the read is over, and the prefill releases the blocks on the decode's C (no ack)."""
-    from flagcx_mesh.errors import MeshError
-
-    pre, dec, _, gate = read_in_flight(pair, monkeypatch, fail=MeshError("the test's read failed"))
+    pre, dec, _, gate = read_in_flight(pair, fail=True)
     assert not_within(dec, "recving", "t2", 0.5)
     gate.open.set()
     assert wait_for(dec, "recving", "t2") == {"t2": [1, 2]}
@@ -501,10 +503,10 @@ def test_a_failed_read_fails_its_request_once_over_and_the_prefill_is_told_to_re
     assert pre.stats()["released_cancelled"] == 1 and dec.stats()["pulls"] == 0, (pre.stats(), dec.stats())
 
 
-def test_a_request_cancelled_while_its_read_is_in_flight_is_reported_once_the_read_is_over(pair, monkeypatch):
+def test_a_request_cancelled_while_its_read_is_in_flight_is_reported_once_the_read_is_over(pair):
     """cancel() during a pull: the prefill is told at once (it releases), and the request is
     reported received (as cancelled, no failed blocks) only once no byte of the read can land."""
-    pre, dec, _, gate = read_in_flight(pair, monkeypatch)
+    pre, dec, _, gate = read_in_flight(pair)
     dec.cancel("t2")
     wait_for(pre, "sending", "r2")
     assert not_within(dec, "recving", "t2", 0.5)

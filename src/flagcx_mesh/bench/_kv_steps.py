@@ -21,14 +21,13 @@ itself, inside "push, done back").
 
 A request the decode read itself (a pull: transfer.py) has a chain of its own:
 
-    to its thread       as above
-    to the table        the connection looked up, until the table is made
-    table               the request's op table (RowPlan.rows, the prefill's layout onto this one)
-    to the read         until read_blocks is called
-    read issued         read_blocks itself (the copies issued)
-    read landed         until the reader thread saw the copies complete and sends the ack (A)
-                        (on the host paths, whose read copies in its call, the transfer thread)
-    to the caller       the ack sent, the request reported, until poll() returns it to the caller
+    to the pull         the decode's fetch() called until the pull is handed over (_start_pull):
+                        on fetch()'s own thread from the second pull from a prefill on, else
+                        through the transfer thread
+    hand-off            the ack encoded, the block ids copied, the read queued at the core's puller
+    read, acked, taken  the core's thread: the ops made, the read issued, its copies landed, the ack
+                        (A) sent, the outcome posted; until poll() takes it (_fetched)
+    to the caller       until poll() returns the request to the caller
     total               the decode's fetch() until poll() returned the request
 
 The stamps wrap methods of KVTransfer and AgentConnection in the bench's processes only (a
@@ -59,13 +58,10 @@ CHAIN: Tuple[Step, ...] = (  # the first stamp of each name after the fetch
 BESIDE = (FETCH_CALL, ("push issued", "wb>", "wb<"))
 STEPS = CHAIN + (TOTAL,) + BESIDE
 PULL_CHAIN: Tuple[Step, ...] = (
-    TO_ITS_THREAD,
-    ("to the table", "cmdfetch>", "table>"),
-    ("table", "table>", "table<"),
-    ("to the read", "table<", "rb>"),
-    ("read issued", "rb>", "rb<"),
-    ("read landed", "rb<", "notify>"),
-    ("to the caller", "notify>", "polled"),
+    ("to the pull", "fetch>", "pull>"),
+    ("hand-off", "pull>", "pull<"),
+    ("read, acked, taken", "pull<", "fetched>"),
+    ("to the caller", "fetched>", "polled"),
 )
 PULL_STEPS = PULL_CHAIN + (TOTAL, FETCH_CALL)
 
@@ -104,7 +100,8 @@ def install() -> None:
     from ..vllm import protocol
     from ..vllm.transfer import KVTransfer
 
-    for name, tag in (("fetch", "fetch"), ("_cmd_fetch", "cmdfetch"), ("_push_table", "table")):
+    for name, tag in (("fetch", "fetch"), ("_cmd_fetch", "cmdfetch"), ("_push_table", "table"),
+                      ("_start_pull", "pull"), ("_fetched", "fetched")):
         _wrap(KVTransfer, name, tag)
     _wrap(AgentConnection, "write_blocks", "wb")
     _wrap(AgentConnection, "read_blocks", "rb")
@@ -159,7 +156,7 @@ def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[
     for tokens, all_rs in by_len.items():
         all_rs = all_rs[1:] or all_rs
         for pulled, steps, key, how in ((False, STEPS, str(tokens), ""), (True, PULL_STEPS, f"{tokens} pulled", " pulled")):
-            rs = [r for r in all_rs if ("rb>" in r) == pulled]
+            rs = [r for r in all_rs if ("pull>" in r) == pulled]
             fig = {}
             for name, a, b in steps:
                 gaps = [(r[b] - r[a]) * 1e3 for r in rs if a in r and b in r]

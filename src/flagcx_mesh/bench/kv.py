@@ -4,7 +4,7 @@ contiguous agent write of the same bytes on the same path, measured in the same 
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
                                    [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
                                    [--reps 5] [--peers nixl,mooncake | none] [--json PATH] [--plot PNG]
-                                   [--pull on|off] [--steps]
+                                   [--pull on|off] [--steps] [--busy-decode]
 
 The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
 tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
@@ -36,7 +36,11 @@ printed NOT RUN with its reason. Over cma, the kernel alone too (_rawcma.py): th
 and the contiguous write's layers as iovecs of straight `process_vm_writev` calls between the same
 two buffers, median of --reps; its blocks / contiguous is what the kernel's page pinning per
 iovec leaves to any library on that machine. With --steps, where each request length's time goes,
-step by step (_kv_steps.py).
+step by step (_kv_steps.py). With --busy-decode the decode's caller runs Python all the time, as a
+serving engine's step does in the process that holds the connector, and polls for the request
+between slices of 0.1 ms of it (poll(0), as vLLM's get_finished each step): what the transfer
+part needs the interpreter lock for off that thread shows as time (a thread that gave the lock
+up may wait for it up to the interpreter's switch interval, 5 ms by default).
 """
 
 from __future__ import annotations
@@ -80,6 +84,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                    "default), else the prefill pushes each (default on)")
     p.add_argument("--steps", action="store_true", help="also print where a request's time goes, step by step "
                    "(both processes stamp the transfer part's steps: _kv_steps.py)")
+    p.add_argument("--busy-decode", action="store_true", help="the decode's caller runs Python all the time, "
+                   "polling between slices of 0.1 ms of it (as an engine's steps do beside the connector)")
     p.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -153,7 +159,7 @@ def decode(args) -> int:
         t0 = time.perf_counter()
         x.fetch(ask["req"], md, ask["req"], ask["blocks"], local, hold_until=ask.get("hold_until", 0.0))
         while True:  # woken by the completion (poll's timeout), as a connector's blocking wait would be
-            done = x.poll(timeout=1.0)
+            done = x.poll() if args.busy_decode and _busy(1e-4) else x.poll(timeout=1.0)
             if done.failed:
                 raise SystemExit(f"bench kv: request {ask['req']} failed: {done.failed}")
             if ask["req"] in done.recving:
@@ -165,6 +171,14 @@ def decode(args) -> int:
     x.close()
     plain.close()
     return 0
+
+
+def _busy(seconds: float) -> bool:
+    """Python for ``seconds`` (--busy-decode: an engine step's own work, the interpreter lock held)."""
+    end = time.perf_counter() + seconds
+    while time.perf_counter() < end:
+        sum(range(50))
+    return True
 
 
 def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
@@ -278,7 +292,8 @@ def _measure_path(args, path: str) -> Dict[str, object]:
     child = subprocess.Popen([sys.executable, "-m", "flagcx_mesh.bench", "kv", "--role", "decode", "--dir", d,
                               "--device", args.device, f"--tokens={max(args.tokens)}", f"--layers={args.layers}",
                               f"--heads={args.heads}", f"--head-size={args.head_size}",
-                              f"--block-size={args.block_size}"] + (["--steps"] if args.steps else []))
+                              f"--block-size={args.block_size}"] + (["--steps"] if args.steps else []) +
+                             (["--busy-decode"] if args.busy_decode else []))
     if args.steps:
         _kv_steps.install()
         _kv_steps.clear()

@@ -204,6 +204,12 @@ class RowPlan:
             groups.setdefault(_shape_key(src, dst, self.part), []).append(i)
         self._groups = [(members, _Group([self.layers[i] for i in members], self.part)) for members in groups.values()]
 
+    def tables(self) -> list:
+        """The core's table makers (``_BlockRows``), one per shape of layers: what a read handed to
+        the core makes its rows with (agent/block_pull.h; the rows of all of them are the
+        request's, in another order than ``rows``')."""
+        return [group._rows for _, group in self._groups]
+
     def rows(self, src_blocks, dst_blocks):
         """The (n, 5) int64 tensor of the request: every layer's rows, layer after layer.
         ``src_blocks`` / ``dst_blocks``: sequences of block ids or int64 tensors of them."""

@@ -44,7 +44,9 @@ other notifications of its batch are handled as if it had not come.
 
 from __future__ import annotations
 
+import array
 import atexit
+import itertools
 import logging
 import queue
 import threading
@@ -55,8 +57,9 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence, Set, Tuple
 
+from .. import _core
 from ..agent import Agent
-from ..errors import InvalidArgument, MeshError, MeshTimeout
+from ..errors import InvalidArgument, MeshError
 from . import protocol
 from .groups import Groups, as_groups, flat, split
 from .layout import WHOLE, LayerGeometry, LayoutError, RowPlan, block_id_tensor, check_part, describe_layers
@@ -167,7 +170,8 @@ class _Fetch:
     part: Tuple[int, ...] = WHOLE
     readers: int = 0
     hold_until: float = 0.0  # the prefill's wall clock: its hold lasts until then (0: not known)
-    reading: bool = False  # a pull's read is in flight: only its waiter reports the fetch (_wait_reads)
+    reading: bool = False  # a pull's read is in flight: only its outcome reports the fetch (_take_pulls)
+    token: int = 0  # the pull's, at the puller
 
 
 def _incarnation(conn) -> str:
@@ -236,7 +240,6 @@ class KVTransfer:
             layers=[g.to_wire() for g in self.layers])
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
-        self._finished = threading.Condition(self._lock)  # notified when _done gains a request
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
         self._warn_bad, self._warn_refused, self._warn_odd = _Throttled(), _Throttled(), _Throttled()
@@ -256,8 +259,13 @@ class KVTransfer:
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
         self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
         self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
-        self._reads: "queue.SimpleQueue[Optional[tuple]]" = queue.SimpleQueue()  # pulls in flight, in order
-        self._reader: Optional[threading.Thread] = None  # waits for them (_wait_reads), made at the first
+        # pulls: read, acked (or released) and posted by the core's thread (agent/block_pull.h), reported
+        # by poll(); its wait is poll(timeout)'s, woken by _finish too
+        self._puller = _core._BlockPuller()
+        self._pulling: Dict[int, _Fetch] = {}  # by token
+        self._tokens = itertools.count(1)
+        self._conn_of: Dict[bytes, object] = {}  # the connection a fetch made, by the prefill's metadata
+        self._queued = 0  # commands not done yet: fetch() starts a pull itself only when none is (_pull_now)
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -270,8 +278,7 @@ class KVTransfer:
         """Prefill: keep ``req_id``'s blocks (a list, or one per KV cache group: groups.py) for a
         decode until it took them, cancelled, or ``hold_timeout`` passed; the request then appears
         in ``poll().sending``."""
-        self._commands.put(("hold", str(req_id), as_groups(block_ids)))
-        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
+        self._command("hold", str(req_id), as_groups(block_ids))
 
     def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str, remote_block_ids: Sequence,
               local_block_ids: Sequence, part: Sequence[int] = WHOLE, readers: int = 0,
@@ -288,31 +295,42 @@ class KVTransfer:
         at least (its ``kv_transfer_params``); where it is more than ``pull_margin`` seconds ahead
         this decode may read them itself (see the module); 0: unknown, they are pushed."""
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
-        self._commands.put(("fetch", str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
-                            check_part(tuple(int(v) for v in part)), int(readers), float(hold_until)))
-        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
+        args = (str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
+                check_part(tuple(int(v) for v in part)), int(readers), float(hold_until))
+        if not self._pull_now(*args):
+            self._command("fetch", *args)
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
         request is still reported in ``recving`` once no byte can land in its blocks any more."""
-        self._commands.put(("cancel", str(req_id)))
-        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
+        self._command("cancel", str(req_id))
 
     def release(self, peer_metadata: bytes, remote_req_id: str) -> None:
         """Decode: a request that will never be fetched (aborted before its blocks were
         allocated); the prefill releases its blocks now instead of at its timeout."""
-        self._commands.put(("release", bytes(peer_metadata), str(remote_req_id)))
-        self.agent.wake_notifications()  # the thread takes it now, not at its next poll
+        self._command("release", bytes(peer_metadata), str(remote_req_id))
+
+    def _command(self, *cmd) -> None:
+        """Queues a command for the thread and wakes it (it takes it now, not at its next poll)."""
+        with self._lock:
+            self._queued += 1
+        self._commands.put(cmd)
+        self.agent.wake_notifications()
 
     def poll(self, timeout: float = 0.0) -> Finished:
         """What completed since the last poll (see :class:`Finished`). ``timeout``: seconds to
         wait, when nothing completed yet, for the first request that does (0: return at once);
         a waiting caller is woken by the completion itself, not by a timer."""
-        with self._lock:
-            if timeout > 0 and not self._has_done():
-                self._finished.wait_for(lambda: self._has_done() or self._stop.is_set(), timeout)
-            out, self._done = self._done, Finished()
-        return out
+        end = time.monotonic() + timeout
+        while True:
+            seen = self._puller.seq()
+            self._take_pulls()
+            with self._lock:
+                left = end - time.monotonic()
+                if self._has_done() or left <= 0 or self._stop.is_set():
+                    out, self._done = self._done, Finished()
+                    return out
+            self._puller.wait(seen, left)  # (the GIL released) until a pull's outcome, a _finish, or the end
 
     def _has_done(self) -> bool:  # (self._lock held)
         return bool(self._done.sending or self._done.recving)
@@ -333,15 +351,12 @@ class KVTransfer:
     def close(self) -> None:
         """Stops the thread and closes the agent (peers' pending handles fail with PeerLost)."""
         self._stop.set()
-        with self._lock:
-            self._finished.notify_all()  # a poll(timeout) in another thread returns now
+        self._puller.wake()  # a poll(timeout) in another thread returns now
         if not self.agent.closed:
             self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        self._reads.put(None)
-        if self._reader is not None and self._reader is not threading.current_thread():
-            self._reader.join(timeout=30)
+        self._puller.close()  # (reads in flight are not waited for: their requests are not reported)
         for c in list(self._closing.values()):  # connections abandoned: their engines stop first
             if c.thread is not None and c.thread is not threading.current_thread():
                 c.thread.join(timeout=30)
@@ -368,6 +383,9 @@ class KVTransfer:
                 getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
             except Exception:  # noqa: BLE001 - the next commands must still run
                 log.exception("%s: the %s command failed", self.name, cmd[0])
+            finally:
+                with self._lock:
+                    self._queued -= 1
         for n in self.agent.notifications(timeout=self._interval):
             try:  # each on its own: whatever one peer sent must not cost the others theirs
                 self._on_notification(n.peer, n.incarnation, n.data)
@@ -416,7 +434,7 @@ class KVTransfer:
                 self._done.recving.add(recving)
                 if failed is not None:
                     self._done.failed[recving] = list(failed)
-            self._finished.notify_all()
+        self._puller.wake()  # a poll(timeout) returns it now
 
     # ---- prefill side -------------------------------------------------------------------
 
@@ -450,6 +468,18 @@ class KVTransfer:
         conn = self.agent.connection(peer)
         if conn is not None and conn.peer_incarnation == incarnation:
             self._tell_layout(conn)  # a decode's: answered with this worker's (it may then read)
+            if self.pull and any(c.peer_name == peer for c in self._conn_of.values()):  # a prefill's
+                self._ready_pulls(conn, (peer, incarnation))
+
+    def _ready_pulls(self, conn, key: Tuple[str, str]) -> None:
+        """Readies what a pull from this prefill takes (its path checked, the row plans of whole
+        blocks made) as its layout comes, so that fetch() may start the next one itself."""
+        layout = self._peer_layouts[key]
+        if self._path_fits(key, conn, layout):
+            try:
+                self._row_plans(key, layout, WHOLE, max(self.layer_group, default=0) + 1)
+            except LayoutError:  # (a fetch says so)
+                pass
 
     def _tell_layout(self, conn) -> None:
         """Sends this worker's layout on ``conn`` unless it went there already (once a connection:
@@ -776,6 +806,7 @@ class KVTransfer:
             conn = self.agent.connect(md, timeout=self.connect_timeout)
             f.conn, f.peer = conn, conn.peer_name
             self._tell_layout(conn)  # a new connection: the prefill forgot the old one's layout
+            self._conn_of[md] = conn
             if self._pulls(f, conn):
                 return self._pull(f, conn)
             want = dict(req=remote_req, tag=tag, src=flat(f.src), dst=flat(local))
@@ -799,6 +830,11 @@ class KVTransfer:
             return False
         if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
             return False
+        return self._path_fits(key, conn, layout)
+
+    def _path_fits(self, key: Tuple[str, str], conn, layout) -> bool:
+        """Whether the paths between this worker's regions and the prefill's (``layout``) all move
+        the bytes on this host (found once per prefill layout)."""
         ok = self._pull_path.get(key)
         if ok is None:
             try:  # every pair of regions (a read that waits on a network would hold up every other fetch)
@@ -809,101 +845,83 @@ class KVTransfer:
             self._pull_path[key] = ok
         return ok
 
+    def _pull_now(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
+                  part: Tuple[int, ...], readers: int, hold_until: float) -> bool:
+        """fetch() on the caller's thread: starts the pull there when all it takes is known
+        already (the connection an earlier fetch made, the prefill's layout, its path found fit
+        for a pull, the row plans made; no command waits for the thread, so none is overtaken):
+        what then runs off the caller's thread is the core's (no interpreter lock taken, however
+        busy the caller's thread keeps it). False: the thread does the fetch, as a command."""
+        conn = self._conn_of.get(md) if self.pull else None
+        if conn is None or self._queued or tag in self._fetches or self._stop.is_set() or conn.gone():
+            return False
+        if len(local) != len(remote) or not any(local) or any(len(lg) > len(r) for lg, r in zip(local, remote)):
+            return False  # (the thread reports it)
+        key = (conn.peer_name, conn.peer_incarnation)
+        layout = self._peer_layouts.get(key)
+        si, sn, di, dn = part
+        plans = self._plans.get(key, {}).get(((di, dn, si, sn), len(local)))
+        if layout is None or plans is None or not self._pull_path.get(key):
+            return False
+        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
+        now = time.monotonic()
+        f = _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, conn=conn, peer=conn.peer_name,
+                   started=now, part=part, readers=readers, hold_until=hold_until)
+        with self._lock:
+            if not self._pulls(f, conn):
+                return False
+            self._fetches[tag] = f
+        self._start_pull(f, conn, layout, plans)
+        return True
+
     def _pull(self, f: _Fetch, conn) -> None:
-        """Reads the fetch's blocks from the prefill: every layer's in one read_blocks call, issued
-        here and waited for by the reader thread (_wait_reads), which sends the ack once the bytes
-        landed and reports the request (a read over when issued is reported here). The table is
-        a push's from here onto the prefill's layout, its ``part`` swapped (slice di of dn of
-        these blocks, slice si of sn of the prefill's): rows (local region, offset, remote region,
-        offset, size), as read_blocks takes."""
+        """The thread's fetch that reads its blocks itself (see _start_pull)."""
         key = (conn.peer_name, conn.peer_incarnation)
         layout = self._peer_layouts[key]
         si, sn, di, dn = f.part
-        counts = [len(g) for g in f.src] if len(f.src) > 1 else None
         try:
             plans = self._row_plans(key, layout, (di, dn, si, sn), len(f.dst))
-            table = self._push_table(f.dst, flat(f.src), layout, (di, dn, si, sn), counts, plans)
         except LayoutError as e:
             return self._fail(f, f"the prefill's KV cache does not fit this one: {e}")
-        readers = f.readers or sn
+        self._start_pull(f, conn, layout, plans)
+
+    def _start_pull(self, f: _Fetch, conn, layout, plans) -> None:
+        """Hands the fetch's read to the core's puller (agent/block_pull.h): per KV cache group its
+        row plans' tables (a push's from here onto the prefill's layout, its ``part`` swapped: slice
+        di of dn of these blocks, slice si of sn of the prefill's) and both sides' block ids. Its
+        thread makes the ops, reads, sends the ``A`` once the bytes landed (a ``C`` when the read
+        failed) and posts the outcome, which poll() reports (_take_pulls)."""
+        readers = f.readers or f.part[1]
         ack = protocol.encode("A", req=f.remote_req, **({"readers": readers} if readers > 1 else {}))
-        _remember(self._pulled, (key[0], f.remote_req), None)
+        groups = [(plan.tables(), array.array("q", dst), array.array("q", src))
+                  for plan, dst, src in zip(plans, f.dst, f.src) if plan is not None and dst]
+        with self._lock:
+            key = (f.peer, f.remote_req)
+            _remember(self._pulled, key, None)
+            f.reading, f.token = True, next(self._tokens)
+            self._pulling[f.token] = f
         try:
-            h = conn.read_blocks(self._regions, layout[0], table) if len(table) else None
-        except MeshError as e:  # refused before any byte moved
-            return self._fail(f, f"reading the blocks from the prefill failed: {e}")
-        nbytes = h.nbytes if h is not None else 0
-        if h is None or h.done():  # over already (host paths copy in the call): no hand-off to the reader
-            return self._pulled_one(f, ack, nbytes, self._read_outcome(h))
-        f.reading = True
-        if self._reader is None:
-            self._reader = threading.Thread(target=self._wait_reads, name=f"kv-reads-{self.name}", daemon=True)
-            self._reader.start()
-        self._reads.put((f, h, ack, nbytes))
+            self._puller.submit(f.token, conn._core, self._regions, layout[0], groups, ack,
+                                protocol.encode("C", req=f.remote_req))
+        except MeshError as e:  # closed meanwhile
+            with self._lock:
+                self._pulling.pop(f.token, None)
+            self._fail(f, f"reading the blocks from the prefill failed: {e}")
 
-    def _wait_reads(self) -> None:
-        """The reader thread: waits for each pull's read, in the order they were issued, then
-        reports it (_pulled_one). A read that fails is reported only once it is over (no byte of it
-        lands in blocks vLLM may hand out again); close() ends the wait."""
-        while True:
-            item = self._reads.get()
-            if item is None:
-                return
-            f, h, ack, nbytes = item
-            try:
-                self._pulled_one(f, ack, nbytes, self._read_outcome(h))
-            except Exception:  # noqa: BLE001 - the next reads must still be reported
-                self._warn_internal.warn("%s: reporting the read of %s failed:\n%s", self.name, f.tag,
-                                         traceback.format_exc())
-
-    def _read_outcome(self, h) -> str:
-        """Waits until a pull's read (None: nothing to read) is over: "" when it landed, else why not."""
-        while h is not None:
-            try:
-                h.wait(1.0)  # (done: returns at once, or raises the read's own error)
-                return ""
-            except MeshTimeout as e:
-                if h.done():
-                    return "" if self._read_ok(h) else str(e)
-                if self._stop.is_set():
-                    return "the transfer part was closed with the read in flight"
-            except MeshError as e:  # (a lost peer may fail the call before its copies ended)
-                self._until_done(h)
-                return str(e)
-        return ""
-
-    def _until_done(self, h) -> None:
-        """Waits until a failed read's handle says it is over (its copies ended), for up to
-        ``fetch_timeout`` or until close()."""
-        end = time.monotonic() + max(self.fetch_timeout, 1.0)
-        while not h.done() and not self._stop.is_set() and time.monotonic() < end:
-            time.sleep(0.001)
-
-    @staticmethod
-    def _read_ok(h) -> bool:
-        """A finished read's outcome (its wait timed out just as it completed)."""
-        try:
-            h.wait(1.0)
-            return True
-        except MeshError:
-            return False
-
-    def _pulled_one(self, f: _Fetch, ack: bytes, nbytes: int, why: str) -> None:
-        """A pull's read is over: the ack goes to the prefill (it releases the blocks) and the
-        request is reported, or, when the read failed or the ack cannot go (the prefill is gone:
-        nothing says its memory held the blocks to the end), the prefill is told to release them
-        and the request fails. A cancelled one is reported as cancelled (its C went already)."""
-        if f.cancelled:
-            return self._fail(f, "cancelled")
-        if not why:
-            try:
-                f.conn.notify(ack)
-            except MeshError as e:
-                why = f"the prefill is gone: {e}"
-        if why:
-            self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
-            return self._fail(f, f"reading the blocks from the prefill failed: {why}")
-        self._fetched(f, pulls=1, bytes_pulled=nbytes)
+    def _take_pulls(self) -> None:
+        """Reports the pulls whose outcome the puller posted: received (their counters with
+        them), failed (the puller sent the prefill its ``C``), or cancelled."""
+        for token, error, _ops, nbytes, cancelled in self._puller.take():
+            with self._lock:
+                f = self._pulling.pop(token, None)
+            if f is None:
+                continue
+            if cancelled or f.cancelled:
+                self._fail(f, "cancelled")
+            elif error:
+                self._fail(f, f"reading the blocks from the prefill failed: {error}")
+            else:
+                self._fetched(f, pulls=1, bytes_pulled=nbytes)
 
     def _fetched(self, f: _Fetch, **more: int) -> None:
         """A fetch whose blocks landed (pushed, or pulled: ``more`` counts) is reported, its
@@ -919,6 +937,8 @@ class KVTransfer:
         if f is None:
             return
         f.cancelled = True
+        if f.token:
+            self._puller.cancel(f.token)  # its ack does not go
         self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
 
     def _cmd_release(self, md: bytes, remote_req: str) -> None:
