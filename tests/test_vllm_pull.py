@@ -515,6 +515,50 @@ def test_a_request_cancelled_while_its_read_is_in_flight_is_reported_once_the_re
     assert dec.stats()["pulls"] == 0
 
 
+def test_a_request_fetched_again_while_its_cancelled_read_is_in_flight_is_reported_on_its_own(pair):
+    """A request cancelled during its pull and fetched again (vLLM may reuse a request id; the
+    second pushed here: no hold given): the first is reported (cancelled) once its read is over,
+    and that report drops no other fetch than its own; the second is asked for then, served and
+    reported on its own, its answer awaited (not an unexpected one)."""
+    pre, dec, dkv, gate = read_in_flight(pair)
+    dec.cancel("t2")
+    dec.fetch("t2", pre.metadata, "r3", [6], [3])
+    wait_for(pre, "sending", "r2")  # the first's C
+    assert not_within(dec, "recving", "t2", 0.3)
+    gate.open.set()
+    assert wait_for(dec, "recving", "t2") == {}  # the first: cancelled, no failed blocks
+    pre.hold("r3", [6])
+    assert wait_for(dec, "recving", "t2", timeout=10) == {}  # the second: its blocks landed
+    wait_for(pre, "sending", "r3")
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5, 3: 6}] * 2) == []
+    ds = dec.stats()
+    assert ds["fetches_done"] == 2 and ds["fetches_failed"] == 1 and ds["unexpected_answers"] == 0, ds
+    wait_until(lambda: not dec.busy(), "the decode has nothing left under way")
+
+
+def test_a_second_fetch_of_a_request_cancelled_while_it_waits_for_the_first_is_reported_at_once(pair):
+    """The second fetch of a request id waits for the first (cancelled, its read in flight); a
+    cancel meanwhile reports it at once (it asked for nothing: no byte can land) and tells its
+    prefill to release; the first is still reported only once its read is over."""
+    pre, dec, dkv, gate = read_in_flight(pair)
+    pre_msgs = count_messages(pre)
+    dec.cancel("t2")
+    pre.hold("r3", [6])
+    dec.fetch("t2", pre.metadata, "r3", [6], [3])
+    dec.cancel("t2")
+    assert wait_for(dec, "recving", "t2") == {}  # the second, the first's read still held
+    released = set()
+    wait_until(lambda: released.update(pre.poll().sending) or released >= {"r2", "r3"}, "both released")
+    assert pre.stats()["released_cancelled"] == 2 and pre.stats()["pushes"] == 1, pre.stats()  # (the warm-up's)
+    assert "W" not in pre_msgs, pre_msgs  # the second never asked
+    assert not_within(dec, "recving", "t2", 0.3)
+    gate.open.set()
+    assert wait_for(dec, "recving", "t2") == {}
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
+    assert dec.stats()["fetches_done"] == 1 and dec.stats()["fetches_failed"] == 2, dec.stats()
+    wait_until(lambda: not dec.busy(), "the decode has nothing left under way")
+
+
 def test_a_decode_reads_a_prefill_s_request_once_a_second_ask_is_pushed(pair):
     """The same prefill request fetched again after it was read (and released by the read's
     ack): not read a second time (its blocks may hold another request's KV by now) but asked

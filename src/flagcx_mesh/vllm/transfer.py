@@ -28,15 +28,16 @@ with its own, so from the second request on), the path between the two KV caches
 cuda-vmm, cuda-self, cma, shm, self, between every pair of the two workers' regions: no read
 waits on a network), the request's hold is known to last (``hold_until``, the prefill's wall
 clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), and this decode
-did not read that prefill's request before. The read is issued on this thread and waited for by
-a reader thread, which then sends the ``A`` (carrying ``readers``) and reports the request (a
-failed read once no byte of it can land any more, with a ``C``); a read already over when its
-call returns (the host paths copy in the call) is acked and reported on this thread, with no
-hand-off. The prefill releases the blocks on the ``A`` as after a push. Anything else is pushed
-as before.
+did not read that prefill's request before. The read is the core's (agent/block_pull.h): its
+thread makes the ops from the block ids, reads, sends the ``A`` (carrying ``readers``) once the
+bytes landed, or a ``C`` when the read failed, and posts the outcome, which :meth:`poll` reports
+(a failed read once no byte of it can land any more). From the second pull from a prefill on,
+:meth:`fetch` hands the read over itself (no hop to the transfer thread), so no step of a pull
+waits for the interpreter lock that a busy engine thread holds. The prefill releases the blocks
+on the ``A`` as after a push. Anything else is pushed as before.
 
-Every agent call runs on one background thread; the public methods only queue commands and
-drain results, so the engine's step never waits on the network. The thread takes any bytes a
+Every other agent call runs on one background thread; the public methods only queue commands
+(or hand a pull to the core) and drain results, so the engine's step never waits on the network. The thread takes any bytes a
 peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
 (at most one line per ``LOG_EVERY`` seconds for each kind of trouble) and ignored, and the
 other notifications of its batch are handled as if it had not come.
@@ -255,7 +256,9 @@ class KVTransfer:
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         # decode side
-        self._fetches: Dict[str, _Fetch] = {}
+        self._fetches: Dict[str, _Fetch] = {}  # by tag: the one fetch of each that is out
+        self._waiting: Dict[str, List[_Fetch]] = {}  # fetches of a tag whose earlier fetch is still out
+        self._fetch_lock = threading.Lock()  # every change of both (fetch() and poll() start and report pulls too)
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
         self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
         self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
@@ -293,7 +296,9 @@ class KVTransfer:
         list, or one per KV cache group (groups.py), the same number of groups on both sides.
         ``hold_until``: the prefill's wall clock (``time.time()``) until which it holds the blocks
         at least (its ``kv_transfer_params``); where it is more than ``pull_margin`` seconds ahead
-        this decode may read them itself (see the module); 0: unknown, they are pushed."""
+        this decode may read them itself (see the module); 0: unknown, they are pushed. A ``req_id``
+        whose earlier fetch is still under way (cancelled: its blocks may still land) is fetched once
+        that one was reported; each is reported on its own."""
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
         args = (str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
                 check_part(tuple(int(v) for v in part)), int(readers), float(hold_until))
@@ -302,7 +307,8 @@ class KVTransfer:
 
     def cancel(self, req_id: str) -> None:
         """Decode: the request was aborted. The prefill is told to release its blocks; the
-        request is still reported in ``recving`` once no byte can land in its blocks any more."""
+        request is still reported in ``recving`` once no byte can land in its blocks any more
+        (a fetch of it that waits for an earlier one, see :meth:`fetch`: at once)."""
         self._command("cancel", str(req_id))
 
     def release(self, peer_metadata: bytes, remote_req_id: str) -> None:
@@ -337,7 +343,7 @@ class KVTransfer:
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
-        return bool(self._held or self._fetches or self._closing or not self._commands.empty())
+        return bool(self._held or self._fetches or self._waiting or self._closing or not self._commands.empty())
 
     def stats(self) -> Dict[str, int]:
         """Counters since the start (see ``STATS``)."""
@@ -801,21 +807,43 @@ class KVTransfer:
         if not any(local):
             self._finish(recving=tag)
             return
-        self._fetches[tag] = f
+        with self._fetch_lock:
+            self._waiting.setdefault(tag, []).append(f)
+        self._start_waiting()
+
+    def _start_waiting(self) -> None:
+        """Starts the fetches whose tag has no fetch out (an answer names only the tag: one fetch
+        of a tag at a time is what it answers)."""
+        if not self._waiting:
+            return
+        with self._fetch_lock:
+            ready = [t for t in self._waiting if t not in self._fetches]
+            for tag in ready:
+                self._fetches[tag] = self._waiting[tag].pop(0)
+                if not self._waiting[tag]:
+                    del self._waiting[tag]
+            started = [self._fetches[tag] for tag in ready]
+        for f in started:
+            self._ask(f)
+
+    def _ask(self, f: _Fetch) -> None:
+        """Asks the fetch's prefill for its blocks (a ``W``), or reads them (_pull); its
+        ``fetch_timeout`` runs from here."""
+        f.deadline = time.monotonic() + self.fetch_timeout
         try:
-            conn = self.agent.connect(md, timeout=self.connect_timeout)
+            conn = self.agent.connect(f.peer_metadata, timeout=self.connect_timeout)
             f.conn, f.peer = conn, conn.peer_name
             self._tell_layout(conn)  # a new connection: the prefill forgot the old one's layout
-            self._conn_of[md] = conn
+            self._conn_of[f.peer_metadata] = conn
             if self._pulls(f, conn):
                 return self._pull(f, conn)
-            want = dict(req=remote_req, tag=tag, src=flat(f.src), dst=flat(local))
-            if len(local) > 1:
-                want["groups"] = [len(g) for g in local]
-            if part != WHOLE:
-                want["part"] = list(part)
-            if readers:
-                want["readers"] = readers
+            want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst))
+            if len(f.dst) > 1:
+                want["groups"] = [len(g) for g in f.dst]
+            if f.part != WHOLE:
+                want["part"] = list(f.part)
+            if f.readers:
+                want["readers"] = f.readers
             conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
@@ -853,7 +881,7 @@ class KVTransfer:
         what then runs off the caller's thread is the core's (no interpreter lock taken, however
         busy the caller's thread keeps it). False: the thread does the fetch, as a command."""
         conn = self._conn_of.get(md) if self.pull else None
-        if conn is None or self._queued or tag in self._fetches or self._stop.is_set() or conn.gone():
+        if conn is None or self._queued or self._stop.is_set() or conn.gone():
             return False
         if len(local) != len(remote) or not any(local) or any(len(lg) > len(r) for lg, r in zip(local, remote)):
             return False  # (the thread reports it)
@@ -867,8 +895,8 @@ class KVTransfer:
         now = time.monotonic()
         f = _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, conn=conn, peer=conn.peer_name,
                    started=now, part=part, readers=readers, hold_until=hold_until)
-        with self._lock:
-            if not self._pulls(f, conn):
+        with self._fetch_lock:  # (a tag with a fetch out or waiting: the thread's, in its order)
+            if tag in self._fetches or tag in self._waiting or not self._pulls(f, conn):
                 return False
             self._fetches[tag] = f
         self._start_pull(f, conn, layout, plans)
@@ -926,14 +954,31 @@ class KVTransfer:
     def _fetched(self, f: _Fetch, **more: int) -> None:
         """A fetch whose blocks landed (pushed, or pulled: ``more`` counts) is reported, its
         counters with it: a caller that sees the request sees them."""
-        self._fetches.pop(f.tag, None)
+        self._forget(f)
         with self._lock:
             for key, n in dict(more, fetches_done=1, fetch_seconds=time.monotonic() - f.started).items():
                 self._stats[key] += n
             self._finish(recving=f.tag)
 
+    def _forget(self, f: _Fetch) -> None:
+        """Drops a fetch that is over, if it is its tag's fetch out (a later fetch of the tag may
+        be, once this one was cancelled and reported: not this one's to drop); a fetch of the tag
+        that waited for it starts now."""
+        with self._fetch_lock:
+            if self._fetches.get(f.tag) is not f:
+                return
+            del self._fetches[f.tag]
+            waited = f.tag in self._waiting
+        if waited:
+            self.agent.wake_notifications()  # the transfer thread starts it (_check_fetches)
+
     def _cmd_cancel(self, tag: str) -> None:
-        f = self._fetches.get(tag)
+        with self._fetch_lock:
+            f, waiting = self._fetches.get(tag), self._waiting.pop(tag, [])
+        for w in waiting:  # not asked yet: no byte can land, it is reported now
+            w.cancelled = True
+            self._cmd_release(w.peer_metadata, w.remote_req)
+            self._fail(w, "cancelled")
         if f is None:
             return
         f.cancelled = True
@@ -960,7 +1005,7 @@ class KVTransfer:
 
     def _on_answer(self, peer: str, tag: str, ok: bool, why: str) -> None:
         f = self._fetches.get(tag)
-        if f is None or f.peer != peer:
+        if f is None or f.peer != peer or f.reading:  # (a pull asked for nothing)
             self._count("unexpected_answers")
             self._warn_odd.warn("%s: an answer for %s from %s, which is not awaited from it",
                                 self.name, tag[:200], peer)
@@ -972,15 +1017,18 @@ class KVTransfer:
             self._fail(f, f"the prefill refused: {why}")
 
     def _fail(self, f: _Fetch, why: str) -> None:
-        self._fetches.pop(f.tag, None)
+        self._forget(f)
         self._count("fetches_failed")
         if not f.cancelled:
             log.warning("%s: receiving %s failed: %s", self.name, f.tag, why)
         self._finish(recving=f.tag, failed=None if f.cancelled else flat(f.dst))
 
     def _check_fetches(self, now: float) -> None:
-        for f in list(self._fetches.values()):
-            if f.reading:  # the reader reports it once its read is over, whatever happened meanwhile
+        self._start_waiting()
+        with self._fetch_lock:
+            fetches = list(self._fetches.values())
+        for f in fetches:
+            if f.reading:  # its outcome reports it once its read is over, whatever happened meanwhile
                 continue
             try:
                 gone = f.conn.gone() if f.conn is not None else "not connected"
