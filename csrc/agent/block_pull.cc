@@ -43,20 +43,24 @@ void notify_quietly(Connection& c, const std::vector<uint8_t>& bytes) {
   if (bytes.empty()) return;
   try {
     c.notify(bytes);
-  } catch (const Error&) {  // the peer is gone: the outcome says why already
+  } catch (const std::exception&) {  // the peer is gone: the outcome says why already
   }
 }
 
 }  // namespace
 
-BlockPuller::BlockPuller() : thread_([this] { run(); }) {}
+BlockPuller::BlockPuller(std::shared_ptr<Agent> agent) : agent_(std::move(agent)), thread_([this] { run(); }) {}
 
 BlockPuller::~BlockPuller() { close(); }
 
 void BlockPuller::submit(PullJob job) {
+  if (!job.conn || &job.conn->agent() != agent_.get()) {
+    fail(Code::kInvalidArgument, -1, 0, "block reads: the connection is not one of this puller's agent");
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closing_) fail(Code::kClosed, -1, 0, "block reads: closed");
+    live_.insert(job.token);
     queued_.push_back(std::move(job));
   }
   cv_.notify_all();
@@ -64,7 +68,7 @@ void BlockPuller::submit(PullJob job) {
 
 void BlockPuller::cancel(uint64_t token) {
   std::lock_guard<std::mutex> lock(mu_);
-  cancelled_.push_back(token);
+  if (live_.count(token)) cancelled_.insert(token);  // (one whose outcome is posted: nothing to do)
 }
 
 std::vector<PullOutcome> BlockPuller::take() {
@@ -81,7 +85,9 @@ uint64_t BlockPuller::seq() const {
 
 void BlockPuller::wait(uint64_t seen, double timeout_s) const {
   std::unique_lock<std::mutex> lock(mu_);
-  auto until = std::chrono::steady_clock::now() + std::chrono::duration<double>(std::max(timeout_s, 0.0));
+  double s = timeout_s > 0 ? std::min(timeout_s, 86400.0) : 0.0;  // (NaN: 0)
+  auto until = std::chrono::steady_clock::now() +
+               std::chrono::duration_cast<std::chrono::steady_clock::duration>(std::chrono::duration<double>(s));
   cv_.wait_until(lock, until, [&] { return seq_ != seen || !outcomes_.empty() || closing_; });
 }
 
@@ -103,8 +109,10 @@ void BlockPuller::close() {
 }
 
 void BlockPuller::post(PullOutcome o) {
+  o.at_s = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
   {
     std::lock_guard<std::mutex> lock(mu_);
+    live_.erase(o.token);
     outcomes_.push_back(std::move(o));
     ++seq_;
   }
@@ -113,10 +121,7 @@ void BlockPuller::post(PullOutcome o) {
 
 bool BlockPuller::cancelled(uint64_t token) {
   std::lock_guard<std::mutex> lock(mu_);
-  auto it = std::find(cancelled_.begin(), cancelled_.end(), token);
-  if (it == cancelled_.end()) return false;
-  cancelled_.erase(it);
-  return true;
+  return cancelled_.erase(token) != 0;
 }
 
 void BlockPuller::start(PullJob& job) {
@@ -126,7 +131,7 @@ void BlockPuller::start(PullJob& job) {
   if (why.empty()) {
     try {
       read = job.conn->transfer(xs, /*is_read=*/true, nullptr);
-    } catch (const Error& e) {  // refused before any byte moved
+    } catch (const std::exception& e) {  // refused before any byte moved
       why = e.what();
     }
   }
@@ -135,19 +140,30 @@ void BlockPuller::start(PullJob& job) {
   flight_.push_back(std::move(f));
 }
 
+bool BlockPuller::polled(InFlight& f) {
+  std::string why;
+  try {
+    if (!f.read.poll()) return false;
+  } catch (const std::exception& e) {  // (polling a device copy's completion failed)
+    why = std::string("polling the read's completion failed: ") + e.what();
+  }
+  finish(f, why);
+  return true;
+}
+
 void BlockPuller::finish(InFlight& f, const std::string& error) {
   PullOutcome o{f.job.token, error, f.read.count(), f.read.bytes(), cancelled(f.job.token)};
   if (o.error.empty()) {
     try {
       f.read.wait(0);  // over: returns at once, or raises the read's own error
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       o.error = e.what();
     }
   }
   if (o.error.empty() && !o.cancelled && !f.job.on_landed.empty()) {
     try {
       f.job.conn->notify(f.job.on_landed);
-    } catch (const Error& e) {
+    } catch (const std::exception& e) {
       o.error = std::string("the read landed, but its ack could not go: ") + e.what();
     }
   }
@@ -155,9 +171,9 @@ void BlockPuller::finish(InFlight& f, const std::string& error) {
   post(std::move(o));
 }
 
-// The thread: issues what is queued, then watches the oldest read in flight (reads on one
-// connection land in the order issued; one of another connection is watched once it is the
-// oldest), pacing its polls as a waiter does (base/backoff.h) and woken at once by a new job.
+// The thread: issues what is queued, then polls the reads in flight (each is finished as it is
+// over, whatever its connection), pacing its polls as a waiter does (base/backoff.h) and woken
+// at once by a new job.
 void BlockPuller::run() {
   name_this_thread("fxm-blockreads");
   Backoff pace;
@@ -166,15 +182,25 @@ void BlockPuller::run() {
     {
       std::unique_lock<std::mutex> lock(mu_);
       if (flight_.empty()) cv_.wait(lock, [&] { return !queued_.empty() || closing_; });
+      if (closing_) break;  // (what is queued fails below)
       jobs.swap(queued_);
-      if (closing_) break;
     }
-    for (PullJob& j : jobs) start(j);
+    for (PullJob& j : jobs) {
+      try {
+        start(j);
+      } catch (...) {  // (out of memory making its ops): it fails, the thread goes on
+        InFlight f{std::move(j), Handle()};
+        finish(f, "the read could not be started");
+      }
+    }
     bool moved = !jobs.empty();
-    while (!flight_.empty() && flight_.front().read.poll()) {
-      finish(flight_.front(), "");
-      flight_.pop_front();
-      moved = true;
+    for (auto it = flight_.begin(); it != flight_.end();) {
+      if (polled(*it)) {
+        it = flight_.erase(it);
+        moved = true;
+      } else {
+        ++it;
+      }
     }
     if (moved) pace = Backoff();
     if (flight_.empty() || moved) continue;

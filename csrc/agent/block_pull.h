@@ -13,6 +13,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_set>
 #include <vector>
 
 #include "agent/agent.h"
@@ -42,26 +43,30 @@ struct PullOutcome {
   std::string error;  // "" when the bytes landed and the ack went
   uint64_t ops = 0, bytes = 0;  // of the read (0 when it was refused before any op)
   bool cancelled = false;  // cancel() came before its outcome was known (no ack was sent)
+  double at_s = 0;  // when it was known: seconds of the steady clock (CLOCK_MONOTONIC, Python's time.monotonic())
 };
 
 class BlockPuller {
  public:
-  BlockPuller();
+  // Its reads are on connections of `agent`, which it keeps alive (a connection's calls use its
+  // agent) until it is destroyed.
+  explicit BlockPuller(std::shared_ptr<Agent> agent);
   ~BlockPuller();  // close()
   BlockPuller(const BlockPuller&) = delete;
   BlockPuller& operator=(const BlockPuller&) = delete;
 
-  // Queues a read; Closed after close().
+  // Queues a read; Closed after close(), InvalidArgument for a connection of another agent.
   void submit(PullJob job);
   // The read of `token` sends no ack when it lands (its outcome says cancelled); a release still
   // goes when it fails. No effect once its outcome was posted.
   void cancel(uint64_t token);
-  // The outcomes posted since the last take, in the order they were known.
+  // The outcomes posted since the last take, in the order they were known (reads of several
+  // connections may end in another order than they were submitted).
   std::vector<PullOutcome> take();
   // A count that moves on each outcome posted and each wake(): wait(seen, ...) returns at once
   // when it moved since `seen` was read, so a wake between a caller's look and its wait is not lost.
   uint64_t seq() const;
-  // Until an outcome is there or seq() moved past `seen`, for up to timeout_s.
+  // Until an outcome is there or seq() moved past `seen`, for up to timeout_s (at most a day).
   void wait(uint64_t seen, double timeout_s) const;
   void wake();
   // Reads queued fail ("closed"); reads in flight are not waited for (their outcome says so).
@@ -75,6 +80,7 @@ class BlockPuller {
   };
   void run();
   void start(PullJob& job);  // makes the ops and issues the read: in flight_, or its outcome posted
+  bool polled(InFlight& f);  // its read is over: finished (its outcome posted)
   void finish(InFlight& f, const std::string& error);
   void post(PullOutcome o);
   bool cancelled(uint64_t token);  // taken out of cancelled_ (its outcome is being made)
@@ -82,11 +88,13 @@ class BlockPuller {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;  // jobs queued, closing (the thread); outcomes, wakes (wait())
   std::vector<PullJob> queued_;
-  std::vector<uint64_t> cancelled_;
+  std::unordered_set<uint64_t> live_;       // tokens submitted whose outcome is not posted yet
+  std::unordered_set<uint64_t> cancelled_;  // of those, the ones cancel() named
   std::vector<PullOutcome> outcomes_;
   uint64_t seq_ = 0;
   bool closing_ = false;
   std::deque<InFlight> flight_;  // the thread's alone
+  std::shared_ptr<Agent> agent_;
   std::thread thread_;
 };
 

@@ -47,6 +47,7 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Connection& operator=(const Connection&) = delete;
 
   const PeerInfo& peer() const { return peer_; }
+  const Agent& agent() const { return *agent_; }  // whose connection it is
   bool initiated() const { return initiated_; }
   // "" while usable, else why not (lost, closed, superseded by a restart).
   std::string gone() const;

@@ -451,7 +451,7 @@ void bind_block_puller(py::module_& m) {
   using fxm::agent::BlockPuller;
   py::class_<BlockPuller, std::shared_ptr<BlockPuller>>(
       m, "_BlockPuller", "Reads of requests' blocks on a thread of their own (agent/block_pull.h; vllm/transfer.py)")
-      .def(py::init<>())
+      .def(py::init<std::shared_ptr<Agent>>(), py::arg("agent"))
       .def("submit", [](BlockPuller& p, uint64_t token, std::shared_ptr<Connection> conn, const py::object& locals,
                         const py::object& remotes, const py::list& groups, const py::object& on_landed,
                         const py::object& on_failed) {
@@ -462,9 +462,11 @@ void bind_block_puller(py::module_& m) {
       .def("cancel", &BlockPuller::cancel, py::arg("token"))
       .def("take", [](BlockPuller& p) {
         py::list out;
-        for (const auto& o : p.take()) out.append(py::make_tuple(o.token, o.error, o.ops, o.bytes, o.cancelled));
+        for (const auto& o : p.take()) {
+          out.append(py::make_tuple(o.token, o.error, o.ops, o.bytes, o.cancelled, o.at_s));
+        }
         return out;
-      }, "The outcomes since the last take: (token, error or '', ops, bytes, cancelled).")
+      }, "The outcomes since the last take: (token, error or '', ops, bytes, cancelled, when: time.monotonic()).")
       .def("seq", &BlockPuller::seq)
       .def("wait", &BlockPuller::wait, py::arg("seen"), py::arg("timeout"), py::call_guard<py::gil_scoped_release>())
       .def("wake", &BlockPuller::wake)

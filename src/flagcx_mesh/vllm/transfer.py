@@ -258,13 +258,13 @@ class KVTransfer:
         # decode side
         self._fetches: Dict[str, _Fetch] = {}  # by tag: the one fetch of each that is out
         self._waiting: Dict[str, List[_Fetch]] = {}  # fetches of a tag whose earlier fetch is still out
-        self._fetch_lock = threading.Lock()  # every change of both (fetch() and poll() start and report pulls too)
+        self._fetch_lock = threading.Lock()  # every change of both, of _pulled and _pulling (fetch() and poll() too)
         self._layout_sent: Dict[Tuple[str, str], object] = {}  # the connection each peer got it on
         self._pull_path: Dict[Tuple[str, str], bool] = {}  # per prefill layout: whether its path suits a pull
         self._pulled: "OrderedDict[Tuple[str, str], None]" = OrderedDict()  # (prefill, its request) read once
         # pulls: read, acked (or released) and posted by the core's thread (agent/block_pull.h), reported
         # by poll(); its wait is poll(timeout)'s, woken by _finish too
-        self._puller = _core._BlockPuller()
+        self._puller = _core._BlockPuller(self.agent._core)
         self._pulling: Dict[int, _Fetch] = {}  # by token
         self._tokens = itertools.count(1)
         self._conn_of: Dict[bytes, object] = {}  # the connection a fetch made, by the prefill's metadata
@@ -327,6 +327,7 @@ class KVTransfer:
         """What completed since the last poll (see :class:`Finished`). ``timeout``: seconds to
         wait, when nothing completed yet, for the first request that does (0: return at once);
         a waiting caller is woken by the completion itself, not by a timer."""
+        timeout = timeout if timeout > 0 else 0.0  # (NaN: 0)
         end = time.monotonic() + timeout
         while True:
             seen = self._puller.seq()
@@ -362,7 +363,7 @@ class KVTransfer:
             self.agent.wake_notifications()  # out of its wait now
         if self._thread.is_alive() and self._thread is not threading.current_thread():
             self._thread.join(timeout=30)
-        self._puller.close()  # (reads in flight are not waited for: their requests are not reported)
+        self._puller.close()  # (reads in flight are not waited for: a poll() after this reports them failed)
         for c in list(self._closing.values()):  # connections abandoned: their engines stop first
             if c.thread is not None and c.thread is not threading.current_thread():
                 c.thread.join(timeout=30)
@@ -499,7 +500,9 @@ class KVTransfer:
         self._layout_sent[key] = conn
 
     def _prune_layouts(self) -> None:
-        """Forgets the layouts of decodes whose connection closed (they send it again)."""
+        """Forgets the layouts of decodes whose connection closed (they send it again), and the
+        connections fetches made that are gone."""
+        self._conn_of = {md: c for md, c in self._conn_of.items() if not c.gone()}
         for key in list(self._peer_layouts):
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
@@ -856,8 +859,9 @@ class KVTransfer:
         layout = self._peer_layouts.get(key)
         if not self.pull or layout is None or not layout[0] or not time.time() + self.pull_margin < f.hold_until:
             return False
-        if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
-            return False
+        with self._fetch_lock:  # (fetch() may pull on its own thread)
+            if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
+                return False
         return self._path_fits(key, conn, layout)
 
     def _path_fits(self, key: Tuple[str, str], conn, layout) -> bool:
@@ -895,9 +899,12 @@ class KVTransfer:
         now = time.monotonic()
         f = _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, conn=conn, peer=conn.peer_name,
                    started=now, part=part, readers=readers, hold_until=hold_until)
+        if not self._pulls(f, conn):
+            return False
         with self._fetch_lock:  # (a tag with a fetch out or waiting: the thread's, in its order)
-            if tag in self._fetches or tag in self._waiting or not self._pulls(f, conn):
+            if tag in self._fetches or tag in self._waiting:
                 return False
+            f.reading = True  # (the thread's checks leave it to its outcome from now on)
             self._fetches[tag] = f
         self._start_pull(f, conn, layout, plans)
         return True
@@ -923,40 +930,45 @@ class KVTransfer:
         ack = protocol.encode("A", req=f.remote_req, **({"readers": readers} if readers > 1 else {}))
         groups = [(plan.tables(), array.array("q", dst), array.array("q", src))
                   for plan, dst, src in zip(plans, f.dst, f.src) if plan is not None and dst]
-        with self._lock:
-            key = (f.peer, f.remote_req)
-            _remember(self._pulled, key, None)
+        with self._fetch_lock:
+            _remember(self._pulled, (f.peer, f.remote_req), None)
             f.reading, f.token = True, next(self._tokens)
             self._pulling[f.token] = f
         try:
             self._puller.submit(f.token, conn._core, self._regions, layout[0], groups, ack,
                                 protocol.encode("C", req=f.remote_req))
-        except MeshError as e:  # closed meanwhile
-            with self._lock:
+        except Exception as e:  # noqa: BLE001 - closed meanwhile, or anything else: reported, not lost
+            with self._fetch_lock:
                 self._pulling.pop(f.token, None)
             self._fail(f, f"reading the blocks from the prefill failed: {e}")
 
     def _take_pulls(self) -> None:
         """Reports the pulls whose outcome the puller posted: received (their counters with
         them), failed (the puller sent the prefill its ``C``), or cancelled."""
-        for token, error, _ops, nbytes, cancelled in self._puller.take():
-            with self._lock:
+        for token, error, _ops, nbytes, cancelled, at in self._puller.take():
+            with self._fetch_lock:
                 f = self._pulling.pop(token, None)
             if f is None:
                 continue
-            if cancelled or f.cancelled:
-                self._fail(f, "cancelled")
-            elif error:
-                self._fail(f, f"reading the blocks from the prefill failed: {error}")
-            else:
-                self._fetched(f, pulls=1, bytes_pulled=nbytes)
+            try:
+                if cancelled or f.cancelled:
+                    self._fail(f, "cancelled")
+                elif error:
+                    self._fail(f, f"reading the blocks from the prefill failed: {error}")
+                else:
+                    self._fetched(f, at, pulls=1, bytes_pulled=nbytes)
+            except Exception:  # noqa: BLE001 - the next outcomes must still be reported
+                self._warn_internal.warn("%s: reporting the read of %s failed:\n%s", self.name, f.tag,
+                                         traceback.format_exc())
 
-    def _fetched(self, f: _Fetch, **more: int) -> None:
-        """A fetch whose blocks landed (pushed, or pulled: ``more`` counts) is reported, its
-        counters with it: a caller that sees the request sees them."""
+    def _fetched(self, f: _Fetch, landed: Optional[float] = None, **more: int) -> None:
+        """A fetch whose blocks landed (pushed, or pulled: ``more`` counts; ``landed``: when, by
+        time.monotonic(), if not now) is reported, its counters with it: a caller that sees the
+        request sees them."""
         self._forget(f)
         with self._lock:
-            for key, n in dict(more, fetches_done=1, fetch_seconds=time.monotonic() - f.started).items():
+            took = (time.monotonic() if landed is None else landed) - f.started
+            for key, n in dict(more, fetches_done=1, fetch_seconds=took).items():
                 self._stats[key] += n
             self._finish(recving=f.tag)
 
