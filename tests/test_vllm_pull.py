@@ -477,6 +477,37 @@ def test_a_pull_runs_without_the_transfer_thread(pair, monkeypatch):
         resume.set()
 
 
+def test_a_push_is_asked_for_without_the_transfer_thread(pair, monkeypatch):
+    """A fetch that is pushed (no hold given) to a prefill an earlier fetch connected to: fetch()
+    sends the want itself, so the prefill pushes the blocks while the decode's transfer thread
+    does nothing; that thread reports the request once it runs again (the D is its to take)."""
+    import threading
+
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    stopped, resume = threading.Event(), threading.Event()
+    real_step = dec._step
+
+    def held_step():
+        stopped.set()
+        resume.wait(60)
+        real_step()
+
+    monkeypatch.setattr(dec, "_step", held_step)
+    try:
+        assert stopped.wait(10), "the decode's thread did not come back to its step"
+        pre.hold("r2", [4, 5])
+        dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2])
+        wait_until(lambda: pre.stats()["pushes_done"] == 2, "the prefill pushed r2")
+        assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == [] and dec._commands.empty()
+    finally:
+        resume.set()
+    assert wait_for(dec, "recving", "t2", timeout=10) == {}
+    wait_for(pre, "sending", "r2", timeout=10)
+    assert dec.stats()["pulls"] == 0
+
+
 def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair):
     """While a pull's read is in flight the request is not reported and the prefill keeps its
     blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold

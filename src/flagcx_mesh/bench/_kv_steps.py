@@ -4,8 +4,9 @@ to the prefill at the end, and the prefill prints, per request length, the media
 over the requests. The steps are a chain, each from a stamp to one that cannot come before it
 (so they add up to the request, median for median nearly):
 
-    to its thread       the decode's fetch() called until its transfer thread takes the command
-    want built          the connection looked up, the want (W) encoded, until it is sent
+    to the want         the decode's fetch() called until its want (W) is sent: the connection
+                        looked up and the want encoded, on fetch()'s own thread from the second
+                        fetch on a connection, else by the transfer thread (its command)
     to the prefill      the W's notify until the prefill's transfer thread handles it (the socket,
                         the prefill's progress thread, its wake-up)
     want read           the W decoded and checked, until the table is made
@@ -42,12 +43,10 @@ import time
 from typing import Dict, List, Tuple
 
 Step = Tuple[str, str, str]  # (name, from stamp, to stamp)
-TO_ITS_THREAD: Step = ("to its thread", "fetch>", "cmdfetch>")  # (the first step of both chains)
 TOTAL: Step = ("total", "fetch>", "polled")
 FETCH_CALL: Step = ("fetch() call", "fetch>", "fetch<")
 CHAIN: Tuple[Step, ...] = (  # the first stamp of each name after the fetch
-    TO_ITS_THREAD,
-    ("want built", "cmdfetch>", "notify>"),
+    ("to the want", "fetch>", "notify>"),
     ("to the prefill", "notify>", "note:W"),
     ("want read", "note:W", "table>"),
     ("table", "table>", "table<"),
@@ -100,7 +99,7 @@ def install() -> None:
     from ..vllm import protocol
     from ..vllm.transfer import KVTransfer
 
-    for name, tag in (("fetch", "fetch"), ("_cmd_fetch", "cmdfetch"), ("_push_table", "table"),
+    for name, tag in (("fetch", "fetch"), ("_push_table", "table"),
                       ("_start_pull", "pull"), ("_fetched", "fetched")):
         _wrap(KVTransfer, name, tag)
     _wrap(AgentConnection, "write_blocks", "wb")

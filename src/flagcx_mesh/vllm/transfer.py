@@ -268,7 +268,7 @@ class KVTransfer:
         self._pulling: Dict[int, _Fetch] = {}  # by token
         self._tokens = itertools.count(1)
         self._conn_of: Dict[bytes, object] = {}  # the connection a fetch made, by the prefill's metadata
-        self._queued = 0  # commands not done yet: fetch() starts a pull itself only when none is (_pull_now)
+        self._queued = 0  # commands not done yet: fetch() does a fetch itself only when none is (_fetch_now)
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -302,7 +302,7 @@ class KVTransfer:
         local, remote = as_groups(local_block_ids), as_groups(remote_block_ids)
         args = (str(req_id), bytes(peer_metadata), str(remote_req_id), remote, local,
                 check_part(tuple(int(v) for v in part)), int(readers), float(hold_until))
-        if not self._pull_now(*args):
+        if not self._fetch_now(*args):
             self._command("fetch", *args)
 
     def cancel(self, req_id: str) -> None:
@@ -840,13 +840,21 @@ class KVTransfer:
             self._conn_of[f.peer_metadata] = conn
             if self._pulls(f, conn):
                 return self._pull(f, conn)
-            want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst))
-            if len(f.dst) > 1:
-                want["groups"] = [len(g) for g in f.dst]
-            if f.part != WHOLE:
-                want["part"] = list(f.part)
-            if f.readers:
-                want["readers"] = f.readers
+        except MeshError as e:
+            return self._fail(f, f"cannot reach the prefill: {e}")
+        self._want(f, conn)
+
+    def _want(self, f: _Fetch, conn) -> None:
+        """Asks the prefill to push the fetch's blocks (a ``W``); its answer (``D`` / ``F``) comes
+        to the transfer thread (_on_answer)."""
+        want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst))
+        if len(f.dst) > 1:
+            want["groups"] = [len(g) for g in f.dst]
+        if f.part != WHOLE:
+            want["part"] = list(f.part)
+        if f.readers:
+            want["readers"] = f.readers
+        try:
             conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
@@ -877,36 +885,46 @@ class KVTransfer:
             self._pull_path[key] = ok
         return ok
 
-    def _pull_now(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
-                  part: Tuple[int, ...], readers: int, hold_until: float) -> bool:
-        """fetch() on the caller's thread: starts the pull there when all it takes is known
-        already (the connection an earlier fetch made, the prefill's layout, its path found fit
-        for a pull, the row plans made; no command waits for the thread, so none is overtaken):
-        what then runs off the caller's thread is the core's (no interpreter lock taken, however
-        busy the caller's thread keeps it). False: the thread does the fetch, as a command."""
-        conn = self._conn_of.get(md) if self.pull else None
+    def _fetch_now(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
+                   part: Tuple[int, ...], readers: int, hold_until: float) -> bool:
+        """fetch() on the caller's thread, where all it takes is known already: the connection an
+        earlier fetch made (this worker's layout sent on it), and for a pull the prefill's layout,
+        its path found fit and the row plans made; no command waits for the thread (none is
+        overtaken) and the request id has no fetch out. A pull is then the core's from here (no
+        interpreter lock taken off the caller's thread, however busy it keeps it); a push's want
+        (``W``) goes from here, its answer comes to the thread as before. False: the thread does
+        the fetch, as a command."""
+        conn = self._conn_of.get(md)
         if conn is None or self._queued or self._stop.is_set() or conn.gone():
             return False
         if len(local) != len(remote) or not any(local) or any(len(lg) > len(r) for lg, r in zip(local, remote)):
             return False  # (the thread reports it)
         key = (conn.peer_name, conn.peer_incarnation)
-        layout = self._peer_layouts.get(key)
-        si, sn, di, dn = part
-        plans = self._plans.get(key, {}).get(((di, dn, si, sn), len(local)))
-        if layout is None or plans is None or not self._pull_path.get(key):
+        if self._layout_sent.get(key) is not conn:
             return False
         src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
         now = time.monotonic()
         f = _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, conn=conn, peer=conn.peer_name,
                    started=now, part=part, readers=readers, hold_until=hold_until)
-        if not self._pulls(f, conn):
-            return False
+        pull = None
+        if self.pull and key in self._peer_layouts:
+            if key not in self._pull_path:
+                return False  # (the thread finds whether its path suits a pull)
+            if self._pulls(f, conn):
+                si, sn, di, dn = part
+                plans = self._plans.get(key, {}).get(((di, dn, si, sn), len(local)))
+                if plans is None:
+                    return False
+                pull = (self._peer_layouts[key], plans)
         with self._fetch_lock:  # (a tag with a fetch out or waiting: the thread's, in its order)
             if tag in self._fetches or tag in self._waiting:
                 return False
-            f.reading = True  # (the thread's checks leave it to its outcome from now on)
+            f.reading = pull is not None  # (a pull's: the thread's checks leave it to its outcome)
             self._fetches[tag] = f
-        self._start_pull(f, conn, layout, plans)
+        if pull is not None:
+            self._start_pull(f, conn, *pull)
+        else:
+            self._want(f, conn)
         return True
 
     def _pull(self, f: _Fetch, conn) -> None:
