@@ -921,10 +921,13 @@ class KVTransfer:
                 return False
             f.reading = pull is not None  # (a pull's: the thread's checks leave it to its outcome)
             self._fetches[tag] = f
-        if pull is not None:
-            self._start_pull(f, conn, *pull)
-        else:
-            self._want(f, conn)
+        try:
+            if pull is not None:
+                self._start_pull(f, conn, *pull)
+            else:
+                self._want(f, conn)
+        except Exception as e:  # noqa: BLE001 - filed: reported as failed, never raised into the engine's step
+            self._fail(f, f"the fetch could not start: {type(e).__name__}: {e}")
         return True
 
     def _pull(self, f: _Fetch, conn) -> None:
