@@ -508,6 +508,72 @@ def test_a_push_is_asked_for_without_the_transfer_thread(pair, monkeypatch):
     assert dec.stats()["pulls"] == 0
 
 
+def test_a_layout_dropped_while_fetch_decides_raises_nothing_into_the_caller(pair, monkeypatch):
+    """The transfer thread may drop a prefill's layout (a newer incarnation's came, its connection
+    ended) while fetch() decides on its own thread: fetch() used what it had read (a KeyError
+    reached the caller before) and the request is read and reported."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    real = dec._may_pull
+
+    def then_the_layout_goes(f, key, layout):
+        ok = real(f, key, layout)
+        dec._peer_layouts.pop(key, None)  # as the thread may, right now
+        return ok
+
+    monkeypatch.setattr(dec, "_may_pull", then_the_layout_goes)
+    pre.hold("r2", [4, 5])
+    dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
+    assert wait_for(dec, "recving", "t2", timeout=10) == {}
+    assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
+
+
+class _Dying:
+    """A fetch's connection alive for fetch()'s check and gone right after; its W fails only once
+    the transfer thread saw it gone (the prefill died while fetch() sent the want)."""
+
+    def __init__(self, conn, dec, tag, seen):
+        self._c, self._dec, self._tag, self._seen = conn, dec, tag, seen
+        self._checks = 0
+
+    def __getattr__(self, name):
+        return getattr(self._c, name)
+
+    def gone(self):
+        self._checks += 1
+        return "" if self._checks == 1 else "the peer died"
+
+    def notify(self, msg):
+        from flagcx_mesh.errors import PeerLost
+
+        if protocol.decode(msg)[0] == "W":
+            end = time.monotonic() + 10
+            while self._tag in self._dec._fetches and time.monotonic() < end:
+                time.sleep(0.001)
+            self._seen.append(set(self._dec.poll().recving))  # a poll on another thread, meanwhile
+            raise PeerLost("the peer died")
+        return self._c.notify(msg)
+
+
+def test_a_want_failed_by_both_threads_is_reported_once(pair):
+    """fetch() sends a push's want while the transfer thread finds the connection gone: both fail
+    the fetch; it is reported and counted once (twice before)."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d")
+    warm(pre, dec, pkv)
+    md = bytes(pre.metadata)
+    real, seen = dec._conn_of[md], []
+    proxy = _Dying(real, dec, "t2", seen)
+    dec._conn_of[md] = proxy
+    dec._layout_sent = {(real.peer_name, real.peer_incarnation): proxy}
+    before = dec.stats()["fetches_failed"]
+    dec.fetch("t2", md, "r2", [4, 5], [1, 2])  # pushed: the want goes from here
+    again = dec.poll(timeout=2).recving
+    assert seen == [{"t2"}] and "t2" not in again, (seen, again)
+    assert dec.stats()["fetches_failed"] - before == 1
+
+
 def test_a_pull_is_reported_only_once_its_read_is_over_and_the_thread_serves_on_meanwhile(pair):
     """While a pull's read is in flight the request is not reported and the prefill keeps its
     blocks (no ack yet); the transfer thread meanwhile serves another fetch (pushed: no hold

@@ -113,6 +113,7 @@ void BlockPuller::post(PullOutcome o) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     live_.erase(o.token);
+    cancelled_.erase(o.token);  // (a cancel that came after finish() looked)
     outcomes_.push_back(std::move(o));
     ++seq_;
   }

@@ -173,6 +173,7 @@ class _Fetch:
     hold_until: float = 0.0  # the prefill's wall clock: its hold lasts until then (0: not known)
     reading: bool = False  # a pull's read is in flight: only its outcome reports the fetch (_take_pulls)
     token: int = 0  # the pull's, at the puller
+    over: bool = False  # reported (_forget): a second report of it is dropped
 
 
 def _incarnation(conn) -> str:
@@ -344,7 +345,7 @@ class KVTransfer:
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
-        return bool(self._held or self._fetches or self._waiting or self._closing or not self._commands.empty())
+        return bool(self._held or self._fetches or self._waiting or self._closing or self._queued)
 
     def stats(self) -> Dict[str, int]:
         """Counters since the start (see ``STATS``)."""
@@ -827,7 +828,10 @@ class KVTransfer:
                     del self._waiting[tag]
             started = [self._fetches[tag] for tag in ready]
         for f in started:
-            self._ask(f)
+            try:
+                self._ask(f)
+            except Exception as e:  # noqa: BLE001 - the others of the batch must still be asked
+                self._fail(f, f"the fetch could not start: {type(e).__name__}: {e}")
 
     def _ask(self, f: _Fetch) -> None:
         """Asks the fetch's prefill for its blocks (a ``W``), or reads them (_pull); its
@@ -865,12 +869,14 @@ class KVTransfer:
         its path moves bytes on this host, the hold lasts long enough (a NaN lasts not at all)."""
         key = (conn.peer_name, conn.peer_incarnation)
         layout = self._peer_layouts.get(key)
+        return self._may_pull(f, key, layout) and self._path_fits(key, conn, layout)
+
+    def _may_pull(self, f: _Fetch, key: Tuple[str, str], layout) -> bool:
+        """_pulls' checks but the path's."""
         if not self.pull or layout is None or not layout[0] or not time.time() + self.pull_margin < f.hold_until:
             return False
         with self._fetch_lock:  # (fetch() may pull on its own thread)
-            if (key[0], f.remote_req) in self._pulled:  # read once already: a second ask is the prefill's to judge
-                return False
-        return self._path_fits(key, conn, layout)
+            return (key[0], f.remote_req) not in self._pulled  # read once already: a second ask is the prefill's to judge
 
     def _path_fits(self, key: Tuple[str, str], conn, layout) -> bool:
         """Whether the paths between this worker's regions and the prefill's (``layout``) all move
@@ -906,16 +912,12 @@ class KVTransfer:
         now = time.monotonic()
         f = _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, conn=conn, peer=conn.peer_name,
                    started=now, part=part, readers=readers, hold_until=hold_until)
-        pull = None
-        if self.pull and key in self._peer_layouts:
-            if key not in self._pull_path:
-                return False  # (the thread finds whether its path suits a pull)
-            if self._pulls(f, conn):
-                si, sn, di, dn = part
-                plans = self._plans.get(key, {}).get(((di, dn, si, sn), len(local)))
-                if plans is None:
-                    return False
-                pull = (self._peer_layouts[key], plans)
+        try:
+            pull = self._pull_known(f, conn, key)
+        except Exception:  # noqa: BLE001 - (the thread's maps changed meanwhile): the thread does it
+            return False
+        if pull is False:
+            return False
         with self._fetch_lock:  # (a tag with a fetch out or waiting: the thread's, in its order)
             if tag in self._fetches or tag in self._waiting:
                 return False
@@ -929,6 +931,22 @@ class KVTransfer:
         except Exception as e:  # noqa: BLE001 - filed: reported as failed, never raised into the engine's step
             self._fail(f, f"the fetch could not start: {type(e).__name__}: {e}")
         return True
+
+    def _pull_known(self, f: _Fetch, conn, key: Tuple[str, str]):
+        """For _fetch_now: (the prefill's layout, the row plans) when the fetch is a pull, None
+        when it is a push, False when that is not known yet (the thread finds it). Each of the
+        thread's maps read once (the thread may change them meanwhile)."""
+        layout = self._peer_layouts.get(key) if self.pull else None
+        if layout is None:
+            return None
+        fits = self._pull_path.get(key)
+        if fits is None:
+            return False  # (the thread finds whether its path suits a pull)
+        if not fits or not self._may_pull(f, key, layout):
+            return None
+        si, sn, di, dn = f.part
+        plans = self._plans.get(key, {}).get(((di, dn, si, sn), len(f.dst)))
+        return False if plans is None else (layout, plans)
 
     def _pull(self, f: _Fetch, conn) -> None:
         """The thread's fetch that reads its blocks itself (see _start_pull)."""
@@ -986,24 +1004,31 @@ class KVTransfer:
         """A fetch whose blocks landed (pushed, or pulled: ``more`` counts; ``landed``: when, by
         time.monotonic(), if not now) is reported, its counters with it: a caller that sees the
         request sees them."""
-        self._forget(f)
+        if not self._forget(f):
+            return
         with self._lock:
             took = (time.monotonic() if landed is None else landed) - f.started
             for key, n in dict(more, fetches_done=1, fetch_seconds=took).items():
                 self._stats[key] += n
             self._finish(recving=f.tag)
 
-    def _forget(self, f: _Fetch) -> None:
-        """Drops a fetch that is over, if it is its tag's fetch out (a later fetch of the tag may
-        be, once this one was cancelled and reported: not this one's to drop); a fetch of the tag
-        that waited for it starts now."""
+    def _forget(self, f: _Fetch) -> bool:
+        """Marks a fetch over and drops it, if it is its tag's fetch out (a later fetch of the tag
+        may be, once this one was cancelled and reported: not this one's to drop); a fetch of the
+        tag that waited for it starts now. False when it was over already (two threads may both
+        find it failed, as fetch()'s want and the thread's check of its connection: it is
+        reported once)."""
         with self._fetch_lock:
+            if f.over:
+                return False
+            f.over = True
             if self._fetches.get(f.tag) is not f:
-                return
+                return True
             del self._fetches[f.tag]
             waited = f.tag in self._waiting
         if waited:
             self.agent.wake_notifications()  # the transfer thread starts it (_check_fetches)
+        return True
 
     def _cmd_cancel(self, tag: str) -> None:
         with self._fetch_lock:
@@ -1050,7 +1075,8 @@ class KVTransfer:
             self._fail(f, f"the prefill refused: {why}")
 
     def _fail(self, f: _Fetch, why: str) -> None:
-        self._forget(f)
+        if not self._forget(f):
+            return
         self._count("fetches_failed")
         if not f.cancelled:
             log.warning("%s: receiving %s failed: %s", self.name, f.tag, why)
