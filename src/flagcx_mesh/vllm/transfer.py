@@ -31,16 +31,17 @@ clock, which the caller vouches for, more than ``pull_margin`` seconds ahead), a
 did not read that prefill's request before. The read is the core's (agent/block_pull.h): its
 thread makes the ops from the block ids, reads, sends the ``A`` (carrying ``readers``) once the
 bytes landed, or a ``C`` when the read failed, and posts the outcome, which :meth:`poll` reports
-(a failed read once no byte of it can land any more). From the second pull from a prefill on,
-:meth:`fetch` hands the read over itself (no hop to the transfer thread), so no step of a pull
-waits for the interpreter lock that a busy engine thread holds. The prefill releases the blocks
-on the ``A`` as after a push. Anything else is pushed as before.
+(a failed read once no byte of it can land any more). The prefill releases the blocks on the
+``A`` as after a push. Anything else is pushed as before.
 
+From the second fetch from a prefill on (its connection known, no command waiting for the
+thread), :meth:`fetch` does the fetch itself: it hands a pull's read to the core, so no step of a
+pull waits for the interpreter lock that a busy engine thread holds, or sends a push's ``W``.
 Every other agent call runs on one background thread; the public methods only queue commands
-(or hand a pull to the core) and drain results, so the engine's step never waits on the network. The thread takes any bytes a
-peer sends: a notification that is not a well-formed message is counted (``stats()``), logged
-(at most one line per ``LOG_EVERY`` seconds for each kind of trouble) and ignored, and the
-other notifications of its batch are handled as if it had not come.
+(or do what is said above) and drain results, so the engine's step never waits on the network.
+The thread takes any bytes a peer sends: a notification that is not a well-formed message is
+counted (``stats()``), logged (at most one line per ``LOG_EVERY`` seconds for each kind of
+trouble) and ignored, and the other notifications of its batch are handled as if it had not come.
 """
 
 from __future__ import annotations
