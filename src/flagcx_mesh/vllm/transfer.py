@@ -346,7 +346,7 @@ class KVTransfer:
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
-        return bool(self._held or self._fetches or self._waiting or self._closing or self._queued)
+        return bool(self._held or self._fetches or self._waiting or self._closing or not self._commands.empty())
 
     def stats(self) -> Dict[str, int]:
         """Counters since the start (see ``STATS``)."""
