@@ -799,16 +799,30 @@ class KVTransfer:
 
     # ---- decode side --------------------------------------------------------------------
 
+    def _new_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
+                   part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0) -> _Fetch:
+        """A fetch of fetch()'s arguments: of each group the last ``len(local)`` of the prefill's
+        blocks (this decode has the others from its prefix cache), its deadline from now."""
+        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
+        now = time.monotonic()
+        return _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, started=now, part=part,
+                      readers=readers, hold_until=hold_until)
+
+    @staticmethod
+    def _unfit(remote: Groups, local: Groups) -> str:
+        """Why ``local`` cannot take the prefill's ``remote`` ("" when it can)."""
+        if len(local) != len(remote):
+            return f"blocks of {len(local)} KV cache groups to receive, the prefill holds {len(remote)}"
+        if any(len(lg) > len(r) for lg, r in zip(local, remote)):
+            return f"{[len(g) for g in local]} blocks to receive, the prefill holds {[len(g) for g in remote]}"
+        return ""
+
     def _cmd_fetch(self, tag: str, md: bytes, remote_req: str, remote: Groups, local: Groups,
                    part: Tuple[int, ...] = WHOLE, readers: int = 0, hold_until: float = 0.0) -> None:
-        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
-        f = _Fetch(tag, md, remote_req, src, local, time.monotonic() + self.fetch_timeout,
-                   started=time.monotonic(), part=part, readers=readers, hold_until=hold_until)
-        if len(local) != len(remote):
-            return self._fail(f, f"blocks of {len(local)} KV cache groups to receive, the prefill holds {len(remote)}")
-        if any(len(lg) > len(r) for lg, r in zip(local, remote)):
-            return self._fail(f, f"{[len(g) for g in local]} blocks to receive, the prefill holds "
-                                 f"{[len(g) for g in remote]}")
+        f = self._new_fetch(tag, md, remote_req, remote, local, part, readers, hold_until)
+        why = self._unfit(remote, local)
+        if why:
+            return self._fail(f, why)
         if not any(local):
             self._finish(recving=tag)
             return
@@ -904,15 +918,13 @@ class KVTransfer:
         conn = self._conn_of.get(md)
         if conn is None or self._queued or self._stop.is_set() or conn.gone():
             return False
-        if len(local) != len(remote) or not any(local) or any(len(lg) > len(r) for lg, r in zip(local, remote)):
+        if not any(local) or self._unfit(remote, local):
             return False  # (the thread reports it)
         key = (conn.peer_name, conn.peer_incarnation)
         if self._layout_sent.get(key) is not conn:
             return False
-        src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
-        now = time.monotonic()
-        f = _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, conn=conn, peer=conn.peer_name,
-                   started=now, part=part, readers=readers, hold_until=hold_until)
+        f = self._new_fetch(tag, md, remote_req, remote, local, part, readers, hold_until)
+        f.conn, f.peer = conn, conn.peer_name
         try:
             pull = self._pull_known(f, conn, key)
         except Exception:  # noqa: BLE001 - (the thread's maps changed meanwhile): the thread does it
