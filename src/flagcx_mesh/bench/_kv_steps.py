@@ -103,7 +103,6 @@ def install() -> None:
                       ("_start_pull", "pull"), ("_fetched", "fetched")):
         _wrap(KVTransfer, name, tag)
     _wrap(AgentConnection, "write_blocks", "wb")
-    _wrap(AgentConnection, "read_blocks", "rb")
     _wrap(AgentConnection, "notify", "notify")
     on_notification, poll = KVTransfer._on_notification, KVTransfer.poll
     at = len(protocol.MAGIC)

@@ -159,7 +159,11 @@ def decode(args) -> int:
         t0 = time.perf_counter()
         x.fetch(ask["req"], md, ask["req"], ask["blocks"], local, hold_until=ask.get("hold_until", 0.0))
         while True:  # woken by the completion (poll's timeout), as a connector's blocking wait would be
-            done = x.poll() if args.busy_decode and _busy(1e-4) else x.poll(timeout=1.0)
+            if args.busy_decode:
+                _busy(1e-4)
+                done = x.poll()
+            else:
+                done = x.poll(timeout=1.0)
             if done.failed:
                 raise SystemExit(f"bench kv: request {ask['req']} failed: {done.failed}")
             if ask["req"] in done.recving:
@@ -173,12 +177,11 @@ def decode(args) -> int:
     return 0
 
 
-def _busy(seconds: float) -> bool:
+def _busy(seconds: float) -> None:
     """Python for ``seconds`` (--busy-decode: an engine step's own work, the interpreter lock held)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         sum(range(50))
-    return True
 
 
 def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
