@@ -326,6 +326,22 @@ def test_protocol_want_of_several_groups_and_readers():
             protocol.decode(protocol.encode("W", req="r", tag="t", dst=[1], **bad))
 
 
+def test_protocol_wants_and_answers_may_carry_a_nonce():
+    """A want's ``n`` (the decode's fetch) is optional, and so is its echo in D / F; where
+    present it is an integer >= 0."""
+    w = protocol.encode("W", req="r", tag="t", dst=[1], n=7)
+    assert protocol.decode(w)[1] == {"req": "r", "tag": "t", "dst": [1], "n": 7}
+    assert protocol.decode(protocol.encode("D", tag="t", n=0))[1] == {"tag": "t", "n": 0}
+    assert protocol.decode(protocol.encode("F", tag="t", why="x", n=2**63))[1] == {"tag": "t", "why": "x", "n": 2**63}
+    assert protocol.decode(protocol.encode("D", tag="t"))[1] == {"tag": "t"}  # a prefill of before it
+    for kind, fields in (("W", dict(req="r", tag="t", dst=[1])), ("D", dict(tag="t")), ("F", dict(tag="t"))):
+        for bad in (-1, True, "1", [1], None, {"n": 1}):
+            with pytest.raises(protocol.ProtocolViolation, match="'n'"):
+                protocol.decode(protocol.encode(kind, **fields, n=bad))
+    with pytest.raises(protocol.ProtocolViolation):
+        protocol.decode(protocol.MAGIC + b'D{"tag":"t","n":1.0}')
+
+
 def test_the_transfer_part_imports_without_vllm():
     code = ("import sys; sys.modules['vllm'] = None\n"
             "import flagcx_mesh.vllm, flagcx_mesh.vllm.transfer, flagcx_mesh.vllm.layout\n"
@@ -428,6 +444,92 @@ def test_a_request_fetched_again_while_its_cancelled_push_is_awaited_is_reported
     assert wait_for(dec, "recving", "t", timeout=10) == {}
     wait_for(pre, "sending", "r2")
     assert only_these_blocks(dkv, [{1: 4}] * 2) == []
+    ds = dec.stats()
+    assert ds["fetches_done"] == 1 and ds["fetches_failed"] == 1 and ds["unexpected_answers"] == 0, ds
+
+
+def test_a_late_done_of_a_timed_out_push_is_not_taken_for_the_next_fetch_of_its_id(pair):
+    """A push whose D comes after the decode gave up on it (its fetch_timeout passed while the
+    prefill's thread was held up), with a second fetch of the same request id out meanwhile,
+    its want awaiting the prefill's hold: the late D names the first fetch (the nonce its want
+    carried), not the second, which is reported only once its own blocks landed."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d", fetch_timeout=1.0)
+    fill_all(pkv)
+    pre.hold("r1", [3])
+    go = paused(pre)
+    try:
+        dec.fetch("t", pre.metadata, "r1", [3], [0])
+        assert wait_for(dec, "recving", "t", timeout=10) == {"t": [0]}  # no answer within fetch_timeout
+        dec.fetch_timeout = 60.0  # the second's
+        dec.fetch("t", pre.metadata, "r2", [4], [1])
+        time.sleep(0.5)  # its want is in the prefill's inbox, after the first's want and C
+    finally:
+        go.set()
+    wait_for(pre, "sending", "r1")  # pushed (its D late), then released on the C
+    time.sleep(1.0)
+    assert "t" not in dec.poll().recving, "the first fetch's late D was taken for the second's"
+    pre.hold("r2", [4])
+    assert wait_for(dec, "recving", "t", timeout=10) == {}
+    assert only_these_blocks(dkv, [{0: 3, 1: 4}] * 2) == []  # (the late push's bytes land too: docs/vllm.md)
+    ds = dec.stats()
+    assert ds["fetches_done"] == 1 and ds["fetches_failed"] == 1 and ds["unexpected_answers"] == 1, ds
+
+
+def as_older_prefill(pre):
+    """pre takes wants as a prefill of before the nonce: without their ``n`` (it ignores a field
+    it does not know), so its answers carry none."""
+    handle = pre._on_notification
+
+    def without_nonce(peer, incarnation, data):
+        try:
+            kind, f = protocol.decode(data)
+        except protocol.ProtocolViolation:
+            return handle(peer, incarnation, data)
+        if kind == "W":
+            f.pop("n", None)
+            data = protocol.encode("W", **f)
+        return handle(peer, incarnation, data)
+
+    pre._on_notification = without_nonce
+
+
+def answers_taken(dec):
+    """The fields of every D and F dec's thread takes, in order."""
+    seen = []
+    handle = dec._on_notification
+
+    def recording(peer, incarnation, data):
+        try:
+            kind, f = protocol.decode(data)
+            if kind in "DF":
+                seen.append((kind, f))
+        except protocol.ProtocolViolation:
+            pass
+        return handle(peer, incarnation, data)
+
+    dec._on_notification = recording
+    return seen
+
+
+@pytest.mark.parametrize("older", [False, True], ids=["nonce-echoed", "older-prefill"])
+def test_answers_echo_the_want_s_nonce_and_an_older_prefill_s_are_matched_by_tag(pair, older):
+    """A prefill echoes a want's nonce in its D and F; one of before the nonce answers by tag
+    alone, and the decode matches its answers by tag as before: a push lands and is reported
+    done, a refusal (the request released on the decode's ack) fails its fetch at once."""
+    pre, pkv = pair("p", hold_timeout=60)
+    dec, dkv = pair("d", fetch_timeout=60)
+    if older:
+        as_older_prefill(pre)
+    seen = answers_taken(dec)
+    fill_all(pkv)
+    pre.hold("r", [3, 4])
+    assert wait_for_fetch(dec, pre, "r", [3, 4], [0, 1]) == {}
+    wait_for(pre, "sending", "r")
+    assert wait_for_fetch(dec, pre, "r", [3, 4], [2]) == {"t": [2]}  # released there: F
+    assert only_these_blocks(dkv, [{0: 3, 1: 4}] * 2) == []
+    assert [k for k, _ in seen] == ["D", "F"], seen
+    assert all(("n" in f) != older for _, f in seen), seen
     ds = dec.stats()
     assert ds["fetches_done"] == 1 and ds["fetches_failed"] == 1 and ds["unexpected_answers"] == 0, ds
 

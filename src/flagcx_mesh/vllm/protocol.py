@@ -9,7 +9,8 @@ Every message is ``MAGIC + kind (1 byte) + JSON``. Decode -> prefill:
   the two sides run another tensor-parallel size: ``[si, sn, di, dn]``, slice ``si`` of ``sn``
   of each of your blocks' heads into slice ``di`` of ``dn`` of mine; ``readers``: how many decode
   agents read this request from you, each acknowledging its own; ``groups``, where the model has
-  several KV cache groups: how many of ``dst`` are each group's, in order).
+  several KV cache groups: how many of ``dst`` are each group's, in order; ``n``: this fetch's
+  nonce, an integer >= 0 unique per fetch of the decode agent, echoed in the answer).
 - ``A`` ack: the decode saw ``req``'s blocks land; the prefill may free them (``readers``, where
   the decode read them itself: how many decode agents read this request, each acknowledging its
   own, as a want's ``readers``).
@@ -25,6 +26,12 @@ After the data of a push (notifications follow the data, in order):
 - ``D`` done: every block of ``tag`` landed.
 - ``F`` failed: ``tag`` will not be served (``why``: unknown or expired request, layout
   mismatch, ...); the decode reports its blocks as load errors.
+
+Both carry the want's ``n`` where it had one. The decode takes an answer that carries ``n`` only
+for the fetch of ``tag`` whose want carried that ``n`` (a late answer to an earlier fetch of the
+same ``tag``, one the decode gave up on, is dropped); one without ``n`` (from a prefill of before
+the nonce, which ignores the field in the want) is matched by ``tag`` alone, as before. A decode
+of before the nonce sends none, and is answered without it.
 
 :func:`decode` takes any bytes a peer may send: whatever is not one of these messages with
 fields of the right types (too long, not UTF-8, not JSON, nested too deep, a number that is
@@ -56,8 +63,8 @@ FIELDS = {
     "D": {"tag": "str"},
     "F": {"tag": "str"},
 }
-OPTIONAL = {"W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count"}, "A": {"readers": "count"},
-            "F": {"why": "text"}}
+OPTIONAL = {"W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count", "n": "count"},
+            "A": {"readers": "count"}, "D": {"n": "count"}, "F": {"why": "text", "n": "count"}}
 WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists", "count": "an integer >= 0"}
 
 

@@ -174,6 +174,7 @@ class _Fetch:
     hold_until: float = 0.0  # the prefill's wall clock: its hold lasts until then (0: not known)
     reading: bool = False  # a pull's read is in flight: only its outcome reports the fetch (_take_pulls)
     token: int = 0  # the pull's, at the puller
+    nonce: int = 0  # its want's ``n``, which the prefill's answer echoes (_on_answer)
     over: bool = False  # reported (_forget): a second report of it is dropped
 
 
@@ -191,6 +192,15 @@ def _same_connection(a, b) -> bool:
         return a is not None and b is not None and a.peer_incarnation == b.peer_incarnation
     except Exception:  # noqa: BLE001
         return False
+
+
+def _answer_to(want: dict) -> dict:
+    """The fields that name a want in its answer (D / F): its tag, and its nonce where it carried
+    one (a decode of before the nonce sends none)."""
+    named = {"tag": str(want.get("tag", ""))}
+    if "n" in want:
+        named["n"] = want["n"]
+    return named
 
 
 def _remember(seen: "OrderedDict", key, value) -> None:
@@ -269,6 +279,7 @@ class KVTransfer:
         self._puller = _core._BlockPuller(self.agent._core)
         self._pulling: Dict[int, _Fetch] = {}  # by token
         self._tokens = itertools.count(1)
+        self._nonces = itertools.count()  # one per fetch: its want's ``n`` (protocol.py)
         self._conn_of: Dict[bytes, object] = {}  # the connection a fetch made, by the prefill's metadata
         self._queued = 0  # commands not done yet: fetch() does a fetch itself only when none is (_fetch_now)
         self._next_prune = 0.0
@@ -430,7 +441,7 @@ class KVTransfer:
             elif kind == "C":
                 self._on_release(f["req"], "cancelled")
             elif kind in "DF":
-                self._on_answer(peer, f["tag"], kind == "D", str(f.get("why", "")))
+                self._on_answer(peer, f["tag"], kind == "D", str(f.get("why", "")), f.get("n"))
         except (KeyError, TypeError, ValueError) as e:
             self._bad_message(peer, f"a malformed {kind} message: {str(e)[:200]}")
 
@@ -529,7 +540,7 @@ class KVTransfer:
         conn = self.agent.connection(peer)
         if conn is not None:
             try:
-                conn.notify(protocol.encode("F", tag=str(f.get("tag", "")), why=why[:2000]))
+                conn.notify(protocol.encode("F", **_answer_to(f), why=why[:2000]))
             except MeshError:
                 pass
 
@@ -554,7 +565,7 @@ class KVTransfer:
             return self._refuse(peer, f, str(e))
         held.parts = max(held.parts, f.get("readers") or part[1])
         tag = str(f["tag"])
-        done = protocol.encode("D", tag=tag)
+        done = protocol.encode("D", **_answer_to(f))
         handles = []
         try:
             if len(table):  # every layer's blocks in one call, the notification after them
@@ -806,7 +817,7 @@ class KVTransfer:
         src = [r[len(r) - len(lg):] if lg else [] for r, lg in zip(remote, local)]
         now = time.monotonic()
         return _Fetch(tag, md, remote_req, src, local, now + self.fetch_timeout, started=now, part=part,
-                      readers=readers, hold_until=hold_until)
+                      readers=readers, hold_until=hold_until, nonce=next(self._nonces))
 
     @staticmethod
     def _unfit(remote: Groups, local: Groups) -> str:
@@ -866,7 +877,7 @@ class KVTransfer:
     def _want(self, f: _Fetch, conn) -> None:
         """Asks the prefill to push the fetch's blocks (a ``W``); its answer (``D`` / ``F``) comes
         to the transfer thread (_on_answer)."""
-        want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst))
+        want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst), n=f.nonce)
         if len(f.dst) > 1:
             want["groups"] = [len(g) for g in f.dst]
         if f.part != WHOLE:
@@ -1074,18 +1085,27 @@ class KVTransfer:
         except MeshError:
             pass
 
-    def _on_answer(self, peer: str, tag: str, ok: bool, why: str) -> None:
+    def _on_answer(self, peer: str, tag: str, ok: bool, why: str, nonce: Optional[int] = None) -> None:
+        """A prefill's answer to a want: taken for the fetch of ``tag`` out to that peer whose want
+        carried ``nonce`` (None: a prefill of before the nonce, matched by the tag alone)."""
         f = self._fetches.get(tag)
-        if f is None or f.peer != peer or f.reading:  # (a pull asked for nothing)
-            self._count("unexpected_answers")
-            self._warn_odd.warn("%s: an answer for %s from %s, which is not awaited from it",
-                                self.name, tag[:200], peer)
-            return
+        if f is None or f.peer != peer or f.reading or nonce not in (None, f.nonce):  # (a pull asked for nothing)
+            return self._unexpected_answer(peer, tag, nonce)
         if ok:
             self._fetched(f)  # first: the prefill's release is not what the request waits for
             self._send_quietly(f.conn, protocol.encode("A", req=f.remote_req))
         else:
             self._fail(f, f"the prefill refused: {why}")
+
+    def _unexpected_answer(self, peer: str, tag: str, nonce: Optional[int]) -> None:
+        """Counts an answer that no fetch out awaits; where it names a fetch by its nonce (one of
+        this agent's that is over: timed out, its connection lost, or cancelled and reported) it
+        is late and logged at debug, else warned (late from a prefill of before the nonce, or made up)."""
+        self._count("unexpected_answers")
+        if nonce is not None:
+            log.debug("%s: a late answer for %s from %s (fetch %d), dropped", self.name, tag[:200], peer, nonce)
+            return
+        self._warn_odd.warn("%s: an answer for %s from %s, which is not awaited from it", self.name, tag[:200], peer)
 
     def _fail(self, f: _Fetch, why: str) -> None:
         if not self._forget(f):
