@@ -429,23 +429,25 @@ def test_unknown_request_is_answered_as_failed(pair):
 
 
 def test_a_request_fetched_again_while_its_cancelled_push_is_awaited_is_reported_twice(pair):
-    """A fetch cancelled while its want awaits the prefill's hold (the C drops the want: no
-    answer comes, the fetch ends at its fetch_timeout), then the same request id fetched again:
-    the second is asked for once the first was reported (cancelled), so an answer for the tag is
-    the second's alone; each is reported on its own, the second with its blocks."""
+    """A fetch cancelled while its want awaits the prefill's hold: the C drops the want, and the
+    prefill answers it (F), so the fetch is reported (cancelled) now, not at its fetch_timeout;
+    the same request id fetched again meanwhile is asked for once the first was reported, so an
+    answer for the tag is the second's alone; each is reported on its own, the second with its
+    blocks."""
     pre, pkv = pair("p", hold_timeout=60)
-    dec, dkv = pair("d", fetch_timeout=2.0)
+    dec, dkv = pair("d", fetch_timeout=60)
     fill_all(pkv)
     dec.fetch("t", pre.metadata, "r1", [3], [0])
     dec.cancel("t")
     dec.fetch("t", pre.metadata, "r2", [4], [1])
-    assert wait_for(dec, "recving", "t") == {}  # the first, at its fetch_timeout: cancelled, no failed blocks
+    assert wait_for(dec, "recving", "t", timeout=20) == {}  # the first: cancelled, no failed blocks
     pre.hold("r2", [4])
     assert wait_for(dec, "recving", "t", timeout=10) == {}
     wait_for(pre, "sending", "r2")
     assert only_these_blocks(dkv, [{1: 4}] * 2) == []
     ds = dec.stats()
     assert ds["fetches_done"] == 1 and ds["fetches_failed"] == 1 and ds["unexpected_answers"] == 0, ds
+    assert pre.stats()["refused"] == 1, pre.stats()
 
 
 def test_a_late_done_of_a_timed_out_push_is_not_taken_for_the_next_fetch_of_its_id(pair):

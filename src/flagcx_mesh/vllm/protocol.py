@@ -24,8 +24,9 @@ Prefill -> decode:
 After the data of a push (notifications follow the data, in order):
 
 - ``D`` done: every block of ``tag`` landed.
-- ``F`` failed: ``tag`` will not be served (``why``: unknown or expired request, layout
-  mismatch, ...); the decode reports its blocks as load errors.
+- ``F`` failed: ``tag`` will not be served (``why``: unknown, expired or released request, also
+  one released while the want awaited the prefill's hold, layout mismatch, ...); the decode
+  reports its blocks as load errors.
 
 Both carry the want's ``n`` where it had one. The decode takes an answer that carries ``n`` only
 for the fetch of ``tag`` whose want carried that ``n`` (a late answer to an earlier fetch of the

@@ -528,7 +528,7 @@ class KVTransfer:
         if req in self._held:
             self._start_push(req, peer, f, incarnation)
         elif req in self._gone:
-            self._refuse(peer, f, f"request {req} is no longer held here ({self._gone[req]})")
+            self._refuse_gone(peer, f, req)
         elif sum(len(w) for w in self._early.values()) >= MAX_EARLY:
             self._refuse(peer, f, f"request {req} is not known here, and {MAX_EARLY} others await their hold")
         else:  # the scheduler's word that it finished may come after the decode's request
@@ -543,6 +543,9 @@ class KVTransfer:
                 conn.notify(protocol.encode("F", **_answer_to(f), why=why[:2000]))
             except MeshError:
                 pass
+
+    def _refuse_gone(self, peer: str, f: dict, req: str) -> None:
+        self._refuse(peer, f, f"request {req} is no longer held here ({self._gone[req]})")
 
     def _start_push(self, req: str, peer: str, f: dict, incarnation: Optional[str] = None) -> None:
         held = self._held[req]
@@ -675,10 +678,11 @@ class KVTransfer:
     def _on_release(self, req: str, why: str) -> None:
         held = self._held.get(req)
         if held is None:
-            self._early.pop(req, None)
             self._early_acks.pop(req, None)
             if req not in self._gone:  # (the first word on it stands)
                 self._remember_gone(req, why + EARLY)  # counted when its hold comes (_cmd_hold)
+            for peer, f, _ in self._early.pop(req, []):  # never served now: answered, not left to their fetch_timeout
+                self._refuse_gone(peer, f, req)
             return
         # Not while a push may still read the blocks (another decode's, or the acknowledged
         # push's last completions): once they are over (or abandoned, at their deadline).
