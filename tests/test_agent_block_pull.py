@@ -5,7 +5,10 @@ once the bytes landed, its ``on_failed`` one (and no other) when the read is ref
 of range, a region of another agent); a cancel of a token with no read out is not kept; the outcome
 says the read's ops and bytes; wait() returns on an outcome or a wake(), not only at its timeout;
 after close() a submit is refused and queued reads fail; reads held in flight by the fake CUDA
-driver (no outcome, no ack until they landed; cancel and close while they copy)."""
+driver (no outcome, no ack until they landed; cancel and close while they copy). A push's answer
+awaited (``await_answer``): taken by the core as it comes (before the await too), acked and
+posted, other notifications left to the reader; forgotten (no outcome); cancelled (posted when it
+comes, no ack); failed at its timeout, when its peer leaves, and at close (once each)."""
 
 import array
 import os
@@ -148,3 +151,101 @@ def test_a_read_in_flight(scenario):
     env = gpujobs.job_env(fakecuda.env(), ("FLAGCX_MESH_CUDA_PATH",), FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS=1500)
     p = spawn_prog(os.path.join(HERE, "block_pull_prog.py"), scenario, env=env, cwd=HERE)
     finish_prog(p, timeout=60, what=scenario, ok=f"{scenario} ok")
+
+
+# ---- a push's answer awaited (await_answer) ------------------------------------------------
+
+
+@pytest.fixture
+def answers():
+    """(puller, the reader's connection, the reader, the owner's connection back to it, the owner)."""
+    with Agent("pull-reader", "s", timeout=20) as reader, Agent("pull-owner", "s", timeout=20) as owner:
+        conn = reader.connect(owner.metadata())
+        back = owner.connect(reader.metadata())
+        puller = _core._BlockPuller(reader._core)
+        yield puller, conn, reader, back, owner
+        puller.close()
+
+
+def test_an_answer_awaited_is_taken_by_the_core_acked_and_posted(answers):
+    """The peer's notification of exactly the answer's bytes is consumed (notifications() never
+    sees it), the ack goes to the peer, the outcome is posted with no op; another notification of
+    the peer (its bytes not the answer's) still reaches notifications()."""
+    puller, conn, reader, back, owner = answers
+    puller.await_answer(4, conn._core, b"done-4", b"ack-4", 20.0)
+    back.notify(b"done-3")  # not the answer: the reader's own
+    back.notify(b"done-4")
+    assert outcome(puller)[:5] == (4, "", 0, 0, False)
+    assert notes(owner) == [b"ack-4"]
+    assert notes(reader) == [b"done-3"]
+
+
+def test_an_answer_that_came_before_it_was_awaited_is_taken(answers):
+    puller, conn, reader, back, owner = answers
+    back.notify(b"done-1")
+    time.sleep(0.5)  # it lands, unread
+    puller.await_answer(1, conn._core, b"done-1", b"ack-1", 20.0)
+    assert outcome(puller)[:5] == (1, "", 0, 0, False)
+    assert notes(owner) == [b"ack-1"] and notes(reader, 0.5) == []
+
+
+def test_a_forgotten_answer_posts_nothing_and_its_notification_is_the_reader_s(answers):
+    puller, conn, reader, back, owner = answers
+    puller.await_answer(2, conn._core, b"done-2", b"ack-2", 20.0)
+    puller.forget(2)
+    back.notify(b"done-2")
+    assert notes(reader) == [b"done-2"]
+    assert puller.take() == [] and notes(owner, 0.5) == []
+
+
+def test_a_cancelled_answer_is_posted_when_it_comes_without_its_ack(answers):
+    """A cancel does not end the wait (a push's bytes may land until its answer): the outcome
+    comes with the answer, says cancelled, and no ack goes."""
+    puller, conn, reader, back, owner = answers
+    puller.await_answer(5, conn._core, b"done-5", b"ack-5", 20.0)
+    puller.cancel(5)
+    time.sleep(0.2)
+    assert puller.take() == []
+    back.notify(b"done-5")
+    assert outcome(puller)[:5] == (5, "", 0, 0, True)
+    assert notes(owner, 0.5) == []
+
+
+def test_an_answer_fails_at_its_timeout_when_its_peer_leaves_and_at_close(answers):
+    puller, conn, reader, back, owner = answers
+    t0 = time.monotonic()
+    puller.await_answer(6, conn._core, b"done-6", b"ack-6", 0.5)
+    token, error, *_ = outcome(puller)
+    assert token == 6 and "did not arrive" in error and time.monotonic() - t0 < 10, error
+    puller.await_answer(7, conn._core, b"done-7", b"ack-7", 30.0)
+    puller.await_answer(8, conn._core, b"done-8", b"ack-8", 30.0)
+    t0 = time.monotonic()
+    owner.close()  # its connection ends: 7 and 8 fail now, not at their timeout
+    got = sorted(outcomes(puller, 2))
+    assert [o[0] for o in got] == [7, 8] and all("gone" in o[1] for o in got), got
+    assert time.monotonic() - t0 < 20
+    puller.close()
+    with pytest.raises(MeshClosed):
+        puller.await_answer(9, conn._core, b"done-9", b"ack-9", 30.0)
+
+
+def test_answers_awaited_at_close_fail_once_each(answers):
+    puller, conn, reader, back, owner = answers
+    for token in range(1, 51):
+        puller.await_answer(token, conn._core, b"done-%d" % token, b"ack", 30.0)
+    back.notify(b"done-7")
+    puller.close()
+    got = puller.take()
+    assert sorted(o[0] for o in got) == list(range(1, 51)), got
+    assert all(o[1] == "" or "closed" in o[1] for o in got), {o[1] for o in got}
+
+
+def outcomes(puller, n, timeout=20.0):
+    got, end = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < end:
+        seen = puller.seq()
+        got += puller.take()
+        if len(got) < n:
+            puller.wait(seen, end - time.monotonic())
+    assert len(got) == n, got
+    return got

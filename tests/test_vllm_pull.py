@@ -177,7 +177,7 @@ def test_each_side_handles_one_layout_message_per_connection(pair):
         received[i] = 10 + i
     time.sleep(0.3)  # a layout sent back and forth would have come by now
     assert layouts == {"p": 1, "d": 1}
-    assert dec_msgs == {"L": 1, "D": 3}, dec_msgs  # r0, r2, r4 pushed; r1, r3 pulled
+    assert dec_msgs == {"L": 1}, dec_msgs  # r0, r2, r4 pushed (their D the core's: _await_done); r1, r3 pulled
     assert dec.stats()["pulls"] == 2 and pre.stats()["pushes"] == 3
     assert only_these_blocks(dkv, [received] * 2) == []
 
@@ -477,10 +477,12 @@ def test_a_pull_runs_without_the_transfer_thread(pair, monkeypatch):
         resume.set()
 
 
-def test_a_push_is_asked_for_without_the_transfer_thread(pair, monkeypatch):
+def test_a_push_runs_without_the_transfer_thread(pair, monkeypatch):
     """A fetch that is pushed (no hold given) to a prefill an earlier fetch connected to: fetch()
-    sends the want itself, so the prefill pushes the blocks while the decode's transfer thread
-    does nothing; that thread reports the request once it runs again (the D is its to take)."""
+    sends the want itself and the core awaits the D (its exact bytes), sends the A and posts the
+    outcome, so the request is pushed, reported by poll() and released at the prefill while the
+    decode's transfer thread does nothing at all (as when a busy engine thread keeps the
+    interpreter lock from it; before, that thread took the D)."""
     import threading
 
     pre, pkv = pair("p", hold_timeout=60)
@@ -499,13 +501,13 @@ def test_a_push_is_asked_for_without_the_transfer_thread(pair, monkeypatch):
         assert stopped.wait(10), "the decode's thread did not come back to its step"
         pre.hold("r2", [4, 5])
         dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2])
-        wait_until(lambda: pre.stats()["pushes_done"] == 2, "the prefill pushed r2")
-        assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == [] and dec._commands.empty()
+        assert wait_for(dec, "recving", "t2", timeout=10) == {}
+        wait_for(pre, "sending", "r2", timeout=10)
+        assert pre.stats()["pushes_done"] == 2 and dec._commands.empty()
+        assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
     finally:
         resume.set()
-    assert wait_for(dec, "recving", "t2", timeout=10) == {}
-    wait_for(pre, "sending", "r2", timeout=10)
-    assert dec.stats()["pulls"] == 0
+    assert dec.stats()["pulls"] == 0 and dec.stats()["fetches_done"] == 2
 
 
 def test_a_layout_dropped_while_fetch_decides_raises_nothing_into_the_caller(pair, monkeypatch):

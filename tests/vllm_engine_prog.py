@@ -214,7 +214,7 @@ def decode(a) -> int:
 
     if a.die_after_want:
         for w in e.workers:
-            w._transfer._on_answer = lambda *args: None  # it dies before it takes any answer
+            w._transfer._on_answer = w._transfer._await_done = lambda *args: None  # it dies before it takes any answer
     expected = {f"d-{i}" for i in ints(a.take)} - mid - early
     finished = set()
     while (not expected <= finished or not e.idle()) and time.monotonic() < deadline:

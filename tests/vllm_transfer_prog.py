@@ -142,7 +142,7 @@ def decode(args) -> int:
     x = transfer.KVTransfer(args.name or "decode-tp0", kv, args.blocks, block_dim=bdim,
                             fetch_timeout=args.fetch_timeout)
     if args.die_after_want:
-        x._on_answer = lambda *a: None  # it dies before it takes any answer
+        x._on_answer = x._await_done = lambda *a: None  # it dies before it takes any answer (nor the core for it)
     md = read_published(args.dir, "prefill.meta", args.timeout)
     reqs = json.loads(read_published(args.dir, "requests.json", args.timeout))
     plan, nxt = {}, 0

@@ -524,6 +524,16 @@ NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& byt
   return inbox_->stream_wait(bytes, peer, stream, timeout_s);
 }
 
+std::shared_ptr<WaitState> Agent::watch_notification(const std::vector<uint8_t>& bytes,
+                                                     std::shared_ptr<Connection> conn, double timeout_s,
+                                                     std::function<void(const WaitState&)> on_release) {
+  require_open("a watch for a notification");
+  check_call_timeout(timeout_s, who() + "a watch for a notification: timeout");
+  return inbox_->watch_for(bytes, std::move(conn), timeout_s > 0 ? timeout_s : timeout_s_, std::move(on_release));
+}
+
+bool Agent::withdraw_watch(const std::shared_ptr<WaitState>& w) { return inbox_->withdraw(w); }
+
 Notification Agent::wait_notification(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s) {
   require_open("wait_notification");
   check_peer_name("wait_notification", peer);

@@ -93,6 +93,7 @@ struct Ident;
 }
 class NotificationInbox;
 class NotificationWait;
+struct WaitState;
 class Closer;
 
 // One transfer of a batch: bytes [local_off, +size) of a local region and
@@ -233,6 +234,15 @@ class Agent {
   // timeout; < 0 or NaN: InvalidArgument), Closed when the agent closes.
   // See docs/agent.md, "Waiting for a peer's notification".
   Notification wait_notification(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s);
+  // Watches `conn` for its peer's notification of exactly `bytes` without a thread waiting:
+  // `on_release` runs once, as it arrives (consumed: notifications() never returns it) or with
+  // the watch's error (PeerLost when `conn` ends first, Timeout after timeout_s, Closed at close).
+  // It runs in whichever thread drains the connections, with the inbox's lock held: short, and no
+  // call on this agent. withdraw_watch() takes one out before that (false: it was released).
+  // See NotificationInbox::watch_for (stream_wait.h).
+  std::shared_ptr<WaitState> watch_notification(const std::vector<uint8_t>& bytes, std::shared_ptr<Connection> conn,
+                                                double timeout_s, std::function<void(const WaitState&)> on_release);
+  bool withdraw_watch(const std::shared_ptr<WaitState>& w);
   // Puts notifications taken by notifications() but not read back in front of the unread ones.
   void unread(std::vector<Notification> ns);
 

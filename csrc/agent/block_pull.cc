@@ -4,6 +4,7 @@
 #include <chrono>
 
 #include "agent/connection.h"
+#include "agent/stream_wait.h"
 #include "base/backoff.h"
 #include "base/status.h"
 #include "base/thread_name.h"
@@ -64,6 +65,81 @@ void BlockPuller::submit(PullJob job) {
     queued_.push_back(std::move(job));
   }
   cv_.notify_all();
+}
+
+void BlockPuller::await_answer(AnswerJob job) {
+  if (!job.conn || &job.conn->agent() != agent_.get()) {
+    fail(Code::kInvalidArgument, -1, 0, "awaiting an answer: the connection is not one of this puller's agent");
+  }
+  uint64_t token = job.token;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) fail(Code::kClosed, -1, 0, "block reads: closed");
+    live_.insert(token);
+    awaited_[token] = Awaited{job.conn, std::move(job.on_landed), nullptr};
+  }
+  std::shared_ptr<WaitState> w;
+  try {  // (an answer here already is taken now, in this call)
+    w = agent_->watch_notification(job.answer, job.conn, job.timeout_s,
+                                   [this, token](const WaitState& s) { answered(token, s.error); });
+  } catch (...) {
+    forget(token);
+    throw;
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = awaited_.find(token);
+    if (it != awaited_.end()) {
+      it->second.watch = std::move(w);
+      return;
+    }
+  }
+  agent_->withdraw_watch(w);  // forgotten, answered or closed meanwhile: no watch may outlive its record
+}
+
+void BlockPuller::answered(uint64_t token, const std::string& error) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    answered_.push_back({token, error});
+  }
+  cv_.notify_all();
+}
+
+void BlockPuller::forget(uint64_t token) {
+  std::shared_ptr<WaitState> w;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    auto it = awaited_.find(token);
+    if (it == awaited_.end()) return;
+    w = std::move(it->second.watch);
+    awaited_.erase(it);
+    live_.erase(token);
+    cancelled_.erase(token);
+  }
+  if (w) agent_->withdraw_watch(w);  // (not under mu_: a release holds the inbox's lock, then takes mu_)
+}
+
+// The answers that came (or failed): the ack goes, then the outcome; one forgotten meanwhile is skipped.
+void BlockPuller::finish_answers(std::vector<Answered> done) {
+  for (Answered& a : done) {
+    Awaited got;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = awaited_.find(a.token);
+      if (it == awaited_.end()) continue;
+      got = std::move(it->second);
+      awaited_.erase(it);
+    }
+    PullOutcome o{a.token, a.error, 0, 0, cancelled(a.token)};
+    if (o.error.empty() && !o.cancelled && !got.on_landed.empty()) {
+      try {
+        got.conn->notify(got.on_landed);
+      } catch (const std::exception& e) {
+        o.error = std::string("the answer came, but its ack could not go: ") + e.what();
+      }
+    }
+    post(std::move(o));
+  }
 }
 
 void BlockPuller::cancel(uint64_t token) {
@@ -152,6 +228,32 @@ bool BlockPuller::polled(InFlight& f) {
   return true;
 }
 
+// At close: every answer still awaited fails (its watch taken out first, so none is posted twice).
+void BlockPuller::close_answers() {
+  std::vector<uint64_t> tokens;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    for (auto& [token, a] : awaited_) tokens.push_back(token);
+  }
+  std::vector<Answered> left;
+  for (uint64_t token : tokens) {
+    std::shared_ptr<WaitState> w;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = awaited_.find(token);
+      if (it == awaited_.end()) continue;
+      w = it->second.watch;
+    }
+    if (!w || agent_->withdraw_watch(w)) left.push_back({token, "the block reads were closed with this answer awaited"});
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    left.insert(left.begin(), answered_.begin(), answered_.end());  // (arrived since the thread looked)
+    answered_.clear();
+  }
+  finish_answers(std::move(left));
+}
+
 void BlockPuller::finish(InFlight& f, const std::string& error) {
   PullOutcome o{f.job.token, error, f.read.count(), f.read.bytes(), cancelled(f.job.token)};
   if (o.error.empty()) {
@@ -180,12 +282,16 @@ void BlockPuller::run() {
   Backoff pace;
   for (;;) {
     std::vector<PullJob> jobs;
+    std::vector<Answered> done;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      if (flight_.empty()) cv_.wait(lock, [&] { return !queued_.empty() || closing_; });
+      auto news = [&] { return !queued_.empty() || !answered_.empty() || closing_; };
+      if (flight_.empty()) cv_.wait(lock, news);
       if (closing_) break;  // (what is queued fails below)
       jobs.swap(queued_);
+      done.swap(answered_);
     }
+    finish_answers(std::move(done));
     for (PullJob& j : jobs) {
       try {
         start(j);
@@ -210,7 +316,7 @@ void BlockPuller::run() {
       lock.unlock();
       std::this_thread::yield();
     } else {
-      cv_.wait_for(lock, pace.sleep(), [&] { return !queued_.empty() || closing_; });
+      cv_.wait_for(lock, pace.sleep(), [&] { return !queued_.empty() || !answered_.empty() || closing_; });
     }
   }
   std::vector<PullJob> left;
@@ -224,6 +330,7 @@ void BlockPuller::run() {
   }
   for (InFlight& f : flight_) finish(f, "the block reads were closed with this read in flight");
   flight_.clear();
+  close_answers();
 }
 
 }  // namespace fxm::agent

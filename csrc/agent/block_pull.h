@@ -4,6 +4,10 @@
 // it land, sends the peer the notification the outcome calls for (its ack once the bytes landed, a
 // release when the read failed) and posts the outcome for the caller to take. None of it needs the
 // caller's thread or an interpreter lock: the read goes on however busy the thread that asked is.
+//
+// The same for a push the caller asked a peer for (await_answer): the peer's notification that
+// the bytes landed (its answer) is matched in the agent's inbox as it arrives, the thread sends the
+// ack and posts the outcome, with no thread of the caller's on the way.
 #pragma once
 
 #include <condition_variable>
@@ -13,6 +17,7 @@
 #include <mutex>
 #include <string>
 #include <thread>
+#include <unordered_map>
 #include <unordered_set>
 #include <vector>
 
@@ -38,6 +43,15 @@ struct PullJob {
   std::vector<uint8_t> on_landed, on_failed;  // notifications to the peer (empty: none)
 };
 
+// A push's answer awaited: the peer's notification of exactly `answer` on `conn`.
+struct AnswerJob {
+  uint64_t token = 0;
+  std::shared_ptr<Connection> conn;
+  std::vector<uint8_t> answer;
+  std::vector<uint8_t> on_landed;  // sent to the peer once the answer came, unless cancelled (empty: none)
+  double timeout_s = 0;            // then the outcome fails (0: the agent's timeout)
+};
+
 struct PullOutcome {
   uint64_t token = 0;
   std::string error;  // "" when the bytes landed and the ack went
@@ -57,7 +71,14 @@ class BlockPuller {
 
   // Queues a read; Closed after close(), InvalidArgument for a connection of another agent.
   void submit(PullJob job);
-  // The read of `token` sends no ack when it lands (its outcome says cancelled); a release still
+  // Awaits a push's answer (AnswerJob): its outcome is posted when the answer came (after the
+  // ack), or fails when the connection ends first, at its timeout, or at close(); ops and bytes 0.
+  // Closed after close(), InvalidArgument for a connection of another agent.
+  void await_answer(AnswerJob job);
+  // Stops awaiting the answer of `token` (the caller took another word of the peer for it, as a
+  // refusal): no outcome is posted, no ack sent. No effect on a read, nor once the outcome was posted.
+  void forget(uint64_t token);
+  // The read of `token` (or the answer awaited) sends no ack when it lands (its outcome says cancelled); a release still
   // goes when it fails. No effect once its outcome was posted.
   void cancel(uint64_t token);
   // The outcomes posted since the last take, in the order they were known (reads of several
@@ -78,7 +99,19 @@ class BlockPuller {
     PullJob job;
     Handle read;
   };
+  struct Awaited {  // an answer awaited, until the thread takes its arrival (or forget())
+    std::shared_ptr<Connection> conn;
+    std::vector<uint8_t> on_landed;
+    std::shared_ptr<WaitState> watch;
+  };
+  struct Answered {
+    uint64_t token;
+    std::string error;
+  };
   void run();
+  void answered(uint64_t token, const std::string& error);  // the watch's release (the inbox's lock held)
+  void finish_answers(std::vector<Answered> done);
+  void close_answers();
   void start(PullJob& job);  // makes the ops and issues the read: in flight_, or its outcome posted
   bool polled(InFlight& f);  // its read is over: finished (its outcome posted)
   void finish(InFlight& f, const std::string& error);
@@ -88,6 +121,8 @@ class BlockPuller {
   mutable std::mutex mu_;
   mutable std::condition_variable cv_;  // jobs queued, closing (the thread); outcomes, wakes (wait())
   std::vector<PullJob> queued_;
+  std::unordered_map<uint64_t, Awaited> awaited_;
+  std::vector<Answered> answered_;
   std::unordered_set<uint64_t> live_;       // tokens submitted whose outcome is not posted yet
   std::unordered_set<uint64_t> cancelled_;  // of those, the ones cancel() named
   std::vector<PullOutcome> outcomes_;

@@ -38,12 +38,13 @@ std::string shown(const std::vector<uint8_t>& b) {
 
 std::string what_wait(const WaitState& w) {
   std::string what = w.any_bytes ? "the next notification" : "notification " + shown(w.bytes);
-  return (w.host ? "wait_notification for " : "stream wait on ") + what +
+  const char* kind = w.on_release ? "watch for " : w.host ? "wait_notification for " : "stream wait on ";
+  return kind + what +
          (w.peer.empty() ? "" : " from agent " + w.peer);
 }
 
 // What a released stream wait adds to its error (a host wait holds no stream).
-std::string stream_note(const WaitState& w) { return w.host ? "" : "; the stream was released"; }
+std::string stream_note(const WaitState& w) { return w.host || w.on_release ? "" : "; the stream was released"; }
 
 }  // namespace
 
@@ -105,7 +106,12 @@ void NotificationInbox::release(WaitState& w, Code code, const std::string& erro
   w.code = code;
   w.error = error;
   w.bound.reset();
-  if (code != Code::kOk && !w.host) FXM_WARN(-1, error);  // a host wait throws it to its caller
+  if (w.on_release) {
+    w.on_release(w);  // (its owner reports a failure)
+    w.on_release = nullptr;
+  } else if (code != Code::kOk && !w.host) {
+    FXM_WARN(-1, error);  // a host wait throws it to its caller
+  }
   sync_->cv.notify_all();
   agent_->bell_->ring();  // a host wait sleeps on the doorbell
 }
@@ -277,6 +283,32 @@ Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, con
   }
   if (w->code != Code::kOk) fail(w->code, -1, 0, w->error);
   return std::move(w->got);
+}
+
+std::shared_ptr<WaitState> NotificationInbox::watch_for(const std::vector<uint8_t>& bytes, std::shared_ptr<Connection> conn,
+                                                    double timeout_s, std::function<void(const WaitState&)> on_release) {
+  auto w = std::make_shared<WaitState>();
+  w->sync = sync_;
+  w->bytes = bytes;
+  w->peer = conn->peer().name;
+  w->bound = std::move(conn);  // this connection, not the first of that name the inbox sees
+  w->deadline = Deadline::after_seconds(timeout_s);
+  w->on_release = std::move(on_release);
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  if (closing_) fail(Code::kClosed, -1, 0, who() + "a watch for a notification: the agent was closed");
+  pending_.push_back(w);
+  poll();  // one that arrived and is unread releases it now
+  if (!w->released) start_watcher();
+  return w;
+}
+
+bool NotificationInbox::withdraw(const std::shared_ptr<WaitState>& w) {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  auto it = std::find(pending_.begin(), pending_.end(), w);
+  if (it == pending_.end()) return false;
+  pending_.erase(it);
+  w->on_release = nullptr;
+  return true;
 }
 
 void NotificationInbox::wake() {

@@ -14,6 +14,7 @@
 #include <condition_variable>
 #include <cstdint>
 #include <deque>
+#include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -46,6 +47,9 @@ struct WaitState {
   std::string error;   // "" once released by its notification
   std::string sender;  // who sent the matching notification
   Notification got;    // the matching notification (host waits)
+  // A watch (NotificationInbox::watch_for): run once, as it is released (the inbox's lock held: it
+  // must be short and take no lock that is held while calling into the inbox).
+  std::function<void(const WaitState&)> on_release;
 };
 
 // The user's view of a wait (Python NotificationWait, C flagcx_mesh_agent_handle_t).
@@ -77,6 +81,14 @@ class NotificationInbox {
   // `bytes` (null: its next one) and returns it, consumed; throws as a stream wait's
   // wait() does (PeerLost naming the peer, Timeout, Closed).
   Notification host_wait(const std::vector<uint8_t>* bytes, const std::string& peer, double timeout_s);
+  // A wait without a stream nor a thread waiting in it: `on_release` runs when the notification of
+  // exactly `bytes` from the peer of `conn` arrives on it (one already here and unread: at once,
+  // in this call), or with the wait's error when `conn` ends first, timeout_s passes (> 0) or the
+  // agent closes. Nothing is logged: the owner reports the outcome.
+  std::shared_ptr<WaitState> watch_for(const std::vector<uint8_t>& bytes, std::shared_ptr<Connection> conn,
+                                   double timeout_s, std::function<void(const WaitState&)> on_release);
+  // Takes a watch out before it was released (its on_release never runs); false when it was released.
+  bool withdraw(const std::shared_ptr<WaitState>& w);
   // Puts notifications read but not consumed back in front of the unread ones, in order.
   void unread(std::vector<Notification> ns);
   // What arrived and no wait consumed, waiting up to timeout_s for the first, or until wake().

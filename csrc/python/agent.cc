@@ -459,6 +459,19 @@ void bind_block_puller(py::module_& m) {
       }, py::arg("token"), py::arg("conn"), py::arg("locals"), py::arg("remotes"), py::arg("groups"),
            py::arg("on_landed") = py::none(), py::arg("on_failed") = py::none(),
            "Queues a read: groups are (tables, local ids, remote ids), ids buffers of int64.")
+      .def("await_answer", [](BlockPuller& p, uint64_t token, std::shared_ptr<Connection> conn,
+                              const py::object& answer, const py::object& on_landed, double timeout) {
+        fxm::agent::AnswerJob j{token, std::move(conn), bytes_arg(answer, "answer", &fxm::agent::check_notification_size)};
+        if (!on_landed.is_none()) j.on_landed = bytes_arg(on_landed, "on_landed", &fxm::agent::check_notification_size);
+        j.timeout_s = timeout;
+        py::gil_scoped_release release;
+        p.await_answer(std::move(j));
+      }, py::arg("token"), py::arg("conn"), py::arg("answer"), py::arg("on_landed") = py::none(),
+           py::arg("timeout") = 0.0,
+           "Awaits the peer's notification of exactly `answer` on conn (a push's done); once it came, on_landed "
+           "goes to the peer and the outcome is posted (ops and bytes 0).")
+      .def("forget", &BlockPuller::forget, py::arg("token"), py::call_guard<py::gil_scoped_release>(),
+           "Stops awaiting token's answer: no outcome, no ack.")
       .def("cancel", &BlockPuller::cancel, py::arg("token"))
       .def("take", [](BlockPuller& p) {
         py::list out;

@@ -19,7 +19,10 @@ once and serves both roles:
   ``kv_transfer_params``), sends its layout once per connection and a ``W`` naming its own
   block ids, and reports the request in ``poll().recving`` when ``D`` arrives, or in
   ``poll().failed`` (with its block ids) when the prefill refused, died, or nothing came
-  within ``fetch_timeout``.
+  within ``fetch_timeout``. The ``D`` is awaited by the core (agent/block_pull.h): matched in the
+  agent's inbox as it arrives, its ``A`` sent and the outcome posted for :meth:`poll`, with no
+  Python thread on the way (an ``F``, or the ``D`` of a prefill of before the nonce, comes to the
+  transfer thread).
 
 A decode may instead read the blocks itself (a pull: no ``W``, no ``D``, two hops and the
 prefill's thread off the request's path), where all of these hold: the prefill's layout came on
@@ -71,6 +74,7 @@ log = logging.getLogger("vllm.flagcx_mesh")  # under vLLM's logger: its lines sh
 FORGET_AFTER = 4096  # how many served / expired request ids a prefill remembers
 MAX_EARLY = 4096     # wants awaiting their hold at once (more are refused)
 LOG_EVERY = 10.0     # seconds between two log lines of one kind of peer trouble
+ANSWER_SLACK = 30.0  # seconds the core awaits a push's D past fetch_timeout (the thread fails it at that)
 EARLY = " before its hold"  # a request released before this worker's hold of it came (_on_release)
 STATS = (  # KVTransfer.stats()
     "bad_messages",           # notifications ignored: not a well-formed message, or one that failed
@@ -173,7 +177,7 @@ class _Fetch:
     readers: int = 0
     hold_until: float = 0.0  # the prefill's wall clock: its hold lasts until then (0: not known)
     reading: bool = False  # a pull's read is in flight: only its outcome reports the fetch (_take_pulls)
-    token: int = 0  # the pull's, at the puller
+    token: int = 0  # at the puller: the pull's read, or the push's D awaited (0: none)
     nonce: int = 0  # its want's ``n``, which the prefill's answer echoes (_on_answer)
     over: bool = False  # reported (_forget): a second report of it is dropped
 
@@ -277,7 +281,7 @@ class KVTransfer:
         # pulls: read, acked (or released) and posted by the core's thread (agent/block_pull.h), reported
         # by poll(); its wait is poll(timeout)'s, woken by _finish too
         self._puller = _core._BlockPuller(self.agent._core)
-        self._pulling: Dict[int, _Fetch] = {}  # by token
+        self._pulling: Dict[int, _Fetch] = {}  # the fetches the puller has (reads, pushes' D awaited), by token
         self._tokens = itertools.count(1)
         self._nonces = itertools.count()  # one per fetch: its want's ``n`` (protocol.py)
         self._conn_of: Dict[bytes, object] = {}  # the connection a fetch made, by the prefill's metadata
@@ -879,8 +883,8 @@ class KVTransfer:
         self._want(f, conn)
 
     def _want(self, f: _Fetch, conn) -> None:
-        """Asks the prefill to push the fetch's blocks (a ``W``); its answer (``D`` / ``F``) comes
-        to the transfer thread (_on_answer)."""
+        """Asks the prefill to push the fetch's blocks (a ``W``); its ``D`` is awaited by the puller
+        (_await_done), an ``F`` comes to the transfer thread (_on_answer)."""
         want = dict(req=f.remote_req, tag=f.tag, src=flat(f.src), dst=flat(f.dst), n=f.nonce)
         if len(f.dst) > 1:
             want["groups"] = [len(g) for g in f.dst]
@@ -888,10 +892,28 @@ class KVTransfer:
             want["part"] = list(f.part)
         if f.readers:
             want["readers"] = f.readers
+        self._await_done(f, conn)
         try:
             conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
+
+    def _await_done(self, f: _Fetch, conn) -> None:
+        """Has the puller await the push's ``D`` (the bytes the prefill answers with, as it makes
+        them: _answer_to), send its ``A`` and post the outcome (_take_pulls), before the ``W``
+        goes. Where it cannot (closed), the transfer thread takes the ``D`` (_on_answer)."""
+        token = next(self._tokens)
+        with self._fetch_lock:
+            f.token = token
+            self._pulling[token] = f
+        done = protocol.encode("D", **_answer_to({"tag": f.tag, "n": f.nonce}))
+        try:  # (its own deadline a backstop: the fetch's is the transfer thread's, _check_fetches)
+            self._puller.await_answer(token, conn._core, done, protocol.encode("A", req=f.remote_req),
+                                      self.fetch_timeout + ANSWER_SLACK)
+        except Exception:  # noqa: BLE001 - closed meanwhile: the thread's way stays
+            with self._fetch_lock:
+                self._pulling.pop(token, None)
+                f.token = 0
 
     def _pulls(self, f: _Fetch, conn) -> bool:
         """Whether this fetch reads its blocks itself (see the module): this prefill agent's layout
@@ -1021,9 +1043,12 @@ class KVTransfer:
                 if cancelled or f.cancelled:
                     self._fail(f, "cancelled")
                 elif error:
-                    self._fail(f, f"reading the blocks from the prefill failed: {error}")
-                else:
+                    doing = "reading the blocks from the prefill" if f.reading else "awaiting the prefill's push"
+                    self._fail(f, f"{doing} failed: {error}")
+                elif f.reading:
                     self._fetched(f, at, pulls=1, bytes_pulled=nbytes)
+                else:
+                    self._fetched(f, at)
             except Exception:  # noqa: BLE001 - the next outcomes must still be reported
                 self._warn_internal.warn("%s: reporting the read of %s failed:\n%s", self.name, f.tag,
                                          traceback.format_exc())
@@ -1050,10 +1075,13 @@ class KVTransfer:
             if f.over:
                 return False
             f.over = True
-            if self._fetches.get(f.tag) is not f:
-                return True
-            del self._fetches[f.tag]
-            waited = f.tag in self._waiting
+            awaited = not f.reading and self._pulling.pop(f.token, None) is f
+            mine = self._fetches.get(f.tag) is f
+            if mine:
+                del self._fetches[f.tag]
+            waited = mine and f.tag in self._waiting
+        if awaited:  # a push reported otherwise (its F, an old prefill's D, its deadline): its D no longer awaited
+            self._puller.forget(f.token)
         if waited:
             self.agent.wake_notifications()  # the transfer thread starts it (_check_fetches)
         return True
@@ -1069,7 +1097,7 @@ class KVTransfer:
             return
         f.cancelled = True
         if f.token:
-            self._puller.cancel(f.token)  # its ack does not go
+            self._puller.cancel(f.token)  # (its read, or its D awaited) its ack does not go
         self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
 
     def _cmd_release(self, md: bytes, remote_req: str) -> None:
