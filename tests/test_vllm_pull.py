@@ -79,8 +79,21 @@ def count_messages(x):
 
 
 def fetch_and_wait(dec, tag, pre, req, remote, local, **kw):
+    """Fetches and waits for the report; then, where both pull, until the decode's thread took the
+    prefill's layout (it came before the push's D, which the core reports without that thread: a
+    next fetch issued at once would otherwise be pushed for want of it, a race of tests alone)."""
     dec.fetch(tag, pre.metadata, req, remote, local, **kw)
-    return wait_for(dec, "recving", tag)
+    failed = wait_for(dec, "recving", tag)
+    if dec.pull and pre.pull:
+        wait_until(lambda: layout_taken(dec, pre), "the decode took the prefill's layout")
+    return failed
+
+
+def layout_taken(dec, pre) -> bool:
+    """Whether dec's thread took pre's layout and readied its pulls (_ready_pulls: the path found
+    not to suit a pull, or the plans made)."""
+    return any(k[0] == pre.agent.name and (k in dec._plans or dec._pull_path.get(k) is False)
+               for k in list(dec._peer_layouts))
 
 
 # ---- one decode -------------------------------------------------------------------------

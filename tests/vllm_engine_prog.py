@@ -169,6 +169,17 @@ def prefill(a) -> int:
     return shut_down(e, "prefill", problems)
 
 
+def layouts_taken(workers, deadline) -> None:
+    """Until each worker's thread took a prefill's layout: it came before the first push's D, which
+    the core reports without that thread, so a request added at once could be pushed for want of
+    it (a race of this harness, which adds the next request as soon as the last one ran)."""
+    def readied(x):  # (_ready_pulls: the plans made, or the path found not to suit a pull)
+        return bool(x._plans) or False in x._pull_path.values()
+
+    while time.monotonic() < deadline and not all(readied(w._transfer) for w in workers):
+        time.sleep(0.005)
+
+
 def decode(a) -> int:
     deadline = time.monotonic() + a.timeout
     e = Engine(a.dir, "kv_consumer", a.name, tp=a.tp, extra={"fetch_timeout": a.fetch_timeout, "pull": a.pull}, **model_args(a))
@@ -220,6 +231,8 @@ def decode(a) -> int:
     while (not expected <= finished or not e.idle()) and time.monotonic() < deadline:
         finished |= set(e.step(on_scheduled))
         if todo and len(results) == len(ints(a.take)) - len(todo):  # the previous one ran
+            if a.pull:
+                layouts_taken(e.workers, deadline)
             add_next()
         if a.die_after_want and asked:
             time.sleep(0.5)

@@ -163,6 +163,8 @@ def decode(args) -> int:
         x.fetch(r, md, r, remote, local, hold_until=time.time() + 600 if args.pull >= 0 and i > 0 else 0.0)
         if args.pull >= 0 and i == 0:
             wait_for(1)  # pushed: the prefill's layout came meanwhile, so the decode may read the others
+            while time.monotonic() < end and not (x._plans or False in x._pull_path.values()):
+                time.sleep(0.005)  # once its thread took it (the core reports the push without that thread)
     if args.die_after_want:
         time.sleep(0.2)
         os._exit(9)

@@ -13,8 +13,9 @@ over the requests. The steps are a chain, each from a stamp to one that cannot c
     table               the request's op table (RowPlan.rows)
     to the push         until write_blocks is called
     push, done back     write_blocks (the copies issued, and their wait on the device paths), the
-                        copies, the done (D) notification, until the decode's thread handles it
-    to the caller       the decode's completion until poll() returns it to the caller
+                        copies, the done (D) notification, matched by the decode's core (its A
+                        sent, the outcome posted), until poll() takes it (_fetched)
+    to the caller       until poll() returns the request to the caller
     total               the decode's fetch() until poll() returned the request
 
 and beside the chain: fetch() call (the caller's fetch() itself) and push issued (write_blocks
@@ -51,8 +52,8 @@ CHAIN: Tuple[Step, ...] = (  # the first stamp of each name after the fetch
     ("want read", "note:W", "table>"),
     ("table", "table>", "table<"),
     ("to the push", "table<", "wb>"),
-    ("push, done back", "wb>", "note:D"),
-    ("to the caller", "note:D", "polled"),
+    ("push, done back", "wb>", "fetched>"),
+    ("to the caller", "fetched>", "polled"),
 )
 BESIDE = (FETCH_CALL, ("push issued", "wb>", "wb<"))
 STEPS = CHAIN + (TOTAL,) + BESIDE
