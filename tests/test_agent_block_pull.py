@@ -189,6 +189,17 @@ def test_an_answer_that_came_before_it_was_awaited_is_taken(answers):
     assert notes(owner) == [b"ack-1"] and notes(reader, 0.5) == []
 
 
+def test_an_answer_that_came_is_posted_though_its_ack_cannot_go(answers):
+    """The answer says the bytes landed: its peer gone before the ack could go (it left right after
+    answering), the outcome is still a success (it failed before the mend)."""
+    puller, conn, reader, back, owner = answers
+    back.notify(b"done-4")
+    owner.close()
+    time.sleep(0.5)
+    puller.await_answer(4, conn._core, b"done-4", b"ack-4", 20.0)
+    assert outcome(puller)[:5] == (4, "", 0, 0, False)
+
+
 def test_a_forgotten_answer_posts_nothing_and_its_notification_is_the_reader_s(answers):
     puller, conn, reader, back, owner = answers
     puller.await_answer(2, conn._core, b"done-2", b"ack-2", 20.0)

@@ -21,7 +21,7 @@ from flagcx_mesh.vllm.transfer import PULL_PATHS, KVTransfer  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402,F401
-from kv_transfer_util import NUM_BLOCKS, fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
+from kv_transfer_util import SECRET, NUM_BLOCKS, fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 
@@ -523,6 +523,120 @@ def test_a_push_runs_without_the_transfer_thread(pair, monkeypatch):
     assert dec.stats()["pulls"] == 0 and dec.stats()["fetches_done"] == 2
 
 
+# ---- a push's D awaited by the core: a prefill of its own, played by a bare agent ------------
+
+def want_of(fake, timeout=20.0):
+    """(the decode agent's name, the W it sent the fake prefill), past its L."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        for n in fake.notifications(timeout=0.2):
+            kind, f = protocol.decode(n.data)
+            if kind == "W":
+                return n.peer, f
+    raise AssertionError("no W came")
+
+
+def polled_all(x, timeout=3.0):
+    """Every request x reports within ``timeout``, polled now and then (a busy engine's steps)."""
+    recving, failed, end = set(), {}, time.monotonic() + timeout
+    while time.monotonic() < end:
+        d = x.poll()
+        recving |= set(d.recving)
+        failed.update(d.failed)
+        time.sleep(0.05)
+    return recving, failed
+
+
+@pytest.mark.parametrize("thread", ["running", "held"])
+@pytest.mark.parametrize("late_poll", [0.0, 0.5])
+def test_a_push_whose_done_came_is_received_though_the_prefill_left_before_the_poll(pair, monkeypatch,
+                                                                                     thread, late_poll):
+    """The prefill sends its D (every byte landed) and leaves at once; the engine polls later. The
+    request is received: the D came before the connection's end (its A cannot go, and need not).
+    Before the mend the transfer thread failed it for its connection gone before the poll took
+    the core's outcome, and the core failed it for its ack that could not go."""
+    import threading
+
+    from flagcx_mesh import Agent
+
+    dec, _ = pair("d", fetch_timeout=60)
+    fake = Agent("fake-prefill", SECRET, timeout=20)
+    resume, stopped = threading.Event(), threading.Event()
+    step = dec._step
+    try:
+        dec.fetch("t", fake.metadata(), "r", [3], [2])
+        peer, w = want_of(fake)
+        if thread == "held":
+            def held():
+                stopped.set()
+                resume.wait(30)
+                step()
+
+            monkeypatch.setattr(dec, "_step", held)
+            assert stopped.wait(10)
+        fake.connection(peer).notify(protocol.encode("D", tag=w["tag"], n=w["n"]))
+    finally:
+        fake.close()
+    try:
+        time.sleep(late_poll)
+        assert polled_all(dec) == ({"t"}, {}), dec.stats()
+    finally:
+        resume.set()
+
+
+def test_a_done_of_other_bytes_is_taken_by_the_thread_by_its_tag_and_nonce(pair):
+    """A D whose bytes are not the ones the core awaits (its fields in another order, as another
+    encoder may write them) reaches the transfer thread, which takes it by tag and nonce: received,
+    its A sent, the core's wait taken back."""
+    from flagcx_mesh import Agent
+
+    dec, _ = pair("d", fetch_timeout=60)
+    fake = Agent("fake-prefill", SECRET, timeout=20)
+    try:
+        dec.fetch("t", fake.metadata(), "r", [3], [2])
+        peer, w = want_of(fake)
+        fake.connection(peer).notify(protocol.MAGIC + b'D{"n":%d,"tag":"t"}' % w["n"])
+        assert polled_all(dec) == ({"t"}, {})
+        acks = [protocol.decode(n.data) for n in fake.notifications(timeout=1.0)]
+        assert ("A", {"req": "r"}) in acks, acks
+        assert not dec._pulling, dec._pulling
+    finally:
+        fake.close()
+
+
+def test_a_cancelled_push_is_reported_at_its_done_and_a_refetch_of_its_id_waits_its_turn(pair):
+    """A cancelled push is reported once its D came (bytes may land until then), with no A; the
+    fetch of the same id asked meanwhile goes after it with a new nonce; a late copy of the first
+    D is dropped; the second's D is received and acked."""
+    from flagcx_mesh import Agent
+
+    dec, _ = pair("d", fetch_timeout=60)
+    fake = Agent("fake-prefill", SECRET, timeout=20)
+    try:
+        dec.fetch("t", fake.metadata(), "r1", [3], [2])
+        peer, w1 = want_of(fake)
+        conn = fake.connection(peer)
+        dec.cancel("t")
+        dec.fetch("t", fake.metadata(), "r2", [4], [5])
+        time.sleep(0.5)
+        assert dec.poll().recving == set()  # the cancelled push may still land
+        conn.notify(protocol.encode("D", tag="t", n=w1["n"]))
+        assert dec.poll(timeout=5).recving == {"t"}
+        _, w2 = want_of(fake)
+        assert w2["req"] == "r2" and w2["n"] != w1["n"]
+        conn.notify(protocol.encode("D", tag="t", n=w1["n"]))  # a late copy of the first
+        time.sleep(0.3)
+        assert dec.poll().recving == set()
+        conn.notify(protocol.encode("D", tag="t", n=w2["n"]))
+        d = dec.poll(timeout=5)
+        assert d.recving == {"t"} and d.failed == {}, d
+        acks = [protocol.decode(n.data) for n in fake.notifications(timeout=1.0)]
+        assert acks == [("A", {"req": "r2"})], acks  # none for the cancelled one
+        assert not dec._pulling and not dec._fetches and dec.stats()["unexpected_answers"] == 1
+    finally:
+        fake.close()
+
+
 def test_a_layout_dropped_while_fetch_decides_raises_nothing_into_the_caller(pair, monkeypatch):
     """The transfer thread may drop a prefill's layout (a newer incarnation's came, its connection
     ended) while fetch() decides on its own thread: fetch() used what it had read (a KeyError
@@ -571,12 +685,15 @@ class _Dying:
         return self._c.notify(msg)
 
 
-def test_a_want_failed_by_both_threads_is_reported_once(pair):
+def test_a_want_failed_by_both_threads_is_reported_once(pair, monkeypatch):
     """fetch() sends a push's want while the transfer thread finds the connection gone: both fail
-    the fetch; it is reported and counted once (twice before)."""
+    the fetch; it is reported and counted once (twice before). (A push whose D the core awaits
+    is failed by the core, not by that thread, when its connection ends: the core's wait is left
+    out here, as where the puller could not take it.)"""
     pre, pkv = pair("p", hold_timeout=60)
     dec, dkv = pair("d")
     warm(pre, dec, pkv)
+    monkeypatch.setattr(dec, "_await_done", lambda f, conn: None)
     md = bytes(pre.metadata)
     real, seen = dec._conn_of[md], []
     proxy = _Dying(real, dec, "t2", seen)

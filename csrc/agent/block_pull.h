@@ -72,7 +72,8 @@ class BlockPuller {
   // Queues a read; Closed after close(), InvalidArgument for a connection of another agent.
   void submit(PullJob job);
   // Awaits a push's answer (AnswerJob): its outcome is posted when the answer came (after the
-  // ack), or fails when the connection ends first, at its timeout, or at close(); ops and bytes 0.
+  // ack, sent if the connection still can), or fails when the connection ends before it came, at
+  // its timeout, or at close(); ops and bytes 0.
   // Closed after close(), InvalidArgument for a connection of another agent.
   void await_answer(AnswerJob job);
   // Stops awaiting the answer of `token` (the caller took another word of the peer for it, as a

@@ -915,6 +915,12 @@ class KVTransfer:
                 self._pulling.pop(token, None)
                 f.token = 0
 
+    def _awaited(self, f: _Fetch) -> bool:
+        """Whether the core awaits this push's D: then it also says when the connection ended
+        before the D came (a D it delivered first is a push that landed, even if the poll that
+        reports it comes after the end)."""
+        return not f.reading and f.token != 0 and self._pulling.get(f.token) is f
+
     def _pulls(self, f: _Fetch, conn) -> bool:
         """Whether this fetch reads its blocks itself (see the module): this prefill agent's layout
         came (from this incarnation of it: the regions it names are registered once, at its start),
@@ -1156,7 +1162,7 @@ class KVTransfer:
                 continue
             try:
                 gone = f.conn.gone() if f.conn is not None else "not connected"
-                if gone:
+                if gone and not self._awaited(f):
                     self._fail(f, f"the connection to the prefill is gone: {gone}")
                 elif now > f.deadline:
                     self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
