@@ -17,7 +17,7 @@ import urllib.request
 from typing import Dict, List, Optional
 
 MODEL_NAME = "tiny"
-HTTP_TIMEOUT = 120.0  # seconds any one HTTP call may take
+HTTP_TIMEOUT = 300.0  # seconds any one HTTP call may take (a stall of the VM: test_vllm_serve.py's TP 2 test)
 START_TIMEOUT = 300.0  # seconds a server may take to answer /health (18-37 s measured on 2 cores)
 
 # A tiny Llama that vLLM's CPU attention takes (head size 32; 16 is refused).
