@@ -17,7 +17,7 @@ import subprocess
 
 import pytest
 
-from meshutil import spawn_prog
+from meshutil import finish_prog, spawn_prog
 from test_agent_device_fake import HERE, PROG, fake_env, finish, spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -27,9 +27,12 @@ def staged_env(**extra):
     return fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_STAGED_CHUNK_BYTES="65536", **extra)
 
 
-@pytest.mark.parametrize("copies", ["auto", "driver", "off"])
+@pytest.mark.parametrize("copies", ["auto", "driver", "off", "bounce"])
 def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(tmp_path, copies):
-    env = staged_env(FLAGCX_MESH_CUDA_BATCH_COPY=copies)
+    """bounce: FLAGCX_MESH_STAGED_BOUNCE=on, the kernel's gathers and scatters through device
+    scratch, each chunk crossing in one copy (counted on both sides by the blocks role)."""
+    env = staged_env(FLAGCX_MESH_CUDA_BATCH_COPY="auto" if copies == "bounce" else copies,
+                     FLAGCX_MESH_STAGED_BOUNCE="on" if copies == "bounce" else "off")
     server = spawn("serve", tmp_path, "owner", env=env)
     try:
         got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
@@ -39,14 +42,16 @@ def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(
         assert "block 0 of a batch of 10 staged writes" in got, got
 
 
-@pytest.mark.parametrize("lanes,copies", [(3, "auto"), (4, "auto"), (4, "off")])
+@pytest.mark.parametrize("lanes,copies", [(3, "auto"), (4, "auto"), (4, "off"), (4, "bounce")])
 def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp_path, lanes, copies):
     """With several tcp lanes a batch of 1 MiB or more goes over all of them (each lane's thread
     sends a part staged by the caller, the parts taking turns; at the target each part lands
     through a ring of its own), and so does a call's one staged write of 1 MiB: the blocks
     role's batches, every byte checked, and each lane's socket carried its part. (Batches off:
     a staged put an op, each on lane 0, every byte checked; the GPU host has 4 lanes by default.)"""
-    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes), FLAGCX_MESH_CUDA_BATCH_COPY=copies)
+    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes),
+                     FLAGCX_MESH_CUDA_BATCH_COPY="auto" if copies == "bounce" else copies,
+                     FLAGCX_MESH_STAGED_BOUNCE="on" if copies == "bounce" else "off")
     server = spawn("serve", tmp_path, "owner", env=env)
     try:
         got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
@@ -55,6 +60,21 @@ def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp
     for n in (300, 1):
         want = f"{n} write(s) not striped: batches off" if copies == "off" else f"{n} write(s) striped over {lanes} lanes:"
         assert want in got, got
+
+
+@pytest.mark.parametrize("var,value", [("FLAGCX_MESH_STAGED_BOUNCE", "maybe"),
+                                       ("FLAGCX_MESH_STAGED_KERNEL_BYTES", "1000")])
+def test_a_bad_setting_of_how_chunks_cross_the_bus_fails_the_batch_naming_it(tmp_path, var, value):
+    """A value the variable does not take fails the staged batch with InvalidArgument naming it
+    (read once, at the first batch), no byte written in its place."""
+    env = staged_env(**{var: value})
+    server = spawn("serve", tmp_path, "owner", env=env)
+    try:
+        out, err = finish_prog(spawn("blocks", tmp_path, "owner", env=env), rc=1, timeout=90, what="blocks")
+    finally:
+        server.kill()
+        server.communicate()
+    assert f"{var}={value}" in out + err and "InvalidArgument" in out + err, out + err
 
 
 def test_a_forged_batch_with_a_block_past_the_region_end_is_refused_whole_by_the_target(tmp_path):

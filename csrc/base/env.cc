@@ -177,6 +177,16 @@ std::string staged_inflight_env() {
   return s ? s : "";
 }
 
+std::string staged_bounce_env() {
+  const char* s = std::getenv("FLAGCX_MESH_STAGED_BOUNCE");
+  return s ? s : "";
+}
+
+std::string staged_kernel_env() {
+  const char* s = std::getenv("FLAGCX_MESH_STAGED_KERNEL_BYTES");
+  return s ? s : "";
+}
+
 namespace {
 
 const char* launcher_var(const char* name) {

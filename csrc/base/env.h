@@ -113,6 +113,11 @@ std::string cuda_driver_env();
 // unset), read once, at the first staged op (checked by staged_payload.cc).
 std::string staged_chunk_env();
 std::string staged_inflight_env();
+// FLAGCX_MESH_STAGED_KERNEL_BYTES ("" when unset), read once, at the first staged gather or
+// scatter by the copy kernel (checked by staged_payload.cc).
+std::string staged_kernel_env();
+// FLAGCX_MESH_STAGED_BOUNCE ("" when unset), read once (checked by transport/cuda/device_scratch.cc).
+std::string staged_bounce_env();
 // FLAGCX_MESH_AGENT_SECRET ("" when unset): the secret agents prove when none is given.
 std::string agent_secret_env();
 // FLAGCX_MESH_AGENT_COOKIE_TABLE ("" when unset), read when an agent registers its first region.

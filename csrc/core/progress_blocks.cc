@@ -19,6 +19,7 @@
 #include "core/progress_items.h"
 #include "transport/cuda/copy_batch.h"
 #include "transport/cuda/staged_batch.h"
+#include "transport/cuda/device_scratch.h"
 #include "transport/cuda/staging.h"
 
 namespace fxm {
@@ -215,8 +216,10 @@ cuda::SharedEvent Engine::scatter_blocks(InConn& in, uint64_t n) {
   std::unique_ptr<cuda::CopyList> list;
   cuda::SharedEvent done;
   try {
-    done = cuda::copy_run(in.device, cuda::landing_stream(in.device), copies, cuda::device_addressable(buf), &list,
-                          landing_what(in));
+    cuda::CUstream s = cuda::landing_stream(in.device);
+    done = full.scratch ? cuda::copy_run_through(in.device, s, copies, false, const_cast<uint8_t*>(buf), n,
+                                                 cuda::scratch_address(full.scratch), &list, landing_what(in))
+                        : cuda::copy_run(in.device, s, copies, cuda::device_addressable(buf), &list, landing_what(in));
   } catch (...) {
     if (list) list.release();  // a launch may have read it: never reused
     end_io();

@@ -89,6 +89,7 @@ struct Engine::InConn {
     std::shared_ptr<uint8_t> buf;
     std::shared_ptr<void> copied;  // the event after its copy up (empty: none pending)
     std::shared_ptr<cuda::CopyList> list;  // a scatter's kernel list, read until `copied` completed
+    std::shared_ptr<void> scratch;  // device scratch its scatter passes through (FLAGCX_MESH_STAGED_BOUNCE)
   };
   std::vector<Landing> stage;
   size_t filling = 0;   // the buffer the next bytes go to
@@ -131,6 +132,7 @@ struct Engine::InConn {
       if (l.copied && !cuda::event_done(l.copied)) {
         new std::shared_ptr<uint8_t>(l.buf);
         if (l.list) new std::shared_ptr<cuda::CopyList>(l.list);
+        if (l.scratch) new std::shared_ptr<void>(l.scratch);
       }
     }
     stage.clear();

@@ -7,6 +7,7 @@
 #include "base/log.h"
 #include "base/status.h"
 #include "core/progress_items.h"
+#include "transport/cuda/device_scratch.h"
 #include "transport/cuda/staging.h"
 #include "transport/cuda/streams.h"
 #include "transport/signal_ops.h"
@@ -53,7 +54,11 @@ std::string Engine::take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int d
   try {
     uint64_t chunk = std::min(n, cuda::staged_chunk_bytes());
     uint64_t count = std::min<uint64_t>(kLandingBuffers, (n + chunk - 1) / chunk);
-    for (uint64_t k = 0; k < count; ++k) in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr, nullptr});
+    bool bounce = cuda::staged_bounce();
+    for (uint64_t k = 0; k < count; ++k) {
+      in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr, nullptr,
+                          bounce ? cuda::device_scratch(chunk, device) : nullptr});
+    }
     in.staged = chunk;
   } catch (const Error& e) {
     in.release_stage();

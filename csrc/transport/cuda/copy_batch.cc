@@ -9,6 +9,7 @@
 #include "base/status.h"
 #include "transport/cuda/copy_kernel.h"
 #include "transport/cuda/device_memory.h"
+#include "transport/cuda/staged_payload.h"
 #include "transport/cuda/streams.h"
 
 namespace fxm::cuda {
@@ -263,7 +264,7 @@ bool launch_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, 
     e[k] = copies[k];
     longest = std::max<uint64_t>(longest, copies[k].len);
   }
-  CUresult r = launch_copies(ordinal, s, *l, copies.size(), longest);
+  CUresult r = launch_copies(ordinal, s, *l, copies.size(), longest, staged_kernel_bytes());
   if (r == kSuccess) {
     *list = std::move(l);
     return true;
@@ -287,6 +288,32 @@ SharedEvent copy_run(int ordinal, CUstream s, const std::vector<KernelCopy>& cop
       if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
     }
   }
+  return record_event(ordinal, s);
+}
+
+SharedEvent copy_run_through(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool to_host,
+                             uint8_t* host, uint64_t n, CUdeviceptr scratch, std::unique_ptr<CopyList>* list,
+                             const std::string& doing) {
+  const Driver& d = need_driver(doing);
+  use_device(ordinal);
+  if (copies.size() <= 1 || batch_copy_mode(d, ordinal) != BatchCopy::kKernel) {
+    return copy_run(ordinal, s, copies, false, list, doing);
+  }
+  auto h = reinterpret_cast<CUdeviceptr>(host);
+  std::vector<KernelCopy> within = copies;  // each host end moved to the same place in the scratch
+  for (KernelCopy& c : within) (to_host ? c.dst : c.src) = scratch + ((to_host ? c.dst : c.src) - h);
+  auto bus = [&] {
+    CUresult r = to_host ? d.cuMemcpyAsync(h, scratch, n, s) : d.cuMemcpyAsync(scratch, h, n, s);
+    if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
+  };
+  if (!to_host) bus();
+  if (!launch_run(ordinal, s, within, list)) {
+    for (const KernelCopy& c : within) {
+      CUresult r = d.cuMemcpyAsync(c.dst, c.src, c.len, s);
+      if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
+    }
+  }
+  if (to_host) bus();
   return record_event(ordinal, s);
 }
 

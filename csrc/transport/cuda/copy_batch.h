@@ -109,5 +109,12 @@ void prepare_copy_kernel(int ordinal);
 // when the driver refuses a copy (nothing of the run is then known to have happened).
 SharedEvent copy_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool kernel_ok,
                      std::unique_ptr<CopyList>* list, const std::string& doing);
+// The same through device scratch (device_scratch.h) of `n` bytes or more, for a run whose host
+// ends all lie in page-locked [host, host + n): a gather (to_host) is moved by one launch into the
+// scratch, then down by one copy; a scatter up by one copy, then by one launch out of the scratch.
+// Where the kernel cannot run, copy_run's copies (the scratch unused).
+SharedEvent copy_run_through(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool to_host,
+                             uint8_t* host, uint64_t n, CUdeviceptr scratch, std::unique_ptr<CopyList>* list,
+                             const std::string& doing);
 
 }  // namespace fxm::cuda

@@ -168,14 +168,15 @@ bool copy_kernel_ready(int ordinal, std::string* why) {
   return k.fn != nullptr;
 }
 
-CUresult launch_copies(int ordinal, CUstream s, const CopyList& list, size_t n, uint64_t longest) {
+CUresult launch_copies(int ordinal, CUstream s, const CopyList& list, size_t n, uint64_t longest,
+                       uint64_t block_bytes) {
   CUfunction fn = nullptr;
   {
     std::lock_guard<std::mutex> lock(kernels_mu);
     fn = kernels()[ordinal].fn;
   }
   if (fn == nullptr || n == 0 || n > 0x7fffffffu) return kErrInvalidValue;
-  uint64_t chunk = kChunk;
+  uint64_t chunk = block_bytes > 0 ? block_bytes : kChunk;
   if ((longest + chunk - 1) / chunk > kMaxChunks) chunk = ((longest + kMaxChunks - 1) / kMaxChunks + 15) & ~uint64_t{15};
   unsigned chunks = static_cast<unsigned>(longest == 0 ? 1 : (longest + chunk - 1) / chunk);
   CUdeviceptr copies = list.device_address();

@@ -42,7 +42,10 @@ std::unique_ptr<CopyList> copy_list(size_t n, int ordinal);
 // at once). Device paths call it when they are set up (copy_batch.h: batch_copy_mode).
 bool copy_kernel_ready(int ordinal, std::string* why);
 
-// Launches the kernel for the n copies of `list` on stream s of device `ordinal` (current).
-CUresult launch_copies(int ordinal, CUstream s, const CopyList& list, size_t n, uint64_t longest);
+// Launches the kernel for the n copies of `list` on stream s of device `ordinal` (current): a
+// thread block per `block_bytes` of each copy (0: 64 KiB), more where a copy would need more
+// blocks than a grid holds.
+CUresult launch_copies(int ordinal, CUstream s, const CopyList& list, size_t n, uint64_t longest,
+                       uint64_t block_bytes = 0);
 
 }  // namespace fxm::cuda

@@ -74,7 +74,7 @@ bool resolve_all(void* lib, Driver& d, std::string* error) {
       FXM_CU_ENTRY(cuMemAddressReserve), FXM_CU_ENTRY(cuMemAddressFree), FXM_CU_ENTRY(cuMemMap),
       FXM_CU_ENTRY(cuMemUnmap), FXM_CU_ENTRY(cuMemSetAccess), FXM_CU_ENTRY(cuMemRetainAllocationHandle),
       FXM_CU_ENTRY(cuMemExportToShareableHandle), FXM_CU_ENTRY(cuMemImportFromShareableHandle),
-      FXM_CU_ENTRY(cuMemcpyAsync), FXM_CU_ENTRY(cuMemHostRegister), FXM_CU_ENTRY(cuMemHostUnregister),
+      FXM_CU_ENTRY(cuMemcpyAsync), FXM_CU_ENTRY(cuMemAlloc), FXM_CU_ENTRY(cuMemFree), FXM_CU_ENTRY(cuMemHostRegister), FXM_CU_ENTRY(cuMemHostUnregister),
       FXM_CU_ENTRY(cuMemHostGetDevicePointer), FXM_CU_ENTRY(cuStreamCreate), FXM_CU_ENTRY(cuStreamDestroy),
       FXM_CU_ENTRY(cuStreamSynchronize), FXM_CU_ENTRY(cuStreamWaitEvent), FXM_CU_ENTRY(cuStreamWaitValue64),
       FXM_CU_ENTRY(cuLaunchHostFunc), FXM_CU_ENTRY(cuEventCreate), FXM_CU_ENTRY(cuEventRecord),

@@ -130,6 +130,8 @@ struct Driver {
                                            unsigned long long flags);
   CUresult (*cuMemImportFromShareableHandle)(CUmemGenericAllocationHandle* h, void* shareable, int type);
   CUresult (*cuMemcpyAsync)(CUdeviceptr dst, CUdeviceptr src, size_t n, CUstream s);
+  CUresult (*cuMemAlloc)(CUdeviceptr* p, size_t n);
+  CUresult (*cuMemFree)(CUdeviceptr p);
   CUresult (*cuMemHostRegister)(void* p, size_t n, unsigned flags);
   CUresult (*cuMemHostUnregister)(void* p);
   CUresult (*cuMemHostGetDevicePointer)(CUdeviceptr* dptr, void* p, unsigned flags);

@@ -6,6 +6,7 @@
 #include "base/status.h"
 #include "transport/byte_ranges.h"
 #include "transport/cuda/copy_batch.h"
+#include "transport/cuda/device_scratch.h"
 #include "transport/cuda/device_memory.h"
 #include "transport/cuda/staged_payload.h"
 #include "transport/cuda/staging.h"
@@ -86,10 +87,12 @@ std::vector<KernelCopy> chunk_pieces(const ScatterList& places, const std::vecto
 }
 
 SharedEvent StagedBatch::gather(const Frame& f, uint64_t from, uint64_t n, uint8_t* dst,
-                                std::unique_ptr<CopyList>* list) const {
-  std::vector<KernelCopy> copies = chunk_pieces(f.places, f.starts, from, std::min(f.bytes, from + n), dst, true);
-  return copy_run(device_, library_stream(device_), copies, device_addressable(dst), list,
-                  "gathering a staged batch for peer " + std::to_string(peer_));
+                                std::unique_ptr<CopyList>* list, CUdeviceptr scratch) const {
+  uint64_t to = std::min(f.bytes, from + n);
+  std::vector<KernelCopy> copies = chunk_pieces(f.places, f.starts, from, to, dst, true);
+  std::string doing = "gathering a staged batch for peer " + std::to_string(peer_);
+  if (scratch != 0) return copy_run_through(device_, library_stream(device_), copies, true, dst, to - from, scratch, list, doing);
+  return copy_run(device_, library_stream(device_), copies, device_addressable(dst), list, doing);
 }
 
 void StagedBatch::issue(const Deadline& deadline, const Count& count) {
@@ -112,6 +115,20 @@ void StagedBatch::issue_write(Frame f, const Deadline& deadline, const Count& co
     lens.push_back(wire::stripe_part(f.bytes, lanes));
   }
   auto parts = StagedPayload::parts(outbox_, peer_, lens, device_, deadline);
+  uint64_t chunk = parts[0]->chunk();
+  // One scratch serves every chunk: the library stream runs each chunk's gather and copy down in order.
+  DeviceScratch scratch = staged_bounce() ? device_scratch(chunk, device_) : nullptr;
+  try {
+    fill_write(f, parts, lens, starts, deadline, count, scratch);
+  } catch (...) {
+    if (scratch) new DeviceScratch(scratch);  // copies may still use it: never reused
+    throw;
+  }
+}
+
+void StagedBatch::fill_write(Frame& f, const std::vector<std::shared_ptr<StagedPayload>>& parts,
+                             const std::vector<uint64_t>& lens, const std::vector<uint64_t>& starts,
+                             const Deadline& deadline, const Count& count, const DeviceScratch& scratch) {
   std::vector<StagedPayload*> filled;
   for (const auto& p : parts) filled.push_back(p.get());
   uint64_t chunk = parts[0]->chunk();
@@ -127,7 +144,8 @@ void StagedBatch::issue_write(Frame f, const Deadline& deadline, const Count& co
         }
       },
       [&](size_t k, uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list) {
-        return gather(f, starts[k] + i * chunk, std::min(lens[k] - i * chunk, chunk), dst, list);
+        uint64_t n = std::min(lens[k] - i * chunk, chunk);
+        return gather(f, starts[k] + i * chunk, n, dst, list, scratch_address(scratch));
       });
 }
 

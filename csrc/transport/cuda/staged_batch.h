@@ -29,6 +29,8 @@
 
 namespace fxm::cuda {
 
+class StagedPayload;
+
 // The pieces of the blocks (at places[k].first, places[k].second bytes, starting at starts[k] in
 // the frame's bytes) that the frame's bytes [from, to) cover, as copies into (gather: `gather`
 // true) or out of `chunk` (the pinned buffer holding those bytes); a block straddling either end
@@ -68,8 +70,13 @@ class StagedBatch {
   // The runs of blocks none of which lands on bytes another one of its run lands on.
   std::vector<Frame> disjoint_runs();
   // Queues the copies of the frame's bytes [from, from + n) into `dst` (see StagedPayload::fill_parts).
-  SharedEvent gather(const Frame& f, uint64_t from, uint64_t n, uint8_t* dst, std::unique_ptr<CopyList>* list) const;
+  // scratch: device scratch the gather passes through (0: none; device_scratch.h).
+  SharedEvent gather(const Frame& f, uint64_t from, uint64_t n, uint8_t* dst, std::unique_ptr<CopyList>* list,
+                     CUdeviceptr scratch) const;
   void issue_write(Frame f, const Deadline& deadline, const Count& count);
+  void fill_write(Frame& f, const std::vector<std::shared_ptr<StagedPayload>>& parts, const std::vector<uint64_t>& lens,
+                  const std::vector<uint64_t>& starts, const Deadline& deadline, const Count& count,
+                  const std::shared_ptr<void>& scratch);
   void issue_read(Frame f, const Deadline& deadline, const Count& count);
 
   Outbox* outbox_;

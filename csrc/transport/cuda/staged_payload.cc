@@ -18,6 +18,7 @@ namespace {
 
 constexpr uint64_t kDefaultChunk = 1ull << 20;  // H200: 1 MiB beat 4 and 16 MiB from 16 MiB ops (docs/gpu.md)
 constexpr uint64_t kDefaultInflight = 64ull << 20;
+constexpr uint64_t kDefaultKernelBytes = 64ull << 10;
 
 // A byte count from the environment: `dflt` when unset, else a whole number >= lo.
 uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo) {
@@ -54,6 +55,18 @@ uint64_t staged_chunk_bytes() {
                                               ": want a power of two (the staging pool's sizes)");
     }
     return c;
+  }();
+  return v;
+}
+
+uint64_t staged_kernel_bytes() {
+  static const uint64_t v = [] {
+    uint64_t b = bytes_from(staged_kernel_env(), "FLAGCX_MESH_STAGED_KERNEL_BYTES", kDefaultKernelBytes, 4096);
+    if (b % 16 != 0 || b > (1u << 20)) {
+      fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_STAGED_KERNEL_BYTES=" + std::to_string(b) +
+                                              ": want a multiple of 16 of at most 1 MiB");
+    }
+    return b;
   }();
   return v;
 }

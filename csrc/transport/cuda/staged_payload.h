@@ -42,6 +42,10 @@ uint64_t staged_chunk_bytes();
 // FLAGCX_MESH_STAGED_INFLIGHT_BYTES (default 64 MiB, at least one chunk): the
 // staging a process's staged puts to one peer hold until sent.
 uint64_t staged_inflight_bytes();
+// FLAGCX_MESH_STAGED_KERNEL_BYTES (default 64 KiB, 4 KiB to 1 MiB, a multiple of 16): the bytes
+// each thread block of the copy kernel moves in a staged gather or scatter (its other end is pinned
+// host memory, read or written across the bus: smaller pieces, more blocks, more bytes in flight).
+uint64_t staged_kernel_bytes();
 // Staging bytes held now by the puts to `peer` through `outbox` (tests, docs/gpu.md).
 uint64_t staged_bytes_held(const void* outbox, int peer);
 // The most any one peer's puts held at once since the process started.
