@@ -21,7 +21,8 @@ from flagcx_mesh.vllm.transfer import PULL_PATHS, KVTransfer  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402,F401
-from kv_transfer_util import SECRET, NUM_BLOCKS, fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
+from kv_transfer_util import (SECRET, NUM_BLOCKS, fill_all, fill_heads, heads_match, only_these_blocks,  # noqa: E402,F401
+                              transfer_pair, wait_for)
 
 LAYERS = [f"model.layers.{i}.self_attn.attn" for i in range(2)]
 

@@ -240,7 +240,9 @@ void BlockPuller::close_answers() {
       if (it == awaited_.end()) continue;
       w = it->second.watch;
     }
-    if (!w || agent_->withdraw_watch(w)) left.push_back({token, "the block reads were closed with this answer awaited"});
+    if (!w || agent_->withdraw_watch(w)) {
+      left.push_back({token, "the block reads were closed with this answer awaited"});
+    }
   }
   {
     std::lock_guard<std::mutex> lock(mu_);

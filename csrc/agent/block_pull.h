@@ -79,8 +79,8 @@ class BlockPuller {
   // Stops awaiting the answer of `token` (the caller took another word of the peer for it, as a
   // refusal): no outcome is posted, no ack sent. No effect on a read, nor once the outcome was posted.
   void forget(uint64_t token);
-  // The read of `token` (or the answer awaited) sends no ack when it lands (its outcome says cancelled); a release still
-  // goes when it fails. No effect once its outcome was posted.
+  // The read of `token` (or the answer awaited) sends no ack when it lands (its outcome says
+  // cancelled); a release still goes when a read fails. No effect once its outcome was posted.
   void cancel(uint64_t token);
   // The outcomes posted since the last take, in the order they were known (reads of several
   // connections may end in another order than they were submitted).

@@ -285,8 +285,9 @@ Notification NotificationInbox::host_wait(const std::vector<uint8_t>* bytes, con
   return std::move(w->got);
 }
 
-std::shared_ptr<WaitState> NotificationInbox::watch_for(const std::vector<uint8_t>& bytes, std::shared_ptr<Connection> conn,
-                                                    double timeout_s, std::function<void(const WaitState&)> on_release) {
+std::shared_ptr<WaitState> NotificationInbox::watch_for(const std::vector<uint8_t>& bytes,
+                                                        std::shared_ptr<Connection> conn, double timeout_s,
+                                                        std::function<void(const WaitState&)> on_release) {
   auto w = std::make_shared<WaitState>();
   w->sync = sync_;
   w->bytes = bytes;

@@ -461,7 +461,8 @@ void bind_block_puller(py::module_& m) {
            "Queues a read: groups are (tables, local ids, remote ids), ids buffers of int64.")
       .def("await_answer", [](BlockPuller& p, uint64_t token, std::shared_ptr<Connection> conn,
                               const py::object& answer, const py::object& on_landed, double timeout) {
-        fxm::agent::AnswerJob j{token, std::move(conn), bytes_arg(answer, "answer", &fxm::agent::check_notification_size)};
+        fxm::agent::AnswerJob j{token, std::move(conn),
+                                bytes_arg(answer, "answer", &fxm::agent::check_notification_size)};
         if (!on_landed.is_none()) j.on_landed = bytes_arg(on_landed, "on_landed", &fxm::agent::check_notification_size);
         j.timeout_s = timeout;
         py::gil_scoped_release release;

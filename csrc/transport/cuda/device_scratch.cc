@@ -46,8 +46,8 @@ DeviceScratch device_scratch(uint64_t n, int ordinal) {
     use_device(ordinal);
     CUresult r = d.cuMemAlloc(&p, size);
     if (r != kSuccess) {
-      fail(Code::kSystem, -1, 0, "device scratch of " + std::to_string(size) + " bytes for staged copies: cuMemAlloc: " +
-                                     result_text(r));
+      fail(Code::kSystem, -1, 0,
+           "device scratch of " + std::to_string(size) + " bytes for staged copies: cuMemAlloc: " + result_text(r));
     }
   }
   return DeviceScratch(reinterpret_cast<void*>(p), [ordinal, size](void* q) {

@@ -91,7 +91,9 @@ SharedEvent StagedBatch::gather(const Frame& f, uint64_t from, uint64_t n, uint8
   uint64_t to = std::min(f.bytes, from + n);
   std::vector<KernelCopy> copies = chunk_pieces(f.places, f.starts, from, to, dst, true);
   std::string doing = "gathering a staged batch for peer " + std::to_string(peer_);
-  if (scratch != 0) return copy_run_through(device_, library_stream(device_), copies, true, dst, to - from, scratch, list, doing);
+  if (scratch != 0) {
+    return copy_run_through(device_, library_stream(device_), copies, true, dst, to - from, scratch, list, doing);
+  }
   return copy_run(device_, library_stream(device_), copies, device_addressable(dst), list, doing);
 }
 
