@@ -5,7 +5,7 @@
 // writing the mapped host memory across the bus itself (the default), with smaller pieces per
 // thread block (FLAGCX_MESH_STAGED_KERNEL_BYTES), or through device scratch and one copy of the
 // copy engine per chunk (FLAGCX_MESH_STAGED_BOUNCE=on), beside contiguous copies of the same bytes.
-// The kernel is the library's (csrc/transport/cuda/kernels/copy_blocks.cu), restated here.
+// The kernel is the library's (csrc/transport/cuda/kernels/copy_blocks.cu), included.
 //   nvcc -O2 -o staged-copy-probe scripts/staged-copy-probe.cu && ./staged-copy-probe [BLOCK] [CHUNK]
 #include <cstdio>
 #include <cstdlib>
@@ -13,65 +13,92 @@
 #include <algorithm>
 #include <random>
 #include <cuda_runtime.h>
-struct cp { unsigned long long dst, src, len; };
-__global__ void __launch_bounds__(256) copy_blocks(const cp* copies, unsigned long long chunk) {
-  cp c = copies[blockIdx.x];
-  unsigned long long from = (unsigned long long)blockIdx.y * chunk;
-  if (from >= c.len) return;
-  unsigned long long n = c.len - from < chunk ? c.len - from : chunk;
-  uint4* dv = (uint4*)(c.dst + from); const uint4* sv = (const uint4*)(c.src + from);
-  unsigned long long nv = n >> 4, k = threadIdx.x, step = blockDim.x;
-  for (; k + 3 * step < nv; k += 4 * step) { uint4 a = sv[k], b = sv[k + step], e = sv[k + 2 * step], f = sv[k + 3 * step];
-    dv[k] = a; dv[k + step] = b; dv[k + 2 * step] = e; dv[k + 3 * step] = f; }
-  for (; k < nv; k += step) dv[k] = sv[k];
-}
+// The library's own kernel (not compiled by the build: turned into the PTX the library embeds).
+#include "../csrc/transport/cuda/kernels/copy_blocks.cu"
+using cp = fxm_copy;
+#define copy_blocks fxm_copy_blocks
+
 #define CK(x) do { cudaError_t e = (x); if (e) { printf("%s: %s\n", #x, cudaGetErrorString(e)); exit(1);} } while (0)
 int main(int argc, char** argv) {
   size_t bs = argc > 1 ? atol(argv[1]) : 65536, nb = 4096, chunk = argc > 2 ? atol(argv[2]) : (1 << 20);
   size_t total = bs * nb, pool = total * 2;
-  char *dev, *scratch, *host;
-  CK(cudaMalloc(&dev, pool)); CK(cudaMalloc(&scratch, total)); CK(cudaHostAlloc(&host, total, cudaHostAllocMapped | cudaHostAllocPortable));
-  char* hostd; CK(cudaHostGetDevicePointer((void**)&hostd, host, 0));
-  std::vector<size_t> idx(pool / bs); for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
-  std::shuffle(idx.begin(), idx.end(), std::mt19937(1)); idx.resize(nb);
-  cp *list; CK(cudaHostAlloc(&list, sizeof(cp) * nb * 2, cudaHostAllocMapped)); cp* listd; CK(cudaHostGetDevicePointer((void**)&listd, list, 0));
-  cudaStream_t s; CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking)); cudaEvent_t a, b; cudaEventCreate(&a); cudaEventCreate(&b);
-  auto run = [&](const char* what, auto body) { float best = 1e9; for (int r = 0; r < 7; ++r) { cudaEventRecord(a, s); body(); cudaEventRecord(b, s); CK(cudaEventSynchronize(b)); float ms; cudaEventElapsedTime(&ms, a, b); best = std::min(best, ms); }
-    printf("%-58s %8.3f ms %7.2f GB/s\n", what, best, total / best / 1e6); };
-  size_t per = chunk / bs; if (per == 0) per = 1;
-  // gather: copies blk i -> host chunk
-  for (size_t i = 0; i < nb; ++i) list[i] = {(unsigned long long)(hostd + i * bs), (unsigned long long)(dev + idx[i] * bs), bs};
-  for (size_t i = 0; i < nb; ++i) list[nb + i] = {(unsigned long long)(scratch + i * bs), (unsigned long long)(dev + idx[i] * bs), bs};
-  unsigned cpb = (bs + 65535) / 65536;
-  char name[128];
-  run("gather kernel -> mapped host, one launch", [&] { copy_blocks<<<dim3(nb, cpb), 256, 0, s>>>(listd, 65536); });
-  snprintf(name, sizeof name, "gather kernel -> mapped host, a launch per %zu KiB", chunk >> 10);
-  run(name, [&] { for (size_t i = 0; i < nb; i += per) copy_blocks<<<dim3(per, cpb), 256, 0, s>>>(listd + i, 65536); });
-  for (unsigned long long cc : {16384ull, 4096ull}) {
-    snprintf(name, sizeof name, "gather kernel -> mapped host, per %zu KiB, CTA %llu KiB", chunk >> 10, cc >> 10);
-    unsigned cy = (bs + cc - 1) / cc;
-    run(name, [&] { for (size_t i = 0; i < nb; i += per) copy_blocks<<<dim3(per, cy), 256, 0, s>>>(listd + i, cc); });
+  char *dev, *scratch, *host, *hostd;
+  CK(cudaMalloc(&dev, pool));
+  CK(cudaMalloc(&scratch, total));
+  CK(cudaHostAlloc(&host, total, cudaHostAllocMapped | cudaHostAllocPortable));
+  CK(cudaHostGetDevicePointer((void**)&hostd, host, 0));
+  std::vector<size_t> idx(pool / bs);  // the blocks: nb of the pool's, in random order
+  for (size_t i = 0; i < idx.size(); ++i) idx[i] = i;
+  std::shuffle(idx.begin(), idx.end(), std::mt19937(1));
+  idx.resize(nb);
+  cp *list, *listd;  // [0, nb): across the bus; [nb, 2 nb): within device memory
+  CK(cudaHostAlloc(&list, sizeof(cp) * nb * 2, cudaHostAllocMapped));
+  CK(cudaHostGetDevicePointer((void**)&listd, list, 0));
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaEvent_t a, b;
+  cudaEventCreate(&a);
+  cudaEventCreate(&b);
+  auto run = [&](const char* what, auto body) {  // best of 7, by events around the work
+    float best = 1e9;
+    for (int r = 0; r < 7; ++r) {
+      cudaEventRecord(a, s);
+      body();
+      cudaEventRecord(b, s);
+      CK(cudaEventSynchronize(b));
+      float ms;
+      cudaEventElapsedTime(&ms, a, b);
+      best = std::min(best, ms);
+    }
+    printf("%-62s %8.3f ms %7.2f GB/s\n", what, best, total / best / 1e6);
+  };
+  size_t per = chunk / bs ? chunk / bs : 1;  // blocks a chunk
+  char name[160];
+  // The kernel across the bus: one launch for all blocks, or a launch a chunk with `cta` bytes a thread block.
+  auto across = [&](const char* way, unsigned long long cta, bool per_chunk) {
+    unsigned y = static_cast<unsigned>((bs + cta - 1) / cta);
+    if (per_chunk) {
+      snprintf(name, sizeof name, "%s, a launch per %zu KiB, %llu KiB a block", way, chunk >> 10, cta >> 10);
+    } else {
+      snprintf(name, sizeof name, "%s, one launch", way);
+    }
+    run(name, [&] {
+      if (!per_chunk) return (void)copy_blocks<<<dim3(nb, y), 256, 0, s>>>(listd, cta);
+      for (size_t i = 0; i < nb; i += per) copy_blocks<<<dim3(per, y), 256, 0, s>>>(listd + i, cta);
+    });
+  };
+  auto fill = [&](bool gather, char* there, cp* at) {  // block i <-> piece i of `there`
+    for (size_t i = 0; i < nb; ++i) {
+      auto blk = (unsigned long long)(dev + idx[i] * bs), piece = (unsigned long long)(there + i * bs);
+      at[i] = gather ? cp{piece, blk, bs} : cp{blk, piece, bs};
+    }
+  };
+  for (bool gather : {true, false}) {
+    const char* way = gather ? "gather kernel -> mapped host" : "scatter kernel <- mapped host";
+    fill(gather, hostd, list);
+    fill(gather, scratch, list + nb);
+    across(way, 65536, false);
+    for (unsigned long long cta : {65536ull, 16384ull, 4096ull}) across(way, cta, true);
+    snprintf(name, sizeof name, gather ? "gather D2D + DMA D2H, per %zu KiB" : "DMA H2D + scatter D2D, per %zu KiB",
+             chunk >> 10);
+    auto dir = gather ? cudaMemcpyDeviceToHost : cudaMemcpyHostToDevice;
+    run(name, [&] {
+      for (size_t i = 0; i < nb; i += per) {
+        char *h = host + i * bs, *d = scratch + i * bs;
+        if (!gather) cudaMemcpyAsync(d, h, per * bs, dir, s);
+        copy_blocks<<<dim3(per, 1 + (bs - 1) / 65536), 256, 0, s>>>(listd + nb + i, 65536);
+        if (gather) cudaMemcpyAsync(h, d, per * bs, dir, s);
+      }
+    });
+    run(gather ? "DMA D2H contiguous" : "DMA H2D contiguous", [&] {
+      gather ? cudaMemcpyAsync(host, scratch, total, dir, s) : cudaMemcpyAsync(scratch, host, total, dir, s);
+    });
+    run(gather ? "DMA per block D2H (a cudaMemcpyAsync each)" : "DMA per block H2D (a cudaMemcpyAsync each)", [&] {
+      for (size_t i = 0; i < nb; ++i) {
+        char *h = host + i * bs, *blk = dev + idx[i] * bs;
+        gather ? cudaMemcpyAsync(h, blk, bs, dir, s) : cudaMemcpyAsync(blk, h, bs, dir, s);
+      }
+    });
   }
-  run("gather kernel -> device scratch, one launch", [&] { copy_blocks<<<dim3(nb, cpb), 256, 0, s>>>(listd + nb, 65536); });
-  snprintf(name, sizeof name, "gather D2D + DMA D2H, per %zu KiB", chunk >> 10);
-  run(name, [&] { for (size_t i = 0; i < nb; i += per) { copy_blocks<<<dim3(per, cpb), 256, 0, s>>>(listd + nb + i, 65536);
-      cudaMemcpyAsync(host + i * bs, scratch + i * bs, per * bs, cudaMemcpyDeviceToHost, s); } });
-  run("DMA D2H contiguous", [&] { cudaMemcpyAsync(host, scratch, total, cudaMemcpyDeviceToHost, s); });
-  run("DMA per block D2H (cuMemcpyAsync each)", [&] { for (size_t i = 0; i < nb; ++i) cudaMemcpyAsync(host + i * bs, dev + idx[i] * bs, bs, cudaMemcpyDeviceToHost, s); });
-  // scatter: host -> blocks
-  for (size_t i = 0; i < nb; ++i) list[i] = {(unsigned long long)(dev + idx[i] * bs), (unsigned long long)(hostd + i * bs), bs};
-  for (size_t i = 0; i < nb; ++i) list[nb + i] = {(unsigned long long)(dev + idx[i] * bs), (unsigned long long)(scratch + i * bs), bs};
-  run("scatter kernel <- mapped host, one launch", [&] { copy_blocks<<<dim3(nb, cpb), 256, 0, s>>>(listd, 65536); });
-  snprintf(name, sizeof name, "scatter kernel <- mapped host, a launch per %zu KiB", chunk >> 10);
-  run(name, [&] { for (size_t i = 0; i < nb; i += per) copy_blocks<<<dim3(per, cpb), 256, 0, s>>>(listd + i, 65536); });
-  for (unsigned long long cc : {16384ull, 4096ull}) {
-    snprintf(name, sizeof name, "scatter kernel <- mapped host, per %zu KiB, CTA %llu KiB", chunk >> 10, cc >> 10);
-    unsigned cy = (bs + cc - 1) / cc;
-    run(name, [&] { for (size_t i = 0; i < nb; i += per) copy_blocks<<<dim3(per, cy), 256, 0, s>>>(listd + i, cc); });
-  }
-  snprintf(name, sizeof name, "DMA H2D + scatter D2D, per %zu KiB", chunk >> 10);
-  run(name, [&] { for (size_t i = 0; i < nb; i += per) { cudaMemcpyAsync(scratch + i * bs, host + i * bs, per * bs, cudaMemcpyHostToDevice, s);
-      copy_blocks<<<dim3(per, cpb), 256, 0, s>>>(listd + nb + i, 65536); } });
-  run("DMA H2D contiguous", [&] { cudaMemcpyAsync(scratch, host, total, cudaMemcpyHostToDevice, s); });
   return 0;
 }
