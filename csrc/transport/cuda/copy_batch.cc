@@ -277,17 +277,29 @@ bool launch_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, 
 
 }  // namespace
 
+namespace {
+
+// One copy on s through the driver (Error naming `doing` when it refuses).
+void driver_copy(const Driver& d, CUdeviceptr dst, CUdeviceptr src, uint64_t n, CUstream s, const std::string& doing) {
+  CUresult r = d.cuMemcpyAsync(dst, src, n, s);
+  if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
+}
+
+// copy_run's copies queued on s, without the event after them.
+void queue_run(const Driver& d, int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool kernel_ok,
+               std::unique_ptr<CopyList>* list, const std::string& doing) {
+  bool kernel = kernel_ok && copies.size() > 1 && batch_copy_mode(d, ordinal) == BatchCopy::kKernel;
+  if (kernel && launch_run(ordinal, s, copies, list)) return;
+  for (const KernelCopy& c : copies) driver_copy(d, c.dst, c.src, c.len, s, doing);
+}
+
+}  // namespace
+
 SharedEvent copy_run(int ordinal, CUstream s, const std::vector<KernelCopy>& copies, bool kernel_ok,
                      std::unique_ptr<CopyList>* list, const std::string& doing) {
   const Driver& d = need_driver(doing);
   use_device(ordinal);
-  bool kernel = kernel_ok && copies.size() > 1 && batch_copy_mode(d, ordinal) == BatchCopy::kKernel;
-  if (!kernel || !launch_run(ordinal, s, copies, list)) {
-    for (const KernelCopy& c : copies) {
-      CUresult r = d.cuMemcpyAsync(c.dst, c.src, c.len, s);
-      if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
-    }
-  }
+  queue_run(d, ordinal, s, copies, kernel_ok, list, doing);
   return record_event(ordinal, s);
 }
 
@@ -302,18 +314,9 @@ SharedEvent copy_run_through(int ordinal, CUstream s, const std::vector<KernelCo
   auto h = reinterpret_cast<CUdeviceptr>(host);
   std::vector<KernelCopy> within = copies;  // each host end moved to the same place in the scratch
   for (KernelCopy& c : within) (to_host ? c.dst : c.src) = scratch + ((to_host ? c.dst : c.src) - h);
-  auto bus = [&] {
-    CUresult r = to_host ? d.cuMemcpyAsync(h, scratch, n, s) : d.cuMemcpyAsync(scratch, h, n, s);
-    if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
-  };
-  if (!to_host) bus();
-  if (!launch_run(ordinal, s, within, list)) {
-    for (const KernelCopy& c : within) {
-      CUresult r = d.cuMemcpyAsync(c.dst, c.src, c.len, s);
-      if (r != kSuccess) fail(Code::kSystem, -1, 0, doing + ": cuMemcpyAsync: " + result_text(r));
-    }
-  }
-  if (to_host) bus();
+  if (!to_host) driver_copy(d, scratch, h, n, s, doing);  // up, then scattered
+  queue_run(d, ordinal, s, within, true, list, doing);
+  if (to_host) driver_copy(d, h, scratch, n, s, doing);  // gathered, then down
   return record_event(ordinal, s);
 }
 
