@@ -49,16 +49,20 @@ def ids(v):
     return array.array("q", v)
 
 
-def outcome(puller, timeout=20.0):
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
+def outcomes(puller, n, timeout=20.0):
+    """The first ``n`` outcomes the puller posts (no more: what one take() brings beyond them fails)."""
+    got, end = [], time.monotonic() + timeout
+    while len(got) < n and time.monotonic() < end:
         seen = puller.seq()
-        got = puller.take()
-        if got:
-            assert len(got) == 1, got
-            return got[0]
-        puller.wait(seen, end - time.monotonic())
-    raise AssertionError("no outcome was posted")
+        got += puller.take()
+        if len(got) < n:
+            puller.wait(seen, end - time.monotonic())
+    assert len(got) == n, got
+    return got
+
+
+def outcome(puller, timeout=20.0):
+    return outcomes(puller, 1, timeout)[0]
 
 
 def notes(owner, timeout=5.0):
@@ -249,14 +253,3 @@ def test_answers_awaited_at_close_fail_once_each(answers):
     got = puller.take()
     assert sorted(o[0] for o in got) == list(range(1, 51)), got
     assert all(o[1] == "" or "closed" in o[1] for o in got), {o[1] for o in got}
-
-
-def outcomes(puller, n, timeout=20.0):
-    got, end = [], time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < end:
-        seen = puller.seq()
-        got += puller.take()
-        if len(got) < n:
-            puller.wait(seen, end - time.monotonic())
-    assert len(got) == n, got
-    return got

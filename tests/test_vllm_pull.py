@@ -5,8 +5,10 @@ prefill's hold(). One process, KVTransfer agents over cma (host memory), torch C
 
 Skipped without torch, unless FXM_REQUIRE_TORCH=1 (scripts/test.sh sets it)."""
 
+import contextlib
 import os
 import sys
+import threading
 import time
 
 import pytest
@@ -45,6 +47,26 @@ def wait_until(cond, what, timeout=10.0):
     while not cond():
         assert time.monotonic() < end, f"not within {timeout} s: {what}"
         time.sleep(0.005)
+
+
+@contextlib.contextmanager
+def thread_held(x, monkeypatch):
+    """x's transfer thread held at its next step until the block ends (as when a busy engine
+    thread keeps the interpreter lock from it), then stepping on."""
+    stopped, resume = threading.Event(), threading.Event()
+    step = x._step
+
+    def held():
+        stopped.set()
+        resume.wait(60)
+        step()
+
+    monkeypatch.setattr(x, "_step", held)
+    try:
+        assert stopped.wait(10), "the transfer thread did not come back to its step"
+        yield
+    finally:
+        resume.set()
 
 
 def not_within(x, what, key, seconds):
@@ -424,8 +446,6 @@ class Gate:
     the core refuses it (a read that fails for real: the core sends the prefill its C)."""
 
     def __init__(self, dec, fail=False):
-        import threading
-
         self.open, self.fail, self.reads = threading.Event(), fail, 0
         real, gate = dec._puller, self
 
@@ -467,28 +487,16 @@ def test_a_pull_runs_without_the_transfer_thread(pair, monkeypatch):
     thread and the core reads, acks and posts it: the request is read, reported by poll() and
     released at the prefill while the decode's transfer thread does nothing at all (as when a
     busy engine thread keeps the interpreter lock from it)."""
-    import threading
-
     pre, pkv = pair("p", hold_timeout=60)
     dec, dkv = pair("d")
     warm(pre, dec, pkv)
-    stopped, resume = threading.Event(), threading.Event()
-
-    def held_step():
-        stopped.set()
-        resume.wait(60)
-
-    monkeypatch.setattr(dec, "_step", held_step)
-    try:
-        assert stopped.wait(10), "the decode's thread did not come back to its step"
+    with thread_held(dec, monkeypatch):
         pre.hold("r2", [4, 5])
         dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2], hold_until=far())
         assert wait_for(dec, "recving", "t2", timeout=10) == {}
         wait_for(pre, "sending", "r2", timeout=10)
         assert dec.stats()["pulls"] == 1 and dec._commands.empty()
         assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
-    finally:
-        resume.set()
 
 
 def test_a_push_runs_without_the_transfer_thread(pair, monkeypatch):
@@ -497,30 +505,16 @@ def test_a_push_runs_without_the_transfer_thread(pair, monkeypatch):
     outcome, so the request is pushed, reported by poll() and released at the prefill while the
     decode's transfer thread does nothing at all (as when a busy engine thread keeps the
     interpreter lock from it; before, that thread took the D)."""
-    import threading
-
     pre, pkv = pair("p", hold_timeout=60)
     dec, dkv = pair("d")
     warm(pre, dec, pkv)
-    stopped, resume = threading.Event(), threading.Event()
-    real_step = dec._step
-
-    def held_step():
-        stopped.set()
-        resume.wait(60)
-        real_step()
-
-    monkeypatch.setattr(dec, "_step", held_step)
-    try:
-        assert stopped.wait(10), "the decode's thread did not come back to its step"
+    with thread_held(dec, monkeypatch):
         pre.hold("r2", [4, 5])
         dec.fetch("t2", pre.metadata, "r2", [4, 5], [1, 2])
         assert wait_for(dec, "recving", "t2", timeout=10) == {}
         wait_for(pre, "sending", "r2", timeout=10)
         assert pre.stats()["pushes_done"] == 2 and dec._commands.empty()
         assert only_these_blocks(dkv, [{15: 15, 1: 4, 2: 5}] * 2) == []
-    finally:
-        resume.set()
     assert dec.stats()["pulls"] == 0 and dec.stats()["fetches_done"] == 2
 
 
@@ -556,33 +550,23 @@ def test_a_push_whose_done_came_is_received_though_the_prefill_left_before_the_p
     request is received: the D came before the connection's end (its A cannot go, and need not).
     Before the mend the transfer thread failed it for its connection gone before the poll took
     the core's outcome, and the core failed it for its ack that could not go."""
-    import threading
-
     from flagcx_mesh import Agent
 
     dec, _ = pair("d", fetch_timeout=60)
     fake = Agent("fake-prefill", SECRET, timeout=20)
-    resume, stopped = threading.Event(), threading.Event()
-    step = dec._step
     try:
         dec.fetch("t", fake.metadata(), "r", [3], [2])
         peer, w = want_of(fake)
-        if thread == "held":
-            def held():
-                stopped.set()
-                resume.wait(30)
-                step()
-
-            monkeypatch.setattr(dec, "_step", held)
-            assert stopped.wait(10)
-        fake.connection(peer).notify(protocol.encode("D", tag=w["tag"], n=w["n"]))
-    finally:
+    except BaseException:
         fake.close()
-    try:
+        raise
+    with thread_held(dec, monkeypatch) if thread == "held" else contextlib.nullcontext():
+        try:
+            fake.connection(peer).notify(protocol.encode("D", tag=w["tag"], n=w["n"]))
+        finally:
+            fake.close()
         time.sleep(late_poll)
         assert polled_all(dec) == ({"t"}, {}), dec.stats()
-    finally:
-        resume.set()
 
 
 def test_a_done_of_other_bytes_is_taken_by_the_thread_by_its_tag_and_nonce(pair):
@@ -694,7 +678,7 @@ def test_a_want_failed_by_both_threads_is_reported_once(pair, monkeypatch):
     pre, pkv = pair("p", hold_timeout=60)
     dec, dkv = pair("d")
     warm(pre, dec, pkv)
-    monkeypatch.setattr(dec, "_await_done", lambda f, conn: None)
+    monkeypatch.setattr(dec, "_await_done", lambda f, conn, want: None)
     md = bytes(pre.metadata)
     real, seen = dec._conn_of[md], []
     proxy = _Dying(real, dec, "t2", seen)

@@ -892,21 +892,21 @@ class KVTransfer:
             want["part"] = list(f.part)
         if f.readers:
             want["readers"] = f.readers
-        self._await_done(f, conn)
+        self._await_done(f, conn, want)
         try:
             conn.notify(protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
 
-    def _await_done(self, f: _Fetch, conn) -> None:
-        """Has the puller await the push's ``D`` (the bytes the prefill answers with, as it makes
-        them: _answer_to), send its ``A`` and post the outcome (_take_pulls), before the ``W``
-        goes. Where it cannot (closed), the transfer thread takes the ``D`` (_on_answer)."""
+    def _await_done(self, f: _Fetch, conn, want: dict) -> None:
+        """Has the puller await the push's ``D`` (the bytes the prefill answers ``want`` with, as it
+        makes them: _answer_to), send its ``A`` and post the outcome (_take_pulls), before the
+        ``W`` goes. Where it cannot (closed), the transfer thread takes the ``D`` (_on_answer)."""
         token = next(self._tokens)
         with self._fetch_lock:
             f.token = token
             self._pulling[token] = f
-        done = protocol.encode("D", **_answer_to({"tag": f.tag, "n": f.nonce}))
+        done = protocol.encode("D", **_answer_to(want))
         try:  # (its own deadline a backstop: the fetch's is the transfer thread's, _check_fetches)
             self._puller.await_answer(token, conn._core, done, protocol.encode("A", req=f.remote_req),
                                       self.fetch_timeout + ANSWER_SLACK)
@@ -956,8 +956,8 @@ class KVTransfer:
         its path found fit and the row plans made; no command waits for the thread (none is
         overtaken) and the request id has no fetch out. A pull is then the core's from here (no
         interpreter lock taken off the caller's thread, however busy it keeps it); a push's want
-        (``W``) goes from here, its answer comes to the thread as before. False: the thread does
-        the fetch, as a command."""
+        (``W``) goes from here, its ``D`` awaited by the core (_await_done). False: the thread
+        does the fetch, as a command."""
         conn = self._conn_of.get(md)
         if conn is None or self._queued or self._stop.is_set() or conn.gone():
             return False
@@ -1081,7 +1081,9 @@ class KVTransfer:
             if f.over:
                 return False
             f.over = True
-            awaited = not f.reading and self._pulling.pop(f.token, None) is f
+            awaited = self._awaited(f)
+            if awaited:
+                del self._pulling[f.token]
             mine = self._fetches.get(f.tag) is f
             if mine:
                 del self._fetches[f.tag]
