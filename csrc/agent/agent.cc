@@ -543,6 +543,16 @@ Notification Agent::wait_notification(const std::vector<uint8_t>* bytes, const s
 
 void Agent::unread(std::vector<Notification> ns) { inbox_->unread(std::move(ns)); }
 
+void Agent::claim_notifications(std::vector<uint8_t> prefix,
+                                std::function<bool(const std::shared_ptr<Connection>&, Notification&)> fn) {
+  require_open("claim_notifications");
+  inbox_->claim(std::move(prefix), std::move(fn));
+}
+
+void Agent::unclaim_notifications(const std::vector<uint8_t>& prefix) { inbox_->unclaim(prefix); }
+
+void Agent::deliver_notification(Notification n) { inbox_->deliver(std::move(n)); }
+
 void Agent::close() {
   if (closed_.exchange(true)) return;
   inbox_->close();  // every stream wait released (before the connections close: it was the agent, not a peer)

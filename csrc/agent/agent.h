@@ -245,6 +245,18 @@ class Agent {
   bool withdraw_watch(const std::shared_ptr<WaitState>& w);
   // Puts notifications taken by notifications() but not read back in front of the unread ones.
   void unread(std::vector<Notification> ns);
+  // Notifications whose bytes start with `prefix` are offered to `fn` as they are drained, with the
+  // connection they came on, before any wait or notifications() sees them; fn returning true
+  // consumes one (false leaves it as if no claim were there). fn runs with the inbox's lock held,
+  // in whichever thread drains (a watcher thread drains while a claim is installed): short, and no
+  // call on this agent. One claim per prefix (a second replaces it); unclaim_notifications() takes
+  // it out (fn never runs once it returned). See NotificationInbox::claim (stream_wait.h).
+  void claim_notifications(std::vector<uint8_t> prefix,
+                           std::function<bool(const std::shared_ptr<Connection>&, Notification&)> fn);
+  void unclaim_notifications(const std::vector<uint8_t>& prefix);
+  // Hands a notification a claim took back: a wait matches it, else notifications() returns it
+  // (after those already there), a call waiting in notifications() at once.
+  void deliver_notification(Notification n);
 
   void close();  // idempotent: stops the listener, closes every connection and region
   bool closed() const { return closed_.load(); }

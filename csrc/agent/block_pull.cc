@@ -6,6 +6,7 @@
 #include "agent/connection.h"
 #include "agent/stream_wait.h"
 #include "base/backoff.h"
+#include "base/log.h"
 #include "base/status.h"
 #include "base/thread_name.h"
 
@@ -39,6 +40,8 @@ std::string make_ops(const PullJob& job, std::vector<Xfer>* xs) {
   }
   return "";
 }
+
+double now_s() { return std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count(); }
 
 void notify_quietly(Connection& c, const std::vector<uint8_t>& bytes) {
   if (bytes.empty()) return;
@@ -172,16 +175,23 @@ void BlockPuller::wake() {
 }
 
 void BlockPuller::close() {
+  bool claimed;
   {
-    std::lock_guard<std::mutex> lock(mu_);
-    closing_ = true;
+    std::lock_guard<std::mutex> claim(claim_mu_);
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      closing_ = true;  // (the claim takes no more wants from now)
+      claimed = serving_;
+      serving_ = false;
+    }
+    if (claimed) agent_->unclaim_notifications({kWantPrefix.begin(), kWantPrefix.end()});
   }
   cv_.notify_all();
   if (thread_.joinable() && thread_.get_id() != std::this_thread::get_id()) thread_.join();
 }
 
 void BlockPuller::post(PullOutcome o) {
-  o.at_s = std::chrono::duration<double>(std::chrono::steady_clock::now().time_since_epoch()).count();
+  o.at_s = now_s();
   {
     std::lock_guard<std::mutex> lock(mu_);
     live_.erase(o.token);
@@ -198,30 +208,165 @@ bool BlockPuller::cancelled(uint64_t token) {
 }
 
 void BlockPuller::start(PullJob& job) {
+  std::string why = issue(job);
+  if (why.empty()) return;
+  InFlight f{std::move(job), Handle()};
+  finish(f, why);
+}
+
+// A push's started event is posted once its write was issued (a refusal hands its want back
+// instead), before its answer can go: the answer follows once the write is over (finish_push),
+// not with the write, whose notification would hold this thread until device copies completed.
+std::string BlockPuller::issue(PullJob& job) {
   std::vector<Xfer> xs;
   std::string why = make_ops(job, &xs);
-  Handle read;
-  if (why.empty()) {
-    try {
-      read = job.conn->transfer(xs, /*is_read=*/true, nullptr);
-    } catch (const std::exception& e) {  // refused before any byte moved
-      why = e.what();
-    }
+  if (!why.empty()) return why;
+  Handle op;
+  try {
+    if (!job.write || !xs.empty()) op = job.conn->transfer(xs, /*is_read=*/!job.write, nullptr);
+  } catch (const std::exception& e) {  // refused before any byte moved
+    return e.what();
   }
-  InFlight f{std::move(job), std::move(read)};
-  if (!why.empty() || f.read.done()) return finish(f, why);  // a host path's read is over at its return
-  flight_.push_back(std::move(f));
+  InFlight f{std::move(job), std::move(op)};
+  if (f.job.write) {
+    f.late_at = Deadline::after_seconds(f.job.late_s > 0 ? f.job.late_s : agent_->timeout_s());
+    post_served(f, kServedStarted, "");
+  }
+  if (f.op.done()) {  // a host path's op is over at its return
+    finish(f, "");
+  } else {
+    flight_.push_back(std::move(f));
+  }
+  return "";
 }
 
 bool BlockPuller::polled(InFlight& f) {
   std::string why;
   try {
-    if (!f.read.poll()) return false;
+    if (!f.op.poll()) {
+      if (f.job.write && !f.late && f.late_at.expired()) {
+        f.late = true;
+        post_served(f, kServedLate, "");
+      }
+      return false;
+    }
   } catch (const std::exception& e) {  // (polling a device copy's completion failed)
-    why = std::string("polling the read's completion failed: ") + e.what();
+    why = std::string("polling the ") + (f.job.write ? "push" : "read") + "'s completion failed: " + e.what();
   }
   finish(f, why);
   return true;
+}
+
+// ---- wants served (want_server.h) ----------------------------------------------------------
+
+void BlockPuller::serve_wants(bool on) {
+  std::lock_guard<std::mutex> claim(claim_mu_);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) fail(Code::kClosed, -1, 0, "serving wants: the block reads were closed");
+    if (serving_ == on) return;
+    serving_ = on;  // (before the claim: it takes wants as soon as it is installed)
+  }
+  std::vector<uint8_t> prefix(kWantPrefix.begin(), kWantPrefix.end());
+  if (!on) return agent_->unclaim_notifications(prefix);
+  try {
+    agent_->claim_notifications(prefix, [this](const std::shared_ptr<Connection>& c, Notification& n) {
+      return claimed(c, n);
+    });
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    serving_ = false;
+    throw;
+  }
+}
+
+bool BlockPuller::claimed(const std::shared_ptr<Connection>& conn, Notification& n) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!serving_) return false;  // (closing, or serve_wants(false) on its way to take the claim out)
+    claimed_.push_back({conn, std::move(n)});
+  }
+  cv_.notify_all();
+  return true;
+}
+
+void BlockPuller::offer(uint64_t token, std::string req, std::vector<std::vector<int64_t>> groups, double timeout_s) {
+  std::lock_guard<std::mutex> lock(mu_);
+  served_.offer(token, std::move(req), std::move(groups), timeout_s);
+}
+
+uint64_t BlockPuller::withdraw(uint64_t token) {
+  std::lock_guard<std::mutex> lock(mu_);
+  return served_.withdraw(token);
+}
+
+uint64_t BlockPuller::in_flight(uint64_t token) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return served_.in_flight(token);
+}
+
+void BlockPuller::serve_layout(std::shared_ptr<Connection> conn, std::array<uint32_t, 4> part,
+                               std::vector<std::shared_ptr<const RegionDesc>> locals,
+                               std::vector<std::shared_ptr<const RegionDesc>> remotes,
+                               std::vector<std::vector<std::shared_ptr<const BlockRows>>> group_tables) {
+  if (!conn || &conn->agent() != agent_.get()) {
+    fail(Code::kInvalidArgument, -1, 0, "serving wants: the connection is not one of this puller's agent");
+  }
+  std::lock_guard<std::mutex> lock(mu_);
+  served_.serve_layout(conn, part, std::move(locals), std::move(remotes), std::move(group_tables));
+}
+
+std::vector<ServedEvent> BlockPuller::take_served() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return served_.take();
+}
+
+void BlockPuller::serve(ClaimedWant& c) {
+  std::string why;
+  try {
+    Want w;
+    PullJob job;
+    if (parse_want(c.n.bytes.data(), c.n.bytes.size(), &w, &why)) {
+      std::lock_guard<std::mutex> lock(mu_);
+      why = served_.push_for(w, c.conn, &job);
+    }
+    if (why.empty()) why = issue(job);
+  } catch (const std::exception& e) {  // (out of memory): not served
+    why = e.what();
+  }
+  if (!why.empty()) hand_back(c, why);
+}
+
+void BlockPuller::hand_back(ClaimedWant& c, const std::string& why) {
+  FXM_DEBUG(-1, "agent " + agent_->name() + ": a want of agent " + c.n.peer + " goes to notifications(): " + why);
+  agent_->deliver_notification(std::move(c.n));
+}
+
+// Its number taken when it starts; counted in flight by the offer's token until it ended.
+void BlockPuller::post_served(InFlight& f, int kind, const std::string& error) {
+  const PeerInfo& peer = f.job.conn->peer();
+  ServedEvent e{f.job.token, f.job.push, kind, peer.name, peer.incarnation, f.job.readers,
+                f.op.count(), f.op.bytes(), error, now_s()};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (kind == kServedStarted) e.push = f.job.push = served_.next_push();
+    served_.record(std::move(e));
+    ++seq_;
+  }
+  cv_.notify_all();
+}
+
+// The answer goes once the bytes landed; the ended event says whether it went.
+void BlockPuller::finish_push(InFlight& f, std::string error) {
+  if (error.empty()) {
+    try {
+      f.op.wait(0);  // over: returns at once, or raises the write's own error
+      f.job.conn->notify(f.job.on_landed);
+    } catch (const std::exception& e) {
+      error = e.what();
+    }
+  }
+  post_served(f, kServedEnded, error);
 }
 
 // At close: every answer still awaited fails (its watch taken out first, so none is posted twice).
@@ -253,10 +398,11 @@ void BlockPuller::close_answers() {
 }
 
 void BlockPuller::finish(InFlight& f, const std::string& error) {
-  PullOutcome o{f.job.token, error, f.read.count(), f.read.bytes(), cancelled(f.job.token)};
+  if (f.job.write) return finish_push(f, error);
+  PullOutcome o{f.job.token, error, f.op.count(), f.op.bytes(), cancelled(f.job.token)};
   if (o.error.empty()) {
     try {
-      f.read.wait(0);  // over: returns at once, or raises the read's own error
+      f.op.wait(0);  // over: returns at once, or raises the read's own error
     } catch (const std::exception& e) {
       o.error = e.what();
     }
@@ -275,19 +421,24 @@ void BlockPuller::finish(InFlight& f, const std::string& error) {
 // The thread: issues what is queued, then polls the reads in flight (each is finished as it is
 // over, whatever its connection), pacing its polls as a waiter does (base/backoff.h) and woken
 // at once by a new job.
+bool BlockPuller::news() const {  // (mu_ held)
+  return !queued_.empty() || !answered_.empty() || !claimed_.empty() || closing_;
+}
+
 void BlockPuller::run() {
   name_this_thread("fxm-blockreads");
   Backoff pace;
   for (;;) {
     std::vector<PullJob> jobs;
     std::vector<Answered> done;
+    std::vector<ClaimedWant> wants;
     {
       std::unique_lock<std::mutex> lock(mu_);
-      auto news = [&] { return !queued_.empty() || !answered_.empty() || closing_; };
-      if (flight_.empty()) cv_.wait(lock, news);
+      if (flight_.empty()) cv_.wait(lock, [&] { return news(); });
       if (closing_) break;  // (what is queued fails below)
       jobs.swap(queued_);
       done.swap(answered_);
+      wants.swap(claimed_);
     }
     finish_answers(std::move(done));
     for (PullJob& j : jobs) {
@@ -298,7 +449,8 @@ void BlockPuller::run() {
         finish(f, "the read could not be started");
       }
     }
-    bool moved = !jobs.empty();
+    for (ClaimedWant& w : wants) serve(w);
+    bool moved = !jobs.empty() || !wants.empty();
     for (auto it = flight_.begin(); it != flight_.end();) {
       if (polled(*it)) {
         it = flight_.erase(it);
@@ -314,19 +466,24 @@ void BlockPuller::run() {
       lock.unlock();
       std::this_thread::yield();
     } else {
-      cv_.wait_for(lock, pace.sleep(), [&] { return !queued_.empty() || !answered_.empty() || closing_; });
+      cv_.wait_for(lock, pace.sleep(), [&] { return news(); });
     }
   }
   std::vector<PullJob> left;
+  std::vector<ClaimedWant> wants;
   {
     std::lock_guard<std::mutex> lock(mu_);
     left.swap(queued_);
+    wants.swap(claimed_);
   }
   for (PullJob& j : left) {
     InFlight f{std::move(j), Handle()};
     finish(f, "the block reads were closed before this one was issued");
   }
-  for (InFlight& f : flight_) finish(f, "the block reads were closed with this read in flight");
+  for (ClaimedWant& w : wants) hand_back(w, "the block reads were closed before it was served");
+  for (InFlight& f : flight_) {
+    finish(f, std::string("the block reads were closed with this ") + (f.job.write ? "push" : "read") + " in flight");
+  }
   flight_.clear();
   close_answers();
 }

@@ -8,6 +8,12 @@
 // The same for a push the caller asked a peer for (await_answer): the peer's notification that
 // the bytes landed (its answer) is matched in the agent's inbox as it arrives, the thread sends the
 // ack and posts the outcome, with no thread of the caller's on the way.
+//
+// And on the side that holds the blocks, a peer's want (agent/want.h) of blocks offered here
+// (serve_wants, offer, serve_layout): the agent's inbox hands each want to this thread as it
+// arrives, which makes its push (want_server.h), issues and watches it as a read, sends the
+// peer the want's answer once the bytes landed and posts served events (take_served); a want it
+// cannot serve goes back to the inbox, untouched, for notifications().
 #pragma once
 
 #include <condition_variable>
@@ -23,6 +29,7 @@
 
 #include "agent/agent.h"
 #include "agent/block_rows.h"
+#include "agent/want_server.h"
 
 namespace fxm::agent {
 
@@ -41,6 +48,12 @@ struct PullJob {
   std::vector<std::shared_ptr<const RegionDesc>> locals, remotes;  // the regions a table's indices name
   std::vector<PullGroup> groups;
   std::vector<uint8_t> on_landed, on_failed;  // notifications to the peer (empty: none)
+  // A served push (want_server.h): a write of the blocks here into the peer's, on_landed its
+  // answer; served events are posted for it, not an outcome.
+  bool write = false;
+  uint64_t push = 0;     // its number, once started
+  uint32_t readers = 0;  // (its events)
+  double late_s = 0;     // reported late after this long in flight (<= 0: the agent's timeout)
 };
 
 // A push's answer awaited: the peer's notification of exactly `answer` on `conn`.
@@ -92,13 +105,36 @@ class BlockPuller {
   void wait(uint64_t seen, double timeout_s) const;
   void wake();
   // Reads queued fail ("closed"); reads in flight are not waited for (their outcome says so).
-  // The thread is joined.
+  // Served pushes in flight end with an error (an ended event each, no answer sent), wants taken
+  // and not issued yet go back to the inbox, the claim of wants is taken out. The thread is joined.
   void close();
+
+  // Wants served here (want_server.h). serve_wants(true) claims the agent's notifications that
+  // start with kWantPrefix (false gives them back to notifications(); wants claimed before are
+  // still served). Closed after close().
+  void serve_wants(bool on);
+  // See WantServer::offer / withdraw / in_flight (withdraw posts nothing: the pushes in flight
+  // post their ended event as they end).
+  void offer(uint64_t token, std::string req, std::vector<std::vector<int64_t>> groups, double timeout_s);
+  uint64_t withdraw(uint64_t token);
+  uint64_t in_flight(uint64_t token) const;
+  // See WantServer::serve_layout. InvalidArgument for a connection of another agent, or a table
+  // of a group that names a region beyond locals / remotes when used (the want is handed back).
+  void serve_layout(std::shared_ptr<Connection> conn, std::array<uint32_t, 4> part,
+                    std::vector<std::shared_ptr<const RegionDesc>> locals,
+                    std::vector<std::shared_ptr<const RegionDesc>> remotes,
+                    std::vector<std::vector<std::shared_ptr<const BlockRows>>> group_tables);
+  // The served events posted since the last take, in order. A push's started event is posted
+  // before its answer goes to the peer, so it is here before the peer's ack of the push can be.
+  std::vector<ServedEvent> take_served();
 
  private:
   struct InFlight {
+    InFlight(PullJob j, Handle h) : job(std::move(j)), op(std::move(h)) {}
     PullJob job;
-    Handle read;
+    Handle op;         // its read, or its write (a push)
+    Deadline late_at;  // a push: reported late past it
+    bool late = false;
   };
   struct Awaited {  // an answer awaited, until the thread takes its arrival (or forget())
     std::shared_ptr<Connection> conn;
@@ -110,12 +146,19 @@ class BlockPuller {
     std::string error;
   };
   void run();
+  bool news() const;  // work for the thread (mu_ held)
   void answered(uint64_t token, const std::string& error);  // the watch's release (the inbox's lock held)
   void finish_answers(std::vector<Answered> done);
   void close_answers();
   void start(PullJob& job);  // makes the ops and issues the read: in flight_, or its outcome posted
-  bool polled(InFlight& f);  // its read is over: finished (its outcome posted)
+  std::string issue(PullJob& job);  // "" (in flight_, or finished), else why nothing was issued
+  bool polled(InFlight& f);  // its op is over: finished (its outcome or ended event posted)
   void finish(InFlight& f, const std::string& error);
+  void finish_push(InFlight& f, std::string error);
+  bool claimed(const std::shared_ptr<Connection>& conn, Notification& n);  // the claim (the inbox's lock held)
+  void serve(ClaimedWant& c);  // its push issued, else the want handed back
+  void hand_back(ClaimedWant& c, const std::string& why);
+  void post_served(InFlight& f, int kind, const std::string& error);  // (numbers it when started)
   void post(PullOutcome o);
   bool cancelled(uint64_t token);  // taken out of cancelled_ (its outcome is being made)
 
@@ -127,8 +170,12 @@ class BlockPuller {
   std::unordered_set<uint64_t> live_;       // tokens submitted whose outcome is not posted yet
   std::unordered_set<uint64_t> cancelled_;  // of those, the ones cancel() named
   std::vector<PullOutcome> outcomes_;
+  std::vector<ClaimedWant> claimed_;  // wants the claim took, for the thread
+  WantServer served_;
+  bool serving_ = false;  // the claim takes wants
   uint64_t seq_ = 0;
   bool closing_ = false;
+  std::mutex claim_mu_;  // serve_wants and close: the claim is never installed after close took it out
   std::deque<InFlight> flight_;  // the thread's alone
   std::shared_ptr<Agent> agent_;
   std::thread thread_;

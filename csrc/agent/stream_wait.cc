@@ -174,11 +174,46 @@ void NotificationInbox::poll() {
     it = match(*it) ? inbox_.erase(it) : std::next(it);
   }
   std::vector<Notification> got;
-  for (const auto& c : conns) c->take_notifications(&got);
-  for (Notification& n : got) {
-    if (!match(n)) inbox_.push_back(std::move(n));
+  for (const auto& c : conns) {
+    c->take_notifications(&got);
+    for (Notification& n : got) {
+      if (!claimed(c, n) && !match(n)) inbox_.push_back(std::move(n));
+    }
+    got.clear();
   }
   check_failures(conns, gone);
+}
+
+bool NotificationInbox::claimed(const std::shared_ptr<Connection>& c, Notification& n) {
+  for (auto& [prefix, fn] : claims_) {
+    if (n.bytes.size() >= prefix.size() && std::equal(prefix.begin(), prefix.end(), n.bytes.begin())) return fn(c, n);
+  }
+  return false;
+}
+
+void NotificationInbox::claim(std::vector<uint8_t> prefix, NotificationClaim fn) {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  auto it = std::find_if(claims_.begin(), claims_.end(), [&](const auto& c) { return c.first == prefix; });
+  if (it != claims_.end()) {
+    it->second = std::move(fn);
+  } else {
+    claims_.emplace_back(std::move(prefix), std::move(fn));
+  }
+  if (!closing_) start_watcher();  // (it drains while a claim is installed)
+}
+
+void NotificationInbox::unclaim(const std::vector<uint8_t>& prefix) {
+  std::lock_guard<std::mutex> lock(sync_->mu);
+  claims_.erase(std::remove_if(claims_.begin(), claims_.end(), [&](const auto& c) { return c.first == prefix; }),
+                claims_.end());
+}
+
+void NotificationInbox::deliver(Notification n) {
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    if (!match(n)) inbox_.push_back(std::move(n));
+  }
+  agent_->bell_->ring();  // a take() asleep on the doorbell drains: finds it in inbox_
 }
 
 // The earliest deadline of the pending waits, and no later than kLookAtLeastEveryS (lock held).
@@ -189,11 +224,11 @@ Deadline NotificationInbox::next_look() const {
 }
 
 // Drains and matches whenever the doorbell rang (a notification landed, a peer ended) or a wait's
-// deadline came, while waits are pending.
+// deadline came, while waits are pending or a claim is installed.
 void NotificationInbox::watch() {
   std::unique_lock<std::mutex> lock(sync_->mu);
   while (!closing_) {
-    if (pending_.empty()) {
+    if (pending_.empty() && claims_.empty()) {
       sync_->cv.wait(lock);
       continue;
     }
@@ -408,6 +443,7 @@ void NotificationInbox::close() {
       release(*w, Code::kClosed, who() + what_wait(*w) + why + stream_note(*w));
     }
     pending_.clear();
+    claims_.clear();
     sync_->cv.notify_all();
   }
   agent_->bell_->ring();  // a take() asleep on the doorbell returns

@@ -67,9 +67,14 @@ class NotificationWait {
   std::shared_ptr<WaitState> s_;
 };
 
+// What a claim on a prefix of notifications does with one (NotificationInbox::claim): true takes
+// it (it may move the notification out), false leaves it, untouched, for the waits and take().
+using NotificationClaim = std::function<bool(const std::shared_ptr<Connection>& conn, Notification& n)>;
+
 // The agent's notifications: drained from its connections (by notifications()
-// and, while stream waits are pending, by a watcher thread), matched against
-// pending waits first, the rest kept for notifications() in arrival order.
+// and, while stream waits are pending or a claim is installed, by a watcher
+// thread), offered to the claim of their prefix, then matched against pending
+// waits, the rest kept for notifications() in arrival order.
 class NotificationInbox {
  public:
   explicit NotificationInbox(Agent* agent);
@@ -91,6 +96,19 @@ class NotificationInbox {
   bool withdraw(const std::shared_ptr<WaitState>& w);
   // Puts notifications read but not consumed back in front of the unread ones, in order.
   void unread(std::vector<Notification> ns);
+  // Offers each notification drained from a connection whose bytes start with `prefix` to `fn`,
+  // with the connection it came on, before any wait sees it; fn returning true consumes it. One
+  // claim per prefix (a second replaces the first); prefixes should not be each other's prefix
+  // (the first installed that matches is offered it). fn runs in whichever thread drains (the
+  // watcher, which keeps draining while a claim is installed, or a take() or wait), with the
+  // inbox's lock held: short, taking no lock that is held while calling into the inbox (the rule
+  // of WaitState::on_release). Notifications already drained (unread, delivered) are not offered.
+  void claim(std::vector<uint8_t> prefix, NotificationClaim fn);
+  // Takes the claim of `prefix` out: once it returns, its fn is not running and never runs again.
+  void unclaim(const std::vector<uint8_t>& prefix);
+  // A notification handed back (a claim took it, then could not use it): matched against the
+  // pending waits, else kept for take() after the unread ones, and a take() waiting returns it now.
+  void deliver(Notification n);
   // What arrived and no wait consumed, waiting up to timeout_s for the first, or until wake().
   std::vector<Notification> take(double timeout_s);
   // Makes a take() waiting in another thread return now (with what is there, maybe nothing); with
@@ -113,6 +131,7 @@ class NotificationInbox {
   struct SlotBlock;
   void poll();  // with the lock held: drain, match, release what failed
   bool match(const Notification& n);
+  bool claimed(const std::shared_ptr<Connection>& c, Notification& n);  // (lock held)
   void check_failures(const std::vector<std::shared_ptr<Connection>>& conns, const std::vector<std::string>& gone);
   void release(WaitState& w, Code code, const std::string& error);
   void start_watcher();
@@ -138,6 +157,7 @@ class NotificationInbox {
   std::shared_ptr<WaitSync> sync_;
   std::deque<Notification> inbox_;
   std::deque<std::shared_ptr<WaitState>> pending_;  // oldest first
+  std::vector<std::pair<std::vector<uint8_t>, NotificationClaim>> claims_;
   std::vector<std::unique_ptr<SlotBlock>> blocks_;
   std::thread watcher_;
   bool closing_ = false;

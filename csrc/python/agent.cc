@@ -17,6 +17,7 @@
 #include "agent/block_rows.h"
 #include "agent/connection.h"
 #include "agent/stream_wait.h"
+#include "agent/want.h"
 #include "python/bindings.h"
 
 namespace fxm_py {
@@ -447,11 +448,127 @@ fxm::agent::PullJob pull_job(uint64_t token, std::shared_ptr<Connection> conn, c
   return j;
 }
 
+// int64 ids: a buffer of them (array.array('q'), numpy) or a sequence of ints.
+std::vector<int64_t> id_list(const py::handle& ids, const char* which) {
+  if (PyObject_CheckBuffer(ids.ptr())) {
+    Ids b = ids_arg(py::reinterpret_borrow<py::buffer>(ids), which);
+    return std::vector<int64_t>(b.at(), b.at() + b.n());
+  }
+  return ids.cast<std::vector<int64_t>>();
+}
+
+std::array<uint32_t, 4> part_arg(const py::handle& part) {
+  auto v = part.cast<std::vector<uint32_t>>();
+  if (v.size() != 4) {
+    fxm::fail(fxm::Code::kInvalidArgument, -1, 0, "part must be (si, sn, di, dn), got " + std::to_string(v.size()) + " values");
+  }
+  return {v[0], v[1], v[2], v[3]};
+}
+
+void bind_wants(py::module_& m) {
+  using fxm::agent::Want;
+  m.attr("WANT_PREFIX") = py::bytes(reinterpret_cast<const char*>(fxm::agent::kWantPrefix.data()),
+                                    fxm::agent::kWantPrefix.size());
+  m.def("_encode_want", [](const std::string& req, const py::object& answer, const py::handle& part, uint32_t readers,
+                           std::vector<uint64_t> counts, const py::handle& dst) {
+    Want w;
+    w.req = req;
+    w.answer = bytes_arg(answer, "answer");
+    std::array<uint32_t, 4> p = part_arg(part);
+    w.si = p[0], w.sn = p[1], w.di = p[2], w.dn = p[3];
+    w.readers = readers;
+    w.counts = std::move(counts);
+    w.dst = id_list(dst, "dst");
+    return to_bytes(fxm::agent::encode_want(w));
+  }, py::arg("req"), py::arg("answer"), py::arg("part"), py::arg("readers"), py::arg("counts"), py::arg("dst"),
+        "A want's bytes (agent/want.h); InvalidArgument for what _parse_want would refuse.");
+  m.def("_parse_want", [](const py::bytes& data) {
+    char* p = nullptr;
+    Py_ssize_t n = 0;
+    PyBytes_AsStringAndSize(data.ptr(), &p, &n);
+    Want w;
+    std::string why;
+    if (!fxm::agent::parse_want(reinterpret_cast<const uint8_t*>(p), static_cast<size_t>(n), &w, &why)) {
+      throw py::value_error(why);
+    }
+    PyObject* req = PyUnicode_DecodeUTF8(w.req.data(), static_cast<Py_ssize_t>(w.req.size()), nullptr);
+    if (req == nullptr) {
+      PyErr_Clear();
+      throw py::value_error("a want: its req is not UTF-8");
+    }
+    py::object dst = py::module_::import("array").attr("array")(
+        "q", py::bytes(reinterpret_cast<const char*>(w.dst.data()), w.dst.size() * sizeof(int64_t)));
+    py::list counts;
+    for (uint64_t c : w.counts) counts.append(c);
+    return py::make_tuple(py::reinterpret_steal<py::str>(req), to_bytes(w.answer),
+                          py::make_tuple(w.si, w.sn, w.di, w.dn), w.readers, counts, dst);
+  }, py::arg("data"),
+        "(req, answer, (si, sn, di, dn), readers, counts, dst: array('q')) of a want; ValueError saying why for "
+        "anything else.");
+}
+
+// What the puller serves wants with: per group the tables (a list of _BlockRows, empty for a group
+// without layers).
+std::vector<std::vector<std::shared_ptr<const fxm::agent::BlockRows>>> group_tables_arg(const py::list& groups) {
+  std::vector<std::vector<std::shared_ptr<const fxm::agent::BlockRows>>> out;
+  for (const py::handle& g : groups) {
+    out.emplace_back();
+    for (const py::handle& r : py::reinterpret_borrow<py::sequence>(g)) {
+      out.back().push_back(r.cast<std::shared_ptr<fxm::agent::BlockRows>>());
+    }
+  }
+  return out;
+}
+
+void bind_serving(py::class_<fxm::agent::BlockPuller, std::shared_ptr<fxm::agent::BlockPuller>>& c) {
+  using fxm::agent::BlockPuller;
+  c.def("serve_wants", &BlockPuller::serve_wants, py::arg("on"), py::call_guard<py::gil_scoped_release>(),
+        "Claims the agent's wants (notifications starting with WANT_PREFIX) for the core to serve (False: no more).")
+      .def("offer", [](BlockPuller& p, uint64_t token, std::string req, const py::list& groups, double timeout) {
+        std::vector<std::vector<int64_t>> held;
+        for (const py::handle& g : groups) held.push_back(id_list(g, "held ids"));
+        py::gil_scoped_release release;
+        p.offer(token, std::move(req), std::move(held), timeout);
+      }, py::arg("token"), py::arg("req"), py::arg("groups"), py::arg("timeout") = 0.0,
+           "The blocks held for req (int64 ids per KV cache group) its wants are served from; a push not over "
+           "within timeout (0: the agent's) is reported late.")
+      .def("withdraw", &BlockPuller::withdraw, py::arg("token"), py::call_guard<py::gil_scoped_release>(),
+           "Takes token's offer out (its later wants go to notifications()); the pushes of it still in flight.")
+      .def("in_flight", &BlockPuller::in_flight, py::arg("token"), py::call_guard<py::gil_scoped_release>())
+      .def("serve_layout", [](BlockPuller& p, std::shared_ptr<Connection> conn, const py::handle& part,
+                              const py::object& locals, const py::object& remotes, const py::list& group_tables) {
+        std::vector<std::shared_ptr<const RegionDesc>> l, r;
+        for (SharedDesc& d : region_list(locals, "local")) l.push_back(std::move(d));
+        for (SharedDesc& d : region_list(remotes, "remote")) r.push_back(std::move(d));
+        auto tables = group_tables_arg(group_tables);
+        std::array<uint32_t, 4> pt = part_arg(part);
+        py::gil_scoped_release release;
+        p.serve_layout(std::move(conn), pt, std::move(l), std::move(r), std::move(tables));
+      }, py::arg("conn"), py::arg("part"), py::arg("locals"), py::arg("remotes"), py::arg("group_tables"),
+           "The tables wants of part (si, sn, di, dn) arriving on conn with len(group_tables) groups are served "
+           "with (per group a list of _BlockRows, empty for a group without layers).")
+      .def("take_served", [](BlockPuller& p) {
+        std::vector<fxm::agent::ServedEvent> got;
+        {
+          py::gil_scoped_release release;
+          got = p.take_served();
+        }
+        py::list out;
+        for (const auto& e : got) {
+          out.append(py::make_tuple(e.token, e.push, e.kind, e.peer, fxm::agent::incarnation_hex(e.incarnation),
+                                    e.readers, e.ops, e.bytes, e.error, e.at_s));
+        }
+        return out;
+      }, "The served events since the last take: (token, push, kind: 1 started, 2 ended, 3 late, peer, "
+         "incarnation, readers, ops, bytes, error or '', when: time.monotonic()).");
+}
+
 void bind_block_puller(py::module_& m) {
   using fxm::agent::BlockPuller;
-  py::class_<BlockPuller, std::shared_ptr<BlockPuller>>(
-      m, "_BlockPuller", "Reads of requests' blocks on a thread of their own (agent/block_pull.h; vllm/transfer.py)")
-      .def(py::init<std::shared_ptr<Agent>>(), py::arg("agent"))
+  py::class_<BlockPuller, std::shared_ptr<BlockPuller>> c(
+      m, "_BlockPuller", "Reads of requests' blocks on a thread of their own (agent/block_pull.h; vllm/transfer.py)");
+  bind_serving(c);
+  c.def(py::init<std::shared_ptr<Agent>>(), py::arg("agent"))
       .def("submit", [](BlockPuller& p, uint64_t token, std::shared_ptr<Connection> conn, const py::object& locals,
                         const py::object& remotes, const py::list& groups, const py::object& on_landed,
                         const py::object& on_failed) {
@@ -666,6 +783,7 @@ void bind_agent(py::module_& m) {
       }, py::arg("src"), py::arg("dst"),
            "The table's rows as a bytearray of int64 (5 a row); None when an id is out of range.");
   bind_block_puller(m);
+  bind_wants(m);
   m.def("region_info", [](const py::bytes& b) { return region_info(region(b)); },
         "The fields of a region descriptor (InvalidArgument when malformed).");
 }
