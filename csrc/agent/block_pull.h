@@ -118,8 +118,8 @@ class BlockPuller {
   void offer(uint64_t token, std::string req, std::vector<std::vector<int64_t>> groups, double timeout_s);
   uint64_t withdraw(uint64_t token);
   uint64_t in_flight(uint64_t token) const;
-  // See WantServer::serve_layout. InvalidArgument for a connection of another agent, or a table
-  // of a group that names a region beyond locals / remotes when used (the want is handed back).
+  // See WantServer::serve_layout. InvalidArgument for a connection of another agent (a table row
+  // naming a region beyond locals / remotes is found when a want is served: it is handed back).
   void serve_layout(std::shared_ptr<Connection> conn, std::array<uint32_t, 4> part,
                     std::vector<std::shared_ptr<const RegionDesc>> locals,
                     std::vector<std::shared_ptr<const RegionDesc>> remotes,
