@@ -111,15 +111,17 @@ bool parse_want(const uint8_t* data, size_t n, Want* out, std::string* why) {
   if (const uint8_t* p = c.take(answer_n)) w.answer.assign(p, p + answer_n);
   uint32_t groups = c.get<uint32_t>();
   if (!c.short_ && groups > kMaxWantGroups) return refuse(std::to_string(groups) + " groups (1 to 1024)");
-  if (const uint8_t* p = c.take(8ull * groups)) {
+  const uint8_t* counts = c.take(8ull * groups);
+  if (counts != nullptr && groups != 0) {  // (memcpy from or to null: undefined even for 0 bytes)
     w.counts.resize(groups);
-    std::memcpy(w.counts.data(), p, 8ull * groups);
+    std::memcpy(w.counts.data(), counts, 8ull * groups);
   }
   uint64_t ndst = c.get<uint64_t>();
   if (!c.short_ && ndst > (n - c.off) / 8) c.short_ = true;  // (checked before anything is allocated)
-  if (const uint8_t* p = c.take(8 * ndst)) {
+  const uint8_t* dst = c.take(8 * ndst);
+  if (dst != nullptr && ndst != 0) {
     w.dst.resize(ndst);
-    std::memcpy(w.dst.data(), p, 8 * ndst);
+    std::memcpy(w.dst.data(), dst, 8 * ndst);
   }
   if (c.short_) return refuse("truncated (" + std::to_string(n) + " bytes)");
   if (c.off != n) return refuse(std::to_string(n - c.off) + " trailing bytes");
