@@ -4,7 +4,7 @@ contiguous agent write of the same bytes on the same path, measured in the same 
     python -m flagcx_mesh.bench kv [--device cpu|cuda] [--tokens 2048,8192] [--paths cma,tcp]
                                    [--layers 32] [--heads 8] [--head-size 128] [--block-size 16]
                                    [--reps 5] [--peers nixl,mooncake | none] [--json PATH] [--plot PNG]
-                                   [--pull on|off] [--steps] [--busy-decode]
+                                   [--pull on|off] [--steps] [--busy-decode] [--busy-prefill]
 
 The shape defaults to an 8B model's (32 layers, 8 KV heads, head size 128, bf16, blocks of 16
 tokens: 64 KiB per block and layer, 128 KiB per token) in vLLM 0.33's layout. This process is
@@ -40,7 +40,9 @@ step by step (_kv_steps.py). With --busy-decode the decode's caller runs Python 
 serving engine's step does in the process that holds the connector, and polls for the request
 between slices of 0.1 ms of it (poll(0), as vLLM's get_finished each step): what the transfer
 part needs the interpreter lock for off that thread shows as time (a thread that gave the lock
-up may wait for it up to the interpreter's switch interval, 5 ms by default).
+up may wait for it up to the interpreter's switch interval, 5 ms by default). With --busy-prefill
+the prefill's caller does the same while the request is out (its next engine step's Python): what
+the prefill's side needs the lock for (a push's want, taken on its transfer thread) shows as time.
 """
 
 from __future__ import annotations
@@ -86,6 +88,8 @@ def _parse(argv: List[str]) -> argparse.Namespace:
                    "(both processes stamp the transfer part's steps: _kv_steps.py)")
     p.add_argument("--busy-decode", action="store_true", help="the decode's caller runs Python all the time, "
                    "polling between slices of 0.1 ms of it (as an engine's steps do beside the connector)")
+    p.add_argument("--busy-prefill", action="store_true", help="the prefill's caller runs Python all the time "
+                   "while a request is out, looking for its end between slices of 0.1 ms of it")
     p.add_argument("--role", default="prefill", help=argparse.SUPPRESS)
     p.add_argument("--dir", help=argparse.SUPPRESS)
     a = p.parse_args(argv)
@@ -118,12 +122,17 @@ def _publish(d: str, name: str, data: bytes) -> None:
     os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
 
 
-def _read(d: str, name: str, timeout: float = 120.0) -> bytes:
+def _read(d: str, name: str, timeout: float = 120.0, busy: bool = False) -> bytes:
+    """The bytes another process published as ``name``, once there; ``busy``: waits running
+    Python (the interpreter lock held) between looks, not sleeping."""
     path, end = os.path.join(d, name), time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > end:
             raise SystemExit(f"bench kv: {path} never appeared (the other process failed?)")
-        time.sleep(0.005)
+        if busy:
+            _busy(1e-4)
+        else:
+            time.sleep(0.005)
     with open(path, "rb") as f:
         return f.read()
 
@@ -178,7 +187,8 @@ def decode(args) -> int:
 
 
 def _busy(seconds: float) -> None:
-    """Python for ``seconds`` (--busy-decode: an engine step's own work, the interpreter lock held)."""
+    """Python for ``seconds`` (--busy-decode, --busy-prefill: an engine step's own work, the
+    interpreter lock held)."""
     end = time.perf_counter() + seconds
     while time.perf_counter() < end:
         sum(range(50))
@@ -190,7 +200,7 @@ def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
     x.hold(req, blocks)
     hold_until = time.time() + x.hold_timeout if args.pull else 0.0  # as a connector's kv_transfer_params say
     _publish(d, f"ask-{i}", json.dumps({"req": req, "blocks": blocks, "hold_until": hold_until}).encode())
-    return json.loads(_read(d, f"took-{i}"))
+    return json.loads(_read(d, f"took-{i}", busy=args.busy_prefill))
 
 
 def _contiguous(args, conn, local, remote, tokens: int) -> float:
