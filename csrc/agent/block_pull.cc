@@ -214,20 +214,30 @@ void BlockPuller::start(PullJob& job) {
   finish(f, why);
 }
 
-// A push's started event is posted once its write was issued (a refusal hands its want back
-// instead), before its answer can go: the answer follows once the write is over (finish_push),
-// not with the write, whose notification would hold this thread until device copies completed.
+// A push is counted in flight (WantServer::begin) before its write is issued, so before its answer
+// can go (a refusal takes it out and hands its want back); its started event is posted once the
+// write was issued. The answer goes with the write where the socket orders it behind the data;
+// where it would wait for device copies (which would hold this thread) it goes once the write is
+// over (finish_push).
 std::string BlockPuller::issue(PullJob& job) {
   std::vector<Xfer> xs;
   std::string why = make_ops(job, &xs);
   if (!why.empty()) return why;
+  if (job.write) begin_push(job);
   Handle op;
+  bool answered = false;
   try {
-    if (!job.write || !xs.empty()) op = job.conn->transfer(xs, /*is_read=*/!job.write, nullptr);
+    if (!job.write) {
+      op = job.conn->transfer(xs, /*is_read=*/true, nullptr);
+    } else if (!xs.empty()) {
+      op = job.conn->transfer(xs, /*is_read=*/false, &job.on_landed, {}, &answered);
+    }
   } catch (const std::exception& e) {  // refused before any byte moved
+    if (job.write) abort_push(job);
     return e.what();
   }
   InFlight f{std::move(job), std::move(op)};
+  f.answered = answered;
   if (f.job.write) {
     f.late_at = Deadline::after_seconds(f.job.late_s > 0 ? f.job.late_s : agent_->timeout_s());
     post_served(f, kServedStarted, "");
@@ -343,25 +353,35 @@ void BlockPuller::hand_back(ClaimedWant& c, const std::string& why) {
 }
 
 // Its number taken when it starts; counted in flight by the offer's token until it ended.
+void BlockPuller::begin_push(PullJob& job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  job.push = served_.begin(job.token);
+}
+
+void BlockPuller::abort_push(const PullJob& job) {
+  std::lock_guard<std::mutex> lock(mu_);
+  served_.end(job.token);
+}
+
 void BlockPuller::post_served(InFlight& f, int kind, const std::string& error) {
   const PeerInfo& peer = f.job.conn->peer();
   ServedEvent e{f.job.token, f.job.push, kind, peer.name, peer.incarnation, f.job.readers,
                 f.op.count(), f.op.bytes(), error, now_s()};
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (kind == kServedStarted) e.push = f.job.push = served_.next_push();
     served_.record(std::move(e));
     ++seq_;
   }
   cv_.notify_all();
 }
 
-// The answer goes once the bytes landed; the ended event says whether it went.
+// The answer goes once the bytes landed (unless it went with the write); the ended event says
+// whether the push and its answer went.
 void BlockPuller::finish_push(InFlight& f, std::string error) {
   if (error.empty()) {
     try {
       f.op.wait(0);  // over: returns at once, or raises the write's own error
-      f.job.conn->notify(f.job.on_landed);
+      if (!f.answered) f.job.conn->notify(f.job.on_landed);
     } catch (const std::exception& e) {
       error = e.what();
     }

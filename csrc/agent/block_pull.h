@@ -135,6 +135,7 @@ class BlockPuller {
     Handle op;         // its read, or its write (a push)
     Deadline late_at;  // a push: reported late past it
     bool late = false;
+    bool answered = false;  // a push: its answer went with the write (the socket orders it behind the data)
   };
   struct Awaited {  // an answer awaited, until the thread takes its arrival (or forget())
     std::shared_ptr<Connection> conn;
@@ -158,7 +159,9 @@ class BlockPuller {
   bool claimed(const std::shared_ptr<Connection>& conn, Notification& n);  // the claim (the inbox's lock held)
   void serve(ClaimedWant& c);  // its push issued, else the want handed back
   void hand_back(ClaimedWant& c, const std::string& why);
-  void post_served(InFlight& f, int kind, const std::string& error);  // (numbers it when started)
+  void begin_push(PullJob& job);         // numbers it and counts it in flight, before its write is issued
+  void abort_push(const PullJob& job);   // its write was refused: no longer in flight (no event)
+  void post_served(InFlight& f, int kind, const std::string& error);
   void post(PullOutcome o);
   bool cancelled(uint64_t token);  // taken out of cancelled_ (its outcome is being made)
 

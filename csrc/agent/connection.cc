@@ -711,7 +711,7 @@ void Connection::issue_all(const std::vector<Checked>& checked, bool is_read, co
 }
 
 Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
-                            StreamArg stream) try {
+                            StreamArg stream, bool* notified) try {
   LogSpeaker speaker(agent_->who());  // device-copy lines of this thread name the agent
   const char* call = is_read ? "read" : "write";
   if (ended()) fail(lost_code(), -1, 0, who() + ": " + call + ": " + gone());
@@ -727,10 +727,10 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
   bool async = false, unordered = false;
   try {
     issue_all(checked, is_read, stream, &async, &unordered);
-    if (notification) {  // after the data: what the socket does not order (reads, device copies) completes first
-      if ((is_read || unordered) && async) {
-        engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
-      }
+    bool must_wait = (is_read || unordered) && async;  // what the socket does not order completes first
+    if (notified) *notified = notification && !must_wait;
+    if (notification && !(must_wait && notified)) {  // after the data
+      if (must_wait) engine().wait_counter(async_issued_.load(), Deadline::after_seconds(agent_->timeout_s()));
       engine().post_message(kPeer, kCtx, notification->data(), notification->size(),
                             Deadline::after_seconds(agent_->timeout_s()));
     }

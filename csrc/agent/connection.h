@@ -56,9 +56,12 @@ class Connection : public std::enable_shared_from_this<Connection> {
   bool ended() const;
   // Writes (is_read false) or reads a batch; all of it is checked before
   // anything moves. The notification (when given) follows the data on this
-  // connection and reaches the target after the data landed.
+  // connection and reaches the target after the data landed. `notified` (when given): a
+  // notification that would wait here for the transfer's own copies (a read, device copies the
+  // socket does not order) is not sent; *notified says whether it went (the caller sends it once
+  // the transfer completed).
   Handle transfer(const std::vector<Xfer>& ops, bool is_read, const std::vector<uint8_t>* notification,
-                  StreamArg stream = {});
+                  StreamArg stream = {}, bool* notified = nullptr);
   // Sends a notification alone (FIFO after earlier transfers on this connection).
   void notify(const std::vector<uint8_t>& bytes);
   // Non-blocking: appends the notifications that arrived.

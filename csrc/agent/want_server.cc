@@ -86,12 +86,18 @@ std::string WantServer::push_for(const Want& w, const std::shared_ptr<Connection
   return "";
 }
 
+uint64_t WantServer::begin(uint64_t token) {
+  ++in_flight_[token];
+  return ++pushes_;
+}
+
+void WantServer::end(uint64_t token) {
+  auto it = in_flight_.find(token);
+  if (it != in_flight_.end() && --it->second == 0) in_flight_.erase(it);
+}
+
 void WantServer::record(ServedEvent e) {
-  if (e.kind == kServedStarted) ++in_flight_[e.token];
-  if (e.kind == kServedEnded) {
-    auto it = in_flight_.find(e.token);
-    if (it != in_flight_.end() && --it->second == 0) in_flight_.erase(it);
-  }
+  if (e.kind == kServedEnded) end(e.token);
   events_.push_back(std::move(e));
 }
 

@@ -27,7 +27,7 @@ namespace fxm::agent {
 
 struct PullJob;
 
-constexpr int kServedStarted = 1;  // the push was issued (its answer goes once its bytes landed)
+constexpr int kServedStarted = 1;  // the push was issued (its answer with it, or once its bytes landed)
 constexpr int kServedEnded = 2;    // it is over: its error "" once the bytes landed and the answer went
 constexpr int kServedLate = 3;     // still in flight past its offer's timeout (once a push)
 
@@ -70,9 +70,11 @@ class WantServer {
   // group into the group's slice of w.dst, its answer sent once the bytes landed; "" and *job
   // made, else why the core cannot serve it.
   std::string push_for(const Want& w, const std::shared_ptr<Connection>& conn, PullJob* job);
-  // Numbers a started push; records an event for take() and counts the offer's pushes in flight
-  // (a started one is counted, an ended one no more).
-  uint64_t next_push() { return ++pushes_; }
+  // A push of the offer of `token` about to be issued: numbered and counted in flight (before its
+  // answer can go), until its ended event is recorded, or end() (its write was refused).
+  uint64_t begin(uint64_t token);
+  void end(uint64_t token);
+  // Records an event for take() (an ended one is no longer counted in flight).
   void record(ServedEvent e);
   std::vector<ServedEvent> take();
 
