@@ -11,6 +11,11 @@ Every message is ``MAGIC + kind (1 byte) + JSON``. Decode -> prefill:
   agents read this request from you, each acknowledging its own; ``groups``, where the model has
   several KV cache groups: how many of ``dst`` are each group's, in order; ``n``: this fetch's
   nonce, an integer >= 0 unique per fetch of the decode agent, echoed in the answer).
+- ``w`` want, binary (after a prefill's layout that carried ``w``): the same want, laid out for
+  the prefill's core to serve without its Python thread (csrc/agent/want.h: the request id, the
+  exact ``D`` the decode awaits, which the prefill sends back as it is, ``part``, ``readers``, the
+  groups' counts and ``dst`` as 64-bit integers). Decoded here into a ``W``'s fields (``tag`` and
+  ``n`` read from its ``D``); one the core did not serve comes to the transfer thread as any ``W``.
 - ``A`` ack: the decode saw ``req``'s blocks land; the prefill may free them (``readers``, where
   the decode read them itself: how many decode agents read this request, each acknowledging its
   own, as a want's ``readers``).
@@ -19,7 +24,8 @@ Every message is ``MAGIC + kind (1 byte) + JSON``. Decode -> prefill:
 Prefill -> decode:
 
 - ``L`` layout: the prefill's own, once per connection, in answer to the decode's (with it the
-  decode may read blocks itself: transfer.py).
+  decode may read blocks itself: transfer.py). Either side's layout may carry ``w`` (1: it takes
+  binary wants); a decode sends ``w`` only to a prefill whose layout said so, ``W`` otherwise.
 
 After the data of a push (notifications follow the data, in order):
 
@@ -46,6 +52,8 @@ import base64
 import json
 from typing import Tuple
 
+from .. import _core
+
 MAGIC = b"fxkv1"
 KINDS = frozenset(b"LWACDF")
 MAX_MESSAGE_BYTES = 4 << 20  # a layout of hundreds of layers is tens of KiB; a want of 100k blocks 0.7 MiB
@@ -64,7 +72,7 @@ FIELDS = {
     "D": {"tag": "str"},
     "F": {"tag": "str"},
 }
-OPTIONAL = {"W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count", "n": "count"},
+OPTIONAL = {"L": {"w": "count"}, "W": {"src": "ints", "part": "ints", "groups": "ints", "readers": "count", "n": "count"},
             "A": {"readers": "count"}, "D": {"n": "count"}, "F": {"why": "text", "n": "count"}}
 WHAT = {"str": f"a string of at most {MAX_ID_CHARS} characters", "text": "a string", "ints": "a list of integers >= 0", "strs": "a list of strings", "lists": "a list of lists", "count": "an integer >= 0"}
 
@@ -78,6 +86,36 @@ def encode(kind: str, **fields) -> bytes:
     if len(k) != 1 or k[0] not in KINDS:
         raise ValueError(f"unknown message kind {kind!r}")
     return MAGIC + k + json.dumps(fields, separators=(",", ":")).encode()
+
+
+WANT_PREFIX = bytes(_core.WANT_PREFIX)  # MAGIC + "w": a binary want (csrc/agent/want.h)
+assert WANT_PREFIX == MAGIC + b"w"
+
+
+def encode_want(want: dict, answer: bytes) -> bytes:
+    """The binary form (``w``) of a ``W``'s fields, with ``answer``: the ``D`` its push is
+    answered with (encode("D", ...) of the want's tag and nonce), which the prefill sends back."""
+    dst = want["dst"]
+    return bytes(_core._encode_want(want["req"], answer, tuple(want.get("part", (0, 1, 0, 1))),
+                                    want.get("readers", 0), list(want.get("groups", [len(dst)])), dst))
+
+
+def _decode_want(data: bytes) -> dict:
+    """A binary want's fields, as a ``W``'s (ProtocolViolation for anything that is not one)."""
+    try:
+        req, answer, part, readers, counts, dst = _core._parse_want(bytes(data))
+    except ValueError as e:
+        raise ProtocolViolation(f"a malformed w message: {str(e)[:200]}") from None
+    kind, named = decode(answer)
+    if kind != "D" or len(req) > MAX_ID_CHARS:
+        raise ProtocolViolation("a w message whose answer is not a D" if kind != "D" else
+                                f"a w message whose 'req' is not {WHAT['str']}")
+    f = dict(req=req, tag=named["tag"], dst=list(dst), part=list(part), groups=list(counts))
+    if "n" in named:
+        f["n"] = named["n"]
+    if readers:
+        f["readers"] = readers
+    return f
 
 
 def _no_float(text: str):
@@ -140,6 +178,8 @@ def decode(data: bytes) -> Tuple[str, dict]:
     if len(data) > MAX_MESSAGE_BYTES:
         raise ProtocolViolation(f"a message of {len(data)} bytes (at most {MAX_MESSAGE_BYTES})")
     k = data[len(MAGIC)]
+    if data.startswith(WANT_PREFIX):
+        return "W", _decode_want(data)
     if k not in KINDS:
         raise ProtocolViolation(f"unknown message kind {bytes([k])!r}")
     try:

@@ -7,7 +7,11 @@ once and serves both roles:
 
 - prefill: :meth:`hold` a finished request's blocks; a decode that asks for them (a ``W``
   message, protocol.py) gets them pushed into its blocks, one batched write per layer, the
-  last one carrying the ``D`` notification. The blocks are released (reported in
+  last one carrying the ``D`` notification. hold() offers the blocks to the core at once: a
+  want in its binary form (``w``, on a connection whose decode layout the core has tables for)
+  is served by the core's puller thread (agent/block_pull.h, want_server.h) with no Python thread
+  on the way, which posts the push's start and end for the transfer thread to count and watch;
+  one the core cannot serve comes to the transfer thread as a ``W``. The blocks are released (reported in
   ``poll().sending``) when the decode acknowledges them, when it cancels, or after
   ``hold_timeout`` when no decode came. A push that fails (the decode died) keeps the blocks
   held, so a decode that restarts and asks again is served. A push that has not completed
@@ -94,6 +98,7 @@ STATS = (  # KVTransfer.stats()
     "pulls",                  # decode: fetches read by the decode itself (no push asked for)
     "bytes_pulled",           # decode: bytes of those reads
 )
+SERVED_STARTED, SERVED_ENDED, SERVED_LATE = 1, 2, 3  # the kinds of the core's served-push events (_on_served)
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
 
 
@@ -149,6 +154,21 @@ class _Push:
     failed: bool = False  # counted in pushes_failed already
 
 
+class _Served:
+    """A push the core serves (its want taken by the core, csrc/agent/block_pull.h), as a push's
+    handle: over once the core posted its end (_on_served)."""
+
+    def __init__(self, push: int, nbytes: int):
+        self.push, self.nbytes, self.over, self.error = push, nbytes, False, ""
+
+    def done(self) -> bool:
+        return self.over
+
+    def wait(self, timeout: float = 0.0) -> None:
+        if self.error:
+            raise MeshError(self.error)
+
+
 @dataclass
 class _Held:
     blocks: Groups  # per KV cache group (groups.py)
@@ -159,6 +179,7 @@ class _Held:
     abandoned_peer: str = ""
     parts: int = 1  # decode ranks that read these blocks (another TP size there, or replicated heads)
     acked: Set[str] = field(default_factory=set)  # the decode agents that acknowledged theirs
+    offer: int = 0  # its token at the puller, which serves its wants (0: none, hold() could not offer)
 
 
 @dataclass
@@ -254,7 +275,7 @@ class KVTransfer:
         self.metadata: bytes = self.agent.metadata()
         self._layout_msg = protocol.encode(
             "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
-            layers=[g.to_wire() for g in self.layers])
+            layers=[g.to_wire() for g in self.layers], w=1)
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._done = Finished()
@@ -271,6 +292,8 @@ class KVTransfer:
         self._peer_layouts: Dict[Tuple[str, str], Tuple[List[bytes], Dict[str, LayerGeometry]]] = {}
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
+        self._offered: Dict[int, str] = {}  # the requests the puller serves wants of, by their offer's token
+        self._takes_w: Set[Tuple[str, str]] = set()  # peer layouts that said they take binary wants (w)
         # decode side
         self._fetches: Dict[str, _Fetch] = {}  # by tag: the one fetch of each that is out
         self._waiting: Dict[str, List[_Fetch]] = {}  # fetches of a tag whose earlier fetch is still out
@@ -281,6 +304,7 @@ class KVTransfer:
         # pulls: read, acked (or released) and posted by the core's thread (agent/block_pull.h), reported
         # by poll(); its wait is poll(timeout)'s, woken by _finish too
         self._puller = _core._BlockPuller(self.agent._core)
+        self._puller.serve_wants(True)  # (wants of what hold() offered: served by the core, _on_served)
         self._pulling: Dict[int, _Fetch] = {}  # the fetches the puller has (reads, pushes' D awaited), by token
         self._tokens = itertools.count(1)
         self._nonces = itertools.count()  # one per fetch: its want's ``n`` (protocol.py)
@@ -297,8 +321,20 @@ class KVTransfer:
     def hold(self, req_id: str, block_ids: Sequence) -> None:
         """Prefill: keep ``req_id``'s blocks (a list, or one per KV cache group: groups.py) for a
         decode until it took them, cancelled, or ``hold_timeout`` passed; the request then appears
-        in ``poll().sending``."""
-        self._command("hold", str(req_id), as_groups(block_ids))
+        in ``poll().sending``. The blocks are offered to the core at once: from then on it serves
+        a decode's want of them itself (a binary ``w`` on a connection whose layout it has), with
+        no step on the transfer thread."""
+        req, groups = str(req_id), as_groups(block_ids)
+        token = next(self._tokens)
+        self._command("hold", req, groups, token)  # (queued first: the core's word on a push finds it, _step)
+        try:
+            self._puller.offer(token, req, [array.array("q", g) for g in groups], self._served_timeout())
+        except Exception:  # noqa: BLE001 - (ids that are no integers, closed): its wants go to the thread
+            pass
+
+    def _served_timeout(self) -> float:
+        """Seconds a push the core serves may take before it is reported late (then abandoned)."""
+        return min(self.push_timeout, self.hold_timeout)
 
     def fetch(self, req_id: str, peer_metadata: bytes, remote_req_id: str, remote_block_ids: Sequence,
               local_block_ids: Sequence, part: Sequence[int] = WHOLE, readers: int = 0,
@@ -398,6 +434,22 @@ class KVTransfer:
                 time.sleep(self._interval)
 
     def _step(self) -> None:
+        self._run_commands()
+        notes = self.agent.notifications(timeout=self._interval)
+        self._take_served()  # (after the notifications: a served push's start precedes its decode's ack)
+        for n in notes:
+            try:  # each on its own: whatever one peer sent must not cost the others theirs
+                self._on_notification(n.peer, n.incarnation, n.data)
+            except Exception as e:  # noqa: BLE001
+                self._bad_message(n.peer, f"{type(e).__name__}: {str(e)[:200]}")
+        now = time.monotonic()
+        self._check_held(now)
+        self._check_fetches(now)
+        if now > self._next_prune:
+            self._prune_layouts()
+            self._next_prune = now + 1.0
+
+    def _run_commands(self) -> None:
         while True:
             try:
                 cmd = self._commands.get_nowait()
@@ -410,17 +462,19 @@ class KVTransfer:
             finally:
                 with self._lock:
                     self._queued -= 1
-        for n in self.agent.notifications(timeout=self._interval):
-            try:  # each on its own: whatever one peer sent must not cost the others theirs
-                self._on_notification(n.peer, n.incarnation, n.data)
-            except Exception as e:  # noqa: BLE001
-                self._bad_message(n.peer, f"{type(e).__name__}: {str(e)[:200]}")
-        now = time.monotonic()
-        self._check_held(now)
-        self._check_fetches(now)
-        if now > self._next_prune:
-            self._prune_layouts()
-            self._next_prune = now + 1.0
+
+    def _take_served(self) -> None:
+        """Takes the core's events of the pushes it serves (_on_served). One of a request whose
+        hold command the thread has not run yet (hold() queues it before it offers the blocks)
+        runs the commands first."""
+        events = self._puller.take_served()
+        if any(e[0] not in self._offered for e in events):
+            self._run_commands()
+        for event in events:
+            try:
+                self._on_served(*event)
+            except Exception:  # noqa: BLE001 - the next events must still be taken
+                self._warn_internal.warn("%s: a served push's event failed:\n%s", self.name, traceback.format_exc())
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -462,17 +516,31 @@ class KVTransfer:
 
     # ---- prefill side -------------------------------------------------------------------
 
-    def _cmd_hold(self, req: str, blocks: Groups) -> None:
-        if req in self._gone:  # the decode cancelled (or read it) before the prefill's worker heard of it
-            if self._gone[req].endswith(EARLY):
-                self._count("released_" + self._gone[req][:-len(EARLY)])
-            self._finish(sending=req)
-            return
+    def _cmd_hold(self, req: str, blocks: Groups, offer: int = 0) -> None:
+        before = self._held.get(req)
+        if before is not None and before.offer != offer:  # held again: its offer replaced the earlier one
+            self._offered.pop(before.offer, None)
+        if offer:
+            self._offered[offer] = req
         try:
             ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in blocks]  # hold() made the groups
         except LayoutError:
             ids = None  # refused to whoever asks for them (_push_table says why)
-        held = self._held[req] = _Held(blocks, time.monotonic() + self.hold_timeout, ids)
+        held = _Held(blocks, time.monotonic() + self.hold_timeout, ids, offer=offer)
+        if ids is None:
+            self._withdraw(held)  # (its wants come to the thread, which refuses them)
+        if req in self._gone:  # the decode cancelled (or read it) before the prefill's worker heard of it
+            why = self._gone[req]
+            if self._withdraw(held):  # a want the core served meanwhile: released once that push is over
+                held.release_when_idle = why[:-len(EARLY)] if why.endswith(EARLY) else "served"
+                self._held[req] = held
+                return
+            self._offered.pop(offer, None)
+            if why.endswith(EARLY):
+                self._count("released_" + why[:-len(EARLY)])
+            self._finish(sending=req)
+            return
+        self._held[req] = held
         acked, parts, _ = self._early_acks.pop(req, (set(), 0, 0.0))
         for peer, f, _ in self._early.pop(req, []):
             self._start_push(req, peer, f)
@@ -483,17 +551,40 @@ class KVTransfer:
         regions = [protocol.unb64(r) for r in f["regions"]]
         layers = {g.name: g for g in (LayerGeometry.from_wire(w) for w in f["layers"])}  # LayoutError: ignored
         for key in [k for k in self._peer_layouts if k[0] == peer]:  # an older incarnation's
-            del self._peer_layouts[key]
-            self._plans.pop(key, None)
-            self._pull_path.pop(key, None)
+            self._drop_layout(key)
+        self._drop_layout((peer, incarnation))
         self._peer_layouts[(peer, incarnation)] = (regions, layers)
-        self._plans.pop((peer, incarnation), None)
-        self._pull_path.pop((peer, incarnation), None)
+        if f.get("w"):
+            self._takes_w.add((peer, incarnation))
         conn = self.agent.connection(peer)
         if conn is not None and conn.peer_incarnation == incarnation:
             self._tell_layout(conn)  # a decode's: answered with this worker's (it may then read)
+            self._serve_layout(conn, (peer, incarnation), WHOLE)
             if self.pull and any(c.peer_name == peer for c in self._conn_of.values()):  # a prefill's
                 self._ready_pulls(conn, (peer, incarnation))
+
+    def _drop_layout(self, key: Tuple[str, str]) -> None:
+        """Forgets a peer layout and what was made of it (the core forgets its tables of a
+        connection itself once the connection is gone)."""
+        self._peer_layouts.pop(key, None)
+        self._plans.pop(key, None)
+        self._pull_path.pop(key, None)
+        self._takes_w.discard(key)
+
+    def _serve_layout(self, conn, key: Tuple[str, str], part, plans=None) -> None:
+        """Has the core serve the wants of ``part`` that come on ``conn`` (a decode's, whose layout
+        is ``key``'s): its row plans' tables, this worker's regions onto the decode's. A layout
+        that does not fit is left to the thread (which refuses its wants, saying why)."""
+        layout = self._peer_layouts.get(key)
+        if layout is None:
+            return
+        try:
+            if plans is None:
+                plans = self._row_plans(key, layout, part, max(self.layer_group, default=0) + 1)
+            self._puller.serve_layout(conn._core, tuple(part), self._regions, layout[0],
+                                      [p.tables() if p is not None else [] for p in plans])
+        except Exception as e:  # noqa: BLE001 - (a layout that does not fit, closed): the thread serves them
+            log.debug("%s: wants of %s are served by the thread: %s", self.name, key[0], e)
 
     def _ready_pulls(self, conn, key: Tuple[str, str]) -> None:
         """Readies what a pull from this prefill takes (its path checked, the row plans of whole
@@ -523,9 +614,7 @@ class KVTransfer:
         for key in list(self._peer_layouts):
             conn = self.agent.connection(key[0])
             if conn is None or conn.peer_incarnation != key[1]:
-                del self._peer_layouts[key]
-                self._plans.pop(key, None)
-                self._pull_path.pop(key, None)
+                self._drop_layout(key)
 
     def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
         req = f["req"]
@@ -570,6 +659,7 @@ class KVTransfer:
                                      layout, part, f.get("groups"), plans)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
+        self._serve_layout(conn, (peer, incarnation), part, plans)  # (the next wants of this part: the core's)
         held.parts = max(held.parts, f.get("readers") or part[1])
         tag = str(f["tag"])
         done = protocol.encode("D", **_answer_to(f))
@@ -695,7 +785,22 @@ class KVTransfer:
         else:
             held.release_when_idle = held.release_when_idle or why
 
+    def _withdraw(self, held: _Held) -> int:
+        """Stops the core serving the wants of a held request; how many pushes it serves of it are
+        still in flight."""
+        return self._puller.withdraw(held.offer) if held.offer else 0
+
+    def _serving(self, held: _Held) -> bool:
+        """Whether the core serves a push of this request now (its end not posted yet)."""
+        return bool(held.offer) and self._puller.in_flight(held.offer) > 0
+
     def _release(self, req: str, why: str) -> None:
+        held = self._held.get(req)
+        if held is not None:
+            if self._withdraw(held):  # a push the core began since it was found idle: once it is over
+                held.release_when_idle = held.release_when_idle or why
+                return
+            self._offered.pop(held.offer, None)
         self._held.pop(req, None)
         self._remember_gone(req, why)
         self._count("released_" + why)
@@ -735,7 +840,33 @@ class KVTransfer:
                     self._count("pushes_done")
                     self._count("push_seconds", now - p.started)
         held.pushes = still
-        return bool(still)
+        return bool(still) or self._serving(held)
+
+    def _on_served(self, token: int, push: int, kind: int, peer: str, incarnation: str, readers: int, _ops: int,
+                   nbytes: int, error: str, at: float) -> None:
+        """The core's word on a push it serves (a want it took: csrc/agent/block_pull.h): started
+        (counted, and kept among the request's pushes until it is over), ended, or late (past
+        _served_timeout: abandoned with its connection, as a push of the thread's is)."""
+        req = self._offered.get(token)
+        held = self._held.get(req) if req is not None else None
+        if held is None or held.offer != token:
+            return
+        if kind == SERVED_STARTED:
+            held.parts = max(held.parts, readers)
+            conn = self.agent.connection(peer)
+            held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at,
+                                     conn if conn is not None and conn.peer_incarnation == incarnation else None))
+            self._count("pushes")
+            self._count("bytes_pushed", nbytes)
+            return
+        p = next((p for p in held.pushes if p.handles and getattr(p.handles[0], "push", None) == push), None)
+        if p is None:
+            return
+        if kind == SERVED_ENDED:
+            p.handles[0].over, p.handles[0].error = True, error
+        elif kind == SERVED_LATE and p.closing is None:
+            self._abandon(p, f"the push of {req} to {peer} did not complete within "
+                             f"{time.monotonic() - p.started:.1f} s")
 
     def _abandon(self, push: _Push, why: str) -> None:
         """Closes the connection of a push past its deadline on a thread of its own; every push
@@ -892,21 +1023,22 @@ class KVTransfer:
             want["part"] = list(f.part)
         if f.readers:
             want["readers"] = f.readers
-        self._await_done(f, conn, want)
-        try:
-            conn.notify(protocol.encode("W", **want))
+        done = protocol.encode("D", **_answer_to(want))  # (what the prefill answers it with: _answer_to)
+        self._await_done(f, conn, done)
+        try:  # a prefill whose layout said it takes them gets the binary form, which its core serves
+            binary = (conn.peer_name, conn.peer_incarnation) in self._takes_w
+            conn.notify(protocol.encode_want(want, done) if binary else protocol.encode("W", **want))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
 
-    def _await_done(self, f: _Fetch, conn, want: dict) -> None:
-        """Has the puller await the push's ``D`` (the bytes the prefill answers ``want`` with, as it
-        makes them: _answer_to), send its ``A`` and post the outcome (_take_pulls), before the
-        ``W`` goes. Where it cannot (closed), the transfer thread takes the ``D`` (_on_answer)."""
+    def _await_done(self, f: _Fetch, conn, done: bytes) -> None:
+        """Has the puller await the push's ``D`` (``done``: the bytes the prefill answers the want
+        with), send its ``A`` and post the outcome (_take_pulls), before the want goes. Where it
+        cannot (closed), the transfer thread takes the ``D`` (_on_answer)."""
         token = next(self._tokens)
         with self._fetch_lock:
             f.token = token
             self._pulling[token] = f
-        done = protocol.encode("D", **_answer_to(want))
         try:  # (its own deadline a backstop: the fetch's is the transfer thread's, _check_fetches)
             self._puller.await_answer(token, conn._core, done, protocol.encode("A", req=f.remote_req),
                                       self.fetch_timeout + ANSWER_SLACK)
