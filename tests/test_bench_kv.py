@@ -41,7 +41,9 @@ def test_bench_kv_moves_each_request_and_reports_both_figures(tmp_path):
 def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
     """--steps: both processes stamp the transfer part's steps; each request length gets each
     step's median (the steps between them add up to no more than the request's total), and a
-    request whose stamps are missing is not reported as a figure (_kv_steps.report)."""
+    request whose stamps are missing is not reported as a figure (_kv_steps.report). Over tcp
+    every request is pushed: the first by the prefill's thread (the decode has no prefill layout
+    yet, its want is a W), the later ones served by the prefill's core (binary wants)."""
     from flagcx_mesh.bench import _kv_steps
 
     out = tmp_path / "kv.json"
@@ -50,14 +52,18 @@ def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
                         "--steps", "--json", str(out)], capture_output=True, text=True, timeout=240)
     assert r.returncode == 0, r.stdout + r.stderr
     steps = json.loads(out.read_text())["paths"]["tcp"]["steps_ms"]
-    names = [name for name, _, _ in _kv_steps.STEPS]
-    for tokens in ("64", "128"):
-        fig = steps[tokens]
-        assert list(fig) == names, fig  # every step of every request was stamped
+    for key, how, n, all_steps, chain_steps in (
+            ("64", "", 1, _kv_steps.STEPS, _kv_steps.CHAIN),  # (the first request of 64 tokens alone)
+            ("64 served", " served by the prefill's core", 2, _kv_steps.SERVED_STEPS, _kv_steps.SERVED_CHAIN),
+            ("128 served", " served by the prefill's core", 2, _kv_steps.SERVED_STEPS, _kv_steps.SERVED_CHAIN)):
+        fig = steps[key]
+        assert list(fig) == [name for name, _, _ in all_steps], fig  # every step of every request was stamped
         assert all(ms >= 0 for ms in fig.values()), fig  # each step of the chain ends after it starts
-        chain = sum(fig[n] for n, _, _ in _kv_steps.CHAIN)
+        chain = sum(fig[name] for name, _, _ in chain_steps)
         assert 0 < fig["total"] and 0.5 * fig["total"] <= chain <= 1.5 * fig["total"], fig  # medians: near the total
-        assert f"steps of a {tokens}-token request (ms, median of 2)" in r.stdout, r.stdout
+        tokens = key.split()[0]
+        assert f"steps of a {tokens}-token request{how} (ms, median of {n})" in r.stdout, r.stdout
+    assert "128" not in steps  # (no request of 128 tokens came to the prefill's thread)
     # a stamp file that does not match the requests made is said, not reported
     assert _kv_steps.report("[]", [64]) == {}
 

@@ -21,6 +21,15 @@ over the requests. The steps are a chain, each from a stamp to one that cannot c
 and beside the chain: fetch() call (the caller's fetch() itself) and push issued (write_blocks
 itself, inside "push, done back").
 
+A pushed request whose want the prefill's core served (a binary want, ``w``: transfer.py; no
+step of the prefill's transfer thread to stamp) has a chain of its own:
+
+    to the want         as above
+    served, done back   the W's notify until poll() takes the request (_fetched): the prefill's
+                        core took the want, made the ops, wrote the blocks with the D behind them,
+                        the decode's core matched the D (its A sent, the outcome posted)
+    to the caller, total   as above
+
 A request the decode read itself (a pull: transfer.py) has a chain of its own:
 
     to the pull         the decode's fetch() called until the pull is handed over (_start_pull):
@@ -57,6 +66,12 @@ CHAIN: Tuple[Step, ...] = (  # the first stamp of each name after the fetch
 )
 BESIDE = (FETCH_CALL, ("push issued", "wb>", "wb<"))
 STEPS = CHAIN + (TOTAL,) + BESIDE
+SERVED_CHAIN: Tuple[Step, ...] = (
+    ("to the want", "fetch>", "notify>"),
+    ("served, done back", "notify>", "fetched>"),
+    ("to the caller", "fetched>", "polled"),
+)
+SERVED_STEPS = SERVED_CHAIN + (TOTAL, FETCH_CALL)
 PULL_CHAIN: Tuple[Step, ...] = (
     ("to the pull", "fetch>", "pull>"),
     ("hand-off", "pull>", "pull<"),
@@ -109,7 +124,8 @@ def install() -> None:
     at = len(protocol.MAGIC)
 
     def noted(self, peer, incarnation, data):
-        _stamp("note:" + (chr(data[at]) if len(data) > at else "?"))
+        kind = chr(data[at]) if len(data) > at else "?"
+        _stamp("note:" + ("W" if kind == "w" else kind))  # (a binary want the core handed back: a W)
         return on_notification(self, peer, incarnation, data)
 
     def polled(self, *a, **k):
@@ -140,10 +156,17 @@ def _requests(stamps: List[Tuple[float, str]]) -> List[Dict[str, float]]:
     return out
 
 
+def _way(r: Dict[str, float]) -> str:
+    """How a stamped request went: pulled, pushed by the prefill's thread (it handled the want), or
+    served by the prefill's core."""
+    return "pulled" if "pull>" in r else "pushed" if "note:W" in r else "served"
+
+
 def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[str, float]]:
-    """Prints the median of each step per request length, pushed and pulled apart (the first
-    request of each length, which sets up its connection's layout, left out where there are more)
-    and returns them in ms: {tokens: {step: ms}}, a pulled request's as {tokens + " pulled": ...}."""
+    """Prints the median of each step per request length, pushed by the prefill's thread, served
+    by its core and pulled apart (the first request of each length, which sets up its connection's
+    layout, left out where its way has more) and returns them in ms: {tokens: {step: ms}}, a served
+    request's as {tokens + " served": ...}, a pulled one's as {tokens + " pulled": ...}."""
     reqs = _requests([(float(t), str(tag)) for t, tag in json.loads(decode_stamps)] + _stamps)
     if len(reqs) != len(tokens_of_requests):
         print(f"  steps: {len(reqs)} requests stamped, {len(tokens_of_requests)} made: not reported", flush=True)
@@ -153,9 +176,12 @@ def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[
         by_len.setdefault(tokens, []).append(r)
     out: Dict[str, Dict[str, float]] = {}
     for tokens, all_rs in by_len.items():
-        all_rs = all_rs[1:] or all_rs
-        for pulled, steps, key, how in ((False, STEPS, str(tokens), ""), (True, PULL_STEPS, f"{tokens} pulled", " pulled")):
-            rs = [r for r in all_rs if ("pull>" in r) == pulled]
+        for way, steps, key, how in (("pushed", STEPS, str(tokens), ""),
+                                     ("served", SERVED_STEPS, f"{tokens} served", " served by the prefill's core"),
+                                     ("pulled", PULL_STEPS, f"{tokens} pulled", " pulled")):
+            rs = [r for r in all_rs if _way(r) == way]
+            if len(rs) > 1 and rs[0] is all_rs[0]:
+                rs = rs[1:]
             fig = {}
             for name, a, b in steps:
                 gaps = [(r[b] - r[a]) * 1e3 for r in rs if a in r and b in r]
