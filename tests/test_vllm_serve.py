@@ -170,6 +170,10 @@ def test_connector_stats_in_metrics(pd):
     pre = metrics_when(pd.prefill.url, lambda t: metric(t, "vllm:flagcx_mesh_pushes_total") >= len(ps))
     assert metric(pre, "vllm:flagcx_mesh_pushes_total") >= len(ps), pd.connector_lines()
     assert metric(pre, "vllm:flagcx_mesh_bytes_pushed_total") > 0
+    # the decodes have the prefill's layout by now (an earlier test's requests): their wants are binary,
+    # served by the prefill's core (vllm/transfer.py)
+    pre = metrics_when(pd.prefill.url, lambda t: metric(t, "vllm:flagcx_mesh_pushes_served_total") >= 1)
+    assert metric(pre, "vllm:flagcx_mesh_pushes_served_total") >= 1, pd.connector_lines()
     assert metric(dec, "vllm:flagcx_mesh_fetches_done_total") >= len(ps)
     assert metric(dec, "vllm:flagcx_mesh_fetch_seconds_total") > 0
 

@@ -19,6 +19,7 @@ HELP = {
     "unexpected_answers": "done / failed answers for a request not awaited from that peer",
     "refused": "requests a prefill refused to push (unknown, released, layout or block size mismatch)",
     "pushes": "pushes a prefill issued",
+    "pushes_served": "of those, pushes its core served (the decode's want taken with no Python thread)",
     "pushes_done": "pushes that completed",
     "pushes_failed": "pushes that failed (the decode died or refused)",
     "pushes_abandoned": "pushes past their deadline, abandoned with their connection",

@@ -85,6 +85,7 @@ STATS = (  # KVTransfer.stats()
     "unexpected_answers",     # D / F for a request not awaited from that peer (late, or made up)
     "refused",                # F sent: unknown or released request, layout mismatch, bad block ids
     "pushes",                 # pushes issued
+    "pushes_served",          # of those, pushes the core served (their want taken with no Python thread)
     "pushes_done",            # pushes completed
     "pushes_failed",          # pushes that failed (the decode died or refused)
     "pushes_abandoned",       # pushes past their deadline, abandoned with their connection
@@ -857,6 +858,7 @@ class KVTransfer:
             held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at,
                                      conn if conn is not None and conn.peer_incarnation == incarnation else None))
             self._count("pushes")
+            self._count("pushes_served")
             self._count("bytes_pushed", nbytes)
             return
         p = next((p for p in held.pushes if p.handles and getattr(p.handles[0], "push", None) == push), None)
