@@ -300,3 +300,45 @@ def test_a_push_in_flight(scenario):
     env = gpujobs.job_env(fakecuda.env(), ("FLAGCX_MESH_CUDA_PATH",), FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS=1500)
     p = spawn_prog(os.path.join(HERE, "want_serve_prog.py"), scenario, env=env, cwd=HERE)
     finish_prog(p, timeout=60, what=scenario, ok=f"{scenario} ok")
+
+
+def test_once_withdraw_said_none_in_flight_no_push_of_that_offer_starts():
+    """withdraw() racing the puller's thread serving a want of 16384 ops (making them takes a
+    while): where withdraw() returned 0, no push of that offer starts after it (the push is counted
+    in flight as its offer is found, under the lock withdraw() takes). Before, the count came only
+    once the ops were made, and the write was issued after a withdraw() that said 0 (5 of 150 tries)."""
+    import random
+
+    block, n, tries = 16, 32768, 150
+    rng = random.Random(7)
+    late = []
+    with Agent("want-decode", "s", timeout=20) as decode, Agent("want-prefill", "s", timeout=20) as prefill:
+        mine, theirs = bytearray(block * n), bytearray(block * n)
+        dr, pr = decode.register(mine), prefill.register(theirs)
+        conn = decode.connect(prefill.metadata())
+        back = prefill.connect(decode.metadata())
+        puller = _core._BlockPuller(prefill._core)
+        try:
+            puller.serve_wants(True)
+            table = _core._BlockRows([(0, block, 0, block)], [0], [0], block, True, n, n)
+            puller.serve_layout(back._core, PART, [pr], [dr], [[table]])
+            src, dst = list(range(0, n, 2)), tuple(reversed(range(1, n, 2)))  # no two ops merge
+            for i in range(tries):
+                token = 100 + i
+                puller.offer(token, f"req-{i}", [ids(src)], 20.0)
+                conn.notify(want(f"req-{i}", dst=dst))
+                spin = time.perf_counter() + rng.uniform(0, 0.004)
+                while time.perf_counter() < spin:
+                    pass
+                none = puller.withdraw(token) == 0
+                said, events = time.monotonic(), []
+                while time.monotonic() < said + 10:  # until it ended, or came back unserved
+                    events += [e for e in puller.take_served() if e[0] == token]
+                    if any(e[2] == ENDED for e in events) or prefill.notifications(timeout=0.001):
+                        break
+                if none:
+                    late += [(i, round(e[9] - said, 6)) for e in events if e[2] == STARTED and e[9] > said]
+                decode.notifications(timeout=0)
+        finally:
+            puller.close()
+    assert late == [], f"withdraw() said 0 in flight, then a push of that offer started: {late[:5]}"

@@ -214,29 +214,37 @@ void BlockPuller::start(PullJob& job) {
   finish(f, why);
 }
 
-// A push is counted in flight (WantServer::begin) before its write is issued, so before its answer
-// can go (a refusal takes it out and hands its want back); its started event is posted once the
-// write was issued. The answer goes with the write where the socket orders it behind the data;
-// where it would wait for device copies (which would hold this thread) it goes once the write is
-// over (finish_push).
+// A push was counted in flight when its offer was found (serve()); its started event is posted
+// once its write was issued. The answer goes with the write where the socket orders it behind the
+// data; where it would wait for device copies (which would hold this thread) it goes once the write
+// is over (finish_push). A write that fails as it is issued (its connection failing: some of its
+// ops may have gone) is a push that failed, not a refusal: its events are posted, it is not handed
+// back (as the connector's own push counts it).
 std::string BlockPuller::issue(PullJob& job) {
   std::vector<Xfer> xs;
   std::string why = make_ops(job, &xs);
   if (!why.empty()) return why;
-  if (job.write) begin_push(job);
   Handle op;
   bool answered = false;
+  std::string failed;
   try {
     if (!job.write) {
       op = job.conn->transfer(xs, /*is_read=*/true, nullptr);
     } else if (!xs.empty()) {
       op = job.conn->transfer(xs, /*is_read=*/false, &job.on_landed, {}, &answered);
     }
-  } catch (const std::exception& e) {  // refused before any byte moved
-    if (job.write) abort_push(job);
+  } catch (const Error& e) {  // refused by the checks before anything moved (InvalidArgument), or failed as issued
+    if (!job.write || e.code() == Code::kInvalidArgument) return e.what();
+    failed = std::string("the write failed as it was issued: ") + e.what();
+  } catch (const std::exception& e) {
     return e.what();
   }
   InFlight f{std::move(job), std::move(op)};
+  if (!failed.empty()) {
+    post_served(f, kServedStarted, "");
+    post_served(f, kServedEnded, failed);
+    return "";
+  }
   f.answered = answered;
   if (f.job.write) {
     f.late_at = Deadline::after_seconds(f.job.late_s > 0 ? f.job.late_s : agent_->timeout_s());
@@ -331,20 +339,30 @@ std::vector<ServedEvent> BlockPuller::take_served() {
   return served_.take();
 }
 
+// The push is counted in flight as its offer is found, under the same lock: a withdraw() after that
+// waits for it (none starts unseen); until its write was issued (or failed as issued) a failure
+// takes it out again and hands the want back.
 void BlockPuller::serve(ClaimedWant& c) {
   std::string why;
+  PullJob job;
+  bool counted = false;
   try {
     Want w;
-    PullJob job;
     if (parse_want(c.n.bytes.data(), c.n.bytes.size(), &w, &why)) {
       std::lock_guard<std::mutex> lock(mu_);
       why = served_.push_for(w, c.conn, &job);
+      if (why.empty()) {
+        job.push = served_.begin(job.token);
+        counted = true;
+      }
     }
     if (why.empty()) why = issue(job);
   } catch (const std::exception& e) {  // (out of memory): not served
     why = e.what();
   }
-  if (!why.empty()) hand_back(c, why);
+  if (why.empty()) return;
+  if (counted) uncount_push(job);
+  hand_back(c, why);
 }
 
 void BlockPuller::hand_back(ClaimedWant& c, const std::string& why) {
@@ -353,12 +371,7 @@ void BlockPuller::hand_back(ClaimedWant& c, const std::string& why) {
 }
 
 // Its number taken when it starts; counted in flight by the offer's token until it ended.
-void BlockPuller::begin_push(PullJob& job) {
-  std::lock_guard<std::mutex> lock(mu_);
-  job.push = served_.begin(job.token);
-}
-
-void BlockPuller::abort_push(const PullJob& job) {
+void BlockPuller::uncount_push(const PullJob& job) {
   std::lock_guard<std::mutex> lock(mu_);
   served_.end(job.token);
 }

@@ -152,15 +152,14 @@ class BlockPuller {
   void finish_answers(std::vector<Answered> done);
   void close_answers();
   void start(PullJob& job);  // makes the ops and issues the read: in flight_, or its outcome posted
-  std::string issue(PullJob& job);  // "" (in flight_, or finished), else why nothing was issued
+  std::string issue(PullJob& job);  // "" (in flight_, or finished), else why nothing was issued (nothing moved)
   bool polled(InFlight& f);  // its op is over: finished (its outcome or ended event posted)
   void finish(InFlight& f, const std::string& error);
   void finish_push(InFlight& f, std::string error);
   bool claimed(const std::shared_ptr<Connection>& conn, Notification& n);  // the claim (the inbox's lock held)
   void serve(ClaimedWant& c);  // its push issued, else the want handed back
   void hand_back(ClaimedWant& c, const std::string& why);
-  void begin_push(PullJob& job);         // numbers it and counts it in flight, before its write is issued
-  void abort_push(const PullJob& job);   // its write was refused: no longer in flight (no event)
+  void uncount_push(const PullJob& job);  // its write was refused: no longer in flight (no event)
   void post_served(InFlight& f, int kind, const std::string& error);
   void post(PullOutcome o);
   bool cancelled(uint64_t token);  // taken out of cancelled_ (its outcome is being made)
