@@ -193,3 +193,47 @@ def test_a_want_is_served_over_tcp_its_answer_behind_the_data(pair, monkeypatch)
     assert only_these_blocks(dkv, [{1: 1, 4: 3, 5: 4, 10: 9, 13: 12}] * 2) == []
     assert dec.agent.connection(pre.name).path_to(pre._regions[0].descriptor, dec._regions[0].descriptor) == "tcp"
     assert "W" not in seen
+
+
+def test_a_request_held_again_keeps_waiting_for_the_pushes_of_its_first_hold(pair, monkeypatch):
+    """hold() of a request id still held: a release waits for the pushes the core serves of the
+    first hold's offer too (before, the first offer's pushes were forgotten with it)."""
+    pre, dec, dkv = pushed_pair(pair)
+    pre.hold("r1", [3])
+    wait_until(lambda: "r1" in pre._held, "the hold taken")
+    first = pre._held["r1"].offers[-1]
+    real = pre._puller
+
+    class FirstBusy:  # the core reports a push of the first offer in flight
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def withdraw(self, token):
+            return 1 if real.withdraw(token) or token == first else 0
+
+        def in_flight(self, token):
+            return 1 if token == first else real.in_flight(token)
+
+    monkeypatch.setattr(pre, "_puller", FirstBusy())
+    pre.hold("r1", [3])
+    wait_until(lambda: pre._held["r1"].offers[-1] != first, "the second hold taken")
+    dec.release(pre.metadata, "r1")
+    assert not_within(pre, "sending", "r1", 0.5), "released while a push of the first offer is in flight"
+    monkeypatch.setattr(pre, "_puller", real)
+    wait_for(pre, "sending", "r1")
+
+
+@pytest.mark.parametrize("tag,req", [("t" * 4090, "r"), ("\u00e9" * 700, "r"), ("t", "\u00e9" * 2100)],
+                         ids=["long-tag", "non-ascii-tag", "non-ascii-request"])
+def test_ids_the_binary_want_cannot_carry_go_as_a_W(pair, tag, req):
+    """A tag or request id within what a W carries (4096 characters) but over the binary want's
+    4096 bytes (its D escapes non-ASCII characters as 6 bytes each): the want goes as a W, served
+    by the thread, not failed."""
+    pre, dec, dkv = pushed_pair(pair)
+    wait_until(lambda: takes_w(dec, pre), "the decode took the prefill's layout")
+    with pytest.raises(ValueError):
+        protocol.encode_want(dict(req=req, tag=tag, dst=[1], n=3), protocol.encode("D", tag=tag, n=3))
+    pre.hold(req, [3])
+    dec.fetch(tag, pre.metadata, req, [3], [4])
+    assert wait_for(dec, "recving", tag) == {}
+    assert only_these_blocks(dkv, [{1: 1, 4: 3}] * 2) == []

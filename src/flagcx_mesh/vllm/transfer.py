@@ -180,7 +180,8 @@ class _Held:
     abandoned_peer: str = ""
     parts: int = 1  # decode ranks that read these blocks (another TP size there, or replicated heads)
     acked: Set[str] = field(default_factory=set)  # the decode agents that acknowledged theirs
-    offer: int = 0  # its token at the puller, which serves its wants (0: none, hold() could not offer)
+    offers: List[int] = field(default_factory=list)  # its tokens at the puller, which serves its wants (the
+    # last one offered now; earlier ones of the same request id held again, whose pushes may still run)
 
 
 @dataclass
@@ -294,6 +295,7 @@ class KVTransfer:
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         self._offered: Dict[int, str] = {}  # the requests the puller serves wants of, by their offer's token
+        self._served_later: List[tuple] = []  # the core's events taken early (_forget_offers), for _take_served
         self._takes_w: Set[Tuple[str, str]] = set()  # peer layouts that said they take binary wants (w)
         # decode side
         self._fetches: Dict[str, _Fetch] = {}  # by tag: the one fetch of each that is out
@@ -468,7 +470,7 @@ class KVTransfer:
         """Takes the core's events of the pushes it serves (_on_served). One of a request whose
         hold command the thread has not run yet (hold() queues it before it offers the blocks)
         runs the commands first."""
-        events = self._puller.take_served()
+        events, self._served_later = self._served_later + self._puller.take_served(), []
         if any(e[0] not in self._offered for e in events):
             self._run_commands()
         for event in events:
@@ -518,16 +520,16 @@ class KVTransfer:
     # ---- prefill side -------------------------------------------------------------------
 
     def _cmd_hold(self, req: str, blocks: Groups, offer: int = 0) -> None:
-        before = self._held.get(req)
-        if before is not None and before.offer != offer:  # held again: its offer replaced the earlier one
-            self._offered.pop(before.offer, None)
         if offer:
             self._offered[offer] = req
         try:
             ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in blocks]  # hold() made the groups
         except LayoutError:
             ids = None  # refused to whoever asks for them (_push_table says why)
-        held = _Held(blocks, time.monotonic() + self.hold_timeout, ids, offer=offer)
+        held = _Held(blocks, time.monotonic() + self.hold_timeout, ids, offers=[offer] if offer else [])
+        before = self._held.get(req)
+        if before is not None:  # held again: the pushes of the earlier hold still count (the core's too)
+            held.pushes, held.offers = before.pushes, before.offers + held.offers
         if ids is None:
             self._withdraw(held)  # (its wants come to the thread, which refuses them)
         if req in self._gone:  # the decode cancelled (or read it) before the prefill's worker heard of it
@@ -536,7 +538,7 @@ class KVTransfer:
                 held.release_when_idle = why[:-len(EARLY)] if why.endswith(EARLY) else "served"
                 self._held[req] = held
                 return
-            self._offered.pop(offer, None)
+            self._forget_offers(held)
             if why.endswith(EARLY):
                 self._count("released_" + why[:-len(EARLY)])
             self._finish(sending=req)
@@ -788,12 +790,26 @@ class KVTransfer:
 
     def _withdraw(self, held: _Held) -> int:
         """Stops the core serving the wants of a held request; how many pushes it serves of it are
-        still in flight."""
-        return self._puller.withdraw(held.offer) if held.offer else 0
+        still in flight (once 0, none starts any more)."""
+        return sum(self._puller.withdraw(t) for t in held.offers)
 
     def _serving(self, held: _Held) -> bool:
         """Whether the core serves a push of this request now (its end not posted yet)."""
-        return bool(held.offer) and self._puller.in_flight(held.offer) > 0
+        return any(self._puller.in_flight(t) > 0 for t in held.offers)
+
+    def _forget_offers(self, held: _Held) -> None:
+        """A hold going: the core's events of its pushes, all ended, counted first (taken now; the
+        others' kept for the next _take_served), then its tokens forgotten."""
+        if not held.offers:
+            return
+        events = self._served_later + self._puller.take_served()
+        self._served_later = [e for e in events if e[0] not in held.offers]
+        for event in events:
+            if event[0] in held.offers:
+                self._on_served(*event)
+        self._active("", held, time.monotonic())  # (counts the pushes that ended)
+        for t in held.offers:
+            self._offered.pop(t, None)
 
     def _release(self, req: str, why: str) -> None:
         held = self._held.get(req)
@@ -801,7 +817,7 @@ class KVTransfer:
             if self._withdraw(held):  # a push the core began since it was found idle: once it is over
                 held.release_when_idle = held.release_when_idle or why
                 return
-            self._offered.pop(held.offer, None)
+            self._forget_offers(held)
         self._held.pop(req, None)
         self._remember_gone(req, why)
         self._count("released_" + why)
@@ -850,13 +866,16 @@ class KVTransfer:
         _served_timeout: abandoned with its connection, as a push of the thread's is)."""
         req = self._offered.get(token)
         held = self._held.get(req) if req is not None else None
-        if held is None or held.offer != token:
+        if held is None or token not in held.offers:
             return
         if kind == SERVED_STARTED:
             held.parts = max(held.parts, readers)
             conn = self.agent.connection(peer)
-            held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at,
-                                     conn if conn is not None and conn.peer_incarnation == incarnation else None))
+            if conn is not None and conn.peer_incarnation == incarnation:  # abandoned at the thread's deadline too
+                held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at, conn,
+                                         min(at + self.push_timeout, held.deadline)))
+            else:  # on a connection that already ended (its decode restarted): its write fails on its own
+                held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at))
             self._count("pushes")
             self._count("pushes_served")
             self._count("bytes_pushed", nbytes)
@@ -866,7 +885,7 @@ class KVTransfer:
             return
         if kind == SERVED_ENDED:
             p.handles[0].over, p.handles[0].error = True, error
-        elif kind == SERVED_LATE and p.closing is None:
+        elif kind == SERVED_LATE and p.closing is None and p.conn is not None:
             self._abandon(p, f"the push of {req} to {peer} did not complete within "
                              f"{time.monotonic() - p.started:.1f} s")
 
@@ -1028,10 +1047,19 @@ class KVTransfer:
         done = protocol.encode("D", **_answer_to(want))  # (what the prefill answers it with: _answer_to)
         self._await_done(f, conn, done)
         try:  # a prefill whose layout said it takes them gets the binary form, which its core serves
-            binary = (conn.peer_name, conn.peer_incarnation) in self._takes_w
-            conn.notify(protocol.encode_want(want, done) if binary else protocol.encode("W", **want))
+            conn.notify(self._want_message(conn, want, done))
         except MeshError as e:
             self._fail(f, f"cannot reach the prefill: {e}")
+
+    def _want_message(self, conn, want: dict, done: bytes) -> bytes:
+        """The want's binary form (``w``) for a prefill whose layout said it takes them, else (and
+        for ids longer than the binary form carries) its ``W``."""
+        if (conn.peer_name, conn.peer_incarnation) in self._takes_w:
+            try:
+                return protocol.encode_want(want, done)
+            except ValueError:  # (InvalidArgument: a request id or tag of more than 4096 bytes)
+                pass
+        return protocol.encode("W", **want)
 
     def _await_done(self, f: _Fetch, conn, done: bytes) -> None:
         """Has the puller await the push's ``D`` (``done``: the bytes the prefill answers the want
