@@ -538,7 +538,9 @@ class KVTransfer:
                 held.release_when_idle = why[:-len(EARLY)] if why.endswith(EARLY) else "served"
                 self._held[req] = held
                 return
+            self._held[req] = held  # (while the core's events of its pushes, all over, are counted)
             self._forget_offers(held)
+            del self._held[req]
             if why.endswith(EARLY):
                 self._count("released_" + why[:-len(EARLY)])
             self._finish(sending=req)
