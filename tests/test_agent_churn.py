@@ -59,7 +59,7 @@ class Prefill:
         self.keep = []  # caches stay alive until the end: a peer may still read an old one
         self.pending = []  # (handle, peer name, bytes)
         self.written = 0  # bytes of completed write handles
-        self.lost = []  # (peer name, message) of handles failed with PeerLost
+        self.lost = []  # (peer name, message, bytes) of handles failed with PeerLost
         self.served = {}  # peer name -> requests answered
         self.served_after_kill = 0
         self.victim_handle = None
@@ -90,7 +90,7 @@ class Prefill:
                 h.wait(5)
                 self.written += nbytes
             except PeerLost as e:
-                self.lost.append((peer, str(e)))
+                self.lost.append((peer, str(e), nbytes))
         self.pending = still
 
     def grow(self):
@@ -157,10 +157,14 @@ def test_prefill_serves_eight_decodes_in_churn(tmp_path, monkeypatch):
         with pytest.raises(PeerLost, match=VICTIM):
             p.victim_handle.wait(1)
         assert not p.pending, "handles neither completed nor failed"
-        wrong = [msg for peer, msg in p.lost if peer != VICTIM or VICTIM not in msg]
+        wrong = [msg for peer, msg, _ in p.lost if peer != VICTIM or VICTIM not in msg]
         assert p.lost and not wrong, "\n".join(wrong)
         connects, written, read = read_logs(tmp_path)
-        assert written == p.written and written > 0, (written, p.written)  # every byte landed was checked
+        # every byte of a completed write was checked by its decode; a write to the victim that failed
+        # with PeerLost may still have landed and been checked (its done came, the victim was stopped
+        # before its ack reached this agent): PeerLost says nothing of whether the bytes landed
+        maybe = sum(n for _, _, n in p.lost)
+        assert written > 0 and p.written <= written <= p.written + maybe, (written, p.written, maybe)
         assert read > 0
         print(f"churn {SECONDS:.0f} s: {connects} connects, {sum(p.served.values())} requests, {written} bytes written "
               f"and {read} read back, all checked; {len(p.lost)} handle(s) lost with {VICTIM}; stats {a.stats()}")
