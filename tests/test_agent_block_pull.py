@@ -49,12 +49,14 @@ def ids(v):
     return array.array("q", v)
 
 
-def outcomes(puller, n, timeout=20.0):
-    """The first ``n`` outcomes the puller posts (no more: what one take() brings beyond them fails)."""
+def outcomes(puller, n, timeout=20.0, take=None):
+    """The first ``n`` outcomes the puller posts (no more: what one take() brings beyond them fails);
+    ``take``: another of its queues (take_served)."""
+    take = take or puller.take
     got, end = [], time.monotonic() + timeout
     while len(got) < n and time.monotonic() < end:
         seen = puller.seq()
-        got += puller.take()
+        got += take()
         if len(got) < n:
             puller.wait(seen, end - time.monotonic())
     assert len(got) == n, got

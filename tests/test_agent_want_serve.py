@@ -20,6 +20,7 @@ import gpujobs
 from flagcx_mesh import Agent, _core
 from flagcx_mesh.errors import InvalidArgument
 from meshutil import finish_prog, spawn_prog
+from test_agent_block_pull import outcomes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -136,14 +137,7 @@ def serving():
 
 def served(puller, n, timeout=20.0):
     """The first ``n`` served events (no more)."""
-    got, end = [], time.monotonic() + timeout
-    while len(got) < n and time.monotonic() < end:
-        seen = puller.seq()
-        got += puller.take_served()
-        if len(got) < n:
-            puller.wait(seen, end - time.monotonic())
-    assert len(got) == n, got
-    return got
+    return outcomes(puller, n, timeout, take=puller.take_served)
 
 
 def answers(agent, timeout=5.0):
