@@ -20,6 +20,7 @@ import gpujobs
 from flagcx_mesh import Agent, _core
 from flagcx_mesh.errors import InvalidArgument
 from meshutil import finish_prog, spawn_prog
+from test_agent_block_pull import notes as answers  # what reaches an agent (all of it, then nothing for 0.2 s)
 from test_agent_block_pull import outcomes
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -138,17 +139,6 @@ def serving():
 def served(puller, n, timeout=20.0):
     """The first ``n`` served events (no more)."""
     return outcomes(puller, n, timeout, take=puller.take_served)
-
-
-def answers(agent, timeout=5.0):
-    """What reaches ``agent`` within ``timeout`` (all of it, then nothing for 0.2 s)."""
-    got, end = [], time.monotonic() + timeout
-    while time.monotonic() < end:
-        more = [bytes(n.data) for n in agent.notifications(timeout=0.2)]
-        if not more and got:
-            break
-        got += more
-    return got
 
 
 def test_a_want_is_served_by_the_core_with_no_reader_of_notifications(serving):
