@@ -370,7 +370,6 @@ void BlockPuller::hand_back(ClaimedWant& c, const std::string& why) {
   agent_->deliver_notification(std::move(c.n));
 }
 
-// Its number taken when it starts; counted in flight by the offer's token until it ended.
 void BlockPuller::uncount_push(const PullJob& job) {
   std::lock_guard<std::mutex> lock(mu_);
   served_.end(job.token);

@@ -12,8 +12,9 @@
 // And on the side that holds the blocks, a peer's want (agent/want.h) of blocks offered here
 // (serve_wants, offer, serve_layout): the agent's inbox hands each want to this thread as it
 // arrives, which makes its push (want_server.h), issues and watches it as a read, sends the
-// peer the want's answer once the bytes landed and posts served events (take_served); a want it
-// cannot serve goes back to the inbox, untouched, for notifications().
+// peer the want's answer (with the write where the socket orders it behind the data, else once
+// the bytes landed) and posts served events (take_served); a want it cannot serve goes back to
+// the inbox, untouched, for notifications().
 #pragma once
 
 #include <condition_variable>
@@ -124,8 +125,9 @@ class BlockPuller {
                     std::vector<std::shared_ptr<const RegionDesc>> locals,
                     std::vector<std::shared_ptr<const RegionDesc>> remotes,
                     std::vector<std::vector<std::shared_ptr<const BlockRows>>> group_tables);
-  // The served events posted since the last take, in order. A push's started event is posted
-  // before its answer goes to the peer, so it is here before the peer's ack of the push can be.
+  // The served events posted since the last take, in order. A push is counted by in_flight()
+  // from before its write is issued, so before the peer's ack of it can come; its started event
+  // is posted once the write was issued (it may follow that ack).
   std::vector<ServedEvent> take_served();
 
  private:

@@ -67,7 +67,7 @@ class WantServer {
   void serve_layout(const std::shared_ptr<Connection>& conn, const std::array<uint32_t, 4>& part, Regions locals,
                     Regions remotes, GroupTables group_tables);
   // The push that serves `w`, arrived on `conn`: a write of the last counts[g] ids held of each
-  // group into the group's slice of w.dst, its answer sent once the bytes landed; "" and *job
+  // group into the group's slice of w.dst, its answer sent behind the data; "" and *job
   // made, else why the core cannot serve it.
   std::string push_for(const Want& w, const std::shared_ptr<Connection>& conn, PullJob* job);
   // A push of the offer of `token` about to be issued: numbered and counted in flight (before its
