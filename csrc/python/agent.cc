@@ -522,6 +522,9 @@ std::vector<std::vector<std::shared_ptr<const fxm::agent::BlockRows>>> group_tab
 
 void bind_serving(py::class_<fxm::agent::BlockPuller, std::shared_ptr<fxm::agent::BlockPuller>>& c) {
   using fxm::agent::BlockPuller;
+  c.attr("SERVED_STARTED") = fxm::agent::kServedStarted;  // the kinds of take_served()'s events
+  c.attr("SERVED_ENDED") = fxm::agent::kServedEnded;
+  c.attr("SERVED_LATE") = fxm::agent::kServedLate;
   c.def("serve_wants", &BlockPuller::serve_wants, py::arg("on"), py::call_guard<py::gil_scoped_release>(),
         "Claims the agent's wants (notifications starting with WANT_PREFIX) for the core to serve (False: no more).")
       .def("offer", [](BlockPuller& p, uint64_t token, std::string req, const py::list& groups, double timeout) {

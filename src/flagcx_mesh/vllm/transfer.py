@@ -99,7 +99,8 @@ STATS = (  # KVTransfer.stats()
     "pulls",                  # decode: fetches read by the decode itself (no push asked for)
     "bytes_pulled",           # decode: bytes of those reads
 )
-SERVED_STARTED, SERVED_ENDED, SERVED_LATE = 1, 2, 3  # the kinds of the core's served-push events (_on_served)
+SERVED_STARTED, SERVED_ENDED, SERVED_LATE = (  # the kinds of the core's served-push events (_on_served)
+    _core._BlockPuller.SERVED_STARTED, _core._BlockPuller.SERVED_ENDED, _core._BlockPuller.SERVED_LATE)
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
 
 
@@ -159,8 +160,8 @@ class _Served:
     """A push the core serves (its want taken by the core, csrc/agent/block_pull.h), as a push's
     handle: over once the core posted its end (_on_served)."""
 
-    def __init__(self, push: int, nbytes: int):
-        self.push, self.nbytes, self.over, self.error = push, nbytes, False, ""
+    def __init__(self, push: int):
+        self.push, self.over, self.error = push, False, ""
 
     def done(self) -> bool:
         return self.over
@@ -873,11 +874,10 @@ class KVTransfer:
         if kind == SERVED_STARTED:
             held.parts = max(held.parts, readers)
             conn = self.agent.connection(peer)
-            if conn is not None and conn.peer_incarnation == incarnation:  # abandoned at the thread's deadline too
-                held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at, conn,
-                                         min(at + self.push_timeout, held.deadline)))
-            else:  # on a connection that already ended (its decode restarted): its write fails on its own
-                held.pushes.append(_Push(peer, "", [_Served(push, nbytes)], at))
+            if conn is None or conn.peer_incarnation != incarnation:
+                conn = None  # its connection already ended (its decode restarted): its write fails on its own
+            held.pushes.append(_Push(peer, "", [_Served(push)], at, conn,  # abandoned at the thread's deadline too
+                                     float("inf") if conn is None else min(at + self.push_timeout, held.deadline)))
             self._count("pushes")
             self._count("pushes_served")
             self._count("bytes_pushed", nbytes)
