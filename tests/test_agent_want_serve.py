@@ -271,6 +271,25 @@ def test_close_takes_the_claim_out(serving):
         s.puller.serve_wants(True)
 
 
+def test_a_second_puller_of_the_agent_is_refused_and_leaves_the_first_serving(serving):
+    """One puller of an agent serves its wants: a second's serve_wants(True) is refused, and its
+    close leaves the first's claim in place. (Before, the second replaced the first's claim and its
+    close took the claim out: the first's offers were then never served.)"""
+    s = serving
+    other = _core._BlockPuller(s.prefill._core)
+    with pytest.raises(InvalidArgument, match="another block puller"):
+        other.serve_wants(True)
+    other.close()
+    s.puller.offer(6, "req-1", [ids([1, 2])], 20.0)
+    s.conn.notify(want(dst=(12, 13)))
+    assert answers(s.decode) == [b"D-1"] and s.block(s.mine, 13) == s.block(s.theirs, 2)
+    assert answers(s.prefill) == []
+    s.puller.serve_wants(False)
+    other = _core._BlockPuller(s.prefill._core)  # (the claim is free again)
+    other.serve_wants(True)
+    other.close()
+
+
 def test_serve_layout_refuses_a_connection_of_another_agent(serving):
     s = serving
     with pytest.raises(InvalidArgument):

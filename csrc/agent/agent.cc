@@ -546,7 +546,10 @@ void Agent::unread(std::vector<Notification> ns) { inbox_->unread(std::move(ns))
 void Agent::claim_notifications(std::vector<uint8_t> prefix,
                                 std::function<bool(const std::shared_ptr<Connection>&, Notification&)> fn) {
   require_open("claim_notifications");
-  inbox_->claim(std::move(prefix), std::move(fn));
+  if (!inbox_->claim(std::move(prefix), std::move(fn))) {
+    fail(Code::kInvalidArgument, -1, 0,
+         who() + "claim_notifications: the prefix is claimed already (one claim per prefix)");
+  }
 }
 
 void Agent::unclaim_notifications(const std::vector<uint8_t>& prefix) { inbox_->unclaim(prefix); }

@@ -249,8 +249,8 @@ class Agent {
   // connection they came on, before any wait or notifications() sees them; fn returning true
   // consumes one (false leaves it as if no claim were there). fn runs with the inbox's lock held,
   // in whichever thread drains (a watcher thread drains while a claim is installed): short, and no
-  // call on this agent. One claim per prefix (a second replaces it); unclaim_notifications() takes
-  // it out (fn never runs once it returned). See NotificationInbox::claim (stream_wait.h).
+  // call on this agent. One claim per prefix: a second is refused (kInvalidArgument) until
+  // unclaim_notifications() took the first out (fn never runs once it returned). See NotificationInbox::claim (stream_wait.h).
   void claim_notifications(std::vector<uint8_t> prefix,
                            std::function<bool(const std::shared_ptr<Connection>&, Notification&)> fn);
   void unclaim_notifications(const std::vector<uint8_t>& prefix);

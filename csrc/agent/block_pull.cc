@@ -291,6 +291,13 @@ void BlockPuller::serve_wants(bool on) {
     agent_->claim_notifications(prefix, [this](const std::shared_ptr<Connection>& c, Notification& n) {
       return claimed(c, n);
     });
+  } catch (const Error& e) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      serving_ = false;
+    }
+    if (e.code() != Code::kInvalidArgument) throw;
+    fail(Code::kInvalidArgument, -1, 0, "serving wants: another block puller of this agent serves them");
   } catch (...) {
     std::lock_guard<std::mutex> lock(mu_);
     serving_ = false;

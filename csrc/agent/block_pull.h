@@ -112,7 +112,8 @@ class BlockPuller {
 
   // Wants served here (want_server.h). serve_wants(true) claims the agent's notifications that
   // start with kWantPrefix (false gives them back to notifications(); wants claimed before are
-  // still served). Closed after close().
+  // still served). One puller of an agent serves its wants: InvalidArgument while another does.
+  // Closed after close().
   void serve_wants(bool on);
   // See WantServer::offer / withdraw / in_flight (withdraw posts nothing: the pushes in flight
   // post their ended event as they end).

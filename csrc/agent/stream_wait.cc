@@ -191,15 +191,13 @@ bool NotificationInbox::claimed(const std::shared_ptr<Connection>& c, Notificati
   return false;
 }
 
-void NotificationInbox::claim(std::vector<uint8_t> prefix, NotificationClaim fn) {
+bool NotificationInbox::claim(std::vector<uint8_t> prefix, NotificationClaim fn) {
   std::lock_guard<std::mutex> lock(sync_->mu);
   auto it = std::find_if(claims_.begin(), claims_.end(), [&](const auto& c) { return c.first == prefix; });
-  if (it != claims_.end()) {
-    it->second = std::move(fn);
-  } else {
-    claims_.emplace_back(std::move(prefix), std::move(fn));
-  }
+  if (it != claims_.end()) return false;  // (its owner's unclaim would take a replacement out too)
+  claims_.emplace_back(std::move(prefix), std::move(fn));
   if (!closing_) start_watcher();  // (it drains while a claim is installed)
+  return true;
 }
 
 void NotificationInbox::unclaim(const std::vector<uint8_t>& prefix) {

@@ -98,12 +98,12 @@ class NotificationInbox {
   void unread(std::vector<Notification> ns);
   // Offers each notification drained from a connection whose bytes start with `prefix` to `fn`,
   // with the connection it came on, before any wait sees it; fn returning true consumes it. One
-  // claim per prefix (a second replaces the first); prefixes should not be each other's prefix
+  // claim per prefix: false (nothing installed) while another holds it; prefixes should not be each other's prefix
   // (the first installed that matches is offered it). fn runs in whichever thread drains (the
   // watcher, which keeps draining while a claim is installed, or a take() or wait), with the
   // inbox's lock held: short, taking no lock that is held while calling into the inbox (the rule
   // of WaitState::on_release). Notifications already drained (unread, delivered) are not offered.
-  void claim(std::vector<uint8_t> prefix, NotificationClaim fn);
+  bool claim(std::vector<uint8_t> prefix, NotificationClaim fn);
   // Takes the claim of `prefix` out: once it returns, its fn is not running and never runs again.
   void unclaim(const std::vector<uint8_t>& prefix);
   // A notification handed back (a claim took it, then could not use it): matched against the
