@@ -290,6 +290,18 @@ def test_a_second_puller_of_the_agent_is_refused_and_leaves_the_first_serving(se
     other.close()
 
 
+def test_forget_layouts_hands_the_wants_of_its_connection_back_until_served_again(serving):
+    s = serving
+    s.puller.offer(6, "req-1", [ids([1, 2])], 20.0)
+    s.puller.forget_layouts(s.back._core)
+    s.conn.notify(want())
+    assert [bytes(n.data) for n in s.prefill.notifications(timeout=5.0)] == [want()]
+    table = _core._BlockRows([(0, BLOCK, 0, BLOCK)], [0], [0], BLOCK, True, BLOCKS, BLOCKS)
+    s.puller.serve_layout(s.back._core, PART, [s.pre_region], [s.dec_region], [[table]])
+    s.conn.notify(want())
+    assert answers(s.decode) == [b"D-1"]
+
+
 def test_serve_layout_refuses_a_connection_of_another_agent(serving):
     s = serving
     with pytest.raises(InvalidArgument):

@@ -237,3 +237,25 @@ def test_ids_the_binary_want_cannot_carry_go_as_a_W(pair, tag, req):
     dec.fetch(tag, pre.metadata, req, [3], [4])
     assert wait_for(dec, "recving", tag) == {}
     assert only_these_blocks(dkv, [{1: 1, 4: 3}] * 2) == []
+
+
+def test_a_layout_sent_again_drops_the_tables_the_core_made_of_the_earlier_one(pair):
+    """A decode that sends its layout again on the same connection: the core forgets every table
+    it made of the earlier one (a half of the heads here, not only whole blocks), so the next want
+    of that half comes to the thread, which makes them of the new layout and serves it. (Before,
+    the core kept serving that half by the tables of the layout it had replaced.)"""
+    pre, pkv = pair("p", heads=4, pull=False, hold_timeout=60)
+    dec, dkv = pair("d", heads=2, pull=False)
+    fill_all(pkv)
+    seen = count_messages(pre)
+    for i in range(2):  # the first want the thread's (it hands the half's tables to the core), the second the core's
+        pre.hold(f"r{i}", [i + 3])
+        dec.fetch(f"t{i}", pre.metadata, f"r{i}", [i + 3], [i + 5], (0, 2, 0, 1))
+        assert wait_for(dec, "recving", f"t{i}") == {}
+    assert seen.get("W") == 1 and seen.get("L") == 1 and pre.stats()["pushes_served"] == 1
+    dec.agent.connection(pre.agent.name).notify(dec._layout_msg)
+    wait_until(lambda: seen.get("L") == 2, "the prefill's thread took the layout sent again")
+    pre.hold("r2", [7])
+    dec.fetch("t2", pre.metadata, "r2", [7], [8], (0, 2, 0, 1))
+    assert wait_for(dec, "recving", "t2") == {}
+    assert seen.get("W") == 2 and pre.stats()["pushes_served"] == 1

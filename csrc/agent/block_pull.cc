@@ -341,6 +341,11 @@ void BlockPuller::serve_layout(std::shared_ptr<Connection> conn, std::array<uint
   served_.serve_layout(conn, part, std::move(locals), std::move(remotes), std::move(group_tables));
 }
 
+void BlockPuller::forget_layouts(const std::shared_ptr<Connection>& conn) {
+  std::lock_guard<std::mutex> lock(mu_);
+  served_.forget_layouts(conn.get());
+}
+
 std::vector<ServedEvent> BlockPuller::take_served() {
   std::lock_guard<std::mutex> lock(mu_);
   return served_.take();

@@ -126,6 +126,8 @@ class BlockPuller {
                     std::vector<std::shared_ptr<const RegionDesc>> locals,
                     std::vector<std::shared_ptr<const RegionDesc>> remotes,
                     std::vector<std::vector<std::shared_ptr<const BlockRows>>> group_tables);
+  // See WantServer::forget_layouts: the wants arriving on conn are handed back until serve_layout.
+  void forget_layouts(const std::shared_ptr<Connection>& conn);
   // The served events posted since the last take, in order. A push is counted by in_flight()
   // from before its write is issued, so before the peer's ack of it can come; its started event
   // is posted once the write was issued (it may follow that ack).

@@ -37,6 +37,12 @@ void WantServer::serve_layout(const std::shared_ptr<Connection>& conn, const std
   layouts_[key] = Layout{conn, std::move(locals), std::move(remotes), std::move(group_tables)};
 }
 
+void WantServer::forget_layouts(const Connection* conn) {
+  for (auto it = layouts_.begin(); it != layouts_.end();) {
+    it = std::get<0>(it->first) == conn ? layouts_.erase(it) : std::next(it);
+  }
+}
+
 // The tables of `key`, unless its connection is gone (then dropped). An entry of a connection freed
 // since (another at its address now) has lost its weak reference: dropped too.
 const WantServer::Layout* WantServer::layout(const std::shared_ptr<Connection>& conn, const LayoutKey& key) {

@@ -66,6 +66,8 @@ class WantServer {
   // of that key. Those of connections gone are dropped here.
   void serve_layout(const std::shared_ptr<Connection>& conn, const std::array<uint32_t, 4>& part, Regions locals,
                     Regions remotes, GroupTables group_tables);
+  // Drops the tables of every part served on `conn` (its peer sent another layout).
+  void forget_layouts(const Connection* conn);
   // The push that serves `w`, arrived on `conn`: a write of the last counts[g] ids held of each
   // group into the group's slice of w.dst, its answer sent behind the data; "" and *job
   // made, else why the core cannot serve it.

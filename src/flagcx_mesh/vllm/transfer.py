@@ -565,6 +565,7 @@ class KVTransfer:
         conn = self.agent.connection(peer)
         if conn is not None and conn.peer_incarnation == incarnation:
             self._tell_layout(conn)  # a decode's: answered with this worker's (it may then read)
+            self._forget_tables(conn)  # (any its earlier layout on this connection made)
             self._serve_layout(conn, (peer, incarnation), WHOLE)
             if self.pull and any(c.peer_name == peer for c in self._conn_of.values()):  # a prefill's
                 self._ready_pulls(conn, (peer, incarnation))
@@ -576,6 +577,14 @@ class KVTransfer:
         self._plans.pop(key, None)
         self._pull_path.pop(key, None)
         self._takes_w.discard(key)
+
+    def _forget_tables(self, conn) -> None:
+        """Has the core forget the tables it serves wants on ``conn`` with (their layout was
+        replaced): the wants of parts not served again go to the thread."""
+        try:
+            self._puller.forget_layouts(conn._core)
+        except Exception as e:  # noqa: BLE001 - (closed: nothing is served any more)
+            log.debug("%s: %s", self.name, e)
 
     def _serve_layout(self, conn, key: Tuple[str, str], part, plans=None) -> None:
         """Has the core serve the wants of ``part`` that come on ``conn`` (a decode's, whose layout
