@@ -83,3 +83,35 @@ def test_the_c_abi_wakes_a_waiting_notification_call():
     t.join(10)
     assert not t.is_alive() and got == [2]  # FLAGCX_MESH_TIMED_OUT, long before 30 s
     assert lib.flagcx_mesh_agent_destroy(agent) == 0
+
+
+def test_await_notifications_takes_nothing_and_is_woken():
+    """await_notifications(): True once something arrived, which notifications() still returns
+    (in order, nothing taken); False at its deadline, at once with no timeout, and when woken."""
+    with Agent("wake-e", "s", timeout=10) as a, Agent("wake-f", "s", timeout=10) as b:
+        conn = b.connect(a.metadata())
+        assert a.await_notifications() is False and a.await_notifications(0) is False
+        t0 = time.monotonic()
+        assert a.await_notifications(0.2) is False and time.monotonic() - t0 >= 0.19
+        box = []
+        t = threading.Thread(target=lambda: box.append(a.await_notifications(30)), daemon=True)
+        t.start()
+        time.sleep(0.2)
+        assert t.is_alive()
+        conn.notify(b"one")
+        conn.notify(b"two")
+        t.join(10)
+        assert box == [True]
+        assert a.await_notifications(5) is True  # (still there: taken by nothing)
+        got = []
+        while len(got) < 2:
+            got += [n.data for n in a.notifications(5)]
+        assert got == [b"one", b"two"] and a.await_notifications() is False
+        t = threading.Thread(target=lambda: box.append(a.await_notifications(30)), daemon=True)
+        t.start()
+        time.sleep(0.2)
+        a.wake_notifications()
+        t.join(10)
+        assert not t.is_alive() and box == [True, False]
+    with pytest.raises(Exception, match="closed"):
+        a.await_notifications(0)

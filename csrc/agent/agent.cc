@@ -516,6 +516,12 @@ std::vector<Notification> Agent::notifications(double timeout_s) {
 
 void Agent::wake_notifications() { inbox_->wake(); }
 
+bool Agent::await_notifications(double timeout_s) {
+  require_open("await_notifications");
+  check_call_timeout(timeout_s, who() + "await_notifications: timeout");
+  return inbox_->await_any(timeout_s);
+}
+
 NotificationWait Agent::stream_wait_notification(const std::vector<uint8_t>& bytes, const std::string& peer,
                                                  void* stream, double timeout_s) {
   require_open("stream_wait_notification");

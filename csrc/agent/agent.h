@@ -219,6 +219,9 @@ class Agent {
   // Makes a notifications() call waiting in another thread return now (with what arrived,
   // maybe nothing); with none waiting, the next call returns at once (wakes do not add up).
   void wake_notifications();
+  // Waits as notifications() does, taking nothing: true once notifications() has something to
+  // return (false at the deadline, or when woken by wake_notifications()).
+  bool await_notifications(double timeout_s);
   // Queues on `stream` (of the current device; 0: the legacy default stream) a
   // wait that holds the stream's later work until a notification of exactly
   // `bytes` (from agent `peer`, "" : any) arrived; one already here and unread

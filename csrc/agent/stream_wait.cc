@@ -388,6 +388,16 @@ void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const
 }
 
 std::vector<Notification> NotificationInbox::take(double timeout_s) {
+  std::vector<Notification> out;
+  wait_for_any(timeout_s, &out);
+  return out;
+}
+
+bool NotificationInbox::await_any(double timeout_s) { return wait_for_any(timeout_s, nullptr); }
+
+// Drains, and waits for the doorbell, until the inbox holds something (moved into *out where out
+// is given), the deadline passed, the agent closed or wake() was called.
+bool NotificationInbox::wait_for_any(double timeout_s, std::vector<Notification>* out) {
   Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
   Clock::time_point since = Clock::now();
   bool reading = false;
@@ -397,12 +407,14 @@ std::vector<Notification> NotificationInbox::take(double timeout_s) {
       std::unique_lock<std::mutex> lock(sync_->mu);
       poll();
       if (!inbox_.empty()) {
-        std::vector<Notification> out(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
-        inbox_.clear();
-        return out;
+        if (out != nullptr) {
+          out->assign(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
+          inbox_.clear();
+        }
+        return true;
       }
     }
-    if (d.expired() || agent_->closed() || woken_.exchange(false, std::memory_order_acq_rel)) return {};
+    if (d.expired() || agent_->closed() || woken_.exchange(false, std::memory_order_acq_rel)) return false;
     sweep();
     await_news("", seen, d.min(Deadline::after_seconds(kLookAtLeastEveryS)), since, &reading);
   }

@@ -724,6 +724,11 @@ void bind_agent(py::module_& m) {
         return out;
       })
       .def("wake_notifications", &Agent::wake_notifications)
+      .def("await_notifications", [](Agent& a, std::optional<double> timeout_or_none) {
+        double timeout = timeout_or_none.value_or(0.0);
+        py::gil_scoped_release release;
+        return a.await_notifications(timeout);
+      }, py::arg("timeout") = py::none())
       .def("notifications", [](Agent& a, std::optional<double> timeout_or_none) {
         double timeout = timeout_or_none.value_or(0.0);
         std::vector<fxm::agent::Notification> got;

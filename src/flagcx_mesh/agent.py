@@ -350,6 +350,13 @@ class Agent:
         """Notifications that arrived, waiting up to ``timeout`` for the first."""
         return [Notification(*n) for n in self._core.notifications(call_timeout(timeout, "notifications: timeout"))]
 
+    def await_notifications(self, timeout: Optional[float] = None) -> bool:
+        """Waits up to ``timeout`` seconds (None or 0: not at all) until ``notifications()`` has
+        something to return, taking nothing: True once it has; False at the deadline or when
+        ``wake_notifications()`` woke it. For a thread that waits and then takes what arrived under
+        a lock of its own (another thread may take it first)."""
+        return self._core.await_notifications(call_timeout(timeout, "await_notifications: timeout"))
+
     def wake_notifications(self) -> None:
         """Makes a ``notifications()`` call waiting in another thread return now (with what
         arrived, maybe nothing); with none waiting, the next call returns at once (wakes do not
