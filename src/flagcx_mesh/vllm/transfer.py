@@ -46,6 +46,13 @@ thread), :meth:`fetch` does the fetch itself: it hands a pull's read to the core
 pull waits for the interpreter lock that a busy engine thread holds, or sends a push's ``W``.
 Every other agent call runs on one background thread; the public methods only queue commands
 (or do what is said above) and drain results, so the engine's step never waits on the network.
+Where that thread is not in a step, :meth:`poll` does part of one itself: it runs the queued holds
+and handles what arrived (notifications, the core's events of served pushes), as the thread would.
+A busy engine thread that gives the interpreter lock up for a moment at each call into C (torch's
+calls, I/O) and takes it straight back can keep the transfer thread from the lock for seconds; the
+engine's own poll() in each step then answers a decode's layout and first want, and releases the
+blocks a decode acknowledged, in that step. The other commands (a connect may wait on the network)
+and the deadlines stay the thread's.
 The thread takes any bytes a peer sends: a notification that is not a well-formed message is
 counted (``stats()``), logged (at most one line per ``LOG_EVERY`` seconds for each kind of
 trouble) and ignored, and the other notifications of its batch are handled as if it had not come.
@@ -280,6 +287,8 @@ class KVTransfer:
             "L", regions=[protocol.b64(r.descriptor) for r in self._regions],
             layers=[g.to_wire() for g in self.layers], w=1)
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
+        self._holds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # hold commands (poll() may run them: _assist)
+        self._step_lock = threading.Lock()  # one step at a time: the thread's, or poll()'s part of it (_assist)
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
@@ -313,7 +322,7 @@ class KVTransfer:
         self._tokens = itertools.count(1)
         self._nonces = itertools.count()  # one per fetch: its want's ``n`` (protocol.py)
         self._conn_of: Dict[bytes, object] = {}  # the connection a fetch made, by the prefill's metadata
-        self._queued = 0  # commands not done yet: fetch() does a fetch itself only when none is (_fetch_now)
+        self._queued = 0  # commands but holds not done yet: fetch() does a fetch itself only when none is (_fetch_now)
         self._next_prune = 0.0
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"kv-transfer-{name}", daemon=True)
@@ -374,10 +383,14 @@ class KVTransfer:
         self._command("release", bytes(peer_metadata), str(remote_req_id))
 
     def _command(self, *cmd) -> None:
-        """Queues a command for the thread and wakes it (it takes it now, not at its next poll)."""
-        with self._lock:
-            self._queued += 1
-        self._commands.put(cmd)
+        """Queues a command for the thread and wakes it (it takes it now, not at its next poll).
+        A hold goes to a queue of its own, which poll() runs too (_assist)."""
+        if cmd[0] == "hold":
+            self._holds.put(cmd)
+        else:
+            with self._lock:
+                self._queued += 1
+            self._commands.put(cmd)
         self.agent.wake_notifications()
 
     def poll(self, timeout: float = 0.0) -> Finished:
@@ -386,6 +399,7 @@ class KVTransfer:
         a waiting caller is woken by the completion itself, not by a timer."""
         timeout = timeout if timeout > 0 else 0.0  # (NaN: 0)
         end = time.monotonic() + timeout
+        self._assist()
         while True:
             seen = self._puller.seq()
             self._take_pulls()
@@ -401,7 +415,8 @@ class KVTransfer:
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
-        return bool(self._held or self._fetches or self._waiting or self._closing or not self._commands.empty())
+        return bool(self._held or self._fetches or self._waiting or self._closing or not self._commands.empty()
+                    or not self._holds.empty())
 
     def stats(self) -> Dict[str, int]:
         """Counters since the start (see ``STATS``)."""
@@ -432,20 +447,18 @@ class KVTransfer:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                self._step()
+                self.agent.await_notifications(self._interval)  # (taking nothing: poll() may take it first)
+                with self._step_lock:
+                    self._step()
             except Exception:  # one bad event must not stop the transfers of every other request
+                if self._stop.is_set():
+                    break
                 log.exception("%s: KV transfer step failed", self.name)
                 time.sleep(self._interval)
 
     def _step(self) -> None:
         self._run_commands()
-        notes = self.agent.notifications(timeout=self._interval)
-        self._take_served()  # (after the notifications: a served push's start precedes its decode's ack)
-        for n in notes:
-            try:  # each on its own: whatever one peer sent must not cost the others theirs
-                self._on_notification(n.peer, n.incarnation, n.data)
-            except Exception as e:  # noqa: BLE001
-                self._bad_message(n.peer, f"{type(e).__name__}: {str(e)[:200]}")
+        self._take_arrivals()
         now = time.monotonic()
         self._check_held(now)
         self._check_fetches(now)
@@ -453,27 +466,58 @@ class KVTransfer:
             self._prune_layouts()
             self._next_prune = now + 1.0
 
-    def _run_commands(self) -> None:
-        while True:
-            try:
-                cmd = self._commands.get_nowait()
-            except queue.Empty:
-                break
-            try:
-                getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
-            except Exception:  # noqa: BLE001 - the next commands must still run
-                log.exception("%s: the %s command failed", self.name, cmd[0])
-            finally:
-                with self._lock:
-                    self._queued -= 1
+    def _take_arrivals(self) -> None:
+        """What arrived: the notifications, then the core's events of the pushes it serves."""
+        notes = self.agent.notifications(timeout=0)
+        self._take_served()  # (after the notifications: a served push's start precedes its decode's ack)
+        for n in notes:
+            try:  # each on its own: whatever one peer sent must not cost the others theirs
+                self._on_notification(n.peer, n.incarnation, n.data)
+            except Exception as e:  # noqa: BLE001
+                self._bad_message(n.peer, f"{type(e).__name__}: {str(e)[:200]}")
+
+    def _assist(self) -> None:
+        """poll()'s part of the thread's step, on the caller's thread, where the thread is not in
+        a step: the holds queued and what arrived (_take_arrivals). A busy engine thread that keeps
+        taking the interpreter lock back (each torch call gives it up for a moment) can keep the
+        transfer thread from it for seconds; the engine's own poll() then does that work. The other
+        commands (a connect may wait on the network) and the deadlines stay the thread's."""
+        if self._stop.is_set() or not self._step_lock.acquire(timeout=0.0005):
+            return
+        try:
+            self._run_commands(holds_only=True)
+            self._take_arrivals()
+        except MeshError as e:  # (the agent closed meanwhile)
+            log.debug("%s: poll()'s part of a step: %s", self.name, e)
+        except Exception:  # noqa: BLE001 - never raised into the engine's step
+            log.exception("%s: poll()'s part of a KV transfer step failed", self.name)
+        finally:
+            self._step_lock.release()
+
+    def _run_commands(self, holds_only: bool = False) -> None:
+        """The queued holds, then (unless ``holds_only``) the other commands, each in its order."""
+        for q in (self._holds,) if holds_only else (self._holds, self._commands):
+            while True:
+                try:
+                    cmd = q.get_nowait()
+                except queue.Empty:
+                    break
+                try:
+                    getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+                except Exception:  # noqa: BLE001 - the next commands must still run
+                    log.exception("%s: the %s command failed", self.name, cmd[0])
+                finally:
+                    if q is self._commands:
+                        with self._lock:
+                            self._queued -= 1
 
     def _take_served(self) -> None:
         """Takes the core's events of the pushes it serves (_on_served). One of a request whose
-        hold command the thread has not run yet (hold() queues it before it offers the blocks)
-        runs the commands first."""
+        hold command has not run yet (hold() queues it before it offers the blocks) runs the
+        queued holds first."""
         events, self._served_later = self._served_later + self._puller.take_served(), []
         if any(e[0] not in self._offered for e in events):
-            self._run_commands()
+            self._run_commands(holds_only=True)
         for event in events:
             try:
                 self._on_served(*event)

@@ -1,0 +1,120 @@
+"""poll()'s part of the transfer thread's step (flagcx_mesh.vllm.transfer, module docstring): while
+the thread waits for the interpreter lock (a busy engine thread keeps taking it back), the
+engine's own poll() runs the queued holds and handles what arrived, so a decode's first request
+(its layout, then a ``W``) is pushed and the acknowledged blocks are released in the engine's
+steps; the other commands (a connect may wait on the network) stay the thread's. One process,
+KVTransfer agents over cma (host memory), torch CPU tensors.
+
+Skipped without torch, unless FXM_REQUIRE_TORCH=1 (scripts/test.sh sets it)."""
+
+import contextlib
+import os
+import sys
+import threading
+import time
+
+import pytest
+
+if os.environ.get("FXM_REQUIRE_TORCH") != "1":
+    pytest.importorskip("torch", reason="torch is not installed (pip install torch==2.13.0)")
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+from kv_transfer_util import fill_all, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
+
+pytestmark = pytest.mark.timeout(120)
+
+
+@pytest.fixture
+def pair(transfer_pair):
+    return transfer_pair
+
+
+@contextlib.contextmanager
+def thread_stalled(x, monkeypatch):
+    """x's transfer thread stopped where it waits for what arrives (before a step, holding no lock
+    of x's: as when the engine thread keeps the interpreter lock from it) until the block ends;
+    the same calls from any other thread go through."""
+    resume = threading.Event()
+
+    def stalling(real, waits):
+        def call(timeout=None):
+            if threading.current_thread() is x._thread and waits(timeout):
+                resume.wait(60)
+            return real(timeout)
+        return call
+
+    # (its wait: await_notifications; a thread that waits in notifications() itself, with a timeout)
+    monkeypatch.setattr(x.agent, "await_notifications", stalling(x.agent.await_notifications, lambda t: True))
+    monkeypatch.setattr(x.agent, "notifications", stalling(x.agent.notifications, lambda t: bool(t)))
+    time.sleep(0.05)  # (the thread's step under way ends; its next wait stalls)
+    try:
+        yield
+    finally:
+        resume.set()
+
+
+def engine_steps(until, *xs, timeout=20.0):
+    """Polls each of ``xs`` (poll(0), as an engine's steps) until ``until(reports)``, reports being
+    per x the union of what its polls reported ({"sending", "recving", "failed"}); those reports."""
+    got = [dict(sending=set(), recving=set(), failed={}) for _ in xs]
+    end = time.monotonic() + timeout
+    while not until(got):
+        assert time.monotonic() < end, f"not within {timeout} s: {got}"
+        for x, g in zip(xs, got):
+            done = x.poll()
+            g["sending"] |= done.sending
+            g["recving"] |= done.recving
+            g["failed"].update(done.failed)
+        time.sleep(0.002)
+    return got
+
+
+def test_a_first_request_is_pushed_and_released_by_the_prefills_polls_while_its_thread_waits(pair, monkeypatch):
+    """The prefill's thread never steps: its polls run the hold, answer the decode's layout, push
+    the blocks of the decode's first want (a W: no prefill layout known yet) and release them on
+    the decode's ack. (Before, all of it waited for the thread: the fetch failed at its timeout.)"""
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    with thread_stalled(pre, monkeypatch):
+        pre.hold("r0", [3, 4])
+        dec.fetch("t0", pre.metadata, "r0", [3, 4], [5, 6])
+        got = engine_steps(lambda g: "r0" in g[0]["sending"] and "t0" in g[1]["recving"], pre, dec)
+        assert got[1]["failed"] == {} and only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == []
+        s = pre.stats()
+        assert s["pushes"] == 1 and s["pushes_done"] == 1 and s["released_served"] == 1
+
+
+def test_a_decode_whose_thread_waits_takes_its_answers_in_its_polls(pair, monkeypatch):
+    """The decode's thread stalled after its first fetch went: the prefill's refusal (F) of a
+    fetch of the request it released comes to the decode's polls, which report it failed with
+    its blocks."""
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    pre.hold("r0", [3])
+    dec.fetch("t0", pre.metadata, "r0", [3], [5])
+    assert wait_for(dec, "recving", "t0") == {}
+    wait_for(pre, "sending", "r0")
+    with thread_stalled(dec, monkeypatch):
+        dec.fetch("t1", pre.metadata, "r0", [3], [8])  # (on the caller's thread: its connection is known)
+        got = engine_steps(lambda g: "t1" in g[0]["recving"], dec)
+        assert got[0]["failed"] == {"t1": [8]} and pre.stats()["refused"] == 1
+
+
+def test_polls_leave_a_connect_to_the_thread(pair, monkeypatch):
+    """A fetch from a prefill not connected yet is a command: polls never run it (a connect may
+    wait on the network), the thread does once it steps."""
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    pre.hold("r0", [3])
+    with thread_stalled(dec, monkeypatch):
+        dec.fetch("t0", pre.metadata, "r0", [3], [5])
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            assert "t0" not in dec.poll().recving
+            time.sleep(0.01)
+        assert dec.agent.peers() == [] and pre.agent.peers() == []
+    assert wait_for(dec, "recving", "t0") == {} and only_these_blocks(dkv, [{5: 3}] * 2) == []
