@@ -118,3 +118,47 @@ def test_polls_leave_a_connect_to_the_thread(pair, monkeypatch):
             time.sleep(0.01)
         assert dec.agent.peers() == [] and pre.agent.peers() == []
     assert wait_for(dec, "recving", "t0") == {} and only_these_blocks(dkv, [{5: 3}] * 2) == []
+
+
+class EndsHeldBack:
+    """A prefill's block puller whose served pushes' ended events are held back until let go (the
+    decode's ack then comes to the prefill first); everything else goes through."""
+
+    def __init__(self, puller):
+        self._puller, self.held, self.let_go = puller, [], False
+
+    def __getattr__(self, name):
+        return getattr(self._puller, name)
+
+    def take_served(self):
+        events = self.held + self._puller.take_served()
+        self.held = [] if self.let_go else [e for e in events if e[2] == 2]  # (kind 2: ended)
+        return events if self.let_go else [e for e in events if e[2] != 2]
+
+
+def test_a_served_push_that_ends_after_its_ack_is_released_by_the_polls(pair, monkeypatch):
+    """The decode's ack of a push the core serves comes before the core's word that the push
+    ended: the polls release the blocks as that word comes. (Before, the release waited for the
+    thread's next look at the held requests: never, with the thread stalled.)"""
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    pre.hold("r0", [3])
+    dec.fetch("t0", pre.metadata, "r0", [3], [5])
+    assert wait_for(dec, "recving", "t0") == {}
+    wait_for(pre, "sending", "r0")
+    end = time.monotonic() + 10
+    while (pre.agent.name, pre.agent.incarnation) not in dec._takes_w:  # (the prefill's layout taken)
+        assert time.monotonic() < end
+        time.sleep(0.01)
+    ends = EndsHeldBack(pre._puller)
+    monkeypatch.setattr(pre, "_puller", ends)
+    with thread_stalled(pre, monkeypatch):
+        pre.hold("r1", [4])
+        dec.fetch("t1", pre.metadata, "r1", [4], [6])
+        engine_steps(lambda g: "t1" in g[1]["recving"], pre, dec)
+        got = engine_steps(lambda g: ends.held, pre)  # (the ack is taken meanwhile)
+        assert "r1" not in got[0]["sending"]
+        ends.let_go = True
+        engine_steps(lambda g: "r1" in g[0]["sending"], pre)
+    assert only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == [] and pre.stats()["pushes_served"] == 1

@@ -108,6 +108,7 @@ STATS = (  # KVTransfer.stats()
 )
 SERVED_STARTED, SERVED_ENDED, SERVED_LATE = (  # the kinds of the core's served-push events (_on_served)
     _core._BlockPuller.SERVED_STARTED, _core._BlockPuller.SERVED_ENDED, _core._BlockPuller.SERVED_LATE)
+ASSIST_WAIT = 0.0005  # seconds poll() waits for a step of the thread under way before it does its part (_assist)
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
 
 
@@ -289,6 +290,7 @@ class KVTransfer:
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._holds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # hold commands (poll() may run them: _assist)
         self._step_lock = threading.Lock()  # one step at a time: the thread's, or poll()'s part of it (_assist)
+        self._connecting = False  # the thread's step waits on a connect: poll() does not wait for it (_assist)
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
@@ -481,8 +483,10 @@ class KVTransfer:
         a step: the holds queued and what arrived (_take_arrivals). A busy engine thread that keeps
         taking the interpreter lock back (each torch call gives it up for a moment) can keep the
         transfer thread from it for seconds; the engine's own poll() then does that work. The other
-        commands (a connect may wait on the network) and the deadlines stay the thread's."""
-        if self._stop.is_set() or not self._step_lock.acquire(timeout=0.0005):
+        commands (a connect may wait on the network) and the deadlines stay the thread's. A step of
+        the thread under way is waited for up to ASSIST_WAIT (the wait gives the thread the lock),
+        not at all while it connects."""
+        if self._stop.is_set() or not self._step_lock.acquire(timeout=0 if self._connecting else ASSIST_WAIT):
             return
         try:
             self._run_commands(holds_only=True)
@@ -940,6 +944,8 @@ class KVTransfer:
             return
         if kind == SERVED_ENDED:
             p.handles[0].over, p.handles[0].error = True, error
+            if held.release_when_idle:  # (its ack came first: released now, not at the thread's next look)
+                self._check_one_held(req, held, time.monotonic())
         elif kind == SERVED_LATE and p.closing is None and p.conn is not None:
             self._abandon(p, f"the push of {req} to {peer} did not complete within "
                              f"{time.monotonic() - p.started:.1f} s")
@@ -1079,7 +1085,7 @@ class KVTransfer:
         ``fetch_timeout`` runs from here."""
         f.deadline = time.monotonic() + self.fetch_timeout
         try:
-            conn = self.agent.connect(f.peer_metadata, timeout=self.connect_timeout)
+            conn = self._connect(f.peer_metadata)
             f.conn, f.peer = conn, conn.peer_name
             self._tell_layout(conn)  # a new connection: the prefill forgot the old one's layout
             self._conn_of[f.peer_metadata] = conn
@@ -1325,9 +1331,18 @@ class KVTransfer:
             self._puller.cancel(f.token)  # (its read, or its D awaited) its ack does not go
         self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
 
+    def _connect(self, md: bytes):
+        """The thread's connect to a prefill (it may wait on the network up to connect_timeout):
+        meanwhile poll() does not wait for the thread's step (_assist)."""
+        self._connecting = True
+        try:
+            return self.agent.connect(md, timeout=self.connect_timeout)
+        finally:
+            self._connecting = False
+
     def _cmd_release(self, md: bytes, remote_req: str) -> None:
         try:
-            conn = self.agent.connect(md, timeout=self.connect_timeout)
+            conn = self._connect(md)
         except MeshError as e:
             log.warning("%s: cannot tell the prefill to release %s: %s", self.name, remote_req, e)
             return
