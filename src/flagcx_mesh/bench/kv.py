@@ -41,8 +41,10 @@ serving engine's step does in the process that holds the connector, and polls fo
 between slices of 0.1 ms of it (poll(0), as vLLM's get_finished each step): what the transfer
 part needs the interpreter lock for off that thread shows as time (a thread that gave the lock
 up may wait for it up to the interpreter's switch interval, 5 ms by default). With --busy-prefill
-the prefill's caller does the same while the request is out (its next engine step's Python): what
-the prefill's side needs the lock for (a push's want, taken on its transfer thread) shows as time.
+the prefill's caller does the same while the request is out (its next engine step's Python, its
+poll() between slices as vLLM's get_finished): what the prefill's side needs the lock for shows as
+time. Each run also says how long after the prefill saw a request done its poll() reported the
+blocks released (the decode's ack taken and the hold let go).
 """
 
 from __future__ import annotations
@@ -122,15 +124,18 @@ def _publish(d: str, name: str, data: bytes) -> None:
     os.replace(os.path.join(d, name + ".tmp"), os.path.join(d, name))
 
 
-def _read(d: str, name: str, timeout: float = 120.0, busy: bool = False) -> bytes:
+def _read(d: str, name: str, timeout: float = 120.0, busy: bool = False, step=None) -> bytes:
     """The bytes another process published as ``name``, once there; ``busy``: waits running
-    Python (the interpreter lock held) between looks, not sleeping."""
+    Python (the interpreter lock held) between looks, not sleeping, and calls ``step`` (an engine
+    step's poll) after each slice."""
     path, end = os.path.join(d, name), time.monotonic() + timeout
     while not os.path.exists(path):
         if time.monotonic() > end:
             raise SystemExit(f"bench kv: {path} never appeared (the other process failed?)")
         if busy:
             _busy(1e-4)
+            if step is not None:
+                step()
         else:
             time.sleep(0.005)
     with open(path, "rb") as f:
@@ -194,13 +199,46 @@ def _busy(seconds: float) -> None:
         sum(range(50))
 
 
-def _request(args, d: str, x, i: int, tokens: int, rng) -> float:
+class _Released:
+    """The prefill's requests poll() reported released, as a connector's get_finished collects
+    them each engine step."""
+
+    def __init__(self, x):
+        self.x, self.reqs, self.calls = x, set(), []
+
+    def step(self, timeout: float = 0.0) -> None:
+        t0 = time.perf_counter()
+        self.reqs |= self.x.poll(timeout).sending
+        if timeout == 0:
+            self.calls.append(time.perf_counter() - t0)  # (what an engine step pays for it)
+
+    def cost(self) -> dict:
+        """The poll(0) calls' seconds: count, median, 99th percentile, most."""
+        c = sorted(self.calls) or [0.0]
+        return {"polls": len(self.calls), "poll_median_us": statistics.median(c) * 1e6,
+                "poll_p99_us": c[min(len(c) - 1, int(len(c) * 0.99))] * 1e6, "poll_max_us": c[-1] * 1e6}
+
+
+def _request(args, d: str, x, i: int, tokens: int, rng, released: _Released) -> tuple:
+    """One request: (the decode's seconds, seconds from the prefill seeing it done until its
+    poll() reported the blocks released). With --busy-prefill the prefill's caller polls between
+    its slices of Python, as an engine step does."""
     blocks = rng.sample(range(_blocks(args)), tokens // args.block_size)
     req = f"req-{i}"
     x.hold(req, blocks)
     hold_until = time.time() + x.hold_timeout if args.pull else 0.0  # as a connector's kv_transfer_params say
     _publish(d, f"ask-{i}", json.dumps({"req": req, "blocks": blocks, "hold_until": hold_until}).encode())
-    return json.loads(_read(d, f"took-{i}", busy=args.busy_prefill))
+    took = json.loads(_read(d, f"took-{i}", busy=args.busy_prefill, step=released.step))
+    t0, end = time.perf_counter(), time.monotonic() + 60
+    while req not in released.reqs:
+        if time.monotonic() > end:
+            raise SystemExit(f"bench kv: the prefill never released {req}")
+        if args.busy_prefill:
+            _busy(1e-4)
+            released.step()
+        else:
+            released.step(0.05)
+    return took, time.perf_counter() - t0
 
 
 def _contiguous(args, conn, local, remote, tokens: int) -> float:
@@ -324,14 +362,17 @@ def _measure_path(args, path: str) -> Dict[str, object]:
         row: Dict[str, object] = {"path": conn.path_to(remote), "connect_ms": connect_ms,
                                   "register_256MiB_ms": _register_time(torch, args, plain), "tokens": {}}
         rng, i = random.Random(0), 0
+        released = _Released(x)
         for tokens in args.tokens:
-            kv, ref, bat, raw = [], [], [], []
+            kv, ref, bat, raw, rel = [], [], [], [], []
             pushes_before = x.stats()["pushes"]
             layers = _batch_ops(args, local, remote, tokens, rng)
             raw_calls = _raw_cma_calls(args, buf.data_ptr(), peer["addr"], layers, tokens) \
                 if row["path"] == "cma" else ()
             for _ in range(args.reps):
-                kv.append(_request(args, d, x, i, tokens, rng))
+                took, lag = _request(args, d, x, i, tokens, rng, released)
+                kv.append(took)
+                rel.append(lag)
                 i += 1
                 ref.append(_contiguous(args, conn, local, remote, tokens))
                 bat.append(_batch(conn, layers))
@@ -344,13 +385,16 @@ def _measure_path(args, path: str) -> Dict[str, object]:
                                           "batch_ms": b * 1e3, "batch_gbs": nbytes / b / 1e9,
                                           "gather_uint8_ms": _gather_ms(torch, args, tokens, torch.uint8, rng),
                                           "gather_int64_ms": _gather_ms(torch, args, tokens, torch.int64, rng),
-                                          "requests": args.reps, "pushed": x.stats()["pushes"] - pushes_before}
+                                          "requests": args.reps, "pushed": x.stats()["pushes"] - pushes_before,
+                                          "release_ms": statistics.median(rel) * 1e3, "release_max_ms": max(rel) * 1e3}
             if raw:
                 row["tokens"][str(tokens)].update(kernel_scattered_ms=statistics.median(r[0] for r in raw) * 1e3,
                                                   kernel_contiguous_ms=statistics.median(r[1] for r in raw) * 1e3)
         _publish(d, f"ask-{i}", json.dumps({"stop": True}).encode())
         if child.wait(timeout=120) != 0:
             raise SystemExit(f"bench kv: the decode process failed (exit {child.returncode})")
+        if released.calls:
+            row["prefill_poll"] = released.cost()
         if args.steps:
             print(f"  {path}:", flush=True)
             made = [t for t in args.tokens for _ in range(args.reps)]
@@ -384,6 +428,16 @@ def _report(data: dict, args) -> None:
                   f"{f['kv_gbs'] / f['contiguous_gbs']:>11.2f}{f['batch_ms']:>10.2f}"
                   f"{f['batch_gbs'] / f['contiguous_gbs']:>14.2f}"
                   f"{f['gather_uint8_ms']:>10.3f}/{f['gather_int64_ms']:<7.3f}{f['gather_uint8_ms'] / f['kv_ms']:>14.2f}")
+    for path, row in data["paths"].items():
+        lags = [f"{tokens} tokens {f['release_ms']:.2f} (max {f['release_max_ms']:.2f})" for tokens, f in row["tokens"].items()
+                if "release_ms" in f]
+        if lags:
+            print(f"  {path}: the prefill's poll() reported the blocks released, ms after it saw the request done "
+                  f"(median): {', '.join(lags)}")
+        if "prefill_poll" in row:
+            c = row["prefill_poll"]
+            print(f"  {path}: the prefill's poll(0) between its slices, us: median {c['poll_median_us']:.1f}, "
+                  f"p99 {c['poll_p99_us']:.1f}, max {c['poll_max_us']:.1f} ({c['polls']} calls)")
     for path, row in data["paths"].items():
         how = [f"{tokens} tokens {f['pushed']} of {f['requests']}" for tokens, f in row["tokens"].items() if "pushed" in f]
         if how:
