@@ -21,13 +21,10 @@ if os.environ.get("FXM_REQUIRE_TORCH") != "1":
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from kv_transfer_util import fill_all, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
+from test_vllm_pull import wait_until  # noqa: E402
+from test_vllm_served import pair, pushed_pair, takes_w  # noqa: E402,F401 (pair: the fixture)
 
 pytestmark = pytest.mark.timeout(120)
-
-
-@pytest.fixture
-def pair(transfer_pair):
-    return transfer_pair
 
 
 @contextlib.contextmanager
@@ -90,15 +87,9 @@ def test_a_decode_whose_thread_waits_takes_its_answers_in_its_polls(pair, monkey
     """The decode's thread stalled after its first fetch went: the prefill's refusal (F) of a
     fetch of the request it released comes to the decode's polls, which report it failed with
     its blocks."""
-    pre, pkv = pair("p", pull=False)
-    dec, dkv = pair("d", pull=False)
-    fill_all(pkv)
-    pre.hold("r0", [3])
-    dec.fetch("t0", pre.metadata, "r0", [3], [5])
-    assert wait_for(dec, "recving", "t0") == {}
-    wait_for(pre, "sending", "r0")
+    pre, dec, dkv = pushed_pair(pair)  # (r0 released)
     with thread_stalled(dec, monkeypatch):
-        dec.fetch("t1", pre.metadata, "r0", [3], [8])  # (on the caller's thread: its connection is known)
+        dec.fetch("t1", pre.metadata, "r0", [1], [8])  # (on the caller's thread: its connection is known)
         got = engine_steps(lambda g: "t1" in g[0]["recving"], dec)
         assert got[0]["failed"] == {"t1": [8]} and pre.stats()["refused"] == 1
 
@@ -140,17 +131,8 @@ def test_a_served_push_that_ends_after_its_ack_is_released_by_the_polls(pair, mo
     """The decode's ack of a push the core serves comes before the core's word that the push
     ended: the polls release the blocks as that word comes. (Before, the release waited for the
     thread's next look at the held requests: never, with the thread stalled.)"""
-    pre, pkv = pair("p", pull=False)
-    dec, dkv = pair("d", pull=False)
-    fill_all(pkv)
-    pre.hold("r0", [3])
-    dec.fetch("t0", pre.metadata, "r0", [3], [5])
-    assert wait_for(dec, "recving", "t0") == {}
-    wait_for(pre, "sending", "r0")
-    end = time.monotonic() + 10
-    while (pre.agent.name, pre.agent.incarnation) not in dec._takes_w:  # (the prefill's layout taken)
-        assert time.monotonic() < end
-        time.sleep(0.01)
+    pre, dec, dkv = pushed_pair(pair)
+    wait_until(lambda: takes_w(dec, pre), "the decode took the prefill's layout")
     ends = EndsHeldBack(pre._puller)
     monkeypatch.setattr(pre, "_puller", ends)
     with thread_stalled(pre, monkeypatch):
@@ -161,4 +143,4 @@ def test_a_served_push_that_ends_after_its_ack_is_released_by_the_polls(pair, mo
         assert "r1" not in got[0]["sending"]
         ends.let_go = True
         engine_steps(lambda g: "r1" in g[0]["sending"], pre)
-    assert only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == [] and pre.stats()["pushes_served"] == 1
+    assert only_these_blocks(dkv, [{1: 1, 6: 4}] * 2) == [] and pre.stats()["pushes_served"] == 1
