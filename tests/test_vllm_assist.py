@@ -32,11 +32,12 @@ def thread_stalled(x, monkeypatch):
     """x's transfer thread stopped where it waits for what arrives (before a step, holding no lock
     of x's: as when the engine thread keeps the interpreter lock from it) until the block ends;
     the same calls from any other thread go through."""
-    resume = threading.Event()
+    resume, stalled = threading.Event(), threading.Event()
 
     def stalling(real, waits):
         def call(timeout=None):
             if threading.current_thread() is x._thread and waits(timeout):
+                stalled.set()
                 resume.wait(60)
             return real(timeout)
         return call
@@ -44,8 +45,8 @@ def thread_stalled(x, monkeypatch):
     # (its wait: await_notifications; a thread that waits in notifications() itself, with a timeout)
     monkeypatch.setattr(x.agent, "await_notifications", stalling(x.agent.await_notifications, lambda t: True))
     monkeypatch.setattr(x.agent, "notifications", stalling(x.agent.notifications, lambda t: bool(t)))
-    time.sleep(0.05)  # (the thread's step under way ends; its next wait stalls)
     try:
+        assert stalled.wait(10), "the transfer thread did not come back to its wait"
         yield
     finally:
         resume.set()
@@ -144,3 +145,102 @@ def test_a_served_push_that_ends_after_its_ack_is_released_by_the_polls(pair, mo
         ends.let_go = True
         engine_steps(lambda g: "r1" in g[0]["sending"], pre)
     assert only_these_blocks(dkv, [{1: 1, 6: 4}] * 2) == [] and pre.stats()["pushes_served"] == 1
+
+
+def test_polls_leave_the_work_to_a_thread_that_keeps_up(pair, monkeypatch):
+    """poll() does the thread's part only once the thread has not finished a step for ASSIST_AFTER
+    seconds: with that set out of reach, a stalled prefill thread's first request does not move
+    in the polls; set back, it does (the pushes and sends of a thread that keeps up stay off the
+    engine's thread)."""
+    from flagcx_mesh.vllm import transfer
+
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    with thread_stalled(pre, monkeypatch):
+        monkeypatch.setattr(transfer, "ASSIST_AFTER", 3600.0)
+        pre.hold("r0", [3])
+        dec.fetch("t0", pre.metadata, "r0", [3], [5])
+        end = time.monotonic() + 0.5
+        while time.monotonic() < end:
+            assert "t0" not in dec.poll().recving and not pre.poll().sending
+            time.sleep(0.01)
+        assert "r0" not in pre._held  # (its hold command not run)
+        monkeypatch.setattr(transfer, "ASSIST_AFTER", 0.02)
+        engine_steps(lambda g: "r0" in g[0]["sending"] and "t0" in g[1]["recving"], pre, dec)
+
+
+class ScriptedPuller:
+    """A prefill's block puller whose served events, in-flight counts and withdrawals the test
+    scripts (the real one takes and withdraws as well)."""
+
+    def __init__(self, real):
+        self._real, self.events, self.flight = real, [], 0
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+    def take_served(self):
+        self._real.take_served()
+        out, self.events = self.events, []
+        return out
+
+    def in_flight(self, token):
+        return self.flight
+
+    def withdraw(self, token):
+        self._real.withdraw(token)
+        return self.flight
+
+
+def served_event(token, push, kind):
+    return (token, push, kind, "dec", "inc", 1, 1, 4096, "", time.monotonic())
+
+
+@pytest.fixture
+def scripted(pair, monkeypatch):
+    """A prefill (its thread stalled, so only the test steps it) holding r0, its puller scripted."""
+    x, _ = pair("p", pull=False)
+    fake = ScriptedPuller(x._puller)
+    monkeypatch.setattr(x, "_puller", fake)
+    with thread_stalled(x, monkeypatch):
+        x.hold("r0", [3])
+        engine_steps(lambda g: "r0" in x._held, x)  # (a poll runs the hold)
+        yield x, fake, x._held["r0"].offers[0]
+
+
+def test_an_ack_before_the_served_push_posted_its_start_releases_once(scripted):
+    """The decode's ack comes while the core counts the push in flight and before it posted the
+    push's start (block_pull.h: it may); start and end are then taken in the thread's look at the
+    held requests: one release, one report. (Before, the end's release ran inside the look's own
+    release: counted twice, and reported twice where a poll came between.)"""
+    x, fake, token = scripted
+    from flagcx_mesh.vllm.transfer import SERVED_ENDED, SERVED_STARTED
+    with x._step_lock:
+        fake.flight = 1
+        x._on_ack("dec", "r0")
+        assert x._held["r0"].release_when_idle == "served"
+        fake.flight = 0
+        fake.events = [served_event(token, 1, SERVED_STARTED), served_event(token, 1, SERVED_ENDED)]
+        x._check_held(time.monotonic())
+    assert "r0" not in x._held and x.stats()["released_served"] == 1
+    assert x.poll().sending == {"r0"} and x.poll().sending == set()
+
+
+def test_the_events_after_the_releasing_end_in_one_take_are_counted(scripted):
+    """One take of the core's events: the end of the push whose ack came first, then the start and
+    end of a second push of the request: both pushes counted, one release. (Before, the release in
+    the middle of the take dropped the events after it.)"""
+    x, fake, token = scripted
+    from flagcx_mesh.vllm.transfer import SERVED_ENDED, SERVED_STARTED
+    with x._step_lock:
+        fake.flight, fake.events = 1, [served_event(token, 1, SERVED_STARTED)]
+        x._take_served()
+        x._on_ack("dec", "r0")
+        fake.flight = 0
+        fake.events = [served_event(token, 1, SERVED_ENDED), served_event(token, 2, SERVED_STARTED),
+                       served_event(token, 2, SERVED_ENDED)]
+        x._take_served()
+    s = x.stats()
+    assert "r0" not in x._held and s["released_served"] == 1
+    assert s["pushes_served"] == 2 and s["pushes_done"] == 2

@@ -46,8 +46,10 @@ thread), :meth:`fetch` does the fetch itself: it hands a pull's read to the core
 pull waits for the interpreter lock that a busy engine thread holds, or sends a push's ``W``.
 Every other agent call runs on one background thread; the public methods only queue commands
 (or do what is said above) and drain results, so the engine's step never waits on the network.
-Where that thread is not in a step, :meth:`poll` does part of one itself: it runs the queued holds
-and handles what arrived (notifications, the core's events of served pushes), as the thread would.
+Where that thread has not finished a step for ``ASSIST_AFTER`` seconds and is not in one,
+:meth:`poll` does part of one itself: it runs the queued holds and handles what arrived
+(notifications, the core's events of served pushes), as the thread would (a push it starts is
+then issued, and on a host path copied, on the caller's thread).
 A busy engine thread that gives the interpreter lock up for a moment at each call into C (torch's
 calls, I/O) and takes it straight back can keep the transfer thread from the lock for seconds; the
 engine's own poll() in each step then answers a decode's layout and first want, and releases the
@@ -108,6 +110,7 @@ STATS = (  # KVTransfer.stats()
 )
 SERVED_STARTED, SERVED_ENDED, SERVED_LATE = (  # the kinds of the core's served-push events (_on_served)
     _core._BlockPuller.SERVED_STARTED, _core._BlockPuller.SERVED_ENDED, _core._BlockPuller.SERVED_LATE)
+ASSIST_AFTER = 0.02  # seconds since the thread's last step after which poll() does its part (_assist)
 ASSIST_WAIT = 0.0005  # seconds poll() waits for a step of the thread under way before it does its part (_assist)
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
 
@@ -290,6 +293,7 @@ class KVTransfer:
         self._commands: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()
         self._holds: "queue.SimpleQueue[tuple]" = queue.SimpleQueue()  # hold commands (poll() may run them: _assist)
         self._step_lock = threading.Lock()  # one step at a time: the thread's, or poll()'s part of it (_assist)
+        self._stepped = time.monotonic()  # when the thread last finished a step (_assist)
         self._connecting = False  # the thread's step waits on a connect: poll() does not wait for it (_assist)
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._done = Finished()
@@ -307,6 +311,8 @@ class KVTransfer:
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         self._offered: Dict[int, str] = {}  # the requests the puller serves wants of, by their offer's token
+        self._holds_run = 0  # the highest offer token whose hold command ran (tokens grow: hold())
+        self._ended_idle: Set[str] = set()  # held requests whose last push may have ended (_take_served)
         self._served_later: List[tuple] = []  # the core's events taken early (_forget_offers), for _take_served
         self._takes_w: Set[Tuple[str, str]] = set()  # peer layouts that said they take binary wants (w)
         # decode side
@@ -341,11 +347,11 @@ class KVTransfer:
         no step on the transfer thread."""
         req, groups = str(req_id), as_groups(block_ids)
         token = next(self._tokens)
-        self._command("hold", req, groups, token)  # (queued first: the core's word on a push finds it, _step)
-        try:
+        try:  # (before the hold is queued: the hold's withdraw, for a request gone already, comes after it)
             self._puller.offer(token, req, [array.array("q", g) for g in groups], self._served_timeout())
         except Exception:  # noqa: BLE001 - (ids that are no integers, closed): its wants go to the thread
             pass
+        self._command("hold", req, groups, token)
 
     def _served_timeout(self) -> float:
         """Seconds a push the core serves may take before it is reported late (then abandoned)."""
@@ -452,6 +458,7 @@ class KVTransfer:
                 self.agent.await_notifications(self._interval)  # (taking nothing: poll() may take it first)
                 with self._step_lock:
                     self._step()
+                    self._stepped = time.monotonic()
             except Exception:  # one bad event must not stop the transfers of every other request
                 if self._stop.is_set():
                     break
@@ -483,10 +490,14 @@ class KVTransfer:
         a step: the holds queued and what arrived (_take_arrivals). A busy engine thread that keeps
         taking the interpreter lock back (each torch call gives it up for a moment) can keep the
         transfer thread from it for seconds; the engine's own poll() then does that work. The other
-        commands (a connect may wait on the network) and the deadlines stay the thread's. A step of
-        the thread under way is waited for up to ASSIST_WAIT (the wait gives the thread the lock),
-        not at all while it connects."""
-        if self._stop.is_set() or not self._step_lock.acquire(timeout=0 if self._connecting else ASSIST_WAIT):
+        commands (a connect may wait on the network) and the deadlines stay the thread's. Only once
+        the thread has not finished a step for ASSIST_AFTER seconds (a thread that keeps up does it
+        all: a push's copy on a host path, a send to a peer that stopped reading, stay off the
+        engine's thread); a step of the thread under way is then waited for up to ASSIST_WAIT (the
+        wait gives the thread the lock), not at all while it connects."""
+        if self._stop.is_set() or time.monotonic() - self._stepped < ASSIST_AFTER:
+            return  # (the thread keeps up: the pushes and sends stay off the engine's thread)
+        if not self._step_lock.acquire(timeout=0 if self._connecting else ASSIST_WAIT):
             return
         try:
             self._run_commands(holds_only=True)
@@ -517,16 +528,26 @@ class KVTransfer:
 
     def _take_served(self) -> None:
         """Takes the core's events of the pushes it serves (_on_served). One of a request whose
-        hold command has not run yet (hold() queues it before it offers the blocks) runs the
-        queued holds first."""
+        hold command has not run yet runs the queued holds first; one whose hold is not even
+        queued yet (hold() offers the blocks, then queues it) is kept for the next take."""
         events, self._served_later = self._served_later + self._puller.take_served(), []
         if any(e[0] not in self._offered for e in events):
             self._run_commands(holds_only=True)
+            self._served_later = [e for e in events if e[0] > self._holds_run]
+            events = [e for e in events if e[0] <= self._holds_run]
         for event in events:
             try:
                 self._on_served(*event)
             except Exception:  # noqa: BLE001 - the next events must still be taken
                 self._warn_internal.warn("%s: a served push's event failed:\n%s", self.name, traceback.format_exc())
+        ended, self._ended_idle = self._ended_idle, set()
+        for req in ended:  # (after every event of the batch: none is dropped by a release in the loop)
+            held = self._held.get(req)
+            if held is not None and held.release_when_idle:
+                try:
+                    self._check_one_held(req, held, time.monotonic())
+                except Exception:  # noqa: BLE001
+                    self._warn_internal.warn("%s: releasing %s failed:\n%s", self.name, req, traceback.format_exc())
 
     def _count(self, key: str, n: int = 1) -> None:
         with self._lock:
@@ -571,6 +592,7 @@ class KVTransfer:
     def _cmd_hold(self, req: str, blocks: Groups, offer: int = 0) -> None:
         if offer:
             self._offered[offer] = req
+            self._holds_run = max(self._holds_run, offer)
         try:
             ids = [block_id_tensor(g, self.num_blocks, f"request {req}") for g in blocks]  # hold() made the groups
         except LayoutError:
@@ -878,6 +900,8 @@ class KVTransfer:
                 held.release_when_idle = held.release_when_idle or why
                 return
             self._forget_offers(held)
+            if self._held.get(req) is not held:  # (released meanwhile)
+                return
         self._held.pop(req, None)
         self._remember_gone(req, why)
         self._count("released_" + why)
@@ -944,8 +968,8 @@ class KVTransfer:
             return
         if kind == SERVED_ENDED:
             p.handles[0].over, p.handles[0].error = True, error
-            if held.release_when_idle:  # (its ack came first: released now, not at the thread's next look)
-                self._check_one_held(req, held, time.monotonic())
+            if held.release_when_idle:  # (its ack came first: released after this batch, _take_served)
+                self._ended_idle.add(req)
         elif kind == SERVED_LATE and p.closing is None and p.conn is not None:
             self._abandon(p, f"the push of {req} to {peer} did not complete within "
                              f"{time.monotonic() - p.started:.1f} s")
