@@ -253,9 +253,46 @@ def test_a_layout_sent_again_drops_the_tables_the_core_made_of_the_earlier_one(p
         dec.fetch(f"t{i}", pre.metadata, f"r{i}", [i + 3], [i + 5], (0, 2, 0, 1))
         assert wait_for(dec, "recving", f"t{i}") == {}
     assert seen.get("W") == 1 and seen.get("L") == 1 and pre.stats()["pushes_served"] == 1
+    forgot = []
+    forget = pre._forget_tables
+    pre._forget_tables = lambda conn: (forget(conn), forgot.append(conn))
     dec.agent.connection(pre.agent.name).notify(dec._layout_msg)
-    wait_until(lambda: seen.get("L") == 2, "the prefill's thread took the layout sent again")
+    wait_until(lambda: forgot, "the prefill took the layout sent again")
     pre.hold("r2", [7])
     dec.fetch("t2", pre.metadata, "r2", [7], [8], (0, 2, 0, 1))
     assert wait_for(dec, "recving", "t2") == {}
     assert seen.get("W") == 2 and pre.stats()["pushes_served"] == 1
+
+
+def test_a_request_cancelled_before_its_hold_is_never_served_by_the_core(pair, monkeypatch):
+    """The decode gave a request up before the prefill's worker held it; the hold's command runs
+    before hold() has offered the blocks to the core (forced here: the offer waits for it). The
+    offer must not outlive the hold: a later want of that request is refused, not served from
+    blocks vLLM has back. (Before, hold() queued the command first, and an offer made after the
+    command's withdraw stayed in the core.)"""
+    pre, dec, dkv = pushed_pair(pair)
+    wait_until(lambda: takes_w(dec, pre), "the decode took the prefill's layout")
+    ran, cmd = [], pre._cmd_hold
+    pre._cmd_hold = lambda *a: (cmd(*a), ran.append(a[0]))
+
+    class OfferAfterTheHold:
+        def __init__(self, real):
+            self._real = real
+
+        def __getattr__(self, name):
+            return getattr(self._real, name)
+
+        def offer(self, token, req, groups, timeout):
+            end = time.monotonic() + 1.0  # (with the offer first, the command is not queued yet: it waits in vain)
+            while req not in ran and time.monotonic() < end:
+                time.sleep(0.005)
+            return self._real.offer(token, req, groups, timeout)
+
+    dec.release(pre.metadata, "rx")
+    wait_until(lambda: "rx" in pre._gone, "the prefill heard the request was given up")
+    monkeypatch.setattr(pre, "_puller", OfferAfterTheHold(pre._puller))
+    pre.hold("rx", [3])
+    wait_for(pre, "sending", "rx")
+    dec.fetch("t", pre.metadata, "rx", [3], [7])
+    assert wait_for(dec, "recving", "t") == {"t": [7]}
+    assert only_these_blocks(dkv, [{1: 1}] * 2) == [] and pre.stats()["pushes_served"] == 0
