@@ -157,6 +157,7 @@ def test_polls_leave_the_work_to_a_thread_that_keeps_up(pair, monkeypatch):
     pre, pkv = pair("p", pull=False)
     dec, dkv = pair("d", pull=False)
     fill_all(pkv)
+    after = transfer.ASSIST_AFTER
     with thread_stalled(pre, monkeypatch):
         monkeypatch.setattr(transfer, "ASSIST_AFTER", 3600.0)
         pre.hold("r0", [3])
@@ -166,7 +167,7 @@ def test_polls_leave_the_work_to_a_thread_that_keeps_up(pair, monkeypatch):
             assert "t0" not in dec.poll().recving and not pre.poll().sending
             time.sleep(0.01)
         assert "r0" not in pre._held  # (its hold command not run)
-        monkeypatch.setattr(transfer, "ASSIST_AFTER", 0.02)
+        monkeypatch.setattr(transfer, "ASSIST_AFTER", after)
         engine_steps(lambda g: "r0" in g[0]["sending"] and "t0" in g[1]["recving"], pre, dec)
 
 

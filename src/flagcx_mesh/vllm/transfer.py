@@ -110,7 +110,7 @@ STATS = (  # KVTransfer.stats()
 )
 SERVED_STARTED, SERVED_ENDED, SERVED_LATE = (  # the kinds of the core's served-push events (_on_served)
     _core._BlockPuller.SERVED_STARTED, _core._BlockPuller.SERVED_ENDED, _core._BlockPuller.SERVED_LATE)
-ASSIST_AFTER = 0.02  # seconds since the thread's last step after which poll() does its part (_assist)
+ASSIST_AFTER = 0.01  # seconds since the thread's last step after which poll() does its part (_assist)
 ASSIST_WAIT = 0.0005  # seconds poll() waits for a step of the thread under way before it does its part (_assist)
 PULL_PATHS = frozenset(("cuda-ipc", "cuda-vmm", "cuda-self", "cma", "shm", "self"))  # a read of them waits on no network
 
