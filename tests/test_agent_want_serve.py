@@ -302,6 +302,25 @@ def test_forget_layouts_hands_the_wants_of_its_connection_back_until_served_agai
     assert answers(s.decode) == [b"D-1"]
 
 
+def test_a_want_handed_back_is_served_when_resubmitted_once_its_blocks_are_offered(serving):
+    """A want before its offer goes to notifications(); resubmitted once the blocks are offered, the
+    core serves it (an early want needs no push of the caller's); resubmitted while still not
+    servable, it goes to notifications() again."""
+    s = serving
+    s.conn.notify(want(dst=(20, 21)))
+    assert [bytes(n.data) for n in s.prefill.notifications(timeout=5.0)] == [want(dst=(20, 21))]
+    assert s.puller.resubmit(s.back._core, want(dst=(20, 21))) is True  # (no offer yet: back again)
+    assert [bytes(n.data) for n in s.prefill.notifications(timeout=5.0)] == [want(dst=(20, 21))]
+    s.puller.offer(9, "req-1", [ids([5, 6])], 20.0)
+    assert s.puller.resubmit(s.back._core, want(dst=(20, 21))) is True
+    assert answers(s.decode) == [b"D-1"] and s.block(s.mine, 21) == s.block(s.theirs, 6)
+    assert answers(s.prefill) == [] and {e[2] for e in served(s.puller, 2)} == {STARTED, ENDED}
+    s.puller.serve_wants(False)
+    assert s.puller.resubmit(s.back._core, want()) is False
+    with pytest.raises(InvalidArgument):
+        s.puller.resubmit(s.conn._core, want())
+
+
 def test_serve_layout_refuses_a_connection_of_another_agent(serving):
     s = serving
     with pytest.raises(InvalidArgument):

@@ -82,9 +82,10 @@ def test_the_first_blocks_a_decode_has_are_not_sent(pair):
     assert only_these_blocks(dkv, [{1: 1, 14: 12, 15: 13}] * 2) == []
 
 
-def test_a_want_before_its_hold_is_served_by_the_thread_when_the_hold_comes(pair):
+def test_a_want_before_its_hold_is_served_by_the_core_when_the_hold_comes(pair):
     """The core has no offer yet: it hands the want to the thread, which keeps it until the
-    hold comes (as a W), then pushes."""
+    hold comes (as a W), then hands it back to the core, which pushes it (no push of the
+    thread's: before, the thread pushed it itself)."""
     pre, dec, dkv = pushed_pair(pair)
     wait_until(lambda: takes_w(dec, pre), "the decode took the prefill's layout")
     seen = count_messages(pre)
@@ -94,6 +95,9 @@ def test_a_want_before_its_hold_is_served_by_the_thread_when_the_hold_comes(pair
     pre.hold("r1", [3])
     assert wait_for(dec, "recving", "t1") == {}
     assert only_these_blocks(dkv, [{1: 1, 4: 3}] * 2) == []
+    wait_for(pre, "sending", "r1")
+    s = pre.stats()
+    assert s["pushes"] == 2 and s["pushes_served"] == 1 and seen.get("W") == 1
 
 
 def test_wants_the_core_cannot_serve_are_refused_by_the_thread(pair):

@@ -315,6 +315,21 @@ bool BlockPuller::claimed(const std::shared_ptr<Connection>& conn, Notification&
   return true;
 }
 
+bool BlockPuller::resubmit(const std::shared_ptr<Connection>& conn, std::vector<uint8_t> bytes) {
+  if (!conn || &conn->agent() != agent_.get()) {
+    fail(Code::kInvalidArgument, -1, 0, "serving a want again: the connection is not one of this puller's agent");
+  }
+  Notification n{conn->peer().name, conn->peer().incarnation, std::move(bytes)};
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (closing_) fail(Code::kClosed, -1, 0, "serving a want again: the block reads were closed");
+    if (!serving_) return false;
+    claimed_.push_back({conn, std::move(n)});
+  }
+  cv_.notify_all();
+  return true;
+}
+
 void BlockPuller::offer(uint64_t token, std::string req, std::vector<std::vector<int64_t>> groups, double timeout_s) {
   std::lock_guard<std::mutex> lock(mu_);
   served_.offer(token, std::move(req), std::move(groups), timeout_s);

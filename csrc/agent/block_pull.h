@@ -126,6 +126,11 @@ class BlockPuller {
                     std::vector<std::shared_ptr<const RegionDesc>> locals,
                     std::vector<std::shared_ptr<const RegionDesc>> remotes,
                     std::vector<std::vector<std::shared_ptr<const BlockRows>>> group_tables);
+  // A want that arrived on conn and was handed back (no offer yet, say), served again as if the
+  // claim had just taken it: its blocks are now offered. Handed back again when still not served.
+  // InvalidArgument for a connection of another agent, kClosed after close(); false (nothing
+  // done) while wants are not served (serve_wants(false)).
+  bool resubmit(const std::shared_ptr<Connection>& conn, std::vector<uint8_t> bytes);
   // See WantServer::forget_layouts: the wants arriving on conn are handed back until serve_layout.
   void forget_layouts(const std::shared_ptr<Connection>& conn);
   // The served events posted since the last take, in order. A push is counted by in_flight()

@@ -550,6 +550,14 @@ void bind_serving(py::class_<fxm::agent::BlockPuller, std::shared_ptr<fxm::agent
       }, py::arg("conn"), py::arg("part"), py::arg("locals"), py::arg("remotes"), py::arg("group_tables"),
            "The tables wants of part (si, sn, di, dn) arriving on conn with len(group_tables) groups are served "
            "with (per group a list of _BlockRows, empty for a group without layers).")
+      .def("resubmit", [](BlockPuller& p, const std::shared_ptr<Connection>& conn, const py::bytes& data) {
+        std::string s = data;
+        std::vector<uint8_t> bytes(s.begin(), s.end());
+        py::gil_scoped_release release;
+        return p.resubmit(conn, std::move(bytes));
+      }, py::arg("conn"), py::arg("data"),
+           "Serves a want that arrived on conn and was handed back, as if just claimed (handed back again "
+           "when still not served); False while wants are not served.")
       .def("forget_layouts", &BlockPuller::forget_layouts, py::arg("conn"), py::call_guard<py::gil_scoped_release>(),
            "Forgets the tables of every part served on conn (its wants are handed back until serve_layout).")
       .def("take_served", [](BlockPuller& p) {

@@ -566,7 +566,8 @@ class KVTransfer:
             if kind == "L":
                 self._on_layout(peer, incarnation, f)
             elif kind == "W":
-                self._on_want(peer, incarnation, f, time.monotonic())
+                raw = data if data.startswith(_core.WANT_PREFIX) else None  # (a binary want the core handed back)
+                self._on_want(peer, incarnation, f, time.monotonic(), raw)
             elif kind == "A":
                 self._on_ack(peer, f["req"], f.get("readers", 1))
             elif kind == "C":
@@ -619,9 +620,22 @@ class KVTransfer:
         self._held[req] = held
         acked, parts, _ = self._early_acks.pop(req, (set(), 0, 0.0))
         for peer, f, _ in self._early.pop(req, []):
-            self._start_push(req, peer, f)
+            if ids is None or not self._resubmit(peer, f):
+                self._start_push(req, peer, f)
         for peer in acked:  # decodes that read it before it was held here
             self._on_ack(peer, req, parts)
+
+    def _resubmit(self, peer: str, f: dict) -> bool:
+        """Hands a binary want that came before its hold back to the core, which serves it now that
+        the blocks are offered (no push on this thread; one it still cannot serve comes back as a
+        ``W``, which finds the hold). False: not a binary want, or its connection is gone."""
+        raw, conn = f.get("_raw"), self.agent.connection(peer)
+        if raw is None or conn is None or conn.peer_incarnation != f.get("_inc"):
+            return False
+        try:
+            return bool(self._puller.resubmit(conn._core, raw))
+        except Exception:  # noqa: BLE001 - (closed): the thread pushes it
+            return False
 
     def _on_layout(self, peer: str, incarnation: str, f: dict) -> None:
         regions = [protocol.unb64(r) for r in f["regions"]]
@@ -701,7 +715,9 @@ class KVTransfer:
             if conn is None or conn.peer_incarnation != key[1]:
                 self._drop_layout(key)
 
-    def _on_want(self, peer: str, incarnation: str, f: dict, now: float) -> None:
+    def _on_want(self, peer: str, incarnation: str, f: dict, now: float, raw: Optional[bytes] = None) -> None:
+        """A decode's want (``raw``: its binary form, where it came so): pushed, refused, or kept
+        until its hold comes (_cmd_hold)."""
         req = f["req"]
         if req in self._held:
             self._start_push(req, peer, f, incarnation)
@@ -710,7 +726,7 @@ class KVTransfer:
         elif sum(len(w) for w in self._early.values()) >= MAX_EARLY:
             self._refuse(peer, f, f"request {req} is not known here, and {MAX_EARLY} others await their hold")
         else:  # the scheduler's word that it finished may come after the decode's request
-            self._early.setdefault(req, []).append((peer, dict(f, _inc=incarnation), now + self.hold_timeout))
+            self._early.setdefault(req, []).append((peer, dict(f, _inc=incarnation, _raw=raw), now + self.hold_timeout))
 
     def _refuse(self, peer: str, f: dict, why: str) -> None:
         self._count("refused")
