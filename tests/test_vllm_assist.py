@@ -245,3 +245,71 @@ def test_the_events_after_the_releasing_end_in_one_take_are_counted(scripted):
     s = x.stats()
     assert "r0" not in x._held and s["released_served"] == 1
     assert s["pushes_served"] == 2 and s["pushes_done"] == 2
+
+
+def test_a_thread_that_steps_marks_it_and_polls_then_leave_the_step_to_it(pair, monkeypatch):
+    """The thread marks each step it finished (the gate of poll()'s part); a poll() right after
+    one does none of the step's work, one long after does (the thread stalled here)."""
+    pre, pkv = pair("p", pull=False)
+    time.sleep(0.2)
+    assert time.monotonic() - pre._stepped < 0.2  # (idle, it still steps every poll_interval)
+    ran = []
+    with thread_stalled(pre, monkeypatch):
+        monkeypatch.setattr(pre, "_take_arrivals", lambda: ran.append(threading.current_thread()))
+        pre._stepped = time.monotonic() + 3600  # (as if it had just stepped)
+        pre.poll()
+        assert ran == []
+        pre._stepped = time.monotonic() - 1.0
+        pre.poll()
+        assert ran == [threading.current_thread()]
+
+
+def test_the_events_of_a_hold_that_runs_inside_a_take_and_releases_at_once_are_counted(scripted):
+    """A take of the core's events finds a token whose hold has not run: it runs the holds, and
+    that hold (of a request the decode acknowledged before it) releases at once, counting its
+    pushes' events first, the ones of this very take too. (Before, those were dropped.)"""
+    x, fake, _ = scripted
+    from flagcx_mesh.vllm.transfer import SERVED_ENDED, SERVED_STARTED
+    token = x._holds_run + 1
+    with x._step_lock:
+        x._on_ack("dec", "r1")  # (before its hold: remembered as gone)
+        assert "r1" in x._gone
+        x.hold("r1", [4])  # its token: the next one
+        fake.flight = 0
+        fake.events = [served_event(token, 7, SERVED_STARTED), served_event(token, 7, SERVED_ENDED)]
+        x._take_served()
+    s = x.stats()
+    assert "r1" not in x._held and s["pushes_served"] == 1 and s["pushes_done"] == 1
+
+
+class _Conn:
+    def __init__(self, incarnation):
+        self.peer_incarnation, self._core = incarnation, object()
+
+
+def early_want_held(x, fake, monkeypatch, incarnation, closing=False):
+    """Runs the hold of r9, whose binary want came before it from ``dec`` (its incarnation
+    "old"), the connection to ``dec`` now of ``incarnation``; what the core was handed again."""
+    import flagcx_mesh.vllm.transfer as transfer
+
+    handed = []
+    monkeypatch.setattr(fake, "resubmit", lambda conn, raw: handed.append(raw) or True, raising=False)
+    monkeypatch.setattr(x.agent, "connection", lambda peer: _Conn(incarnation))
+    pushed = []
+    monkeypatch.setattr(x, "_start_push", lambda req, peer, f, inc=None: pushed.append(req))
+    with x._step_lock:
+        if closing:
+            x._closing[("dec", "old")] = transfer._Closing("dec", threading.Event())
+        x._early["r9"] = [("dec", dict(req="r9", tag="t", dst=[1], _inc="old", _raw=b"want"), time.monotonic() + 60)]
+        x._cmd_hold("r9", [[4]], 99)
+    return handed, pushed
+
+
+def test_an_early_want_goes_back_to_the_core_only_on_its_own_connection(scripted, monkeypatch):
+    """An early binary want is handed back to the core when its hold comes, unless the decode's
+    connection is now another incarnation's, or being abandoned: then the thread's push decides
+    (it refuses, or waits for the close)."""
+    x, fake, _ = scripted
+    assert early_want_held(x, fake, monkeypatch, "old") == ([b"want"], [])
+    assert early_want_held(x, fake, monkeypatch, "new") == ([], ["r9"])
+    assert early_want_held(x, fake, monkeypatch, "old", closing=True) == ([], ["r9"])

@@ -242,6 +242,15 @@ def _answer_to(want: dict) -> dict:
     return named
 
 
+def _readers_of(want: dict) -> int:
+    """How many decode ranks read a want's blocks: its ``readers``, else its part's slices (1 for
+    a part that is not one: the core refuses that want)."""
+    try:
+        return int(want.get("readers") or check_part(tuple(want.get("part", WHOLE)))[1])
+    except (LayoutError, TypeError, ValueError):
+        return 1
+
+
 def _remember(seen: "OrderedDict", key, value) -> None:
     """Keeps key -> value in ``seen``, the oldest forgotten past FORGET_AFTER entries."""
     seen[key] = value
@@ -311,7 +320,7 @@ class KVTransfer:
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         self._offered: Dict[int, str] = {}  # the requests the puller serves wants of, by their offer's token
-        self._holds_run = 0  # the highest offer token whose hold command ran (tokens grow: hold())
+        self._holds_run = 0  # the highest offer token whose hold command ran (tokens grow: hold(), one caller thread)
         self._ended_idle: Set[str] = set()  # held requests whose last push may have ended (_take_served)
         self._served_later: List[tuple] = []  # the core's events taken early (_forget_offers), for _take_served
         self._takes_w: Set[Tuple[str, str]] = set()  # peer layouts that said they take binary wants (w)
@@ -495,7 +504,7 @@ class KVTransfer:
         all: a push's copy on a host path, a send to a peer that stopped reading, stay off the
         engine's thread); a step of the thread under way is then waited for up to ASSIST_WAIT (the
         wait gives the thread the lock), not at all while it connects."""
-        if self._stop.is_set() or time.monotonic() - self._stepped < ASSIST_AFTER:
+        if self._stop.is_set() or time.monotonic() - self._stepped < max(ASSIST_AFTER, 2 * self._interval):
             return  # (the thread keeps up: the pushes and sends stay off the engine's thread)
         if not self._step_lock.acquire(timeout=0 if self._connecting else ASSIST_WAIT):
             return
@@ -532,7 +541,9 @@ class KVTransfer:
         queued yet (hold() offers the blocks, then queues it) is kept for the next take."""
         events, self._served_later = self._served_later + self._puller.take_served(), []
         if any(e[0] not in self._offered for e in events):
+            self._served_later = events  # (what a hold released at once counts first: _forget_offers)
             self._run_commands(holds_only=True)
+            events, self._served_later = self._served_later, []
             self._served_later = [e for e in events if e[0] > self._holds_run]
             events = [e for e in events if e[0] <= self._holds_run]
         for event in events:
@@ -620,7 +631,9 @@ class KVTransfer:
         self._held[req] = held
         acked, parts, _ = self._early_acks.pop(req, (set(), 0, 0.0))
         for peer, f, _ in self._early.pop(req, []):
-            if ids is None or not self._resubmit(peer, f):
+            if ids is not None and self._resubmit(peer, f):
+                held.parts = max(held.parts, _readers_of(f))  # (as _start_push counts them)
+            else:
                 self._start_push(req, peer, f)
         for peer in acked:  # decodes that read it before it was held here
             self._on_ack(peer, req, parts)
@@ -630,8 +643,8 @@ class KVTransfer:
         the blocks are offered (no push on this thread; one it still cannot serve comes back as a
         ``W``, which finds the hold). False: not a binary want, or its connection is gone."""
         raw, conn = f.get("_raw"), self.agent.connection(peer)
-        if raw is None or conn is None or conn.peer_incarnation != f.get("_inc"):
-            return False
+        if raw is None or conn is None or conn.peer_incarnation != f.get("_inc") or (peer, f.get("_inc")) in self._closing:
+            return False  # (one of a connection being abandoned waits for its close: _start_push)
         try:
             return bool(self._puller.resubmit(conn._core, raw))
         except Exception:  # noqa: BLE001 - (closed): the thread pushes it
