@@ -543,7 +543,7 @@ class KVTransfer:
         if any(e[0] not in self._offered for e in events):
             self._served_later = events  # (what a hold released at once counts first: _forget_offers)
             self._run_commands(holds_only=True)
-            events, self._served_later = self._served_later, []
+            events = self._served_later
             self._served_later = [e for e in events if e[0] > self._holds_run]
             events = [e for e in events if e[0] <= self._holds_run]
         for event in events:
@@ -642,8 +642,8 @@ class KVTransfer:
         """Hands a binary want that came before its hold back to the core, which serves it now that
         the blocks are offered (no push on this thread; one it still cannot serve comes back as a
         ``W``, which finds the hold). False: not a binary want, or its connection is gone."""
-        raw, conn = f.get("_raw"), self.agent.connection(peer)
-        if raw is None or conn is None or conn.peer_incarnation != f.get("_inc") or (peer, f.get("_inc")) in self._closing:
+        raw, inc, conn = f.get("_raw"), f.get("_inc"), self.agent.connection(peer)
+        if raw is None or conn is None or conn.peer_incarnation != inc or (peer, inc) in self._closing:
             return False  # (one of a connection being abandoned waits for its close: _start_push)
         try:
             return bool(self._puller.resubmit(conn._core, raw))
