@@ -319,15 +319,12 @@ bool BlockPuller::resubmit(const std::shared_ptr<Connection>& conn, std::vector<
   if (!conn || &conn->agent() != agent_.get()) {
     fail(Code::kInvalidArgument, -1, 0, "serving a want again: the connection is not one of this puller's agent");
   }
-  Notification n{conn->peer().name, conn->peer().incarnation, std::move(bytes)};
   {
     std::lock_guard<std::mutex> lock(mu_);
     if (closing_) fail(Code::kClosed, -1, 0, "serving a want again: the block reads were closed");
-    if (!serving_) return false;
-    claimed_.push_back({conn, std::move(n)});
   }
-  cv_.notify_all();
-  return true;
+  Notification n{conn->peer().name, conn->peer().incarnation, std::move(bytes)};
+  return claimed(conn, n);  // (false once wants are not served: serve_wants(false), or a close since)
 }
 
 void BlockPuller::offer(uint64_t token, std::string req, std::vector<std::vector<int64_t>> groups, double timeout_s) {
