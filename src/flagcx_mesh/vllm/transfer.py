@@ -929,8 +929,6 @@ class KVTransfer:
                 held.release_when_idle = held.release_when_idle or why
                 return
             self._forget_offers(held)
-            if self._held.get(req) is not held:  # (released meanwhile)
-                return
         self._held.pop(req, None)
         self._remember_gone(req, why)
         self._count("released_" + why)
