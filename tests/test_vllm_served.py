@@ -62,13 +62,37 @@ def test_a_want_is_served_by_the_core_while_the_prefill_thread_is_held(pair, mon
         pre.hold("r1", [3, 4, 9])
         dec.fetch("t1", pre.metadata, "r1", [3, 4, 9], [5, 6, 7])
         assert wait_for(dec, "recving", "t1", timeout=20) == {}
-        assert pre.stats()["pushes"] == 1  # (the first request's, by the thread: nothing counted yet)
+        assert pre.stats()["pushes"] == 1  # (the first request's: nothing of r1 counted yet)
     assert only_these_blocks(dkv, [{1: 1, 5: 3, 6: 4, 7: 9}] * 2) == []
     wait_for(pre, "sending", "r1")
     wait_until(lambda: pre.stats()["pushes_done"] == 2, "the served push counted done")
     s = pre.stats()
-    assert s["pushes"] == 2 and s["pushes_served"] == 1 and s["pushes_failed"] == 0 and s["released_served"] == 2
+    assert s["pushes"] == 2 and s["pushes_served"] == 2 and s["pushes_failed"] == 0 and s["released_served"] == 2
     assert s["bytes_pushed"] > 0 and "W" not in seen  # (no want of r1 came to the thread)
+
+
+def test_the_first_want_of_a_connection_is_pushed_by_the_core(pair, monkeypatch):
+    """A decode's first want on a connection is a ``W`` (it has not heard yet that the prefill
+    takes the binary form): the prefill's thread makes its binary form and hands it to the core,
+    which pushes it; no write of the thread's (on a host path it copies the bytes itself, on the
+    engine's thread where poll() steps in). (Before, the thread pushed it: pushes_served 0.)"""
+    from flagcx_mesh.agent import AgentConnection
+
+    writes = []
+    write_blocks = AgentConnection.write_blocks
+    monkeypatch.setattr(AgentConnection, "write_blocks", lambda *a, **k: (writes.append(a), write_blocks(*a, **k))[1])
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    seen = count_messages(pre)
+    pre.hold("r0", [3, 4])
+    dec.fetch("t0", pre.metadata, "r0", [3, 4], [5, 6])
+    assert wait_for(dec, "recving", "t0") == {}
+    wait_for(pre, "sending", "r0")
+    assert seen.get("W") == 1  # (the W came to the thread)
+    assert only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == []
+    s = pre.stats()
+    assert s["pushes"] == 1 and s["pushes_served"] == 1 and s["pushes_done"] == 1 and writes == []
 
 
 def test_the_first_blocks_a_decode_has_are_not_sent(pair):
@@ -97,7 +121,7 @@ def test_a_want_before_its_hold_is_served_by_the_core_when_the_hold_comes(pair):
     assert only_these_blocks(dkv, [{1: 1, 4: 3}] * 2) == []
     wait_for(pre, "sending", "r1")
     s = pre.stats()
-    assert s["pushes"] == 2 and s["pushes_served"] == 1 and seen.get("W") == 1
+    assert s["pushes"] == 2 and s["pushes_served"] == 2 and seen.get("W") == 1
 
 
 def test_wants_the_core_cannot_serve_are_refused_by_the_thread(pair):
@@ -123,7 +147,7 @@ def test_wants_the_core_cannot_serve_are_refused_by_the_thread(pair):
 
 def test_a_prefill_whose_layout_does_not_say_w_gets_a_W(pair):
     """A prefill of before the binary want (its layout without ``w``): the decode sends the JSON
-    ``W``, served by the thread as before."""
+    ``W`` (this prefill's thread hands each to its core in the binary form: _to_core)."""
     pre, pkv = pair("p", pull=False)
     old = json.loads(pre._layout_msg[len(protocol.MAGIC) + 1:])
     old.pop("w")
@@ -135,7 +159,7 @@ def test_a_prefill_whose_layout_does_not_say_w_gets_a_W(pair):
         pre.hold(f"r{i}", [i + 3])
         dec.fetch(f"t{i}", pre.metadata, f"r{i}", [i + 3], [i + 5])
         assert wait_for(dec, "recving", f"t{i}") == {}
-    assert not takes_w(dec, pre) and seen.get("W") == 2 and pre.stats()["pushes_served"] == 0
+    assert not takes_w(dec, pre) and seen.get("W") == 2 and pre.stats()["pushes_served"] == 2
     assert only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == []
 
 
@@ -252,11 +276,11 @@ def test_a_layout_sent_again_drops_the_tables_the_core_made_of_the_earlier_one(p
     dec, dkv = pair("d", heads=2, pull=False)
     fill_all(pkv)
     seen = count_messages(pre)
-    for i in range(2):  # the first want the thread's (it hands the half's tables to the core), the second the core's
+    for i in range(2):  # the first want via the thread (it hands the half's tables to the core), the second the core's
         pre.hold(f"r{i}", [i + 3])
         dec.fetch(f"t{i}", pre.metadata, f"r{i}", [i + 3], [i + 5], (0, 2, 0, 1))
         assert wait_for(dec, "recving", f"t{i}") == {}
-    assert seen.get("W") == 1 and seen.get("L") == 1 and pre.stats()["pushes_served"] == 1
+    assert seen.get("W") == 1 and seen.get("L") == 1 and pre.stats()["pushes_served"] == 2
     forgot = []
     forget = pre._forget_tables
     pre._forget_tables = lambda conn: (forget(conn), forgot.append(conn))
@@ -265,7 +289,7 @@ def test_a_layout_sent_again_drops_the_tables_the_core_made_of_the_earlier_one(p
     pre.hold("r2", [7])
     dec.fetch("t2", pre.metadata, "r2", [7], [8], (0, 2, 0, 1))
     assert wait_for(dec, "recving", "t2") == {}
-    assert seen.get("W") == 2 and pre.stats()["pushes_served"] == 1
+    assert seen.get("W") == 2 and pre.stats()["pushes_served"] == 3
 
 
 def test_a_request_cancelled_before_its_hold_is_never_served_by_the_core(pair, monkeypatch):
@@ -299,4 +323,4 @@ def test_a_request_cancelled_before_its_hold_is_never_served_by_the_core(pair, m
     wait_for(pre, "sending", "rx")
     dec.fetch("t", pre.metadata, "rx", [3], [7])
     assert wait_for(dec, "recving", "t") == {"t": [7]}
-    assert only_these_blocks(dkv, [{1: 1}] * 2) == [] and pre.stats()["pushes_served"] == 0
+    assert only_these_blocks(dkv, [{1: 1}] * 2) == [] and pre.stats()["pushes_served"] == 1  # (r0's)

@@ -839,10 +839,10 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
     dec, asked, out, x_failed, stalled = None, [], "", "not asked", threading.Event()
     start_push = pre._start_push
 
-    def stop_the_decode_then_push(req, peer, f, incarnation=None):  # on the prefill's thread
+    def stop_the_decode_then_push(req, peer, f, incarnation=None, raw=None):  # on the prefill's thread
         if peer != "decode-tp0":
-            return start_push(req, peer, f, incarnation)
-        asked.append((req, peer, f, incarnation))
+            return start_push(req, peer, f, incarnation, raw)
+        asked.append((req, peer, f, incarnation, raw))
         if len(asked) < len(reqs):
             return
         dec.send_signal(signal.SIGSTOP)

@@ -104,7 +104,7 @@ def die_on_first_push(engine):
     for w in engine.workers:
         x = w._transfer
 
-        def start_then_die(req, peer, f, incarnation=None, x=x):
+        def start_then_die(req, peer, f, incarnation=None, raw=None, x=x):
             layout = x._peer_layouts[(peer, incarnation or f.get("_inc", ""))]
             table = x._push_table(x._held[req].blocks, [int(b) for b in f["dst"]], layout)
             x.agent.connection(peer).write_blocks(x._regions, layout[0], table[:len(table) // 2])  # part of it

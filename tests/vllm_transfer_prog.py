@@ -96,7 +96,7 @@ def prefill(args) -> int:
     x = transfer.KVTransfer(args.name or "prefill-tp0", kv, args.blocks, block_dim=bdim,
                             hold_timeout=args.hold_timeout)
     if args.die_on_push:
-        def start_then_die(req, peer, f, incarnation=None):
+        def start_then_die(req, peer, f, incarnation=None, raw=None):
             layout = x._peer_layouts[(peer, incarnation or f.get("_inc", ""))]
             table = x._push_table(x._held[req].blocks, [int(b) for b in f["dst"]], layout)
             x.agent.connection(peer).write_blocks(x._regions, layout[0], table[:len(table) // 2])  # part of it

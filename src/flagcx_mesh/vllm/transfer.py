@@ -242,15 +242,6 @@ def _answer_to(want: dict) -> dict:
     return named
 
 
-def _readers_of(want: dict) -> int:
-    """How many decode ranks read a want's blocks: its ``readers``, else its part's slices (1 for
-    a part that is not one: the core refuses that want)."""
-    try:
-        return int(want.get("readers") or check_part(tuple(want.get("part", WHOLE)))[1])
-    except (LayoutError, TypeError, ValueError):
-        return 1
-
-
 def _remember(seen: "OrderedDict", key, value) -> None:
     """Keeps key -> value in ``seen``, the oldest forgotten past FORGET_AFTER entries."""
     seen[key] = value
@@ -320,6 +311,7 @@ class KVTransfer:
         self._plans: Dict[Tuple[str, str], Dict[tuple, RowPlan]] = {}  # per peer layout: its row plans by part
         self._early_acks: Dict[str, Tuple[Set[str], int, float]] = {}  # acks of requests not held yet (pulled first)
         self._offered: Dict[int, str] = {}  # the requests the puller serves wants of, by their offer's token
+        self._handed: "OrderedDict[Tuple[str, str, int], None]" = OrderedDict()  # wants the thread gave the core (_to_core)
         self._holds_run = 0  # the highest offer token whose hold command ran (tokens grow: hold(), one caller thread)
         self._ended_idle: Set[str] = set()  # held requests whose last push may have ended (_take_served)
         self._served_later: List[tuple] = []  # the core's events taken early (_forget_offers), for _take_served
@@ -630,25 +622,10 @@ class KVTransfer:
             return
         self._held[req] = held
         acked, parts, _ = self._early_acks.pop(req, (set(), 0, 0.0))
-        for peer, f, _ in self._early.pop(req, []):
-            if ids is not None and self._resubmit(peer, f):
-                held.parts = max(held.parts, _readers_of(f))  # (as _start_push counts them)
-            else:
-                self._start_push(req, peer, f)
+        for peer, f, _ in self._early.pop(req, []):  # (pushed by the core where it can: _to_core)
+            self._start_push(req, peer, f)
         for peer in acked:  # decodes that read it before it was held here
             self._on_ack(peer, req, parts)
-
-    def _resubmit(self, peer: str, f: dict) -> bool:
-        """Hands a binary want that came before its hold back to the core, which serves it now that
-        the blocks are offered (no push on this thread; one it still cannot serve comes back as a
-        ``W``, which finds the hold). False: not a binary want, or its connection is gone."""
-        raw, inc, conn = f.get("_raw"), f.get("_inc"), self.agent.connection(peer)
-        if raw is None or conn is None or conn.peer_incarnation != inc or (peer, inc) in self._closing:
-            return False  # (one of a connection being abandoned waits for its close: _start_push)
-        try:
-            return bool(self._puller.resubmit(conn._core, raw))
-        except Exception:  # noqa: BLE001 - (closed): the thread pushes it
-            return False
 
     def _on_layout(self, peer: str, incarnation: str, f: dict) -> None:
         regions = [protocol.unb64(r) for r in f["regions"]]
@@ -733,7 +710,7 @@ class KVTransfer:
         until its hold comes (_cmd_hold)."""
         req = f["req"]
         if req in self._held:
-            self._start_push(req, peer, f, incarnation)
+            self._start_push(req, peer, f, incarnation, raw)
         elif req in self._gone:
             self._refuse_gone(peer, f, req)
         elif sum(len(w) for w in self._early.values()) >= MAX_EARLY:
@@ -754,7 +731,10 @@ class KVTransfer:
     def _refuse_gone(self, peer: str, f: dict, req: str) -> None:
         self._refuse(peer, f, f"request {req} is no longer held here ({self._gone[req]})")
 
-    def _start_push(self, req: str, peer: str, f: dict, incarnation: Optional[str] = None) -> None:
+    def _start_push(self, req: str, peer: str, f: dict, incarnation: Optional[str] = None,
+                    raw: Optional[bytes] = None) -> None:
+        """Serves a want of a held request: handed to the core (_to_core), else pushed from here
+        (every check made, a refusal saying why)."""
         held = self._held[req]
         incarnation = incarnation or f.get("_inc", "")
         if (peer, incarnation) in self._closing:  # on the connection being closed, or on a new one
@@ -769,12 +749,14 @@ class KVTransfer:
         try:
             part = check_part(f.get("part", WHOLE))
             plans = self._row_plans((peer, incarnation), layout, part, len(held.blocks))
+            self._serve_layout(conn, (peer, incarnation), part, plans)  # (the next wants of this part: the core's)
+            held.parts = max(held.parts, f.get("readers") or part[1])
+            if self._to_core(held, conn, f, raw or f.get("_raw")):
+                return
             table = self._push_table(held.blocks if held.ids is None else held.ids, [int(b) for b in f["dst"]],
                                      layout, part, f.get("groups"), plans)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
-        self._serve_layout(conn, (peer, incarnation), part, plans)  # (the next wants of this part: the core's)
-        held.parts = max(held.parts, f.get("readers") or part[1])
         tag = str(f["tag"])
         done = protocol.encode("D", **_answer_to(f))
         handles = []
@@ -795,6 +777,31 @@ class KVTransfer:
         self._count("pushes")
         self._count("bytes_pushed", handles[0].nbytes if handles else 0)
         held.pushes.append(_Push(peer, tag, handles, time.monotonic(), conn, self._push_deadline(held)))
+
+    def _to_core(self, held: _Held, conn, f: dict, raw: Optional[bytes]) -> bool:
+        """Hands a want of offered blocks to the core's puller, which pushes it (no copy, no wait
+        for a landing on this thread, which may be the engine's: _assist): a want that came before
+        its hold, or before its part's tables were served, or as a ``W`` (a decode's first on a
+        connection, sent before this prefill's layout told it of the binary form, which is made
+        here). Once per want: one the core hands back again (it cannot serve it) is the thread's,
+        which pushes or refuses it. False: the thread pushes it."""
+        if held.ids is None or not held.offers:
+            return False  # (the core has no blocks to serve it from)
+        try:
+            want = raw if raw is not None else protocol.encode_want(f, protocol.encode("D", **_answer_to(f)))
+        except (ValueError, KeyError, TypeError):  # (ids longer than the binary form carries)
+            return False
+        key = (conn.peer_name, conn.peer_incarnation, hash(want))
+        if key in self._handed:  # handed back to the thread: what the core cannot serve
+            del self._handed[key]
+            return False
+        try:
+            if not self._puller.resubmit(conn._core, want):
+                return False
+        except Exception:  # noqa: BLE001 - (closed meanwhile): the thread pushes it
+            return False
+        _remember(self._handed, key, None)
+        return True
 
     def _push_deadline(self, held: _Held) -> float:
         return min(time.monotonic() + self.push_timeout, held.deadline)
