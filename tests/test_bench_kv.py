@@ -42,8 +42,9 @@ def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
     """--steps: both processes stamp the transfer part's steps; each request length gets each
     step's median (the steps between them add up to no more than the request's total), and a
     request whose stamps are missing is not reported as a figure (_kv_steps.report). Over tcp
-    every request is pushed: the first by the prefill's thread (the decode has no prefill layout
-    yet, its want is a W), the later ones served by the prefill's core (binary wants)."""
+    every request is pushed by the prefill's core: the first handed to it by the prefill's thread
+    (the decode has no prefill layout yet, its want is a W), the later ones served by it (binary
+    wants)."""
     from flagcx_mesh.bench import _kv_steps
 
     out = tmp_path / "kv.json"
@@ -53,7 +54,8 @@ def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     steps = json.loads(out.read_text())["paths"]["tcp"]["steps_ms"]
     for key, how, n, all_steps, chain_steps in (
-            ("64", "", 1, _kv_steps.STEPS, _kv_steps.CHAIN),  # (the first request of 64 tokens alone)
+            ("64 handed", " handed to the prefill's core by its thread", 1, _kv_steps.HANDED_STEPS,
+             _kv_steps.HANDED_CHAIN),  # (the first request of 64 tokens alone)
             ("64 served", " served by the prefill's core", 2, _kv_steps.SERVED_STEPS, _kv_steps.SERVED_CHAIN),
             ("128 served", " served by the prefill's core", 2, _kv_steps.SERVED_STEPS, _kv_steps.SERVED_CHAIN)):
         fig = steps[key]
@@ -63,7 +65,7 @@ def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
         assert 0 < fig["total"] and 0.5 * fig["total"] <= chain <= 1.5 * fig["total"], fig  # medians: near the total
         tokens = key.split()[0]
         assert f"steps of a {tokens}-token request{how} (ms, median of {n})" in r.stdout, r.stdout
-    assert "128" not in steps  # (no request of 128 tokens came to the prefill's thread)
+    assert not {"64", "128", "128 handed"} & set(steps)  # (no push by the thread; no 128-token W)
     # a stamp file that does not match the requests made is said, not reported
     assert _kv_steps.report("[]", [64]) == {}
 

@@ -473,7 +473,9 @@ def test_a_late_done_of_a_timed_out_push_is_not_taken_for_the_next_fetch_of_its_
     assert "t" not in dec.poll().recving, "the first fetch's late D was taken for the second's"
     pre.hold("r2", [4])
     assert wait_for(dec, "recving", "t", timeout=10) == {}
-    assert only_these_blocks(dkv, [{0: 3, 1: 4}] * 2) == []  # (the late push's bytes land too: docs/vllm.md)
+    # (the late push's bytes land too where the core took the want before the C withdrew the
+    # blocks, docs/vllm.md; else it refused it: either way the second fetch's block is its own)
+    assert [] in (only_these_blocks(dkv, [{0: 3, 1: 4}] * 2), only_these_blocks(dkv, [{1: 4}] * 2))
     ds = dec.stats()
     assert ds["fetches_done"] == 1 and ds["fetches_failed"] == 1 and ds["unexpected_answers"] == 1, ds
 

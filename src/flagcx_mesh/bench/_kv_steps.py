@@ -30,6 +30,17 @@ step of the prefill's transfer thread to stamp) has a chain of its own:
                         the decode's core matched the D (its A sent, the outcome posted)
     to the caller, total   as above
 
+A pushed request whose want came to the prefill's transfer thread (a ``W``: the decode's first
+on a connection, before the prefill's layout told it of the binary form), which handed it to
+the core (_to_core), has a chain of its own:
+
+    to the want, to the prefill   as above
+    want read           the W decoded and checked, the tables of its part made, until the thread
+                        hands it to the core
+    to the core         the want's binary form made and queued at the core's puller
+    served, done back   from there until poll() takes the request (_fetched), as above
+    to the caller, total   as above
+
 A request the decode read itself (a pull: transfer.py) has a chain of its own:
 
     to the pull         the decode's fetch() called until the pull is handed over (_start_pull):
@@ -72,6 +83,15 @@ SERVED_CHAIN: Tuple[Step, ...] = (
     ("to the caller", "fetched>", "polled"),
 )
 SERVED_STEPS = SERVED_CHAIN + (TOTAL, FETCH_CALL)
+HANDED_CHAIN: Tuple[Step, ...] = (
+    ("to the want", "fetch>", "notify>"),
+    ("to the prefill", "notify>", "note:W"),
+    ("want read", "note:W", "core>"),
+    ("to the core", "core>", "core<"),
+    ("served, done back", "core<", "fetched>"),
+    ("to the caller", "fetched>", "polled"),
+)
+HANDED_STEPS = HANDED_CHAIN + (TOTAL, FETCH_CALL)
 PULL_CHAIN: Tuple[Step, ...] = (
     ("to the pull", "fetch>", "pull>"),
     ("hand-off", "pull>", "pull<"),
@@ -115,7 +135,7 @@ def install() -> None:
     from ..vllm import protocol
     from ..vllm.transfer import KVTransfer
 
-    for name, tag in (("fetch", "fetch"), ("_push_table", "table"),
+    for name, tag in (("fetch", "fetch"), ("_push_table", "table"), ("_to_core", "core"),
                       ("_start_pull", "pull"), ("_fetched", "fetched")):
         _wrap(KVTransfer, name, tag)
     _wrap(AgentConnection, "write_blocks", "wb")
@@ -157,16 +177,21 @@ def _requests(stamps: List[Tuple[float, str]]) -> List[Dict[str, float]]:
 
 
 def _way(r: Dict[str, float]) -> str:
-    """How a stamped request went: pulled, pushed by the prefill's thread (it handled the want), or
-    served by the prefill's core."""
-    return "pulled" if "pull>" in r else "pushed" if "note:W" in r else "served"
+    """How a stamped request went: pulled, pushed by the prefill's thread (it wrote the blocks),
+    handed to the prefill's core by its thread (it took the want), or served by the core."""
+    if "pull>" in r:
+        return "pulled"
+    if "note:W" not in r:
+        return "served"
+    return "pushed" if "wb>" in r else "handed"
 
 
 def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[str, float]]:
-    """Prints the median of each step per request length, pushed by the prefill's thread, served
-    by its core and pulled apart (the first request of each length, which sets up its connection's
-    layout, left out where its way has more) and returns them in ms: {tokens: {step: ms}}, a served
-    request's as {tokens + " served": ...}, a pulled one's as {tokens + " pulled": ...}."""
+    """Prints the median of each step per request length, pushed by the prefill's thread, handed
+    by it to its core, served by its core and pulled apart (the first request of each length,
+    which sets up its connection's layout, left out where its way has more) and returns them in
+    ms: {tokens: {step: ms}}, a handed request's as {tokens + " handed": ...}, a served one's as
+    {tokens + " served": ...}, a pulled one's as {tokens + " pulled": ...}."""
     reqs = _requests([(float(t), str(tag)) for t, tag in json.loads(decode_stamps)] + _stamps)
     if len(reqs) != len(tokens_of_requests):
         print(f"  steps: {len(reqs)} requests stamped, {len(tokens_of_requests)} made: not reported", flush=True)
@@ -177,6 +202,8 @@ def report(decode_stamps: str, tokens_of_requests: List[int]) -> Dict[str, Dict[
     out: Dict[str, Dict[str, float]] = {}
     for tokens, all_rs in by_len.items():
         for way, steps, key, how in (("pushed", STEPS, str(tokens), ""),
+                                     ("handed", HANDED_STEPS, f"{tokens} handed",
+                                      " handed to the prefill's core by its thread"),
                                      ("served", SERVED_STEPS, f"{tokens} served", " served by the prefill's core"),
                                      ("pulled", PULL_STEPS, f"{tokens} pulled", " pulled")):
             rs = [r for r in all_rs if _way(r) == way]
