@@ -112,6 +112,39 @@ def test_polls_leave_a_connect_to_the_thread(pair, monkeypatch):
     assert wait_for(dec, "recving", "t0") == {} and only_these_blocks(dkv, [{5: 3}] * 2) == []
 
 
+def test_polls_serve_while_the_thread_connects(pair, monkeypatch):
+    """The prefill's thread connects for a fetch of its own (to a prefill that takes 3 s to
+    answer, then fails): it connects before its step takes the step lock, so meanwhile the
+    prefill's polls answer a decode's first request (its layout, then a W). (Before, the thread
+    connected inside its step, holding the lock, and that request waited for the connect.)"""
+    from flagcx_mesh import MeshTimeout
+
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    connect, slow = pre.agent.connect, b"a prefill that answers late"
+    connecting = threading.Event()
+
+    def connect_slowly(md, timeout=None):
+        if md != slow:
+            return connect(md, timeout=timeout)
+        connecting.set()
+        time.sleep(3.0)
+        raise MeshTimeout("connect: no answer (made up)")
+
+    monkeypatch.setattr(pre.agent, "connect", connect_slowly)
+    pre.hold("r0", [3, 4])
+    pre.fetch("x", slow, "elsewhere", [1], [9])
+    assert connecting.wait(10)
+    t0 = time.monotonic()
+    dec.fetch("t0", pre.metadata, "r0", [3, 4], [5, 6])
+    got = engine_steps(lambda g: "t0" in g[1]["recving"], pre, dec)
+    assert time.monotonic() - t0 < 2.0, "the first request waited for the thread's connect"
+    assert got[1]["failed"] == {} and only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == []
+    assert wait_for(pre, "recving", "x", timeout=10) == {"x": [9]}  # (the connect's failure reported)
+    assert connecting.is_set()
+
+
 class EndsHeldBack:
     """A prefill's block puller whose served pushes' ended events are held back until let go (the
     decode's ack then comes to the prefill first); everything else goes through."""

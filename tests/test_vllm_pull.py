@@ -56,10 +56,10 @@ def thread_held(x, monkeypatch):
     stopped, resume = threading.Event(), threading.Event()
     step = x._step
 
-    def held():
+    def held(*a):
         stopped.set()
         resume.wait(60)
-        step()
+        step(*a)
 
     monkeypatch.setattr(x, "_step", held)
     try:

@@ -11,7 +11,9 @@ once and serves both roles:
   want in its binary form (``w``, on a connection whose decode layout the core has tables for)
   is served by the core's puller thread (agent/block_pull.h, want_server.h) with no Python thread
   on the way, which posts the push's start and end for the transfer thread to count and watch;
-  one the core cannot serve comes to the transfer thread as a ``W``. The blocks are released (reported in
+  one the core cannot serve comes to the transfer thread as a ``W``, which hands it back to the
+  core once it can serve it (a ``W`` in the binary form made here; the thread pushes only what the
+  core hands back twice, or ids too long for that form). The blocks are released (reported in
   ``poll().sending``) when the decode acknowledges them, when it cancels, or after
   ``hold_timeout`` when no decode came. A push that fails (the decode died) keeps the blocks
   held, so a decode that restarts and asks again is served. A push that has not completed
@@ -48,13 +50,14 @@ Every other agent call runs on one background thread; the public methods only qu
 (or do what is said above) and drain results, so the engine's step never waits on the network.
 Where that thread has not finished a step for ``ASSIST_AFTER`` seconds and is not in one,
 :meth:`poll` does part of one itself: it runs the queued holds and handles what arrived
-(notifications, the core's events of served pushes), as the thread would (a push it starts is
-then issued, and on a host path copied, on the caller's thread).
+(notifications, the core's events of served pushes), as the thread would (the rare push the thread
+starts itself is then issued, and on a host path copied, on the caller's thread).
 A busy engine thread that gives the interpreter lock up for a moment at each call into C (torch's
 calls, I/O) and takes it straight back can keep the transfer thread from the lock for seconds; the
 engine's own poll() in each step then answers a decode's layout and first want, and releases the
-blocks a decode acknowledged, in that step. The other commands (a connect may wait on the network)
-and the deadlines stay the thread's.
+blocks a decode acknowledged, in that step. The other commands and the deadlines stay the
+thread's; its connects (which may wait on the network) are made before its step takes its lock,
+so poll() may do the step's part meanwhile.
 The thread takes any bytes a peer sends: a notification that is not a well-formed message is
 counted (``stats()``), logged (at most one line per ``LOG_EVERY`` seconds for each kind of
 trouble) and ignored, and the other notifications of its batch are handled as if it had not come.
@@ -295,6 +298,7 @@ class KVTransfer:
         self._step_lock = threading.Lock()  # one step at a time: the thread's, or poll()'s part of it (_assist)
         self._stepped = time.monotonic()  # when the thread last finished a step (_assist)
         self._connecting = False  # the thread's step waits on a connect: poll() does not wait for it (_assist)
+        self._ahead: Dict[bytes, object] = {}  # connects made before the step: a connection or its MeshError
         self._lock = threading.RLock()  # (re-entrant: a close() from a handler run while it is held)
         self._done = Finished()
         self._stats = dict.fromkeys(STATS, 0)
@@ -424,7 +428,8 @@ class KVTransfer:
 
     def busy(self) -> bool:
         """Whether blocks are held or fetches are under way (the engine should keep stepping)."""
-        return bool(self._held or self._fetches or self._waiting or self._closing or not self._commands.empty()
+        return bool(self._held or self._fetches or self._waiting or self._closing or self._queued
+                    or not self._commands.empty()
                     or not self._holds.empty())
 
     def stats(self) -> Dict[str, int]:
@@ -457,17 +462,22 @@ class KVTransfer:
         while not self._stop.is_set():
             try:
                 self.agent.await_notifications(self._interval)  # (taking nothing: poll() may take it first)
-                with self._step_lock:
-                    self._step()
-                    self._stepped = time.monotonic()
+                commands = self._take_commands()
+                self._connect_ahead(commands)
+                try:
+                    with self._step_lock:
+                        self._step(commands)
+                        self._stepped = time.monotonic()
+                finally:
+                    self._ahead.clear()  # (the step's: a later one connects again)
             except Exception:  # one bad event must not stop the transfers of every other request
                 if self._stop.is_set():
                     break
                 log.exception("%s: KV transfer step failed", self.name)
                 time.sleep(self._interval)
 
-    def _step(self) -> None:
-        self._run_commands()
+    def _step(self, commands: Sequence[tuple] = ()) -> None:
+        self._run_commands(commands)
         self._take_arrivals()
         now = time.monotonic()
         self._check_held(now)
@@ -501,7 +511,7 @@ class KVTransfer:
         if not self._step_lock.acquire(timeout=0 if self._connecting else ASSIST_WAIT):
             return
         try:
-            self._run_commands(holds_only=True)
+            self._run_commands()
             self._take_arrivals()
         except MeshError as e:  # (the agent closed meanwhile)
             log.debug("%s: poll()'s part of a step: %s", self.name, e)
@@ -510,22 +520,35 @@ class KVTransfer:
         finally:
             self._step_lock.release()
 
-    def _run_commands(self, holds_only: bool = False) -> None:
-        """The queued holds, then (unless ``holds_only``) the other commands, each in its order."""
-        for q in (self._holds,) if holds_only else (self._holds, self._commands):
-            while True:
-                try:
-                    cmd = q.get_nowait()
-                except queue.Empty:
-                    break
-                try:
-                    getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
-                except Exception:  # noqa: BLE001 - the next commands must still run
-                    log.exception("%s: the %s command failed", self.name, cmd[0])
-                finally:
-                    if q is self._commands:
-                        with self._lock:
-                            self._queued -= 1
+    def _take_commands(self) -> List[tuple]:
+        """The commands queued but holds, taken before the step (_connect_ahead looks at them);
+        still counted as queued until they ran (_run_commands)."""
+        out = []
+        while True:
+            try:
+                out.append(self._commands.get_nowait())
+            except queue.Empty:
+                return out
+
+    def _run_commands(self, commands: Sequence[tuple] = ()) -> None:
+        """The queued holds, then ``commands`` (_take_commands), each in its order."""
+        while True:
+            try:
+                self._run_command(self._holds.get_nowait())
+            except queue.Empty:
+                break
+        for cmd in commands:
+            try:
+                self._run_command(cmd)
+            finally:
+                with self._lock:
+                    self._queued -= 1
+
+    def _run_command(self, cmd: tuple) -> None:
+        try:
+            getattr(self, "_cmd_" + cmd[0])(*cmd[1:])
+        except Exception:  # noqa: BLE001 - the next commands must still run
+            log.exception("%s: the %s command failed", self.name, cmd[0])
 
     def _take_served(self) -> None:
         """Takes the core's events of the pushes it serves (_on_served). One of a request whose
@@ -534,7 +557,7 @@ class KVTransfer:
         events, self._served_later = self._served_later + self._puller.take_served(), []
         if any(e[0] not in self._offered for e in events):
             self._served_later = events  # (what a hold released at once counts first: _forget_offers)
-            self._run_commands(holds_only=True)
+            self._run_commands()
             events = self._served_later
             self._served_later = [e for e in events if e[0] > self._holds_run]
             events = [e for e in events if e[0] <= self._holds_run]
@@ -1389,9 +1412,32 @@ class KVTransfer:
             self._puller.cancel(f.token)  # (its read, or its D awaited) its ack does not go
         self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
 
+    def _connect_ahead(self, commands: Sequence[tuple]) -> None:
+        """Connects, before the step takes its lock, to the prefills its fetches and releases
+        (``commands``) and the fetches waiting for their tag name (a connect may wait on the
+        network up to connect_timeout: meanwhile poll() may do the step's part, _assist). The
+        step's _connect takes each outcome, a failure too (the fetch fails saying why, with no
+        second wait)."""
+        mds = [c[2] if c[0] == "fetch" else c[1] for c in commands if c[0] in ("fetch", "release")]
+        with self._fetch_lock:
+            mds += [f.peer_metadata for fs in self._waiting.values() for f in fs]
+        for md in dict.fromkeys(mds):
+            try:
+                self._ahead[md] = self.agent.connect(md, timeout=self.connect_timeout)
+            except MeshError as e:
+                self._ahead[md] = e
+            except Exception:  # noqa: BLE001 - (metadata that is not an agent's): the step reports it
+                pass
+
     def _connect(self, md: bytes):
-        """The thread's connect to a prefill (it may wait on the network up to connect_timeout):
-        meanwhile poll() does not wait for the thread's step (_assist)."""
+        """The thread's connect to a prefill: the one made before the step (_connect_ahead), else
+        made now (it may wait on the network up to connect_timeout: meanwhile poll() does not wait
+        for the thread's step, _assist)."""
+        ahead = self._ahead.get(md)
+        if isinstance(ahead, MeshError):
+            raise ahead
+        if ahead is not None and not ahead.gone():
+            return ahead
         self._connecting = True
         try:
             return self.agent.connect(md, timeout=self.connect_timeout)
