@@ -115,3 +115,65 @@ def test_await_notifications_takes_nothing_and_is_woken():
         assert not t.is_alive() and box == [True, False]
     with pytest.raises(Exception, match="closed"):
         a.await_notifications(0)
+
+
+def test_the_c_abi_awaits_notifications_taking_nothing():
+    """flagcx_mesh_agent_await_notifications: *ready 1 once something arrived, which
+    flagcx_mesh_agent_notification still returns one by one in order (those it took past the one
+    it handed out go back to the agent: an await after it sees them; before, the C ABI kept them
+    in a queue of its own that no wait could see), 0 at the deadline and when woken; a taker
+    waiting with the agent's lock held does not hold an await up."""
+    import ctypes
+
+    import flagcx_mesh
+
+    lib = ctypes.CDLL(flagcx_mesh.get_library())
+    vp, d, sz = ctypes.c_void_p, ctypes.c_double, ctypes.c_size_t
+    for name, args in {"agent_create": [ctypes.POINTER(vp), ctypes.c_char_p, ctypes.c_char_p, d],
+                       "agent_metadata": [vp, vp, ctypes.POINTER(sz)], "agent_destroy": [vp],
+                       "agent_notification": [vp, d, ctypes.c_char_p, sz, vp, ctypes.POINTER(sz)],
+                       "agent_await_notifications": [vp, d, ctypes.POINTER(ctypes.c_int)],
+                       "agent_wake_notifications": [vp]}.items():
+        getattr(lib, "flagcx_mesh_" + name).argtypes = args
+    agent, ready = vp(), ctypes.c_int(7)
+    assert lib.flagcx_mesh_agent_create(ctypes.byref(agent), b"await-c-abi", b"s", 10.0) == 0
+
+    def take(timeout):
+        buf, n = ctypes.create_string_buffer(64), sz(64)
+        rc = lib.flagcx_mesh_agent_notification(agent, timeout, None, 0, buf, ctypes.byref(n))
+        return buf.raw[:n.value] if rc == 0 else rc
+
+    def await_(timeout):
+        assert lib.flagcx_mesh_agent_await_notifications(agent, timeout, ctypes.byref(ready)) == 0
+        return ready.value
+
+    try:
+        meta, n = ctypes.create_string_buffer(4096), sz(4096)
+        assert lib.flagcx_mesh_agent_metadata(agent, meta, ctypes.byref(n)) == 0
+        assert await_(0) == 0 and await_(0.1) == 0
+        assert lib.flagcx_mesh_agent_await_notifications(agent, -1.0, ctypes.byref(ready)) == 1  # INVALID_ARGUMENT
+        with Agent("await-c-peer", "s", timeout=10) as b:
+            conn = b.connect(meta.raw[:n.value])
+            taker = []
+            t = threading.Thread(target=lambda: taker.append(take(30.0)), daemon=True)
+            t.start()  # (waits holding the C agent's lock)
+            time.sleep(0.2)
+            assert await_(0.1) == 0  # not held up by the taker
+            for m in (b"one", b"two", b"three"):
+                conn.notify(m)
+            t.join(10)
+            assert taker == [b"one"]
+            end = time.monotonic() + 10
+            while time.monotonic() < end and await_(0.1) == 0:  # (two and three: maybe not drained yet)
+                pass
+            assert ready.value == 1 and take(5.0) == b"two"
+            assert await_(5.0) == 1 and take(5.0) == b"three"
+            assert await_(0) == 0 and take(0.05) == 2  # FLAGCX_MESH_TIMED_OUT
+            t = threading.Thread(target=lambda: taker.append(await_(30.0)), daemon=True)
+            t.start()
+            time.sleep(0.2)
+            assert lib.flagcx_mesh_agent_wake_notifications(agent) == 0
+            t.join(10)
+            assert not t.is_alive() and taker == [b"one", 0]
+    finally:
+        assert lib.flagcx_mesh_agent_destroy(agent) == 0

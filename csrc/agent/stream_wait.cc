@@ -351,8 +351,12 @@ void NotificationInbox::wake() {
 }
 
 void NotificationInbox::unread(std::vector<Notification> ns) {
-  std::lock_guard<std::mutex> lock(sync_->mu);
-  inbox_.insert(inbox_.begin(), std::make_move_iterator(ns.begin()), std::make_move_iterator(ns.end()));
+  if (ns.empty()) return;
+  {
+    std::lock_guard<std::mutex> lock(sync_->mu);
+    inbox_.insert(inbox_.begin(), std::make_move_iterator(ns.begin()), std::make_move_iterator(ns.end()));
+  }
+  agent_->bell_->ring();  // a wait that found the inbox empty meanwhile (await_any) finds them now
 }
 
 std::vector<std::shared_ptr<Connection>> NotificationInbox::connections_of(const std::string& peer) const {

@@ -1,6 +1,5 @@
 // The agents' C ABI (flagcx_mesh_agent_* in flagcx_mesh.h) over csrc/agent.
 #include <cstring>
-#include <deque>
 #include <memory>
 #include <mutex>
 #include <optional>
@@ -17,8 +16,7 @@ using fxm::capi::require;
 
 struct flagcx_mesh_agent {
   std::unique_ptr<fxm::agent::Agent> a;
-  std::mutex mu;  // pending
-  std::deque<fxm::agent::Notification> pending;
+  std::mutex mu;  // one notification taker at a time (what it took past the one it hands out goes back in order)
 };
 struct flagcx_mesh_agent_conn {
   std::shared_ptr<fxm::agent::Connection> c;
@@ -315,18 +313,32 @@ flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, d
     require(agent, "agent");
     require(len, "len");
     std::lock_guard<std::mutex> lock(agent->mu);
-    if (agent->pending.empty()) {
-      for (auto& n : agent->a->notifications(timeout_s)) agent->pending.push_back(std::move(n));
+    std::vector<fxm::agent::Notification> got = agent->a->notifications(timeout_s);
+    if (got.empty()) fail(Code::kTimeout, -1, 0, "no notification within " + std::to_string(timeout_s) + " s");
+    fxm::agent::Notification& n = got.front();
+    try {
+      give(n.bytes, buf, len);
+    } catch (...) {
+      agent->a->unread(std::move(got));  // a short buffer leaves it queued
+      throw;
     }
-    if (agent->pending.empty()) fail(Code::kTimeout, -1, 0, "no notification within " + std::to_string(timeout_s) + " s");
-    fxm::agent::Notification& n = agent->pending.front();
-    give(n.bytes, buf, len);  // a short buffer leaves it queued
     if (peer && peer_cap > 0) {
       size_t k = std::min(peer_cap - 1, n.peer.size());
       std::memcpy(peer, n.peer.data(), k);
       peer[k] = '\0';
     }
-    agent->pending.pop_front();
+    got.erase(got.begin());
+    agent->a->unread(std::move(got));  // the others stay the agent's, in order (an await sees them)
+  });
+}
+
+// No lock: it takes nothing (a taker holding the agent's lock may be waiting).
+flagcx_mesh_result_t flagcx_mesh_agent_await_notifications(flagcx_mesh_agent_t agent, double timeout_s, int* ready) {
+  return guard("flagcx_mesh_agent_await_notifications", [&] {
+    require(agent, "agent");
+    require(ready, "ready");
+    *ready = 0;
+    *ready = agent->a->await_notifications(timeout_s) ? 1 : 0;
   });
 }
 
@@ -348,9 +360,6 @@ flagcx_mesh_result_t flagcx_mesh_agent_wait_notification(flagcx_mesh_agent_t age
     std::optional<std::vector<uint8_t>> want;
     if (data) want = bytes_of(data, data_len, "data");
     std::lock_guard<std::mutex> lock(agent->mu);
-    // What flagcx_mesh_agent_notification took and did not hand out yet goes back to the agent first.
-    agent->a->unread({std::make_move_iterator(agent->pending.begin()), std::make_move_iterator(agent->pending.end())});
-    agent->pending.clear();
     fxm::agent::Notification n = agent->a->wait_notification(want ? &*want : nullptr, peer, timeout_s);
     try {
       give(n.bytes, buf, len);

@@ -350,10 +350,17 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_wait_notification(flagcx_
                                                                          const void *data, size_t data_len,
                                                                          double timeout_s, void *buf, size_t *len);
 
-/* Makes a flagcx_mesh_agent_notification waiting in another thread return now (TIMED_OUT when
- * nothing had come); with none waiting, the next one returns at once. Wakes do not add up. For a
- * thread that waits on notifications and takes work from other threads too. */
+/* Makes a flagcx_mesh_agent_notification (or flagcx_mesh_agent_await_notifications) waiting in
+ * another thread return now (TIMED_OUT when nothing had come); with none waiting, the next one
+ * returns at once. Wakes do not add up. For a thread that waits on notifications and takes work
+ * from other threads too. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_wake_notifications(flagcx_mesh_agent_t agent);
+/* Waits up to timeout_s seconds (0: not at all) until flagcx_mesh_agent_notification has something
+ * to return, taking nothing: *ready 1 once it has, 0 at the deadline or when
+ * flagcx_mesh_agent_wake_notifications woke it (SUCCESS either way). For a thread that waits, then
+ * takes what arrived under a lock of its own that another thread may take first. */
+FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_await_notifications(flagcx_mesh_agent_t agent,
+                                                                           double timeout_s, int *ready);
 
 #ifdef __cplusplus
 }
