@@ -83,14 +83,11 @@ SERVED_CHAIN: Tuple[Step, ...] = (
     ("to the caller", "fetched>", "polled"),
 )
 SERVED_STEPS = SERVED_CHAIN + (TOTAL, FETCH_CALL)
-HANDED_CHAIN: Tuple[Step, ...] = (
-    ("to the want", "fetch>", "notify>"),
-    ("to the prefill", "notify>", "note:W"),
+HANDED_CHAIN: Tuple[Step, ...] = CHAIN[:2] + (  # (to the want, to the prefill: a push's)
     ("want read", "note:W", "core>"),
     ("to the core", "core>", "core<"),
     ("served, done back", "core<", "fetched>"),
-    ("to the caller", "fetched>", "polled"),
-)
+) + CHAIN[-1:]
 HANDED_STEPS = HANDED_CHAIN + (TOTAL, FETCH_CALL)
 PULL_CHAIN: Tuple[Step, ...] = (
     ("to the pull", "fetch>", "pull>"),
