@@ -117,32 +117,66 @@ def test_polls_serve_while_the_thread_connects(pair, monkeypatch):
     answer, then fails): it connects before its step takes the step lock, so meanwhile the
     prefill's polls answer a decode's first request (its layout, then a W). (Before, the thread
     connected inside its step, holding the lock, and that request waited for the connect.)"""
-    from flagcx_mesh import MeshTimeout
-
     pre, pkv = pair("p", pull=False)
     dec, dkv = pair("d", pull=False)
     fill_all(pkv)
-    connect, slow = pre.agent.connect, b"a prefill that answers late"
-    connecting = threading.Event()
-
-    def connect_slowly(md, timeout=None):
-        if md != slow:
-            return connect(md, timeout=timeout)
-        connecting.set()
-        time.sleep(3.0)
-        raise MeshTimeout("connect: no answer (made up)")
-
-    monkeypatch.setattr(pre.agent, "connect", connect_slowly)
+    slow, dials = slow_prefill(pre, monkeypatch, 3.0)
     pre.hold("r0", [3, 4])
     pre.fetch("x", slow, "elsewhere", [1], [9])
-    assert connecting.wait(10)
+    wait_until(lambda: dials, "the thread began its connect")
     t0 = time.monotonic()
     dec.fetch("t0", pre.metadata, "r0", [3, 4], [5, 6])
     got = engine_steps(lambda g: "t0" in g[1]["recving"], pre, dec)
     assert time.monotonic() - t0 < 2.0, "the first request waited for the thread's connect"
     assert got[1]["failed"] == {} and only_these_blocks(dkv, [{5: 3, 6: 4}] * 2) == []
-    assert wait_for(pre, "recving", "x", timeout=10) == {"x": [9]}  # (the connect's failure reported)
-    assert connecting.is_set()
+    assert wait_for(pre, "recving", "x", timeout=10) == {"x": [9]} and len(dials) == 1  # (its failure reported)
+
+
+def slow_prefill(x, monkeypatch, seconds):
+    """x's connects to the metadata returned take ``seconds``, then fail; (that metadata, the
+    times each began)."""
+    from flagcx_mesh import MeshTimeout
+
+    connect, slow, dials = x.agent.connect, b"a prefill that answers late", []
+
+    def connect_slowly(md, timeout=None):
+        if md != slow:
+            return connect(md, timeout=timeout)
+        dials.append(time.monotonic())
+        time.sleep(seconds)
+        raise MeshTimeout("connect: no answer (made up)")
+
+    monkeypatch.setattr(x.agent, "connect", connect_slowly)
+    return slow, dials
+
+
+def test_a_fetch_waiting_for_its_tag_is_connected_for_once_it_starts(pair, monkeypatch):
+    """A fetch waiting for an earlier fetch of its id (still out) is not connected for before
+    every step: with its prefill taking 1 s to fail a connect, the thread would step once a
+    second meanwhile (deadlines and commands held up). (A review found it so before the mend.)"""
+    pre, pkv = pair("p", pull=False)
+    dec, dkv = pair("d", pull=False, fetch_timeout=4.0)
+    slow, dials = slow_prefill(dec, monkeypatch, 1.0)
+    dec.fetch("t", pre.metadata, "never-held", [3], [5])  # out until its fetch_timeout (4 s)
+    time.sleep(0.3)
+    dec.fetch("t", slow, "elsewhere", [1], [9])  # waits for the first
+    steps, step = [], dec._step
+    monkeypatch.setattr(dec, "_step", lambda *a: (steps.append(time.monotonic()), step(*a))[1])
+    time.sleep(2.0)
+    assert dials == [] and len(steps) > 20, (len(dials), len(steps))
+    assert wait_for(dec, "recving", "t", timeout=20) == {"t": [5]}  # the first, at its timeout
+    assert wait_for(dec, "recving", "t", timeout=20) == {"t": [9]} and len(dials) == 1  # then the second
+
+
+def test_a_fetch_with_nothing_to_receive_waits_for_no_connect(pair, monkeypatch):
+    """A fetch whose blocks are all here needs no connection: reported at once, not after a
+    connect made ahead for it. (A review found it waiting before the mend.)"""
+    dec, dkv = pair("d", pull=False)
+    slow, dials = slow_prefill(dec, monkeypatch, 2.0)
+    t0 = time.monotonic()
+    dec.fetch("t", slow, "r", [1], [])
+    assert wait_for(dec, "recving", "t", timeout=10) == {} and time.monotonic() - t0 < 1.0
+    assert dials == []
 
 
 class EndsHeldBack:

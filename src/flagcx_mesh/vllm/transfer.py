@@ -1413,14 +1413,18 @@ class KVTransfer:
         self._send_quietly(f.conn, protocol.encode("C", req=f.remote_req))
 
     def _connect_ahead(self, commands: Sequence[tuple]) -> None:
-        """Connects, before the step takes its lock, to the prefills its fetches and releases
-        (``commands``) and the fetches waiting for their tag name (a connect may wait on the
-        network up to connect_timeout: meanwhile poll() may do the step's part, _assist). The
-        step's _connect takes each outcome, a failure too (the fetch fails saying why, with no
-        second wait)."""
-        mds = [c[2] if c[0] == "fetch" else c[1] for c in commands if c[0] in ("fetch", "release")]
+        """Connects, before the step takes its lock, to the prefills the step will connect to (a
+        connect may wait on the network up to connect_timeout: meanwhile poll() may do the step's
+        part, _assist): those of its releases, of its fetches that have blocks to receive, and of
+        the first fetch waiting for each tag that has none out now (one that waits for a fetch
+        out is connected for once it starts, not at every step). The step's _connect takes each
+        outcome, a failure too (the fetch fails saying why, with no second wait); a fetch that
+        starts later in the step connects there."""
+        mds = [c[1] for c in commands if c[0] == "release"]
         with self._fetch_lock:
-            mds += [f.peer_metadata for fs in self._waiting.values() for f in fs]
+            mds += [fs[0].peer_metadata for tag, fs in self._waiting.items() if fs and tag not in self._fetches]
+            mds += [c[2] for c in commands if c[0] == "fetch" and c[1] not in self._fetches
+                    and c[1] not in self._waiting and any(c[5]) and not self._unfit(c[4], c[5])]
         for md in dict.fromkeys(mds):
             try:
                 self._ahead[md] = self.agent.connect(md, timeout=self.connect_timeout)
