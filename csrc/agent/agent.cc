@@ -508,10 +508,10 @@ void Agent::forget(const std::shared_ptr<Connection>& c) {
   conns_.erase(std::remove(conns_.begin(), conns_.end(), c), conns_.end());
 }
 
-std::vector<Notification> Agent::notifications(double timeout_s) {
+std::vector<Notification> Agent::notifications(double timeout_s, size_t most) {
   require_open("notifications");
   check_call_timeout(timeout_s, who() + "notifications: timeout");
-  return inbox_->take(timeout_s);
+  return inbox_->take(timeout_s, most);
 }
 
 void Agent::wake_notifications() { inbox_->wake(); }

@@ -212,10 +212,10 @@ class Agent {
   std::shared_ptr<Connection> connection(const std::string& name) const;
   std::vector<PeerInfo> peers() const;
 
-  // Notifications that arrived (in order per connection), waiting up to
-  // timeout_s for the first one (0: only those already there).
+  // Notifications that arrived (in order per connection; at most `most`, the first ones),
+  // waiting up to timeout_s for the first one (0: only those already there).
   // (A notification that a pending stream wait matches goes to that wait instead.)
-  std::vector<Notification> notifications(double timeout_s);
+  std::vector<Notification> notifications(double timeout_s, size_t most = SIZE_MAX);
   // Makes a notifications() call waiting in another thread return now (with what arrived,
   // maybe nothing); with none waiting, the next call returns at once (wakes do not add up).
   void wake_notifications();

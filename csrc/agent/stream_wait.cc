@@ -391,17 +391,17 @@ void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const
   agent_->bell_->wait(seen, until);
 }
 
-std::vector<Notification> NotificationInbox::take(double timeout_s) {
+std::vector<Notification> NotificationInbox::take(double timeout_s, size_t most) {
   std::vector<Notification> out;
-  wait_for_any(timeout_s, &out);
+  wait_for_any(timeout_s, &out, most);
   return out;
 }
 
-bool NotificationInbox::await_any(double timeout_s) { return wait_for_any(timeout_s, nullptr); }
+bool NotificationInbox::await_any(double timeout_s) { return wait_for_any(timeout_s, nullptr, 0); }
 
-// Drains, and waits for the doorbell, until the inbox holds something (moved into *out where out
-// is given), the deadline passed, the agent closed or wake() was called.
-bool NotificationInbox::wait_for_any(double timeout_s, std::vector<Notification>* out) {
+// Drains, and waits for the doorbell, until the inbox holds something (its first `most` moved
+// into *out where out is given), the deadline passed, the agent closed or wake() was called.
+bool NotificationInbox::wait_for_any(double timeout_s, std::vector<Notification>* out, size_t most) {
   Deadline d = Deadline::after_seconds(std::max(0.0, timeout_s));
   Clock::time_point since = Clock::now();
   bool reading = false;
@@ -412,8 +412,9 @@ bool NotificationInbox::wait_for_any(double timeout_s, std::vector<Notification>
       poll();
       if (!inbox_.empty()) {
         if (out != nullptr) {
-          out->assign(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(inbox_.end()));
-          inbox_.clear();
+          auto end = inbox_.begin() + static_cast<std::ptrdiff_t>(std::min(most, inbox_.size()));
+          out->assign(std::make_move_iterator(inbox_.begin()), std::make_move_iterator(end));
+          inbox_.erase(inbox_.begin(), end);
         }
         return true;
       }

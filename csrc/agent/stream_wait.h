@@ -109,8 +109,9 @@ class NotificationInbox {
   // A notification handed back (a claim took it, then could not use it): matched against the
   // pending waits, else kept for take() after the unread ones, and a take() waiting returns it now.
   void deliver(Notification n);
-  // What arrived and no wait consumed, waiting up to timeout_s for the first, or until wake().
-  std::vector<Notification> take(double timeout_s);
+  // What arrived and no wait consumed (at most `most`, the first ones), waiting up to timeout_s
+  // for the first, or until wake().
+  std::vector<Notification> take(double timeout_s, size_t most = SIZE_MAX);
   // Waits as take() does, taking nothing: true once take() has something to return.
   bool await_any(double timeout_s);
   // Makes a take() waiting in another thread return now (with what is there, maybe nothing); with
@@ -134,7 +135,7 @@ class NotificationInbox {
   void poll();  // with the lock held: drain, match, release what failed
   bool match(const Notification& n);
   bool claimed(const std::shared_ptr<Connection>& c, Notification& n);  // (lock held)
-  bool wait_for_any(double timeout_s, std::vector<Notification>* out);  // take() (out) or await_any() (none)
+  bool wait_for_any(double timeout_s, std::vector<Notification>* out, size_t most);  // take() (out) or await_any() (none)
   void check_failures(const std::vector<std::shared_ptr<Connection>>& conns, const std::vector<std::string>& gone);
   void release(WaitState& w, Code code, const std::string& error);
   void start_watcher();

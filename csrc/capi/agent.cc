@@ -16,7 +16,7 @@ using fxm::capi::require;
 
 struct flagcx_mesh_agent {
   std::unique_ptr<fxm::agent::Agent> a;
-  std::mutex mu;  // one notification taker at a time (what it took past the one it hands out goes back in order)
+  std::mutex mu;  // one notification taker at a time (it takes one; the others stay the agent's)
 };
 struct flagcx_mesh_agent_conn {
   std::shared_ptr<fxm::agent::Connection> c;
@@ -313,7 +313,7 @@ flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, d
     require(agent, "agent");
     require(len, "len");
     std::lock_guard<std::mutex> lock(agent->mu);
-    std::vector<fxm::agent::Notification> got = agent->a->notifications(timeout_s);
+    std::vector<fxm::agent::Notification> got = agent->a->notifications(timeout_s, 1);  // (the others stay the agent's)
     if (got.empty()) fail(Code::kTimeout, -1, 0, "no notification within " + std::to_string(timeout_s) + " s");
     fxm::agent::Notification& n = got.front();
     try {
@@ -327,8 +327,6 @@ flagcx_mesh_result_t flagcx_mesh_agent_notification(flagcx_mesh_agent_t agent, d
       std::memcpy(peer, n.peer.data(), k);
       peer[k] = '\0';
     }
-    got.erase(got.begin());
-    agent->a->unread(std::move(got));  // the others stay the agent's, in order (an await sees them)
   });
 }
 
