@@ -95,6 +95,22 @@ def test_the_first_want_of_a_connection_is_pushed_by_the_core(pair, monkeypatch)
     assert s["pushes"] == 1 and s["pushes_served"] == 1 and s["pushes_done"] == 1 and writes == []
 
 
+def test_a_refused_want_counts_no_readers(pair):
+    """A want the prefill refuses (more blocks than it holds) that says 4 decode ranks read the
+    request does not make the blocks wait for 4 acks: a valid fetch's one ack releases them.
+    (Found by review: the hand-off to the core had counted a want's readers before its checks.)"""
+    pre, pkv = pair("p", pull=False, hold_timeout=60)
+    dec, dkv = pair("d", pull=False)
+    fill_all(pkv)
+    pre.hold("r1", [3])
+    dec.fetch("x", pre.metadata, "r1", [2, 3], [5, 6], readers=4)  # (the prefill holds one block)
+    assert wait_for(dec, "recving", "x") == {"x": [5, 6]}
+    dec.fetch("t", pre.metadata, "r1", [3], [7])
+    assert wait_for(dec, "recving", "t") == {}
+    wait_for(pre, "sending", "r1", timeout=10)  # (not at its 60 s hold timeout)
+    assert only_these_blocks(dkv, [{7: 3}] * 2) == [] and pre.stats()["released_served"] == 1
+
+
 def test_the_first_blocks_a_decode_has_are_not_sent(pair):
     """A want of fewer blocks than held (the decode had the first ones from its prefix cache):
     the core sends the held tail, as the thread does."""

@@ -463,7 +463,10 @@ class KVTransfer:
             try:
                 self.agent.await_notifications(self._interval)  # (taking nothing: poll() may take it first)
                 commands = self._take_commands()
-                self._connect_ahead(commands)
+                try:
+                    self._connect_ahead(commands)
+                except Exception:  # noqa: BLE001 - the commands taken must still run (the step connects)
+                    log.exception("%s: connecting before the step failed", self.name)
                 try:
                     with self._step_lock:
                         self._step(commands)
@@ -769,17 +772,17 @@ class KVTransfer:
         layout = self._peer_layouts.get((peer, incarnation))
         if layout is None:
             return self._refuse(peer, f, "no layout was received on this connection")
-        try:
+        try:  # (the table checks the want: one refused here counts no readers, and the core never sees it)
             part = check_part(f.get("part", WHOLE))
             plans = self._row_plans((peer, incarnation), layout, part, len(held.blocks))
-            self._serve_layout(conn, (peer, incarnation), part, plans)  # (the next wants of this part: the core's)
-            held.parts = max(held.parts, f.get("readers") or part[1])
-            if self._to_core(held, conn, f, raw or f.get("_raw")):
-                return
             table = self._push_table(held.blocks if held.ids is None else held.ids, [int(b) for b in f["dst"]],
                                      layout, part, f.get("groups"), plans)
         except LayoutError as e:
             return self._refuse(peer, f, str(e))
+        self._serve_layout(conn, (peer, incarnation), part, plans)  # (the next wants of this part: the core's)
+        held.parts = max(held.parts, f.get("readers") or part[1])
+        if self._to_core(held, conn, f, raw or f.get("_raw")):
+            return
         tag = str(f["tag"])
         done = protocol.encode("D", **_answer_to(f))
         handles = []
