@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import json
 import os
 import sys
 import time
@@ -567,6 +568,9 @@ def blocks_lost(args, dev) -> None:
                 time.sleep(0.01)
             check(bool(conn.gone()), "the connection is not lost after its staged frames were given up")
             print(f"timed out: {str(e).splitlines()[0]}; gone: {conn.gone()}", flush=True)
+            from flagcx_mesh.cuda import staged_waits
+
+            print("staged waits " + json.dumps(staged_waits()), flush=True)
         except flagcx_mesh.PeerLost as e:
             check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
             print(f"lost: {str(e).splitlines()[0]}", flush=True)

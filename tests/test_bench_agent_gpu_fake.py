@@ -51,6 +51,13 @@ def test_every_device_path_moves_and_verifies_its_bytes(tmp_path):
     staged = fig["flagcx_mesh"]["staged"]["request"]["64 KiB"]["pipelined_GBps"]
     assert refs["ratios"]["64 KiB_pipelined_GBps_over_reference"] == pytest.approx(staged / refs["reference_GBps"])
     assert "[staged refs] raw loopback TCP" not in p.stdout and "[staged refs] pinned D2H n/a" in p.stdout
+    # where the staged runs waited, both sides (flagcx_mesh.cuda.staged_waits), only for staged
+    waits = fig["flagcx_mesh"]["staged"]["request"]["64 KiB"]["staged_waits"]
+    assert set(waits) == {"initiator", "target"} and set(waits["target"]) == set(waits["initiator"])
+    assert {"slot_waits", "gather_waits", "starved", "landing_waits"} <= set(waits["initiator"])
+    assert all(v >= 0 for side in waits.values() for v in side.values()), waits
+    assert "8 x 64 KiB, pipelined runs: the filler waited for ring slots" in p.stdout, p.stdout
+    assert all("staged_waits" not in fig["flagcx_mesh"][path]["request"]["64 KiB"] for path in ("cuda-ipc", "cuda-vmm"))
 
 
 def test_mesh_put_off_leaves_the_mesh_out_and_says_so(tmp_path):

@@ -12,6 +12,7 @@ roles run with CUDA tensors on a real GPU from scripts/test-gpu.sh."""
 
 from __future__ import annotations
 
+import json
 import signal
 import subprocess
 
@@ -110,7 +111,9 @@ def test_a_striped_batch_that_times_out_mid_frame_gives_up_every_lanes_part_and_
     """A target that stops reading: a striped batch's filler waits for ring slots (a part's ring
     smaller than its part) past its deadline, after the frame's parts were posted; every part is
     given up, each by its own lane's thread (which loses the peer and shuts its connection), and
-    the call fails at its deadline. (A lane's give-up once named a peer index past the end.)"""
+    the call fails at its deadline. (A lane's give-up once named a peer index past the end.) The
+    filler's wait for its ring slots is counted in flagcx_mesh.cuda.staged_waits() (it lasted
+    until the 3 s deadline)."""
     env = staged_env(FLAGCX_MESH_TCP_LANES="4", FLAGCX_MESH_STAGED_INFLIGHT_BYTES=str(256 << 10))
     server = spawn("serve", tmp_path, "owner", env=env)
     client = spawn_prog(PROG, "blocks-lost", tmp_path, "owner", "--expect", "timeout", "--timeout", 3, env=env,
@@ -122,6 +125,10 @@ def test_a_striped_batch_that_times_out_mid_frame_gives_up_every_lanes_part_and_
         client.stdin.flush()
         got = finish(client, "blocks-lost")
         assert "timed out:" in got and "gone:" in got, got
+        waits = json.loads(got.split("staged waits ", 1)[1].splitlines()[0])
+        assert set(waits) == {"slot_waits", "slot_us", "gather_waits", "gather_us", "starved", "starved_us",
+                              "landing_waits", "landing_us"}, waits
+        assert waits["slot_waits"] >= 1 and waits["slot_us"] >= 500_000, waits
     finally:
         for p in (server, client):
             if p.poll() is None:

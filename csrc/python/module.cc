@@ -332,6 +332,19 @@ PYBIND11_MODULE(_core, m) {
   }, "End the root of an unused unique id made by this process; True when it was ended.");
   m.def("cuda_driver_error", [] { return fxm::cuda::driver() != nullptr ? std::string() : fxm::cuda::driver_error(); },
         "Why no CUDA driver could be loaded (\"\" when one is).");
+  m.def("staged_waits", [] {
+    fxm::cuda::StagedWaits w = fxm::cuda::staged_waits();
+    py::dict d;
+    d["slot_waits"] = w.slot_waits;
+    d["slot_us"] = w.slot_us;
+    d["gather_waits"] = w.gather_waits;
+    d["gather_us"] = w.gather_us;
+    d["starved"] = w.starved;
+    d["starved_us"] = w.starved_us;
+    d["landing_waits"] = w.landing_waits;
+    d["landing_us"] = w.landing_us;
+    return d;
+  }, "Where this process's staged path waited since it started (flagcx_mesh.cuda.staged_waits).");
   m.def("device_of", [](uintptr_t addr) { return fxm::cuda::device_of(reinterpret_cast<const void*>(addr)); },
         py::arg("addr"), "The CUDA device of the device memory at addr; -1 for host memory or without a CUDA driver.");
   m.def("log_capture", &fxm::log_capture, py::arg("on"),

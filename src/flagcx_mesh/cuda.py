@@ -129,3 +129,18 @@ def stream_handle(stream) -> Optional[int]:
     if hasattr(stream, "cuda_stream"):
         return int(stream.cuda_stream)
     raise TypeError(f"stream must be an int handle, a torch.cuda.Stream or have __cuda_stream__, got {stream!r}")
+
+
+def staged_waits() -> dict:
+    """Where this process's staged path (GPU memory through pinned staging and the tcp lanes)
+    waited since the process started, each kind a count and its microseconds: ``slot_waits`` /
+    ``slot_us`` (the caller filling a staged batch or put waited for a ring slot: the lanes sent
+    slower than it gathered), ``gather_waits`` / ``gather_us`` (it waited for a chunk's copy out of
+    device memory: the device was behind), ``starved`` / ``starved_us`` (a lane had sent every
+    gathered byte and waited for more: the filler was behind), ``landing_waits`` / ``landing_us``
+    (at the target, a lane waited for a landing buffer whose copy into device memory had not
+    completed). Take it before and after a transfer: the difference says which side a staged
+    transfer waited on (docs/gpu.md, "Where a staged batch waits")."""
+    from . import _core
+
+    return dict(_core.staged_waits())

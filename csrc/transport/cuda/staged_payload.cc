@@ -32,6 +32,20 @@ uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, ui
   return v;
 }
 
+// staged_waits(): how many waits of each kind, and their microseconds.
+struct WaitCount {
+  std::atomic<uint64_t> n{0}, us{0};
+  void add(uint64_t waited_us) {
+    n.fetch_add(1, std::memory_order_relaxed);
+    us.fetch_add(waited_us, std::memory_order_relaxed);
+  }
+};
+WaitCount g_slot_waits, g_gather_waits, g_starved, g_landing_waits;
+
+uint64_t us_since(Clock::time_point t0) {
+  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
+}
+
 struct Budget {
   std::mutex mu;
   std::condition_variable cv;
@@ -89,6 +103,21 @@ uint64_t staged_bytes_peak() {
   std::lock_guard<std::mutex> lock(b.mu);
   return b.peak;
 }
+
+StagedWaits staged_waits() {
+  auto r = [](const WaitCount& w, uint64_t* n, uint64_t* us) {
+    *n = w.n.load(std::memory_order_relaxed);
+    *us = w.us.load(std::memory_order_relaxed);
+  };
+  StagedWaits s;
+  r(g_slot_waits, &s.slot_waits, &s.slot_us);
+  r(g_gather_waits, &s.gather_waits, &s.gather_us);
+  r(g_starved, &s.starved, &s.starved_us);
+  r(g_landing_waits, &s.landing_waits, &s.landing_us);
+  return s;
+}
+
+void count_landing_wait(uint64_t us) { g_landing_waits.add(us); }
 
 namespace {
 
@@ -196,6 +225,13 @@ uint8_t* StagedPayload::slot_for(uint64_t i, const Deadline& deadline) {
   uint64_t slots = ring_.size();
   uint64_t free_at = i >= slots ? (i - slots + 1) * chunk_ : 0;  // the chunk before it in its slot was sent
   std::unique_lock<std::mutex> lock(mu_);
+  struct Counted {  // a wait for the slot: the lanes are behind (staged_waits)
+    Clock::time_point t0;
+    bool waits;
+    ~Counted() {
+      if (waits) g_slot_waits.add(us_since(t0));
+    }
+  } counted{Clock::now(), sent_ < free_at};
   while (sent_ < free_at) {
     if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
     if (deadline.expired()) {
@@ -263,7 +299,11 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
-    wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
+    if (!event_done(f.done)) {  // (the device is behind: staged_waits)
+      Clock::time_point t0 = Clock::now();
+      wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
+      g_gather_waits.add(us_since(t0));
+    }
     p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
     flying.pop_front();
     if (!started) {
@@ -304,6 +344,8 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
 
 void StagedPayload::publish(uint64_t ready) {
   ready_.store(ready, std::memory_order_release);
+  int64_t since = starved_since_ns_.exchange(0, std::memory_order_acq_rel);
+  if (since != 0) g_starved.add(static_cast<uint64_t>(std::max<int64_t>(0, steady_ns() - since) / 1000));
   if (waker_) waker_();
 }
 
@@ -357,7 +399,10 @@ bool StagedPayload::waiting_for_bytes() const {
   std::lock_guard<std::mutex> lock(mu_);
   // An answer with no copy down in flight waits for none: copy_ahead() copies on at the next write.
   if (answer_ && events_done_ == events_.size()) return false;
-  return head_sent_ && sent_ >= ready;
+  bool starved = head_sent_ && sent_ >= ready;
+  int64_t none = 0;
+  if (starved && !answer_) starved_since_ns_.compare_exchange_strong(none, steady_ns(), std::memory_order_acq_rel);
+  return starved;
 }
 
 void StagedPayload::cancel(const std::string& why) {

@@ -51,6 +51,21 @@ uint64_t staged_bytes_held(const void* outbox, int peer);
 // The most any one peer's puts held at once since the process started.
 uint64_t staged_bytes_peak();
 
+// Where the staged path's threads waited, since the process started (docs/gpu.md, "Where a staged
+// batch waits"): the filler for a ring slot (the lanes sent slower than it gathered), the filler for
+// a gathered chunk's copy (the device slower), the writers for gathered bytes (a lane with nothing to
+// send), the target's lanes for a landing buffer whose scatter had not completed. Each: how many
+// waits and their microseconds.
+struct StagedWaits {
+  uint64_t slot_waits = 0, slot_us = 0;
+  uint64_t gather_waits = 0, gather_us = 0;
+  uint64_t starved = 0, starved_us = 0;
+  uint64_t landing_waits = 0, landing_us = 0;
+};
+StagedWaits staged_waits();
+// A target's lane waited `us` for a landing buffer's scatter (Engine::land_on_device).
+void count_landing_wait(uint64_t us);
+
 class StagedPayload {
  public:
   // Takes the ring from the budget of (outbox, peer): waits until it fits, up
@@ -155,6 +170,7 @@ class StagedPayload {
   static uint64_t ring_bytes(uint64_t len, int share, uint64_t* slots);
   std::atomic<uint64_t> ready_{0};
   std::atomic<bool> failed_{false};
+  mutable std::atomic<int64_t> starved_since_ns_{0};  // the writer found every ready byte sent (staged_waits)
   std::function<void()> waker_;
   std::function<void()> release_source_;
   // Answers (staged_answer.cc), under mu_ unless said.

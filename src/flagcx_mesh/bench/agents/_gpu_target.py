@@ -9,6 +9,7 @@ timing both, then answers one JSON line per request read from fd R on fd W:
 
     {"op": "info"}           -> {"ok": true, "start_ms", "register_ms", "info": {what a peer needs}}
     {"op": "crc", "chunk": C} -> {"ok": true, "crcs": [crc32 of each C bytes of the buffer]}
+    {"op": "staged-waits"}   -> {"ok": true, "waits": flagcx_mesh.cuda.staged_waits() of this process}
     {"op": "mesh", "uid": H} -> {"ok": true} at once; then (flagcx_mesh only) it joins a 2-rank mesh
                                 of unique id H as rank 1 and registers its buffer as window 0
     {"op": "mesh-close"}     -> closes that mesh (the bench closes its rank meanwhile), {"ok": true}
@@ -170,6 +171,10 @@ def main(argv: List[str]) -> int:
                                    "info": target.info})
             elif req["op"] == "crc":
                 _answer(args.wfd, {"ok": True, "crcs": _crcs(target.buf, int(req["chunk"]))})
+            elif req["op"] == "staged-waits":
+                from ...cuda import staged_waits
+
+                _answer(args.wfd, {"ok": True, "waits": staged_waits()})
             elif req["op"] == "mesh":
                 target.mesh_open(bytes.fromhex(req["uid"]))
                 _answer(args.wfd, {"ok": True})

@@ -169,14 +169,22 @@ class Run:
         best = {name: {"pipelined_GBps": 0.0, "blocking_GBps": 0.0} for name in runs}
         for pipe, _ in runs.values():
             pipe()  # paths chosen, mappings made
+        path = tool.path(conn, local, self.info["info"])
+        waits = _StagedWaits(self.target) if path == "staged" and isinstance(tool, _gpu_peers.FlagcxTool) else None
         for _ in range(max(1, args.rounds)):
             for name, (pipe, ones) in runs.items():
                 b = best[name]
+                if waits is not None and name == "agent":
+                    waits.start()
                 b["pipelined_GBps"] = max(b["pipelined_GBps"], moved / _timed(reps, [pipe]))
+                if waits is not None and name == "agent":
+                    waits.stop()
                 b["blocking_GBps"] = max(b["blocking_GBps"], moved / _timed(reps, ones))
         for s, d in pairs:
             self.expected[d:d + block] = self.pattern[s:s + block]
-        row = {"block": block, "path": tool.path(conn, local, self.info["info"]), **best["agent"]}
+        row = {"block": block, "path": path, **best["agent"]}
+        if waits is not None:
+            row["staged_waits"] = waits.summed
         if beside is not None:
             row["mesh"] = {"path": beside.path(), **best["mesh"]}
         return row
@@ -191,6 +199,42 @@ class Run:
         bad = [i for i, (g, w) in enumerate(zip(got, want)) if g != w]
         return (f"MISMATCH: {len(bad)} of {len(want)} MiB chunks differ, first at byte {bad[0] * CRC_CHUNK}"
                 if bad else f"MISMATCH: {len(got)} chunks read back, {len(want)} expected")
+
+
+class _StagedWaits:
+    """Where our staged path waited during the pipelined runs (flagcx_mesh.cuda.staged_waits(),
+    docs/gpu.md "Where a staged batch waits"): this process's (the filler's and the lanes'
+    sending) and the target's (its lanes' landing), summed over the runs between start() and stop()."""
+
+    def __init__(self, target):
+        self.target, self.summed, self._at = target, {"initiator": {}, "target": {}}, None
+
+    def _now(self):
+        from ...cuda import staged_waits
+
+        return {"initiator": staged_waits(), "target": self.target.ask({"op": "staged-waits"})["waits"]}
+
+    def start(self) -> None:
+        self._at = self._now()
+
+    def stop(self) -> None:
+        now = self._now()
+        for side, got in now.items():
+            acc = self.summed[side]
+            for k, v in got.items():
+                acc[k] = acc.get(k, 0) + v - self._at[side].get(k, 0)
+
+
+def _waits_line(w: Dict) -> str:
+    """The staged waits of a row, in words."""
+    i, t = w["initiator"], w["target"]
+
+    def one(d, n, us):
+        return f"{d.get(n, 0)} ({d.get(us, 0) / 1e3:.1f} ms)"
+
+    return (f"the filler waited for ring slots {one(i, 'slot_waits', 'slot_us')}, for gathers "
+            f"{one(i, 'gather_waits', 'gather_us')}; lanes with nothing to send {one(i, 'starved', 'starved_us')}; "
+            f"the target's lanes for landing buffers {one(t, 'landing_waits', 'landing_us')}")
 
 
 def _timed(reps: int, calls) -> float:
@@ -225,6 +269,8 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
                       f"blocking {m['blocking_GBps']:.2f} GB/s" if m else "")
             print(f"[{label}] {args.count} x {name} over {r['path']}: pipelined {r['pipelined_GBps']:.2f} GB/s, "
                   f"blocking {r['blocking_GBps']:.2f} GB/s{beside}", flush=True)
+            if "staged_waits" in r:
+                print(f"[{label}] {args.count} x {name}, pipelined runs: {_waits_line(r['staged_waits'])}", flush=True)
         fig["verify"] = run.verify()
         print(f"[{label}] bytes at the target: {fig['verify']}", flush=True)
         target.bye()
