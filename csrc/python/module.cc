@@ -333,16 +333,8 @@ PYBIND11_MODULE(_core, m) {
   m.def("cuda_driver_error", [] { return fxm::cuda::driver() != nullptr ? std::string() : fxm::cuda::driver_error(); },
         "Why no CUDA driver could be loaded (\"\" when one is).");
   m.def("staged_waits", [] {
-    fxm::cuda::StagedWaits w = fxm::cuda::staged_waits();
     py::dict d;
-    d["slot_waits"] = w.slot_waits;
-    d["slot_us"] = w.slot_us;
-    d["gather_waits"] = w.gather_waits;
-    d["gather_us"] = w.gather_us;
-    d["starved"] = w.starved;
-    d["starved_us"] = w.starved_us;
-    d["landing_waits"] = w.landing_waits;
-    d["landing_us"] = w.landing_us;
+    for (const auto& [name, v] : fxm::cuda::staged_waits().counters()) d[name] = v;
     return d;
   }, "Where this process's staged path waited since it started (flagcx_mesh.cuda.staged_waits).");
   m.def("device_of", [](uintptr_t addr) { return fxm::cuda::device_of(reinterpret_cast<const void*>(addr)); },

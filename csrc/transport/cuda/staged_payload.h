@@ -27,6 +27,7 @@
 #include <functional>
 #include <mutex>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "base/clock.h"
@@ -61,6 +62,12 @@ struct StagedWaits {
   uint64_t gather_waits = 0, gather_us = 0;
   uint64_t starved = 0, starved_us = 0;
   uint64_t landing_waits = 0, landing_us = 0;
+  // By name, as flagcx_mesh.cuda.staged_waits() gives them.
+  std::vector<std::pair<const char*, uint64_t>> counters() const {
+    return {{"slot_waits", slot_waits},       {"slot_us", slot_us},   {"gather_waits", gather_waits},
+            {"gather_us", gather_us},         {"starved", starved},   {"starved_us", starved_us},
+            {"landing_waits", landing_waits}, {"landing_us", landing_us}};
+  }
 };
 StagedWaits staged_waits();
 // A target's lane waited `us` for a landing buffer's scatter (Engine::land_on_device).
