@@ -280,13 +280,16 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
       in.filling = (in.filling + 1) % in.stage.size();
     }
     InConn::Landing& next = in.stage[in.filling];
-    if (next.copied && !cuda::event_done(next.copied)) {  // its earlier copy up still reads it
+    if (next.copied) {  // its earlier copy up still reads it
+      bool waits = !cuda::event_done(next.copied);  // (a failed copy is "done": wait_event throws for it)
       Clock::time_point t0 = Clock::now();
       cuda::wait_event(in.device, next.copied, Deadline::after_seconds(timeout_s_), landing_what(in));
-      cuda::count_landing_wait(static_cast<uint64_t>(
-          std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count()));
+      if (waits) {
+        cuda::count_landing_wait(static_cast<uint64_t>(
+            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count()));
+      }
+      next.copied.reset();
     }
-    next.copied.reset();
     return "";
   } catch (const Error& e) {  // a copy still pending keeps its buffer (InConn::release_stage)
     FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());

@@ -299,11 +299,10 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
-    if (!event_done(f.done)) {  // (the device is behind: staged_waits)
-      Clock::time_point t0 = Clock::now();
-      wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
-      g_gather_waits.add(us_since(t0));
-    }
+    bool waits = !event_done(f.done);  // the device is behind (staged_waits); a failed copy is "done":
+    Clock::time_point t0 = Clock::now();  // wait_event throws for it
+    wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
+    if (waits) g_gather_waits.add(us_since(t0));
     p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
     flying.pop_front();
     if (!started) {
