@@ -281,12 +281,9 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
     }
     InConn::Landing& next = in.stage[in.filling];
     if (next.copied) {  // its earlier copy up still reads it
-      bool waits = !cuda::event_done(next.copied);  // (a failed copy is "done": wait_event throws for it)
-      Clock::time_point t0 = Clock::now();
-      cuda::wait_event(in.device, next.copied, Deadline::after_seconds(timeout_s_), landing_what(in));
-      if (waits) {
-        cuda::count_landing_wait(static_cast<uint64_t>(
-            std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count()));
+      {
+        cuda::LandingWait timed(!cuda::event_done(next.copied));  // (a failed copy is "done": this raises)
+        cuda::wait_event(in.device, next.copied, Deadline::after_seconds(timeout_s_), landing_what(in));
       }
       next.copied.reset();
     }

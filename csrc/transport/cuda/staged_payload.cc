@@ -46,6 +46,22 @@ uint64_t us_since(Clock::time_point t0) {
   return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
 }
 
+// Counts one wait in `into` when it ends, however it ends (a deadline, a cancel), where `waits`.
+class WaitTimer {
+ public:
+  WaitTimer(WaitCount& into, bool waits) : into_(into), waits_(waits), t0_(Clock::now()) {}
+  ~WaitTimer() {
+    if (waits_) into_.add(us_since(t0_));
+  }
+  WaitTimer(const WaitTimer&) = delete;
+  WaitTimer& operator=(const WaitTimer&) = delete;
+
+ private:
+  WaitCount& into_;
+  bool waits_;
+  Clock::time_point t0_;
+};
+
 struct Budget {
   std::mutex mu;
   std::condition_variable cv;
@@ -117,7 +133,11 @@ StagedWaits staged_waits() {
   return s;
 }
 
-void count_landing_wait(uint64_t us) { g_landing_waits.add(us); }
+LandingWait::LandingWait(bool waits) : waits_(waits), t0_(Clock::now()) {}
+
+LandingWait::~LandingWait() {
+  if (waits_) g_landing_waits.add(us_since(t0_));
+}
 
 namespace {
 
@@ -225,13 +245,7 @@ uint8_t* StagedPayload::slot_for(uint64_t i, const Deadline& deadline) {
   uint64_t slots = ring_.size();
   uint64_t free_at = i >= slots ? (i - slots + 1) * chunk_ : 0;  // the chunk before it in its slot was sent
   std::unique_lock<std::mutex> lock(mu_);
-  struct Counted {  // a wait for the slot: the lanes are behind (staged_waits)
-    Clock::time_point t0;
-    bool waits;
-    ~Counted() {
-      if (waits) g_slot_waits.add(us_since(t0));
-    }
-  } counted{Clock::now(), sent_ < free_at};
+  WaitTimer timed(g_slot_waits, sent_ < free_at);  // a wait for the slot: the lanes are behind (staged_waits)
   while (sent_ < free_at) {
     if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
     if (deadline.expired()) {
@@ -299,10 +313,10 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
-    bool waits = !event_done(f.done);  // the device is behind (staged_waits); a failed copy is "done":
-    Clock::time_point t0 = Clock::now();  // wait_event throws for it
-    wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
-    if (waits) g_gather_waits.add(us_since(t0));
+    {  // a wait for the gather: the device is behind (a failed copy's event is "done": wait_event raises)
+      WaitTimer timed(g_gather_waits, !event_done(f.done));
+      wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
+    }
     p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
     flying.pop_front();
     if (!started) {
@@ -399,8 +413,11 @@ bool StagedPayload::waiting_for_bytes() const {
   // An answer with no copy down in flight waits for none: copy_ahead() copies on at the next write.
   if (answer_ && events_done_ == events_.size()) return false;
   bool starved = head_sent_ && sent_ >= ready;
-  int64_t none = 0;
-  if (starved && !answer_) starved_since_ns_.compare_exchange_strong(none, steady_ns(), std::memory_order_acq_rel);
+  int64_t none = 0, began = steady_ns();
+  if (starved && !answer_ && starved_since_ns_.compare_exchange_strong(none, began, std::memory_order_acq_rel) &&
+      this->ready() > sent_) {  // published meanwhile (its publish() found no wait to close): none began
+    starved_since_ns_.compare_exchange_strong(began, 0, std::memory_order_acq_rel);
+  }
   return starved;
 }
 

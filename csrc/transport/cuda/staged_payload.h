@@ -70,8 +70,19 @@ struct StagedWaits {
   }
 };
 StagedWaits staged_waits();
-// A target's lane waited `us` for a landing buffer's scatter (Engine::land_on_device).
-void count_landing_wait(uint64_t us);
+// A target's lane's wait for a landing buffer's scatter (Engine::land_on_device), counted when it
+// ends however it ends, where `waits` (the scatter had not completed when the lane needed the buffer).
+class LandingWait {
+ public:
+  explicit LandingWait(bool waits);
+  ~LandingWait();
+  LandingWait(const LandingWait&) = delete;
+  LandingWait& operator=(const LandingWait&) = delete;
+
+ private:
+  bool waits_;
+  Clock::time_point t0_;
+};
 
 class StagedPayload {
  public:
