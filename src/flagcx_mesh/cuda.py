@@ -139,8 +139,9 @@ def staged_waits() -> dict:
     device memory: the device was behind), ``starved`` / ``starved_us`` (a lane had sent every
     gathered byte and waited for more: the filler was behind), ``landing_waits`` / ``landing_us``
     (at the target, a lane waited for a landing buffer whose copy into device memory had not
-    completed). Take it before and after a transfer: the difference says which side a staged
-    transfer waited on (docs/gpu.md, "Where a staged batch waits")."""
+    completed). A wait counts however it ended (a deadline too); ``starved_us`` adds up over the
+    lanes. Take it before and after a transfer: the difference says which side a staged transfer
+    waited on (docs/gpu.md, "Where a staged batch waits")."""
     from . import _core
 
     return dict(_core.staged_waits())
