@@ -551,8 +551,7 @@ void bind_serving(py::class_<fxm::agent::BlockPuller, std::shared_ptr<fxm::agent
            "The tables wants of part (si, sn, di, dn) arriving on conn with len(group_tables) groups are served "
            "with (per group a list of _BlockRows, empty for a group without layers).")
       .def("resubmit", [](BlockPuller& p, const std::shared_ptr<Connection>& conn, const py::bytes& data) {
-        std::string s = data;
-        std::vector<uint8_t> bytes(s.begin(), s.end());
+        std::vector<uint8_t> bytes = to_vec(data);
         py::gil_scoped_release release;
         return p.resubmit(conn, std::move(bytes));
       }, py::arg("conn"), py::arg("data"),
