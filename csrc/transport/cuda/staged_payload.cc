@@ -40,27 +40,9 @@ struct WaitCount {
     us.fetch_add(waited_us, std::memory_order_relaxed);
   }
 };
-WaitCount g_slot_waits, g_gather_waits, g_starved, g_landing_waits;
+WaitCount g_waits[4];  // by StagedWait
 
-uint64_t us_since(Clock::time_point t0) {
-  return static_cast<uint64_t>(std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0).count());
-}
-
-// Counts one wait in `into` when it ends, however it ends (a deadline, a cancel), where `waits`.
-class WaitTimer {
- public:
-  WaitTimer(WaitCount& into, bool waits) : into_(into), waits_(waits), t0_(Clock::now()) {}
-  ~WaitTimer() {
-    if (waits_) into_.add(us_since(t0_));
-  }
-  WaitTimer(const WaitTimer&) = delete;
-  WaitTimer& operator=(const WaitTimer&) = delete;
-
- private:
-  WaitCount& into_;
-  bool waits_;
-  Clock::time_point t0_;
-};
+WaitCount& waits_of(StagedWait kind) { return g_waits[static_cast<int>(kind)]; }
 
 struct Budget {
   std::mutex mu;
@@ -126,17 +108,17 @@ StagedWaits staged_waits() {
     *us = w.us.load(std::memory_order_relaxed);
   };
   StagedWaits s;
-  r(g_slot_waits, &s.slot_waits, &s.slot_us);
-  r(g_gather_waits, &s.gather_waits, &s.gather_us);
-  r(g_starved, &s.starved, &s.starved_us);
-  r(g_landing_waits, &s.landing_waits, &s.landing_us);
+  r(waits_of(StagedWait::kSlot), &s.slot_waits, &s.slot_us);
+  r(waits_of(StagedWait::kGather), &s.gather_waits, &s.gather_us);
+  r(waits_of(StagedWait::kStarved), &s.starved, &s.starved_us);
+  r(waits_of(StagedWait::kLanding), &s.landing_waits, &s.landing_us);
   return s;
 }
 
-LandingWait::LandingWait(bool waits) : waits_(waits), t0_(Clock::now()) {}
-
-LandingWait::~LandingWait() {
-  if (waits_) g_landing_waits.add(us_since(t0_));
+StagedWaitTimer::~StagedWaitTimer() {
+  if (!waits_) return;
+  waits_of(kind_).add(static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0_).count()));
 }
 
 namespace {
@@ -245,7 +227,7 @@ uint8_t* StagedPayload::slot_for(uint64_t i, const Deadline& deadline) {
   uint64_t slots = ring_.size();
   uint64_t free_at = i >= slots ? (i - slots + 1) * chunk_ : 0;  // the chunk before it in its slot was sent
   std::unique_lock<std::mutex> lock(mu_);
-  WaitTimer timed(g_slot_waits, sent_ < free_at);  // a wait for the slot: the lanes are behind (staged_waits)
+  StagedWaitTimer timed(StagedWait::kSlot, sent_ < free_at);  // a wait for the slot: the lanes are behind
   while (sent_ < free_at) {
     if (!canceled_.empty()) fail(Code::kPeerLost, peer_, 0, to_peer(peer_) + ": " + canceled_);
     if (deadline.expired()) {
@@ -314,7 +296,7 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
     {  // a wait for the gather: the device is behind (a failed copy's event is "done": wait_event raises)
-      WaitTimer timed(g_gather_waits, !event_done(f.done));
+      StagedWaitTimer timed(StagedWait::kGather, !event_done(f.done));
       wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
     }
     p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
@@ -358,7 +340,7 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
 void StagedPayload::publish(uint64_t ready) {
   ready_.store(ready, std::memory_order_release);
   int64_t since = starved_since_ns_.exchange(0, std::memory_order_acq_rel);
-  if (since != 0) g_starved.add(static_cast<uint64_t>(std::max<int64_t>(0, steady_ns() - since) / 1000));
+  if (since != 0) waits_of(StagedWait::kStarved).add(static_cast<uint64_t>(std::max<int64_t>(0, steady_ns() - since) / 1000));
   if (waker_) waker_();
 }
 

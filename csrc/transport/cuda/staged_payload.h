@@ -70,16 +70,18 @@ struct StagedWaits {
   }
 };
 StagedWaits staged_waits();
-// A target's lane's wait for a landing buffer's scatter (Engine::land_on_device), counted when it
-// ends however it ends, where `waits` (the scatter had not completed when the lane needed the buffer).
-class LandingWait {
+// One wait of a kind of staged_waits(), counted when it ends however it ends (a deadline, a
+// cancel), where `waits` (what it waits for was not done when it began).
+enum class StagedWait { kSlot, kGather, kStarved, kLanding };
+class StagedWaitTimer {
  public:
-  explicit LandingWait(bool waits);
-  ~LandingWait();
-  LandingWait(const LandingWait&) = delete;
-  LandingWait& operator=(const LandingWait&) = delete;
+  StagedWaitTimer(StagedWait kind, bool waits) : kind_(kind), waits_(waits), t0_(Clock::now()) {}
+  ~StagedWaitTimer();
+  StagedWaitTimer(const StagedWaitTimer&) = delete;
+  StagedWaitTimer& operator=(const StagedWaitTimer&) = delete;
 
  private:
+  StagedWait kind_;
   bool waits_;
   Clock::time_point t0_;
 };
