@@ -539,6 +539,25 @@ def blocks_scatter_fails(args, dev) -> None:
     print("blocks-scatter ok", flush=True)
 
 
+def blocks_refused(args, dev) -> None:
+    """Batches to a target that refuses every staged landing (a setting it does not take): each
+    call fails with InvalidArgument, saying why, and the connection stays up for the next."""
+    with Agent(args.name + "-refused", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        local, remote = register(a, lbuf), remotes["ipc"]
+        table = whole_region_table(np.random.default_rng(3), 64)
+        for attempt in range(2):
+            try:
+                conn.write_blocks(local, remote, table).wait(args.timeout)
+                raise SystemExit("FAILED: a batch landed at a target that refuses every landing")
+            except flagcx_mesh.InvalidArgument as e:
+                check(not conn.gone(), f"the connection went with a refused batch: {conn.gone()}")
+                print(f"refused {attempt}: {e}", flush=True)
+        conn.notify(b"bye")
+    print("blocks-refused ok", flush=True)
+
+
 def blocks_lost(args, dev) -> None:
     """A batch of 4096 staged writes (64 MiB; --expect read: reads) to (from) a target that stops
     reading and is killed: the call fails with PeerLost naming it, within its timeout. --expect
@@ -754,7 +773,8 @@ def main() -> None:
     roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
-             "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails}
+             "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,
+             "blocks-refused": blocks_refused}
     p.add_argument("role", choices=list(roles))
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")

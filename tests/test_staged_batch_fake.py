@@ -43,16 +43,18 @@ def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(
         assert "block 0 of a batch of 10 staged writes" in got, got
 
 
-@pytest.mark.parametrize("lanes,copies", [(3, "auto"), (4, "auto"), (4, "off"), (4, "bounce")])
+@pytest.mark.parametrize("lanes,copies", [(3, "auto"), (4, "auto"), (4, "off"), (4, "bounce"), (4, "landing2")])
 def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp_path, lanes, copies):
     """With several tcp lanes a batch of 1 MiB or more goes over all of them (each lane's thread
     sends a part staged by the caller, the parts taking turns; at the target each part lands
     through a ring of its own), and so does a call's one staged write of 1 MiB: the blocks
     role's batches, every byte checked, and each lane's socket carried its part. (Batches off:
-    a staged put an op, each on lane 0, every byte checked; the GPU host has 4 lanes by default.)"""
+    a staged put an op, each on lane 0, every byte checked; the GPU host has 4 lanes by default.
+    landing2: each part lands through a ring of 2 buffers, FLAGCX_MESH_STAGED_LANDING_BUFFERS.)"""
     env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes),
-                     FLAGCX_MESH_CUDA_BATCH_COPY="auto" if copies == "bounce" else copies,
-                     FLAGCX_MESH_STAGED_BOUNCE="on" if copies == "bounce" else "off")
+                     FLAGCX_MESH_CUDA_BATCH_COPY="off" if copies == "off" else "auto",
+                     FLAGCX_MESH_STAGED_BOUNCE="on" if copies == "bounce" else "off",
+                     FLAGCX_MESH_STAGED_LANDING_BUFFERS="2" if copies == "landing2" else "4")
     server = spawn("serve", tmp_path, "owner", env=env)
     try:
         got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
@@ -61,6 +63,20 @@ def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp
     for n in (300, 1):
         want = f"{n} write(s) not striped: batches off" if copies == "off" else f"{n} write(s) striped over {lanes} lanes:"
         assert want in got, got
+
+
+@pytest.mark.parametrize("value", ["1", "65", "four"])
+def test_a_bad_number_of_landing_buffers_refuses_the_batch_at_the_target_naming_it(tmp_path, value):
+    """FLAGCX_MESH_STAGED_LANDING_BUFFERS is read at the target's first staged landing: a value
+    it does not take (2 to 64) refuses the batch there, the initiator told why, the peer kept."""
+    env = staged_env(FLAGCX_MESH_TCP_LANES="1")
+    server = spawn("serve", tmp_path, "owner", env=dict(env, FLAGCX_MESH_STAGED_LANDING_BUFFERS=value))
+    try:
+        got = finish(spawn("blocks-refused", tmp_path, "owner", env=env), "blocks-refused")
+    finally:
+        served = finish(server, "serve")
+    assert f"FLAGCX_MESH_STAGED_LANDING_BUFFERS={value}" in got, got
+    assert "want a number of buffers" in served + got, served
 
 
 @pytest.mark.parametrize("var,value", [("FLAGCX_MESH_STAGED_BOUNCE", "maybe"),

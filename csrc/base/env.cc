@@ -182,6 +182,11 @@ std::string staged_bounce_env() {
   return s ? s : "";
 }
 
+std::string staged_landing_env() {
+  const char* s = std::getenv("FLAGCX_MESH_STAGED_LANDING_BUFFERS");
+  return s ? s : "";
+}
+
 std::string staged_kernel_env() {
   const char* s = std::getenv("FLAGCX_MESH_STAGED_KERNEL_BYTES");
   return s ? s : "";

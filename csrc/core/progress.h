@@ -388,7 +388,6 @@ class Engine : public Outbox {
   bool get_pending(uint64_t req_id) const;  // takes mu_
   void land_get_answer(int s, InConn& in);
   uint8_t* staging_spot(InConn& in, size_t* want);  // landing_spot() of a staged put
-  static constexpr size_t kLandingBuffers = 4;  // pinned buffers a staged put lands through
   // Tells the initiator its op `number` (0: applied_[s], a put) was refused.
   void refuse(int s, const std::string& why, uint64_t number = 0);
   void answer_get(int s, Window& w, const wire::GetHeader& g);

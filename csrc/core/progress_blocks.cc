@@ -3,8 +3,8 @@
 // every block is checked against the window it names (registered here, device
 // memory, all on one device, inside the window): a batch with one bad block is
 // refused whole, and none of its bytes lands. The bytes that follow land
-// through the staging ring a staged put uses (take_landing_ring, kLandingBuffers
-// pinned buffers of a chunk each); each full buffer is scattered into the
+// through the staging ring a staged put uses (take_landing_ring,
+// staged_landing_buffers() pinned buffers of a chunk each); each full buffer is scattered into the
 // windows by one launch of the copy kernel on the landing stream (or the
 // driver's copies), while the next one fills. The frame is one op: acknowledged
 // (or refused) once, after every scatter completed.

@@ -49,12 +49,12 @@ void Engine::stage_put(InConn& in, Window& w, uint64_t payload, const std::strin
   if (!failed.empty()) in.refused = what + ": " + failed;
 }
 
-// Pinned host memory of staged_chunk_bytes() a buffer, at most kLandingBuffers
+// Pinned host memory of staged_chunk_bytes() a buffer, at most staged_landing_buffers()
 // of them, reused as the payload's bytes arrive.
 std::string Engine::take_landing_ring(InConn& in, uint64_t n, uint8_t* at, int device) {
   try {
     uint64_t chunk = std::min(n, cuda::staged_chunk_bytes());
-    uint64_t count = std::min<uint64_t>(kLandingBuffers, (n + chunk - 1) / chunk);
+    uint64_t count = std::min<uint64_t>(cuda::staged_landing_buffers(), (n + chunk - 1) / chunk);
     bool bounce = cuda::staged_bounce();
     for (uint64_t k = 0; k < count; ++k) {
       in.stage.push_back({cuda::staging_buffer(chunk, device), nullptr, nullptr,

@@ -19,14 +19,16 @@ namespace {
 constexpr uint64_t kDefaultChunk = 1ull << 20;  // H200: 1 MiB beat 4 and 16 MiB from 16 MiB ops (docs/gpu.md)
 constexpr uint64_t kDefaultInflight = 64ull << 20;
 constexpr uint64_t kDefaultKernelBytes = 64ull << 10;
+constexpr uint64_t kDefaultLandingBuffers = 4;
 
-// A byte count from the environment: `dflt` when unset, else a whole number >= lo.
-uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo) {
+// A byte count (or `what`) from the environment: `dflt` when unset, else a whole number >= lo.
+uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo,
+                    const char* what = "a byte count") {
   if (text.empty()) return dflt;
   char* end = nullptr;
   unsigned long long v = std::strtoull(text.c_str(), &end, 10);
   if (*end != '\0' || v < lo || v > (1ull << 40)) {
-    fail(Code::kInvalidArgument, -1, 0, std::string(name) + "=" + text + ": want a byte count of at least " +
+    fail(Code::kInvalidArgument, -1, 0, std::string(name) + "=" + text + ": want " + what + " of at least " +
                                             std::to_string(lo));
   }
   return v;
@@ -79,6 +81,16 @@ uint64_t staged_kernel_bytes() {
                                               ": want a multiple of 16 of at most 1 MiB");
     }
     return b;
+  }();
+  return v;
+}
+
+uint64_t staged_landing_buffers() {
+  static const uint64_t v = [] {
+    uint64_t n = bytes_from(staged_landing_env(), "FLAGCX_MESH_STAGED_LANDING_BUFFERS", kDefaultLandingBuffers, 2,
+                            "a number of buffers");
+    if (n > 64) fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_STAGED_LANDING_BUFFERS=" + std::to_string(n) + ": want a number of buffers of at most 64");
+    return n;
   }();
   return v;
 }

@@ -47,6 +47,10 @@ uint64_t staged_inflight_bytes();
 // each thread block of the copy kernel moves in a staged gather or scatter (its other end is pinned
 // host memory, read or written across the bus: smaller pieces, more blocks, more bytes in flight).
 uint64_t staged_kernel_bytes();
+// FLAGCX_MESH_STAGED_LANDING_BUFFERS (default 4, 2 to 64): the pinned buffers of a chunk each that
+// a staged frame (or each tcp lane's part of one) lands through at the target; a lane whose next
+// buffer's copy into device memory has not completed waits for it.
+uint64_t staged_landing_buffers();
 // Staging bytes held now by the puts to `peer` through `outbox` (tests, docs/gpu.md).
 uint64_t staged_bytes_held(const void* outbox, int peer);
 // The most any one peer's puts held at once since the process started.
