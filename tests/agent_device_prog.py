@@ -340,9 +340,9 @@ def pending(args, dev) -> None:
     print("pending ok", flush=True)
 
 
-def expect_sha(a: Agent, conn, image: bytearray, what: str, timeout: float) -> None:
-    """The target's ipc region holds `image`, every byte."""
-    conn.notify(f"sha ipc 0 {len(image)} {hashlib.sha256(image).hexdigest()}".encode())
+def expect_sha(a: Agent, conn, image: bytearray, what: str, timeout: float, region: str = "ipc") -> None:
+    """The target's `region` holds `image`, every byte."""
+    conn.notify(f"sha {region} 0 {len(image)} {hashlib.sha256(image).hexdigest()}".encode())
     reply = answer(a, timeout)
     check(reply == "ok", f"{what}: {reply}")
 
@@ -556,6 +556,52 @@ def blocks_refused(args, dev) -> None:
                 print(f"refused {attempt}: {e}", flush=True)
         conn.notify(b"bye")
     print("blocks-refused ok", flush=True)
+
+
+def blocks_host(args, dev) -> None:
+    """Batches of staged writes from device memory into the target's host region: gathered here
+    as any staged batch (one launch a chunk on the fake driver), sent as one frame (striped over
+    the lanes from 1 MiB), landed in place there (no launch, no copy at the target); every byte
+    checked. Reads from a host region are staged gets of their own (the target gathers only
+    from device memory), every byte checked."""
+    rng = np.random.default_rng(36)
+    with Agent(args.name + "-host", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+        lbuf.write(0, src)
+        local, remote = register(a, lbuf), remotes["host"]
+        check(conn.path_to(remote, local) == "staged", f"staged expected, not {conn.path_to(remote, local)}")
+        image = bytearray(SIZE)
+
+        def write(what, t):
+            conn.write_blocks(local, remote, t).wait(args.timeout)
+            for lo, ro, n in t.tolist():
+                image[ro:ro + n] = src[lo:lo + n]
+            expect_sha(a, conn, image, what, args.timeout, region="host")
+
+        write("one block", np.array([[100, 5000, 3000]]))
+        t = blocks_table(rng, 200, 3001, 3001)  # 600,200 bytes: 10 chunks of 64 KiB, blocks straddling them
+        mine, theirs = dev.calls("cuLaunchKernel"), target_calls(a, conn, args.timeout)
+        write("blocks straddling chunks", t)
+        if mine is not None and os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES") == "65536":
+            chunks, after = (int(t[:, 2].sum()) + 65535) // 65536, target_calls(a, conn, args.timeout)
+            check(dev.calls("cuLaunchKernel") - mine == chunks, f"{chunks} gathers expected here, "
+                  f"{dev.calls('cuLaunchKernel') - mine} launches made")
+            check(after == theirs, f"the target lands host blocks in place: no launch, no copy: {theirs} -> {after}")
+        write("mixed sizes", blocks_table(rng, 300, 3000, 2999))
+        write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
+        striped_write(conn, rng, write, 300)
+        back = dev.buffer("ipc", SIZE)
+        into = register(a, back)
+        t = blocks_table(rng, 50, 9000, 8999)
+        want = bytearray(SIZE)
+        for lo, ro, n in t.tolist():
+            want[lo:lo + n] = image[ro:ro + n]
+        conn.read_blocks(into, remote, t).wait(args.timeout)
+        check(back.read(0, SIZE) == bytes(want), "reads from the host region: wrong bytes read back")
+        conn.notify(b"bye")
+    print("blocks-host ok", flush=True)
 
 
 def blocks_lost(args, dev) -> None:
@@ -774,7 +820,7 @@ def main() -> None:
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,
-             "blocks-refused": blocks_refused}
+             "blocks-refused": blocks_refused, "blocks-host": blocks_host}
     p.add_argument("role", choices=list(roles))
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")

@@ -75,3 +75,21 @@ def test_a_peer_that_cannot_run_is_reported_not_left_out(tmp_path):
     if "error" not in nixl:
         pytest.skip("NIXL runs on this machine's (fake) driver: nothing to report")
     assert nixl["error"] and "[nixl] NOT RUN:" in p.stdout
+
+
+def test_staged_into_a_host_region_is_measured_beside_staged_with_the_same_references(tmp_path):
+    """staged-host: the target's region in host memory (no GPU work in the target process): one
+    batch as over staged, every byte checked there, its waits and its ratio to the references
+    that staged's were taken from (printed once)."""
+    p, fig = bench(tmp_path, "--peers", "none", "--paths", "staged,staged-host", "--mesh-put", "off")
+    assert p.returncode == 0, p.stdout + p.stderr
+    host = fig["flagcx_mesh"]["staged-host"]
+    assert host["verify"] == "ok" and "[staged-host] bytes at the target: ok" in p.stdout, p.stdout
+    req = host["request"]["64 KiB"]
+    assert req["path"] == "staged" and req["pipelined_GBps"] > 0, req
+    assert set(req["staged_waits"]) == {"initiator", "target"}
+    refs = fig["staged_refs"]
+    want = req["pipelined_GBps"] / refs["reference_GBps"]
+    assert refs["ratios_host"]["64 KiB_pipelined_GBps_over_reference"] == pytest.approx(want)
+    assert "ratios" in refs and p.stdout.count("[staged refs] pinned D2H") == 1, p.stdout
+    assert "[staged refs] staged-host: 8 x 64 KiB: pipelined" in p.stdout, p.stdout

@@ -65,6 +65,21 @@ def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp
         assert want in got, got
 
 
+@pytest.mark.parametrize("lanes", [1, 4])
+def test_a_batch_of_staged_writes_into_a_host_region_is_one_frame_landed_in_place(tmp_path, lanes):
+    """Device memory here, the target's region in host memory (a CPU tier of the KV cache):
+    write_blocks gathers and sends one frame as into device memory (striped over the lanes), the
+    target lands the blocks in place, every byte checked (blocks-host role)."""
+    env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes))
+    server = spawn("serve", tmp_path, "owner", env=env)
+    try:
+        got = finish(spawn("blocks-host", tmp_path, "owner", env=env), "blocks-host")
+    finally:
+        finish(server, "serve")
+    want = "300 write(s) striped over 4 lanes:" if lanes == 4 else "blocks-host ok"
+    assert want in got, got
+
+
 @pytest.mark.parametrize("value", ["1", "65", "four"])
 def test_a_bad_number_of_landing_buffers_refuses_the_batch_at_the_target_naming_it(tmp_path, value):
     """FLAGCX_MESH_STAGED_LANDING_BUFFERS is read at the target's first staged landing: a value

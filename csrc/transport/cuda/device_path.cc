@@ -221,8 +221,10 @@ int StagedPath::put(const PathOp& op) {
 // Device memory and a device window, without a signal or a stream: one block of the call's
 // batch of writes or reads (staged_batch.h). FLAGCX_MESH_CUDA_BATCH_COPY=off sends each op alone.
 Queued StagedPath::queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
-  if (op.sig != nullptr || op.stream_set || op.wait_here || op.local_device < 0 || remote_device_ < 0 ||
-      op.len == 0 || cuda_batch_copy_env() == "off") {
+  // Reads come from device memory only (the target gathers them); writes land in host regions too.
+  bool remote_ok = remote_device_ >= 0 || !batch->is_read();
+  if (op.sig != nullptr || op.stream_set || op.wait_here || op.local_device < 0 || !remote_ok || op.len == 0 ||
+      cuda_batch_copy_env() == "off") {
     return Queued::kNo;
   }
   return batch->add(op, win_, remote_device_) ? Queued::kYes : Queued::kBatchFirst;

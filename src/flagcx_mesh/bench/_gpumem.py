@@ -87,9 +87,12 @@ class DriverMem:
             raise RuntimeError(f"{name} failed: CUresult {rc}")
 
     def buffer(self, nbytes: int, kind: str) -> _DriverBuf:
-        """Zeroed device memory: kind "ipc" (cuMemAlloc) or "vmm" (cuMem, POSIX fd handle)."""
+        """Zeroed device memory: kind "ipc" (cuMemAlloc) or "vmm" (cuMem, POSIX fd handle); "host":
+        host memory."""
         import numpy as np
 
+        if kind == "host":
+            return _HostBuf(nbytes)
         if kind == "vmm":
             buf = self._cumem(nbytes)
         else:
@@ -126,6 +129,30 @@ class DriverMem:
         self.call("cuCtxSynchronize")
 
 
+class _HostBuf:
+    """Zeroed host memory (numpy): a target region in host memory ("host" kind), as a CPU tier of
+    a KV cache is."""
+
+    def __init__(self, nbytes: int):
+        import numpy as np
+
+        self.arr = np.zeros(nbytes, np.uint8)
+        self.ptr, self.nbytes = self.arr.ctypes.data, nbytes
+
+    @property
+    def obj(self):
+        return self.arr
+
+    def write(self, data) -> None:
+        self.arr[:] = data
+
+    def read(self):
+        return self.arr.copy()
+
+    def free(self) -> None:
+        self.arr = None
+
+
 class _TorchBuf:
     def __init__(self, t):
         self.t, self.ptr, self.nbytes = t, t.data_ptr(), t.numel()
@@ -160,7 +187,9 @@ class TorchMem:
             raise RuntimeError("--memory torch: torch sees no CUDA device (a CPU build, or no GPU)")
         self.torch = torch
 
-    def buffer(self, nbytes: int, kind: str) -> _TorchBuf:
+    def buffer(self, nbytes: int, kind: str):
+        if kind == "host":
+            return _HostBuf(nbytes)
         if kind == "vmm" and "expandable_segments:True" not in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", ""):
             raise RuntimeError("vmm memory from torch needs PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True")
         return _TorchBuf(self.torch.zeros(nbytes, dtype=self.torch.uint8, device="cuda"))

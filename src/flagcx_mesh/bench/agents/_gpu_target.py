@@ -4,7 +4,8 @@
                                                  --size N --kind ipc|vmm --rfd R --wfd W
 
 It starts the tool's endpoint (an agent, a transfer engine), allocates N zeroed bytes of device
-memory (kind "ipc": cudaMalloc-like, "vmm": cuMem with a POSIX fd handle) and registers them,
+memory (kind "ipc": cudaMalloc-like, "vmm": cuMem with a POSIX fd handle; "host": host memory,
+the staged-host path's) and registers them,
 timing both, then answers one JSON line per request read from fd R on fd W:
 
     {"op": "info"}           -> {"ok": true, "start_ms", "register_ms", "info": {what a peer needs}}
@@ -153,7 +154,7 @@ def main(argv: List[str]) -> int:
     p.add_argument("--tool", required=True)
     p.add_argument("--memory", default="torch")
     p.add_argument("--size", type=int, required=True)
-    p.add_argument("--kind", default="ipc", choices=("ipc", "vmm"))
+    p.add_argument("--kind", default="ipc", choices=("ipc", "vmm", "host"))
     p.add_argument("--mooncake-protocol", default="nvlink_intra")
     p.add_argument("--rfd", type=int, required=True)
     p.add_argument("--wfd", type=int, required=True)

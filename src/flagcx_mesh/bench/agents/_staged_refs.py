@@ -80,20 +80,26 @@ def _f(v: Optional[float]) -> str:
     return "n/a" if v is None else f"{v:.2f}"
 
 
-def report(staged: Dict, refs: Dict, count: int) -> Dict[str, Optional[float]]:
-    """Prints each block size's staged GB/s beside the references and their ratio (goal: >= 0.8)."""
+def report(staged: Dict, refs: Dict, count: int, path: str = "staged") -> Dict[str, Optional[float]]:
+    """Prints each block size's GB/s over `path` (staged, staged-host) beside the references and
+    their ratio (goal: >= 0.8); the references' line once."""
+    if "ratios" not in refs and "ratios_host" not in refs:  # the first path reported
+        _print_refs(refs)
+    ratios: Dict[str, Optional[float]] = {}
+    for name, r in staged.get("request", {}).items():
+        for mode in ("pipelined_GBps", "blocking_GBps"):
+            ref = refs["reference_GBps"]
+            ratios[f"{name}_{mode}_over_reference"] = r[mode] / ref if ref else None
+        print(f"[staged refs] {path}: {count} x {name}: pipelined {r['pipelined_GBps']:.2f} GB/s = "
+              f"{_f(ratios[f'{name}_pipelined_GBps_over_reference'])}x the reference "
+              f"(goal >= {GOAL}), blocking {_f(ratios[f'{name}_blocking_GBps_over_reference'])}x", flush=True)
+    return ratios
+
+
+def _print_refs(refs: Dict) -> None:
     print(f"[staged refs] pinned D2H {_f(refs['pinned_d2h_GBps'])} GB/s, H2D {_f(refs['pinned_h2d_GBps'])} GB/s; "
           f"raw loopback TCP 1 lane {_f(refs['tcp_1_lane_GBps'])} GB/s, 4 lanes {_f(refs['tcp_4_lanes_GBps'])} GB/s, "
           f"{refs['lanes']} lane(s) {_f(refs['tcp_same_lanes_GBps'])} GB/s (a staged batch of 1 MiB or more is striped over "
           f"the connection's {refs['lanes']} tcp lane(s)); reference min(pinned, tcp {refs['lanes']} lane(s)) "
           f"{_f(refs['reference_GBps'])} GB/s",
           flush=True)
-    ratios: Dict[str, Optional[float]] = {}
-    for name, r in staged.get("request", {}).items():
-        for mode in ("pipelined_GBps", "blocking_GBps"):
-            ref = refs["reference_GBps"]
-            ratios[f"{name}_{mode}_over_reference"] = r[mode] / ref if ref else None
-        print(f"[staged refs] {count} x {name}: pipelined {r['pipelined_GBps']:.2f} GB/s = "
-              f"{_f(ratios[f'{name}_pipelined_GBps_over_reference'])}x the reference "
-              f"(goal >= {GOAL}), blocking {_f(ratios[f'{name}_blocking_GBps_over_reference'])}x", flush=True)
-    return ratios

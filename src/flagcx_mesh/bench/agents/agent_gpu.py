@@ -22,7 +22,10 @@ this process, the initiator, learns what it needs over a pipe and measures:
 
 With staged among --paths, the references of a staged batch follow, measured in the same run
 (_staged_refs.py): pinned D2H and H2D copies and raw loopback TCP over 1 and 4 lanes, and each
-block size's ratio to min(pinned, raw TCP over 1 lane) (goal: 0.8 from 64 MiB a batch).
+block size's ratio to min(pinned, raw TCP over the staged connection's lanes) (goal: 0.8 from
+64 MiB a batch). staged-host (not among the default paths) is staged into a target region of
+host memory: the initiator's gathers and the lanes without the target's scatters (no GPU work
+in the target process, as between two hosts), with the same references.
 Paths: FLAGCX_MESH_CUDA_PATH forced in both processes (ucx: FLAGCX_MESH_TRANSPORT=ucx, with the UCX_TLS
 of the bench's environment; not among the default paths); cuda-vmm's target memory is cuMem memory
 (torch with expandable segments in the target, or the driver's cuMem). Goals printed as ratios
@@ -47,7 +50,8 @@ from .._ranks import save_json
 from .._sizes import parse_size, size_name
 from ._gpu_child import Target, TargetFailed
 
-PATHS = ("cuda-ipc", "cuda-vmm", "staged")  # the default; "ucx" may be named too
+PATHS = ("cuda-ipc", "cuda-vmm", "staged")  # the default; "ucx" and "staged-host" may be named too
+STAGED = ("staged", "staged-host")  # staged-host: the target's region in host memory (no GPU work there)
 CRC_CHUNK = 1 << 20
 GOAL_REGISTER_MS, GOAL_CONNECT_MS = 1.0, 2.0
 
@@ -287,7 +291,7 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
 def _path_env(args, path: str) -> Dict[str, str]:
     if path == "ucx":
         return {"FLAGCX_MESH_TRANSPORT": "ucx"}
-    env = {"FLAGCX_MESH_CUDA_PATH": path}
+    env = {"FLAGCX_MESH_CUDA_PATH": "staged" if path == "staged-host" else path}
     if path == "cuda-vmm" and args.memory == "torch":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
@@ -352,7 +356,7 @@ def main(argv: List[str]) -> int:
     out: Dict = {"device": "cuda", "memory": args.memory, "flagcx_mesh": {}, "peers": {}}
     print(f"versions: {ours_tool.version}; memory from {args.memory}", flush=True)
     for path in args.path_list:
-        kind = "vmm" if path == "cuda-vmm" else "ipc"
+        kind = {"cuda-vmm": "vmm", "staged-host": "host"}.get(path, "ipc")
         try:
             out["flagcx_mesh"][path] = measure(args, mem, ours_tool, pattern, path, kind, _path_env(args, path))
         except (Exception, TargetFailed) as e:
@@ -371,10 +375,15 @@ def main(argv: List[str]) -> int:
     if args.mesh_put == "off":
         print("[mesh put] NOT RUN: --mesh-put off", flush=True)
     out["copy_GBps"] = {size_name(b): mem.copy_gbps(b * args.count) for b in args.block_sizes}
-    staged = out["flagcx_mesh"].get("staged")
-    if staged is not None and "error" not in staged:
-        refs = _staged_refs.references(mem, max(b * args.count for b in args.block_sizes), staged.get("tcp_lanes") or 1)
-        out["staged_refs"] = {**refs, "ratios": _staged_refs.report(staged, refs, args.count)}
+    for path in STAGED:
+        staged = out["flagcx_mesh"].get(path)
+        if staged is None or "error" in staged:
+            continue
+        if "staged_refs" not in out:
+            lanes = staged.get("tcp_lanes") or 1
+            out["staged_refs"] = _staged_refs.references(mem, max(b * args.count for b in args.block_sizes), lanes)
+        key = "ratios" if path == "staged" else "ratios_host"
+        out["staged_refs"][key] = _staged_refs.report(staged, out["staged_refs"], args.count, path)
     out["goals"] = goals(out["flagcx_mesh"])
     save_json(out, args.json)
     bad = [p for p, f in out["flagcx_mesh"].items() if "error" in f or f.get("verify") != "ok"]
