@@ -45,7 +45,7 @@ step agent-stream-wait "$py" tests/agent_stream_wait_prog.py all "$logs" --devic
 step agent-batch "$py" tests/agent_batch_prog.py all --device torch --timeout 30
 # batches of staged writes (one frame a call, gathered and scattered by the copy kernel): every byte
 step agent-staged-blocks env FLAGCX_MESH_CUDA_PATH=staged FLAGCX_MESH_STAGED_CHUNK_BYTES=65536 \
-  "$py" tests/agent_device_prog.py pair --device torch --roles blocks --timeout 60
+  "$py" tests/agent_device_prog.py pair --device torch --roles blocks,blocks-host --timeout 60
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)
