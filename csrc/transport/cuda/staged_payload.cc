@@ -303,10 +303,16 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
     ring = std::min(ring, p->ring_.size());
     rounds = std::max(rounds, p->chunks());
   }
-  size_t depth = std::max<size_t>(1, std::min<size_t>(kFillAhead, ring)) * parts.size();
+  // At most half a part's ring is being gathered: the chunk a slot waits for was handed to the
+  // lanes well before (older than every gather in flight), so the filler waits only for the lanes'
+  // sends. (With every slot in flight, each part's slot waited for the chunk published just
+  // before it, lane after lane: the lanes took turns instead of sending together.)
+  size_t per_part = std::max<size_t>(1, std::min<size_t>(kFillAhead, ring / 2));
+  std::vector<size_t> in_flight(parts.size(), 0);
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
+    --in_flight[f.part];
     {  // a wait for the gather: the device is behind (a failed copy's event is "done": wait_event raises)
       StagedWaitTimer timed(StagedWait::kGather, !event_done(f.done));
       wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
@@ -322,7 +328,8 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
     for (uint64_t i = 0; i < rounds; ++i) {  // chunk i of every part, then chunk i + 1: the lanes take turns
       for (size_t k = 0; k < parts.size(); ++k) {
         if (i >= parts[k]->chunks()) continue;
-        if (flying.size() >= depth) finish_oldest();
+        while (!flying.empty() && event_done(flying.front().done)) finish_oldest();  // gathered: to the lanes now
+        while (in_flight[k] >= per_part) finish_oldest();
         uint8_t* dst = parts[k]->slot_for(i, deadline);
         ChunkInFlight f{k, i, nullptr, nullptr};
         try {
@@ -333,6 +340,7 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
           throw;
         }
         flying.push_back(std::move(f));
+        ++in_flight[k];
       }
     }
     while (!flying.empty()) finish_oldest();

@@ -128,8 +128,9 @@ class StagedPayload {
   void fill(int ordinal, const uint8_t* src, const Deadline& deadline, const std::function<void()>& posted);
   // The same for a payload gathered from many places (staged_batch.h): `copy` queues the copies
   // of chunk i into `dst` on device `ordinal` and returns the event after them (keeping in *list
-  // what they read until then). Up to kFillAhead chunks are in flight, each published once its
-  // event completed, in order; `posted` runs after the first. Failures as fill()'s.
+  // what they read until then). Up to kFillAhead chunks, and at most half the ring, are in flight,
+  // each published in order as soon as its event completed (looked at before each chunk queued);
+  // `posted` runs after the first. Failures as fill()'s.
   using ChunkCopy = std::function<SharedEvent(uint64_t i, uint8_t* dst, std::unique_ptr<CopyList>* list)>;
   static constexpr size_t kFillAhead = 4;
   void fill_queued(int ordinal, const Deadline& deadline, const std::function<void()>& posted, const ChunkCopy& copy);
