@@ -403,6 +403,20 @@ def striped_write(conn, rng, write, n: int) -> None:
         print(f"{n} write(s) striped over {lanes} lanes: {sent}", flush=True)
 
 
+def staged_source(args, a: Agent, dev, rng, region: str):
+    """Connects `a` to the target; a device region here filled with random bytes (`src`), and
+    the target's `region` ("ipc", "host"), which a write reaches over staged (forced in the tests):
+    (conn, local, remote, src)."""
+    conn, remotes = connect(args, a)
+    lbuf = dev.buffer("ipc", SIZE)
+    src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
+    lbuf.write(0, src)
+    local, remote = register(a, lbuf), remotes[region]
+    path = conn.path_to(remote, local)
+    check(path == "staged", f"the batch must take staged (FLAGCX_MESH_CUDA_PATH), not {path}")
+    return conn, local, remote, src
+
+
 def blocks_role(args, dev) -> None:
     """Batches of staged writes and reads (write_blocks / read_blocks over staged, one frame a
     batch): 1 block, blocks straddling the staging chunks (FLAGCX_MESH_STAGED_CHUNK_BYTES=65536
@@ -414,13 +428,7 @@ def blocks_role(args, dev) -> None:
     naming the block and the peer, nothing written."""
     rng = np.random.default_rng(35)
     with Agent(args.name + "-blocks", SECRET, timeout=args.timeout) as a:
-        conn, remotes = connect(args, a)
-        lbuf = dev.buffer("ipc", SIZE)
-        src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
-        lbuf.write(0, src)
-        local, remote = register(a, lbuf), remotes["ipc"]
-        path = conn.path_to(remote, local)
-        check(path == "staged", f"the batch must take staged (FLAGCX_MESH_CUDA_PATH), not {path}")
+        conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
         image = bytearray(SIZE)
         kernel = os.environ.get("FLAGCX_MESH_CUDA_BATCH_COPY", "auto") in ("auto", "kernel")
 
@@ -566,12 +574,7 @@ def blocks_host(args, dev) -> None:
     from device memory), every byte checked."""
     rng = np.random.default_rng(36)
     with Agent(args.name + "-host", SECRET, timeout=args.timeout) as a:
-        conn, remotes = connect(args, a)
-        lbuf = dev.buffer("ipc", SIZE)
-        src = rng.integers(0, 256, SIZE, dtype=np.uint8).tobytes()
-        lbuf.write(0, src)
-        local, remote = register(a, lbuf), remotes["host"]
-        check(conn.path_to(remote, local) == "staged", f"staged expected, not {conn.path_to(remote, local)}")
+        conn, local, remote, src = staged_source(args, a, dev, rng, "host")
         image = bytearray(SIZE)
 
         def write(what, t):
