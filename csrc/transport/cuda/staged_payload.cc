@@ -21,17 +21,22 @@ constexpr uint64_t kDefaultInflight = 64ull << 20;
 constexpr uint64_t kDefaultKernelBytes = 64ull << 10;
 constexpr uint64_t kDefaultLandingBuffers = 4;
 
-// A byte count (or `what`) from the environment: `dflt` when unset, else a whole number >= lo.
-uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo,
-                    const char* what = "a byte count") {
+// A whole number from the environment: `dflt` when unset, else one of [lo, hi] (else
+// InvalidArgument "<name>=<text>: want <want>").
+uint64_t number_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo, uint64_t hi,
+                     const std::string& want) {
   if (text.empty()) return dflt;
   char* end = nullptr;
   unsigned long long v = std::strtoull(text.c_str(), &end, 10);
-  if (*end != '\0' || v < lo || v > (1ull << 40)) {
-    fail(Code::kInvalidArgument, -1, 0, std::string(name) + "=" + text + ": want " + what + " of at least " +
-                                            std::to_string(lo));
+  if (*end != '\0' || v < lo || v > hi) {
+    fail(Code::kInvalidArgument, -1, 0, std::string(name) + "=" + text + ": want " + want);
   }
   return v;
+}
+
+// A byte count from the environment: `dflt` when unset, else a whole number >= lo.
+uint64_t bytes_from(const std::string& text, const char* name, uint64_t dflt, uint64_t lo) {
+  return number_from(text, name, dflt, lo, 1ull << 40, "a byte count of at least " + std::to_string(lo));
 }
 
 // staged_waits(): how many waits of each kind, and their microseconds.
@@ -86,12 +91,8 @@ uint64_t staged_kernel_bytes() {
 }
 
 uint64_t staged_landing_buffers() {
-  static const uint64_t v = [] {
-    uint64_t n = bytes_from(staged_landing_env(), "FLAGCX_MESH_STAGED_LANDING_BUFFERS", kDefaultLandingBuffers, 2,
-                            "a number of buffers");
-    if (n > 64) fail(Code::kInvalidArgument, -1, 0, "FLAGCX_MESH_STAGED_LANDING_BUFFERS=" + std::to_string(n) + ": want a number of buffers of at most 64");
-    return n;
-  }();
+  static const uint64_t v = number_from(staged_landing_env(), "FLAGCX_MESH_STAGED_LANDING_BUFFERS",
+                                        kDefaultLandingBuffers, 2, 64, "a number of buffers from 2 to 64");
   return v;
 }
 
@@ -297,27 +298,25 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
                                const std::function<void()>& posted, const PartCopy& copy) {
   std::deque<ChunkInFlight> flying;
   bool started = !posted;
-  size_t ring = SIZE_MAX;
   uint64_t rounds = 0;
-  for (StagedPayload* p : parts) {
-    ring = std::min(ring, p->ring_.size());
-    rounds = std::max(rounds, p->chunks());
-  }
+  for (StagedPayload* p : parts) rounds = std::max(rounds, p->chunks());
   // At most half a part's ring is being gathered: the chunk a slot waits for was handed to the
   // lanes well before (older than every gather in flight), so the filler waits only for the lanes'
   // sends. (With every slot in flight, each part's slot waited for the chunk published just
   // before it, lane after lane: the lanes took turns instead of sending together.)
-  size_t per_part = std::max<size_t>(1, std::min<size_t>(kFillAhead, ring / 2));
+  auto most_in_flight = [](const StagedPayload* p) {
+    return std::max<size_t>(1, std::min<size_t>(kFillAhead, p->ring_.size() / 2));
+  };
   std::vector<size_t> in_flight(parts.size(), 0);
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
-    --in_flight[f.part];
     {  // a wait for the gather: the device is behind (a failed copy's event is "done": wait_event raises)
       StagedWaitTimer timed(StagedWait::kGather, !event_done(f.done));
       wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
     }
     p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
+    --in_flight[f.part];
     flying.pop_front();
     if (!started) {
       posted();
@@ -329,7 +328,7 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
       for (size_t k = 0; k < parts.size(); ++k) {
         if (i >= parts[k]->chunks()) continue;
         while (!flying.empty() && event_done(flying.front().done)) finish_oldest();  // gathered: to the lanes now
-        while (in_flight[k] >= per_part) finish_oldest();
+        while (in_flight[k] >= most_in_flight(parts[k])) finish_oldest();
         uint8_t* dst = parts[k]->slot_for(i, deadline);
         ChunkInFlight f{k, i, nullptr, nullptr};
         try {
