@@ -116,8 +116,8 @@ std::string staged_inflight_env();
 // FLAGCX_MESH_STAGED_KERNEL_BYTES ("" when unset), read once, at the first staged gather or
 // scatter by the copy kernel (checked by staged_payload.cc).
 std::string staged_kernel_env();
-// FLAGCX_MESH_STAGED_LANDING_BUFFERS ("" when unset), read once, at the first staged landing
-// (checked by staged_payload.cc).
+// FLAGCX_MESH_STAGED_LANDING_BUFFERS ("" when unset), read at the first staged landing and kept
+// once good (checked by staged_payload.cc).
 std::string staged_landing_env();
 // FLAGCX_MESH_STAGED_BOUNCE ("" when unset), read once (checked by transport/cuda/device_scratch.cc).
 std::string staged_bounce_env();

@@ -48,8 +48,9 @@ uint64_t staged_inflight_bytes();
 // host memory, read or written across the bus: smaller pieces, more blocks, more bytes in flight).
 uint64_t staged_kernel_bytes();
 // FLAGCX_MESH_STAGED_LANDING_BUFFERS (default 4, 2 to 64): the pinned buffers of a chunk each that
-// a staged frame (or each tcp lane's part of one) lands through at the target; a lane whose next
-// buffer's copy into device memory has not completed waits for it.
+// a staged frame into device memory (or each tcp lane's part of one, or a staged get's answer)
+// lands through where it is received; a lane whose next buffer's copy into device memory has not
+// completed waits for it. A bad value throws at each landing (nothing is kept).
 uint64_t staged_landing_buffers();
 // Staging bytes held now by the puts to `peer` through `outbox` (tests, docs/gpu.md).
 uint64_t staged_bytes_held(const void* outbox, int peer);
