@@ -50,7 +50,9 @@ def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp
     through a ring of its own), and so does a call's one staged write of 1 MiB: the blocks
     role's batches, every byte checked, and each lane's socket carried its part. (Batches off:
     a staged put an op, each on lane 0, every byte checked; the GPU host has 4 lanes by default.
-    landing2: each part lands through a ring of 2 buffers, FLAGCX_MESH_STAGED_LANDING_BUFFERS.)"""
+    landing2: FLAGCX_MESH_STAGED_LANDING_BUFFERS=2, each part landing through a ring of 2 buffers,
+    every byte still in place: a check of the smaller ring, not of its size, which the refusal
+    test below shows is read.)"""
     env = staged_env(FLAGCX_MESH_TCP_LANES=str(lanes),
                      FLAGCX_MESH_CUDA_BATCH_COPY="off" if copies == "off" else "auto",
                      FLAGCX_MESH_STAGED_BOUNCE="on" if copies == "bounce" else "off",
