@@ -115,6 +115,8 @@ int main() {
   if (pipe(ab) != 0 || pipe(ba) != 0) return 1;
   pid_t pid = fork();
   bool first = pid != 0;
+  close(first ? ab[0] : ba[0]);  // each keeps the read end of the other's pipe and its own write end:
+  close(first ? ba[1] : ab[1]);  // a peer that dies is an end of file, not a read that never returns
   End e = first ? open_end(ba[0], ab[1]) : open_end(ab[0], ba[1]);
   for (int w = 0; w < kWays; ++w) {
     std::vector<double> half = play(e, static_cast<Way>(w), first);
@@ -124,6 +126,8 @@ int main() {
     printf("%-14s half round trip %8.1f us (p10 %7.1f, p90 %7.1f)\n", kNames[w], at(0.5), at(0.1), at(0.9));
     fflush(stdout);
   }
-  if (first) waitpid(pid, nullptr, 0);
-  return 0;
+  if (!first) return 0;
+  int status = 0;
+  waitpid(pid, &status, 0);
+  return WIFEXITED(status) && WEXITSTATUS(status) == 0 ? 0 : 1;
 }

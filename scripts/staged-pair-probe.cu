@@ -4,7 +4,8 @@
 // back, both with the library's copy kernel, a launch and an event per chunk, up to 4 chunks in
 // flight, as the path does. Between hosts each side has its GPU to itself. This probe times the
 // gather alone, the scatter alone, then both at once in two processes, GB/s each (by wall clock
-// over 4096 rounds of CHUNK bytes of BLOCK-byte blocks).
+// over 4096 rounds of CHUNK bytes of BLOCK-byte blocks; BLOCK divides CHUNK). Each side's blocks
+// lie in 8 chunks of device memory, which the GPU's L2 may hold: the bench streams 256 MiB.
 //   nvcc -O2 -o staged-pair-probe scripts/staged-pair-probe.cu && ./staged-pair-probe [BLOCK] [CHUNK]
 #include <unistd.h>
 #include <sys/wait.h>
@@ -81,19 +82,26 @@ pid_t side(bool gather, size_t bs, size_t chunk, const char* when, int fd_go) {
   _exit(0);
 }
 
-void wait_all() {
-  while (wait(nullptr) > 0) {
-  }
+// Waits for every child; false when one failed.
+bool wait_all() {
+  bool ok = true;
+  int status = 0;
+  while (wait(&status) > 0) ok = ok && WIFEXITED(status) && WEXITSTATUS(status) == 0;
+  return ok;
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
   size_t bs = argc > 1 ? atol(argv[1]) : 65536, chunk = argc > 2 ? atol(argv[2]) : (1 << 20);
+  if (bs == 0 || bs > chunk || chunk % bs != 0) {
+    printf("BLOCK must divide CHUNK (got %zu and %zu)\n", bs, chunk);
+    return 2;
+  }
   printf("blocks of %zu bytes, chunks of %zu bytes, %d chunks a side\n", bs, chunk, kRounds);
   for (bool gather : {true, false}) {
     side(gather, bs, chunk, "alone", -1);
-    wait_all();
+    if (!wait_all()) return 1;
   }
   for (int round = 0; round < 2; ++round) {
     int go[2];
@@ -102,7 +110,7 @@ int main(int argc, char** argv) {
     side(false, bs, chunk, "beside the gather's process", go[0]);
     sleep(5);  // both set up
     if (write(go[1], "xx", 2) != 2) return 1;
-    wait_all();
+    if (!wait_all()) return 1;
     close(go[0]);
     close(go[1]);
   }
