@@ -48,6 +48,7 @@ def test_every_device_path_moves_and_verifies_its_bytes(tmp_path):
     lanes = fig["flagcx_mesh"]["staged"]["tcp_lanes"]  # the staged connection's (its batches are striped over them)
     assert lanes >= 1 and refs["lanes"] == lanes and refs["tcp_same_lanes_GBps"] > 0
     assert refs["reference_GBps"] == refs["tcp_same_lanes_GBps"]
+    assert refs["tcp_same_lanes_rings_GBps"] > 0  # context: the same lanes through rings of distinct bytes
     staged = fig["flagcx_mesh"]["staged"]["request"]["64 KiB"]["pipelined_GBps"]
     assert refs["ratios"]["64 KiB_pipelined_GBps_over_reference"] == pytest.approx(staged / refs["reference_GBps"])
     assert "[staged refs] raw loopback TCP" not in p.stdout and "[staged refs] pinned D2H n/a" in p.stdout
