@@ -219,7 +219,8 @@ int StagedPath::put(const PathOp& op) {
 }
 
 // Device memory here, a device window there (or, for writes, a host window), without a signal or
-// a stream: one block of the call's batch of writes or reads (staged_batch.h). FLAGCX_MESH_CUDA_BATCH_COPY=off sends each op alone.
+// a stream: one block of the call's batch of writes or reads (staged_batch.h).
+// FLAGCX_MESH_CUDA_BATCH_COPY=off sends each op alone.
 Queued StagedPath::queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
   // Reads come from device memory only (the target gathers them); writes land in host regions too.
   bool remote_ok = remote_device_ >= 0 || !batch->is_read();
