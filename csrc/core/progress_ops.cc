@@ -281,10 +281,8 @@ std::string Engine::land_on_device(InConn& in, uint64_t n) {
     }
     InConn::Landing& next = in.stage[in.filling];
     if (next.copied) {  // its earlier copy up still reads it
-      {
-        cuda::StagedWaitTimer timed(cuda::StagedWait::kLanding, !cuda::event_done(next.copied));  // (a failed copy is "done": this raises)
-        cuda::wait_event(in.device, next.copied, Deadline::after_seconds(timeout_s_), landing_what(in));
-      }
+      cuda::wait_event_counted(cuda::StagedWait::kLanding, in.device, next.copied,
+                               Deadline::after_seconds(timeout_s_), landing_what(in));
       next.copied.reset();
     }
     return "";

@@ -334,7 +334,7 @@ PYBIND11_MODULE(_core, m) {
         "Why no CUDA driver could be loaded (\"\" when one is).");
   m.def("staged_waits", [] {
     py::dict d;
-    for (const auto& [name, v] : fxm::cuda::staged_waits().counters()) d[name] = v;
+    for (const auto& [name, v] : fxm::cuda::staged_waits()) d[name] = v;
     return d;
   }, "Where this process's staged path waited since it started (flagcx_mesh.cuda.staged_waits).");
   m.def("device_of", [](uintptr_t addr) { return fxm::cuda::device_of(reinterpret_cast<const void*>(addr)); },

@@ -115,23 +115,27 @@ uint64_t staged_bytes_peak() {
   return b.peak;
 }
 
-StagedWaits staged_waits() {
-  auto r = [](const WaitCount& w, uint64_t* n, uint64_t* us) {
-    *n = w.n.load(std::memory_order_relaxed);
-    *us = w.us.load(std::memory_order_relaxed);
-  };
-  StagedWaits s;
-  r(waits_of(StagedWait::kSlot), &s.slot_waits, &s.slot_us);
-  r(waits_of(StagedWait::kGather), &s.gather_waits, &s.gather_us);
-  r(waits_of(StagedWait::kStarved), &s.starved, &s.starved_us);
-  r(waits_of(StagedWait::kLanding), &s.landing_waits, &s.landing_us);
-  return s;
+std::vector<std::pair<const char*, uint64_t>> staged_waits() {
+  static const char* const kNames[4][2] = {{"slot_waits", "slot_us"}, {"gather_waits", "gather_us"},
+                                           {"starved", "starved_us"}, {"landing_waits", "landing_us"}};
+  std::vector<std::pair<const char*, uint64_t>> out;
+  for (int k = 0; k < 4; ++k) {  // by StagedWait
+    out.emplace_back(kNames[k][0], g_waits[k].n.load(std::memory_order_relaxed));
+    out.emplace_back(kNames[k][1], g_waits[k].us.load(std::memory_order_relaxed));
+  }
+  return out;
 }
 
 StagedWaitTimer::~StagedWaitTimer() {
   if (!waits_) return;
   waits_of(kind_).add(static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::microseconds>(Clock::now() - t0_).count()));
+}
+
+void wait_event_counted(StagedWait kind, int ordinal, const SharedEvent& e, const Deadline& deadline,
+                        const std::string& doing) {
+  StagedWaitTimer timed(kind, !event_done(e));  // (a failed copy's event is "done": wait_event raises)
+  wait_event(ordinal, e, deadline, doing);
 }
 
 namespace {
@@ -311,10 +315,9 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
   auto finish_oldest = [&] {
     ChunkInFlight& f = flying.front();
     StagedPayload* p = parts[f.part];
-    {  // a wait for the gather: the device is behind (a failed copy's event is "done": wait_event raises)
-      StagedWaitTimer timed(StagedWait::kGather, !event_done(f.done));
-      wait_event(ordinal, f.done, deadline, "gathering a staged batch from the device to the host");
-    }
+    // (a wait for the gather: the device is behind)
+    wait_event_counted(StagedWait::kGather, ordinal, f.done, deadline,
+                       "gathering a staged batch from the device to the host");
     p->publish(f.i * p->chunk_ + p->chunk_len(f.i));
     --in_flight[f.part];
     flying.pop_front();
@@ -359,7 +362,9 @@ void StagedPayload::fill_parts(const std::vector<StagedPayload*>& parts, int ord
 void StagedPayload::publish(uint64_t ready) {
   ready_.store(ready, std::memory_order_release);
   int64_t since = starved_since_ns_.exchange(0, std::memory_order_acq_rel);
-  if (since != 0) waits_of(StagedWait::kStarved).add(static_cast<uint64_t>(std::max<int64_t>(0, steady_ns() - since) / 1000));
+  if (since != 0) {
+    waits_of(StagedWait::kStarved).add(static_cast<uint64_t>(std::max<int64_t>(0, steady_ns() - since) / 1000));
+  }
   if (waker_) waker_();
 }
 

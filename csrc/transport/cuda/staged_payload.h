@@ -61,20 +61,9 @@ uint64_t staged_bytes_peak();
 // batch waits"): the filler for a ring slot (the lanes sent slower than it gathered), the filler for
 // a gathered chunk's copy (the device slower), the writers for gathered bytes (a lane with nothing to
 // send), the target's lanes for a landing buffer whose scatter had not completed. Each: how many
-// waits and their microseconds.
-struct StagedWaits {
-  uint64_t slot_waits = 0, slot_us = 0;
-  uint64_t gather_waits = 0, gather_us = 0;
-  uint64_t starved = 0, starved_us = 0;
-  uint64_t landing_waits = 0, landing_us = 0;
-  // By name, as flagcx_mesh.cuda.staged_waits() gives them.
-  std::vector<std::pair<const char*, uint64_t>> counters() const {
-    return {{"slot_waits", slot_waits},       {"slot_us", slot_us},   {"gather_waits", gather_waits},
-            {"gather_us", gather_us},         {"starved", starved},   {"starved_us", starved_us},
-            {"landing_waits", landing_waits}, {"landing_us", landing_us}};
-  }
-};
-StagedWaits staged_waits();
+// waits and their microseconds, by name as flagcx_mesh.cuda.staged_waits() gives them
+// (slot_waits, slot_us, gather_waits, gather_us, starved, starved_us, landing_waits, landing_us).
+std::vector<std::pair<const char*, uint64_t>> staged_waits();
 // One wait of a kind of staged_waits(), counted when it ends however it ends (a deadline, a
 // cancel), where `waits` (what it waits for was not done when it began).
 enum class StagedWait { kSlot, kGather, kStarved, kLanding };
@@ -90,6 +79,9 @@ class StagedWaitTimer {
   bool waits_;
   Clock::time_point t0_;
 };
+// wait_event() (streams.h), counted as a wait of `kind` when `e` was not done yet.
+void wait_event_counted(StagedWait kind, int ordinal, const SharedEvent& e, const Deadline& deadline,
+                        const std::string& doing);
 
 class StagedPayload {
  public:

@@ -2,9 +2,9 @@
 with staged among --paths): pinned copies (device -> pinned host, pinned host -> device) and raw
 TCP over loopback, one connection, four, and as many as the staged connection's tcp lanes (a
 staged batch of 1 MiB or more is striped over them), each out of one 1 MiB buffer into another;
-beside them, for context, the same lanes through rings of a staged lane's sizes (distinct bytes). The goal of a staged batch of 64 MiB and up:
-at least 0.8x the slower of its two stages, i.e. min(the pinned copies' pipelined rate
-min(D2H, H2D), raw TCP over the same lanes)."""
+beside them, for context, the same lanes through rings of a staged lane's sizes (distinct bytes).
+The goal of a staged batch of 64 MiB and up: at least 0.8x the slower of its two stages, i.e.
+min(the pinned copies' pipelined rate min(D2H, H2D), raw TCP over the same lanes)."""
 
 from __future__ import annotations
 
