@@ -70,6 +70,22 @@ def test_bench_kv_steps_say_where_each_request_length_spends_its_time(tmp_path):
     assert _kv_steps.report("[]", [64]) == {}
 
 
+def test_a_hand_off_that_returns_after_the_decode_took_the_request_still_counts():
+    """The prefill's thread hands a W to its core, which serves it, and the decode takes the
+    request, before the thread's hand-off call has returned (a loaded machine: seen in CI). The
+    request keeps every step: the call's end counts up to the next request's fetch, and the chain
+    runs from the hand-off's start. (Before, its `to the core` went missing, the figures too.)"""
+    from flagcx_mesh.bench import _kv_steps
+
+    one = [(0.0, "fetch>"), (0.1, "fetch<"), (0.2, "notify>"), (0.3, "note:W"), (0.4, "core>"),
+           (0.5, "fetched>"), (0.6, "polled"), (0.7, "core<")]
+    two = [(t + 1.0, tag) for t, tag in one]  # (the next request: its fetch> ends the first's window)
+    fig = _kv_steps.report(json.dumps(one + two), [64, 64])["64 handed"]
+    assert list(fig) == [name for name, _, _ in _kv_steps.HANDED_STEPS], fig
+    assert fig["to the core"] == pytest.approx(300.0) and fig["served, done back"] == pytest.approx(100.0), fig
+    assert sum(fig[name] for name, _, _ in _kv_steps.HANDED_CHAIN) == pytest.approx(fig["total"]), fig
+
+
 def test_bench_kv_sets_the_peers_beside_the_request(tmp_path):
     """--peers: bench agent's harness moves the request's blocks (tokens / block size x layers
     blocks of a layer's block bytes) with the agent and each peer; one that is not installed is

@@ -37,9 +37,11 @@ the core (_to_core), has a chain of its own:
     to the want, to the prefill   as above
     want read           the W decoded and checked, the tables of its part made, until the thread
                         hands it to the core
-    to the core         the want's binary form made and queued at the core's puller
     served, done back   from there until poll() takes the request (_fetched), as above
     to the caller, total   as above
+
+and beside it `to the core`: the thread's hand-off call (the want's binary form made and queued
+at the core's puller), which may return after the request was served and taken.
 
 A request the decode read itself (a pull: transfer.py) has a chain of its own:
 
@@ -85,10 +87,11 @@ SERVED_CHAIN: Tuple[Step, ...] = (
 SERVED_STEPS = SERVED_CHAIN + (TOTAL, FETCH_CALL)
 HANDED_CHAIN: Tuple[Step, ...] = CHAIN[:2] + (  # (to the want, to the prefill: a push's)
     ("want read", "note:W", "core>"),
-    ("to the core", "core>", "core<"),
-    ("served, done back", "core<", "fetched>"),
+    ("served, done back", "core>", "fetched>"),
 ) + CHAIN[-1:]
-HANDED_STEPS = HANDED_CHAIN + (TOTAL, FETCH_CALL)
+# Beside it, as a push's `push issued`: the core may serve the want, and the decode take it,
+# before the thread's hand-off call has returned.
+HANDED_STEPS = HANDED_CHAIN + (TOTAL, FETCH_CALL, ("to the core", "core>", "core<"))
 PULL_CHAIN: Tuple[Step, ...] = (
     ("to the pull", "fetch>", "pull>"),
     ("hand-off", "pull>", "pull<"),
@@ -160,16 +163,20 @@ def taken() -> str:
 
 
 def _requests(stamps: List[Tuple[float, str]]) -> List[Dict[str, float]]:
-    """Each request (a fetch> to the polled after it): the first time of each stamp in it."""
+    """Each request (a fetch> to the polled after it; the requests are made one after the other):
+    the first time of each stamp from its fetch> to the next one, so a call of its own that returns
+    after the decode polled it (the thread's hand-off to the core, a push's write_blocks) still
+    counts. A fetch> with no polled before the next is no request."""
     out, cur = [], None
     for t, tag in sorted(stamps):
         if tag == "fetch>":
+            if cur is not None and "polled" in cur:
+                out.append(cur)
             cur = {"fetch>": t}
         elif cur is not None:
             cur.setdefault(tag, t)
-            if tag == "polled":
-                out.append(cur)
-                cur = None
+    if cur is not None and "polled" in cur:
+        out.append(cur)
     return out
 
 
