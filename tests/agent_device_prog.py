@@ -202,7 +202,7 @@ def serve(args, dev) -> None:
                     got = hashlib.sha256(bufs[r].read(off, ln)).hexdigest()
                     answer = "ok" if got == words[4] else f"bad {r}: sha256 {got}"
                 elif words[0] == "calls":  # the driver calls this process made (fake driver only)
-                    answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in ("cuLaunchKernel", "cuMemcpyAsync"))
+                    answer = "ok " + " ".join(f"{c}={dev.calls(c)}" for c in ("cuLaunchKernel", "cuMemcpyAsync") + POOLED)
                 elif words[0] == "dereg":
                     a.deregister(regions[words[1]])
                     answer = "ok"
@@ -354,6 +354,22 @@ def target_calls(a: Agent, conn, timeout: float) -> dict:
     return {k: (None if v == "None" else int(v)) for k, v in (w.split("=") for w in words[1:])}
 
 
+# Driver calls that take the driver's lock, which every lane's launches and event queries wait for:
+# a batch made again takes its staging buffers and copy lists (each with its device address) from
+# the pools, on both sides, and asks neither.
+POOLED = ("cuMemHostRegister", "cuMemHostGetDevicePointer")
+
+
+def warm_batch_asks_no_driver_lock(a: Agent, conn, dev, write, timeout: float) -> None:
+    mine, theirs = {n: dev.calls(n) for n in POOLED}, target_calls(a, conn, timeout)
+    write()
+    after = target_calls(a, conn, timeout)
+    made = {n: dev.calls(n) - mine[n] for n in POOLED}
+    made_there = {n: after[n] - theirs[n] for n in POOLED}
+    check(not any(made.values()) and not any(made_there.values()),
+          f"a batch made again registered host memory or asked its address: here {made}, at the target {made_there}")
+
+
 def blocks_table(rng, n: int, slot: int, max_size: int, size: int = SIZE):
     """n writes of random sizes (1..max_size; max_size alone when fixed) into slots of their own
     (`slot` bytes apart) in shuffled order, from random local places: an (n, 3) table."""
@@ -455,6 +471,7 @@ def blocks_role(args, dev) -> None:
             check(after["cuLaunchKernel"] - theirs["cuLaunchKernel"] == chunks and
                   after["cuMemcpyAsync"] - theirs["cuMemcpyAsync"] == bus,
                   f"the target: one scatter launch per chunk ({chunks}) and {bus} copies expected: {theirs} -> {after}")
+            warm_batch_asks_no_driver_lock(a, conn, dev, lambda: write("the same blocks again", t), args.timeout)
         write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
         striped_write(conn, rng, write, 300)
         striped_write(conn, rng, write, 1)  # one write of 1 MiB: as a batch, striped too
@@ -592,6 +609,7 @@ def blocks_host(args, dev) -> None:
             check(dev.calls("cuLaunchKernel") - mine == chunks, f"{chunks} gathers expected here, "
                   f"{dev.calls('cuLaunchKernel') - mine} launches made")
             check(after == theirs, f"the target lands host blocks in place: no launch, no copy: {theirs} -> {after}")
+            warm_batch_asks_no_driver_lock(a, conn, dev, lambda: write("the same blocks again", t), args.timeout)
         write("mixed sizes", blocks_table(rng, 300, 3000, 2999))
         write("100,000 blocks", blocks_table(rng, 100_000, 8, 8))
         striped_write(conn, rng, write, 300)

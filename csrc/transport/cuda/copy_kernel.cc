@@ -1,5 +1,6 @@
 #include "transport/cuda/copy_kernel.h"
 
+#include <algorithm>
 #include <cstdlib>
 #include <map>
 #include <mutex>
@@ -19,13 +20,18 @@ constexpr unsigned kThreads = 256;        // copy_blocks.cu's __launch_bounds__
 constexpr uint64_t kChunk = 64 << 10;     // bytes per thread block, unless a copy needs more chunks than
 constexpr uint64_t kMaxChunks = 65535;    // a grid's y dimension holds
 constexpr size_t kListFloor = 4096;       // smallest list allocation, bytes
-constexpr size_t kKeptPerSize = 8;        // free lists kept per size
+constexpr size_t kKeptPerSize = 8;        // free lists kept per size, at least
+constexpr size_t kKeptBytesPerSize = 1 << 20;  // and of small lists as many as fit this
 
-// ---- page-locked lists, pooled by power-of-two size
+// ---- page-locked lists, pooled by power-of-two size, each with its device address: a staged
+// batch takes a list per chunk on every lane at once, and each list registered anew (or its
+// address asked again) took the driver's lock that the other lanes' launches wait for.
+
+size_t kept_per_size(size_t bytes) { return std::max(kKeptPerSize, kKeptBytesPerSize / bytes); }
 
 struct Pool {
   std::mutex mu;
-  std::map<size_t, std::vector<void*>> free;  // by size
+  std::map<size_t, std::vector<std::pair<void*, CUdeviceptr>>> free;  // by size
 };
 Pool& pool() {
   static Pool* p = new Pool();  // never destroyed: a list may be returned at exit
@@ -38,9 +44,9 @@ class PooledList : public CopyList {
   ~PooledList() override {
     Pool& p = pool();
     std::lock_guard<std::mutex> lock(p.mu);
-    std::vector<void*>& kept = p.free[bytes_];
-    if (kept.size() < kKeptPerSize) {
-      kept.push_back(host_);
+    auto& kept = p.free[bytes_];
+    if (dev_ != 0 && kept.size() < kept_per_size(bytes_)) {  // (one whose address was refused is not kept)
+      kept.emplace_back(host_, dev_);
       return;
     }
     const Driver* d = driver();
@@ -140,17 +146,17 @@ Loaded load(int ordinal) {
 std::unique_ptr<CopyList> copy_list(size_t n, int ordinal) {
   (void)ordinal;  // registered portable: one list serves every device
   size_t bytes = list_bytes(n);
-  void* host = nullptr;
   {
     Pool& p = pool();
     std::lock_guard<std::mutex> lock(p.mu);
-    std::vector<void*>& kept = p.free[bytes];
+    auto& kept = p.free[bytes];
     if (!kept.empty()) {
-      host = kept.back();
+      auto [host, dev] = kept.back();
       kept.pop_back();
+      return std::make_unique<PooledList>(host, bytes, dev);
     }
   }
-  if (host == nullptr) host = new_list(bytes);
+  void* host = new_list(bytes);
   CUdeviceptr dev = 0;
   CUresult r = driver()->cuMemHostGetDevicePointer(&dev, host, 0);
   auto list = std::make_unique<PooledList>(host, bytes, dev);
