@@ -37,7 +37,7 @@ step staged-traffic-4 env FLAGCX_MESH_CUDA_PATH=staged "$py" -m flagcx_mesh.laun
 step bench-put-cuda "$py" -m flagcx_mesh.bench put --device cuda --json "$logs/bench-put-cuda.json" --plot "$logs/bench-put-cuda.png"
 step bench-stream-wait "$py" -m flagcx_mesh.bench stream-wait --iters 2000 --json "$logs/bench-stream-wait.json"
 step p2p-cuda "$py" tests/p2p_prog.py pair --device cuda --timeout 120
-step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles client,bad,self --timeout 60
+step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles client,bad,self,waits --timeout 60
 # stream waits on notifications on the GPU: each scenario (arrives, unread, peer, timeout on the legacy default
 # stream, killed peer, closed agent) in its own bounded process; a copy queued behind the wait must land only
 # once the wait was released, and each release's cause and time are printed ("<scenario> ok" per scenario)

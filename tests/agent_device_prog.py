@@ -6,7 +6,13 @@ scripts/test-gpu.sh (--device torch: CUDA tensors on a real GPU), one process pe
                          ("host"), writes DIR/NAME.meta and DIR/NAME.<region>, then answers
                          notifications until "bye": "check R OFF LEN SEED" (the bytes of region
                          R are pattern(SEED), SEED -1: zeros; answers "ok" or "bad ..."),
-                         "dereg R" (deregisters it; answers "ok"); prints "served N"
+                         "dereg R" (deregisters it; answers "ok"), "ping" ("ok"), "stats"
+                         ("ok waiter_reads=N"); prints "served N". --waits: after the first
+                         notification it waits in wait_notification for that peer's next one
+    waits DIR NAME       (serve --waits) notifications answered one by one are read by the
+                         target's waiting thread itself although device regions are registered
+                         there; writes into its device region, each with its notification, land
+                         before it (over staged the waiter leaves each write to the progress thread)
     client DIR NAME      every (local, remote) pair with device memory on one side at least:
                          writes, has the target check the bytes, reads them back and checks
                          them; --expect L:R=PATH,... names the path each pair must take
@@ -182,9 +188,10 @@ def serve(args, dev) -> None:
             publish(args.dir, f"{args.name}.{k}", regions[k].descriptor)
         print(f"exports after registration: {dev.exports()}", flush=True)
         publish(args.dir, f"{args.name}.meta", a.metadata())
-        served, end = 0, time.monotonic() + args.timeout * 4
+        served, end, waiting_on = 0, time.monotonic() + args.timeout * 4, None
         while time.monotonic() < end:
-            for n in a.notifications(timeout=0.5):
+            for n in next_notifications(a, waiting_on):
+                waiting_on = n.peer if args.waits else None
                 words = n.data.decode().split()
                 if words[0] == "bye":
                     print(f"exports at the end: {dev.exports()}", flush=True)
@@ -206,6 +213,10 @@ def serve(args, dev) -> None:
                 elif words[0] == "dereg":
                     a.deregister(regions[words[1]])
                     answer = "ok"
+                elif words[0] == "ping":
+                    answer = "ok"
+                elif words[0] == "stats":
+                    answer = f"ok waiter_reads={a.stats()['waiter_reads']}"
                 else:
                     answer = f"bad request {words[0]}"
                 served += 1
@@ -214,6 +225,17 @@ def serve(args, dev) -> None:
                 except (flagcx_mesh.PeerLost, AttributeError):
                     pass  # that peer left
         raise SystemExit("FAILED: serve: no bye within its time")
+
+
+def next_notifications(a: Agent, peer) -> list:
+    """The next notifications: any peer's (notifications(), reading for its first 50 us), or
+    `peer`'s next one (wait_notification, reading for its first millisecond)."""
+    if peer is None:
+        return a.notifications(timeout=0.5)
+    try:
+        return [a.wait_notification(peer, timeout=0.5)]
+    except flagcx_mesh.MeshTimeout:
+        return []
 
 
 def answer(a: Agent, timeout: float) -> str:
@@ -247,6 +269,37 @@ def round_trip(a: Agent, conn, local, lbuf, rname: str, remote, seed: int, timeo
     lbuf.write(back, bytes(n))
     conn.read(local, remote, n, local_offset=back, remote_offset=roff).wait(timeout)
     check(lbuf.read(back, n) == pattern(seed, n), f"read back from {rname}: wrong bytes")
+
+
+def waits_role(args, dev) -> None:
+    """Against serve --waits. 200 pings answered one by one: the target's wait_notification reads
+    its connection itself (agent.stats()["waiter_reads"] moved there) with device regions
+    registered (until 2026-12-07 it did not read with any: each notification over a GPU path cost
+    the progress thread's wake-up). Then writes into the target's device region, each carrying
+    its notification, every byte checked when it arrives: over staged the waiter that reads a
+    write's frame leaves it to the progress thread, which lands it before the notification."""
+    with Agent(args.name + "-waits", SECRET, timeout=args.timeout) as a:
+        conn, remotes = connect(args, a)
+        lbuf = dev.buffer("ipc", SIZE)
+        local = register(a, lbuf)
+        for _ in range(200):
+            ask(a, conn, "ping", args.timeout)
+        conn.notify(b"stats")
+        words = answer(a, args.timeout).split()
+        check(words[0] == "ok", f"stats: {words}")
+        reads = int(words[1].split("=")[1])
+        check(reads > 0, f"the target's wait_notification read none of 200 notifications itself ({words[1]})")
+        path = conn.path_to(remotes["ipc"], local)
+        for seed in range(2, 34):
+            n, off = 65_536 + seed * 7, seed * 10_000
+            lbuf.write(0, pattern(seed, n))
+            conn.write(local, remotes["ipc"], n, remote_offset=off,
+                       notification=f"check ipc {off} {n} {seed}".encode()).wait(args.timeout)
+            reply = answer(a, args.timeout)
+            check(reply == "ok", f"write {seed} over {path}: {reply}")
+        print(f"waits: the target's waiter read {reads} times; 32 writes over {path} checked", flush=True)
+        conn.notify(b"bye")
+    print("waits ok", flush=True)
 
 
 def parse_expect(text: str) -> dict:
@@ -821,7 +874,8 @@ def run_pair(args, dev) -> None:
 
     for role in args.roles.split(","):
         with tempfile.TemporaryDirectory() as d:
-            procs = [] if role == "self" else [("serve", subprocess.Popen(role_cmd("serve", d)))]
+            serve = role_cmd("serve", d) + (["--waits"] if role == "waits" else [])
+            procs = [] if role == "self" else [("serve", subprocess.Popen(serve))]
             procs.append((role, subprocess.Popen(role_cmd(role, d))))
             for name, p in reversed(procs):
                 try:
@@ -841,12 +895,13 @@ def main() -> None:
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,
-             "blocks-refused": blocks_refused, "blocks-host": blocks_host}
+             "blocks-refused": blocks_refused, "blocks-host": blocks_host, "waits": waits_role}
     p.add_argument("role", choices=list(roles))
     p.add_argument("dir", nargs="?", default="")
     p.add_argument("name", nargs="?", default="owner")
     p.add_argument("--device", choices=["fake", "torch"], default="fake")
     p.add_argument("--expect", default="")
+    p.add_argument("--waits", action="store_true", help="serve: wait_notification for the peer of the first one")
     p.add_argument("--timeout", type=float, default=30.0)
     p.add_argument("--roles", default="client,bad,stream,self", help="pair: the roles to run")
     args = p.parse_args()

@@ -100,6 +100,22 @@ def test_writes_and_reads_on_a_busy_stream_wait_for_its_earlier_work(tmp_path, f
     assert "served 3" in served
 
 
+@pytest.mark.parametrize("forced", ["auto", "staged"])
+def test_a_waiter_reads_its_notifications_itself_with_device_regions_registered(tmp_path, forced):
+    """The target waits in wait_notification with device regions registered: its thread reads the
+    connection itself (before, only the progress thread read it there: a wake-up per
+    notification), and each write into its device region, its notification riding behind it,
+    has landed when the notification is read (staged: the waiter leaves the write's frame to the
+    progress thread)."""
+    env = fake_env() if forced == "auto" else fake_env(FLAGCX_MESH_CUDA_PATH=forced)
+    server = spawn("serve", tmp_path, "owner", "--waits", env=env)
+    try:
+        got = finish(spawn("waits", tmp_path, "owner", env=env), "waits")
+    finally:
+        finish(server, "serve")
+    assert "32 writes over " + {"auto": "cuda-ipc", "staged": "staged"}[forced] + " checked" in got, got
+
+
 def test_a_fallback_says_why_the_better_path_was_refused(tmp_path):
     got, _ = pair(tmp_path, "client", fake_env(FLAGCX_MESH_CUDA_PATH="cuda-vmm", FLAGCX_MESH_LOG="info"),
                   "--expect", "dev:ipc=staged")

@@ -123,6 +123,7 @@ AgentStats Agent::stats() const {
     Engine::AnswerCounts a = c->answer_counts();
     s.answer_bytes_held += a.held;
     s.answer_bytes_peak = std::max(s.answer_bytes_peak, a.peak);
+    s.waiter_reads += c->waiter_reads();
   }
   return s;
 }

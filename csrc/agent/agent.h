@@ -162,6 +162,10 @@ struct AgentStats {
   // The times the threads waiting for notifications drained the connections: once per arrival,
   // wake or deadline (agent/doorbell.h), not once per tick.
   uint64_t notification_drains = 0;
+  // The socket reads of peers' frames that threads waiting on this agent (for notifications, an
+  // op's completion) made themselves, over the open connections: frames no wake-up of the
+  // progress thread was needed for (docs/agent.md, "How a notification reaches its waiter").
+  uint64_t waiter_reads = 0;
   uint64_t total_rejected() const;
   // The counters by name, in the order stats() documents them (docs/agent.md): the
   // Python dict and the C ABI's JSON are both made from this list.

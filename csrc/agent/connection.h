@@ -95,6 +95,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   void wait(uint64_t target, const Deadline& deadline, const Handle& describe) const;
   void flush(const Deadline& deadline);  // this agent's ops on it completed (errors swallowed)
   double agent_timeout() const { return agent_->timeout_s(); }
+  uint64_t waiter_reads() const {  // the reads of the peer's frames that waiting threads made themselves
+    return ready_.load(std::memory_order_acquire) ? engine_->waiter_reads() : 0;
+  }
   Engine::AnswerCounts answer_counts() const {  // the memory answers to the peer's reads hold
     return ready_.load(std::memory_order_acquire) ? engine_->answer_counts() : Engine::AnswerCounts{0, 0};
   }

@@ -49,7 +49,8 @@ std::vector<std::pair<std::string, uint64_t>> AgentStats::counters() const {
           {"accept_fd_exhausted", accept_fd_exhausted},
           {"get_answer_bytes_held", answer_bytes_held},
           {"get_answer_bytes_peak", answer_bytes_peak},
-          {"notification_drains", notification_drains}};
+          {"notification_drains", notification_drains},
+          {"waiter_reads", waiter_reads}};
 }
 
 std::vector<std::pair<std::string, uint64_t>> AgentStats::rejections() const {

@@ -371,8 +371,9 @@ std::vector<std::shared_ptr<Connection>> NotificationInbox::connections_of(const
 void NotificationInbox::await_news(const std::string& peer, uint64_t seen, const Deadline& until,
                                    Clock::time_point since, bool* reading, std::chrono::microseconds watch_bell) {
   std::vector<std::shared_ptr<Connection>> conns;
-  if (*reading || Clock::now() - since < Engine::kHelpSpin) conns = connections_of(peer);
-  while (!conns.empty() && Clock::now() - since < Engine::kHelpSpin && !until.expired()) {
+  auto read_for = std::max<std::chrono::microseconds>(Engine::kHelpSpin, watch_bell);  // it spins that long anyway
+  if (*reading || Clock::now() - since < read_for) conns = connections_of(peer);
+  while (!conns.empty() && Clock::now() - since < read_for && !until.expired()) {
     *reading = true;
     bool read = false;
     for (const auto& c : conns) read = c->help_read() || read;

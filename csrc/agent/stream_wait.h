@@ -141,15 +141,16 @@ class NotificationInbox {
   void start_watcher();
   Deadline next_look() const;
   // Without the inbox's lock: returns once there may be news for a wait that drained at doorbell
-  // count `seen`, or at `until`. For the first Engine::kHelpSpin since `since` it reads the
-  // connections of `peer` ("": all) itself (no wake-up of the progress thread nor of this one
-  // when the notification comes then), later it sleeps on the doorbell. *reading: this wait read
+  // count `seen`, or at `until`. For the first Engine::kHelpSpin (or `watch_bell`, if longer)
+  // since `since` it reads the connections of `peer` ("": all) itself (no wake-up of the progress
+  // thread nor of this one when the notification comes then), later it sleeps on the doorbell. *reading: this wait read
   // the connections and has not handed them back to the progress thread yet (which may have
   // parked, leaving them to it: progress_poll.cc); handed back (Connection::unpark) before any sleep.
-  // `watch_bell`: after its reading, the wait looks at the doorbell without sleeping until that
-  // long after `since` (a blocking wait for one peer's notification: Backoff::kSpin, as the
-  // engine's waiters spin), so that a notification landed by the progress thread then costs no
-  // wake-up of this thread; zero: it sleeps at once.
+  // `watch_bell`: the wait reads, then looks at the doorbell, without sleeping until that long
+  // after `since` (a blocking wait for one peer's notification: Backoff::kSpin, as the engine's
+  // waiters spin), so that a notification that comes then costs no wake-up of this thread nor
+  // of the progress thread (one over a GPU path comes after the write's copy, ~150 us between
+  // two processes on one GPU); zero: it sleeps at once.
   void await_news(const std::string& peer, uint64_t seen, const Deadline& until, Clock::time_point since,
                   bool* reading, std::chrono::microseconds watch_bell = std::chrono::microseconds{0});
   std::vector<std::shared_ptr<Connection>> connections_of(const std::string& peer) const;

@@ -52,7 +52,7 @@ Engine::Engine(int rank, int nranks, int ncontexts, Connections* conns, WindowTa
       lanes_(std::max<int>(1, static_cast<int>(conns->send.size()) / std::max(1, nranks * ncontexts))),
       stripe_seq_(total_), stripes_admitted_(total_), lane_landed_(total_ * lanes_), lane_seq_(total_ * lanes_),
       last_stripe_(total_ * lanes_), stripe_moved_(total_ * lanes_), range_waits_(total_), held_puts_(total_), striped_blocks_(total_),
-      lane0_held_(total_), stripe_refused_(total_), conns_(conns), windows_(windows), open_answers_(total_),
+      lane0_held_(total_), left_to_progress_(total_), stripe_refused_(total_), conns_(conns), windows_(windows), open_answers_(total_),
       out_(nranks * ncontexts * lanes_), mailbox_(nranks * ncontexts), mailbox_bytes_(nranks * ncontexts),
       max_unreceived_(max_unreceived), timeout_s_(timeout_s), outstanding_(nranks * ncontexts), acks_due_(nranks * ncontexts),
       in_flight_kind_(nranks * ncontexts, PathKind::kTcp), probes_(nranks * ncontexts), refused_(nranks), refused_lost_(nranks),

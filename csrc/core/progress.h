@@ -122,8 +122,10 @@ class Engine : public Outbox {
 
   // Waiters that read (progress_poll.cc). help_read: when no other thread reads them now, reads
   // what the lane-0 receive connections hold (never blocking; never with mu_ held); true when
-  // it read some. may_help: false with a device window here (their landing stays with the
-  // progress thread). unpark: a waiter that stops reading and sleeps hands lane 0 back.
+  // it read some. may_help: false once the engine stops. unpark: a waiter that stops reading and
+  // sleeps hands lane 0 back. With a device window here a waiter stops at a frame whose bytes go
+  // through staging buffers and device copies (progress_thread_frame) and leaves it, and the
+  // connection, to the progress thread (left_to_progress_).
   bool help_read();
   bool may_help() const;
   void unpark();
@@ -148,6 +150,8 @@ class Engine : public Outbox {
     uint64_t held, peak;
   };
   AnswerCounts answer_counts() const { return {answer_held_.load(), answer_peak_.load()}; }
+  // Socket reads of lane 0 that got bytes, made by waiting threads themselves (help_read).
+  uint64_t waiter_reads() const { return waiter_reads_.load(std::memory_order_relaxed); }
 
   // Completion counting: ops issued by this rank and completed at their target.
   void count_inline(int peer, uint64_t n);  // ops done synchronously (no lock unless a thread waits)
@@ -325,6 +329,7 @@ class Engine : public Outbox {
   std::vector<pollfd> help_fds_;            // under read_mu_: help_read's poll set
   std::vector<int> help_owner_, help_ahead_;
   std::atomic<uint64_t> helped_{0};         // waiters' reads so far
+  std::atomic<uint64_t> waiter_reads_{0};   // of them, the socket reads that got bytes
   uint64_t helped_seen_ = 0;                // progress thread: helped_ at its last pass
   std::atomic<uint64_t> sleeps_{0};         // waiters that went to sleep (unpark) so far
   uint64_t sleeps_seen_ = 0;                // progress thread: sleeps_ at its last pass
@@ -459,6 +464,13 @@ class Engine : public Outbox {
   // before it admits the stripes; at most one is admitted and not applied: admits_early).
   std::vector<std::shared_ptr<const StripedBlocks>> striped_blocks_;
   std::vector<bool> lane0_held_;          // per slot (the reader): lane 0 stopped at a frame's op header
+  // Per slot (the reader): a waiter stopped lane 0 at a frame's op header that the progress thread
+  // acts on (progress_thread_frame); left_count_: how many are (waiters read none meanwhile).
+  std::vector<bool> left_to_progress_;
+  std::atomic<int> left_count_{0};
+  bool progress_thread_frame(int s, const InConn& in);
+  bool leave_to_progress(int s, InConn& in);
+  void forget_closed_left();
   std::vector<int> held_;                 // the reader: the slots with held puts
   // Striped traffic hands each put over between threads twice at the target (lane 0 admits its
   // stripes, the last stripe releases lane 0): for lane_spin_ns_ after each hand-off the threads

@@ -22,8 +22,12 @@
 // there to read (read_counter polled in a loop, say) may so wait up to 1 ms for the progress
 // thread. mesh.stats() counts the parked polls and those a lost wake-up left to their timer.
 //
-// Not for a mesh with device windows on this rank (Engine::may_help): their puts land through
-// staging buffers and device copies that stay with the progress thread.
+// Frames left to the progress thread. With a device window on this rank, a waiter stops at a
+// frame whose bytes go through staging buffers and device copies (a put, a batch, a get or its
+// answer: progress_thread_frame) and leaves it to the progress thread, which acts on it as if it
+// had read it itself (read_some): lane 0 stays stopped there, no waiter reads any connection of
+// this engine until then (left_count_: one that took the read role again would keep the
+// progress thread from it), and the waiter hands back (unpark) once it gave up the role.
 #include <poll.h>
 #include <unistd.h>
 
@@ -35,7 +39,48 @@
 
 namespace fxm {
 
-bool Engine::may_help() const { return !windows_->has_device() && !stopping_.load(std::memory_order_relaxed); }
+bool Engine::may_help() const { return !stopping_.load(std::memory_order_relaxed); }
+
+// Whether frame `in` of lane-0 slot s (its op header read) is the progress thread's to act on:
+// with a device window here, puts, batches, gets and get answers (their windows are not looked
+// up for it: host ones go too), and a message while an answer to a get still streams (acting on
+// it snapshots that answer's window, through device copies when it is a device window).
+bool Engine::progress_thread_frame(int s, const InConn& in) {
+  if (!windows_->has_device()) return false;
+  switch (in.f.type) {
+    case FrameType::kPut:
+    case FrameType::kPutBlocks:
+    case FrameType::kGetReq:
+    case FrameType::kGetResp:
+    case FrameType::kGetBlocks:
+      return true;
+    case FrameType::kMessage: {
+      std::lock_guard<std::mutex> lock(mu_);
+      return !open_answers_[s].empty();
+    }
+    default:
+      return false;
+  }
+}
+
+// A waiter at such a frame (on_op_header): lane 0 stops there for the progress thread.
+bool Engine::leave_to_progress(int s, InConn& in) {
+  if (s >= total_ || owns_conn(s) || !progress_thread_frame(s, in)) return false;
+  left_to_progress_[s] = true;
+  left_count_.fetch_add(1);
+  return true;
+}
+
+// The progress thread (the role held): a slot left to it whose connection closed meanwhile is
+// never read again; it no longer keeps waiters from the other slots.
+void Engine::forget_closed_left() {
+  if (left_count_.load() == 0) return;
+  for (int s = 0; s < total_; ++s) {
+    if (!left_to_progress_[s] || !in_[s]->closed) continue;
+    left_to_progress_[s] = false;
+    left_count_.fetch_sub(1);
+  }
+}
 
 // A waiter counts its sleep before it looks at parked_; the progress thread sets parked_ before it
 // looks at the count again (both seq_cst): either it sees the sleep and stays, or this sees it parked.
@@ -79,16 +124,18 @@ void Engine::decide_park() {
 }
 
 // Lists the lane-0 receive connections the reader may read now (with mu_ held and the role).
+// (A frame left to the progress thread is acted on at once, whatever the poll says.)
 void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
   for (int s = 0; s < total_; ++s) {
     if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
     fds->push_back({conns_->recv[s].get(), POLLIN, 0});
     owner->push_back(tag + s);
-    if (in_[s]->buffered() > 0) ahead->push_back(s);
+    if (in_[s]->buffered() > 0 || left_to_progress_[s]) ahead->push_back(s);
   }
 }
 
 bool Engine::help_read() {
+  if (left_count_.load() > 0) return false;  // a frame waits for the progress thread, which needs the role
   std::unique_lock<std::mutex> role(read_mu_, std::try_to_lock);
   if (!role.owns_lock()) return false;
   helped_.fetch_add(1, std::memory_order_relaxed);
@@ -104,6 +151,7 @@ bool Engine::help_read() {
   bool direct = help_fds_.size() <= kHelpDirectReads;
   if (!direct && help_ahead_.empty() && ::poll(help_fds_.data(), help_fds_.size(), 0) <= 0) return false;
   bool any = false;
+  uint64_t first = frames_read_;
   for (size_t k = 0; k < help_fds_.size(); ++k) {
     int s = help_owner_[k];
     bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
@@ -112,8 +160,13 @@ bool Engine::help_read() {
     read_guarded(s);
     any = any || frames_read_ != before;
   }
+  waiter_reads_.fetch_add(frames_read_ - first, std::memory_order_relaxed);
   finish_landed_stripes();
   send_acks();
+  if (left_count_.load() > 0) {  // stopped at a frame for the progress thread: the role first, then the wake
+    role.unlock();
+    unpark();
+  }
   return any;
 }
 
@@ -138,7 +191,10 @@ void Engine::poll_once() {
         owner.push_back(s);
       }
     }
-    if (role.owns_lock()) readable_fds(&fds, &owner, total, &ahead);
+    if (role.owns_lock()) {
+      forget_closed_left();
+      readable_fds(&fds, &owner, total, &ahead);
+    }
   }
   if (role.owns_lock()) role.unlock();
   int timeout_ms = copies_timeout_ms(copies);

@@ -156,7 +156,8 @@ class WindowTable {
       slab_.store(cur, std::memory_order_release);
     }
     // device_ first: whoever find()s a device window sees has_device() too (a waiter that saw it
-    // false would land a put to that window itself: Engine::may_help).
+    // false would act on a frame for that window itself: Engine::progress_thread_frame; a peer
+    // names a window only once its descriptor, sent after this, reached it).
     if (w->kind == WindowKind::kDevice) device_.store(true, std::memory_order_release);
     cur->at[n].store(w.get(), std::memory_order_release);
     wins_.push_back(std::move(w));
