@@ -745,7 +745,7 @@ Handle Connection::transfer(const std::vector<Xfer>& ops, bool is_read, const st
 }
 
 void Connection::notify(const std::vector<uint8_t>& bytes) {
-  check_notification_size(bytes.size(), who() + ": notify");
+  if (bytes.size() > kMaxNotificationBytes) check_notification_size(bytes.size(), who() + ": notify");  // (the words only then)
   std::lock_guard<std::mutex> lock(op_mu_);
   try {
     engine().post_message(kPeer, kCtx, bytes.data(), bytes.size(), Deadline::after_seconds(agent_->timeout_s()));
@@ -759,18 +759,15 @@ void Connection::take_notifications(std::vector<Notification>* out) {
   // its wait for the start would hold the inbox's lock, and the listener behind it, which is
   // what lets the lanes join (a slow joiner's connection then lost its lanes).
   if (!ready_.load(std::memory_order_acquire)) return;
-  while (true) {
-    try {
-      std::vector<uint8_t> m = engine_->recv_message(kPeer, kCtx, Deadline::after_seconds(0));
-      out->push_back({peer_.name, peer_.incarnation, std::move(m)});
-    } catch (const Error& e) {  // none waiting, or the peer closed / was lost (nothing more will come)
-      if (e.code() == Code::kPeerLost) {
-        std::string why = peer_end();
-        std::lock_guard<std::mutex> lock(state_mu_);
-        if (closed_why_.empty()) closed_why_ = why.empty() ? std::string("the peer is gone: ") + e.what() : why;
-        closed_.store(true, std::memory_order_release);
-      }
-      return;
+  try {
+    std::vector<uint8_t> m;
+    while (engine_->try_recv_message(kPeer, kCtx, &m)) out->push_back({peer_.name, peer_.incarnation, std::move(m)});
+  } catch (const Error& e) {  // the peer closed / was lost (nothing more will come), or the engine stopped
+    if (e.code() == Code::kPeerLost) {
+      std::string why = peer_end();
+      std::lock_guard<std::mutex> lock(state_mu_);
+      if (closed_why_.empty()) closed_why_ = why.empty() ? std::string("the peer is gone: ") + e.what() : why;
+      closed_.store(true, std::memory_order_release);
     }
   }
 }

@@ -434,17 +434,19 @@ void Engine::post_message(int peer, int ctx, const void* data, uint64_t len, con
   const uint8_t* p = static_cast<const uint8_t*>(data);
   it.head.insert(it.head.end(), p, p + len);
   std::unique_lock<std::mutex> lock(mu_);
-  std::string what = who() + "send to peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
+  auto what = [&] {  // (words made only for an error: a notification's hot path)
+    return who() + "send to peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
+  };
   while (queued_msg_[s] > 0 && queued_msg_[s] + len > kMaxQueuedMessageBytes) {
     if (!lost_[peer].empty() || bye_[peer] || stopping_) break;
     if (deadline.expired()) {
-      fail(Code::kTimeout, peer, 0, what + ": timed out waiting for " + std::to_string(queued_msg_[s]) +
+      fail(Code::kTimeout, peer, 0, what() + ": timed out waiting for " + std::to_string(queued_msg_[s]) +
                                         " queued bytes to drain (is the peer receiving?)");
     }
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
-  if (stopping_) fail(Code::kClosed, peer, 0, what + ": the mesh was closed");
-  fail_if_gone(peer, what + ": ");
+  if (stopping_) fail(Code::kClosed, peer, 0, what() + ": the mesh was closed");
+  if (!lost_[peer].empty() || bye_[peer]) fail_if_gone(peer, what() + ": ");
   queued_msg_[s] += len;
   bool idle = out_[s].empty();
   if (!idle) out_[s].push_back(std::move(it));
@@ -468,25 +470,45 @@ std::vector<uint8_t> Engine::recv_message(int peer, int ctx, const Deadline& dea
     unpark();
     cv_.wait_until(lock, deadline.min(Deadline::after_seconds(0.1)).at());
   }
-  if (!box.empty()) {
-    Inbound m = std::move(box.front());
-    box.pop_front();
-    uint64_t& queued = mailbox_bytes_[slot(peer, ctx)];
-    bool was_paused = queued >= max_unreceived_;
-    queued -= m.bytes.size();
-    if (was_paused && queued < max_unreceived_) wake();  // resume reading that connection
-    if (!m.dropped.empty()) {
-      fail(Code::kSystem, peer, ENOMEM, who() + "recv from peer " + std::to_string(peer) + ": it sent " +
-                                            m.dropped + "; the message was dropped here");
-    }
-    return std::move(m.bytes);
+  std::vector<uint8_t> m;
+  if (pop_message(peer, ctx, &m)) return m;
+  fail_if_no_more_messages(peer, ctx);
+  fail(Code::kTimeout, peer, 0, who() + "recv from peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) +
+                                    "): timed out");
+}
+
+bool Engine::try_recv_message(int peer, int ctx, std::vector<uint8_t>* out) {
+  std::lock_guard<std::mutex> lock(mu_);
+  if (pop_message(peer, ctx, out)) return true;
+  if (stopping_) fail(Code::kClosed, peer, 0, who() + "recv: the mesh was closed");
+  fail_if_no_more_messages(peer, ctx);
+  return false;
+}
+
+// (mu_ held) The next message of (peer, ctx) into *out, if one is there.
+bool Engine::pop_message(int peer, int ctx, std::vector<uint8_t>* out) {
+  auto& box = mailbox_[slot(peer, ctx)];
+  if (box.empty()) return false;
+  Inbound m = std::move(box.front());
+  box.pop_front();
+  uint64_t& queued = mailbox_bytes_[slot(peer, ctx)];
+  bool was_paused = queued >= max_unreceived_;
+  queued -= m.bytes.size();
+  if (was_paused && queued < max_unreceived_) wake();  // resume reading that connection
+  if (!m.dropped.empty()) {
+    fail(Code::kSystem, peer, ENOMEM, who() + "recv from peer " + std::to_string(peer) + ": it sent " + m.dropped +
+                                          "; the message was dropped here");
   }
+  *out = std::move(m.bytes);
+  return true;
+}
+
+// (mu_ held, the mailbox empty) PeerLost when nothing more will come from (peer, ctx).
+void Engine::fail_if_no_more_messages(int peer, int ctx) {
+  if (lost_[peer].empty() && !bye_conn_[slot(peer, ctx)]) return;
   std::string what = who() + "recv from peer " + std::to_string(peer) + " (ctx " + std::to_string(ctx) + ")";
   if (!lost_[peer].empty()) fail(Code::kPeerLost, peer, 0, what + ": " + lost_[peer]);
-  if (bye_conn_[slot(peer, ctx)]) {
-    fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
-  }
-  fail(Code::kTimeout, peer, 0, what + ": timed out");
+  fail(Code::kPeerLost, peer, 0, what + ": peer " + std::to_string(peer) + " closed its mesh");
 }
 
 

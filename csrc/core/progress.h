@@ -119,6 +119,12 @@ class Engine : public Outbox {
   static constexpr uint64_t kMaxQueuedMessageBytes = 64ull << 20;
   void post_message(int peer, int ctx, const void* data, uint64_t len, const Deadline& deadline);
   std::vector<uint8_t> recv_message(int peer, int ctx, const Deadline& deadline);
+  // Without waiting: true with the next message in *out; false when none is there (no error
+  // made, as a drain of the mailbox ends every time); throws as recv_message does once nothing
+  // more will come (PeerLost) or the engine was closed.
+  bool try_recv_message(int peer, int ctx, std::vector<uint8_t>* out);
+  bool pop_message(int peer, int ctx, std::vector<uint8_t>* out);  // (mu_ held)
+  void fail_if_no_more_messages(int peer, int ctx);                 // (mu_ held)
 
   // Waiters that read (progress_poll.cc). help_read: when no other thread reads them now, reads
   // what the lane-0 receive connections hold (never blocking; never with mu_ held); true when
