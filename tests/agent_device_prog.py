@@ -97,6 +97,10 @@ class FakeDevice:
     def calls(self, name: str):
         return self.cu.calls(name)
 
+    def thread_calls(self, name: str):
+        """Calls of `name` made by the calling thread."""
+        return self.cu.thread_calls(name)
+
     def stream(self):
         return self.cu.stream()
 
@@ -129,6 +133,9 @@ class TorchDevice:
         return None  # the real driver counts nothing for us
 
     def calls(self, name: str):
+        return None
+
+    def thread_calls(self, name: str):
         return None
 
     def stream(self):
@@ -187,6 +194,7 @@ def serve(args, dev) -> None:
             print(f"registered {k} ({regions[k].kind}, {SIZE} bytes) in {took * 1e6:.0f} us", flush=True)
             publish(args.dir, f"{args.name}.{k}", regions[k].descriptor)
         print(f"exports after registration: {dev.exports()}", flush=True)
+        landings = {c: dev.thread_calls(c) for c in LANDING_CALLS}  # this thread's device work so far
         publish(args.dir, f"{args.name}.meta", a.metadata())
         served, end, waiting_on = 0, time.monotonic() + args.timeout * 4, None
         while time.monotonic() < end:
@@ -215,8 +223,10 @@ def serve(args, dev) -> None:
                     answer = "ok"
                 elif words[0] == "ping":
                     answer = "ok"
-                elif words[0] == "stats":
-                    answer = f"ok waiter_reads={a.stats()['waiter_reads']}"
+                elif words[0] == "stats":  # and the device calls this thread made since it registered
+                    st, mine = a.stats(), {c: dev.thread_calls(c) for c in LANDING_CALLS}
+                    made = None if None in mine.values() else sum(mine[c] - landings[c] for c in LANDING_CALLS)
+                    answer = f"ok waiter_reads={st['waiter_reads']} late_wakes={st['progress_late_wakes']} device_calls={made}"
                 else:
                     answer = f"bad request {words[0]}"
                 served += 1
@@ -225,6 +235,11 @@ def serve(args, dev) -> None:
                 except (flagcx_mesh.PeerLost, AttributeError):
                     pass  # that peer left
         raise SystemExit("FAILED: serve: no bye within its time")
+
+
+# The driver calls that landing staged bytes (or answering a read from device memory) makes: a
+# thread waiting for notifications must leave them to the progress thread.
+LANDING_CALLS = ("cuMemcpyAsync", "cuLaunchKernel", "cuEventRecord", "cuEventQuery")
 
 
 def next_notifications(a: Agent, peer) -> list:
@@ -271,33 +286,54 @@ def round_trip(a: Agent, conn, local, lbuf, rname: str, remote, seed: int, timeo
     check(lbuf.read(back, n) == pattern(seed, n), f"read back from {rname}: wrong bytes")
 
 
+def target_stats(a: Agent, conn, timeout: float) -> dict:
+    """serve's "stats": waiter_reads, late_wakes, device_calls (None on a real GPU)."""
+    conn.notify(b"stats")
+    words = answer(a, timeout).split()
+    check(words[0] == "ok", f"stats: {words}")
+    return {k: (None if v == "None" else int(v)) for k, v in (w.split("=") for w in words[1:])}
+
+
 def waits_role(args, dev) -> None:
-    """Against serve --waits. 200 pings answered one by one: the target's wait_notification reads
-    its connection itself (agent.stats()["waiter_reads"] moved there) with device regions
-    registered (until 2026-12-07 it did not read with any: each notification over a GPU path cost
-    the progress thread's wake-up). Then writes into the target's device region, each carrying
-    its notification, every byte checked when it arrives: over staged the waiter that reads a
-    write's frame leaves it to the progress thread, which lands it before the notification."""
+    """Against serve --waits, the target waiting in wait_notification with device regions
+    registered. 200 pings answered one by one: its waiting thread read them itself
+    (agent.stats()["waiter_reads"]; until 2026-12-07 it did not read with device regions
+    registered: each notification over a GPU path cost the progress thread's wake-up). Then,
+    each right after a ping (the target's waiter reading), small reads from its device region
+    (over staged gets, which the waiter leaves at their op header to the progress thread) and
+    writes of 1 KB, 64 KB and 900 KB carrying their notifications, the bytes checked when each
+    arrives (the waiter stops in the payload of a write the progress thread began). At the end:
+    no lost wake-up of the target's progress thread (a frame left to it that waited for its
+    poll's timer: 100 ms a read), and on the fake driver no device call made by the target's
+    waiting thread itself."""
     with Agent(args.name + "-waits", SECRET, timeout=args.timeout) as a:
         conn, remotes = connect(args, a)
         lbuf = dev.buffer("ipc", SIZE)
         local = register(a, lbuf)
         for _ in range(200):
             ask(a, conn, "ping", args.timeout)
-        conn.notify(b"stats")
-        words = answer(a, args.timeout).split()
-        check(words[0] == "ok", f"stats: {words}")
-        reads = int(words[1].split("=")[1])
-        check(reads > 0, f"the target's wait_notification read none of 200 notifications itself ({words[1]})")
+        reads = target_stats(a, conn, args.timeout)["waiter_reads"]
+        check(reads > 0, "the target's wait_notification read none of 200 notifications itself")
         path = conn.path_to(remotes["ipc"], local)
-        for seed in range(2, 34):
-            n, off = 65_536 + seed * 7, seed * 10_000
-            lbuf.write(0, pattern(seed, n))
-            conn.write(local, remotes["ipc"], n, remote_offset=off,
-                       notification=f"check ipc {off} {n} {seed}".encode()).wait(args.timeout)
-            reply = answer(a, args.timeout)
-            check(reply == "ok", f"write {seed} over {path}: {reply}")
-        print(f"waits: the target's waiter read {reads} times; 32 writes over {path} checked", flush=True)
+        for kind, n in (("read", 1_000), ("write", 1_000), ("write", 65_543), ("write", 900_007)):
+            for seed in range(2, 62):
+                time.sleep(0.003)  # the target's waiter went to sleep: a ping wakes it, then it reads for 1 ms
+                ask(a, conn, "ping", args.timeout)
+                off = seed * 1_000
+                if kind == "read":
+                    conn.read(local, remotes["ipc"], n, local_offset=950_000, remote_offset=off).wait(args.timeout)
+                    continue
+                lbuf.write(0, pattern(seed, n))
+                conn.write(local, remotes["ipc"], n, remote_offset=off,
+                           notification=f"check ipc {off} {n} {seed}".encode()).wait(args.timeout)
+                reply = answer(a, args.timeout)
+                check(reply == "ok", f"write {seed} of {n} bytes over {path}: {reply}")
+        st = target_stats(a, conn, args.timeout)
+        check(st["late_wakes"] == 0, f"the target's progress thread missed {st['late_wakes']} wake-up(s)")
+        check(st["device_calls"] in (0, None), f"the target's waiting thread made {st['device_calls']} "
+              f"device call(s) itself ({', '.join(LANDING_CALLS)})")
+        print(f"waits: the target's waiter read {st['waiter_reads']} times, made {st['device_calls']} device calls; "
+              f"60 reads and 180 writes over {path} checked", flush=True)
         conn.notify(b"bye")
     print("waits ok", flush=True)
 

@@ -179,6 +179,12 @@ class FakeCuda:
         fn.argtypes, fn.restype = [C.c_char_p], C.c_ulonglong
         return fn(name.encode())
 
+    def thread_calls(self, name: str) -> int:
+        """How often the calling thread called the entry point ``name`` (base name)."""
+        fn = self.lib.fakecuda_thread_call_count
+        fn.argtypes, fn.restype = [C.c_char_p], C.c_ulonglong
+        return fn(name.encode())
+
     def error_name(self, code: int) -> str:
         text = C.c_char_p()
         if self.lib.cuGetErrorName(code, C.byref(text)) != SUCCESS:

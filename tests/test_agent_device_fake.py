@@ -104,16 +104,19 @@ def test_writes_and_reads_on_a_busy_stream_wait_for_its_earlier_work(tmp_path, f
 def test_a_waiter_reads_its_notifications_itself_with_device_regions_registered(tmp_path, forced):
     """The target waits in wait_notification with device regions registered: its thread reads the
     connection itself (before, only the progress thread read it there: a wake-up per
-    notification), and each write into its device region, its notification riding behind it,
-    has landed when the notification is read (staged: the waiter leaves the write's frame to the
-    progress thread)."""
-    env = fake_env() if forced == "auto" else fake_env(FLAGCX_MESH_CUDA_PATH=forced)
+    notification); each write into its device region, its notification riding behind it, has
+    landed when the notification is read, and each small read is answered, with no lost wake-up
+    of the progress thread and no device call made by the waiting thread (staged: the waiter
+    leaves a get at its op header, and a write the progress thread began in its payload, to the
+    progress thread; chunks of 64 KiB: a landing every 64 KiB of a write, which a waiter reading
+    on in its payload would make itself)."""
+    env = fake_env() if forced == "auto" else fake_env(FLAGCX_MESH_CUDA_PATH=forced, FLAGCX_MESH_STAGED_CHUNK_BYTES="65536")
     server = spawn("serve", tmp_path, "owner", "--waits", env=env)
     try:
         got = finish(spawn("waits", tmp_path, "owner", env=env), "waits")
     finally:
         finish(server, "serve")
-    assert "32 writes over " + {"auto": "cuda-ipc", "staged": "staged"}[forced] + " checked" in got, got
+    assert "60 reads and 180 writes over " + {"auto": "cuda-ipc", "staged": "staged"}[forced] + " checked" in got, got
 
 
 def test_a_fallback_says_why_the_better_path_was_refused(tmp_path):

@@ -124,6 +124,7 @@ AgentStats Agent::stats() const {
     s.answer_bytes_held += a.held;
     s.answer_bytes_peak = std::max(s.answer_bytes_peak, a.peak);
     s.waiter_reads += c->waiter_reads();
+    s.late_wakes += c->late_wakes();
   }
   return s;
 }

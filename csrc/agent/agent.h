@@ -166,6 +166,9 @@ struct AgentStats {
   // op's completion) made themselves, over the open connections: frames no wake-up of the
   // progress thread was needed for (docs/agent.md, "How a notification reaches its waiter").
   uint64_t waiter_reads = 0;
+  // The polls of the connections' progress threads that ran out their timer although they had
+  // been handed a frame (a lost wake-up; none is expected), over the open connections.
+  uint64_t late_wakes = 0;
   uint64_t total_rejected() const;
   // The counters by name, in the order stats() documents them (docs/agent.md): the
   // Python dict and the C ABI's JSON are both made from this list.

@@ -98,6 +98,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   uint64_t waiter_reads() const {  // the reads of the peer's frames that waiting threads made themselves
     return ready_.load(std::memory_order_acquire) ? engine_->waiter_reads() : 0;
   }
+  uint64_t late_wakes() const {  // the progress thread's lost wake-ups (Engine::ParkCounts)
+    return ready_.load(std::memory_order_acquire) ? engine_->park_counts().late_wakes : 0;
+  }
   Engine::AnswerCounts answer_counts() const {  // the memory answers to the peer's reads hold
     return ready_.load(std::memory_order_acquire) ? engine_->answer_counts() : Engine::AnswerCounts{0, 0};
   }

@@ -50,7 +50,8 @@ std::vector<std::pair<std::string, uint64_t>> AgentStats::counters() const {
           {"get_answer_bytes_held", answer_bytes_held},
           {"get_answer_bytes_peak", answer_bytes_peak},
           {"notification_drains", notification_drains},
-          {"waiter_reads", waiter_reads}};
+          {"waiter_reads", waiter_reads},
+          {"progress_late_wakes", late_wakes}};
 }
 
 std::vector<std::pair<std::string, uint64_t>> AgentStats::rejections() const {

@@ -470,12 +470,23 @@ class Engine : public Outbox {
   // before it admits the stripes; at most one is admitted and not applied: admits_early).
   std::vector<std::shared_ptr<const StripedBlocks>> striped_blocks_;
   std::vector<bool> lane0_held_;          // per slot (the reader): lane 0 stopped at a frame's op header
-  // Per slot (the reader): a waiter stopped lane 0 at a frame's op header that the progress thread
-  // acts on (progress_thread_frame); left_count_: how many are (waiters read none meanwhile).
-  std::vector<bool> left_to_progress_;
-  std::atomic<int> left_count_{0};
+  // Per slot (the reader): lane 0's frame is the progress thread's (progress_poll.cc): a waiter
+  // stopped at its op header (kLeftAtHeader: the progress thread acts on it next) or in its
+  // payload, which the progress thread began (kLeftMidFrame: it reads it to its end).
+  // left_count_: how many slots are so (no waiter reads, and the progress thread does not park,
+  // meanwhile); left_at_header_: those of the first kind.
+  enum : uint8_t { kNotLeft = 0, kLeftAtHeader = 1, kLeftMidFrame = 2 };
+  std::vector<uint8_t> left_to_progress_;
+  std::atomic<int> left_count_{0}, left_at_header_{0};
+  std::atomic<int64_t> left_since_ns_{0};  // when a frame was last left at its op header
+  bool left_frame_waited(int64_t poll_from_ns, int timeout_ms) const;
+  bool device_payload(const InConn& in) const;
   bool progress_thread_frame(int s, const InConn& in);
+  void mark_left(int s, uint8_t how);
+  void clear_left(int s);
   bool leave_to_progress(int s, InConn& in);
+  bool waiter_stops(int s, const InConn& in);
+  bool take_back_left(int s, InConn& in);
   void forget_closed_left();
   std::vector<int> held_;                 // the reader: the slots with held puts
   // Striped traffic hands each put over between threads twice at the target (lane 0 admits its

@@ -24,10 +24,15 @@
 //
 // Frames left to the progress thread. With a device window on this rank, a waiter stops at a
 // frame whose bytes go through staging buffers and device copies (a put, a batch, a get or its
-// answer: progress_thread_frame) and leaves it to the progress thread, which acts on it as if it
-// had read it itself (read_some): lane 0 stays stopped there, no waiter reads any connection of
-// this engine until then (left_count_: one that took the read role again would keep the
-// progress thread from it), and the waiter hands back (unpark) once it gave up the role.
+// answer: progress_thread_frame) and leaves it to the progress thread: at its op header, which
+// the progress thread then acts on as if it had read it itself (read_some), or in its payload,
+// when the progress thread began it and the socket ran dry (or its read's budget ran out)
+// before its end: the progress thread reads it to its end. Until then no waiter reads any
+// connection of this engine (left_count_: one that took the read role again would keep the
+// progress thread from it) and the progress thread does not park; the waiter gives up the role,
+// then wakes the progress thread (which may be polling sockets this waiter just emptied). A
+// poll that ran out its timer although a frame was left at its op header is a lost wake-up
+// (late_wakes_).
 #include <poll.h>
 #include <unistd.h>
 
@@ -41,33 +46,71 @@ namespace fxm {
 
 bool Engine::may_help() const { return !stopping_.load(std::memory_order_relaxed); }
 
-// Whether frame `in` of lane-0 slot s (its op header read) is the progress thread's to act on:
-// with a device window here, puts, batches, gets and get answers (their windows are not looked
-// up for it: host ones go too), and a message while an answer to a get still streams (acting on
-// it snapshots that answer's window, through device copies when it is a device window).
-bool Engine::progress_thread_frame(int s, const InConn& in) {
+// With a device window here: whether the payload of `in` may land through device copies (a put,
+// a batch of writes or a get's answer) or be acted on through them once read (a batch of reads).
+// Their windows are not looked up for it: host ones count too.
+bool Engine::device_payload(const InConn& in) const {
   if (!windows_->has_device()) return false;
   switch (in.f.type) {
     case FrameType::kPut:
     case FrameType::kPutBlocks:
-    case FrameType::kGetReq:
     case FrameType::kGetResp:
     case FrameType::kGetBlocks:
       return true;
-    case FrameType::kMessage: {
-      std::lock_guard<std::mutex> lock(mu_);
-      return !open_answers_[s].empty();
-    }
     default:
       return false;
   }
 }
 
+// Whether frame `in` of lane-0 slot s (its op header read) is the progress thread's to act on:
+// those above, a get (answered from its window through device copies), and a message while an
+// answer to a get still streams (acting on it snapshots that answer's window).
+bool Engine::progress_thread_frame(int s, const InConn& in) {
+  if (device_payload(in) || (in.f.type == FrameType::kGetReq && windows_->has_device())) return true;
+  if (in.f.type != FrameType::kMessage || !windows_->has_device()) return false;
+  std::lock_guard<std::mutex> lock(mu_);
+  return !open_answers_[s].empty();
+}
+
+void Engine::mark_left(int s, uint8_t how) {
+  left_to_progress_[s] = how;
+  left_count_.fetch_add(1);
+  if (how != kLeftAtHeader) return;
+  left_since_ns_.store(steady_ns(), std::memory_order_relaxed);  // (before the count: a poll that sees it sees this)
+  left_at_header_.fetch_add(1);
+}
+
+void Engine::clear_left(int s) {
+  if (left_to_progress_[s] == kLeftAtHeader) left_at_header_.fetch_sub(1);
+  left_to_progress_[s] = kNotLeft;
+  left_count_.fetch_sub(1);
+}
+
 // A waiter at such a frame (on_op_header): lane 0 stops there for the progress thread.
 bool Engine::leave_to_progress(int s, InConn& in) {
   if (s >= total_ || owns_conn(s) || !progress_thread_frame(s, in)) return false;
-  left_to_progress_[s] = true;
-  left_count_.fetch_add(1);
+  mark_left(s, kLeftAtHeader);
+  return true;
+}
+
+// read_some, a waiter: true when lane 0's frame is the progress thread's (left to it already,
+// or one it began whose payload goes through device copies: left to it now).
+bool Engine::waiter_stops(int s, const InConn& in) {
+  if (left_to_progress_[s] != kNotLeft) return true;
+  if (in.st != InConn::kPayload || !device_payload(in)) return false;
+  mark_left(s, kLeftMidFrame);
+  return true;
+}
+
+// read_some, the progress thread, at a slot left to it: acts on a frame left at its op header
+// (true: the caller reads on from there); one left in its payload stays the progress thread's
+// until its end (waiters stay away meanwhile).
+bool Engine::take_back_left(int s, InConn& in) {
+  uint8_t how = left_to_progress_[s];
+  if (how == kNotLeft || (how == kLeftMidFrame && in.st == InConn::kPayload)) return false;
+  clear_left(s);
+  if (how != kLeftAtHeader) return false;
+  on_op_header(s, in);
   return true;
 }
 
@@ -76,9 +119,7 @@ bool Engine::leave_to_progress(int s, InConn& in) {
 void Engine::forget_closed_left() {
   if (left_count_.load() == 0) return;
   for (int s = 0; s < total_; ++s) {
-    if (!left_to_progress_[s] || !in_[s]->closed) continue;
-    left_to_progress_[s] = false;
-    left_count_.fetch_sub(1);
+    if (left_to_progress_[s] != kNotLeft && in_[s]->closed) clear_left(s);
   }
 }
 
@@ -95,10 +136,20 @@ void Engine::unpark() {
 // sleep only once the timer was due (the progress thread preempted after its poll, say) is not
 // a lost wake-up. The last sleep's time stands for all since sleeps_before (one waiter sleeps at
 // a time in the common case; a miss only undercounts).
+namespace {
+constexpr int64_t kTimerSlackNs = 200 * 1000;  // the kernel's timer slack and rounding, with room
+}
+
 bool Engine::woke_late(uint64_t sleeps_before, int64_t poll_from_ns, int timeout_ms) const {
-  constexpr int64_t kTimerSlackNs = 200 * 1000;  // the kernel's timer slack and rounding, with room
   if (timeout_ms <= 0 || sleeps_.load() == sleeps_before) return false;
   return last_sleep_ns_.load(std::memory_order_relaxed) < poll_from_ns + timeout_ms * 1000000LL - kTimerSlackNs;
+}
+
+// An unparked poll that ran out its timer late for a frame a waiter left to it (at its op header)
+// well before that timer was due: the waiter's wake did not reach it.
+bool Engine::left_frame_waited(int64_t poll_from_ns, int timeout_ms) const {
+  if (timeout_ms <= 0 || left_at_header_.load() == 0) return false;
+  return left_since_ns_.load(std::memory_order_relaxed) < poll_from_ns + timeout_ms * 1000000LL - kTimerSlackNs;
 }
 
 // The read role is taken (a waiter reads lane 0 now): this pass polls without lane 0, parked as
@@ -115,7 +166,7 @@ bool Engine::park_beside_reader(uint64_t sleeps_before) {
 // sleeps waits for the progress thread to read its frame).
 void Engine::decide_park() {
   uint64_t helped = helped_.load(std::memory_order_relaxed), sleeps = sleeps_.load();
-  bool park = helped != helped_seen_ && sleeps == sleeps_seen_;
+  bool park = helped != helped_seen_ && sleeps == sleeps_seen_ && left_count_.load() == 0;
   helped_seen_ = helped;
   sleeps_seen_ = sleeps;
   if (!park) return;
@@ -130,7 +181,9 @@ void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int
     if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
     fds->push_back({conns_->recv[s].get(), POLLIN, 0});
     owner->push_back(tag + s);
-    if (in_[s]->buffered() > 0 || left_to_progress_[s]) ahead->push_back(s);
+    bool left_ready = left_to_progress_[s] == kLeftAtHeader ||
+                      (left_to_progress_[s] == kLeftMidFrame && in_[s]->st != InConn::kPayload);  // (its end read)
+    if (in_[s]->buffered() > 0 || left_ready) ahead->push_back(s);
   }
 }
 
@@ -163,9 +216,10 @@ bool Engine::help_read() {
   waiter_reads_.fetch_add(frames_read_ - first, std::memory_order_relaxed);
   finish_landed_stripes();
   send_acks();
-  if (left_count_.load() > 0) {  // stopped at a frame for the progress thread: the role first, then the wake
+  if (left_count_.load() > 0) {  // stopped at a frame for the progress thread: the role first, then the wakes
     role.unlock();
     unpark();
+    wake();  // (unpark wakes a parked poll only; one that is not parked may poll sockets this read emptied)
   }
   return any;
 }
@@ -177,7 +231,7 @@ void Engine::poll_once() {
   bool copies = false;
   std::vector<int> ahead;  // slots with frames read ahead: read them whatever the poll says
   uint64_t sleeps_before = sleeps_.load();
-  bool park = parked_.load();
+  bool park = parked_.load() && left_count_.load() == 0;  // a frame left to it: read it now
   std::unique_lock<std::mutex> role(read_mu_, std::defer_lock);
   bool retry = false;  // a waiter went to sleep meanwhile: no role and not parked, so look again at once
   if (!park && !role.try_lock()) retry = !(park = park_beside_reader(sleeps_before));
@@ -202,12 +256,14 @@ void Engine::poll_once() {
   if (retry || !ahead.empty() || (lane_spin_ns_ > 0 && lane_spinning(lane0_spin_until_ns_.load(std::memory_order_relaxed)))) {
     timeout_ms = 0;  // read ahead, striped puts' hand-offs due (progress_lanes.cc), or the role freed
   }
-  int64_t poll_from_ns = park ? steady_ns() : 0;
+  int64_t poll_from_ns = steady_ns();
   int ready = ::poll(fds.data(), fds.size(), timeout_ms);
   if (park) {
     parked_.store(false);
     parks_.fetch_add(1, std::memory_order_relaxed);
     if (ready == 0 && woke_late(sleeps_before, poll_from_ns, timeout_ms)) late_wakes_.fetch_add(1, std::memory_order_relaxed);
+  } else if (ready == 0 && left_frame_waited(poll_from_ns, timeout_ms)) {
+    late_wakes_.fetch_add(1, std::memory_order_relaxed);
   }
   if (timeout_ms == 0 && ahead.empty()) std::this_thread::yield();
   // Drained before the read phase: a wake-up that comes during it (a lane landing the last

@@ -60,13 +60,8 @@ void Engine::read_some(int s) {
   size_t budget = 8u << 20;  // then let other connections have a turn
   bool drained = false;      // a read got less than it asked for: the socket was empty then
   while (budget > 0 && !in.closed && !(drained && in.buffered() == 0)) {
-    if (s < total_ && left_to_progress_[s]) {  // a waiter stopped at this frame's op header, for this thread
-      if (!owns_conn(s)) return;
-      left_to_progress_[s] = false;
-      left_count_.fetch_sub(1);
-      on_op_header(s, in);
-      continue;
-    }
+    if (s < total_ && !owns_conn(s) && waiter_stops(s, in)) return;  // the progress thread's frame
+    if (s < total_ && owns_conn(s) && take_back_left(s, in)) continue;   // (acted on: read on from there)
     if (s < total_ ? lane0_held_[s] : stripe_waits(s)) {
       return;  // waits for the other lanes (progress_lanes.cc); what is read ahead stays
     }

@@ -21,13 +21,27 @@ Counts& counts() {
 
 }  // namespace
 
+// The calling thread's own calls, by base name (fakecuda_thread_call_count); never destroyed (a
+// thread may call during its exit, after its thread_local objects are gone).
+thread_local std::map<std::string, unsigned long long>* t_calls = nullptr;
+
 unsigned long long count_call(const char* name) {
+  if (t_calls == nullptr) t_calls = new std::map<std::string, unsigned long long>();
+  ++(*t_calls)[name];
   Counts& c = counts();
   std::lock_guard<std::mutex> g(c.mu);
   return ++c.calls[name];
 }
 
 }  // namespace fakecuda
+
+// Calls of the entry point `name` made by the calling thread so far (a test's check that device
+// work stays on the library's own threads: a waiter's thread lands no staged bytes itself).
+FAKE_API unsigned long long fakecuda_thread_call_count(const char* name) {
+  if (fakecuda::t_calls == nullptr) return 0;
+  auto it = fakecuda::t_calls->find(name ? name : "");
+  return it == fakecuda::t_calls->end() ? 0 : it->second;
+}
 
 // Calls of the entry point `name` (e.g. "cuEventRecord") so far, failed ones included.
 FAKE_API unsigned long long fakecuda_call_count(const char* name) {

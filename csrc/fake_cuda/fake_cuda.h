@@ -80,6 +80,7 @@ int current_device();
 // it: concurrent callers each get their own, so a window of failing calls ("@N:K") is exact.
 unsigned long long count_call(const char* name);
 extern "C" unsigned long long fakecuda_call_count(const char* name);
+extern "C" unsigned long long fakecuda_thread_call_count(const char* name);
 
 // The checks every entry point starts with: counted, initialised, then an injected failure.
 #define FAKE_ENTER(name)                                              \

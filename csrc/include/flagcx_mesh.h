@@ -275,6 +275,7 @@ FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_connect(flagcx_mesh_agent
 /* The agent's counters as one JSON object, NUL-terminated (*len counts the NUL): the
  * keys of Python's agent.stats(), e.g. {"accepted":2,"connected":1,"accept_fd_exhausted":0,
  * "get_answer_bytes_held":0,"get_answer_bytes_peak":0,"notification_drains":3,"waiter_reads":2,
+ * "progress_late_wakes":0,
  * "rejected":{"bad authentication":1}}.
  * 1024 bytes hold every key; a short buffer fails with *len set to the size needed. */
 FLAGCX_MESH_API flagcx_mesh_result_t flagcx_mesh_agent_stats(flagcx_mesh_agent_t agent, char *buf, size_t *len);

@@ -395,8 +395,9 @@ class Agent:
     def stats(self) -> dict:
         """accepted, connected, accept_fd_exhausted, rejected (by reason) at the listener;
         get_answer_bytes_held and get_answer_bytes_peak: the memory answers to peers' reads
-        hold; notification_drains: the times waits for notifications looked at the connections
-        (docs/agent.md)."""
+        hold; notification_drains: the times waits for notifications looked at the connections;
+        waiter_reads: the socket reads waiting threads made themselves; progress_late_wakes: the
+        connections' progress threads' lost wake-ups (0 expected) (docs/agent.md)."""
         return self._core.stats()
 
     def close(self) -> None:
