@@ -44,6 +44,8 @@
 
 namespace fxm {
 
+using wire::FrameType;
+
 bool Engine::may_help() const { return !stopping_.load(std::memory_order_relaxed); }
 
 // With a device window here: whether the payload of `in` may land through device copies (a put,
