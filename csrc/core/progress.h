@@ -329,7 +329,8 @@ class Engine : public Outbox {
   void poll_once();
   void read_phase(const std::vector<pollfd>& fds, const std::vector<int>& owner, const std::vector<int>& ahead);
   // With mu_ held and the read role: lane-0 receive connections to read now (owner: tag + slot).
-  void readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const;
+  void readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead,
+                    bool waiter) const;
   // The read role (progress_poll.cc): held by whoever reads lane-0 receive connections.
   std::mutex read_mu_;
   std::vector<pollfd> help_fds_;            // under read_mu_: help_read's poll set
@@ -478,7 +479,8 @@ class Engine : public Outbox {
   enum : uint8_t { kNotLeft = 0, kLeftAtHeader = 1, kLeftMidFrame = 2 };
   std::vector<uint8_t> left_to_progress_;
   std::atomic<int> left_count_{0}, left_at_header_{0};
-  std::atomic<int64_t> left_since_ns_{0};  // when a frame was last left at its op header
+  std::atomic<int64_t> left_since_ns_{0};  // when a frame left at its op header was last handed over
+  uint64_t left_marks_ = 0;                 // (the reader) frames left so far
   bool left_frame_waited(int64_t poll_from_ns, int timeout_ms) const;
   bool device_payload(const InConn& in) const;
   bool progress_thread_frame(int s, const InConn& in);

@@ -27,16 +27,18 @@
 // answer: progress_thread_frame) and leaves it to the progress thread: at its op header, which
 // the progress thread then acts on as if it had read it itself (read_some), or in its payload,
 // when the progress thread began it and the socket ran dry (or its read's budget ran out)
-// before its end: the progress thread reads it to its end. Until then no waiter reads any
-// connection of this engine (left_count_: one that took the read role again would keep the
-// progress thread from it) and the progress thread does not park; the waiter gives up the role,
-// then wakes the progress thread (which may be polling sockets this waiter just emptied). A
-// poll that ran out its timer although a frame was left at its op header is a lost wake-up
-// (late_wakes_).
+// before its end: the progress thread reads it to its end. Until then waiters skip that slot,
+// and the progress thread does not park and takes the read role by waiting for it
+// (left_count_: waiters taking the role again and again would keep it from the frame), and acts
+// on the frame whatever the mailbox holds; the waiter that left it gives up the role, then
+// wakes the progress thread (which may be polling sockets this waiter just emptied). A poll
+// that ran out its timer although a frame had been handed to it at its op header is a lost
+// wake-up (late_wakes_).
 #include <poll.h>
 #include <unistd.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <thread>
 
 #include "base/clock.h"
@@ -76,9 +78,10 @@ bool Engine::progress_thread_frame(int s, const InConn& in) {
 
 void Engine::mark_left(int s, uint8_t how) {
   left_to_progress_[s] = how;
+  ++left_marks_;
   left_count_.fetch_add(1);
   if (how != kLeftAtHeader) return;
-  left_since_ns_.store(steady_ns(), std::memory_order_relaxed);  // (before the count: a poll that sees it sees this)
+  left_since_ns_.store(INT64_MAX, std::memory_order_relaxed);  // handed over once the waiter woke it (help_read)
   left_at_header_.fetch_add(1);
 }
 
@@ -177,10 +180,15 @@ void Engine::decide_park() {
 }
 
 // Lists the lane-0 receive connections the reader may read now (with mu_ held and the role).
-// (A frame left to the progress thread is acted on at once, whatever the poll says.)
-void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead) const {
+// (A frame left to the progress thread is acted on at once, whatever the poll says and whatever
+// the mailbox holds; waiters skip its slot.)
+void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int tag, std::vector<int>* ahead,
+                          bool waiter) const {
   for (int s = 0; s < total_; ++s) {
-    if (!conns_->recv[s] || !lane_readable(s)) continue;  // else paused (recv_message), held or closed
+    bool left = left_to_progress_[s] != kNotLeft;
+    if (!conns_->recv[s] || (left && waiter)) continue;
+    bool left_open = left && !in_[s]->closed && !lane0_held_[s];
+    if (!left_open && !lane_readable(s)) continue;  // else paused (recv_message), held or closed
     fds->push_back({conns_->recv[s].get(), POLLIN, 0});
     owner->push_back(tag + s);
     bool left_ready = left_to_progress_[s] == kLeftAtHeader ||
@@ -190,16 +198,16 @@ void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int
 }
 
 bool Engine::help_read() {
-  if (left_count_.load() > 0) return false;  // a frame waits for the progress thread, which needs the role
   std::unique_lock<std::mutex> role(read_mu_, std::try_to_lock);
   if (!role.owns_lock()) return false;
   helped_.fetch_add(1, std::memory_order_relaxed);
+  uint64_t marks = left_marks_;
   help_fds_.clear();
   help_owner_.clear();
   help_ahead_.clear();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_);
+    readable_fds(&help_fds_, &help_owner_, 0, &help_ahead_, true);
   }
   if (help_fds_.empty()) return false;
   // A few connections are read at once (a read that finds nothing costs what a poll would).
@@ -218,8 +226,9 @@ bool Engine::help_read() {
   waiter_reads_.fetch_add(frames_read_ - first, std::memory_order_relaxed);
   finish_landed_stripes();
   send_acks();
-  if (left_count_.load() > 0) {  // stopped at a frame for the progress thread: the role first, then the wakes
+  if (left_marks_ != marks) {  // it left a frame to the progress thread: the role first, then the wakes
     role.unlock();
+    left_since_ns_.store(steady_ns(), std::memory_order_relaxed);
     unpark();
     wake();  // (unpark wakes a parked poll only; one that is not parked may poll sockets this read emptied)
   }
@@ -236,7 +245,11 @@ void Engine::poll_once() {
   bool park = parked_.load() && left_count_.load() == 0;  // a frame left to it: read it now
   std::unique_lock<std::mutex> role(read_mu_, std::defer_lock);
   bool retry = false;  // a waiter went to sleep meanwhile: no role and not parked, so look again at once
-  if (!park && !role.try_lock()) retry = !(park = park_beside_reader(sleeps_before));
+  if (!park && left_count_.load() > 0) {
+    role.lock();  // a frame left to it: waiters hold the role for a read at a time
+  } else if (!park && !role.try_lock()) {
+    retry = !(park = park_beside_reader(sleeps_before));
+  }
   {
     std::lock_guard<std::mutex> lock(mu_);
     for (int s = 0; s < total; ++s) {
@@ -249,7 +262,7 @@ void Engine::poll_once() {
     }
     if (role.owns_lock()) {
       forget_closed_left();
-      readable_fds(&fds, &owner, total, &ahead);
+      readable_fds(&fds, &owner, total, &ahead, false);
     }
   }
   if (role.owns_lock()) role.unlock();
