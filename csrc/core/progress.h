@@ -130,8 +130,9 @@ class Engine : public Outbox {
   // what the lane-0 receive connections hold (never blocking; never with mu_ held); true when
   // it read some. may_help: false once the engine stops. unpark: a waiter that stops reading and
   // sleeps hands lane 0 back. With a device window here a waiter stops at a frame whose bytes go
-  // through staging buffers and device copies (progress_thread_frame) and leaves it, and the
-  // connection, to the progress thread (left_to_progress_).
+  // through staging buffers and device copies (progress_thread_frame) and leaves it, and that
+  // connection, to the progress thread (left_to_progress_); it reads the others, and none while
+  // the progress thread wants the role (role_wanted_).
   bool help_read();
   bool may_help() const;
   void unpark();
@@ -474,12 +475,14 @@ class Engine : public Outbox {
   // Per slot (the reader): lane 0's frame is the progress thread's (progress_poll.cc): a waiter
   // stopped at its op header (kLeftAtHeader: the progress thread acts on it next) or in its
   // payload, which the progress thread began (kLeftMidFrame: it reads it to its end).
-  // left_count_: how many slots are so (no waiter reads, and the progress thread does not park,
-  // meanwhile); left_at_header_: those of the first kind.
+  // left_count_: how many slots are so (waiters skip them, and the progress thread does not park
+  // and waits for the read role meanwhile, saying so in role_wanted_, which keeps waiters from
+  // taking it again); left_at_header_: those of the first kind.
   enum : uint8_t { kNotLeft = 0, kLeftAtHeader = 1, kLeftMidFrame = 2 };
   std::vector<uint8_t> left_to_progress_;
   std::atomic<int> left_count_{0}, left_at_header_{0};
   std::atomic<int64_t> left_since_ns_{0};  // when a frame left at its op header was last handed over
+  std::atomic<bool> role_wanted_{false};
   uint64_t left_marks_ = 0;                 // (the reader) frames left so far
   bool left_frame_waited(int64_t poll_from_ns, int timeout_ms) const;
   bool device_payload(const InConn& in) const;
@@ -489,6 +492,7 @@ class Engine : public Outbox {
   bool leave_to_progress(int s, InConn& in);
   bool waiter_stops(int s, const InConn& in);
   bool take_back_left(int s, InConn& in);
+  bool mailbox_full(int s) const;
   void forget_closed_left();
   std::vector<int> held_;                 // the reader: the slots with held puts
   // Striped traffic hands each put over between threads twice at the target (lane 0 admits its

@@ -28,9 +28,10 @@
 // the progress thread then acts on as if it had read it itself (read_some), or in its payload,
 // when the progress thread began it and the socket ran dry (or its read's budget ran out)
 // before its end: the progress thread reads it to its end. Until then waiters skip that slot,
-// and the progress thread does not park and takes the read role by waiting for it
-// (left_count_: waiters taking the role again and again would keep it from the frame), and acts
-// on the frame whatever the mailbox holds; the waiter that left it gives up the role, then
+// and the progress thread does not park and takes the read role by waiting for it (left_count_),
+// saying so (role_wanted_: waiters then take it no more, nor read past their current slot), and
+// acts on the frame whatever the mailbox holds, reading on to the next frame's start at most;
+// the waiter that left it gives up the role, then
 // wakes the progress thread (which may be polling sockets this waiter just emptied). A poll
 // that ran out its timer although a frame had been handed to it at its op header is a lost
 // wake-up (late_wakes_).
@@ -119,6 +120,14 @@ bool Engine::take_back_left(int s, InConn& in) {
   return true;
 }
 
+// read_some, the progress thread, at a frame's start after a frame left to it: whether lane 0 of
+// slot s waits for its mailbox to drain (as lane_readable says), which reading a left frame
+// regardless of it must not overrun by more than that frame.
+bool Engine::mailbox_full(int s) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return mailbox_bytes_[s] >= max_unreceived_;
+}
+
 // The progress thread (the role held): a slot left to it whose connection closed meanwhile is
 // never read again; it no longer keeps waiters from the other slots.
 void Engine::forget_closed_left() {
@@ -198,6 +207,7 @@ void Engine::readable_fds(std::vector<pollfd>* fds, std::vector<int>* owner, int
 }
 
 bool Engine::help_read() {
+  if (role_wanted_.load()) return false;  // the progress thread waits for the role (a frame left to it)
   std::unique_lock<std::mutex> role(read_mu_, std::try_to_lock);
   if (!role.owns_lock()) return false;
   helped_.fetch_add(1, std::memory_order_relaxed);
@@ -215,7 +225,7 @@ bool Engine::help_read() {
   if (!direct && help_ahead_.empty() && ::poll(help_fds_.data(), help_fds_.size(), 0) <= 0) return false;
   bool any = false;
   uint64_t first = frames_read_;
-  for (size_t k = 0; k < help_fds_.size(); ++k) {
+  for (size_t k = 0; k < help_fds_.size() && !role_wanted_.load(); ++k) {
     int s = help_owner_[k];
     bool ahead = std::find(help_ahead_.begin(), help_ahead_.end(), s) != help_ahead_.end();
     if (!direct && help_fds_[k].revents == 0 && !ahead) continue;
@@ -227,8 +237,8 @@ bool Engine::help_read() {
   finish_landed_stripes();
   send_acks();
   if (left_marks_ != marks) {  // it left a frame to the progress thread: the role first, then the wakes
+    left_since_ns_.store(steady_ns(), std::memory_order_relaxed);  // (under the role: in the order of the marks)
     role.unlock();
-    left_since_ns_.store(steady_ns(), std::memory_order_relaxed);
     unpark();
     wake();  // (unpark wakes a parked poll only; one that is not parked may poll sockets this read emptied)
   }
@@ -245,8 +255,10 @@ void Engine::poll_once() {
   bool park = parked_.load() && left_count_.load() == 0;  // a frame left to it: read it now
   std::unique_lock<std::mutex> role(read_mu_, std::defer_lock);
   bool retry = false;  // a waiter went to sleep meanwhile: no role and not parked, so look again at once
-  if (!park && left_count_.load() > 0) {
-    role.lock();  // a frame left to it: waiters hold the role for a read at a time
+  if (!park && left_count_.load() > 0) {  // a frame left to it: waiters hold the role a read at a time
+    role_wanted_.store(true);
+    role.lock();
+    role_wanted_.store(false);
   } else if (!park && !role.try_lock()) {
     retry = !(park = park_beside_reader(sleeps_before));
   }

@@ -59,9 +59,14 @@ void Engine::read_some(int s) {
   InConn& in = *in_[s];
   size_t budget = 8u << 20;  // then let other connections have a turn
   bool drained = false;      // a read got less than it asked for: the socket was empty then
+  bool took_left = false;    // the progress thread took back a frame a waiter left it
   while (budget > 0 && !in.closed && !(drained && in.buffered() == 0)) {
     if (s < total_ && !owns_conn(s) && waiter_stops(s, in)) return;  // the progress thread's frame
-    if (s < total_ && owns_conn(s) && take_back_left(s, in)) continue;   // (acted on: read on from there)
+    if (s < total_ && owns_conn(s) && left_to_progress_[s] != kNotLeft) {
+      took_left = true;  // read whatever the mailbox held: up to the next frame's start
+      if (take_back_left(s, in)) continue;  // (acted on: read on from there)
+    }
+    if (took_left && in.st == InConn::kHeader && in.got == 0 && mailbox_full(s)) return;
     if (s < total_ ? lane0_held_[s] : stripe_waits(s)) {
       return;  // waits for the other lanes (progress_lanes.cc); what is read ahead stays
     }
