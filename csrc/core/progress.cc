@@ -130,8 +130,13 @@ bool Engine::send_direct(int s, OutItem& item) {
   }
   ssize_t n = send_item(s, item);
   if (n >= 0 && item.sent == item.total()) return true;
+  if (n < 0) {  // the connection failed (the peer is lost): the item is not queued, so a filler
+    // waiting for its ring slots learns it here, not at its deadline
+    if (item.staged) item.staged->cancel("its connection is gone: " + lost_reason(peer_of(s)));
+    return false;
+  }
   std::lock_guard<std::mutex> lock(mu_);
-  if (n >= 0) out_[s].push_front(std::move(item));  // started on the wire: it goes first
+  out_[s].push_front(std::move(item));  // started on the wire: it goes first
   return false;
 }
 
