@@ -288,10 +288,7 @@ def round_trip(a: Agent, conn, local, lbuf, rname: str, remote, seed: int, timeo
 
 def target_stats(a: Agent, conn, timeout: float) -> dict:
     """serve's "stats": waiter_reads, late_wakes, device_calls (None on a real GPU)."""
-    conn.notify(b"stats")
-    words = answer(a, timeout).split()
-    check(words[0] == "ok", f"stats: {words}")
-    return {k: (None if v == "None" else int(v)) for k, v in (w.split("=") for w in words[1:])}
+    return target_counts(a, conn, "stats", timeout)
 
 
 def waits_role(args, dev) -> None:
@@ -439,11 +436,16 @@ def expect_sha(a: Agent, conn, image: bytearray, what: str, timeout: float, regi
     check(reply == "ok", f"{what}: {reply}")
 
 
-def target_calls(a: Agent, conn, timeout: float) -> dict:
-    conn.notify(b"calls")
+def target_counts(a: Agent, conn, request: str, timeout: float) -> dict:
+    """serve's answer "ok NAME=N ..." to `request`, by name (None where it says None)."""
+    conn.notify(request.encode())
     words = answer(a, timeout).split()
-    check(words[0] == "ok", f"calls: {words}")
+    check(words[0] == "ok", f"{request}: {words}")
     return {k: (None if v == "None" else int(v)) for k, v in (w.split("=") for w in words[1:])}
+
+
+def target_calls(a: Agent, conn, timeout: float) -> dict:
+    return target_counts(a, conn, "calls", timeout)
 
 
 # Driver calls that take the driver's lock, which every lane's launches and event queries wait for:
