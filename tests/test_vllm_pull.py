@@ -665,7 +665,8 @@ class _Dying:
             end = time.monotonic() + 10
             while self._tag in self._dec._fetches and time.monotonic() < end:
                 time.sleep(0.001)
-            self._seen.append(set(self._dec.poll().recving))  # a poll on another thread, meanwhile
+            # a poll meanwhile: the thread's failure is reported just after it drops the fetch
+            self._seen.append(set(self._dec.poll(timeout=10).recving))
             raise PeerLost("the peer died")
         return self._c.notify(msg)
 
