@@ -230,6 +230,7 @@ def serve(args, dev) -> None:
                 else:
                     answer = f"bad request {words[0]}"
                 served += 1
+                end = time.monotonic() + args.timeout * 4  # (a slow client that still asks is not gone)
                 try:
                     a.connection(n.peer).notify(answer.encode())
                 except (flagcx_mesh.PeerLost, AttributeError):

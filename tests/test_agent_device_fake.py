@@ -37,8 +37,8 @@ def spawn(role, *args, env, stdin=None):
     return spawn_prog(PROG, role, *args, "--timeout", 20, env=env, stdin=stdin, cwd=HERE)
 
 
-def finish(p, role):
-    out, err = finish_prog(p, timeout=ROLE_TIMEOUT, what=role, ok=f"{role} ok")
+def finish(p, role, timeout=ROLE_TIMEOUT):
+    out, err = finish_prog(p, timeout=timeout, what=role, ok=f"{role} ok")
     return out + err
 
 

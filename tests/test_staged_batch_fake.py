@@ -19,13 +19,20 @@ import subprocess
 import pytest
 
 from meshutil import finish_prog, spawn_prog
-from test_agent_device_fake import HERE, PROG, fake_env, finish, spawn
+from test_agent_device_fake import HERE, PROG, ROLE_TIMEOUT, fake_env, finish, spawn
 
 pytestmark = pytest.mark.timeout(180)
 
 
 def staged_env(**extra):
     return fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_STAGED_CHUNK_BYTES="65536", **extra)
+
+
+def role_timeout(copies: str) -> float:
+    """The blocks role's limit: batches off, its 100,000 reads are as many staged gets, each its
+    own round trip through the fake driver's copies (18 s alone on the 2-core VM, beside three
+    other test workers up to 4x that)."""
+    return 300 if copies == "off" else ROLE_TIMEOUT
 
 
 @pytest.mark.parametrize("copies", ["auto", "driver", "off", "bounce"])
@@ -36,7 +43,7 @@ def test_a_batch_of_staged_writes_lands_every_byte_and_bad_blocks_write_nothing(
                      FLAGCX_MESH_STAGED_BOUNCE="on" if copies == "bounce" else "off")
     server = spawn("serve", tmp_path, "owner", env=env)
     try:
-        got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
+        got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks", role_timeout(copies))
     finally:
         finish(server, "serve")
     if copies != "off":  # off: each op a staged put (get) of its own, refused as one
@@ -59,7 +66,7 @@ def test_a_batch_of_1_mib_is_striped_over_the_tcp_lanes_and_lands_every_byte(tmp
                      FLAGCX_MESH_STAGED_LANDING_BUFFERS="2" if copies == "landing2" else "4")
     server = spawn("serve", tmp_path, "owner", env=env)
     try:
-        got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks")
+        got = finish(spawn("blocks", tmp_path, "owner", env=env), "blocks", role_timeout(copies))
     finally:
         finish(server, "serve")
     for n in (300, 1):
