@@ -45,8 +45,15 @@ class Mooncake:
     name = "mooncake"
     like = "tcp"  # the flagcx_mesh path its figures compare with
     how = "tcp transport, P2PHANDSHAKE, host memory"
+    # Its tcp transport refuses a batch beyond 1024 queued (+1024 waiting) transfers a peer by
+    # default (a request's 4096 blocks fail whole: "TCP lane queue-full rejection"); deployments
+    # raise both to their maximum, as here unless already set.
+    QUEUE_LIMITS = ("MC_TCP_MAX_QUEUED_TRANSFERS_PER_PEER", "MC_TCP_MAX_PENDING_ADMISSIONS_PER_PEER")
 
     def __init__(self, np):
+        for k in self.QUEUE_LIMITS:
+            os.environ.setdefault(k, "65535")
+        self.how = f"{Mooncake.how}, " + ", ".join(f"{k}={os.environ[k]}" for k in self.QUEUE_LIMITS)
         from mooncake.engine import TransferEngine  # noqa: F401 (raises what is missing)
 
         self.np, self.TE = np, TransferEngine
