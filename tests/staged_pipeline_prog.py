@@ -17,6 +17,10 @@ Scenarios:
                PeerLost naming peer 1 within the mesh timeout, no hang.
   cut_short    rank 0's multi-chunk put_signal times out in its copies down after its frame
                started: the frame is cut short, rank 1 loses rank 0 and never applies the signal.
+  first_send_fails  rank 1 stops; rank 0 shuts its sockets to it for sending, so the first send of
+               its next put, made by the calling thread on an idle connection, fails: the put fails
+               with PeerLost at once (it was dropped unsent and waited for ring slots until its
+               deadline, "timed out with 0 of N bytes sent").
   backpressure rank 0 makes many multi-chunk puts to rank 1, whose copies up are slow; the
                staging its puts held never passed FLAGCX_MESH_STAGED_INFLIGHT_BYTES
                (mesh.stats()["staged_bytes_peak"]) and every byte landed.
@@ -27,6 +31,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import socket
 import sys
 import time
 import traceback
@@ -130,6 +136,92 @@ def peer_death(mesh: Mesh, dev, args) -> None:
     os._exit(0)  # the mesh's goodbye to a dead peer is not part of the test
 
 
+def _other_rank_pid() -> int:
+    """The launcher's other child: the other rank of a 2-rank job."""
+    ppid = os.getppid()
+    with open(f"/proc/{ppid}/task/{ppid}/children") as f:
+        kids = [int(k) for k in f.read().split() if int(k) != os.getpid()]
+    check(len(kids) == 1, f"the launcher's other children: {kids}")
+    return kids[0]
+
+
+def _wait_stopped(pid: int, timeout: float) -> None:
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        with open(f"/proc/{pid}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] == "T":
+                return
+        time.sleep(0.005)
+    raise Fail(f"rank 1 (pid {pid}) did not stop in {timeout} s")
+
+
+def _tcp_addresses_of(pid: int) -> set:
+    """The local (ip, port) of each TCP socket process `pid` holds (/proc/net/tcp: IPv4)."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    out = set()
+    with open("/proc/net/tcp") as f:
+        for line in f.readlines()[1:]:
+            cols = line.split()
+            if cols[9] in inodes:
+                ip, port = cols[1].split(":")
+                out.add((socket.inet_ntoa(bytes.fromhex(ip)[::-1]), int(port, 16)))
+    return out
+
+
+def _shut_sending_to(pid: int) -> int:
+    """Shuts for sending each of this process's TCP sockets connected to process `pid`: the next
+    send on each fails (EPIPE) at once, and nothing arrives here to tell a reader of it."""
+    theirs, shut = _tcp_addresses_of(pid), 0
+    for name in os.listdir("/proc/self/fd"):
+        try:
+            s = socket.socket(fileno=os.dup(int(name)))
+        except OSError:
+            continue
+        try:
+            if s.type == socket.SOCK_STREAM and s.family == socket.AF_INET and s.getpeername() in theirs:
+                s.shutdown(socket.SHUT_WR)
+                shut += 1
+        except OSError:
+            pass
+        finally:
+            s.close()
+    return shut
+
+
+def first_send_fails(mesh: Mesh, dev, args) -> None:
+    n = 40 * CHUNK
+    win = mesh.alloc_window(n, device=0)
+    mesh.barrier(timeout=args.mesh_timeout)
+    if mesh.rank == 1:
+        print("OK rank 1 first_send_fails (stopping)", flush=True)
+        os.kill(os.getpid(), signal.SIGSTOP)  # continued by rank 0 once its put failed
+        os._exit(0)
+    peer = _other_rank_pid()
+    try:
+        _wait_stopped(peer, args.mesh_timeout)
+        check(_shut_sending_to(peer) >= 1, "no socket to rank 1 found")
+        t0 = time.monotonic()
+        try:
+            mesh.put(1, win, 0, win, 0, n)
+            raise Fail("a put whose first send failed completed")
+        except PeerLost as e:
+            took = time.monotonic() - t0
+            check(e.peer == 1 or "peer 1" in str(e), f"PeerLost should name peer 1: {e}")
+            check(took < args.mesh_timeout / 2, f"the loss took {took:.1f} s to be seen")
+            print(f"first_send_fails: PeerLost after {took:.3f} s: {e}", flush=True)
+    finally:
+        os.kill(peer, signal.SIGCONT)
+    print("OK rank 0 first_send_fails", flush=True)
+    os._exit(0)  # the mesh's goodbye to a stopped peer is not part of the test
+
+
 def cut_short(mesh: Mesh, dev, args) -> None:
     """Copies down of 1 s a chunk and a mesh timeout of 3 s: rank 0's put_signal of 6 chunks
     is posted after its first chunk and times out during its third, its frame half sent. Rank 0
@@ -183,7 +275,7 @@ def backpressure(mesh: Mesh, dev, args) -> None:
 
 
 SCENARIOS = {"integrity": integrity, "signal_fifo": signal_fifo, "peer_death": peer_death,
-             "backpressure": backpressure, "cut_short": cut_short}
+             "backpressure": backpressure, "cut_short": cut_short, "first_send_fails": first_send_fails}
 
 
 def main() -> int:

@@ -50,6 +50,19 @@ def test_a_peer_killed_while_multi_chunk_puts_are_sent_fails_the_initiator_namin
     assert m, p.stdout[-3000:]
 
 
+def test_a_put_whose_first_send_fails_fails_with_peer_lost_at_once():
+    """The calling thread sends a put's first bytes itself on an idle connection; where that send
+    fails (rank 0's sockets to rank 1 shut for sending, rank 1 stopped: nothing read tells of it),
+    the put was dropped unsent and its caller waited for ring slots until its 6 s deadline
+    ("timed out with 0 of N bytes sent", seen once in CI as a race of the test above); now it
+    fails with PeerLost naming peer 1 in under half of it. One lane: the put is not striped."""
+    env = fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_STAGED_CHUNK_BYTES=str(CHUNK),
+                   FLAGCX_MESH_STAGED_INFLIGHT_BYTES=str(INFLIGHT), FLAGCX_MESH_TCP_LANES="1")
+    p = gpujobs.run_job(2, "first_send_fails", "--mesh-timeout", "6", env=env, device="fake", timeout=JOB_TIMEOUT,
+                        prog="staged_pipeline_prog.py")
+    assert "first_send_fails: PeerLost after" in p.stdout, p.stdout[-3000:]
+
+
 def test_many_large_puts_outstanding_hold_no_more_staging_than_the_bound():
     """10 puts of 16 chunks + 1 B back to back to a target whose copies up take 3 ms each: the
     staging rank 0's puts held for peer 1 peaked within FLAGCX_MESH_STAGED_INFLIGHT_BYTES
