@@ -40,6 +40,7 @@ import traceback
 from flagcx_mesh import Mesh, MeshTimeout, PeerLost
 
 from gpu_prog import Fail, FakeDevice, check, check_paths, pattern
+from meshutil import stream_sockets
 
 CHUNK = int(os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES", str(4 << 20)))
 INFLIGHT = int(os.environ.get("FLAGCX_MESH_STAGED_INFLIGHT_BYTES", str(64 << 20)))
@@ -179,19 +180,11 @@ def _shut_sending_to(pid: int) -> int:
     """Shuts for sending each of this process's TCP sockets connected to process `pid`: the next
     send on each fails (EPIPE) at once, and nothing arrives here to tell a reader of it."""
     theirs, shut = _tcp_addresses_of(pid), 0
-    for name in os.listdir("/proc/self/fd"):
-        try:
-            s = socket.socket(fileno=os.dup(int(name)))
-        except OSError:
-            continue
-        try:
-            if s.type == socket.SOCK_STREAM and s.family == socket.AF_INET and s.getpeername() in theirs:
-                s.shutdown(socket.SHUT_WR)
-                shut += 1
-        except OSError:
-            pass
-        finally:
-            s.close()
+    for s in stream_sockets():
+        if s.family == socket.AF_INET and s.getpeername() in theirs:
+            s.shutdown(socket.SHUT_WR)
+            shut += 1
+        s.close()
     return shut
 
 
