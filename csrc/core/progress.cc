@@ -176,7 +176,9 @@ ssize_t Engine::send_item(int s, OutItem& it) {
   if (it.staged) {
     it.staged->copy_ahead();  // a get answer's next chunks, into the ring slots sent already
     if (it.sent == 0 && it.staged->failed()) return 0;  // not started: write_some() refuses it instead
-    if (it.staged->copies_pending()) it.staged->poll_copies();  // a get answer's chunks coming down
+    if (it.staged->copies_pending() && it.staged->poll_copies()) {  // a get answer's chunks coming down
+      answer_copies_done_.fetch_add(1, std::memory_order_relaxed);
+    }
     n = staged_iov(*it.staged, off, iov, n, kMaxIov);
   } else if (it.len > 0) {
     iov[n++] = {const_cast<uint8_t*>(it.data) + off, it.len - off};

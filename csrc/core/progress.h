@@ -353,6 +353,8 @@ class Engine : public Outbox {
   void write_pending();  // writes what it can of every non-empty queue
   int copies_timeout_ms(bool copies);  // the poll's timeout while get answers wait for copies (or not)
   std::chrono::steady_clock::time_point copies_since_{};  // progress thread: when that wait began
+  uint64_t copies_seen_ = 0;                   // progress thread: answer_copies_done_ at that time
+  std::atomic<uint64_t> answer_copies_done_{0};  // get answers' copies down seen complete (send_item)
   void read_some(int s);
   bool read_socket(int s, InConn& in, uint8_t* where, size_t want, size_t* done, uint8_t* then = nullptr,
                    size_t then_want = 0);

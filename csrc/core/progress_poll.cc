@@ -323,13 +323,19 @@ void Engine::read_phase(const std::vector<pollfd>& fds, const std::vector<int>& 
 // Copies down of a get answer take tens of microseconds a chunk on a GPU: the
 // first 2 ms of a wait for them poll without sleeping (yielding), later ones
 // each millisecond; with none pending the poll sleeps up to 100 ms.
+// While get answers wait for their copies down the poll spins for 2 ms from the last copy seen
+// complete (each answer in a run of them gets its own spin), then sleeps up to 1 ms a pass.
 int Engine::copies_timeout_ms(bool copies) {
   auto now = std::chrono::steady_clock::now();
   if (!copies) {
     copies_since_ = {};
     return 100;
   }
-  if (copies_since_ == std::chrono::steady_clock::time_point{}) copies_since_ = now;
+  uint64_t done = answer_copies_done_.load(std::memory_order_relaxed);
+  if (copies_since_ == std::chrono::steady_clock::time_point{} || done != copies_seen_) {
+    copies_since_ = now;
+    copies_seen_ = done;
+  }
   return now - copies_since_ < std::chrono::milliseconds(2) ? 0 : 1;
 }
 
