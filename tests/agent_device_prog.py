@@ -809,6 +809,67 @@ def blocks_forged(args, dev) -> None:
     print("blocks-forged ok", flush=True)
 
 
+def reads_role(args, dev) -> None:
+    """Staged reads from the target's device region into device memory here, one op each
+    (conn.read), issued while the target is stopped: each call returns at once with its handle
+    not done (until 2026-12-07 a staged read into device memory returned only once its bytes were
+    in place, so reads in a row went one round trip at a time, ~100 us each on the fake driver,
+    and the first call here waited out its deadline). The target continued, every read completes
+    and every byte is checked. The role prints "ready", then waits for a line on stdin (the
+    target stopped), issues, prints "issued", and waits for a second line (the target continued)."""
+    rng = np.random.default_rng(8)
+    n = 2000
+    with Agent(args.name + "-reads", SECRET, timeout=args.timeout) as a:
+        conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
+        conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
+        back = dev.buffer("ipc", SIZE)
+        into = register(a, back)
+        conn.read(into, remote, 8).wait(args.timeout)  # the answers' path warm
+        print("ready", flush=True)
+        sys.stdin.readline()
+        t0 = time.monotonic()
+        handles = [conn.read(into, remote, 8, 8 * i, 8 * (n - 1 - i)) for i in range(n)]
+        issued = time.monotonic() - t0
+        done = sum(h.done() for h in handles)
+        check(done == 0, f"{done} of {n} reads from a stopped target are done")
+        print(f"issued {n} staged reads of 8 B in {issued * 1e3:.0f} ms, none done", flush=True)
+        print("issued", flush=True)
+        sys.stdin.readline()
+        for h in handles:
+            h.wait(args.timeout)
+        want = b"".join(src[8 * (n - 1 - i):8 * (n - i)] for i in range(n))
+        check(back.read(0, 8 * n) == want, "the reads' bytes")
+        conn.notify(b"bye")
+    print("reads ok", flush=True)
+
+
+def read_lost(args, dev) -> None:
+    """A staged read of the target's whole device region whose target is killed mid-answer (the
+    test slows the copies on both sides: FXM_FAKECUDA_COPY_*_DELAY_MS): the wait fails with
+    PeerLost naming it, and no copy up of its answer writes into the destination after that
+    (the bytes there the same 1 s later: the copies already queued ended before the loss was
+    reported)."""
+    rng = np.random.default_rng(9)
+    with Agent(args.name + "-read-lost", SECRET, timeout=args.timeout) as a:
+        conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
+        conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
+        back = dev.buffer("ipc", SIZE)
+        into = register(a, back)
+        h = conn.read(into, remote, SIZE)
+        print("issued", flush=True)
+        try:
+            h.wait(args.timeout)
+            raise SystemExit("FAILED: a read from a killed target completed")
+        except flagcx_mesh.PeerLost as e:
+            check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
+            seen = back.read(0, SIZE)
+        time.sleep(1.0)
+        check(back.read(0, SIZE) == seen, "a copy up wrote into the read's destination after it failed")
+        landed = sum(1 for k in range(0, SIZE, 65536) if seen[k:k + 65536] == src[k:k + 65536])
+        print(f"lost: {landed} of {SIZE // 65536} chunks had landed; nothing after", flush=True)
+    print("read-lost ok", flush=True)
+
+
 def stream_role(args, dev) -> None:
     """Writes and reads ordered on a busy stream: a write copies what the stream put in its
     source first, a read lands after the stream cleared its destination."""
@@ -940,7 +1001,7 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+    roles = {"serve": serve, "client": client, "reads": reads_role, "read-lost": read_lost, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,

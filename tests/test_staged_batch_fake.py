@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import signal
 import subprocess
+import time
 
 import pytest
 
@@ -191,6 +192,56 @@ def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op, l
         server.send_signal(signal.SIGKILL)
         server.communicate(timeout=30)
         got = finish(client, "blocks-lost")
+        assert "lost:" in got, got
+    finally:
+        for p in (server, client):
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+
+
+def test_staged_reads_into_device_memory_are_in_flight_together(tmp_path):
+    """2000 staged reads of 8 B into device memory, one call each, issued while the target is
+    stopped: each call returns at once, none done; the target continued, all complete and every
+    byte is right (tests/agent_device_prog.py reads). Until 2026-12-07 each call waited for its
+    bytes, so the first one waited out its deadline here."""
+    env = staged_env()
+    server = spawn("serve", tmp_path, "owner", env=env)
+    client = spawn("reads", tmp_path, "owner", env=env, stdin=subprocess.PIPE)
+    try:
+        assert client.stdout.readline().strip() == "ready"
+        server.send_signal(signal.SIGSTOP)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        line = client.stdout.readline()
+        assert "none done" in line, line + finish(client, "reads")
+        assert client.stdout.readline().strip() == "issued"
+        server.send_signal(signal.SIGCONT)
+        client.stdin.write("go\n")
+        client.stdin.flush()
+        finish(client, "reads")
+        finish(server, "serve")
+    finally:
+        for p in (server, client):
+            if p.poll() is None:
+                p.send_signal(signal.SIGCONT)
+                p.kill()
+                p.communicate()
+
+
+def test_a_staged_read_whose_target_dies_mid_answer_writes_nothing_after_it_failed(tmp_path):
+    """The target's copies down and this side's copies up take 300 ms each; the target is killed
+    after its first chunks went: the read's wait fails with PeerLost, and the copies up already
+    queued ended before (nothing lands in the destination afterwards). A staged read is only
+    posted since 2026-12-07: its caller learns of the loss from the engine, not from its own wait."""
+    server = spawn("serve", tmp_path, "owner", env=staged_env(FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS="300"))
+    client = spawn("read-lost", tmp_path, "owner", env=staged_env(FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="300"))
+    try:
+        assert client.stdout.readline().strip() == "issued"
+        time.sleep(0.75)
+        server.send_signal(signal.SIGKILL)
+        server.communicate(timeout=30)
+        got = finish(client, "read-lost")
         assert "lost:" in got, got
     finally:
         for p in (server, client):

@@ -15,6 +15,7 @@
 #include "base/thread_name.h"
 #include "core/progress_items.h"
 #include "transport/byte_ranges.h"
+#include "transport/cuda/streams.h"
 #include "transport/signal_ops.h"
 #include "base/status.h"
 
@@ -545,6 +546,7 @@ void Engine::lose(int peer, const std::string& why) {
     // landing_mu_ and, between reads, finds the get gone).
     std::unique_lock<std::mutex> landing(landing_mu_, std::defer_lock);
     if (!t_landing) landing.lock();  // else this thread lands: it read the close mid-answer
+    drain_landings(peer);
     std::lock_guard<std::mutex> lock(mu_);
     if (!lost_[peer].empty() || bye_[peer]) return;
     lost_[peer] = why;  // its queues are dropped by write_some(), which owns them
@@ -566,6 +568,31 @@ void Engine::lose(int peer, const std::string& why) {
     }
   }
   wake_lanes();  // their queues to that peer are dropped (write_some)
+}
+
+// A get into device memory returns before its answer landed (StagedPath::get): its wait learns of
+// the loss from lost_, so the copies up its answer's chunks queued must end first, or one would
+// write into memory its caller took back on the error. Called with landing_mu_ held (no copy is
+// queued meanwhile); bounded by the timeout, its failure logged (the loss is what to report).
+void Engine::drain_landings(int peer) {
+  std::vector<int> devices;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!lost_[peer].empty() || bye_[peer]) return;
+    for (const auto& [id, g] : gets_) {
+      if (g.peer == peer && g.device >= 0 && std::find(devices.begin(), devices.end(), g.device) == devices.end()) {
+        devices.push_back(g.device);
+      }
+    }
+  }
+  for (int d : devices) {
+    try {
+      cuda::wait_for_stream(d, cuda::landing_stream(d), Deadline::after_seconds(env_config().timeout_s),
+                            "the copies up of gets from a lost peer");
+    } catch (const Error& e) {
+      FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());
+    }
+  }
 }
 
 // The thread never ends before stop(): what a peer's frames throw fails that

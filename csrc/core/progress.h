@@ -437,6 +437,7 @@ class Engine : public Outbox {
   bool ask_for_acks(std::unique_lock<std::mutex>& lock, int lo, int hi);
   void flush_acks_before_bye();         // stop(): the reader sends every pending ack first
   void lose(int peer, const std::string& why);
+  void drain_landings(int peer);  // lose(): the copies up of its gets into device memory ended
   // With mu_ held: throws PeerLost, prefixed by `what`, when the peer is lost or closed.
   void fail_if_gone(int peer, const std::string& what) const;
   [[noreturn]] void fail_wait(int peer, const char* doing, const Deadline& deadline) const;

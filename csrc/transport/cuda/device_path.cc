@@ -232,12 +232,15 @@ Queued StagedPath::queue_staged(const PathOp& op, cuda::StagedBatch* batch) {
 }
 
 // A get into device memory: the engine lands the answer through its ring of
-// pinned buffers, each copied up while the next fills (progress_ops.cc); the
-// call returns once every byte is in place.
+// pinned buffers, each copied up while the next fills (progress_ops.cc), and counts the get
+// complete once every copy up ended (land_get_answer): posted, it completes as a tcp get does
+// (flush, the handle's wait), so gets in a row are in flight together. With a stream the call
+// returns once every byte is in place, for the stream's later work.
 int StagedPath::get(const PathOp& op) {
   wait_for_stream(op, "a staged get");
   if (op.local_device < 0 || op.len == 0) return TcpPath::get(op);
   outbox_->post_get(peer_, op.ctx, win_, op.remote_off, op.local, op.len, op.local_device);
+  if (!op.stream_set) return 0;
   try {
     outbox_->wait_idle(peer_, op.ctx, op.deadline);
   } catch (...) {
