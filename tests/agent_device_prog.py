@@ -591,7 +591,9 @@ def blocks_role(args, dev) -> None:
             for lo, ro, n in t.tolist():
                 want[lo:lo + n] = image[ro:ro + n]
             mine, theirs = dev.calls("cuLaunchKernel"), target_calls(a, conn, args.timeout)
-            conn.read_blocks(into, remote, t).wait(args.timeout)
+            # (batches off, each row is a staged get of its own, all in flight at once: the wait
+            # covers them all, 100,000 answered one after another by the target)
+            conn.read_blocks(into, remote, t).wait(args.timeout * max(1, len(t) // 10_000))
             check(back.read(0, SIZE) == bytes(want), f"{what}: wrong bytes read back")
             if count and mine is not None and kernel and os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES") == "65536":
                 after, chunks = target_calls(a, conn, args.timeout), (int(t[:, 2].sum()) + 65535) // 65536
