@@ -24,6 +24,8 @@ import time
 
 from flagcx_mesh import Mesh
 
+from meshutil import socket_inodes
+
 SCENARIO = sys.argv[1]
 SIZE = 64 << 10
 m = Mesh.from_launcher(timeout=30)
@@ -46,14 +48,7 @@ def device_desc_elsewhere():
 
 
 def listening_fd_servers(pid):
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(int(link[8:-1]))
+    inodes = socket_inodes(pid)
     names = []
     with open("/proc/net/unix") as f:
         next(f)

@@ -144,6 +144,19 @@ def recv_up_to(s: socket.socket, n: int) -> bytes:
     return got
 
 
+def socket_inodes(pid: int) -> Set[int]:
+    """The inodes of the sockets process `pid` holds (its /proc/PID/fd links "socket:[N]")."""
+    inodes = set()
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        try:
+            link = os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:  # (closed since the listing)
+            continue
+        if link.startswith("socket:["):
+            inodes.add(int(link[8:-1]))
+    return inodes
+
+
 def stream_fds():
     """(fd, a socket object on a duplicate of it) for each connected stream socket of this process
     (the caller closes the sockets it keeps; the others are closed here)."""

@@ -40,7 +40,7 @@ import traceback
 from flagcx_mesh import Mesh, MeshTimeout, PeerLost
 
 from gpu_prog import Fail, FakeDevice, check, check_paths, pattern
-from meshutil import stream_sockets
+from meshutil import socket_inodes, stream_sockets
 
 CHUNK = int(os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES", str(4 << 20)))
 INFLIGHT = int(os.environ.get("FLAGCX_MESH_STAGED_INFLIGHT_BYTES", str(64 << 20)))
@@ -158,19 +158,12 @@ def _wait_stopped(pid: int, timeout: float) -> None:
 
 def _tcp_addresses_of(pid: int) -> set:
     """The local (ip, port) of each TCP socket process `pid` holds (/proc/net/tcp: IPv4)."""
-    inodes = set()
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        try:
-            link = os.readlink(f"/proc/{pid}/fd/{fd}")
-        except OSError:
-            continue
-        if link.startswith("socket:["):
-            inodes.add(link[8:-1])
+    inodes = socket_inodes(pid)
     out = set()
     with open("/proc/net/tcp") as f:
         for line in f.readlines()[1:]:
             cols = line.split()
-            if cols[9] in inodes:
+            if int(cols[9]) in inodes:
                 ip, port = cols[1].split(":")
                 out.add((socket.inet_ntoa(bytes.fromhex(ip)[::-1]), int(port, 16)))
     return out

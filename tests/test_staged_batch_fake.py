@@ -29,6 +29,15 @@ def staged_env(**extra):
     return fake_env(FLAGCX_MESH_CUDA_PATH="staged", FLAGCX_MESH_STAGED_CHUNK_BYTES="65536", **extra)
 
 
+def reap(*procs) -> None:
+    """Kills (continued first, if stopped) and waits for each process still running."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGCONT)
+            p.kill()
+            p.communicate()
+
+
 def role_timeout(copies: str) -> float:
     """The blocks role's limit: batches off, its 100,000 reads are as many staged gets, each its
     own round trip through the fake driver's copies (18 s alone on the 2-core VM, beside three
@@ -171,10 +180,7 @@ def test_a_striped_batch_that_times_out_mid_frame_gives_up_every_lanes_part_and_
                               "landing_waits", "landing_us"}, waits
         assert waits["slot_waits"] >= 1 and waits["slot_us"] >= 500_000, waits
     finally:
-        for p in (server, client):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(server, client)
 
 
 @pytest.mark.parametrize("op,lanes", [("write", 1), ("read", 1), ("write", 4)])
@@ -194,10 +200,7 @@ def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op, l
         got = finish(client, "blocks-lost")
         assert "lost:" in got, got
     finally:
-        for p in (server, client):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(server, client)
 
 
 def test_staged_reads_into_device_memory_are_in_flight_together(tmp_path):
@@ -222,11 +225,7 @@ def test_staged_reads_into_device_memory_are_in_flight_together(tmp_path):
         finish(client, "reads")
         finish(server, "serve")
     finally:
-        for p in (server, client):
-            if p.poll() is None:
-                p.send_signal(signal.SIGCONT)
-                p.kill()
-                p.communicate()
+        reap(server, client)
 
 
 def test_a_staged_read_whose_target_dies_mid_answer_writes_nothing_after_it_failed(tmp_path):
@@ -244,7 +243,4 @@ def test_a_staged_read_whose_target_dies_mid_answer_writes_nothing_after_it_fail
         got = finish(client, "read-lost")
         assert "lost:" in got, got
     finally:
-        for p in (server, client):
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
+        reap(server, client)
