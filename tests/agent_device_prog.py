@@ -846,29 +846,39 @@ def reads_role(args, dev) -> None:
 
 
 def read_lost(args, dev) -> None:
-    """A staged read of the target's whole device region whose target is killed mid-answer (the
-    test slows the copies on both sides: FXM_FAKECUDA_COPY_*_DELAY_MS): the wait fails with
-    PeerLost naming it, and no copy up of its answer writes into the destination after that
-    (the bytes there the same 1 s later: the copies already queued ended before the loss was
-    reported)."""
+    """A staged read of the target's whole device region (16 chunks of 64 KiB) that fails once its
+    first chunk landed, while more of its copies up are queued (the test slows them:
+    FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS here, _FROM_ in the target): the target is killed (the
+    role prints "landing" for the test to kill it), or with --expect close this side closes the
+    connection. The wait fails naming the peer, and no copy up of the read writes into its
+    destination after that (the bytes there the same 1 s later): the copies already queued ended
+    before the failure was reported."""
     rng = np.random.default_rng(9)
+    chunk = 65536
     with Agent(args.name + "-read-lost", SECRET, timeout=args.timeout) as a:
         conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
         conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
         back = dev.buffer("ipc", SIZE)
         into = register(a, back)
         h = conn.read(into, remote, SIZE)
-        print("issued", flush=True)
+        end = time.monotonic() + args.timeout
+        while back.read(0, chunk) != src[:chunk]:
+            check(time.monotonic() < end, "the read's first chunk never landed")
+            time.sleep(0.005)
+        print("landing", flush=True)
+        if args.expect == "close":
+            conn.close()
         try:
             h.wait(args.timeout)
-            raise SystemExit("FAILED: a read from a killed target completed")
+            raise SystemExit("FAILED: a read from a killed target, or on a closed connection, completed")
         except flagcx_mesh.PeerLost as e:
             check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
             seen = back.read(0, SIZE)
         time.sleep(1.0)
         check(back.read(0, SIZE) == seen, "a copy up wrote into the read's destination after it failed")
-        landed = sum(1 for k in range(0, SIZE, 65536) if seen[k:k + 65536] == src[k:k + 65536])
-        print(f"lost: {landed} of {SIZE // 65536} chunks had landed; nothing after", flush=True)
+        landed = sum(1 for k in range(0, SIZE, chunk) if seen[k:k + chunk] == src[k:k + chunk])
+        check(1 <= landed < SIZE // chunk, f"{landed} chunks landed: the read did not fail mid-answer")
+        print(f"lost: {landed} of {SIZE // chunk} chunks had landed; nothing after", flush=True)
     print("read-lost ok", flush=True)
 
 

@@ -232,8 +232,10 @@ void Connection::retire(const std::string& why) {
 }
 
 void Connection::close(const std::string& why) {
+  bool stop = ready_.load(std::memory_order_acquire) && !stopped_.exchange(true);
+  if (stop) engine_->settle_device_gets();  // before a waiter on another thread learns of the close
   retire(why);
-  if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
+  if (stop) engine_->stop();
 }
 
 // An ended connection's calls: Closed when this agent closed it, else PeerLost.

@@ -571,27 +571,46 @@ void Engine::lose(int peer, const std::string& why) {
 }
 
 // A get into device memory returns before its answer landed (StagedPath::get): its wait learns of
-// the loss from lost_, so the copies up its answer's chunks queued must end first, or one would
-// write into memory its caller took back on the error. Called with landing_mu_ held (no copy is
-// queued meanwhile); bounded by the timeout, its failure logged (the loss is what to report).
+// a loss (lost_) or the close (stopping_), so the copies up its answer's chunks queued must end
+// first, or one would write into memory its caller took back on the error. Called with
+// landing_mu_ held (no copy is queued meanwhile); waits for the landing streams (shared by the
+// process: other connections' copies on them too), all within the engine's timeout, a failure
+// logged (the loss is what to report).
 void Engine::drain_landings(int peer) {
   std::vector<int> devices;
   {
     std::lock_guard<std::mutex> lock(mu_);
-    if (!lost_[peer].empty() || bye_[peer]) return;
+    if (peer >= 0 && (!lost_[peer].empty() || bye_[peer])) return;
     for (const auto& [id, g] : gets_) {
-      if (g.peer == peer && g.device >= 0 && std::find(devices.begin(), devices.end(), g.device) == devices.end()) {
+      if ((peer < 0 || g.peer == peer) && g.device >= 0 &&
+          std::find(devices.begin(), devices.end(), g.device) == devices.end()) {
         devices.push_back(g.device);
       }
     }
   }
+  wait_landing_streams(devices);
+}
+
+void Engine::wait_landing_streams(const std::vector<int>& devices) {
+  Deadline deadline = Deadline::after_seconds(timeout_s_);
   for (int d : devices) {
     try {
-      cuda::wait_for_stream(d, cuda::landing_stream(d), Deadline::after_seconds(env_config().timeout_s),
-                            "the copies up of gets from a lost peer");
+      cuda::wait_for_stream(d, cuda::landing_stream(d), deadline, "the copies up of gets failed or closed");
     } catch (const Error& e) {
       FXM_ENGINE_LOG(::fxm::LogLevel::kWarn, e.what());
     }
+  }
+}
+
+// Before the close is told to the gets' waiters: the copies up of the answers landing now end
+// and those gets are dropped (the reader, if it reads on, finds them gone and lands nothing).
+void Engine::settle_device_gets() {
+  std::unique_lock<std::mutex> landing(landing_mu_);
+  drain_landings(-1);
+  std::lock_guard<std::mutex> lock(mu_);
+  for (auto it = gets_.begin(); it != gets_.end();) {
+    if (it->second.device >= 0) drop_get(&it);
+    else ++it;
   }
 }
 
@@ -806,6 +825,10 @@ void Engine::stop() {
       }
       return true;
     });
+  }
+  settle_device_gets();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
     stopping_ = true;
   }
   wake();

@@ -189,6 +189,9 @@ class Engine : public Outbox {
   int first_lost_peer() const;
   // Sends kBye on every connection, drains queues (bounded), stops the thread.
   void stop();
+  // The copies up of the gets into device memory landing now end, and those gets are dropped
+  // (stop() does it before its waiters learn of the close; a caller that tells them first, too).
+  void settle_device_gets();
   bool stopped() const { return stopping_.load(); }
   // Largest two-sided message a peer may announce; a bigger frame is a protocol error.
   static constexpr uint64_t kMaxMessageBytes = 1ull << 32;
@@ -437,7 +440,8 @@ class Engine : public Outbox {
   bool ask_for_acks(std::unique_lock<std::mutex>& lock, int lo, int hi);
   void flush_acks_before_bye();         // stop(): the reader sends every pending ack first
   void lose(int peer, const std::string& why);
-  void drain_landings(int peer);  // lose(): the copies up of its gets into device memory ended
+  void drain_landings(int peer);  // the copies up of its (-1: every) gets into device memory ended
+  void wait_landing_streams(const std::vector<int>& devices);  // bounded by timeout_s_, failures logged
   // With mu_ held: throws PeerLost, prefixed by `what`, when the peer is lost or closed.
   void fail_if_gone(int peer, const std::string& what) const;
   [[noreturn]] void fail_wait(int peer, const char* doing, const Deadline& deadline) const;

@@ -352,6 +352,8 @@ void Engine::land_get_answer(int s, InConn& in) {
     if (failed.empty()) failed = wait_landed(in);
   }
   if (failed.empty() && in.refused.empty()) return;
+  // The get fails: its copies up queued before end first (no write into its memory after that).
+  if (in.device >= 0 && !in.stage.empty()) wait_landing_streams({in.device});
   std::string why = who() + (failed.empty() ? in.refused : failed);
   std::lock_guard<std::mutex> lock(mu_);
   int peer = s / ncontexts_;

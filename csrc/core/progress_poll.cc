@@ -320,11 +320,9 @@ void Engine::read_phase(const std::vector<pollfd>& fds, const std::vector<int>& 
   send_acks();
 }
 
-// Copies down of a get answer take tens of microseconds a chunk on a GPU: the
-// first 2 ms of a wait for them poll without sleeping (yielding), later ones
-// each millisecond; with none pending the poll sleeps up to 100 ms.
-// While get answers wait for their copies down the poll spins for 2 ms from the last copy seen
-// complete (each answer in a run of them gets its own spin), then sleeps up to 1 ms a pass.
+// Copies down of a get answer take tens of microseconds a chunk on a GPU: while get answers wait
+// for theirs the poll spins (yielding) for 2 ms from the last copy seen complete (each answer in a
+// run of them gets its own spin), then sleeps up to 1 ms a pass; with none pending up to 100 ms.
 int Engine::copies_timeout_ms(bool copies) {
   auto now = std::chrono::steady_clock::now();
   if (!copies) {
