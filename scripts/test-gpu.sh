@@ -43,9 +43,10 @@ step agent-device "$py" tests/agent_device_prog.py pair --device torch --roles c
 # once the wait was released, and each release's cause and time are printed ("<scenario> ok" per scenario)
 step agent-stream-wait "$py" tests/agent_stream_wait_prog.py all "$logs" --device torch --timeout 30
 step agent-batch "$py" tests/agent_batch_prog.py all --device torch --timeout 30
-# batches of staged writes (one frame a call, gathered and scattered by the copy kernel): every byte
+# batches of staged writes (one frame a call, gathered and scattered by the copy kernel): every byte;
+# then staged reads of 8 B one at a time and 2000 in flight together (their us an op printed)
 step agent-staged-blocks env FLAGCX_MESH_CUDA_PATH=staged FLAGCX_MESH_STAGED_CHUNK_BYTES=65536 \
-  "$py" tests/agent_device_prog.py pair --device torch --roles blocks,blocks-host --timeout 60
+  "$py" tests/agent_device_prog.py pair --device torch --roles blocks,blocks-host,reads-timed --timeout 60
 step pd-example "$py" -m flagcx_mesh.launch -n 2 --timeout 240 -- "$py" examples/pd_kv_transfer.py --device cuda --rounds 3
 # the vLLM connector's transfer part (no vLLM needed): CUDA KV caches in vLLM 0.33's layout, a
 # prefill and a decode process on this GPU, every block checked (needs the agent's device memory)

@@ -811,6 +811,30 @@ def blocks_forged(args, dev) -> None:
     print("blocks-forged ok", flush=True)
 
 
+READS = 2000  # staged reads of 8 B in flight together (reads, reads-timed)
+
+
+def reads_source(args, a: Agent, dev):
+    """The target's region holding a random source's bytes, and a device region here to read them
+    into, the answers' path warm: (conn, remote, into, back, src)."""
+    conn, local, remote, src = staged_source(args, a, dev, np.random.default_rng(8), "ipc")
+    conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
+    back = dev.buffer("ipc", SIZE)
+    into = register(a, back)
+    conn.read(into, remote, 8).wait(args.timeout)
+    return conn, remote, into, back, src
+
+
+def issue_reads(conn, into, remote, n: int = READS) -> list:
+    """n reads of 8 B, the k-th into slot k from the (n-1-k)-th 8 bytes of the remote region."""
+    return [conn.read(into, remote, 8, 8 * i, 8 * (n - 1 - i)) for i in range(n)]
+
+
+def check_reads(back, src, n: int = READS) -> None:
+    want = b"".join(src[8 * (n - 1 - i):8 * (n - i)] for i in range(n))
+    check(back.read(0, 8 * n) == want, "the reads' bytes")
+
+
 def reads_role(args, dev) -> None:
     """Staged reads from the target's device region into device memory here, one op each
     (conn.read), issued while the target is stopped: each call returns at once with its handle
@@ -819,30 +843,44 @@ def reads_role(args, dev) -> None:
     and the first call here waited out its deadline). The target continued, every read completes
     and every byte is checked. The role prints "ready", then waits for a line on stdin (the
     target stopped), issues, prints "issued", and waits for a second line (the target continued)."""
-    rng = np.random.default_rng(8)
-    n = 2000
     with Agent(args.name + "-reads", SECRET, timeout=args.timeout) as a:
-        conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
-        conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
-        back = dev.buffer("ipc", SIZE)
-        into = register(a, back)
-        conn.read(into, remote, 8).wait(args.timeout)  # the answers' path warm
+        conn, remote, into, back, src = reads_source(args, a, dev)
         print("ready", flush=True)
         sys.stdin.readline()
         t0 = time.monotonic()
-        handles = [conn.read(into, remote, 8, 8 * i, 8 * (n - 1 - i)) for i in range(n)]
+        handles = issue_reads(conn, into, remote)
         issued = time.monotonic() - t0
         done = sum(h.done() for h in handles)
-        check(done == 0, f"{done} of {n} reads from a stopped target are done")
-        print(f"issued {n} staged reads of 8 B in {issued * 1e3:.0f} ms, none done", flush=True)
+        check(done == 0, f"{done} of {READS} reads from a stopped target are done")
+        print(f"issued {READS} staged reads of 8 B in {issued * 1e3:.0f} ms, none done", flush=True)
         print("issued", flush=True)
         sys.stdin.readline()
         for h in handles:
             h.wait(args.timeout)
-        want = b"".join(src[8 * (n - 1 - i):8 * (n - i)] for i in range(n))
-        check(back.read(0, 8 * n) == want, "the reads' bytes")
+        check_reads(back, src)
         conn.notify(b"bye")
     print("reads ok", flush=True)
+
+
+def reads_timed(args, dev) -> None:
+    """The figures of staged reads of 8 B into device memory (scripts/test-gpu.sh's
+    agent-staged-blocks step): 300 one at a time (each waited), then 2000 issued at once and
+    waited, every byte checked; prints each form's microseconds an op. No figure is asserted."""
+    with Agent(args.name + "-reads-timed", SECRET, timeout=args.timeout) as a:
+        conn, remote, into, back, src = reads_source(args, a, dev)
+        t0 = time.perf_counter()
+        for i in range(300):
+            conn.read(into, remote, 8, 8 * i, 8 * (READS - 1 - i)).wait(args.timeout)
+        one = (time.perf_counter() - t0) / 300
+        t0 = time.perf_counter()
+        for h in issue_reads(conn, into, remote):
+            h.wait(args.timeout)
+        together = (time.perf_counter() - t0) / READS
+        check_reads(back, src)
+        print(f"staged reads of 8 B into device memory: one at a time {one * 1e6:.1f} us an op, "
+              f"{READS} in flight {together * 1e6:.1f} us an op", flush=True)
+        conn.notify(b"bye")
+    print("reads-timed ok", flush=True)
 
 
 def read_lost(args, dev) -> None:
@@ -1016,7 +1054,7 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    roles = {"serve": serve, "client": client, "reads": reads_role, "read-lost": read_lost, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+    roles = {"serve": serve, "client": client, "reads": reads_role, "reads-timed": reads_timed, "read-lost": read_lost, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,

@@ -19,7 +19,7 @@ import subprocess
 import pytest
 
 from meshutil import finish_prog, spawn_prog
-from test_agent_device_fake import HERE, PROG, ROLE_TIMEOUT, fake_env, finish, spawn
+from test_agent_device_fake import HERE, PROG, ROLE_TIMEOUT, fake_env, finish, pair, spawn
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -201,6 +201,14 @@ def test_a_target_killed_mid_batch_fails_the_call_with_peer_lost(tmp_path, op, l
         assert "lost:" in got, got
     finally:
         reap(server, client)
+
+
+def test_the_staged_reads_figures_role_reads_every_byte(tmp_path):
+    """reads-timed (scripts/test-gpu.sh's figures of staged reads one at a time and in flight
+    together) on the fake driver: its reads' bytes right, its figures printed (not judged)."""
+    env = staged_env()
+    got, _ = pair(tmp_path, "reads-timed", env)
+    assert "in flight" in got, got
 
 
 def test_staged_reads_into_device_memory_are_in_flight_together(tmp_path):
