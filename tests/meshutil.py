@@ -144,6 +144,22 @@ def recv_up_to(s: socket.socket, n: int) -> bytes:
     return got
 
 
+def proc_state(pid: int) -> str:
+    """Process `pid`'s one-letter state ("R", "S", "T" stopped, "Z", ...) from /proc/PID/stat
+    (OSError once the process is gone)."""
+    with open(f"/proc/{pid}/stat") as f:
+        return f.read().rsplit(")", 1)[1].split()[0]
+
+
+def wait_stopped(pid: int, what: str, timeout: float = 10.0) -> None:
+    """Returns once process `pid` is stopped (SIGSTOP delivered); fails naming `what` after
+    `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while proc_state(pid) != "T":
+        assert time.monotonic() < end, f"{what} did not stop"
+        time.sleep(0.001)
+
+
 def socket_inodes(pid: int) -> Set[int]:
     """The inodes of the sockets process `pid` holds (its /proc/PID/fd links "socket:[N]")."""
     inodes = set()

@@ -40,7 +40,7 @@ import traceback
 from flagcx_mesh import Mesh, MeshTimeout, PeerLost
 
 from gpu_prog import Fail, FakeDevice, check, check_paths, pattern
-from meshutil import socket_inodes, stream_sockets
+from meshutil import socket_inodes, stream_sockets, wait_stopped
 
 CHUNK = int(os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES", str(4 << 20)))
 INFLIGHT = int(os.environ.get("FLAGCX_MESH_STAGED_INFLIGHT_BYTES", str(64 << 20)))
@@ -146,16 +146,6 @@ def _other_rank_pid() -> int:
     return kids[0]
 
 
-def _wait_stopped(pid: int, timeout: float) -> None:
-    end = time.monotonic() + timeout
-    while time.monotonic() < end:
-        with open(f"/proc/{pid}/stat") as f:
-            if f.read().rsplit(")", 1)[1].split()[0] == "T":
-                return
-        time.sleep(0.005)
-    raise Fail(f"rank 1 (pid {pid}) did not stop in {timeout} s")
-
-
 def _tcp_addresses_of(pid: int) -> set:
     """The local (ip, port) of each TCP socket process `pid` holds (/proc/net/tcp: IPv4)."""
     inodes = socket_inodes(pid)
@@ -191,7 +181,7 @@ def first_send_fails(mesh: Mesh, dev, args) -> None:
         os._exit(0)
     peer = _other_rank_pid()
     try:
-        _wait_stopped(peer, args.mesh_timeout)
+        wait_stopped(peer, f"rank 1 (pid {peer})", args.mesh_timeout)
         check(_shut_sending_to(peer) >= 1, "no socket to rank 1 found")
         t0 = time.monotonic()
         try:

@@ -13,7 +13,7 @@ import pytest
 
 import fakecuda
 import gpujobs
-from meshutil import finish_prog, publish, spawn_prog
+from meshutil import finish_prog, proc_state, publish, spawn_prog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "agent_answer_prog.py")
@@ -21,10 +21,6 @@ SIZE = 160 << 20
 RING = 4 << 20  # kAnswerChunks (4) chunks of 1 MiB
 
 pytestmark = pytest.mark.timeout(240)
-
-
-def state(pid):
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
 
 
 def role_env(kind):
@@ -41,7 +37,7 @@ def test_readers_that_stop_reading_hold_at_most_the_answer_ring(tmp_path, kind):
         readers = [spawn_prog(PROG, "reader", tmp_path, f"reader-{k}", SIZE, env=env, cwd=HERE) for k in range(2)]
         procs += readers
         end = time.monotonic() + 120
-        while not all(p.poll() is not None or state(p.pid) == "T" for p in readers):
+        while not all(p.poll() is not None or proc_state(p.pid) == "T" for p in readers):
             assert time.monotonic() < end, "the readers never stopped themselves"
             time.sleep(0.01)
         assert all(p.poll() is None for p in readers), [finish_prog(p) for p in readers]

@@ -15,6 +15,7 @@ import pytest
 from agent_prog import BLOCK, block_pattern
 from flagcx_mesh import PeerLost
 from flagcx_mesh.agent import Agent, region_info
+from meshutil import wait_stopped
 from test_agent import SECRET, finish, spawn
 
 DECODES = 8
@@ -32,10 +33,7 @@ def make_cache(agent, gen, nblocks):
 def stop(proc):
     """SIGSTOP, returning once the process is stopped (its engine acknowledges nothing more)."""
     proc.send_signal(signal.SIGSTOP)
-    end = time.monotonic() + 10
-    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < end, "the victim did not stop"
-        time.sleep(0.001)
+    wait_stopped(proc.pid, "the victim")
 
 
 def sockets_and_threads():

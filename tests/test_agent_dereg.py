@@ -14,7 +14,7 @@ import fakecuda
 import gpujobs
 from flagcx_mesh import MeshTimeout
 from flagcx_mesh.agent import Agent
-from meshutil import finish_prog, publish, spawn_prog
+from meshutil import finish_prog, proc_state, publish, spawn_prog
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "agent_dereg_prog.py")
@@ -25,10 +25,6 @@ ATTEMPTS = 5  # a put that landed whole before the writer stopped is tried again
 pytestmark = pytest.mark.timeout(240)
 
 
-def state(pid):
-    return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-
-
 def stop_once_landing(writer, buf):
     """SIGSTOPs the writer as soon as the first byte of its put landed (busy: a put takes ms)."""
     end = time.monotonic() + 60
@@ -36,7 +32,7 @@ def stop_once_landing(writer, buf):
         assert writer.poll() is None, finish_prog(writer)
         assert time.monotonic() < end, "no byte of the put landed"
     writer.send_signal(signal.SIGSTOP)
-    while state(writer.pid) != "T":
+    while proc_state(writer.pid) != "T":
         assert time.monotonic() < end, "the writer did not stop"
     time.sleep(0.3)  # what the kernel held of it lands; then nothing more comes
 

@@ -18,6 +18,7 @@ import pytest
 
 from flagcx_mesh import InvalidArgument
 from flagcx_mesh.agent import Agent
+from meshutil import wait_stopped
 
 pytestmark = pytest.mark.timeout(120)
 SECRET = "names-secret"
@@ -93,10 +94,7 @@ with Agent("x", sys.argv[2], timeout=20) as a:
 
 def stop(proc):
     proc.send_signal(signal.SIGSTOP)
-    end = time.monotonic() + 10
-    while open(f"/proc/{proc.pid}/stat").read().rsplit(")", 1)[1].split()[0] != "T":
-        assert time.monotonic() < end, "the old incarnation did not stop"
-        time.sleep(0.001)
+    wait_stopped(proc.pid, "the old incarnation")
 
 
 @pytest.mark.parametrize("how", ["hangs", "died"])

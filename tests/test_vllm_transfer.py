@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402
 from kv_transfer_util import fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
 from forkserver import PIPE, STDOUT, ForkServer  # noqa: E402
-from meshutil import PY, finish_prog, publish  # noqa: E402
+from meshutil import PY, finish_prog, proc_state, publish  # noqa: E402
 
 PROG = os.path.join(HERE, "vllm_transfer_prog.py")
 SECRET = "vllm-transfer-test"
@@ -809,11 +809,6 @@ def test_fuzzed_notifications_leave_the_threads_alive_and_honest_requests_comple
 
 # ---- a decode that asks, then stops -----------------------------------------------------
 
-def process_state(pid: int) -> str:
-    with open(f"/proc/{pid}/stat") as f:
-        return f.read().rsplit(")", 1)[1].split()[0]
-
-
 @pytest.mark.parametrize("push_timeout", [None, 2.0], ids=["at-the-hold-timeout", "at-the-push-timeout"])
 def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_path, torch_fork, monkeypatch,
                                                                             caplog, push_timeout):
@@ -849,7 +844,7 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
             return
         dec.send_signal(signal.SIGSTOP)
         end = time.monotonic() + 10
-        while process_state(dec.pid) != "T":
+        while proc_state(dec.pid) != "T":
             assert time.monotonic() < end, "the decode did not stop"
             time.sleep(0.01)
         for a in asked:
@@ -881,7 +876,7 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
                 assert all(block_matches(t, d, 0, f"{li}/{s}") for s, d in zip(xsrc, xdst))
             assert len(asked) == len(reqs), f"the decode asked for {len(asked)} of {len(reqs)} requests"
             assert released >= set(reqs), f"still held {time.monotonic() - t0:.0f} s on: {sorted(set(reqs) - released)}"
-            assert process_state(dec.pid) == "T"  # all the while
+            assert proc_state(dec.pid) == "T"  # all the while
             for li, t in enumerate(kv.values()):  # vLLM reuses them: what the decode gets after is wrong
                 for blocks in reqs.values():
                     for b in blocks:
