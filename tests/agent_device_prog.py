@@ -888,9 +888,11 @@ def read_lost(args, dev) -> None:
     first chunk landed, while more of its copies up are queued (fake driver only; the test slows them:
     FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS here, _FROM_ in the target): the target is killed (the
     role prints "landing" for the test to kill it), or with --expect close this side closes the
-    connection. The wait fails naming the peer, and no copy up of the read writes into its
-    destination after that (the bytes there the same 1 s later): the copies already queued ended
-    before the failure was reported."""
+    connection, or with --expect superseded the test stops the target and starts a new
+    incarnation of its name (its files in DIR/second), which this side connects to: the old
+    connection is retired. Once the handle is done (polled) the wait fails naming the peer, and
+    no copy up of the read writes into its destination after that (the bytes there the same 2.5
+    copies up later, 1 s at least): the copies already queued ended before the failure showed."""
     rng = np.random.default_rng(9)
     chunk = 65536
     with Agent(args.name + "-read-lost", SECRET, timeout=args.timeout) as a:
@@ -909,17 +911,24 @@ def read_lost(args, dev) -> None:
         print("landing", flush=True)
         if args.expect == "close":
             conn.close()
+        elif args.expect == "superseded":
+            second = os.path.join(args.dir, "second")
+            a.connect(read_published(second, f"{args.name}.meta", FILE_TIMEOUT), timeout=args.timeout)
+        while not h.done():  # a poller learns of the end as early as a waiter
+            check(time.monotonic() < end + args.timeout, "the failed read is never done")
+            time.sleep(0.001)
+        seen = back.read(0, SIZE)
         try:
             h.wait(args.timeout)
             raise SystemExit("FAILED: a read from a killed target, or on a closed connection, completed")
         except flagcx_mesh.PeerLost as e:
             check(args.name in str(e), f"PeerLost does not name {args.name}: {e}")
-            seen = back.read(0, SIZE)
-        time.sleep(1.0)
+            why = str(e).splitlines()[0]
+        time.sleep(max(1.0, 2.5 * float(os.environ.get("FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS", "0")) / 1e3))
         check(back.read(0, SIZE) == seen, "a copy up wrote into the read's destination after it failed")
         landed = sum(1 for k in range(0, SIZE, chunk) if seen[k:k + chunk] == src[k:k + chunk])
         check(1 <= landed < SIZE // chunk, f"{landed} chunks landed: the read did not fail mid-answer")
-        print(f"lost: {landed} of {SIZE // chunk} chunks had landed; nothing after", flush=True)
+        print(f"lost: {landed} of {SIZE // chunk} chunks had landed; nothing after ({why})", flush=True)
     print("read-lost ok", flush=True)
 
 

@@ -18,7 +18,7 @@ import subprocess
 
 import pytest
 
-from meshutil import finish_prog, spawn_prog
+from meshutil import finish_prog, spawn_prog, wait_stopped
 from test_agent_device_fake import HERE, PROG, ROLE_TIMEOUT, fake_env, finish, pair, spawn
 
 pytestmark = pytest.mark.timeout(180)
@@ -236,16 +236,21 @@ def test_staged_reads_into_device_memory_are_in_flight_together(tmp_path):
         reap(server, client)
 
 
-@pytest.mark.parametrize("how", ["killed", "close"])
+@pytest.mark.parametrize("how", ["killed", "close", "superseded"])
 def test_a_staged_read_that_fails_mid_answer_writes_nothing_after_it_failed(tmp_path, how):
     """The target's copies down take 100 ms each, this side's copies up 400 ms: once the read's
     first chunk landed (more chunks' copies up queued), the target is killed, or this side closes
-    the connection: the wait fails with PeerLost naming it, and the copies up already queued
-    ended before (nothing lands in the destination afterwards). A staged read is only posted
-    since 2026-12-07, so its caller learns of the failure from the engine, not from its own call."""
+    the connection, or the target hangs (stopped) and a new incarnation of its name connects
+    (the hung one's connection is retired: copies up of 1.5 s here, so that some are still queued
+    once the 2 s name probe gave the old one up): the wait fails with PeerLost naming it, and the
+    copies up already queued ended before (nothing lands in the destination afterwards). A staged
+    read is only posted since 2026-12-07, so its caller learns of the failure from the engine,
+    not from its own call; until later that day a retired connection's did not wait for them."""
     server = spawn("serve", tmp_path, "owner", env=staged_env(FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS="100"))
+    up_ms = "1500" if how == "superseded" else "400"
     client = spawn("read-lost", tmp_path, "owner", "--expect", how,
-                   env=staged_env(FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="400"))
+                   env=staged_env(FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS=up_ms))
+    second = None
     try:
         line = client.stdout.readline()
         if line.strip() != "landing":
@@ -253,7 +258,14 @@ def test_a_staged_read_that_fails_mid_answer_writes_nothing_after_it_failed(tmp_
         if how == "killed":
             server.send_signal(signal.SIGKILL)
             server.communicate(timeout=30)
+        elif how == "superseded":
+            server.send_signal(signal.SIGSTOP)
+            wait_stopped(server.pid, "the first target")
+            (tmp_path / "second").mkdir()
+            second = spawn("serve", tmp_path / "second", "owner", env=staged_env())
         got = finish(client, "read-lost")
         assert "lost:" in got, got
+        if how == "superseded":
+            assert "superseded" in got, got
     finally:
-        reap(server, client)
+        reap(*[p for p in (server, second, client) if p is not None])

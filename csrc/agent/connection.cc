@@ -231,6 +231,13 @@ void Connection::retire(const std::string& why) {
   }
 }
 
+void Connection::supersede(const std::string& why) {
+  if (ready_.load(std::memory_order_acquire) && !stopped_.load(std::memory_order_acquire)) {
+    engine_->settle_device_gets();
+  }
+  retire(why);
+}
+
 void Connection::close(const std::string& why) {
   bool stop = ready_.load(std::memory_order_acquire) && !stopped_.exchange(true);
   if (stop) engine_->settle_device_gets();  // before a waiter on another thread learns of the close
