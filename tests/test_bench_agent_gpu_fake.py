@@ -94,3 +94,22 @@ def test_staged_into_a_host_region_is_measured_beside_staged_with_the_same_refer
     assert refs["ratios_host"]["64 KiB_pipelined_GBps_over_reference"] == pytest.approx(want)
     assert "ratios" in refs and p.stdout.count("[staged refs] pinned D2H") == 1, p.stdout
     assert "[staged refs] staged-host: 8 x 64 KiB: pipelined" in p.stdout, p.stdout
+
+
+def test_the_staged_target_runs_on_the_gpu_named_and_says_which(tmp_path):
+    """--target-gpu N: the staged target's process runs with CUDA_VISIBLE_DEVICES=N (as it reports
+    itself), each staged line says which GPU each process used; the paths that cannot run between
+    two GPUs are NOT RUN, said, and the run goes on (the fake driver has one device and no bus id:
+    only the plumbing is checked here)."""
+    p, fig = bench(tmp_path, "--peers", "none", "--paths", "cuda-ipc,staged", "--mesh-put", "off",
+                   "--target-gpu", "0")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "[cuda-ipc] NOT RUN: --target-gpu 0: only the staged paths" in p.stdout, p.stdout
+    assert "cuda-ipc" not in fig["flagcx_mesh"]
+    staged = fig["flagcx_mesh"]["staged"]
+    assert staged["verify"] == "ok" and staged["gpus"]["target_visible_devices"] == "0", staged
+    assert "[staged] GPUs: this process bus unknown, the target (CUDA_VISIBLE_DEVICES=0) bus unknown" in p.stdout
+    p, fig = bench(tmp_path, "--peers", "none", "--paths", "staged", "--mesh-put", "off")
+    assert p.returncode == 0, p.stdout + p.stderr
+    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+    assert fig["flagcx_mesh"]["staged"]["gpus"]["target_visible_devices"] == visible

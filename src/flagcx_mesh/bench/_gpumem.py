@@ -86,6 +86,16 @@ class DriverMem:
         if rc != 0:
             raise RuntimeError(f"{name} failed: CUresult {rc}")
 
+    def gpu(self) -> Optional[str]:
+        """Device 0's PCI bus id (which GPU of the host this process uses), None where the driver has no
+        cuDeviceGetPCIBusId."""
+        out = C.create_string_buffer(32)
+        try:
+            self.call("cuDeviceGetPCIBusId", out, 32, 0)
+        except (AttributeError, RuntimeError):
+            return None
+        return out.value.decode()
+
     def buffer(self, nbytes: int, kind: str) -> _DriverBuf:
         """Zeroed device memory: kind "ipc" (cuMemAlloc) or "vmm" (cuMem, POSIX fd handle); "host":
         host memory."""
@@ -186,6 +196,14 @@ class TorchMem:
         if not torch.cuda.is_available():
             raise RuntimeError("--memory torch: torch sees no CUDA device (a CPU build, or no GPU)")
         self.torch = torch
+
+    def gpu(self) -> Optional[str]:
+        """Device 0's PCI bus id (which GPU of the host this process uses)."""
+        p = self.torch.cuda.get_device_properties(0)
+        bus = getattr(p, "pci_bus_id", None)
+        if bus is None:
+            return None
+        return f"{getattr(p, 'pci_domain_id', 0):04x}:{bus:02x}:{getattr(p, 'pci_device_id', 0):02x}.0"
 
     def buffer(self, nbytes: int, kind: str):
         if kind == "host":

@@ -8,7 +8,9 @@ memory (kind "ipc": cudaMalloc-like, "vmm": cuMem with a POSIX fd handle; "host"
 the staged-host path's) and registers them,
 timing both, then answers one JSON line per request read from fd R on fd W:
 
-    {"op": "info"}           -> {"ok": true, "start_ms", "register_ms", "info": {what a peer needs}}
+    {"op": "info"}           -> {"ok": true, "start_ms", "register_ms", "info": {what a peer needs},
+                                 "gpu": its device's PCI bus id (None where unknown),
+                                 "visible_devices": its CUDA_VISIBLE_DEVICES (None: unset)}
     {"op": "crc", "chunk": C} -> {"ok": true, "crcs": [crc32 of each C bytes of the buffer]}
     {"op": "staged-waits"}   -> {"ok": true, "waits": flagcx_mesh.cuda.staged_waits() of this process}
     {"op": "mesh", "uid": H} -> {"ok": true} at once; then (flagcx_mesh only) it joins a 2-rank mesh
@@ -141,12 +143,15 @@ def _make(args):
         return mem.buffer(args.size, args.kind)
 
     if args.tool == "flagcx_mesh":
-        return FlagcxTarget(factory)
-    if args.tool == "mooncake":
-        return MooncakeTarget(factory, args.mooncake_protocol)
-    if args.tool == "nixl":
-        return NixlTarget(factory)
-    raise ValueError(f"unknown --tool {args.tool!r}")
+        target = FlagcxTarget(factory)
+    elif args.tool == "mooncake":
+        target = MooncakeTarget(factory, args.mooncake_protocol)
+    elif args.tool == "nixl":
+        target = NixlTarget(factory)
+    else:
+        raise ValueError(f"unknown --tool {args.tool!r}")
+    target.gpu = mem.gpu() if args.kind != "host" else None  # (staged-host: no GPU work there)
+    return target
 
 
 def main(argv: List[str]) -> int:
@@ -169,7 +174,8 @@ def main(argv: List[str]) -> int:
         for req in _requests(args.rfd):
             if req["op"] == "info":
                 _answer(args.wfd, {"ok": True, "start_ms": target.start_ms, "register_ms": target.register_ms,
-                                   "info": target.info})
+                                   "info": target.info, "gpu": target.gpu,
+                                   "visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")})
             elif req["op"] == "crc":
                 _answer(args.wfd, {"ok": True, "crcs": _crcs(target.buf, int(req["chunk"]))})
             elif req["op"] == "staged-waits":

@@ -4,7 +4,7 @@ path, beside Mooncake TE and NIXL and beside the mesh's own puts, all measured i
     python -m flagcx_mesh.bench agent --device cuda [--memory torch|driver] [--region 256M]
            [--blocks 64K,256K,2M] [--count 256] [--paths cuda-ipc,cuda-vmm,staged] [--bytes 4G]
            [--setups 3] [--connects 20] [--peers mooncake,nixl | none] [--mooncake-protocol nvlink_intra]
-           [--mesh-put auto|on|off] [--rounds 2] [--timeout 120] [--json PATH]
+           [--mesh-put auto|on|off] [--rounds 2] [--timeout 120] [--target-gpu N] [--json PATH]
 
 For each tool (flagcx_mesh once per path, then each peer) a target process
 (_gpu_target.py) starts its endpoint and registers --region bytes of zeroed device memory;
@@ -25,7 +25,11 @@ With staged among --paths, the references of a staged batch follow, measured in 
 block size's ratio to min(pinned, raw TCP over the staged connection's lanes) (goal: 0.8 from
 64 MiB a batch). staged-host (not among the default paths) is staged into a target region of
 host memory: the initiator's gathers and the lanes without the target's scatters (no GPU work
-in the target process, as between two hosts), with the same references.
+in the target process, as between two hosts), with the same references. --target-gpu N runs
+the staged paths' target on another GPU of the host (CUDA_VISIBLE_DEVICES=N in its process; the
+other paths are NOT RUN then): each end with a GPU and a PCIe link of its own, as between two
+hosts, where by default both processes share one GPU. Each staged line says which GPU (PCI bus)
+each process used.
 Paths: FLAGCX_MESH_CUDA_PATH forced in both processes (ucx: FLAGCX_MESH_TRANSPORT=ucx, with the UCX_TLS
 of the bench's environment; not among the default paths); cuda-vmm's target memory is cuMem memory
 (torch with expandable segments in the target, or the driver's cuMem). Goals printed as ratios
@@ -52,6 +56,7 @@ from ._gpu_child import Target, TargetFailed
 
 PATHS = ("cuda-ipc", "cuda-vmm", "staged")  # the default; "ucx" and "staged-host" may be named too
 STAGED = ("staged", "staged-host")  # staged-host: the target's region in host memory (no GPU work there)
+TARGET_ONLY = ("PYTORCH_CUDA_ALLOC_CONF", "CUDA_VISIBLE_DEVICES")  # a path's env kept out of this process
 CRC_CHUNK = 1 << 20
 GOAL_REGISTER_MS, GOAL_CONNECT_MS = 1.0, 2.0
 
@@ -73,6 +78,8 @@ def parse(argv: List[str]) -> argparse.Namespace:
                    help="the mesh's own puts beside flagcx_mesh's agent, taking turns with it (auto, on: yes)")
     p.add_argument("--rounds", type=int, default=2, help="turns per figure; each figure is the best turn")
     p.add_argument("--timeout", type=float, default=120.0, help="seconds the target may take per answer")
+    p.add_argument("--target-gpu", metavar="N",
+                   help="the staged paths' target on this GPU (CUDA_VISIBLE_DEVICES=N in its process)")
     p.add_argument("--json", metavar="PATH")
     a = p.parse_args(argv)
     a.region_bytes = parse_size(a.region)
@@ -254,10 +261,12 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
     """Every figure of one tool on one path; raises (after closing the target) when it cannot."""
     fig: Dict = {"version": tool.version}
     saved = {k: os.environ.get(k) for k in env}
-    os.environ.update({k: v for k, v in env.items() if k != "PYTORCH_CUDA_ALLOC_CONF"})
+    os.environ.update({k: v for k, v in env.items() if k not in TARGET_ONLY})
     target = Target(args, tool.name, kind, env)
     try:
         run = Run(args, mem, tool, target, pattern)
+        if label in STAGED:
+            fig["gpus"] = _gpus_line(label, mem.gpu(), run.info.get("gpu"), run.info.get("visible_devices"))
         s = fig["setup"] = run.setup()
         extra = (f", fresh agents' connect median {s['connect_median_ms']:.2f} / p90 {s['connect_p90_ms']:.2f} ms"
                  if "connect_median_ms" in s else "")
@@ -288,10 +297,25 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
     return fig
 
 
+def _gpus_line(label: str, mine: Optional[str], theirs: Optional[str], visible: Optional[str]) -> Dict:
+    """Which GPU (PCI bus id) each process of a staged run used, printed (`visible`: the target's own
+    CUDA_VISIBLE_DEVICES, as it reported it)."""
+    where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
+    same = " (the same GPU)" if mine and mine == theirs else ""
+    print(f"[{label}] GPUs: this process {mine or 'bus unknown'}, the target ({where}) "
+          f"{theirs or ('none: its region is host memory' if label == 'staged-host' else 'bus unknown')}{same}",
+          flush=True)
+    return {"initiator": mine, "target": theirs, "target_visible_devices": visible}
+
+
 def _path_env(args, path: str) -> Dict[str, str]:
     if path == "ucx":
         return {"FLAGCX_MESH_TRANSPORT": "ucx"}
     env = {"FLAGCX_MESH_CUDA_PATH": "staged" if path == "staged-host" else path}
+    if args.target_gpu is not None:
+        if path not in STAGED:
+            raise ValueError(f"--target-gpu {args.target_gpu}: only the staged paths run between two GPUs here")
+        env["CUDA_VISIBLE_DEVICES"] = args.target_gpu
     if path == "cuda-vmm" and args.memory == "torch":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
     return env
@@ -358,7 +382,12 @@ def main(argv: List[str]) -> int:
     for path in args.path_list:
         kind = {"cuda-vmm": "vmm", "staged-host": "host"}.get(path, "ipc")
         try:
-            out["flagcx_mesh"][path] = measure(args, mem, ours_tool, pattern, path, kind, _path_env(args, path))
+            env = _path_env(args, path)
+        except ValueError as e:  # (a path that cannot run as asked: said, not failed)
+            print(f"[{path}] NOT RUN: {e}", flush=True)
+            continue
+        try:
+            out["flagcx_mesh"][path] = measure(args, mem, ours_tool, pattern, path, kind, env)
         except (Exception, TargetFailed) as e:
             out["flagcx_mesh"][path] = _failed(path, e)
     for name in args.peer_list:
