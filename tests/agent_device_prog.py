@@ -888,14 +888,16 @@ def read_lost(args, dev) -> None:
     first chunk landed, while more of its copies up are queued (fake driver only; the test slows them:
     FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS here, _FROM_ in the target): the target is killed (the
     role prints "landing" for the test to kill it), or with --expect close this side closes the
-    connection, or with --expect superseded the test stops the target and starts a new
-    incarnation of its name (its files in DIR/second), which this side connects to: the old
+    connection, or the test stops the target and a new incarnation of its name appears: with
+    --expect superseded this side connects to it (its files in DIR/second), with superseded-in
+    it connects here (the `dial` role; this side's metadata in DIR/reader.meta): the old
     connection is retired. Once the handle is done (polled) the wait fails naming the peer, and
     no copy up of the read writes into its destination after that (the bytes there the same 2.5
     copies up later, 1 s at least): the copies already queued ended before the failure showed."""
     rng = np.random.default_rng(9)
     chunk = 65536
     with Agent(args.name + "-read-lost", SECRET, timeout=args.timeout) as a:
+        publish(args.dir, "reader.meta", a.metadata())
         conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
         conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
         back = dev.buffer("ipc", SIZE)
@@ -930,6 +932,18 @@ def read_lost(args, dev) -> None:
         check(1 <= landed < SIZE // chunk, f"{landed} chunks landed: the read did not fail mid-answer")
         print(f"lost: {landed} of {SIZE // chunk} chunks had landed; nothing after ({why})", flush=True)
     print("read-lost ok", flush=True)
+
+
+def dial_role(args, dev) -> None:
+    """A new incarnation of NAME that connects to the read-lost role (DIR/reader.meta) once its
+    stdin says "go" (the old one stopped by then), then stays until its stdin ends."""
+    with Agent(args.name, SECRET, timeout=args.timeout) as a:
+        print("ready", flush=True)
+        sys.stdin.readline()
+        a.connect(read_published(args.dir, "reader.meta", FILE_TIMEOUT), timeout=args.timeout)
+        print("connected", flush=True)
+        sys.stdin.readline()
+    print("dial ok", flush=True)
 
 
 def stream_role(args, dev) -> None:
@@ -1063,7 +1077,7 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    roles = {"serve": serve, "client": client, "reads": reads_role, "reads-timed": reads_timed, "read-lost": read_lost, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+    roles = {"serve": serve, "client": client, "reads": reads_role, "reads-timed": reads_timed, "read-lost": read_lost, "dial": dial_role, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,

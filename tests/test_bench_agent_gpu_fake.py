@@ -98,18 +98,20 @@ def test_staged_into_a_host_region_is_measured_beside_staged_with_the_same_refer
 
 def test_the_staged_target_runs_on_the_gpu_named_and_says_which(tmp_path):
     """--target-gpu N: the staged target's process runs with CUDA_VISIBLE_DEVICES=N (as it reports
-    itself), each staged line says which GPU each process used; the paths that cannot run between
-    two GPUs are NOT RUN, said, and the run goes on (the fake driver has one device and no bus id:
-    only the plumbing is checked here)."""
-    p, fig = bench(tmp_path, "--peers", "none", "--paths", "cuda-ipc,staged", "--mesh-put", "off",
-                   "--target-gpu", "0")
+    itself), this process keeps its own, each staged line says which GPU each process used; the
+    paths and peers that do not run between two GPUs are NOT RUN, said, and the run goes on (the
+    fake driver ignores the variable and has no bus id: only the plumbing is checked here)."""
+    p, fig = bench(tmp_path, "--peers", "nixl", "--paths", "cuda-ipc,ucx,staged", "--mesh-put", "off",
+                   "--target-gpu", "5")
     assert p.returncode == 0, p.stdout + p.stderr
-    assert "[cuda-ipc] NOT RUN: --target-gpu 0: only the staged paths" in p.stdout, p.stdout
-    assert "cuda-ipc" not in fig["flagcx_mesh"]
-    staged = fig["flagcx_mesh"]["staged"]
-    assert staged["verify"] == "ok" and staged["gpus"]["target_visible_devices"] == "0", staged
-    assert "[staged] GPUs: this process bus unknown, the target (CUDA_VISIBLE_DEVICES=0) bus unknown" in p.stdout
+    for path in ("cuda-ipc", "ucx"):
+        assert f"[{path}] NOT RUN: --target-gpu 5: only the staged paths" in p.stdout, p.stdout
+        assert path not in fig["flagcx_mesh"]
+    assert "[nixl] NOT RUN: --target-gpu 5: the peers run on one GPU only" in p.stdout and not fig["peers"]
+    gpus = fig["flagcx_mesh"]["staged"]["gpus"]
+    assert fig["flagcx_mesh"]["staged"]["verify"] == "ok" and gpus["target_visible_devices"] == "5", gpus
+    assert gpus["initiator_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES"), gpus
+    assert "[staged] GPUs: this process bus unknown, the target (CUDA_VISIBLE_DEVICES=5) bus unknown" in p.stdout
     p, fig = bench(tmp_path, "--peers", "none", "--paths", "staged", "--mesh-put", "off")
     assert p.returncode == 0, p.stdout + p.stderr
-    visible = os.environ.get("CUDA_VISIBLE_DEVICES")
-    assert fig["flagcx_mesh"]["staged"]["gpus"]["target_visible_devices"] == visible
+    assert fig["flagcx_mesh"]["staged"]["gpus"]["target_visible_devices"] == os.environ.get("CUDA_VISIBLE_DEVICES")

@@ -236,36 +236,47 @@ def test_staged_reads_into_device_memory_are_in_flight_together(tmp_path):
         reap(server, client)
 
 
-@pytest.mark.parametrize("how", ["killed", "close", "superseded"])
+@pytest.mark.parametrize("how", ["killed", "close", "superseded", "superseded-in"])
 def test_a_staged_read_that_fails_mid_answer_writes_nothing_after_it_failed(tmp_path, how):
     """The target's copies down take 100 ms each, this side's copies up 400 ms: once the read's
     first chunk landed (more chunks' copies up queued), the target is killed, or this side closes
-    the connection, or the target hangs (stopped) and a new incarnation of its name connects
-    (the hung one's connection is retired: copies up of 1.5 s here, so that some are still queued
-    once the 2 s name probe gave the old one up): the wait fails with PeerLost naming it, and the
-    copies up already queued ended before (nothing lands in the destination afterwards). A staged
-    read is only posted since 2026-12-07, so its caller learns of the failure from the engine,
-    not from its own call; until later that day a retired connection's did not wait for them."""
+    the connection, or the target hangs (stopped) and a new incarnation of its name appears,
+    which this side connects to (superseded) or which connects here (superseded-in): the hung
+    one's connection is retired (copies up of 1.5 s there, so that some are still queued once the
+    2 s name probe gave the old one up). The handle shows done when polled, its wait fails with
+    PeerLost naming the peer, and the copies up already queued ended before (nothing lands in the
+    destination afterwards). A staged read is only posted since 2026-12-07, so its caller learns
+    of the failure from the engine, not from its own call; until later that day a retired
+    connection did not wait for them."""
+    superseded = how.startswith("superseded")
     server = spawn("serve", tmp_path, "owner", env=staged_env(FXM_FAKECUDA_COPY_FROM_DEVICE_DELAY_MS="100"))
-    up_ms = "1500" if how == "superseded" else "400"
     client = spawn("read-lost", tmp_path, "owner", "--expect", how,
-                   env=staged_env(FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS=up_ms))
-    second = None
+                   env=staged_env(FXM_FAKECUDA_COPY_TO_DEVICE_DELAY_MS="1500" if superseded else "400"))
+    second = None  # the new incarnation, started beside the old one (it appears once that one is stopped)
+    if how == "superseded":
+        (tmp_path / "second").mkdir()
+        second = spawn("serve", tmp_path / "second", "owner", env=staged_env())
+    elif how == "superseded-in":
+        second = spawn("dial", tmp_path, "owner", env=staged_env(), stdin=subprocess.PIPE)
     try:
+        if how == "superseded-in":
+            assert second.stdout.readline().strip() == "ready"
         line = client.stdout.readline()
         if line.strip() != "landing":
             finish(client, "read-lost")  # fails naming what the role said
         if how == "killed":
             server.send_signal(signal.SIGKILL)
             server.communicate(timeout=30)
-        elif how == "superseded":
+        elif superseded:
             server.send_signal(signal.SIGSTOP)
             wait_stopped(server.pid, "the first target")
-            (tmp_path / "second").mkdir()
-            second = spawn("serve", tmp_path / "second", "owner", env=staged_env())
+            if how == "superseded-in":
+                second.stdin.write("go\n")
+                second.stdin.flush()
         got = finish(client, "read-lost")
-        assert "lost:" in got, got
-        if how == "superseded":
-            assert "superseded" in got, got
+        lost = [ln for ln in got.splitlines() if ln.startswith("lost:")]
+        assert lost, got
+        if superseded:
+            assert "was superseded by incarnation" in lost[0], got
     finally:
         reap(*[p for p in (server, second, client) if p is not None])

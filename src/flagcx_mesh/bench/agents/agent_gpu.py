@@ -26,8 +26,8 @@ block size's ratio to min(pinned, raw TCP over the staged connection's lanes) (g
 64 MiB a batch). staged-host (not among the default paths) is staged into a target region of
 host memory: the initiator's gathers and the lanes without the target's scatters (no GPU work
 in the target process, as between two hosts), with the same references. --target-gpu N runs
-the staged paths' target on another GPU of the host (CUDA_VISIBLE_DEVICES=N in its process; the
-other paths are NOT RUN then): each end with a GPU and a PCIe link of its own, as between two
+the staged paths' target on another GPU of the host (CUDA_VISIBLE_DEVICES=N in its process, N as the
+host numbers its GPUs; the other paths and the peers are NOT RUN then): each end with a GPU and a PCIe link of its own, as between two
 hosts, where by default both processes share one GPU. Each staged line says which GPU (PCI bus)
 each process used.
 Paths: FLAGCX_MESH_CUDA_PATH forced in both processes (ucx: FLAGCX_MESH_TRANSPORT=ucx, with the UCX_TLS
@@ -299,22 +299,23 @@ def measure(args, mem, tool, pattern, label: str, kind: str, env: Dict[str, str]
 
 def _gpus_line(label: str, mine: Optional[str], theirs: Optional[str], visible: Optional[str]) -> Dict:
     """Which GPU (PCI bus id) each process of a staged run used, printed (`visible`: the target's own
-    CUDA_VISIBLE_DEVICES, as it reported it)."""
+    CUDA_VISIBLE_DEVICES, as it reported it; this process's is in the JSON)."""
     where = f"CUDA_VISIBLE_DEVICES={visible}" if visible is not None else "CUDA_VISIBLE_DEVICES unset"
-    same = " (the same GPU)" if mine and mine == theirs else ""
+    same = " (the same GPU)" if mine and theirs and mine.lower() == theirs.lower() else ""
     print(f"[{label}] GPUs: this process {mine or 'bus unknown'}, the target ({where}) "
           f"{theirs or ('none: its region is host memory' if label == 'staged-host' else 'bus unknown')}{same}",
           flush=True)
-    return {"initiator": mine, "target": theirs, "target_visible_devices": visible}
+    return {"initiator": mine, "target": theirs, "target_visible_devices": visible,
+            "initiator_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
 
 def _path_env(args, path: str) -> Dict[str, str]:
+    if args.target_gpu is not None and path not in STAGED:
+        raise ValueError(f"--target-gpu {args.target_gpu}: only the staged paths run between two GPUs here")
     if path == "ucx":
         return {"FLAGCX_MESH_TRANSPORT": "ucx"}
     env = {"FLAGCX_MESH_CUDA_PATH": "staged" if path == "staged-host" else path}
     if args.target_gpu is not None:
-        if path not in STAGED:
-            raise ValueError(f"--target-gpu {args.target_gpu}: only the staged paths run between two GPUs here")
         env["CUDA_VISIBLE_DEVICES"] = args.target_gpu
     if path == "cuda-vmm" and args.memory == "torch":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"
@@ -391,6 +392,9 @@ def main(argv: List[str]) -> int:
         except (Exception, TargetFailed) as e:
             out["flagcx_mesh"][path] = _failed(path, e)
     for name in args.peer_list:
+        if args.target_gpu is not None:  # (their figures would be of one GPU, beside ours of two)
+            print(f"[{name}] NOT RUN: --target-gpu {args.target_gpu}: the peers run on one GPU only here", flush=True)
+            continue
         try:
             tool = _gpu_peers.load(name, args.mooncake_protocol)
             print(f"[{name}] running {tool.version} ({tool.how})", flush=True)
