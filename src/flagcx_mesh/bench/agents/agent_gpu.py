@@ -26,10 +26,10 @@ block size's ratio to min(pinned, raw TCP over the staged connection's lanes) (g
 64 MiB a batch). staged-host (not among the default paths) is staged into a target region of
 host memory: the initiator's gathers and the lanes without the target's scatters (no GPU work
 in the target process, as between two hosts), with the same references. --target-gpu N runs
-the staged paths' target on another GPU of the host (CUDA_VISIBLE_DEVICES=N in its process, N as the
-host numbers its GPUs; the other paths and the peers are NOT RUN then): each end with a GPU and a PCIe link of its own, as between two
-hosts, where by default both processes share one GPU. Each staged line says which GPU (PCI bus)
-each process used.
+the staged paths' target on another GPU of the host (CUDA_VISIBLE_DEVICES=N in its process, N as
+the host numbers its GPUs; the other paths and the peers are NOT RUN then): each end with a GPU
+and a PCIe link of its own, as between two hosts, where by default both processes share one GPU.
+Each staged line says which GPU (PCI bus) each process used.
 Paths: FLAGCX_MESH_CUDA_PATH forced in both processes (ucx: FLAGCX_MESH_TRANSPORT=ucx, with the UCX_TLS
 of the bench's environment; not among the default paths); cuda-vmm's target memory is cuMem memory
 (torch with expandable segments in the target, or the driver's cuMem). Goals printed as ratios
