@@ -374,7 +374,7 @@ std::string Agent::adopt(const std::shared_ptr<Connection>& c) {
     std::string why = "incarnation " + incarnation_hex(k->peer().incarnation) + " of agent " + k->peer().name +
                       " was superseded by incarnation " + incarnation_hex(c->peer().incarnation) +
                       " (it restarted: its old connection had ended or stopped answering)";
-    k->supersede(why);
+    k->retire(why);
     closer_->close(k, why);
   }
   return "";

@@ -220,6 +220,8 @@ std::string Connection::peer_end() const {
 }
 
 void Connection::retire(const std::string& why) {
+  // Before a waiter learns of the end: no copy up of a get into device memory lands after it.
+  if (ready_.load(std::memory_order_acquire)) engine_->settle_device_gets();
   std::lock_guard<std::mutex> lock(state_mu_);  // start() checks it under the same lock
   if (closed_why_.empty()) closed_why_ = why;
   closed_.store(true, std::memory_order_release);
@@ -231,18 +233,9 @@ void Connection::retire(const std::string& why) {
   }
 }
 
-void Connection::supersede(const std::string& why) {
-  if (ready_.load(std::memory_order_acquire) && !stopped_.load(std::memory_order_acquire)) {
-    engine_->settle_device_gets();
-  }
-  retire(why);
-}
-
 void Connection::close(const std::string& why) {
-  bool stop = ready_.load(std::memory_order_acquire) && !stopped_.exchange(true);
-  if (stop) engine_->settle_device_gets();  // before a waiter on another thread learns of the close
   retire(why);
-  if (stop) engine_->stop();
+  if (ready_.load(std::memory_order_acquire) && !stopped_.exchange(true)) engine_->stop();
 }
 
 // An ended connection's calls: Closed when this agent closed it, else PeerLost.

@@ -79,10 +79,9 @@ class Connection : public std::enable_shared_from_this<Connection> {
   Code lost_code() const;
   // Marks it closed (`why`: what later calls say, ended() true) without stopping its engine,
   // which may wait for a hung peer: close() follows, off the caller's thread (Agent's closer).
+  // Its gets into device memory are settled first (Engine::settle_device_gets, bounded by the
+  // timeout), so no copy up of one lands after a waiter learned of the end.
   void retire(const std::string& why);
-  // retire() of a superseded incarnation's connection: its gets into device memory are settled
-  // first, as close() settles them, so no copy up of one lands after its waiter learned of the end.
-  void supersede(const std::string& why);
   // Liveness (NameProbe): started() once its engine runs; ping() asks the peer's engine for an
   // ack and returns a mark that answered(mark) passes once the answer came (started only).
   bool started() const { return ready_.load(std::memory_order_acquire); }
