@@ -71,19 +71,6 @@ def wait_for(cond: Callable[[], bool], timeout: float, step: float = 0.02) -> bo
 
 # ----------------------------------------------------------------------------- sockets
 
-def _socket_inodes() -> Set[int]:
-    inodes = set()
-    fd_dir = "/proc/self/fd"
-    for name in os.listdir(fd_dir):
-        try:
-            target = os.readlink(os.path.join(fd_dir, name))
-        except OSError:
-            continue  # closed meanwhile
-        if target.startswith("socket:["):
-            inodes.add(int(target[8:-1]))
-    return inodes
-
-
 def _hex_ip(hexaddr: str) -> str:
     raw = bytes.fromhex(hexaddr)
     # /proc/net/tcp{,6} print the address as 32-bit words in host (little-endian) order.
@@ -93,13 +80,14 @@ def _hex_ip(hexaddr: str) -> str:
     return socket.inet_ntop(socket.AF_INET6, words)
 
 
-def listening_ports() -> Set[Tuple[str, int]]:
-    """(host, port) of every TCP socket in LISTEN state owned by this process.
+def tcp_addresses(pid: int, state: Optional[str] = None) -> Set[Tuple[str, int]]:
+    """(host, port) of the local end of every TCP socket process `pid` holds (in `state` only,
+    a /proc/net/tcp state code such as "0A" for LISTEN, when given).
 
-    Read from /proc/net/tcp and /proc/net/tcp6 (state 0A), keeping the sockets
-    whose inode appears among this process's file descriptors.
+    Read from /proc/net/tcp and /proc/net/tcp6, keeping the sockets whose inode appears among
+    the process's file descriptors.
     """
-    mine = _socket_inodes()
+    mine = socket_inodes(pid)
     found = set()
     for table in ("/proc/self/net/tcp", "/proc/self/net/tcp6"):
         try:
@@ -109,13 +97,18 @@ def listening_ports() -> Set[Tuple[str, int]]:
             continue
         for line in lines:
             cols = line.split()
-            if len(cols) < 10 or cols[3] != "0A":
+            if len(cols) < 10 or (state is not None and cols[3] != state):
                 continue
             if int(cols[9]) not in mine:
                 continue
             host_hex, port_hex = cols[1].split(":")
             found.add((_hex_ip(host_hex), int(port_hex, 16)))
     return found
+
+
+def listening_ports() -> Set[Tuple[str, int]]:
+    """(host, port) of every TCP socket in LISTEN state owned by this process."""
+    return tcp_addresses(os.getpid(), "0A")
 
 
 def parse_hostport(text: str) -> Tuple[str, int]:

@@ -40,7 +40,7 @@ import traceback
 from flagcx_mesh import Mesh, MeshTimeout, PeerLost
 
 from gpu_prog import Fail, FakeDevice, check, check_paths, pattern
-from meshutil import socket_inodes, stream_sockets, wait_stopped
+from meshutil import stream_sockets, tcp_addresses, wait_stopped
 
 CHUNK = int(os.environ.get("FLAGCX_MESH_STAGED_CHUNK_BYTES", str(4 << 20)))
 INFLIGHT = int(os.environ.get("FLAGCX_MESH_STAGED_INFLIGHT_BYTES", str(64 << 20)))
@@ -146,23 +146,10 @@ def _other_rank_pid() -> int:
     return kids[0]
 
 
-def _tcp_addresses_of(pid: int) -> set:
-    """The local (ip, port) of each TCP socket process `pid` holds (/proc/net/tcp: IPv4)."""
-    inodes = socket_inodes(pid)
-    out = set()
-    with open("/proc/net/tcp") as f:
-        for line in f.readlines()[1:]:
-            cols = line.split()
-            if int(cols[9]) in inodes:
-                ip, port = cols[1].split(":")
-                out.add((socket.inet_ntoa(bytes.fromhex(ip)[::-1]), int(port, 16)))
-    return out
-
-
 def _shut_sending_to(pid: int) -> int:
     """Shuts for sending each of this process's TCP sockets connected to process `pid`: the next
     send on each fails (EPIPE) at once, and nothing arrives here to tell a reader of it."""
-    theirs, shut = _tcp_addresses_of(pid), 0
+    theirs, shut = tcp_addresses(pid), 0
     for s in stream_sockets():
         if s.family == socket.AF_INET and s.getpeername() in theirs:
             s.shutdown(socket.SHUT_WR)

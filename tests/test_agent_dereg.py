@@ -14,7 +14,7 @@ import fakecuda
 import gpujobs
 from flagcx_mesh import MeshTimeout
 from flagcx_mesh.agent import Agent
-from meshutil import finish_prog, proc_state, publish, spawn_prog
+from meshutil import finish_prog, publish, spawn_prog, wait_stopped
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PROG = os.path.join(HERE, "agent_dereg_prog.py")
@@ -32,8 +32,7 @@ def stop_once_landing(writer, buf):
         assert writer.poll() is None, finish_prog(writer)
         assert time.monotonic() < end, "no byte of the put landed"
     writer.send_signal(signal.SIGSTOP)
-    while proc_state(writer.pid) != "T":
-        assert time.monotonic() < end, "the writer did not stop"
+    wait_stopped(writer.pid, "the writer", end - time.monotonic())
     time.sleep(0.3)  # what the kernel held of it lands; then nothing more comes
 
 

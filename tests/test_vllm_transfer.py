@@ -28,7 +28,7 @@ sys.path.insert(0, HERE)
 from vllm_kv import as_bytes, block_matches, fill_block, make_kv_caches, pattern  # noqa: E402
 from kv_transfer_util import fill_all, fill_heads, heads_match, only_these_blocks, transfer_pair, wait_for  # noqa: E402,F401
 from forkserver import PIPE, STDOUT, ForkServer  # noqa: E402
-from meshutil import PY, finish_prog, proc_state, publish  # noqa: E402
+from meshutil import PY, finish_prog, proc_state, publish, wait_stopped  # noqa: E402
 
 PROG = os.path.join(HERE, "vllm_transfer_prog.py")
 SECRET = "vllm-transfer-test"
@@ -843,10 +843,7 @@ def test_a_stopped_decode_holds_the_prefills_blocks_only_until_the_deadline(tmp_
         if len(asked) < len(reqs):
             return
         dec.send_signal(signal.SIGSTOP)
-        end = time.monotonic() + 10
-        while proc_state(dec.pid) != "T":
-            assert time.monotonic() < end, "the decode did not stop"
-            time.sleep(0.01)
+        wait_stopped(dec.pid, "the decode")
         for a in asked:
             start_push(*a)
         stalled.set()
