@@ -894,14 +894,10 @@ def read_lost(args, dev) -> None:
     connection is retired. Once the handle is done (polled) the wait fails naming the peer, and
     no copy up of the read writes into its destination after that (the bytes there the same 2.5
     copies up later, 1 s at least): the copies already queued ended before the failure showed."""
-    rng = np.random.default_rng(9)
     chunk = 65536
     with Agent(args.name + "-read-lost", SECRET, timeout=args.timeout) as a:
         publish(args.dir, "reader.meta", a.metadata())
-        conn, local, remote, src = staged_source(args, a, dev, rng, "ipc")
-        conn.write(local, remote, SIZE).wait(args.timeout)  # the target's region: src's bytes
-        back = dev.buffer("ipc", SIZE)
-        into = register(a, back)
+        conn, remote, into, back, src = reads_source(args, a, dev)
         copies = dev.calls("cuMemcpyAsync")
         h = conn.read(into, remote, SIZE)
         # The fifth chunk's copy up is queued once the first one's landed (a ring of 4 landing
@@ -1077,7 +1073,8 @@ def run_pair(args, dev) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser()
-    roles = {"serve": serve, "client": client, "reads": reads_role, "reads-timed": reads_timed, "read-lost": read_lost, "dial": dial_role, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+    roles = {"serve": serve, "client": client, "bad": bad, "pending": pending, "stream": stream_role, "self": self_pair,
+             "reads": reads_role, "reads-timed": reads_timed, "read-lost": read_lost, "dial": dial_role,
              "pair": run_pair,
              "dereg-owner": dereg_owner, "dereg-reader": dereg_reader, "blocks": blocks_role,
              "blocks-lost": blocks_lost, "blocks-forged": blocks_forged, "blocks-scatter": blocks_scatter_fails,
